@@ -1,0 +1,214 @@
+"""calc: arithmetic word problems, solved by a tiny tool-using agent.
+
+Tasks are generated from a seed (no data files), e.g. at difficulty 1:
+
+    Tom has 3 apples and buys 4 more. How many apples does Tom have now?
+
+The agent is plain ``openai`` client code: it may call a ``calculator`` tool
+(at most ``max_turns`` model calls) and must end with ``ANSWER: <number>``.
+Reward: 1.0 for the exact number, ``format_reward`` for a well-formed wrong
+answer, 0.0 otherwise. Sized for a 135M model on a CPU: short prompts, small
+numbers, few short turns.
+
+    python train.py --harness calc --harness-arg difficulty=1
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+import re
+
+import openai
+
+from lightning_lite.harness import Endpoint, Harness, Task
+
+SYSTEM_PROMPT = """\
+Solve the math problem. You can use the calculator tool.
+End your reply with the final number like this: ANSWER: <number>
+
+Example:
+Problem: Sam has 2 pens and buys 5 more. How many pens does Sam have now?
+Reply: 2 + 5 = 7. ANSWER: 7"""
+
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression, e.g. 3+4 or 6*7.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 3+4"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+NAMES = ["Tom", "Ann", "Sam", "Mia", "Ben", "Lily", "Max", "Emma", "Leo", "Zoe"]
+ITEMS = ["apples", "pens", "books", "coins", "cards", "cookies", "marbles", "stickers"]
+
+# ---------------------------------------------------------------------------- scoring
+
+ANSWER_RE = re.compile(r"answer\s*[:=]\s*[*$\s]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
+
+
+def score(text: str, answer: float, format_reward: float = 0.1) -> float:
+    """1.0 if the last ``ANSWER: <number>`` in ``text`` is ``answer``; ``format_reward``
+    if there is such a line with the wrong number; 0.0 if there is none.
+
+    >>> score("3 + 4 = 7. ANSWER: 7", 7), score("Answer: 7.0", 7), score("ANSWER: 8", 7), score("7", 7)
+    (1.0, 1.0, 0.1, 0.0)
+    """
+    found = ANSWER_RE.findall(text or "")
+    if not found:
+        return 0.0
+    try:
+        value = float(found[-1].replace(",", ""))
+    except ValueError:  # "1,2,3" and the like: right format, wrong number
+        return format_reward
+    return 1.0 if abs(value - float(answer)) < 1e-9 else format_reward
+
+
+# ---------------------------------------------------------------------------- the tool
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _eval(node):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 100:  # 9**9**9 would hang the step
+            raise ValueError("exponent too large")
+        return _OPS[type(node.op)](left, right)
+    raise ValueError(f"only numbers and + - * / // % ** are allowed, not {type(node).__name__}")
+
+
+def evaluate(expression: str):
+    """Arithmetic on numbers only, via ``ast`` (never ``eval``): evaluate("6*7") == 42."""
+    return _eval(ast.parse(expression, mode="eval").body)
+
+
+def calculator(arguments: str) -> str:
+    """The tool: JSON arguments as the model wrote them -> result text. Never raises,
+    because a malformed call should teach the model, not crash the rollout.
+
+    >>> calculator('{"expression": "3+4"}'), calculator('{"expression": "1/0"}')
+    ('7', 'error: division by zero')
+    """
+    try:
+        args = json.loads(arguments or "{}")
+        expression = args.get("expression") if isinstance(args, dict) else args
+        if not isinstance(expression, (str, int, float)):
+            return 'error: call calculator with {"expression": "3+4"}'
+        value = evaluate(str(expression).replace("^", "**").replace("×", "*").replace("x", "*"))
+        if isinstance(value, float):
+            value = int(value) if value.is_integer() else round(value, 6)
+        return str(value)
+    except json.JSONDecodeError:
+        return 'error: arguments must be JSON like {"expression": "3+4"}'
+    except Exception as e:  # SyntaxError, ZeroDivisionError, OverflowError, ValueError
+        return f"error: {e}"
+
+
+# ---------------------------------------------------------------------------- the tasks
+
+FIRST = {"+": "has {a} {item} and buys {b} more", "-": "has {a} {item} and gives {b} away",
+         "*": "buys {a} bags with {b} {item} in each bag"}
+THEN = {"+": "finds {c} more", "-": "gives {c} away"}
+
+
+def make_problem(rng: random.Random, difficulty: int) -> tuple[str, str, int]:
+    """One problem -> (prompt, expression, answer); every number in it is >= 1.
+
+    1: one + or - with results < 20 ("Tom has 3 apples and buys 4 more.")
+    2: one + - or * with numbers up to 50 ("Ann buys 4 bags with 6 pens in each bag.")
+    3: two operations ("..., then gives 5 away.")
+    """
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    op = rng.choice("+-" if difficulty == 1 else "+-*")
+    if op == "+":
+        hi = 9 if difficulty == 1 else 48
+        a = rng.randint(2, hi)
+        b = rng.randint(2, min(hi, 50 - a))
+    elif op == "-":
+        a = rng.randint(4, 19 if difficulty == 1 else 50)
+        b = rng.randint(2, a - 2)
+    else:
+        a = rng.randint(2, 9)
+        b = rng.randint(2, 50 // a)
+    text, expr = FIRST[op].format(a=a, b=b, item=item), f"{a}{op}{b}"
+    if difficulty == 3:
+        op2, value = rng.choice("+-"), evaluate(expr)
+        c = rng.randint(2, 20) if op2 == "+" else rng.randint(1, value - 1)
+        text, expr = f"{text}, then {THEN[op2].format(c=c)}", f"{expr}{op2}{c}"
+    return f"{name} {text}. How many {item} does {name} have now?", expr, int(evaluate(expr))
+
+
+# ---------------------------------------------------------------------------- the harness
+
+class CalcHarness(Harness):
+    name = "calc"
+
+    def __init__(self, n_train: int = 2000, n_test: int = 200, difficulty: int = 1, seed: int = 0,
+                 format_reward: float = 0.1, max_turns: int = 3, max_tokens: int = 96,
+                 temperature: float = 1.0):
+        if difficulty not in (1, 2, 3):
+            raise ValueError(f"calc difficulty must be 1, 2 or 3, not {difficulty!r}")
+        self.n = {"train": n_train, "test": n_test}
+        self.difficulty, self.seed, self.format_reward = difficulty, seed, format_reward
+        self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
+        self._tasks: dict[str, list[Task]] = {}
+
+    def tasks(self, split: str) -> list[Task]:
+        """Deterministic in (seed, difficulty, sizes). Test is generated first and
+        train skips every test prompt, so the splits never share a problem."""
+        if split not in self.n:
+            raise ValueError(f"calc has splits 'train' and 'test', not {split!r}")
+        if not self._tasks:
+            seen: set[str] = set()
+            for s in ("test", "train"):
+                rng = random.Random(f"calc-{s}-{self.seed}-{self.difficulty}")
+                self._tasks[s] = []
+                for _ in range(50 * self.n[s] + 1000):  # small pools run dry: say so, never spin
+                    if len(self._tasks[s]) == self.n[s]:
+                        break
+                    prompt, expr, answer = make_problem(rng, self.difficulty)
+                    if prompt not in seen:
+                        seen.add(prompt)
+                        i = len(self._tasks[s])
+                        self._tasks[s].append(Task(f"calc-d{self.difficulty}-{s}-{i}", prompt, answer,
+                                                   {"expression": expr, "difficulty": self.difficulty}))
+                else:
+                    raise ValueError(f"calc difficulty {self.difficulty} has too few distinct problems "
+                                     f"for n_{s}={self.n[s]}; ask for fewer")
+        return self._tasks[split]
+
+    async def run(self, task: Task, endpoint: Endpoint) -> float:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": task.prompt}]
+        # max_retries=0: a failed call fails the rollout visibly instead of being
+        # silently re-sampled (a retry would be a second, differently-sampled call).
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
+                                      max_retries=0) as client:
+            for _ in range(self.max_turns):
+                response = await client.chat.completions.create(
+                    model=endpoint.model, messages=messages, tools=[CALCULATOR_TOOL],
+                    max_tokens=self.max_tokens, temperature=self.temperature)
+                message = response.choices[0].message
+                messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+                if not message.tool_calls:
+                    break
+                for call in message.tool_calls:
+                    result = (calculator(call.function.arguments) if call.function.name == "calculator"
+                              else f"error: unknown tool {call.function.name!r}; use calculator")
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        # The answer is whatever the model said last (a turn-limited run may end on a tool call).
+        return score(message.content or "", task.answer, self.format_reward)

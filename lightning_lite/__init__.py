@@ -1,0 +1,1 @@
+"""lightning-lite: harnessed agentic RL in a few thousand readable lines."""

@@ -1,0 +1,307 @@
+"""Advantages and the policy-gradient loss, exact under DDP and gradient accumulation.
+
+One step, as train.py runs it (``samples`` are this rank's, built by samples.py):
+
+    rewards, groups = gather_rewards(rewards, groups)         # all ranks' rewards (DDP only)
+    adv, adv_stats = compute_advantages(rewards, groups, "grpo")
+    samples = assign_advantages(samples, adv)                 # failed rollouts leave here
+    denoms = global_denominators(samples)                     # all-reduce: before any backward
+    weights = sample_weights(samples, "rollout-mean", denoms)
+    for micro in chunks(range(len(samples))):                 # any split gives the same gradient
+        b = collate([samples[i] for i in micro], [weights[i] for i in micro], device)
+        lp = token_logprobs(model(b["tokens"]).logits / temperature, b["tokens"])
+        loss, m = policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"])
+        (loss * world_size).backward()   # DDP averages gradients over ranks; we want their sum
+        metrics.append(m)
+    log(reduce_metrics(metrics))                              # all-reduce: global loss, clip fraction, ...
+
+The normalization is a weight ``w`` per trainable token, computed once from the
+whole global batch, so that the loss is ``sum over all tokens of w * token_loss``:
+each micro-batch contributes its partial sum, and nothing depends on how the
+batch is cut into ranks and micro-batches. Under DDP, run all but the last
+backward in ``model.no_sync()``; a rank left without samples (all its rollouts
+failed) must still call the collectives above and backward a zero loss
+(``0 * sum of params``), or the other ranks wait for it forever.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .records import Sample
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce")
+LOSSES = ("ppo", "gspo", "tis")
+NORMS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "rollout-mean")
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, str], estimator: str = "grpo",
+                       eps: float = 1e-6, drop_zero_variance: bool = False) -> tuple[dict[str, float], dict]:
+    """One advantage per rollout; return ({rollout_id: advantage}, stats).
+
+    ``rewards[rid] is None`` marks a failed rollout: it is left out before any
+    statistic and is missing from the result (so it is not trained). A group is
+    the rollouts of one task (``groups[rid]``). For rewards [1, 0, 0] in one group:
+
+        grpo       (r - mean) / (std + eps), std with n-1:  mean 1/3, std 0.577 -> [1.155, -0.577, -0.577]
+        dr_grpo    r - mean                                                     -> [0.667, -0.333, -0.333]
+        rloo       r - mean of the others = n/(n-1) (r - mean)                  -> [1, -0.5, -0.5]
+        reinforce  r - mean over the whole batch (all groups)
+
+    A group whose rewards are all equal (one rollout included) carries no signal
+    for a group baseline: grpo, dr_grpo and rloo give it 0 (rloo's leave-one-out
+    mean of a single rollout is undefined: 0 too). It is counted, and with
+    ``drop_zero_variance`` left out of the result; reinforce keeps r - batch mean.
+    Under DDP, pass the rewards of all ranks (``gather_rewards``) so that the
+    batch mean and the stats are global.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
+    ok = {rid: float(r) for rid, r in rewards.items() if r is not None}
+    bad = [rid for rid, r in ok.items() if not math.isfinite(r)]
+    if bad:
+        raise ValueError(f"non-finite reward for rollouts {bad[:5]}; report a failed rollout as None instead")
+    missing = [rid for rid in ok if rid not in groups]
+    if missing:
+        raise ValueError(f"rollouts {missing[:5]} have no group (task id) in `groups`")
+    by_group: dict[str, list[str]] = defaultdict(list)
+    for rid in ok:
+        by_group[groups[rid]].append(rid)
+    batch_mean = sum(ok.values()) / len(ok) if ok else 0.0
+    adv, stats = {}, Counter(rollouts=len(ok), failed=len(rewards) - len(ok), groups=len(by_group),
+                             zero_variance_groups=0, singleton_groups=0, dropped_rollouts=0)
+    for rids in by_group.values():
+        r = [ok[rid] for rid in rids]
+        n, mean = len(r), sum(r) / len(r)
+        flat = max(r) == min(r)
+        stats["zero_variance_groups"] += flat
+        stats["singleton_groups"] += n == 1
+        if flat and drop_zero_variance:
+            stats["dropped_rollouts"] += n
+            continue
+        if estimator == "reinforce":
+            a = [x - batch_mean for x in r]
+        elif flat:
+            a = [0.0] * n
+        elif estimator == "grpo":
+            std = math.sqrt(sum((x - mean) ** 2 for x in r) / (n - 1))
+            a = [(x - mean) / (std + eps) for x in r]
+        elif estimator == "dr_grpo":
+            a = [x - mean for x in r]
+        else:  # rloo
+            a = [x - (sum(r) - x) / (n - 1) for x in r]
+        adv.update(zip(rids, a))
+    stats["reward_mean"] = batch_mean
+    return adv, dict(stats)
+
+
+def gather_rewards(rewards: dict, groups: dict, group=None) -> tuple[dict, dict]:
+    """Under DDP, the union of every rank's ``rewards`` and ``groups`` dicts (a few
+    floats per rollout); unchanged without torch.distributed. Collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return rewards, groups
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, (rewards, groups), group=group)
+    return {k: v for r, _ in out for k, v in r.items()}, {k: v for _, g in out for k, v in g.items()}
+
+
+def assign_advantages(samples: list[Sample], advantages: dict[str, float]) -> list[Sample]:
+    """Set each sample's ``advantage`` to its rollout's; drop samples of rollouts
+    without one (failed, or dropped as zero-variance)."""
+    kept = [s for s in samples if s.rollout_id in advantages]
+    for s in kept:
+        s.advantage = advantages[s.rollout_id]
+    return kept
+
+
+# ----------------------------------------------------------------------------- normalization
+
+def _all_reduce(values: list[float], op, group=None) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    # NCCL only reduces CUDA tensors; gloo takes CPU ones.
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
+
+
+def global_denominators(samples: list[Sample], group=None) -> dict:
+    """Counts over the GLOBAL batch (all ranks, all micro-batches), before any backward.
+
+    ``tokens``: trainable tokens; ``samples`` and ``rollouts``: those with at least
+    one trainable token; ``max_tokens``: the most trainable tokens in one sample.
+    Collective under torch.distributed (every rank calls it, with its own samples).
+    A rollout's samples must all be on one rank (they are: a rank runs whole groups).
+    """
+    n = [sum(s.loss_mask) for s in samples]
+    rollouts = {s.rollout_id for s, k in zip(samples, n) if k > 0}
+    tokens, nseq, nroll = _all_reduce([sum(n), sum(k > 0 for k in n), len(rollouts)], dist.ReduceOp.SUM, group)
+    (max_tokens,) = _all_reduce([max(n, default=0)], dist.ReduceOp.MAX, group)
+    return {"tokens": int(tokens), "samples": int(nseq), "rollouts": int(nroll), "max_tokens": int(max_tokens)}
+
+
+def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: Optional[float] = None) -> list[float]:
+    """Each sample's weight per trainable token (a sample's tokens weigh alike), such
+    that the loss is ``sum over trainable tokens of weight * token_loss``. With N_*
+    from ``global_denominators``, n_s and n_r a sample's and a rollout's trainable
+    tokens, and for rollout A with samples of 1 and 2 tokens and rollout B with one
+    of 3 (token losses a1 | a2 a3 | b1 b2 b3):
+
+        mode                     weight              loss
+        token-mean               1/N_tokens          (a1+a2+a3+b1+b2+b3) / 6
+        seq-mean-token-mean      1/(N_samples n_s)   (a1/1 + (a2+a3)/2 + (b1+b2+b3)/3) / 3
+        seq-mean-token-sum       1/N_samples         (a1 + (a2+a3) + (b1+b2+b3)) / 3
+        seq-mean-token-sum-norm  1/(N_samples C)     (a1+a2+a3+b1+b2+b3) / (3 C)   (Dr. GRPO)
+        rollout-mean             1/(N_rollouts n_r)  ((a1+a2+a3)/3 + (b1+b2+b3)/3) / 2
+
+    C is ``norm_const`` (pass the max response length), else the batch's largest n_s.
+    """
+    if norm not in NORMS:
+        raise ValueError(f"unknown loss normalization {norm!r}; pick one of {NORMS}")
+    n = [sum(s.loss_mask) for s in samples]
+    per_rollout: Counter = Counter()
+    for s, k in zip(samples, n):
+        per_rollout[s.rollout_id] += k
+    const = norm_const if norm_const is not None else denoms["max_tokens"]
+    weights = []
+    for s, k in zip(samples, n):
+        if k == 0:
+            weights.append(0.0)
+        elif norm == "token-mean":
+            weights.append(1.0 / denoms["tokens"])
+        elif norm == "seq-mean-token-mean":
+            weights.append(1.0 / (denoms["samples"] * k))
+        elif norm == "seq-mean-token-sum":
+            weights.append(1.0 / denoms["samples"])
+        elif norm == "seq-mean-token-sum-norm":
+            weights.append(1.0 / (denoms["samples"] * const))
+        else:  # rollout-mean
+            weights.append(1.0 / (denoms["rollouts"] * per_rollout[s.rollout_id]))
+    return weights
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0) -> dict:
+    """Right-pad one micro-batch into [B, T] tensors (``advantages``, ``weights``: [B])."""
+    T = max(len(s.tokens) for s in samples)
+    pad = lambda xs, v: [list(x) + [v] * (T - len(x)) for x in xs]  # noqa: E731
+    return {
+        "tokens": torch.tensor(pad([s.tokens for s in samples], pad_id), dtype=torch.long, device=device),
+        "loss_mask": torch.tensor(pad([s.loss_mask for s in samples], 0), dtype=dtype, device=device),
+        "old_logprobs": torch.tensor(pad([s.logprobs for s in samples], 0.0), dtype=dtype, device=device),
+        "advantages": torch.tensor([s.advantage for s in samples], dtype=dtype, device=device),
+        "weights": torch.tensor(weights, dtype=dtype, device=device),
+    }
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] logits, [B, T] tokens -> [B, T] logprob of ``tokens[:, t]`` given the
+    tokens before it (position 0 has no context: 0.0), aligned with Sample.logprobs.
+    Divide the logits by the sampling temperature first; half precision is upcast."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    lp = logits[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0] - logits[:, :-1].logsumexp(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                loss_mask: torch.Tensor, weights: torch.Tensor, loss: str = "ppo", clip_low: float = 0.2,
+                clip_high: float = 0.28, tis_cap: float = 2.0, kl_coef: float = 0.0,
+                ref_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``).
+
+    [B, T]: ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout),
+    ``loss_mask``, ``ref_logprobs``; [B]: ``advantages``, ``weights`` (``sample_weights``).
+    With ratio r = exp(logprobs - old_logprobs) and advantage A, the token loss is
+
+        ppo   -min(r A, clip(r, 1-clip_low, 1+clip_high) A)          per token
+        gspo  the same with r replaced by the sample's exp(mean log-ratio over its
+              trainable tokens), one value per sample; GSPO wants a far smaller
+              clip range (the paper: 3e-4, 4e-4)
+        tis   -min(r, tis_cap) A logprobs: REINFORCE, truncated importance weight (no grad)
+
+    plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"unknown policy loss {loss!r}; pick one of {LOSSES}")
+    mask = loss_mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype)[:, None]
+    # 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a bug) from overflowing
+    log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    if loss == "ppo":
+        clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+        tok_loss = -torch.min(ratio * adv, clipped * adv)
+        was_clipped = clipped * adv < ratio * adv  # the clipped branch is taken: no gradient
+    elif loss == "gspo":
+        seq_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
+        clipped = seq_ratio.clamp(1 - clip_low, 1 + clip_high)
+        tok_loss = (-torch.min(seq_ratio * adv, clipped * adv)).expand_as(mask)
+        was_clipped = (clipped * adv < seq_ratio * adv).expand_as(mask)
+    else:  # tis
+        tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
+        was_clipped = ratio > tis_cap
+    if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs: the reference model's logprobs of the same tokens")
+        d = (ref_logprobs - logprobs) * mask
+        kl = d.exp() - d - 1
+        tok_loss = tok_loss + kl_coef * kl
+    total = (tok_loss * weights.to(logprobs.dtype)[:, None] * mask).sum()
+
+    with torch.no_grad():
+        on = mask > 0
+        r, p, q = ratio[on].double(), old_logprobs[on].double().exp(), logprobs[on].double().exp()
+        dlp = (logprobs - old_logprobs)[on].double().abs()
+        none = r.numel() == 0
+        metrics = {
+            "loss": total.detach().double(), "tokens": on.sum().double(), "clipped": was_clipped[on].sum().double(),
+            "ratio_sum": r.sum(), "dlogp_sum": dlp.sum(),
+            "kl_sum": kl[on].double().sum() if kl_coef > 0 else r.sum() * 0,
+            # Pearson correlation of rollout vs trainer token probabilities, from sums.
+            "p_sum": p.sum(), "q_sum": q.sum(), "pp_sum": (p * p).sum(), "qq_sum": (q * q).sum(),
+            "pq_sum": (p * q).sum(),
+            "ratio_min": r.new_tensor(math.inf) if none else r.min(),
+            "ratio_max": r.new_tensor(-math.inf) if none else r.max(),
+            "dlogp_max": r.new_tensor(-math.inf) if none else dlp.max(),
+        }
+    return total, metrics
+
+
+_SUMS = ("loss", "tokens", "clipped", "ratio_sum", "dlogp_sum", "kl_sum",
+         "p_sum", "q_sum", "pp_sum", "qq_sum", "pq_sum")
+
+
+def reduce_metrics(metrics: list[dict], group=None) -> dict[str, float]:
+    """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective
+    under torch.distributed; a rank without samples passes []) into: loss (the global
+    loss), tokens, clip_frac, ratio_mean/min/max, dlogp_mean/max (|trainer - rollout
+    logprob|), prob_corr (Pearson, token probabilities), kl_mean."""
+    kinds = ((_SUMS, dist.ReduceOp.SUM, torch.sum, 0.0),
+             (("ratio_min",), dist.ReduceOp.MIN, torch.amin, math.inf),
+             (("ratio_max", "dlogp_max"), dist.ReduceOp.MAX, torch.amax, -math.inf))
+    agg = {}
+    for keys, op, fn, empty in kinds:
+        if metrics:  # one device->host copy per kind, not one per number
+            vals = fn(torch.stack([torch.stack([m[k] for k in keys]) for m in metrics]), 0).tolist()
+        else:
+            vals = [empty] * len(keys)
+        agg.update(zip(keys, _all_reduce(vals, op, group)))
+    n = max(agg["tokens"], 1.0)
+    cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]
+    var = (n * agg["pp_sum"] - agg["p_sum"] ** 2) * (n * agg["qq_sum"] - agg["q_sum"] ** 2)
+    return {
+        "loss": agg["loss"], "tokens": agg["tokens"], "clip_frac": agg["clipped"] / n,
+        "ratio_mean": agg["ratio_sum"] / n, "ratio_min": agg["ratio_min"], "ratio_max": agg["ratio_max"],
+        "dlogp_mean": agg["dlogp_sum"] / n, "dlogp_max": agg["dlogp_max"], "kl_mean": agg["kl_sum"] / n,
+        "prob_corr": cov / math.sqrt(var) if var > 0 else float("nan"),
+    }

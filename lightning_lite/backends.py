@@ -1,0 +1,322 @@
+"""Inference backends: prompt token ids in, response token ids + logprobs out.
+
+Every backend has the same small surface, so the proxy never knows which one
+serves it:
+
+    gen = await backend.generate(prompt_ids, Sampling(max_tokens=64, temperature=1.0))
+    gen.response_ids, gen.logprobs, gen.finish_reason, gen.text
+    backend.pause(); ...train...; backend.sync_weights(model); backend.resume()
+
+``HFBackend`` is the embedded one: a transformers model in this process (CPU,
+or one GPU). Requests that arrive while a batch runs wait and join the next
+batch; generation runs on a worker thread so the proxy's event loop keeps
+answering. Each request's prompt is prefilled on its own, reusing the KV cache
+of an earlier sequence that shares its prefix (agent turns extend each other,
+so turn k+1 only prefills its new tokens), then all requests decode together
+with left-padded caches.
+
+Supported models: decoder-only transformers with full attention (Llama,
+SmolLM, Qwen2/2.5/3, Mistral without sliding window). Use vLLM for others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .chat import Sampling
+
+
+@dataclass
+class Generation:
+    response_ids: list[int]
+    logprobs: list[float]  # logprob of each response id under the distribution it was sampled from
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    text: str  # decoded response, special tokens and a matched stop string removed
+    version: int = 0  # the weights version that produced it
+
+
+def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None) -> tuple[int, float]:
+    """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled* distribution.
+
+    The distribution is softmax(logits / T) restricted to the top-k tokens and to
+    the smallest set whose probability reaches top_p, renormalized: the logprob
+    is that of the token under exactly this distribution, so the trainer's
+    importance ratio compares like with like. Greedy (T = 0) is not a
+    distribution; it reports the logprob under softmax(logits).
+
+    >>> sample_token(torch.tensor([0.0, 0.0, 10.0]), Sampling(temperature=0))
+    (2, -9.08e-05)
+    """
+    logits = logits.float()
+    if s.temperature == 0:
+        lp = torch.log_softmax(logits, -1)
+        tok = int(torch.argmax(logits))
+        return tok, float(lp[tok])
+    x = logits / s.temperature
+    if s.top_k and s.top_k > 0 and s.top_k < x.numel():
+        kth = torch.topk(x, s.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(x, -1), descending=True)
+        drop = (torch.cumsum(probs, -1) - probs) >= s.top_p  # keep tokens until the mass reaches top_p
+        drop[0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    lp = torch.log_softmax(x, -1)
+    tok = int(torch.multinomial(lp.exp(), 1, generator=generator))
+    return tok, float(lp[tok])
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: Sampling
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    text: str = ""
+    max_new: int = 0
+    generator: Optional[torch.Generator] = None
+
+
+class HFBackend:
+    """Embedded transformers backend with batching and a prefix KV cache."""
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 16, max_model_len: Optional[int] = None, prefix_cache_tokens: int = 65536):
+        self.model, self.tok = model, tokenizer
+        self.device = next(model.parameters()).device
+        cfg_len = getattr(model.config, "max_position_embeddings", None) or 4096
+        self.max_model_len = int(max_model_len or cfg_len)
+        self.max_batch_size = max_batch_size
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {t for t in eos + [tokenizer.eos_token_id] if t is not None}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
+        self.version = 0
+        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "batches": 0, "busy_s": 0.0}
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self._prefix: OrderedDict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+        self._prefix_len = 0
+        self._pending: list[_Request] = []
+        self._cond = threading.Condition()
+        self._paused = self._busy = self._closed = False
+        self._thread = threading.Thread(target=self._worker, name="hf-backend", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's context of {self.max_model_len}")
+        loop = asyncio.get_running_loop()
+        req = _Request(list(prompt_ids), sampling, loop.create_future(), loop)
+        req.max_new = min(sampling.max_tokens or room, room)
+        if sampling.seed is not None:
+            req.generator = torch.Generator().manual_seed(sampling.seed)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("backend is closed")
+            self._pending.append(req)
+            self._cond.notify_all()
+        return await req.future
+
+    def pause(self):
+        """Stop starting new batches and wait for the running one to finish (before training touches the weights)."""
+        with self._cond:
+            self._paused = True
+            while self._busy:
+                self._cond.wait()
+
+    def resume(self):
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def sync_weights(self, model=None, version: Optional[int] = None):
+        """Serve new weights. With ``model`` the module we already share, only stale caches are dropped."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            if model is not None and model is not self.model:
+                src = getattr(model, "module", model)  # unwrap DDP
+                self.model.load_state_dict(src.state_dict())
+            self._prefix.clear()  # KV computed by the old weights must not be reused
+            self._prefix_len = 0
+            self.version = self.version + 1 if version is None else version
+
+    def close(self):
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ worker
+
+    def _worker(self):
+        while True:
+            with self._cond:
+                while not self._closed and (self._paused or not self._pending):
+                    self._cond.wait()
+                if self._closed:
+                    for r in self._pending:
+                        r.loop.call_soon_threadsafe(_set_exc, r.future, RuntimeError("backend closed"))
+                    return
+                batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
+                self._busy = True
+                version = self.version
+            t0 = time.time()
+            try:
+                with torch.inference_mode():
+                    self._run(batch)
+                for r in batch:
+                    gen = Generation(r.response_ids, r.logprobs, r.finish_reason or "length", r.text, version)
+                    r.loop.call_soon_threadsafe(_set_result, r.future, gen)
+            except Exception as e:  # a backend failure fails these requests (the proxy reports it), never silently
+                for r in batch:
+                    r.loop.call_soon_threadsafe(_set_exc, r.future, e)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self.stats["batches"] += 1
+                    self.stats["busy_s"] += time.time() - t0
+                    self._cond.notify_all()
+
+    def _lookup(self, ids: list[int]) -> tuple[int, Optional[list]]:
+        """Longest cached prefix of ``ids`` (leaving at least one token to prefill)."""
+        best, best_len = None, 0
+        t = torch.tensor(ids)
+        for key, (toks, kv) in self._prefix.items():
+            n = min(len(toks), len(ids) - 1)
+            if n <= best_len:
+                continue
+            diff = (torch.tensor(toks[:n]) != t[:n]).nonzero()
+            common = int(diff[0]) if len(diff) else n
+            if common > best_len:
+                best, best_len = key, common
+        if best is None or best_len < 8:
+            return 0, None
+        self._prefix.move_to_end(best)
+        return best_len, [(k[:, :, :best_len], v[:, :, :best_len]) for k, v in self._prefix[best][1]]
+
+    def _store(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        if len(ids) > self.prefix_cache_tokens or self.prefix_cache_tokens <= 0:
+            return
+        self._prefix[id(kv)] = (ids, kv)
+        self._prefix_len += len(ids)
+        while self._prefix_len > self.prefix_cache_tokens:
+            _, (old, _) = self._prefix.popitem(last=False)
+            self._prefix_len -= len(old)
+
+    def _prefill(self, r: _Request):
+        from transformers import DynamicCache
+
+        hit, kv = self._lookup(r.prompt_ids)
+        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+        rest = torch.tensor([r.prompt_ids[hit:]], device=self.device)
+        pos = torch.arange(hit, len(r.prompt_ids), device=self.device)[None]
+        out = self.model(input_ids=rest, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.stats["prompt_tokens"] += len(r.prompt_ids)
+        self.stats["cached_tokens"] += hit
+        return out.past_key_values, out.logits[0, -1]
+
+    def _finish(self, r: _Request, tok: int) -> bool:
+        """Record ``tok`` for ``r``; return True when ``r`` is done."""
+        if tok in self.eos_ids:
+            r.finish_reason = "stop"
+        elif r.sampling.stop:
+            text = self.tok.decode(r.response_ids, skip_special_tokens=True)
+            hits = [(text.find(s), s) for s in r.sampling.stop if s in text]
+            if hits:
+                r.finish_reason, r.text = "stop", text[: min(hits)[0]]
+                return True
+        if r.finish_reason is None and len(r.response_ids) >= r.max_new:
+            r.finish_reason = "length"
+        if r.finish_reason:
+            r.text = self.tok.decode(r.response_ids, skip_special_tokens=True)
+            return True
+        return False
+
+    def _run(self, batch: list[_Request]):
+        from transformers import DynamicCache
+
+        self.stats["requests"] += len(batch)
+        caches, logits = zip(*[self._prefill(r) for r in batch])
+        # Left-pad every request's cache to one length so they decode as a batch.
+        lens = [c.get_seq_length() for c in caches]
+        L, B = max(lens), len(batch)
+        layers = []
+        for li in range(len(caches[0].layers)):
+            k0 = caches[0].layers[li].keys
+            K = k0.new_zeros((B, k0.shape[1], L, k0.shape[3]))
+            V = K.clone()
+            for i, c in enumerate(caches):
+                K[i, :, L - lens[i] :] = c.layers[li].keys[0]
+                V[i, :, L - lens[i] :] = c.layers[li].values[0]
+            layers.append((K, V))
+        cache = DynamicCache(ddp_cache_data=layers)
+        mask = torch.zeros((B, L), dtype=torch.long, device=self.device)
+        for i, n in enumerate(lens):
+            mask[i, L - n :] = 1
+        pos = torch.tensor(lens, device=self.device)
+        start = [L - n for n in lens]  # where each row's real cache begins (shifts when rows drop out)
+        rows = list(range(B))  # batch row -> request
+        last = torch.stack(logits)
+        while rows:
+            toks, done = [], []
+            for j, i in enumerate(rows):
+                r = batch[i]
+                tok, lp = sample_token(last[j], r.sampling, r.generator)
+                r.response_ids.append(tok)
+                r.logprobs.append(lp)
+                self.stats["generated_tokens"] += 1
+                toks.append(tok)
+                if self._finish(r, tok):
+                    done.append(j)
+                    # cache holds prompt + response[:-1]: keep it for the next turn of this conversation
+                    seq = r.prompt_ids + r.response_ids[:-1]
+                    self._store(seq, [(K[j : j + 1, :, start[j] :].clone(), V[j : j + 1, :, start[j] :].clone()) for K, V in ((l.keys, l.values) for l in cache.layers)])
+            if done:
+                keep = [j for j in range(len(rows)) if j not in done]
+                if not keep:
+                    break
+                idx = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(idx)
+                mask, pos, last = mask[idx], pos[idx], last[idx]
+                rows, toks, start = [rows[j] for j in keep], [toks[j] for j in keep], [start[j] for j in keep]
+            # Drop columns that are padding for every remaining row.
+            trim = min(start)
+            if trim > 0:
+                for l in cache.layers:
+                    l.keys, l.values = l.keys[:, :, trim:], l.values[:, :, trim:]
+                mask, start = mask[:, trim:], [s - trim for s in start]
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)
+            out = self.model(
+                input_ids=torch.tensor(toks, device=self.device)[:, None],
+                attention_mask=mask,
+                position_ids=pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            pos = pos + 1
+            last = out.logits[:, -1]
+
+
+def _set_result(fut: asyncio.Future, value):
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exc(fut: asyncio.Future, exc: BaseException):
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,416 @@
+"""Chat: API request shapes -> one internal conversation -> prompt token ids, and back.
+
+Three jobs, all pure functions of (tokenizer, request):
+
+1. ``parse_chat_request`` / ``parse_completions_request`` validate an OpenAI
+   request body and map it to :class:`Request` (messages, tools, sampling).
+   Later API shapes (Responses, Anthropic Messages) map onto the same class.
+2. ``Renderer`` turns messages into prompt ids. A template with tool support
+   (Qwen2.5, Qwen3) gets the tools as they are; a template without (SmolLM2)
+   gets them written into the system prompt in the Hermes convention, and
+   tool calls / tool results written as text in that convention.
+3. ``Renderer.build_prompt`` reuses the tokens the model sampled: when the
+   request extends an earlier call of the rollout (same earlier messages +
+   the assistant message the proxy returned, compared after parsing), the
+   prompt is ``earlier prompt ids + earlier response ids + ids of the new
+   messages``, so the model sees its own tokens and the calls merge into one
+   sample. Otherwise it renders fresh and says why (``split_hint``).
+
+Example (SmolLM2, no native tool support)::
+
+    messages = [{"role": "user", "content": "2+3?"}]
+    tools    = [{"name": "calculator", "parameters": {...}}]
+    render  -> "<|im_start|>system\\n# Tools ... <tools>{...}</tools> ...<|im_end|>\\n"
+               "<|im_start|>user\\n2+3?<|im_end|>\\n<|im_start|>assistant\\n"
+    model   -> '<tool_call>\\n{"name": "calculator", "arguments": {"expression": "2+3"}}\\n</tool_call><|im_end|>'
+    parse   -> content "", tool_calls [{"id": "call_…", "name": "calculator", "arguments": '{"expression": "2+3"}'}]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool", "function": "tool"}
+
+
+class BadRequest(Exception):
+    """A client error: becomes a 4xx with an error body in the API's own format."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+@dataclass
+class Sampling:
+    max_tokens: Optional[int] = None  # None: up to the model's context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: list[str] = field(default_factory=list)
+    seed: Optional[int] = None
+
+
+@dataclass
+class Request:
+    """One API request in the shape every API maps to.
+
+    ``messages`` are normalized: ``{"role", "content": str}`` plus
+    ``tool_calls: [{"id", "name", "arguments": dict | str}]`` on assistant
+    messages and ``tool_call_id`` on tool messages. ``prompt_ids`` is set
+    instead of messages for the completions API.
+    """
+
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters"}]
+    parse_tools: bool = True  # False for tool_choice "none"
+    sampling: Sampling = field(default_factory=Sampling)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    model: str = ""
+    prompt_ids: Optional[list[int]] = None
+    prompt_text: Optional[str] = None
+
+
+# ----------------------------------------------------------------------------- request parsing
+
+
+def _expect(cond: bool, message: str, param: str):
+    if not cond:
+        raise BadRequest(message, param=param, code="invalid_type" if "must be" in message else "invalid_value")
+
+
+def _text_of(content: Any, param: str) -> str:
+    """Content as a string or a list of parts -> one string (text parts joined by newlines)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    _expect(isinstance(content, list), f"'{param}' must be a string or a list of content parts", param)
+    texts = []
+    for i, part in enumerate(content):
+        p = f"{param}[{i}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        _expect(isinstance(part, dict), f"'{p}' must be an object", p)
+        kind = part.get("type", "text")
+        if kind in ("text", "input_text", "output_text"):
+            _expect(isinstance(part.get("text"), str), f"'{p}.text' must be a string", p + ".text")
+            texts.append(part["text"])
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            raise BadRequest(f"content part type '{kind}' is not supported: this model reads text only", p + ".type", "unsupported_content")
+    return "\n".join(texts)
+
+
+def parse_arguments(args: Any) -> Any:
+    """Tool-call arguments -> a dict where they are JSON (so compact and pretty JSON compare equal)."""
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args
+
+
+def _message(m: Any, i: int) -> dict:
+    param = f"messages[{i}]"
+    _expect(isinstance(m, dict), f"'{param}' must be an object", param)
+    role = m.get("role")
+    _expect(isinstance(role, str), f"'{param}.role' must be a string", param + ".role")
+    if role not in ROLES:
+        raise BadRequest(f"unknown role '{role}' in {param}; expected one of {sorted(ROLES)}", param + ".role", "invalid_value")
+    out: dict = {"role": ROLES[role], "content": _text_of(m.get("content"), param + ".content")}
+    if out["role"] == "assistant" and m.get("tool_calls"):
+        tcs = m["tool_calls"]
+        _expect(isinstance(tcs, list), f"'{param}.tool_calls' must be a list", param + ".tool_calls")
+        out["tool_calls"] = []
+        for j, tc in enumerate(tcs):
+            p = f"{param}.tool_calls[{j}]"
+            _expect(isinstance(tc, dict) and isinstance(tc.get("function"), dict), f"'{p}' must be an object with a 'function'", p)
+            fn = tc["function"]
+            _expect(isinstance(fn.get("name"), str), f"'{p}.function.name' must be a string", p + ".function.name")
+            out["tool_calls"].append({"id": str(tc.get("id", "")), "name": fn["name"], "arguments": parse_arguments(fn.get("arguments", {}))})
+    if out["role"] == "tool":
+        out["tool_call_id"] = str(m.get("tool_call_id", ""))
+        if m.get("name"):
+            out["name"] = str(m["name"])
+    return out
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default):
+    v = body.get(key)
+    if v is None:
+        return default
+    _expect(isinstance(v, (int, float)) and not isinstance(v, bool), f"'{key}' must be a number", key)
+    if not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {v}", key, "invalid_value")
+    return v
+
+
+def _sampling(body: dict) -> Sampling:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        _expect(isinstance(max_tokens, int) and not isinstance(max_tokens, bool), "'max_tokens' must be an integer", "max_tokens")
+        if max_tokens <= 0:
+            raise BadRequest(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    _expect(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "'stop' must be a string or a list of strings", "stop")
+    n = body.get("n", 1)
+    if n != 1:
+        raise BadRequest("only n=1 is supported: send n requests instead (each is recorded as its own call)", "n", "invalid_value")
+    seed = body.get("seed")
+    _expect(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), "'seed' must be an integer", "seed")
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 0.0, 2.0, 1.0)),
+        top_p=float(_number(body, "top_p", 0.0, 1.0, 1.0)),
+        top_k=int(_number(body, "top_k", -1, 1e9, 0)),
+        stop=[s for s in stop if s],
+        seed=seed,
+    )
+
+
+def _body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", None, "invalid_request")
+    return body
+
+
+def parse_chat_request(body: Any) -> Request:
+    """Validate a /v1/chat/completions body. Unknown fields (reasoning_effort, metadata, ...) are ignored."""
+    body = _body(body)
+    msgs = body.get("messages")
+    _expect(isinstance(msgs, list), "'messages' must be a list", "messages")
+    if not msgs:
+        raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
+    tools = body.get("tools") or []
+    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
+    norm_tools = []
+    for i, t in enumerate(tools):
+        _expect(isinstance(t, dict), f"'tools[{i}]' must be an object", f"tools[{i}]")
+        fn = t.get("function", t)  # {"type": "function", "function": {...}} or a bare function
+        _expect(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"'tools[{i}].function.name' must be a string", f"tools[{i}]")
+        norm_tools.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
+    stream_options = body.get("stream_options") or {}
+    _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
+    return Request(
+        messages=[_message(m, i) for i, m in enumerate(msgs)],
+        tools=norm_tools,
+        parse_tools=bool(norm_tools) and body.get("tool_choice") != "none",
+        sampling=_sampling(body),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        logprobs=bool(body.get("logprobs", False)),
+        model=str(body.get("model", "")),
+    )
+
+
+def parse_completions_request(body: Any) -> Request:
+    """Validate a /v1/completions body: the prompt is a string or a list of token ids."""
+    body = _body(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    req = Request(sampling=_sampling(body), stream=bool(body.get("stream", False)), model=str(body.get("model", "")))
+    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+    req.logprobs = body.get("logprobs") is not None
+    if body.get("echo"):
+        raise BadRequest("'echo' is not supported", "echo", "invalid_value")
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        req.prompt_ids = list(prompt)
+    else:
+        raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)", "prompt", "invalid_type")
+    return req
+
+
+# ----------------------------------------------------------------------------- tool calls in text
+
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Split model text into (content, tool_calls) in the Hermes ``<tool_call>{json}</tool_call>`` form.
+
+    >>> parse_tool_calls('ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+    ('ok', [{'id': 'call_…', 'name': 'f', 'arguments': '{"x": 1}'}])
+
+    A block whose JSON does not parse stays in the content as text: the
+    harness then sees what the model wrote rather than a made-up call.
+    """
+    calls, kept, pos = [], [], 0
+    for m in TOOL_CALL_RE.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+            continue
+        args = obj.get("arguments", obj.get("parameters", {}))
+        kept.append(text[pos : m.start()])
+        pos = m.end()
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
+    kept.append(text[pos:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+def same_message(a: dict, b: dict) -> bool:
+    """Do two normalized messages say the same thing? (after parsing: whitespace around content,
+    JSON formatting of arguments and tool-call ids do not matter)."""
+    if a["role"] != b["role"] or (a.get("content") or "").strip() != (b.get("content") or "").strip():
+        return False
+    ta, tb = a.get("tool_calls") or [], b.get("tool_calls") or []
+    return len(ta) == len(tb) and all(x["name"] == y["name"] and parse_arguments(x["arguments"]) == parse_arguments(y["arguments"]) for x, y in zip(ta, tb))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+@dataclass
+class Turn:
+    """What a session remembers of one answered call, to extend it later."""
+
+    index: int
+    messages: list[dict]
+    tools: list[dict]
+    reply: dict  # the assistant message the harness received
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+class Renderer:
+    """Chat template + tool convention of one tokenizer."""
+
+    SENTINEL = "LLSENTINEL7f3a"
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        template = tokenizer.chat_template or ""
+        if not template:
+            raise ValueError("the tokenizer has no chat template; use a chat/instruct model or set tokenizer.chat_template")
+        self.native_tools = "tools" in template
+        self.eos_ids = set(t for t in [tokenizer.eos_token_id] if t is not None)
+        # The text a template writes after an assistant message's content (e.g. "<|im_end|>\n").
+        probe = self.render_text([{"role": "user", "content": "x"}, {"role": "assistant", "content": self.SENTINEL}], [], False)
+        self.turn_close = probe[probe.rindex(self.SENTINEL) + len(self.SENTINEL) :]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)  # the template writes BOS etc. itself
+
+    def _hf_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        if self.native_tools:
+            out = []
+            for m in messages:
+                h = {"role": m["role"], "content": m["content"]}
+                if m.get("tool_calls"):
+                    h["tool_calls"] = [{"id": t["id"], "type": "function", "function": {"name": t["name"], "arguments": parse_arguments(t["arguments"])}} for t in m["tool_calls"]]
+                if m["role"] == "tool":
+                    h["tool_call_id"] = m.get("tool_call_id", "")
+                out.append(h)
+            return out
+        # No tool support in the template: write the Hermes convention as text.
+        out: list[dict] = []
+        if tools:
+            block = TOOLS_PROMPT.format(tools="\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools))
+            if messages and messages[0]["role"] == "system":
+                out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + block})
+                messages = messages[1:]
+            else:
+                out.append({"role": "system", "content": block})
+        for m in messages:
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                calls = "\n".join(
+                    "<tool_call>\n" + json.dumps({"name": t["name"], "arguments": parse_arguments(t["arguments"])}, ensure_ascii=False) + "\n</tool_call>" for t in m["tool_calls"]
+                )
+                out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})
+            elif m["role"] == "tool":
+                text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
+                if out and out[-1].get("_tool"):  # consecutive tool results share one user turn
+                    out[-1]["content"] += "\n" + text
+                else:
+                    out.append({"role": "user", "content": text, "_tool": True})
+            else:
+                out.append({"role": m["role"], "content": m["content"]})
+        return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
+
+    def render_text(self, messages: list[dict], tools: list[dict], add_generation_prompt: bool = True) -> str:
+        kwargs = {"tools": [{"type": "function", "function": t} for t in tools]} if (self.native_tools and tools) else {}
+        return self.tok.apply_chat_template(self._hf_messages(messages, tools), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def build_prompt(self, messages: list[dict], tools: list[dict], history: list[Turn], reuse: bool = True) -> tuple[list[int], Optional[int], Optional[str]]:
+        """Prompt ids for ``messages``, reusing sampled tokens of an earlier turn where it extends one.
+
+        Returns ``(prompt_ids, parent, split_hint)``: ``parent`` is the index of
+        the call whose prompt+response ids the prompt starts with, ``split_hint``
+        why no earlier call could be extended (None when nothing was there to extend).
+        With ``reuse=False`` every prompt is rendered fresh; a call still merges
+        when the fresh rendering happens to start with the earlier tokens.
+        """
+        full = self.render_text(messages, tools, True)
+        # The longest earlier turn whose messages + reply this request starts with.
+        best = None
+        for t in history:
+            n = len(t.messages)
+            if len(messages) > n + 1 and (best is None or n > len(best.messages)) and t.tools == tools:
+                if all(same_message(a, b) for a, b in zip(messages[:n], t.messages)) and same_message(messages[n], t.reply):
+                    best = t
+        if best is not None and reuse:
+            head = self.render_text(messages[: len(best.messages) + 1], tools, False)
+            if full.startswith(head):
+                # After the sampled tokens comes the template's turn close (minus the EOS the model
+                # already sampled), then the new messages and the generation prompt.
+                glue = self.turn_close
+                if best.response_ids and best.response_ids[-1] in self.eos_ids:
+                    eos_text = self.tok.decode([best.response_ids[-1]])
+                    glue = glue[len(eos_text) :] if glue.startswith(eos_text) else glue
+                ids = best.prompt_ids + best.response_ids + self.encode(glue + full[len(head) :])
+                return ids, best.index, None
+        ids = self.encode(full)
+        if best is not None:
+            prev = best.prompt_ids + best.response_ids
+            if ids[: len(prev)] == prev:
+                return ids, best.index, None
+            return ids, None, "template_mismatch"
+        if not history:
+            return ids, None, None
+        # Did it resend an earlier request's messages, but with a different assistant reply?
+        for t in reversed(history):
+            n = len(t.messages)
+            if len(messages) >= n and all(same_message(a, b) for a, b in zip(messages[:n], t.messages)):
+                return ids, None, "retry" if len(messages) == n and t.tools == tools else "rewrote_history"
+        return ids, None, "new_thread"
+
+    def parse_reply(self, text: str, parse_tools: bool) -> dict:
+        """The assistant message for a generated text: content and, if any, tool calls."""
+        if not parse_tools:
+            return {"role": "assistant", "content": text}
+        content, calls = parse_tool_calls(text)
+        msg = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        return msg

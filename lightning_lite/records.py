@@ -1,0 +1,117 @@
+"""What the proxy records and what the trainer trains on, as plain dataclasses.
+
+Two JSONL contracts (DESIGN.md) live here:
+
+- ``calls.jsonl``: one :class:`Call` per answered LLM call.
+- ``samples.jsonl``: one :class:`Sample` per training sequence.
+
+Both are written one JSON object per line so that a crashed run leaves every
+line it finished readable, and so that ``jq`` and pandas read them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional, Type, TypeVar
+
+# Why a call did not simply extend an earlier call of its rollout (see samples.py).
+SPLIT_REASONS = ("rewrote_history", "template_mismatch", "new_thread", "retry")
+
+
+@dataclass
+class Call:
+    """One answered LLM call, token-exact.
+
+    ``prompt_ids`` are exactly the ids the backend consumed, ``response_ids``
+    exactly the ids it sampled, ``response_logprobs[i]`` the logprob of
+    ``response_ids[i]`` under the distribution it was sampled from.
+
+    ``parent`` is the index of the earlier call of the same rollout whose
+    ``prompt_ids + response_ids`` this call's prompt starts with, when the
+    proxy reused the sampled tokens; ``split_hint`` says why it could not
+    (one of ``SPLIT_REASONS``), or is None when there was nothing to extend.
+    """
+
+    rollout_id: str
+    index: int
+    api: str  # "chat" | "completions" | "responses" | "anthropic"
+    model_version: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    parent: Optional[int] = None
+    split_hint: Optional[str] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    created: float = 0.0
+    latency_s: float = 0.0
+    response: Optional[dict] = None  # the assistant message the harness received
+
+
+@dataclass
+class Sample:
+    """One training sequence: the tokens of one leaf of a rollout's prefix tree.
+
+    ``loss_mask[i] == 1`` exactly where ``tokens[i]`` was sampled by the
+    policy (and is trained in this sample); ``logprobs[i]`` is its recorded
+    rollout logprob, 0.0 where the mask is 0.
+    """
+
+    rollout_id: str
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    advantage: float = 0.0
+    task_id: Optional[str] = None
+    calls: list[int] = field(default_factory=list)  # indices of the calls merged into it
+    model_version: int = 0
+    temperature: float = 1.0
+
+
+T = TypeVar("T")
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj, separators=(",", ":"))
+
+
+def from_dict(cls: Type[T], d: dict) -> T:
+    """Build ``cls`` from a dict, ignoring keys it does not know (newer writers add fields)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def write_jsonl(path: str, items: Iterable[Any], append: bool = False) -> int:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    n = 0
+    with open(path, "a" if append else "w") as f:
+        for it in items:
+            f.write(to_json(it) + "\n")
+            n += 1
+    return n
+
+
+def read_jsonl(path: str, cls: Optional[Type[T]] = None) -> Iterator[Any]:
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e}); is this a calls/samples .jsonl file?") from None
+            yield from_dict(cls, d) if cls is not None else d
+
+
+def read_calls(path: str) -> list[Call]:
+    return list(read_jsonl(path, Call))
+
+
+def read_samples(path: str) -> list[Sample]:
+    return list(read_jsonl(path, Sample))

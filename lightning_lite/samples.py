@@ -1,0 +1,203 @@
+"""Recorded calls -> training samples: one prefix tree per rollout, one sample per leaf.
+
+A harness that appends to its conversation makes calls whose prompt ids start
+with the previous call's prompt + response ids (the proxy builds them that
+way). Training each call separately would re-encode the whole history once
+per turn; merging them trains the K turns of a conversation in one sequence:
+
+    call 0: prompt [1 2]            response [3 4]
+    call 1: prompt [1 2 3 4 5]      response [6]        (5 = a tool result)
+    sample: tokens    [1 2 3 4 5 6]
+            loss_mask [0 0 1 1 0 1]   (1 exactly on sampled tokens)
+
+The token ids are the source of truth. Each call hangs under the earlier call
+whose prompt + response is the longest prefix of its prompt; a call that
+extends nothing starts a new root (a "split"), counted by reason:
+
+    rewrote_history    the harness sent back a history that differs from what
+                       the model produced (reformatted tool calls, stripped
+                       reasoning, summaries): its prompt starts with an
+                       earlier prompt, but not with that call's response
+    template_mismatch  the proxy matched the messages but a fresh rendering
+                       differs from the sampled tokens (set by the proxy)
+    new_thread         an unrelated conversation (title generation, sub-agents)
+    retry              the same prompt ids again: the harness retried, so the
+                       earlier attempt is dropped and the last one kept (unless
+                       a later call already continued from the earlier one)
+
+Several calls may extend the same call (branching): each leaf becomes a
+sample, and a sampled token shared by several leaves is trained in the first
+of them only (mask 0 and logprob 0.0 in the others), so no token is trained
+twice.
+
+    python -m lightning_lite.samples CALLS.jsonl --out SAMPLES.jsonl [--max-seq-len N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import Counter, defaultdict
+from typing import Iterable, Optional
+
+from .records import SPLIT_REASONS, Call, Sample, read_calls, write_jsonl
+
+
+def _check(c: Call) -> None:
+    if not c.prompt_ids:
+        raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: empty prompt_ids; the first sampled "
+                         "token would have no context to be trained from. Is the proxy recording prompt ids?")
+    if len(c.response_logprobs) != len(c.response_ids):
+        raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: {len(c.response_ids)} response ids but "
+                         f"{len(c.response_logprobs)} logprobs; every sampled token needs its rollout logprob.")
+
+
+def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple[list[Sample], Counter]:
+    """Turn ONE rollout's calls into samples; return (samples, stats).
+
+    Example: an append-only chat of 2 turns and a separate title call:
+
+        0: prompt [1 2]        response [3 4]
+        1: prompt [1 2 3 4 5]  response [6]     extends 0
+        2: prompt [9]          response [8]     extends nothing -> split_new_thread
+        -> samples [1 2 3 4 5 6] mask [0 0 1 1 0 1]  and  [9 8] mask [0 1]
+
+    ``max_seq_len``: a longer sample is cut after the last call response that
+    fits (never inside a response), or dropped when even its first call does
+    not fit; both are counted (``truncated``, ``dropped``), and the cut-off
+    sampled tokens are trained nowhere.
+    """
+    calls = sorted(calls, key=lambda c: c.index)
+    stats = Counter(rollouts=1, calls=len(calls))
+    kept: dict[int, Call] = {}  # index -> call still in the tree (retried attempts leave it)
+    full: dict[int, list[int]] = {}  # index -> prompt + response ids
+    parent: dict[int, Optional[int]] = {}
+    for c in calls:
+        _check(c)
+        stats["sampled_tokens"] += len(c.response_ids)
+        has_child = {p for i, p in parent.items() if i in kept and p is not None}
+        # A retry: the same prompt ids again. The earlier attempt is dropped unless something
+        # already continued from it (then the harness used it: both stay, as branches).
+        # Checked before extension, as that prompt also extends the attempt's parent.
+        retried = [e for e in kept.values() if e.prompt_ids == c.prompt_ids]
+        stats["split_retry"] += bool(retried)
+        for e in retried:
+            if e.index not in has_child:
+                del kept[e.index]
+        # Longest candidate first: in an append-only chat the previous call matches at once.
+        ext = next((i for i in sorted(kept, key=lambda i: -len(full[i]))
+                    if c.prompt_ids[:len(full[i])] == full[i]), None)
+        if ext is not None:
+            parent[c.index] = ext
+        else:
+            parent[c.index] = None
+            if kept and not retried:  # the first root of a rollout is not a split
+                if c.split_hint in SPLIT_REASONS:
+                    reason = c.split_hint
+                elif any(c.prompt_ids[:len(e.prompt_ids)] == e.prompt_ids for e in kept.values()):
+                    reason = "rewrote_history"
+                else:
+                    reason = "new_thread"
+                stats["split_" + reason] += 1
+        kept[c.index] = c
+        full[c.index] = c.prompt_ids + c.response_ids
+
+    stats["tokens_unmerged"] = sum(len(c.prompt_ids) + len(c.response_ids) for c in kept.values())
+    children = {p for i, p in parent.items() if i in kept and p is not None}
+    trained: set[int] = set()  # calls whose response is already trained in an earlier leaf
+    samples = []
+    for leaf in (c for i, c in kept.items() if i not in children):
+        path = [leaf]
+        while parent[path[-1].index] is not None:
+            path.append(kept[parent[path[-1].index]])
+        path.reverse()
+        tokens = leaf.prompt_ids + leaf.response_ids
+        mask, logprobs = [0] * len(tokens), [0.0] * len(tokens)
+        for c in path:
+            if c.index in trained:
+                continue
+            trained.add(c.index)
+            start = len(c.prompt_ids)
+            mask[start:start + len(c.response_ids)] = [1] * len(c.response_ids)
+            logprobs[start:start + len(c.response_ids)] = c.response_logprobs
+        if max_seq_len is not None and len(tokens) > max_seq_len:
+            # Cut at the end of a call's response: a turn boundary, never mid-response.
+            ends = [len(c.prompt_ids) + len(c.response_ids) for c in path]
+            fit = [e for e in ends if e <= max_seq_len]
+            if not fit:
+                stats["dropped"] += 1
+                continue
+            stats["truncated"] += 1
+            tokens, mask, logprobs = tokens[:fit[-1]], mask[:fit[-1]], logprobs[:fit[-1]]
+            path = path[:len(fit)]
+        if not any(mask):  # everything it sampled is trained in another leaf (or was cut off)
+            stats["empty"] += 1
+            continue
+        samples.append(Sample(
+            rollout_id=leaf.rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs,
+            calls=[c.index for c in path], model_version=min(c.model_version for c in path),
+            temperature=leaf.temperature))
+        stats["samples"] += 1
+        stats["trainable_tokens"] += sum(mask)
+        stats["tokens"] += len(tokens)
+    return samples, stats
+
+
+def build_batch_samples(calls: Iterable[Call], max_seq_len: Optional[int] = None) -> tuple[list[Sample], Counter]:
+    """Group calls by ``rollout_id`` (in order of first appearance) and build each
+    rollout's samples; return all samples and the summed stats."""
+    by_rollout: dict[str, list[Call]] = defaultdict(list)
+    for c in calls:
+        by_rollout[c.rollout_id].append(c)
+    samples, stats = [], Counter()
+    for rollout_calls in by_rollout.values():
+        s, st = build_samples(rollout_calls, max_seq_len)
+        samples += s
+        stats.update(st)
+    return samples, stats
+
+
+def format_stats(stats: Counter) -> str:
+    """A small aligned table of merge statistics, e.g.
+
+        rollouts                     2
+        calls                        7
+        samples                      3
+        trainable tokens           120  of 120 sampled
+        tokens (merged)            300
+        tokens (one per call)      810  2.70x the merged count
+        split: rewrote_history       1
+        ...
+    """
+    merged, unmerged = stats["tokens"], stats["tokens_unmerged"]
+    rows = [
+        ("rollouts", stats["rollouts"], ""),
+        ("calls", stats["calls"], ""),
+        ("samples", stats["samples"], ""),
+        ("trainable tokens", stats["trainable_tokens"], f"of {stats['sampled_tokens']} sampled"),
+        ("tokens (merged)", merged, ""),
+        ("tokens (one per call)", unmerged, f"{unmerged / merged:.2f}x the merged count" if merged else ""),
+    ]
+    rows += [(f"split: {r}", stats["split_" + r], "") for r in SPLIT_REASONS]
+    rows += [("truncated (max-seq-len)", stats["truncated"], "cut at a turn boundary"),
+             ("dropped (max-seq-len)", stats["dropped"], "first turn too long"),
+             ("empty", stats["empty"], "no token left to train")]
+    return "\n".join(f"{name:<24}{value:>9}  {note}".rstrip() for name, value, note in rows)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description="Turn recorded calls (calls.jsonl) into training samples.")
+    ap.add_argument("calls", help="calls.jsonl written by the proxy")
+    ap.add_argument("--out", required=True, help="samples.jsonl to write")
+    ap.add_argument("--max-seq-len", type=int, default=None, help="truncate/drop longer samples (counted)")
+    args = ap.parse_args(argv)
+    if not os.path.isfile(args.calls):
+        ap.error(f"{args.calls}: no such file; pass the calls.jsonl the proxy wrote")
+    samples, stats = build_batch_samples(read_calls(args.calls), args.max_seq_len)
+    write_jsonl(args.out, samples)
+    print(format_stats(stats))
+    print(f"wrote {len(samples)} samples to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

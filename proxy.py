@@ -1,0 +1,49 @@
+"""Serve the policy model behind an OpenAI-compatible endpoint and record every call, without training.
+
+    python proxy.py --model smollm2 --port 8000 --out runs/proxy
+
+Point any harness at http://127.0.0.1:8000/rollout/<rollout_id>/v1 (or plain
+http://127.0.0.1:8000/v1, recorded as rollout "default"). Every answered call
+is appended to OUT/calls.jsonl; turn them into training samples with
+``python -m lightning_lite.samples OUT/calls.jsonl --out OUT/samples.jsonl``.
+Ctrl-C stops it cleanly.
+"""
+
+import argparse
+import logging
+
+import torch
+from aiohttp import web
+
+from lightning_lite.backends import HFBackend
+from lightning_lite.models import load_model, load_tokenizer
+from lightning_lite.proxy import Proxy
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="'smollm2' (embedded, no download) or a transformers model directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--out", default="runs/proxy", help="calls are appended to OUT/calls.jsonl")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--no-reuse-tokens", action="store_true", help="render every prompt fresh instead of reusing sampled tokens (for comparison)")
+    a = p.parse_args()
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    tok = load_tokenizer(a.model)
+    model = load_model(a.model, a.device).eval()
+    backend = HFBackend(model, tok, max_batch_size=a.max_batch_size, max_model_len=a.max_model_len)
+    proxy = Proxy(backend, tok, model_name=a.model, out_dir=a.out, reuse_tokens=not a.no_reuse_tokens)
+    print(f"serving {a.model} on http://{a.host}:{a.port}/v1 (per rollout: /rollout/<id>/v1); recording to {a.out}/calls.jsonl", flush=True)
+    try:
+        web.run_app(proxy.app(), host=a.host, port=a.port, print=None, access_log=None)
+    finally:
+        backend.close()
+        print(f"stopped; calls are in {a.out}/calls.jsonl", flush=True)
+
+
+if __name__ == "__main__":
+    main()

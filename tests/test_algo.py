@@ -1,0 +1,180 @@
+"""algo.py against numbers computed by hand (the arithmetic is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_lite.algo import (collate, compute_advantages, global_denominators, policy_loss, reduce_metrics,
+                                 sample_weights, token_logprobs)
+from lightning_lite.records import Sample
+
+approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-9)  # noqa: E731
+
+# group g1: a=1 b=0 c=0 (f failed); g2: d=1 e=1 (all equal); g3: h=0.5 alone
+REWARDS = {"a": 1.0, "b": 0.0, "c": 0.0, "f": None, "d": 1.0, "e": 1.0, "h": 0.5}
+GROUPS = {"a": "g1", "b": "g1", "c": "g1", "f": "g1", "d": "g2", "e": "g2", "h": "g3"}
+
+
+def test_grpo():
+    adv, st = compute_advantages(REWARDS, GROUPS, "grpo")
+    # g1: mean 1/3, deviations 2/3 -1/3 -1/3, std = sqrt((4/9 + 1/9 + 1/9) / 2) = sqrt(1/3) = 0.57735
+    assert adv["a"] == approx((2 / 3) / math.sqrt(1 / 3)) and adv["a"] == approx(1.154700)
+    assert adv["b"] == adv["c"] == approx(-0.577350)
+    assert adv["d"] == adv["e"] == adv["h"] == 0.0  # zero variance; singleton
+    assert "f" not in adv  # failed: not trained, not in the statistics (else g1's mean would move)
+    assert (st["rollouts"], st["failed"], st["groups"]) == (6, 1, 3)
+    assert (st["zero_variance_groups"], st["singleton_groups"]) == (2, 1)
+
+
+def test_dr_grpo_rloo_reinforce():
+    adv, _ = compute_advantages(REWARDS, GROUPS, "dr_grpo")
+    assert (adv["a"], adv["b"], adv["d"]) == (approx(2 / 3), approx(-1 / 3), 0.0)
+    adv, st = compute_advantages(REWARDS, GROUPS, "rloo")
+    # a: 1 - mean(b, c) = 1 - 0 = 1;  b: 0 - mean(a, c) = -0.5;  h alone: 0 (counted)
+    assert (adv["a"], adv["b"], adv["c"], adv["d"], adv["h"]) == (1.0, -0.5, -0.5, 0.0, 0.0)
+    assert st["singleton_groups"] == 1
+    adv, _ = compute_advantages(REWARDS, GROUPS, "reinforce")
+    # batch mean = (1 + 0 + 0 + 1 + 1 + 0.5) / 6 = 3.5 / 6 = 0.583333
+    assert adv["a"] == adv["d"] == approx(1 - 3.5 / 6) and adv["b"] == approx(-3.5 / 6)
+    assert adv["h"] == approx(0.5 - 3.5 / 6)
+
+
+def test_drop_zero_variance_and_errors():
+    adv, st = compute_advantages(REWARDS, GROUPS, "grpo", drop_zero_variance=True)
+    assert sorted(adv) == ["a", "b", "c"] and st["dropped_rollouts"] == 3
+    with pytest.raises(ValueError, match="pick one of"):
+        compute_advantages(REWARDS, GROUPS, "ppo")
+    with pytest.raises(ValueError, match="no group"):
+        compute_advantages({"x": 1.0}, {}, "grpo")
+    with pytest.raises(ValueError, match="None"):
+        compute_advantages({"x": float("nan")}, {"x": "g"}, "grpo")
+
+
+# Rollout A: samples of 1 and 2 trainable tokens; rollout B: one sample of 4. With
+# advantage -1 and new == old logprobs (ratio 1), tis's token loss -1 * A * logprob is
+# the logprob itself; we pick them as  a: -1 | -2 -3   b: -4 -5 -6 -7.
+def norm_batch():
+    def s(rid, lps):  # one prompt token (mask 0), then the sampled tokens
+        return Sample(rollout_id=rid, tokens=list(range(len(lps) + 1)), loss_mask=[0] + [1] * len(lps),
+                      logprobs=[0.0] + lps, advantage=-1.0)
+    return [s("A", [-1.0]), s("A", [-2.0, -3.0]), s("B", [-4.0, -5.0, -6.0, -7.0])]
+
+
+@pytest.mark.parametrize("norm,const,expected", [
+    ("token-mean", None, -28 / 7),                             # all 7 tokens: -28 / 7 = -4
+    ("seq-mean-token-mean", None, (-1 - 5 / 2 - 22 / 4) / 3),  # (-1 + -2.5 + -5.5) / 3 = -3
+    ("seq-mean-token-sum", None, (-1 - 5 - 22) / 3),           # -28 / 3
+    ("seq-mean-token-sum-norm", 10, -28 / (3 * 10)),           # sums / (3 samples x C=10)
+    ("seq-mean-token-sum-norm", None, -28 / (3 * 4)),          # C defaults to the longest sample: 4
+    ("rollout-mean", None, (-6 / 3 - 22 / 4) / 2),             # A: -6/3 = -2, B: -22/4 = -5.5 -> -3.75
+])
+def test_normalization_modes(norm, const, expected):
+    samples = norm_batch()
+    denoms = global_denominators(samples)  # no torch.distributed: the local counts
+    assert denoms == {"tokens": 7, "samples": 3, "rollouts": 2, "max_tokens": 4}
+    w = sample_weights(samples, norm, denoms, norm_const=const)
+    total, parts = 0.0, []
+    for micro in ([0, 1, 2], [0], [1, 2]):  # the whole batch, then split in two micro-batches
+        b = collate([samples[i] for i in micro], [w[i] for i in micro], dtype=torch.float64)
+        loss, m = policy_loss(b["old_logprobs"], b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"],
+                              loss="tis")
+        if len(micro) == 3:
+            assert loss.item() == approx(expected)
+        else:
+            total += loss.item()
+            parts.append(m)
+    assert total == approx(expected) and reduce_metrics(parts)["loss"] == approx(expected)
+
+
+def test_weights_by_hand():
+    samples = norm_batch()
+    d = global_denominators(samples)
+    assert sample_weights(samples, "seq-mean-token-mean", d) == approx([1 / 3, 1 / 6, 1 / 12])
+    assert sample_weights(samples, "rollout-mean", d) == approx([1 / 6, 1 / 6, 1 / 8])
+    with pytest.raises(ValueError, match="pick one of"):
+        sample_weights(samples, "mean", d)
+
+
+def two_rows(ratios, advs):
+    """Two samples of 3 trainable tokens, old logprob log(0.5), trainer logprob log(0.5 * ratio)."""
+    old = torch.full((2, 3), math.log(0.5), dtype=torch.float64)
+    new = (old + torch.tensor(ratios, dtype=torch.float64).log()).requires_grad_()
+    return new, old, torch.tensor(advs, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64)
+
+
+def test_ppo_by_hand():
+    new, old, adv, mask = two_rows([[0.5, 1.0, 2.0]] * 2, [1.0, -1.0])
+    w = torch.full((2,), 1 / 6, dtype=torch.float64)  # token-mean over 6 tokens
+    loss, m = policy_loss(new, old, adv, mask, w, "ppo", clip_low=0.2, clip_high=0.28)
+    # clip(r) = 0.8, 1.0, 1.28.  A=+1: -min(r, c) = -0.5, -1, -1.28 (3rd clipped)
+    #                            A=-1: -min(-r, -c) = 0.8, 1, 2   (1st clipped)
+    assert loss.item() == approx((-0.5 - 1 - 1.28 + 0.8 + 1 + 2) / 6)
+    loss.backward()
+    # d/dlogprob of -A r w where not clipped: -A r / 6; clipped tokens get no gradient
+    assert new.grad.tolist() == [approx([-0.5 / 6, -1 / 6, 0.0]), approx([0.0, 1 / 6, 2 / 6])]
+    r = reduce_metrics([m])
+    assert r["clip_frac"] == approx(2 / 6) and r["tokens"] == 6
+    assert (r["ratio_min"], r["ratio_mean"], r["ratio_max"]) == (approx(0.5), approx(7 / 6), approx(2.0))
+    assert r["dlogp_mean"] == approx(4 * math.log(2) / 6) and r["dlogp_max"] == approx(math.log(2))
+
+
+def test_gspo_by_hand():
+    # row 0: log-ratios 0, 0, 0.3 -> sequence ratio exp(0.1) = 1.10517, inside [0.8, 1.28]
+    # row 1: log-ratios 0.9 x3 -> exp(0.9) = 2.4596; A = -1: -min(-2.4596, -1.28) = 2.4596 (not clipped)
+    new, old, adv, mask = two_rows([[1.0, 1.0, math.exp(0.3)], [math.exp(0.9)] * 3], [2.0, -1.0])
+    w = torch.full((2,), 1 / 6, dtype=torch.float64)  # seq-mean-token-mean: 1 / (2 samples x 3 tokens)
+    loss, m = policy_loss(new, old, adv, mask, w, "gspo")
+    assert loss.item() == approx((-2 * math.exp(0.1) + math.exp(0.9)) / 2)
+    loss.backward()
+    # d(seq ratio)/d(logprob_t) = seq ratio / 3; sample weight 1/2: grad = -A s / 3 / 2
+    assert new.grad[0].tolist() == approx([-2 * math.exp(0.1) / 6] * 3)
+    assert new.grad[1].tolist() == approx([math.exp(0.9) / 6] * 3)
+    assert reduce_metrics([m])["clip_frac"] == 0.0
+    # A = +1 on row 1 instead: 2.4596 > 1.28 is clipped, the whole sample gets no gradient
+    new.grad = None
+    loss, m = policy_loss(new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "gspo")
+    loss.backward()
+    assert new.grad[1].tolist() == [0.0] * 3 and reduce_metrics([m])["clip_frac"] == approx(0.5)
+
+
+def test_tis_by_hand():
+    new, old, adv, mask = two_rows([[0.5, 1.0, 3.0], [1.0, 1.0, 1.0]], [2.0, 0.0])
+    w = torch.ones(2, dtype=torch.float64)
+    loss, m = policy_loss(new, old, adv, mask, w, "tis", tis_cap=2.0)
+    # -min(r, 2) * A * logprob, logprobs log(0.25), log(0.5), log(1.5): weights 0.5, 1, 2 (3 capped)
+    assert loss.item() == approx(-2 * (0.5 * math.log(0.25) + math.log(0.5) + 2 * math.log(1.5)))
+    loss.backward()
+    assert new.grad[0].tolist() == approx([-1.0, -2.0, -4.0])  # -A min(r, cap), the weight has no grad
+    assert reduce_metrics([m])["clip_frac"] == approx(1 / 6)
+
+
+def test_kl_penalty_and_mismatch_metrics():
+    # one token, A = 0: only the KL term. k3 with d = ref - lp = 0.5: e^0.5 - 0.5 - 1 = 0.148721
+    lp = torch.tensor([[-1.0]], dtype=torch.float64)
+    one, ref = torch.ones(1, dtype=torch.float64), torch.tensor([[-0.5]], dtype=torch.float64)
+    loss, m = policy_loss(lp, lp, one * 0, torch.ones(1, 1), one, kl_coef=0.1, ref_logprobs=ref)
+    assert loss.item() == approx(0.1 * (math.exp(0.5) - 1.5)) and reduce_metrics([m])["kl_mean"] == approx(0.148721)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(lp, lp, one, torch.ones(1, 1), one, kl_coef=0.1)
+    # probabilities 0.2 0.4 0.6 (rollout) vs 0.3 0.5 0.7 (trainer): a shift, Pearson 1
+    p, q = torch.tensor([[0.2, 0.4, 0.6]]).double(), torch.tensor([[0.3, 0.5, 0.7]]).double()
+    _, m1 = policy_loss(q.log()[:, :2], p.log()[:, :2], one, torch.ones(1, 2), one)
+    _, m2 = policy_loss(q.log()[:, 2:], p.log()[:, 2:], one, torch.ones(1, 1), one)
+    r = reduce_metrics([m1, m2])  # over two micro-batches
+    assert r["prob_corr"] == approx(1.0) and r["dlogp_max"] == approx(math.log(0.3 / 0.2))
+    _, m = policy_loss(q.flip(1).log(), p.log(), one, torch.ones(1, 3), one)
+    assert reduce_metrics([m])["prob_corr"] == approx(-1.0)
+
+
+def test_token_logprobs_alignment():
+    logits = torch.randn(2, 4, 5, dtype=torch.float64)
+    tokens = torch.tensor([[1, 2, 3, 4], [0, 0, 1, 1]])
+    lp = token_logprobs(logits, tokens)
+    ref = torch.log_softmax(logits, -1)
+    assert lp[0, 0] == 0 and lp[1, 2] == approx(ref[1, 1, 1].item()) and lp[0, 3] == approx(ref[0, 2, 4].item())
+
+
+def test_reduce_metrics_of_a_rank_without_samples():
+    r = reduce_metrics([])  # such a rank still joins the all-reduce, with neutral values
+    assert r["tokens"] == 0 and r["loss"] == 0 and r["ratio_min"] == math.inf and math.isnan(r["prob_corr"])

@@ -1,0 +1,222 @@
+"""The harness interface, the loader and the rollout runner (no model: a scripted stub server)."""
+
+import asyncio
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from lightning_lite.harness import (Endpoint, Harness, RolloutResult, SubprocessHarness, Task,
+                                    load_harness, parse_kwargs, run_rollouts)
+from openai_stub import StubServer
+
+
+def fake_endpoint(rollout_id: str) -> Endpoint:
+    return Endpoint(f"http://127.0.0.1:9/rollout/{rollout_id}/v1", "sk-x", "m", rollout_id, "http://127.0.0.1:9")
+
+
+class Scripted(Harness):
+    """Each task's prompt says how its rollout behaves."""
+    name = "scripted"
+
+    def tasks(self, split):
+        return [Task(f"t-{p}", p) for p in ("ok", "raise", "hang", "none", "posted", "nan", "inner-timeout")]
+
+    async def run(self, task, endpoint):
+        if task.prompt == "raise":
+            raise RuntimeError("boom")
+        if task.prompt == "hang":
+            await asyncio.sleep(60)
+        if task.prompt == "inner-timeout":
+            raise TimeoutError("the agent's own HTTP call timed out")
+        return {"ok": 1.0, "nan": float("nan")}.get(task.prompt)
+
+
+def test_failing_rollouts_are_reported_and_the_step_goes_on(capsys):
+    harness = Scripted()
+    jobs = [(f"r{i}", t) for i, t in enumerate(harness.tasks("train"))]
+    t0 = time.monotonic()
+    results = asyncio.run(run_rollouts(harness, jobs, fake_endpoint, timeout=0.5,
+                                       posted_reward=lambda rid: 0.25 if rid == "r4" else None))
+    assert time.monotonic() - t0 < 3  # the hanging rollout was cut at 0.5 s
+    by_task = {r.task_id: r for r in results}
+    assert [r.rollout_id for r in results] == [rid for rid, _ in jobs]  # one result per job, in order
+    assert (by_task["t-ok"].reward, by_task["t-ok"].error) == (1.0, None)
+    assert (by_task["t-posted"].reward, by_task["t-posted"].error) == (0.25, None)
+    assert by_task["t-raise"].reward is None and by_task["t-raise"].error == "RuntimeError: boom"
+    assert by_task["t-hang"].reward is None and by_task["t-hang"].error == "timeout after 0.5s"
+    assert 0.4 < by_task["t-hang"].seconds < 2
+    assert by_task["t-none"].reward is None and by_task["t-none"].error.startswith("no reward")
+    assert by_task["t-nan"].reward is None and "bad reward" in by_task["t-nan"].error
+    assert by_task["t-inner-timeout"].error.startswith("TimeoutError: the agent's own")  # not "timeout after"
+    err = capsys.readouterr().err
+    for rid in ("r1", "r2", "r3", "r5", "r6"):
+        assert err.count(f"rollout {rid} ") == 1, err  # each failure reported exactly once
+    assert "rollout r0 " not in err and "rollout r4 " not in err
+    assert "boom" in err and "failed=5" in err  # the bar's postfix counts failures
+
+
+def test_concurrency_is_bounded():
+    class Slow(Harness):
+        running = peak = 0
+
+        async def run(self, task, endpoint):
+            Slow.running += 1
+            Slow.peak = max(Slow.peak, Slow.running)
+            await asyncio.sleep(0.02)
+            Slow.running -= 1
+            return 0.5
+
+    jobs = [(f"r{i}", Task(f"t{i}", "")) for i in range(9)]
+    results = asyncio.run(run_rollouts(Slow(), jobs, fake_endpoint, max_concurrency=3, progress=False))
+    assert Slow.peak == 3 and all(r.reward == 0.5 for r in results)
+
+
+# ---------------------------------------------------------------------------- subprocess harnesses
+
+# A whole "agent" in a few lines of stdlib: call the chat API at OPENAI_BASE_URL, print the reward.
+AGENT = """
+import json, os, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+    data=json.dumps({"model": os.environ["OPENAI_MODEL"],
+                     "messages": [{"role": "user", "content": os.environ["PROMPT"]}]}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+text = json.load(urllib.request.urlopen(req))["choices"][0]["message"]["content"]
+print("agent said", text)
+print(1.0 if text == "4" else 0.0)
+"""
+
+POSTER = """
+import json, os, urllib.request
+urllib.request.urlopen(urllib.request.Request(os.environ["LL_REWARD_URL"],
+    data=json.dumps({"reward": 0.75}).encode(), headers={"Content-Type": "application/json"}))
+print("posted, nothing else to say")
+"""
+
+
+class Script(SubprocessHarness):
+    def __init__(self, code, cwd=None):
+        self.code, self.cwd = code, cwd
+
+    def command(self, task, endpoint):
+        return [sys.executable, "-c", self.code], {"PROMPT": task.prompt}, self.cwd
+
+
+def test_subprocess_harness_gets_its_own_base_url_and_key():
+    async def main():
+        async with StubServer(lambda rid, body, n: {"content": "4"}) as stub:
+            jobs = [("roll-a", Task("t0", "2+2?")), ("roll-b", Task("t1", "2+2?"))]
+            endpoint_for = lambda rid: stub.endpoint(rid, api_key=f"key-{rid}")
+            return stub, await run_rollouts(Script(AGENT), jobs, endpoint_for, timeout=20, progress=False)
+
+    stub, results = asyncio.run(main())
+    assert [(r.rollout_id, r.reward, r.error) for r in results] == [("roll-a", 1.0, None), ("roll-b", 1.0, None)]
+    seen = sorted((rid, auth, body["model"]) for rid, auth, body in stub.requests)
+    assert seen == [("roll-a", "Bearer key-roll-a", "stub-model"), ("roll-b", "Bearer key-roll-b", "stub-model")]
+
+
+def test_subprocess_harness_may_post_its_reward():
+    async def main():
+        async with StubServer(lambda rid, body, n: {"content": "?"}) as stub:
+            results = await run_rollouts(Script(POSTER), [("r7", Task("t", ""))], stub.endpoint,
+                                         posted_reward=stub.rewards.get, progress=False)
+            return results[0]
+
+    assert asyncio.run(main()).reward == 0.75
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just unreaped
+    except FileNotFoundError:
+        return False
+
+
+def test_subprocess_timeout_kills_the_whole_process_group(tmp_path):
+    # The agent starts a grandchild (as agents start shells and servers), then hangs.
+    code = textwrap.dedent("""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open("pids", "w").write("%d %d" % (__import__("os").getpid(), child.pid))
+        time.sleep(60)
+    """)
+    results = asyncio.run(run_rollouts(Script(code, cwd=str(tmp_path)), [("r0", Task("t", ""))],
+                                       fake_endpoint, timeout=1.5, progress=False))
+    assert results[0].error == "timeout after 1.5s"
+    assert results[0].seconds < 5  # killing only the child would wait on the grandchild's pipes
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    deadline = time.monotonic() + 2  # SIGKILL is asynchronous; give the kernel a moment
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(map(_alive, pids))
+    children = " ".join(open(p).read() for p in (f"/proc/self/task/{t}/children" for t in os.listdir("/proc/self/task")))
+    assert str(pids[0]) not in children.split()  # our direct child was reaped: no zombie
+
+
+def test_subprocess_crash_reports_exit_code_and_stderr():
+    code = "import sys; sys.stderr.write('Traceback...\\nValueError: bad task\\n'); sys.exit(3)"
+    result = asyncio.run(run_rollouts(Script(code), [("r0", Task("t", ""))], fake_endpoint, progress=False))[0]
+    assert result.reward is None
+    assert "exited with code 3" in result.error and "ValueError: bad task" in result.error
+
+
+def test_subprocess_default_workdir_is_fresh_and_removed():
+    code = "import os; print(os.getcwd()); print(0.5)"
+
+    class Keep(Script):
+        def reward(self, task, stdout, returncode, workdir):
+            self.seen = (stdout.split()[0], workdir, os.path.isdir(workdir))
+            return super().reward(task, stdout, returncode, workdir)
+
+    harness = Keep(code)
+    assert asyncio.run(run_rollouts(harness, [("r0", Task("t", ""))], fake_endpoint, progress=False))[0].reward == 0.5
+    cwd, workdir, existed = harness.seen
+    assert os.path.realpath(cwd) == os.path.realpath(workdir) and existed and not os.path.exists(workdir)
+
+
+# ---------------------------------------------------------------------------- loading
+
+def test_load_harness_by_example_name_module_and_path(tmp_path, monkeypatch):
+    calc = load_harness("calc", difficulty=2, n_train=5)
+    assert calc.name == "calc" and calc.difficulty == 2 and len(calc.tasks("train")) == 5
+
+    (tmp_path / "my_harnesses.py").write_text(textwrap.dedent("""
+        from lightning_lite.harness import Harness
+        class Helper:  # not a harness: ignored
+            pass
+        class Mine(Harness):
+            def __init__(self, k=1):
+                self.k = k
+        def make(k=2):
+            return Mine(k)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_harness("my_harnesses").k == 1  # the single Harness subclass
+    assert load_harness("my_harnesses:Mine", k=5).k == 5
+    assert load_harness("my_harnesses:make").k == 2  # a factory works too
+    assert load_harness("my_harnesses").name == "my_harnesses"  # unnamed harnesses take the spec's name
+    assert load_harness(str(tmp_path / "my_harnesses.py"), k=3).k == 3
+
+
+def test_load_harness_errors_say_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"no harness 'nope'.*known: .*calc"):
+        load_harness("nope")
+    with pytest.raises(ValueError, match="could not build harness 'calc'.*colour"):
+        load_harness("calc", colour="red")
+    (tmp_path / "two_harnesses.py").write_text(
+        "from lightning_lite.harness import Harness\nclass A(Harness): pass\nclass B(Harness): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"2 Harness subclasses \(A, B\).*'two_harnesses:ClassName'"):
+        load_harness("two_harnesses")
+    with pytest.raises(ValueError, match="has no attribute 'C'"):
+        load_harness("two_harnesses:C")
+
+
+def test_parse_kwargs():
+    assert parse_kwargs(["difficulty=2", "name=x", "rate=0.5", "flag=True"]) == \
+        {"difficulty": 2, "name": "x", "rate": 0.5, "flag": True}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_kwargs(["difficulty"])

@@ -1,0 +1,169 @@
+"""samples.py: calls -> prefix tree -> samples, with every split counted."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from lightning_lite.records import Call, read_samples, write_jsonl
+from lightning_lite.samples import build_batch_samples, build_samples
+
+
+def call(index, prompt, response, rid="r0", hint=None):
+    # logprob of a sampled token = -(token id)/100: easy to check where it lands
+    return Call(rollout_id=rid, index=index, api="chat", model_version=index, prompt_ids=list(prompt),
+                response_ids=list(response), response_logprobs=[-t / 100 for t in response],
+                finish_reason="stop", split_hint=hint)
+
+
+def check_logprobs(s):
+    for t, m, lp in zip(s.tokens, s.loss_mask, s.logprobs):
+        assert lp == (-t / 100 if m else 0.0)
+
+
+def test_append_only_conversation_is_one_sample():
+    # 3 turns: sampled [10 11], tool result [5], sampled [12], user [6 7], sampled [13 14 15]
+    calls = [call(0, [1, 2], [10, 11]), call(1, [1, 2, 10, 11, 5], [12]),
+             call(2, [1, 2, 10, 11, 5, 12, 6, 7], [13, 14, 15])]
+    samples, st = build_samples(calls)
+    assert len(samples) == 1
+    s = samples[0]
+    assert s.tokens == [1, 2, 10, 11, 5, 12, 6, 7, 13, 14, 15]
+    assert s.loss_mask == [0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1]
+    assert s.calls == [0, 1, 2] and s.rollout_id == "r0"
+    check_logprobs(s)
+    assert st["samples"] == 1 and st["trainable_tokens"] == 6 and st["tokens"] == 11
+    assert st["tokens_unmerged"] == 4 + 6 + 11
+    assert not any(st["split_" + r] for r in ("rewrote_history", "template_mismatch", "new_thread", "retry"))
+
+
+def test_rewritten_history_splits_with_reason():
+    # the harness sends back [10 99] instead of the sampled [10 11]
+    calls = [call(0, [1, 2], [10, 11]), call(1, [1, 2, 10, 99, 5], [12])]
+    samples, st = build_samples(calls)
+    assert [s.tokens for s in samples] == [[1, 2, 10, 11], [1, 2, 10, 99, 5, 12]]
+    assert [s.loss_mask for s in samples] == [[0, 0, 1, 1], [0, 0, 0, 0, 0, 1]]
+    assert st["split_rewrote_history"] == 1 and st["samples"] == 2
+    # the proxy's hint names the reason when it knows better (same tokens, fresh render)
+    calls[1].split_hint = "template_mismatch"
+    _, st = build_samples(calls)
+    assert st["split_template_mismatch"] == 1 and st["split_rewrote_history"] == 0
+
+
+def test_interleaved_threads_give_two_samples():
+    calls = [call(0, [1, 2], [10]), call(1, [3], [20]), call(2, [1, 2, 10, 5], [11]), call(3, [3, 20, 6], [21])]
+    samples, st = build_samples(calls)
+    assert [s.tokens for s in samples] == [[1, 2, 10, 5, 11], [3, 20, 6, 21]]
+    assert [s.loss_mask for s in samples] == [[0, 0, 1, 0, 1], [0, 1, 0, 1]]
+    assert [s.calls for s in samples] == [[0, 2], [1, 3]]
+    assert st["split_new_thread"] == 1
+
+
+def test_shared_sampled_prefix_is_trained_once():
+    # calls 1 and 2 both continue call 0 (e.g. two sub-agents forked from one context)
+    calls = [call(0, [1], [10, 11]), call(1, [1, 10, 11, 5], [12]), call(2, [1, 10, 11, 6], [13, 14])]
+    samples, st = build_samples(calls)
+    assert [s.tokens for s in samples] == [[1, 10, 11, 5, 12], [1, 10, 11, 6, 13, 14]]
+    assert [s.loss_mask for s in samples] == [[0, 1, 1, 0, 1], [0, 0, 0, 0, 1, 1]]
+    for s in samples:
+        check_logprobs(s)
+    assert st["trainable_tokens"] == 5 == sum(len(c.response_ids) for c in calls)
+    assert not any(k.startswith("split_") and v for k, v in st.items())  # branching is not a split
+
+
+def test_retry_keeps_the_last_attempt():
+    calls = [call(0, [1], [10]), call(1, [1, 10, 5], [11, 12]), call(2, [1, 10, 5], [13]),
+             call(3, [1, 10, 5, 13, 6], [14])]
+    samples, st = build_samples(calls)
+    assert len(samples) == 1
+    assert samples[0].tokens == [1, 10, 5, 13, 6, 14] and samples[0].loss_mask == [0, 1, 0, 1, 0, 1]
+    assert samples[0].calls == [0, 2, 3]
+    assert st["split_retry"] == 1 and st["trainable_tokens"] == 3
+    # a retried first call: still one sample, no new_thread
+    samples, st = build_samples([call(0, [1], [10]), call(1, [1], [11])])
+    assert [s.tokens for s in samples] == [[1, 11]] and st["split_retry"] == 1 and st["split_new_thread"] == 0
+
+
+def test_mask_sum_equals_sampled_tokens_kept_random_trees():
+    rng = random.Random(0)
+    for _ in range(50):
+        calls, nxt = [], 100
+        for i in range(rng.randint(1, 8)):
+            r = rng.random()
+            if calls and r < 0.6:  # extend a random earlier call with an observation
+                e = rng.choice(calls)
+                prompt = e.prompt_ids + e.response_ids + [rng.randint(1, 9)]
+            elif calls and r < 0.7:  # retry
+                prompt = rng.choice(calls).prompt_ids
+            else:
+                prompt = [rng.randint(1, 9) for _ in range(rng.randint(1, 3))]
+            resp = list(range(nxt, nxt + rng.randint(1, 4)))  # unique ids: each sampled token is traceable
+            nxt += len(resp)
+            calls.append(call(i, prompt, resp))
+        samples, st = build_samples(calls)
+        trained = [t for s in samples for t, m in zip(s.tokens, s.loss_mask) if m]
+        assert len(trained) == len(set(trained)), "a sampled token trained twice"
+        kept = {c.index for s in samples for c in calls if c.index in s.calls}
+        assert len(trained) == sum(len(c.response_ids) for c in calls if c.index in kept) == st["trainable_tokens"]
+        assert st["sampled_tokens"] - st["trainable_tokens"] == sum(
+            len(c.response_ids) for c in calls if c.index not in kept)  # only retried attempts are lost
+        for s in samples:
+            check_logprobs(s)
+
+
+def test_max_seq_len_truncates_at_turn_boundary_or_drops():
+    calls = [call(0, [1, 2], [10, 11]), call(1, [1, 2, 10, 11, 5], [12, 13, 14])]  # 4 | 8 tokens
+    samples, st = build_samples(calls, max_seq_len=6)
+    assert [s.tokens for s in samples] == [[1, 2, 10, 11]] and samples[0].loss_mask == [0, 0, 1, 1]
+    assert st["truncated"] == 1 and st["trainable_tokens"] == 2 and samples[0].calls == [0]
+    samples, st = build_samples(calls, max_seq_len=3)
+    assert samples == [] and st["dropped"] == 1 and st["trainable_tokens"] == 0
+    samples, st = build_samples(calls, max_seq_len=8)
+    assert len(samples[0].tokens) == 8 and st["truncated"] == 0
+    # a branch cut back to its shared prefix trains nothing new: counted, not duplicated
+    calls.append(call(2, [1, 2, 10, 11, 6], [15, 16, 17]))
+    samples, st = build_samples(calls, max_seq_len=6)
+    assert len(samples) == 1 and st["truncated"] == 2 and st["empty"] == 1 and st["trainable_tokens"] == 2
+
+
+def test_bad_call_says_what_is_wrong():
+    c = call(0, [1], [10, 11])
+    c.response_logprobs = [-0.1]
+    with pytest.raises(ValueError, match="2 response ids but 1 logprobs"):
+        build_samples([c])
+
+
+def test_batch_groups_by_rollout():
+    calls = [call(0, [1], [10], "a"), call(0, [2], [20], "b"), call(1, [1, 10, 3], [11], "a")]
+    samples, st = build_batch_samples(calls)
+    assert [(s.rollout_id, s.tokens) for s in samples] == [("a", [1, 10, 3, 11]), ("b", [2, 20])]
+    assert st["rollouts"] == 2 and st["calls"] == 3 and st["split_new_thread"] == 0
+
+
+def test_cli_on_synthetic_calls(tmp_path):
+    calls = [call(0, [1, 2], [10, 11], "a"), call(1, [1, 2, 10, 11, 5], [12], "a"),
+             call(2, [7], [30], "a"), call(0, [3], [20, 21], "b")]
+    path = tmp_path / "calls.jsonl"
+    write_jsonl(str(path), calls)
+    out = tmp_path / "out" / "samples.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "lightning_lite.samples", str(path), "--out", str(out)],
+                       capture_output=True, text=True, cwd=root, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = {line.split("  ")[0].strip(): line for line in p.stdout.splitlines()}
+    assert lines["rollouts"].split()[-1] == "2" and lines["samples"].split()[-1] == "3"
+    assert "split: new_thread" in p.stdout and "tokens (one per call)" in p.stdout
+    rows = [json.loads(line) for line in open(out)]
+    assert all({"rollout_id", "tokens", "loss_mask", "logprobs"} <= set(r) for r in rows)
+    assert [s.tokens for s in read_samples(str(out))] == [[1, 2, 10, 11, 5, 12], [7, 30], [3, 20, 21]]
+
+
+def test_retry_of_a_continued_call_keeps_both():
+    # call 1 continued from call 0, then the harness sends call 0's prompt again (a restart)
+    calls = [call(0, [1], [10]), call(1, [1, 10, 5], [11]), call(2, [1], [12])]
+    samples, st = build_samples(calls)
+    assert [s.tokens for s in samples] == [[1, 10, 5, 11], [1, 12]]
+    assert st["split_retry"] == 1 and st["split_rewrote_history"] == 0 and st["trainable_tokens"] == 3

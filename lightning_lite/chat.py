@@ -68,6 +68,7 @@ class Request:
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters"}]
     parse_tools: bool = True  # False for tool_choice "none"
+    force_tool: Optional[str] = None  # tool_choice "required" -> "", a named function -> its name
     sampling: Sampling = field(default_factory=Sampling)
     stream: bool = False
     include_usage: bool = False
@@ -201,12 +202,21 @@ def parse_chat_request(body: Any) -> Request:
         fn = t.get("function", t)  # {"type": "function", "function": {...}} or a bare function
         _expect(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"'tools[{i}].function.name' must be a string", f"tools[{i}]")
         norm_tools.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
+    choice, force = body.get("tool_choice"), None
+    if norm_tools and choice == "required":
+        force = ""
+    elif norm_tools and isinstance(choice, dict):
+        force = (choice.get("function") or {}).get("name", choice.get("name"))
+        _expect(isinstance(force, str), "'tool_choice.function.name' must be a string", "tool_choice")
+        if force not in {t["name"] for t in norm_tools}:
+            raise BadRequest(f"tool_choice names '{force}', which is not in 'tools'", "tool_choice", "invalid_value")
     stream_options = body.get("stream_options") or {}
     _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
     return Request(
         messages=[_message(m, i) for i, m in enumerate(msgs)],
         tools=norm_tools,
-        parse_tools=bool(norm_tools) and body.get("tool_choice") != "none",
+        parse_tools=bool(norm_tools) and choice != "none",
+        force_tool=force,
         sampling=_sampling(body),
         stream=bool(body.get("stream", False)),
         include_usage=bool(stream_options.get("include_usage", False)),
@@ -376,7 +386,7 @@ class Renderer:
         best = None
         for t in history:
             n = len(t.messages)
-            if len(messages) > n + 1 and (best is None or n > len(best.messages)) and t.tools == tools:
+            if len(messages) > n and (best is None or n > len(best.messages)) and t.tools == tools:
                 if all(same_message(a, b) for a, b in zip(messages[:n], t.messages)) and same_message(messages[n], t.reply):
                     best = t
         if best is not None and reuse:
@@ -404,6 +414,18 @@ class Renderer:
             if len(messages) >= n and all(same_message(a, b) for a, b in zip(messages[:n], t.messages)):
                 return ids, None, "retry" if len(messages) == n and t.tools == tools else "rewrote_history"
         return ids, None, "new_thread"
+
+    @staticmethod
+    def forced_prefix(force_tool: Optional[str]) -> str:
+        """Text that starts the assistant turn when a tool call is required (tool_choice).
+
+        It is appended to the prompt (the model did not sample it, so it is not
+        trained) and prepended to the generated text before parsing. The model
+        then only chooses the arguments (and the tool, for "required").
+        """
+        if force_tool is None:
+            return ""
+        return '<tool_call>\n{"name": "' + (force_tool + '", "arguments": ' if force_tool else "")
 
     def parse_reply(self, text: str, parse_tools: bool) -> dict:
         """The assistant message for a generated text: content and, if any, tool calls."""

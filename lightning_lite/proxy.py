@@ -140,8 +140,10 @@ class Proxy:
         t0 = time.time()
         turns = self.sessions.setdefault(rid, Session()).turns
         prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, turns, self.reuse_tokens)
+        forced = self.renderer.forced_prefix(req.force_tool)
+        prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
         gen = await self._generate(prompt_ids, req)
-        reply = self.renderer.parse_reply(gen.text, req.parse_tools)
+        reply = self.renderer.parse_reply(forced + gen.text, req.parse_tools)
         call = self._record(rid, "chat", prompt_ids, gen, parent, hint, req.sampling, t0, reply)
         turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids))
         return await self._respond_chat(request, req, call, reply)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_lite.harness import (Endpoint, Harness, RolloutResult, SubprocessHarness, Task,
+from lightning_lite.harness import (Endpoint, Harness, SubprocessHarness, Task,
                                     load_harness, parse_kwargs, run_rollouts)
 from openai_stub import StubServer
 

@@ -1,0 +1,45 @@
+"""Session fixtures: the embedded model is loaded once and served by one proxy for all tests."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+HARNESS_REQUESTS = os.path.join(os.path.dirname(ROOT), "shared", "harness-requests")
+
+
+@pytest.fixture(scope="session")
+def tok():
+    from lightning_lite.models import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
+def model():
+    from lightning_lite.models import load_model
+
+    return load_model("smollm2").eval()
+
+
+@pytest.fixture(scope="session")
+def backend(model, tok):
+    from lightning_lite.backends import HFBackend
+
+    b = HFBackend(model, tok)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="session")
+def server(backend, tok, tmp_path_factory):
+    """One proxy on a free port; its calls go to <tmp>/calls.jsonl. Tests use their own rollout ids."""
+    from lightning_lite.proxy import Proxy, ProxyServer
+
+    out = tmp_path_factory.mktemp("proxy")
+    srv = ProxyServer(Proxy(backend, tok, out_dir=str(out), max_body_mb=1)).start()
+    srv.out = out
+    yield srv
+    srv.stop()

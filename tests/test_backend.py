@@ -1,0 +1,99 @@
+"""HFBackend: the sampled distribution's logprobs, batching, stop conditions, pause and weight sync."""
+
+import asyncio
+import math
+import threading
+import time
+
+import torch
+
+from lightning_lite.backends import sample_token
+from lightning_lite.chat import Sampling
+
+
+def test_sample_token_logprob_is_that_of_the_truncated_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    # top_k=2 keeps {0.5, 0.3} -> renormalized 0.625 / 0.375
+    seen = {sample_token(logits, Sampling(top_k=2), torch.Generator().manual_seed(s)) for s in range(40)}
+    assert {t for t, _ in seen} == {0, 1}
+    for t, lp in seen:
+        assert math.isclose(lp, math.log([0.625, 0.375][t]), rel_tol=1e-5)
+    # top_p=0.7: 0.5 alone < 0.7, so {0.5, 0.3} is the smallest set reaching it
+    for s in range(20):
+        t, lp = sample_token(logits, Sampling(top_p=0.7), torch.Generator().manual_seed(s))
+        assert t in (0, 1) and math.isclose(lp, math.log([0.625, 0.375][t]), rel_tol=1e-5)
+    # temperature 2: softmax(log p / 2) = sqrt(p) / sum(sqrt(p))
+    q = torch.sqrt(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    t, lp = sample_token(logits, Sampling(temperature=2.0), torch.Generator().manual_seed(0))
+    assert math.isclose(lp, math.log(q[t] / q.sum()), rel_tol=1e-5)
+    # greedy reports the plain model logprob of the argmax
+    t, lp = sample_token(logits, Sampling(temperature=0))
+    assert t == 0 and math.isclose(lp, math.log(0.5), rel_tol=1e-6)
+
+
+def _prompt(tok, text):
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+
+
+def test_concurrent_requests_are_batched_and_match_teacher_forcing(backend, tok, model):
+    prompts = [tok.encode(_prompt(tok, q)) for q in ["Name a fruit.", "What is 4+4?", "Say a long sentence about cats and dogs."]]
+    before = dict(backend.stats)
+
+    async def go():
+        return await asyncio.gather(*[backend.generate(p, Sampling(max_tokens=6, seed=i, top_k=40)) for i, p in enumerate(prompts)])
+
+    gens = asyncio.run(go())
+    assert backend.stats["requests"] - before["requests"] == 3
+    assert backend.stats["batches"] - before["batches"] < 3  # at least two of them shared a batch
+    for p, g in zip(prompts, gens):
+        assert 1 <= len(g.response_ids) <= 6 and len(g.logprobs) == len(g.response_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([p + g.response_ids])).logits[0]
+        for i, (t, lp) in enumerate(zip(g.response_ids, g.logprobs)):
+            row = logits[len(p) - 1 + i]
+            kth = torch.topk(row, 40).values[-1]
+            ref = torch.log_softmax(row.masked_fill(row < kth, float("-inf")), -1)[t].item()
+            assert abs(ref - lp) < 2e-3
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(backend, tok):
+    p = tok.encode(_prompt(tok, "Tell me about the moon in one sentence, please, with details."))
+
+    async def go():
+        return [await backend.generate(p, Sampling(max_tokens=5, seed=7)) for _ in range(2)]
+
+    cached = backend.stats["cached_tokens"]
+    a, b = asyncio.run(go())
+    assert backend.stats["cached_tokens"] - cached >= len(p) - 1  # the second prefill reused the first's KV
+    assert a.response_ids == b.response_ids
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
+def test_eos_and_context_limit(backend, tok):
+    p = tok.encode(_prompt(tok, "What is 2+3?"))  # greedy: "2 + 3 = 5" and EOS
+    g = asyncio.run(backend.generate(p, Sampling(max_tokens=30, temperature=0)))
+    assert g.finish_reason == "stop" and g.response_ids[-1] == tok.eos_token_id and "<|im_end|>" not in g.text
+    # a prompt that fills the context leaves room for the rest only
+    long = (p * (backend.max_model_len // len(p)))[: backend.max_model_len - 2]
+    g = asyncio.run(backend.generate(long, Sampling(max_tokens=100, temperature=0)))
+    assert len(g.response_ids) <= 2
+
+
+def test_pause_holds_requests_and_sync_weights_bumps_version(backend, tok):
+    p = tok.encode(_prompt(tok, "Hi"))
+    backend.pause()
+    done = threading.Event()
+    result = {}
+
+    def run():
+        result["g"] = asyncio.run(backend.generate(p, Sampling(max_tokens=2)))
+        done.set()
+
+    threading.Thread(target=run).start()
+    time.sleep(1.0)
+    assert not done.is_set()  # paused: nothing generates while the trainer owns the weights
+    v = backend.version
+    backend.sync_weights()
+    assert backend.version == v + 1 and backend._prefix_len == 0
+    backend.resume()
+    assert done.wait(60) and result["g"].version == v + 1

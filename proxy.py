@@ -27,7 +27,7 @@ def main():
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--out", default="runs/proxy", help="calls are appended to OUT/calls.jsonl")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--no-reuse-tokens", action="store_true", help="render every prompt fresh instead of reusing sampled tokens (for comparison)")
     a = p.parse_args()

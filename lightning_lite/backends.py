@@ -90,7 +90,7 @@ class _Request:
 class HFBackend:
     """Embedded transformers backend with batching and a prefix KV cache."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 16, max_model_len: Optional[int] = None, prefix_cache_tokens: int = 65536):
+    def __init__(self, model, tokenizer, max_batch_size: int = 32, max_model_len: Optional[int] = None, prefix_cache_tokens: int = 32768):
         self.model, self.tok = model, tokenizer
         self.device = next(model.parameters()).device
         cfg_len = getattr(model.config, "max_position_embeddings", None) or 4096
@@ -172,25 +172,25 @@ class HFBackend:
                     for r in self._pending:
                         r.loop.call_soon_threadsafe(_set_exc, r.future, RuntimeError("backend closed"))
                     return
-                batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
                 self._busy = True
-                version = self.version
             t0 = time.time()
             try:
                 with torch.inference_mode():
-                    self._run(batch)
-                for r in batch:
-                    gen = Generation(r.response_ids, r.logprobs, r.finish_reason or "length", r.text, version)
-                    r.loop.call_soon_threadsafe(_set_result, r.future, gen)
-            except Exception as e:  # a backend failure fails these requests (the proxy reports it), never silently
-                for r in batch:
-                    r.loop.call_soon_threadsafe(_set_exc, r.future, e)
+                    self._run()
             finally:
                 with self._cond:
                     self._busy = False
                     self.stats["batches"] += 1
                     self.stats["busy_s"] += time.time() - t0
                     self._cond.notify_all()
+
+    def _take(self, room: int) -> list[_Request]:
+        """Pending requests that may join the running batch (none while paused)."""
+        with self._cond:
+            if self._paused or room <= 0:
+                return []
+            new, self._pending = self._pending[:room], self._pending[room:]
+            return new
 
     def _lookup(self, ids: list[int]) -> tuple[int, Optional[list]]:
         """Longest cached prefix of ``ids`` (leaving at least one token to prefill)."""
@@ -210,8 +210,13 @@ class HFBackend:
         return best_len, [(k[:, :, :best_len], v[:, :, :best_len]) for k, v in self._prefix[best][1]]
 
     def _store(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Remember the KV of ``ids``; entries that are a prefix of it become redundant and leave."""
         if len(ids) > self.prefix_cache_tokens or self.prefix_cache_tokens <= 0:
             return
+        for key, (toks, _) in list(self._prefix.items()):
+            if len(toks) <= len(ids) and ids[: len(toks)] == toks:
+                del self._prefix[key]
+                self._prefix_len -= len(toks)
         self._prefix[id(kv)] = (ids, kv)
         self._prefix_len += len(ids)
         while self._prefix_len > self.prefix_cache_tokens:
@@ -228,6 +233,8 @@ class HFBackend:
         out = self.model(input_ids=rest, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.stats["prompt_tokens"] += len(r.prompt_ids)
         self.stats["cached_tokens"] += hit
+        # Requests that arrive together often share a prompt (a GRPO group): let the next one reuse this one.
+        self._store(list(r.prompt_ids), [(l.keys, l.values) for l in out.past_key_values.layers])
         return out.past_key_values, out.logits[0, -1]
 
     def _finish(self, r: _Request, tok: int) -> bool:
@@ -247,69 +254,85 @@ class HFBackend:
             return True
         return False
 
-    def _run(self, batch: list[_Request]):
+    def _run(self):
+        """Decode until no request is left, admitting new requests at every step (continuous batching).
+
+        Each row's KV cache is left-padded to the batch's length; a row that
+        finishes is answered at once and leaves the batch, so an agent's next
+        turn can join while the others still decode.
+        """
         from transformers import DynamicCache
 
-        self.stats["requests"] += len(batch)
-        caches, logits = zip(*[self._prefill(r) for r in batch])
-        # Left-pad every request's cache to one length so they decode as a batch.
-        lens = [c.get_seq_length() for c in caches]
-        L, B = max(lens), len(batch)
-        layers = []
-        for li in range(len(caches[0].layers)):
-            k0 = caches[0].layers[li].keys
-            K = k0.new_zeros((B, k0.shape[1], L, k0.shape[3]))
-            V = K.clone()
-            for i, c in enumerate(caches):
-                K[i, :, L - lens[i] :] = c.layers[li].keys[0]
-                V[i, :, L - lens[i] :] = c.layers[li].values[0]
-            layers.append((K, V))
-        cache = DynamicCache(ddp_cache_data=layers)
-        mask = torch.zeros((B, L), dtype=torch.long, device=self.device)
-        for i, n in enumerate(lens):
-            mask[i, L - n :] = 1
-        pos = torch.tensor(lens, device=self.device)
-        start = [L - n for n in lens]  # where each row's real cache begins (shifts when rows drop out)
-        rows = list(range(B))  # batch row -> request
-        last = torch.stack(logits)
-        while rows:
-            toks, done = [], []
-            for j, i in enumerate(rows):
-                r = batch[i]
-                tok, lp = sample_token(last[j], r.sampling, r.generator)
-                r.response_ids.append(tok)
-                r.logprobs.append(lp)
-                self.stats["generated_tokens"] += 1
-                toks.append(tok)
-                if self._finish(r, tok):
-                    done.append(j)
-                    # cache holds prompt + response[:-1]: keep it for the next turn of this conversation
-                    seq = r.prompt_ids + r.response_ids[:-1]
-                    self._store(seq, [(K[j : j + 1, :, start[j] :].clone(), V[j : j + 1, :, start[j] :].clone()) for K, V in ((l.keys, l.values) for l in cache.layers)])
-            if done:
-                keep = [j for j in range(len(rows)) if j not in done]
-                if not keep:
-                    break
-                idx = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(idx)
-                mask, pos, last = mask[idx], pos[idx], last[idx]
-                rows, toks, start = [rows[j] for j in keep], [toks[j] for j in keep], [start[j] for j in keep]
-            # Drop columns that are padding for every remaining row.
-            trim = min(start)
-            if trim > 0:
-                for l in cache.layers:
-                    l.keys, l.values = l.keys[:, :, trim:], l.values[:, :, trim:]
-                mask, start = mask[:, trim:], [s - trim for s in start]
-            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)
-            out = self.model(
-                input_ids=torch.tensor(toks, device=self.device)[:, None],
-                attention_mask=mask,
-                position_ids=pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            pos = pos + 1
-            last = out.logits[:, -1]
+        rows: list[_Request] = []
+        cache = mask = pos = last = None
+        start: list[int] = []  # where each row's real cache begins
+        version = self.version  # no weight sync can happen while a batch runs
+        while True:
+            new = self._take(self.max_batch_size - len(rows))
+            try:
+                if new:  # prefill each on its own (with a cached prefix), then merge into the batch
+                    self.stats["requests"] += len(new)
+                    for r in new:
+                        c, logit = self._prefill(r)
+                        n = c.get_seq_length()
+                        L = mask.shape[1] if rows else n
+                        if rows and n > L:  # widen the batch on the left
+                            grow = n - L
+                            for layer in cache.layers:
+                                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, grow, 0))
+                                layer.values = torch.nn.functional.pad(layer.values, (0, 0, grow, 0))
+                            mask = torch.nn.functional.pad(mask, (grow, 0))
+                            start = [s + grow for s in start]
+                            L = n
+                        kv = [(torch.nn.functional.pad(l.keys, (0, 0, L - n, 0)), torch.nn.functional.pad(l.values, (0, 0, L - n, 0))) for l in c.layers]
+                        row_mask = torch.zeros((1, L), dtype=torch.long, device=self.device)
+                        row_mask[0, L - n :] = 1
+                        if rows:
+                            for layer, (k, v) in zip(cache.layers, kv):
+                                layer.keys, layer.values = torch.cat([layer.keys, k]), torch.cat([layer.values, v])
+                            mask, pos, last = torch.cat([mask, row_mask]), torch.cat([pos, pos.new_tensor([n])]), torch.cat([last, logit[None]])
+                        else:
+                            cache, mask, pos, last = DynamicCache(ddp_cache_data=kv), row_mask, torch.tensor([n], device=self.device), logit[None]
+                        rows.append(r)
+                        start.append(L - n)
+                if not rows:
+                    return
+                toks, done = [], []
+                for j, r in enumerate(rows):
+                    tok, lp = sample_token(last[j], r.sampling, r.generator)
+                    r.response_ids.append(tok)
+                    r.logprobs.append(lp)
+                    self.stats["generated_tokens"] += 1
+                    toks.append(tok)
+                    if self._finish(r, tok):
+                        done.append(j)
+                        # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
+                        seq = r.prompt_ids + r.response_ids[:-1]
+                        self._store(seq, [(l.keys[j : j + 1, :, start[j] :].clone(), l.values[j : j + 1, :, start[j] :].clone()) for l in cache.layers])
+                        gen = Generation(r.response_ids, r.logprobs, r.finish_reason or "length", r.text, version)
+                        r.loop.call_soon_threadsafe(_set_result, r.future, gen)
+                if done:
+                    keep = [j for j in range(len(rows)) if j not in done]
+                    rows, toks, start = [rows[j] for j in keep], [toks[j] for j in keep], [start[j] for j in keep]
+                    if not rows:
+                        continue  # maybe new requests are waiting
+                    idx = torch.tensor(keep, device=self.device)
+                    cache.batch_select_indices(idx)
+                    mask, pos, last = mask[idx], pos[idx], last[idx]
+                trim = min(start)  # drop columns that are padding for every remaining row
+                if trim > 0:
+                    for layer in cache.layers:
+                        layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
+                    mask, start = mask[:, trim:], [s - trim for s in start]
+                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)
+                out = self.model(input_ids=torch.tensor(toks, device=self.device)[:, None], attention_mask=mask,
+                                 position_ids=pos[:, None], past_key_values=cache, use_cache=True)
+                pos, last = pos + 1, out.logits[:, -1]
+            except Exception as e:  # a backend failure fails these requests (the proxy reports it), never silently
+                for r in rows + new:
+                    r.loop.call_soon_threadsafe(_set_exc, r.future, e)
+                rows, new = [], []
+                return
 
 
 def _set_result(fut: asyncio.Future, value):

@@ -23,8 +23,10 @@ def test_score():
     assert score("ANSWER: 8", 7) == 0.1 and score("ANSWER: 8", 7, format_reward=0.0) == 0.0
     assert score("ANSWER: 1,234", 1234) == 1.0
     assert score("ANSWER: -3", -3) == 1.0
-    assert score("The answer is 7", 7) == 0.0  # not the format
-    assert score("7", 7) == 0.0 and score("", 7) == 0.0 and score(None, 7) == 0.0
+    assert score("The answer is 7", 7) == 1.0  # lenient: the last number counts
+    assert score("The answer is 7", 7, strict=True) == 0.0  # strict: only the ANSWER line
+    assert score("7 apples, then 8 more", 7) == 0.0 and score("no number at all", 7) == 0.0
+    assert score("7", 7) == 1.0 and score("7", 7, strict=True) == 0.0 and score("", 7) == 0.0 and score(None, 7) == 0.0
 
 
 def test_calculator_is_safe_and_never_raises():
@@ -91,7 +93,7 @@ def test_agent_uses_the_calculator_and_is_rewarded():
     assert (result.reward, result.error) == (1.0, None)
     assert [rid for rid, _, _ in requests] == ["r1", "r1"]
     first, second = requests[0][2], requests[1][2]
-    assert first["model"] == "stub-model" and first["max_tokens"] == 96
+    assert first["model"] == "stub-model" and first["max_tokens"] == 64
     assert first["tools"][0]["function"]["name"] == "calculator"
     assert "ANSWER:" in first["messages"][0]["content"] and first["messages"][1]["role"] == "user"
     assistant, tool = second["messages"][2], second["messages"][3]

@@ -54,21 +54,38 @@ ITEMS = ["apples", "pens", "books", "coins", "cards", "cookies", "marbles", "sti
 ANSWER_RE = re.compile(r"answer\s*[:=]\s*[*$\s]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
 
 
-def score(text: str, answer: float, format_reward: float = 0.1) -> float:
-    """1.0 if the last ``ANSWER: <number>`` in ``text`` is ``answer``; ``format_reward``
-    if there is such a line with the wrong number; 0.0 if there is none.
+NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
-    >>> score("3 + 4 = 7. ANSWER: 7", 7), score("Answer: 7.0", 7), score("ANSWER: 8", 7), score("7", 7)
-    (1.0, 1.0, 0.1, 0.0)
+
+def _value(s: str):
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:  # "1,2,3" and the like
+        return None
+
+
+def score(text: str, answer: float, format_reward: float = 0.1, strict: bool = False) -> float:
+    """1.0 if the final answer in ``text`` is ``answer``; ``format_reward`` for a wrong
+    answer given as ``ANSWER: <number>``; 0.0 otherwise.
+
+    The final answer is the last ``ANSWER: <number>``; without one, and unless
+    ``strict``, the last number in the text. (SmolLM2-135M almost never writes
+    the ANSWER line unprompted but often ends with the result, "3 + 4 = 7.":
+    the lenient rule gives RL a signal from the first step, and the format
+    reward pulls it towards the fixed format.)
+
+    >>> score("3 + 4 = 7. ANSWER: 7", 7), score("Answer: 7.0", 7), score("ANSWER: 8", 7), score("3 + 4 = 7.", 7)
+    (1.0, 1.0, 0.1, 1.0)
+    >>> score("3 + 4 = 7.", 7, strict=True), score("no number", 7)
+    (0.0, 0.0)
     """
     found = ANSWER_RE.findall(text or "")
-    if not found:
-        return 0.0
-    try:
-        value = float(found[-1].replace(",", ""))
-    except ValueError:  # "1,2,3" and the like: right format, wrong number
-        return format_reward
-    return 1.0 if abs(value - float(answer)) < 1e-9 else format_reward
+    if found:
+        value = _value(found[-1])
+        return 1.0 if value is not None and abs(value - float(answer)) < 1e-9 else format_reward
+    numbers = [] if strict else NUMBER_RE.findall(text or "")
+    value = _value(numbers[-1]) if numbers else None
+    return 1.0 if value is not None and abs(value - float(answer)) < 1e-9 else 0.0
 
 
 # ---------------------------------------------------------------------------- the tool
@@ -158,13 +175,14 @@ class CalcHarness(Harness):
     name = "calc"
 
     def __init__(self, n_train: int = 2000, n_test: int = 200, difficulty: int = 1, seed: int = 0,
-                 format_reward: float = 0.1, max_turns: int = 3, max_tokens: int = 96,
-                 temperature: float = 1.0):
+                 format_reward: float = 0.1, max_turns: int = 3, max_tokens: int = 64,
+                 temperature: float = 0.7, strict: bool = False):
         if difficulty not in (1, 2, 3):
             raise ValueError(f"calc difficulty must be 1, 2 or 3, not {difficulty!r}")
         self.n = {"train": n_train, "test": n_test}
         self.difficulty, self.seed, self.format_reward = difficulty, seed, format_reward
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
+        self.strict = strict
         self._tasks: dict[str, list[Task]] = {}
 
     def tasks(self, split: str) -> list[Task]:
@@ -211,4 +229,4 @@ class CalcHarness(Harness):
                               else f"error: unknown tool {call.function.name!r}; use calculator")
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         # The answer is whatever the model said last (a turn-limited run may end on a tool call).
-        return score(message.content or "", task.answer, self.format_reward)
+        return score(message.content or "", task.answer, self.format_reward, self.strict)

@@ -1,0 +1,61 @@
+"""Small harnesses for the train.py tests: a guaranteed learning signal, and failures on purpose."""
+
+import asyncio
+import sys
+
+import openai
+
+from lightning_lite.harness import Harness, SubprocessHarness, Task
+
+TOPICS = ["cats", "rain", "bread", "trains", "the sea", "music", "snow", "books"]
+
+
+class LengthHarness(Harness):
+    """One short call; reward = reply length / 80 characters. Sampled replies differ in length,
+    so every group has variance and every step updates the weights."""
+
+    name = "length"
+
+    def tasks(self, split):
+        return [Task(f"{split}-{i}", f"Say something about {t}.") for i, t in enumerate(TOPICS)]
+
+    async def run(self, task, endpoint):
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
+            r = await c.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": task.prompt}], max_tokens=8, temperature=1.0)
+        return min(1.0, len(r.choices[0].message.content or "") / 80)
+
+
+class FlakyHarness(LengthHarness):
+    """Task 0 raises, task 1 hangs past the timeout, task 2 gives no reward, the rest work."""
+
+    name = "flaky"
+
+    async def run(self, task, endpoint):
+        i = int(task.id.split("-")[1])
+        if i == 0:
+            raise RuntimeError("the harness crashed on purpose")
+        if i == 1:
+            await asyncio.sleep(3600)
+        if i == 2:
+            return None
+        return await super().run(task, endpoint)
+
+
+SCRIPT = """
+import os, openai
+c = openai.OpenAI(max_retries=0)  # reads OPENAI_BASE_URL and OPENAI_API_KEY
+r = c.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+print(len(r.choices[0].message.content or "") / 10)
+"""
+
+
+class ScriptHarness(SubprocessHarness):
+    """A harness that is a separate program talking to the proxy through the environment."""
+
+    name = "script"
+
+    def tasks(self, split):
+        return [Task(f"{split}-{i}", "Hi") for i in range(4)]
+
+    def command(self, task, endpoint):
+        return [sys.executable, "-c", SCRIPT], {}, None

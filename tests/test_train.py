@@ -1,0 +1,93 @@
+"""train.py end to end on the embedded model: DDP on two CPU processes, resume, failures, harness kinds."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+HARNESSES = os.path.join(ROOT, "tests", "harnesses.py")
+TINY = ["--batch-size", "2", "--group-size", "3", "--eval-tasks", "2", "--max-concurrency", "8"]
+
+
+def run(args, timeout=600):
+    p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p.stdout + p.stderr
+
+
+def rows(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_torchrun_two_ranks_then_resume(tmp_path, model):
+    out = str(tmp_path / "run")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run(torchrun + ["train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "2", "--save-every", "1", "--lr", "1e-4", "--out", out] + TINY)
+    steps = [r for r in rows(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["rollouts"] == 6 and r["failed"] == 0 and r["samples"] == 6 and r["grad_norm"] > 0 for r in steps)
+    assert len([r for r in rows(out) if "eval_reward" in r]) == 2  # before and after
+    for step in (0, 1):
+        for rank in (0, 1):
+            calls = [json.loads(line) for line in open(os.path.join(out, "calls", f"step_{step}.rank{rank}.jsonl"))]
+            assert len(calls) == 3 and {c["model_version"] for c in calls} == {step}
+    assert json.load(open(os.path.join(out, "config.json")))["world_size"] == 2
+    assert os.path.exists(os.path.join(out, "reward.png"))
+    # the checkpoint is a transformers model, and training changed it
+    from transformers import AutoModelForCausalLM
+
+    ckpt = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoints", "step_2"))
+    changed = [n for (n, a), b in zip(ckpt.named_parameters(), model.parameters()) if not torch.equal(a, b)]
+    assert len(changed) > 10
+    # --resume continues at step 2 with the optimizer state and the same data order
+    run(torchrun + ["train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "3", "--resume", "--lr", "1e-4", "--out", out] + TINY)
+    steps = [r for r in rows(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert json.load(open(os.path.join(out, "config.json")))["start_step"] == 2
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_3"
+
+
+def test_failing_rollouts_are_reported_and_training_goes_on(tmp_path):
+    out = str(tmp_path / "run")
+    log = run([sys.executable, "train.py", "--harness", HARNESSES + ":FlakyHarness", "--steps", "1", "--batch-size", "6", "--group-size", "2",
+               "--eval-tasks", "0", "--rollout-timeout", "20", "--out", out])
+    (step,) = rows(out)
+    assert step["rollouts"] == 12 and step["failed"] == 6 and step["samples"] == 6 and step["grad_norm"] > 0
+    assert "the harness crashed on purpose" in log and "timeout after 20" in log and "no reward" in log
+
+
+def test_batch_must_divide_over_ranks(tmp_path):
+    env = dict(os.environ, WORLD_SIZE="1")
+    p = subprocess.run([sys.executable, "train.py", "--harness", "calc", "--group-size", "0", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert p.returncode != 0 and "--group-size" in p.stderr
+
+
+def test_subprocess_harness_calls_land_in_its_rollout(server):
+    from lightning_lite.harness import Endpoint, load_harness, run_rollouts
+
+    h = load_harness(HARNESSES + ":ScriptHarness")
+    jobs = [(f"sub-{i}", t) for i, t in enumerate(h.tasks("train")[:2])]
+    endpoint_for = lambda rid: Endpoint(server.base_url(rid), "sk-sub", "smollm2", rid, server.url)  # noqa: E731
+    results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
+    assert all(r.error is None and r.reward is not None for r in results), results
+    calls = server.proxy.take_calls()
+    assert sorted(c.rollout_id for c in calls if c.rollout_id.startswith("sub-")) == ["sub-0", "sub-1"]
+
+
+def test_calc_agent_on_the_embedded_model(server):
+    from lightning_lite.harness import Endpoint, load_harness, run_rollouts
+
+    h = load_harness("calc", max_tokens=16)
+    jobs = [(f"calc-{i}", t) for i, t in enumerate(h.tasks("test")[:3])]
+    endpoint_for = lambda rid: Endpoint(server.base_url(rid), "k", "smollm2", rid, server.url)  # noqa: E731
+    results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
+    assert all(r.error is None and 0.0 <= r.reward <= 1.0 for r in results), results
+    calls = [c for c in server.proxy.take_calls() if c.rollout_id.startswith("calc-")]
+    assert {c.rollout_id for c in calls} == {"calc-0", "calc-1", "calc-2"}
+    assert all(c.temperature == 0.7 and len(c.response_ids) <= 16 for c in calls)

@@ -1,0 +1,374 @@
+"""Harnessed agentic RL in one loop.
+
+    python train.py --harness calc                          # one process (CPU or one GPU)
+    torchrun --nproc_per_node 2 train.py --harness calc     # DDP: gloo on CPU, NCCL on GPU
+
+Every rank serves the policy through its own proxy (http://127.0.0.1:PORT/rollout/<id>/v1)
+and runs its share of the step's tasks through the harness. One step, top to bottom:
+
+    rollouts -> samples -> advantages -> micro-batches -> loss + backward -> AdamW -> weight sync -> log
+
+Outputs in --out: config.json, metrics.jsonl (one line per step), calls/step_K.jsonl
+(every recorded call), checkpoints/step_K (transformers format), reward.png.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_lite import algo
+from lightning_lite.backends import HFBackend
+from lightning_lite.harness import Endpoint, load_harness, parse_kwargs, run_rollouts
+from lightning_lite.models import load_model, load_tokenizer
+from lightning_lite.proxy import Proxy, ProxyServer
+from lightning_lite.samples import build_batch_samples
+
+# ----------------------------------------------------------------------------- config (defaults in one place)
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--harness", default="calc", help="examples/NAME/harness.py, a .py path, or package.module[:Name]")
+p.add_argument("--harness-arg", action="append", default=[], metavar="K=V", help="keyword argument for the harness (repeatable)")
+p.add_argument("--model", default="smollm2", help="'smollm2' (embedded) or a transformers model directory")
+p.add_argument("--out", default="runs/train")
+p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--batch-size", type=int, default=8, help="tasks per step, over all ranks")
+p.add_argument("--group-size", type=int, default=4, help="rollouts per task (a GRPO group)")
+p.add_argument("--lr", type=float, default=1e-5)
+p.add_argument("--warmup-steps", type=int, default=2)
+p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"], help="after warmup: constant, or cosine to 10%%")
+p.add_argument("--weight-decay", type=float, default=0.0)
+p.add_argument("--grad-clip", type=float, default=1.0)
+p.add_argument("--loss", default="ppo", choices=algo.LOSSES, help="ppo: clipped token ratio; gspo: clipped sequence ratio; tis: REINFORCE x truncated IS weight")
+p.add_argument("--norm", default="rollout-mean", choices=algo.NORMS, help="loss normalization (README: 'Loss normalization')")
+p.add_argument("--adv", default="grpo", choices=algo.ESTIMATORS, help="advantage estimator")
+p.add_argument("--clip-low", type=float, default=0.2)
+p.add_argument("--clip-high", type=float, default=0.28)
+p.add_argument("--tis-cap", type=float, default=2.0)
+p.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial model (0: off, no reference model loaded)")
+p.add_argument("--norm-const", type=float, default=None, help="constant of seq-mean-token-sum-norm (default: longest sample's trainable tokens)")
+p.add_argument("--drop-zero-variance", action="store_true", help="drop groups whose rollouts all got the same reward")
+p.add_argument("--max-seq-len", type=int, default=2048, help="longer samples are cut at a turn boundary (counted)")
+p.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward/backward")
+p.add_argument("--max-concurrency", type=int, default=8, help="rollouts in flight per rank")
+p.add_argument("--rollout-timeout", type=float, default=300.0, help="seconds before a rollout is killed and marked failed")
+p.add_argument("--eval-every", type=int, default=0, help="evaluate on the test split every N steps (0: only before and after)")
+p.add_argument("--eval-tasks", type=int, default=100, help="test tasks per evaluation (0: no evaluation)")
+p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+p.add_argument("--max-batch-size", type=int, default=32, help="backend: requests decoded together")
+p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+args = p.parse_args()
+
+# ----------------------------------------------------------------------------- distributed setup
+ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+if ddp:
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+master = rank == 0
+if args.batch_size % world:
+    sys.exit(f"--batch-size {args.batch_size} does not divide over {world} ranks: use a multiple of {world} (GRPO groups stay on one rank)")
+if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
+    sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
+torch.manual_seed(args.seed + rank)
+random.seed(args.seed + rank)
+os.makedirs(os.path.join(args.out, "calls"), exist_ok=True)
+metrics_path, ckpt_root = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "checkpoints")
+
+
+def log(*a):
+    if master:
+        print(*a, flush=True)
+
+
+def all_sum(values):
+    """Sum a list of floats over ranks (a no-op on one rank)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    if ddp:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# ----------------------------------------------------------------------------- model, optimizer, resume
+start_step, resume_dir = 0, None
+if args.resume and os.path.exists(os.path.join(ckpt_root, "latest")):
+    resume_dir = os.path.join(ckpt_root, open(os.path.join(ckpt_root, "latest")).read().strip())
+elif args.resume:
+    log(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
+tok = load_tokenizer(args.model)
+model = load_model(resume_dir or args.model, device)
+ref_model = load_model(args.model, device).eval().requires_grad_(False) if args.kl_coef > 0 else None
+train_model = DDP(model) if ddp else model
+opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+
+
+def lr_at(step):
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "cosine":
+        t = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+        return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
+    return args.lr
+
+
+if resume_dir:
+    state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), map_location=device, weights_only=False)
+    opt.load_state_dict(state["optimizer"])
+    start_step = state["step"]
+    log(f"resumed from {resume_dir} at step {start_step}")
+
+config = {**vars(args), "world_size": world, "start_step": start_step}
+log(json.dumps(config, indent=1))
+if master:
+    json.dump(config, open(os.path.join(args.out, "config.json"), "w"), indent=1)
+
+# ----------------------------------------------------------------------------- backend, proxy, harness
+# The backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
+backend = HFBackend(model, tok, max_batch_size=args.max_batch_size)
+backend.version = start_step
+proxy = Proxy(backend, tok, model_name=args.model)
+server = ProxyServer(proxy).start()
+harness = load_harness(args.harness, **parse_kwargs(args.harness_arg))
+train_tasks, test_tasks = harness.tasks("train"), harness.tasks("test")[: args.eval_tasks]
+log(f"rank 0 proxy at {server.url}; harness {args.harness}: {len(train_tasks)} train / {len(test_tasks)} test tasks")
+
+
+def endpoint_for(rid):
+    return Endpoint(server.base_url(rid), "sk-lightning-lite", args.model, rid, server.url)
+
+
+def step_tasks(step):
+    """This rank's tasks of a step: a fixed shuffle of the train split per epoch, so --resume sees the same order."""
+    per_epoch = max(1, len(train_tasks) // args.batch_size)
+    epoch, k = divmod(step, per_epoch)
+    order = list(range(len(train_tasks)))
+    random.Random(args.seed * 1000 + epoch).shuffle(order)
+    batch = [train_tasks[i] for i in order[k * args.batch_size : (k + 1) * args.batch_size]]
+    return batch[rank::world]
+
+
+def rollouts(jobs, calls_path, desc):
+    """Run jobs through the harness on this rank's proxy; return (results, calls, seconds)."""
+    proxy.set_output(calls_path)
+    t0 = time.time()
+    results = asyncio.run(run_rollouts(harness, jobs, endpoint_for, args.max_concurrency, args.rollout_timeout,
+                                       posted_reward=proxy.reward, desc=desc, progress=master))
+    proxy.set_output(None)
+    calls = proxy.take_calls()
+    proxy.reset()
+    return results, calls, time.time() - t0
+
+
+def evaluate(step):
+    if not test_tasks:
+        return None
+    mine = test_tasks[rank::world]
+    results, calls, secs = rollouts([(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(mine)],
+                                    os.path.join(args.out, "calls", f"eval_{step}{'.rank%d' % rank if ddp else ''}.jsonl"), f"eval {step}")
+    ok = [r.reward for r in results if r.reward is not None]
+    n, total, success, failed = all_sum([len(results), sum(ok), sum(r >= 1.0 for r in ok), len(results) - len(ok)])
+    ev = {"step": step, "eval_reward": total / max(1, n), "eval_success": success / max(1, n), "eval_tasks": int(n), "eval_failed": int(failed), "eval_s": round(secs, 1)}
+    log(f"eval @ step {step}: reward {ev['eval_reward']:.3f}  success {ev['eval_success']:.3f} over {int(n)} tasks ({secs:.0f}s)")
+    return ev
+
+
+def save(step):
+    """Checkpoint in transformers format + optimizer state; rank 0 writes (all ranks hold the same weights)."""
+    if not master:
+        return
+    d = os.path.join(ckpt_root, f"step_{step}")
+    tmp = d + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    torch.save({"optimizer": opt.state_dict(), "step": step, "args": vars(args)}, os.path.join(tmp, "trainer_state.pt"))
+    shutil.rmtree(d, ignore_errors=True)
+    os.replace(tmp, d)
+    with open(os.path.join(ckpt_root, "latest"), "w") as f:
+        f.write(f"step_{step}")
+    log(f"saved {d}")
+
+
+def micro_batches(samples, weights):
+    """Sort by tokens (a group's samples share their prompt: neighbours share prefixes and have similar
+    lengths), then cut into micro-batches of at most --micro-batch-tokens padded tokens."""
+    order = sorted(range(len(samples)), key=lambda i: samples[i].tokens)
+    out, cur = [], []
+    for i in order:
+        if cur and max(len(samples[j].tokens) for j in cur + [i]) * (len(cur) + 1) > args.micro_batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in out]
+
+
+def trainer_logprobs(net, tokens, loss_mask, temp):
+    """[B, T] logprobs of ``tokens`` under ``net`` (0.0 before the first trainable position).
+
+    Two savings, both exact:
+    - the rows' common prefix (a GRPO group's prompt, a shared system prompt) runs
+      once and its KV cache is shared by all rows; gradients flow through it;
+    - the LM head runs only from the first trainable position on.
+    Agent prompts are long and responses short, so this is most of the work.
+    """
+    B, T = tokens.shape
+    first = int(loss_mask.nonzero()[:, 1].min()) if loss_mask.any() else T - 1  # >= 1: token 0 is never sampled
+    same = (tokens == tokens[:1]).all(0)
+    P = min(int(same.long().cumprod(0).sum()), first - 1) if B > 1 else 0
+    kw = {}
+    if P >= 16:  # below that the extra call costs more than it saves
+        from transformers import DynamicCache
+
+        raw = getattr(net, "module", net)  # the prefix runs outside DDP's forward; its grads still reach DDP's hooks
+        cache = raw(input_ids=tokens[:1, :P], use_cache=True, logits_to_keep=1).past_key_values
+        kv = [(layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)) for layer in cache.layers]
+        kw = dict(past_key_values=DynamicCache(ddp_cache_data=kv), position_ids=torch.arange(P, T, device=tokens.device)[None].expand(B, -1))
+    else:
+        P = 0
+    keep = torch.arange(first - 1 - P, T - 1 - P, device=tokens.device)
+    logits = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits.float() / temp
+    lp = logits.gather(-1, tokens[:, first:, None])[..., 0] - logits.logsumexp(-1)
+    return torch.cat([lp.new_zeros(B, first), lp], 1)
+
+
+def train_on(samples):
+    """Loss and backward over this rank's micro-batches; gradients summed over ranks by DDP. Returns metrics."""
+    denoms = algo.global_denominators(samples)  # all-reduced before any backward: exact under any split
+    weights = algo.sample_weights(samples, args.norm, denoms, args.norm_const)
+    mbs = micro_batches(samples, weights) or [None]  # a rank without samples still joins the all-reduce
+    metrics = []
+    for i, mb in enumerate(mbs):
+        sync = i == len(mbs) - 1
+        with (train_model.no_sync() if ddp and not sync else contextlib.nullcontext()):
+            if mb is None:
+                out = train_model(input_ids=torch.tensor([[tok.eos_token_id]], device=device))
+                (out.logits.sum() * 0.0).backward()
+                continue
+            b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0)
+            temp = torch.tensor([s.temperature or 1.0 for s in mb[0]], device=device)[:, None, None]
+            lp = trainer_logprobs(train_model, b["tokens"], b["loss_mask"], temp)
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref = trainer_logprobs(ref_model, b["tokens"], b["loss_mask"], temp)
+            loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], loss=args.loss,
+                                       clip_low=args.clip_low, clip_high=args.clip_high, tis_cap=args.tis_cap,
+                                       kl_coef=args.kl_coef, ref_logprobs=ref)
+            (loss * world).backward()  # DDP averages gradients over ranks; the weights already make the global sum
+            metrics.append(m)
+    return algo.reduce_metrics(metrics)
+
+
+# ----------------------------------------------------------------------------- the loop
+if start_step == 0 and args.eval_tasks:
+    ev = evaluate(0)
+    if master and ev:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(ev) + "\n")
+step = start_step
+try:
+    for step in range(start_step, args.steps):
+        t_step = time.time()
+        # 1. rollouts: every task group_size times, through this rank's proxy
+        jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(step_tasks(step)) for g in range(args.group_size)]
+        results, calls, t_roll = rollouts(jobs, os.path.join(args.out, "calls", f"step_{step}{'.rank%d' % rank if ddp else ''}.jsonl"), f"step {step}")
+        ok = {r.rollout_id: r.reward for r in results if r.error is None}
+        gen_tokens = sum(len(c.response_ids) for c in calls)
+        # 2. samples: merge each rollout's calls (failed rollouts are never trained on)
+        samples, sstats = build_batch_samples([c for c in calls if c.rollout_id in ok], args.max_seq_len)
+        # 3. advantages: GRPO groups are the rollouts of one task, all on this rank
+        task_of = {rid: t.id for rid, t in jobs}
+        rewards, groups = algo.gather_rewards(ok, {rid: task_of[rid] for rid in ok}) if ddp else (ok, {rid: task_of[rid] for rid in ok})
+        adv, astats = algo.compute_advantages(rewards, groups, args.adv, drop_zero_variance=args.drop_zero_variance)
+        samples = algo.assign_advantages(samples, adv)  # zero-advantage samples stay: they count in the denominators
+        for s in samples:
+            s.task_id = task_of[s.rollout_id]
+        n_train, n_signal = all_sum([len(samples), sum(s.advantage != 0.0 for s in samples)])
+        # 4-6. loss, backward, optimizer step (skipped when nothing carries a signal)
+        t0 = time.time()
+        backend.pause()  # no generation while the weights change
+        m, gnorm = {}, 0.0
+        if n_signal > 0 or (n_train > 0 and args.kl_coef > 0):
+            model.train()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            opt.zero_grad(set_to_none=True)
+            m = train_on(samples)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
+            opt.step()
+            model.eval()
+        else:
+            log(f"step {step}: every rollout failed or every group has zero advantage; skipping the update")
+        t_train = time.time() - t0
+        # 7. weight sync: the backend serves the new weights from the next request on
+        t0 = time.time()
+        backend.sync_weights(model, version=step + 1)
+        backend.resume()
+        t_sync = time.time() - t0
+        # log: one line per step
+        n_roll, n_fail, r_sum, n_succ, n_tok, n_trainable, n_unmerged, n_calls, n_gen = all_sum([
+            len(results), len(results) - len(ok), sum(ok.values()), sum(r >= 1.0 for r in ok.values()),
+            sstats["tokens"], sstats["trainable_tokens"], sstats["tokens_unmerged"], len(calls), gen_tokens])
+        n_ok = max(1, n_roll - n_fail)
+        row = {
+            "step": step + 1, "reward": r_sum / n_ok, "success": n_succ / n_ok, "rollouts": int(n_roll), "failed": int(n_fail),
+            "calls": int(n_calls), "samples": int(n_train), "trainable_tokens": int(n_trainable),
+            "merge_ratio": n_unmerged / max(1, n_tok), "zero_var_groups": astats.get("zero_variance_groups", 0),
+            "loss": m.get("loss", 0.0), "grad_norm": gnorm, "clip_frac": m.get("clip_frac", 0.0),
+            "prob_corr": m.get("prob_corr", float("nan")), "dlogp_mean": m.get("dlogp_mean", 0.0), "dlogp_max": m.get("dlogp_max", 0.0),
+            "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_train": round(t_train, 2), "t_sync": round(t_sync, 3),
+            "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / max(t_train, 1e-9) / world, "t_step": round(time.time() - t_step, 2),
+            "splits": {k[6:]: v for k, v in sstats.items() if k.startswith("split_") and v},
+        }
+        log(f"step {step + 1:4d} | reward {row['reward']:.3f} succ {row['success']:.2f} | fail {row['failed']} | samples {row['samples']} "
+            f"tok {row['trainable_tokens']} merge {row['merge_ratio']:.2f}x | loss {row['loss']:+.4f} gnorm {gnorm:.3f} clip {row['clip_frac']:.3f} "
+            f"|dlogp| {row['dlogp_mean']:.4f} | roll {t_roll:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {t_train:.1f}s ({row['train_tok_s']:.0f} tok/s) sync {t_sync:.2f}s")
+        if master:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            ev = evaluate(step + 1)
+            if master and ev:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(ev) + "\n")
+        if args.save_every and (step + 1) % args.save_every == 0:
+            save(step + 1)
+    step = args.steps
+except KeyboardInterrupt:
+    log(f"interrupted at step {step}: saving a checkpoint before exiting")
+    save(step)
+    server.stop()
+    backend.close()
+    sys.exit(130)
+
+# ----------------------------------------------------------------------------- the end: evaluate, save, plot
+if args.eval_tasks and args.steps > start_step:
+    ev = evaluate(args.steps)
+    if master and ev:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(ev) + "\n")
+save(args.steps)
+server.stop()
+backend.close()
+if master:
+    from lightning_lite.plot import plot_metrics
+
+    print(f"wrote {plot_metrics(metrics_path, os.path.join(args.out, 'reward.png'))}")
+if ddp:
+    dist.destroy_process_group()

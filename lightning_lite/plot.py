@@ -15,7 +15,7 @@ def plot_metrics(metrics_path: str, out_png: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward (mean over rollouts)", alpha=0.6)
-        ax.plot([r["step"] for r in train], [r["success"] for r in train], label="train success", alpha=0.6)
+        ax.plot([r["step"] for r in train], [r["success"] for r in train], "--", label="train success", alpha=0.6)
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_success"] for r in evals], "o-", color="k", label=f"held-out success ({evals[0]['eval_tasks']} tasks)")
     ax.set_xlabel("step")

@@ -295,3 +295,24 @@ def test_proxy_cli_serves_and_stops_cleanly(tmp_path):
     assert p.returncode == 0, log
     calls = read_calls(str(out / "calls.jsonl"))
     assert [c.rollout_id for c in calls] == ["cli", "cli"] and sum(len(c.response_ids) for c in calls) == n
+
+
+def test_samples_cli_on_calls_recorded_by_the_proxy(server, tmp_path):
+    c = client(server, "for-samples")
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    for turn in range(2):
+        r = c.chat.completions.create(model="m", messages=msgs, max_tokens=5, temperature=1.0)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Another one."}]
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "A side request"}], max_tokens=3)
+    out = tmp_path / "samples.jsonl"
+    p = subprocess.run([sys.executable, "-m", "lightning_lite.samples", os.path.join(server.out, "calls.jsonl"), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "samples" in p.stdout and "new_thread" in p.stdout
+    mine = [json.loads(line) for line in open(out) if json.loads(line)["rollout_id"] == "for-samples"]
+    calls = calls_of(server, "for-samples")
+    assert len(calls) == 3 and len(mine) == 2  # the two turns merged, the side request on its own
+    for s in mine:
+        assert len(s["tokens"]) == len(s["loss_mask"]) == len(s["logprobs"])
+        assert all(lp == 0.0 for m, lp in zip(s["loss_mask"], s["logprobs"]) if not m)
+    assert sum(sum(s["loss_mask"]) for s in mine) == sum(len(c.response_ids) for c in calls)

@@ -63,9 +63,9 @@ def test_failing_rollouts_are_reported_and_training_goes_on(tmp_path):
 
 
 def test_batch_must_divide_over_ranks(tmp_path):
-    env = dict(os.environ, WORLD_SIZE="1")
-    p = subprocess.run([sys.executable, "train.py", "--harness", "calc", "--group-size", "0", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, env=env)
-    assert p.returncode != 0 and "--group-size" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
+                        "--harness", "calc", "--batch-size", "3", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--batch-size 3 does not divide over 2 ranks" in p.stderr
 
 
 def test_subprocess_harness_calls_land_in_its_rollout(server):
@@ -91,3 +91,42 @@ def test_calc_agent_on_the_embedded_model(server):
     calls = [c for c in server.proxy.take_calls() if c.rollout_id.startswith("calc-")]
     assert {c.rollout_id for c in calls} == {"calc-0", "calc-1", "calc-2"}
     assert all(c.temperature == 0.7 and len(c.response_ids) <= 16 for c in calls)
+
+
+@pytest.mark.parametrize("opts", [
+    ["--loss", "gspo", "--clip-low", "3e-4", "--clip-high", "4e-4", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0"],
+    ["--loss", "tis", "--tis-cap", "1.5", "--norm", "seq-mean-token-mean", "--adv", "reinforce", "--kl-coef", "0.05", "--weight-decay", "0.01"],
+    ["--norm", "seq-mean-token-sum", "--adv", "dr_grpo", "--micro-batch-tokens", "64", "--max-seq-len", "48", "--drop-zero-variance"],
+    ["--norm", "seq-mean-token-sum-norm", "--norm-const", "32", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3"],
+], ids=["gspo-token-mean-rloo-cosine", "tis-seq-mean-reinforce-kl", "seq-sum-dr_grpo-microbatch-maxlen", "sum-norm-eval-every"])
+def test_every_loss_norm_and_estimator_trains(tmp_path, opts):
+    out = str(tmp_path / "run")
+    run([sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "2", "--batch-size", "2", "--group-size", "3",
+         "--eval-tasks", "1", "--lr", "1e-4", "--out", out] + opts)
+    steps = [r for r in rows(out) if "reward" in r]
+    assert len(steps) == 2 and all(r["failed"] == 0 and r["samples"] > 0 and r["grad_norm"] > 0 for r in steps)
+    assert abs(steps[0]["dlogp_mean"]) < 1e-3  # same weights on both sides: the trainer reproduces the rollout logprobs
+    assert json.load(open(os.path.join(out, "config.json")))["norm"] == opts[opts.index("--norm") + 1]
+    if "--eval-every" in opts:
+        assert [r["step"] for r in rows(out) if "eval_reward" in r] == [0, 1, 2]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "100", "--batch-size", "2",
+                          "--group-size", "2", "--eval-tasks", "0", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").exists() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        log, _ = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, log[-3000:]
+    assert "saving a checkpoint" in log
+    latest = (out / "checkpoints" / "latest").read_text()
+    assert (out / "checkpoints" / latest / "model.safetensors").exists() and int(latest.split("_")[1]) >= 1

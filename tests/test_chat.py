@@ -1,0 +1,93 @@
+"""chat.py without a model: request parsing, tool-call parsing, rendering with and without native tool support."""
+
+import copy
+import json
+
+import pytest
+
+from lightning_lite.chat import BadRequest, Renderer, Turn, parse_chat_request, parse_tool_calls, same_message
+
+# A Qwen2.5-style template that renders tools and tool calls itself.
+NATIVE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}({{ tc.function.arguments | tojson }})</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_parse_tool_calls_hermes_form():
+    content, calls = parse_tool_calls('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>')
+    assert content == "Let me compute." and len(calls) == 1
+    assert calls[0]["name"] == "calculator" and json.loads(calls[0]["arguments"]) == {"expression": "2+3"} and calls[0]["id"].startswith("call_")
+    # an unclosed block at the end (EOS right after the JSON) still counts; broken JSON stays text
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')[1][0]["name"] == "f"
+    text = '<tool_call>{"name": "f", "arguments": {</tool_call>'
+    assert parse_tool_calls(text) == (text, [])
+
+
+def test_same_message_ignores_formatting_not_meaning():
+    a = {"role": "assistant", "content": " hi ", "tool_calls": [{"id": "1", "name": "f", "arguments": '{"x": 1, "y": [1, 2]}'}]}
+    b = {"role": "assistant", "content": "hi", "tool_calls": [{"id": "other", "name": "f", "arguments": '{"y":[1,2],"x":1}'}]}
+    assert same_message(a, b)
+    c = copy.deepcopy(b)
+    c["tool_calls"][0]["arguments"] = '{"x": 2, "y": [1, 2]}'
+    assert not same_message(a, c)
+
+
+def test_request_parsing_accepts_what_harnesses_send():
+    req = parse_chat_request({
+        "model": "x", "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}]},
+                                   {"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                                   {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "ok"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
+        "max_completion_tokens": 7, "reasoning_effort": "high", "prompt_cache_key": "k", "metadata": {}, "user": "u", "stop": "END",
+    })
+    assert [m["role"] for m in req.messages] == ["system", "user", "assistant", "tool"]
+    assert req.messages[0]["content"] == "be brief" and req.messages[2]["tool_calls"][0]["arguments"] == {}
+    assert req.sampling.max_tokens == 7 and req.sampling.stop == ["END"] and req.force_tool == ""
+    with pytest.raises(BadRequest):
+        parse_chat_request({"messages": [{"role": "user", "content": "x"}], "top_p": 2})
+
+
+def test_native_tool_template_is_used_as_is(tok):
+    t = copy.deepcopy(tok)
+    t.chat_template = NATIVE
+    r = Renderer(t)
+    assert r.native_tools
+    tools = [{"name": "calculator", "parameters": {}}]
+    msgs = [{"role": "user", "content": "2+3?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "name": "calculator", "arguments": '{"expression": "2+3"}'}]},
+            {"role": "tool", "tool_call_id": "c", "content": "5"}]
+    text = r.render_text(msgs, tools)
+    assert text.startswith("<|im_start|>system\nTOOLS:calculator;")  # the template's own tool rendering
+    assert '<tool_call>calculator({"expression": "2+3"})</tool_call>' in text  # arguments passed as a dict
+    assert "<|im_start|>tool\n5" in text and "# Tools" not in text
+
+
+def test_fallback_renders_tools_in_the_system_prompt(tok):
+    r = Renderer(tok)
+    assert not r.native_tools
+    msgs = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+3?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "name": "calculator", "arguments": {"expression": "2+3"}},
+                                                                 {"id": "b", "name": "calculator", "arguments": {"expression": "1"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "5"}, {"role": "tool", "tool_call_id": "b", "content": "1"}]
+    text = r.render_text(msgs, [{"name": "calculator", "parameters": {}}])
+    assert text.startswith("<|im_start|>system\nBe exact.\n\n# Tools") and '"name": "calculator"' in text
+    assert text.count("<tool_call>\n{\"name\": \"calculator\"") == 2  # the two calls, in the convention
+    assert "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n1\n</tool_response><|im_end|>" in text  # one user turn
+
+
+def test_reuse_extends_the_longest_matching_turn(tok):
+    r = Renderer(tok)
+    m0 = [{"role": "user", "content": "hi"}]
+    p0, _, _ = r.build_prompt(m0, [], [])
+    resp0 = r.encode("Hello!") + [tok.eos_token_id]
+    t0 = Turn(0, m0, [], {"role": "assistant", "content": "Hello!"}, p0, resp0)
+    m1 = m0 + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "bye"}]
+    p1, parent, hint = r.build_prompt(m1, [], [t0])
+    assert (parent, hint) == (0, None) and p1[: len(p0) + len(resp0)] == p0 + resp0
+    assert tok.decode(p1) == r.render_text(m1, [])  # SmolLM2's template round-trips: same text either way
+    # different tools: nothing to extend
+    assert r.build_prompt(m1, [{"name": "f"}], [t0])[1:] == (None, "rewrote_history")

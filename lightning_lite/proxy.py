@@ -215,7 +215,8 @@ class Proxy:
         return web.json_response({"status": "ok", "model": self.model_name})
 
     async def health(self, request: web.Request):
-        return web.json_response({"status": "ok", "model": self.model_name, "version": self.backend.version, **self.backend.stats})
+        return web.json_response({"status": "ok", "model": self.model_name, "version": self.backend.version,
+                                  "backend_failures": len(self.failures), **self.backend.stats})
 
     # ------------------------------------------------------------------ app
 

@@ -22,7 +22,6 @@ import random
 import shutil
 import sys
 import time
-from collections import Counter
 
 import torch
 import torch.distributed as dist

@@ -147,7 +147,7 @@ def test_rewritten_history_renders_fresh_and_says_why(server):
     rid = "rewrite"
     c = client(server, rid)
     msgs = [{"role": "user", "content": "Say hi."}]
-    r = c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
+    c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
     msgs += [{"role": "assistant", "content": "something the model never said"}, {"role": "user", "content": "Again."}]
     c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Unrelated title request"}], max_tokens=4, temperature=0)
@@ -274,7 +274,7 @@ def test_proxy_cli_serves_and_stops_cleanly(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "proxy.py"), "--port", str(port), "--out", str(out), "--max-batch-size", "4", "--max-model-len", "2048", "--no-reuse-tokens"],
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "proxy.py"), "--port", str(port), "--out", str(out), "--max-batch-size", "4", "--max-model-len", "2048", "--no-reuse-tokens", "--host", "127.0.0.1", "--device", "cpu", "--model", "smollm2"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/rollout/cli/v1", api_key="x", max_retries=0)

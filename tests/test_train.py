@@ -101,7 +101,7 @@ def test_calc_agent_on_the_embedded_model(server):
     ["--loss", "gspo", "--clip-low", "3e-4", "--clip-high", "4e-4", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0"],
     ["--loss", "tis", "--tis-cap", "1.5", "--norm", "seq-mean-token-mean", "--adv", "reinforce", "--kl-coef", "0.05", "--weight-decay", "0.01"],
     ["--norm", "seq-mean-token-sum", "--adv", "dr_grpo", "--micro-batch-tokens", "64", "--max-seq-len", "48", "--drop-zero-variance"],
-    ["--norm", "seq-mean-token-sum-norm", "--norm-const", "32", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3"],
+    ["--norm", "seq-mean-token-sum-norm", "--norm-const", "32", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3", "--model", "smollm2", "--device", "cpu"],
 ], ids=["gspo-token-mean-rloo-cosine", "tis-seq-mean-reinforce-kl", "seq-sum-dr_grpo-microbatch-maxlen", "sum-norm-eval-every"])
 def test_every_loss_norm_and_estimator_trains(tmp_path, opts):
     out = str(tmp_path / "run")

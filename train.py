@@ -51,7 +51,7 @@ p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine
 p.add_argument("--weight-decay", type=float, default=0.0)
 p.add_argument("--grad-clip", type=float, default=1.0)
 p.add_argument("--loss", default="ppo", choices=algo.LOSSES, help="ppo: clipped token ratio; gspo: clipped sequence ratio; tis: REINFORCE x truncated IS weight")
-p.add_argument("--norm", default="rollout-mean", choices=algo.NORMS, help="loss normalization (README: 'Loss normalization')")
+p.add_argument("--norm", default="rollout-mean", choices=algo.NORMS, help="loss normalization (README: the normalization table)")
 p.add_argument("--adv", default="grpo", choices=algo.ESTIMATORS, help="advantage estimator")
 p.add_argument("--clip-low", type=float, default=0.2)
 p.add_argument("--clip-high", type=float, default=0.28)
@@ -94,12 +94,15 @@ def log(*a):
         print(*a, flush=True)
 
 
-def all_sum(values):
-    """Sum a list of floats over ranks (a no-op on one rank)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    if ddp:
-        dist.all_reduce(t)
-    return t.tolist()
+def append_metrics(row):
+    if master:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def calls_path(name):
+    """Where a step's (or an evaluation's) calls go: one file per rank under DDP."""
+    return os.path.join(args.out, "calls", f"{name}.rank{rank}.jsonl" if ddp else f"{name}.jsonl")
 
 
 # ----------------------------------------------------------------------------- model, optimizer, resume
@@ -173,16 +176,16 @@ def rollouts(jobs, calls_path, desc):
 
 
 def evaluate(step):
+    """Run the test split once (the harness's own sampling settings) and append the result to metrics.jsonl."""
     if not test_tasks:
-        return None
+        return
     mine = test_tasks[rank::world]
-    results, calls, secs = rollouts([(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(mine)],
-                                    os.path.join(args.out, "calls", f"eval_{step}{'.rank%d' % rank if ddp else ''}.jsonl"), f"eval {step}")
+    results, calls, secs = rollouts([(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(mine)], calls_path(f"eval_{step}"), f"eval {step}")
     ok = [r.reward for r in results if r.reward is not None]
-    n, total, success, failed = all_sum([len(results), sum(ok), sum(r >= 1.0 for r in ok), len(results) - len(ok)])
+    n, total, success, failed = algo.all_reduce([len(results), sum(ok), sum(r >= 1.0 for r in ok), len(results) - len(ok)])
     ev = {"step": step, "eval_reward": total / max(1, n), "eval_success": success / max(1, n), "eval_tasks": int(n), "eval_failed": int(failed), "eval_s": round(secs, 1)}
     log(f"eval @ step {step}: reward {ev['eval_reward']:.3f}  success {ev['eval_success']:.3f} over {int(n)} tasks ({secs:.0f}s)")
-    return ev
+    append_metrics(ev)
 
 
 def save(step):
@@ -275,30 +278,25 @@ def train_on(samples):
 
 
 # ----------------------------------------------------------------------------- the loop
-if start_step == 0 and args.eval_tasks:
-    ev = evaluate(0)
-    if master and ev:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(ev) + "\n")
+if start_step == 0:
+    evaluate(0)
 step = start_step
 try:
     for step in range(start_step, args.steps):
         t_step = time.time()
         # 1. rollouts: every task group_size times, through this rank's proxy
         jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(step_tasks(step)) for g in range(args.group_size)]
-        results, calls, t_roll = rollouts(jobs, os.path.join(args.out, "calls", f"step_{step}{'.rank%d' % rank if ddp else ''}.jsonl"), f"step {step}")
+        results, calls, t_roll = rollouts(jobs, calls_path(f"step_{step}"), f"step {step}")
         ok = {r.rollout_id: r.reward for r in results if r.error is None}
         gen_tokens = sum(len(c.response_ids) for c in calls)
         # 2. samples: merge each rollout's calls (failed rollouts are never trained on)
         samples, sstats = build_batch_samples([c for c in calls if c.rollout_id in ok], args.max_seq_len)
         # 3. advantages: GRPO groups are the rollouts of one task, all on this rank
         task_of = {rid: t.id for rid, t in jobs}
-        rewards, groups = algo.gather_rewards(ok, {rid: task_of[rid] for rid in ok}) if ddp else (ok, {rid: task_of[rid] for rid in ok})
+        rewards, groups = algo.gather_rewards(ok, {rid: task_of[rid] for rid in ok})  # all ranks' rollouts under DDP
         adv, astats = algo.compute_advantages(rewards, groups, args.adv, drop_zero_variance=args.drop_zero_variance)
         samples = algo.assign_advantages(samples, adv)  # zero-advantage samples stay: they count in the denominators
-        for s in samples:
-            s.task_id = task_of[s.rollout_id]
-        n_train, n_signal = all_sum([len(samples), sum(s.advantage != 0.0 for s in samples)])
+        n_train, n_signal = algo.all_reduce([len(samples), sum(s.advantage != 0.0 for s in samples)])
         # 4-6. loss, backward, optimizer step (skipped when nothing carries a signal)
         t0 = time.time()
         backend.pause()  # no generation while the weights change
@@ -321,7 +319,7 @@ try:
         backend.resume()
         t_sync = time.time() - t0
         # log: one line per step
-        n_roll, n_fail, r_sum, n_succ, n_tok, n_trainable, n_unmerged, n_calls, n_gen = all_sum([
+        n_roll, n_fail, r_sum, n_succ, n_tok, n_trainable, n_unmerged, n_calls, n_gen = algo.all_reduce([
             len(results), len(results) - len(ok), sum(ok.values()), sum(r >= 1.0 for r in ok.values()),
             sstats["tokens"], sstats["trainable_tokens"], sstats["tokens_unmerged"], len(calls), gen_tokens])
         n_ok = max(1, n_roll - n_fail)
@@ -338,14 +336,9 @@ try:
         log(f"step {step + 1:4d} | reward {row['reward']:.3f} succ {row['success']:.2f} | fail {row['failed']} | samples {row['samples']} "
             f"tok {row['trainable_tokens']} merge {row['merge_ratio']:.2f}x | loss {row['loss']:+.4f} gnorm {gnorm:.3f} clip {row['clip_frac']:.3f} "
             f"|dlogp| {row['dlogp_mean']:.4f} | roll {t_roll:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {t_train:.1f}s ({row['train_tok_s']:.0f} tok/s) sync {t_sync:.2f}s")
-        if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_metrics(row)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            ev = evaluate(step + 1)
-            if master and ev:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(ev) + "\n")
+            evaluate(step + 1)
         if args.save_every and (step + 1) % args.save_every == 0:
             save(step + 1)
     step = args.steps
@@ -357,11 +350,8 @@ except KeyboardInterrupt:
     sys.exit(130)
 
 # ----------------------------------------------------------------------------- the end: evaluate, save, plot
-if args.eval_tasks and args.steps > start_step:
-    ev = evaluate(args.steps)
-    if master and ev:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(ev) + "\n")
+if args.steps > start_step:
+    evaluate(args.steps)
 save(args.steps)
 server.stop()
 backend.close()

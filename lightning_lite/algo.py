@@ -123,7 +123,8 @@ def assign_advantages(samples: list[Sample], advantages: dict[str, float]) -> li
 
 # ----------------------------------------------------------------------------- normalization
 
-def _all_reduce(values: list[float], op, group=None) -> list[float]:
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM, group=None) -> list[float]:
+    """Reduce a few floats over ranks (unchanged without torch.distributed). Collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return values
     # NCCL only reduces CUDA tensors; gloo takes CPU ones.
@@ -143,8 +144,8 @@ def global_denominators(samples: list[Sample], group=None) -> dict:
     """
     n = [sum(s.loss_mask) for s in samples]
     rollouts = {s.rollout_id for s, k in zip(samples, n) if k > 0}
-    tokens, nseq, nroll = _all_reduce([sum(n), sum(k > 0 for k in n), len(rollouts)], dist.ReduceOp.SUM, group)
-    (max_tokens,) = _all_reduce([max(n, default=0)], dist.ReduceOp.MAX, group)
+    tokens, nseq, nroll = all_reduce([sum(n), sum(k > 0 for k in n), len(rollouts)], dist.ReduceOp.SUM, group)
+    (max_tokens,) = all_reduce([max(n, default=0)], dist.ReduceOp.MAX, group)
     return {"tokens": int(tokens), "samples": int(nseq), "rollouts": int(nroll), "max_tokens": int(max_tokens)}
 
 
@@ -295,7 +296,7 @@ def reduce_metrics(metrics: list[dict], group=None) -> dict[str, float]:
             vals = fn(torch.stack([torch.stack([m[k] for k in keys]) for m in metrics]), 0).tolist()
         else:
             vals = [empty] * len(keys)
-        agg.update(zip(keys, _all_reduce(vals, op, group)))
+        agg.update(zip(keys, all_reduce(vals, op, group)))
     n = max(agg["tokens"], 1.0)
     cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]
     var = (n * agg["pp_sum"] - agg["p_sum"] ** 2) * (n * agg["qq_sum"] - agg["q_sum"] ** 2)

@@ -331,7 +331,6 @@ class HFBackend:
             except Exception as e:  # a backend failure fails these requests (the proxy reports it), never silently
                 for r in rows + new:
                     r.loop.call_soon_threadsafe(_set_exc, r.future, e)
-                rows, new = [], []
                 return
 
 

@@ -67,7 +67,6 @@ class Sample:
     loss_mask: list[int]
     logprobs: list[float]
     advantage: float = 0.0
-    task_id: Optional[str] = None
     calls: list[int] = field(default_factory=list)  # indices of the calls merged into it
     model_version: int = 0
     temperature: float = 1.0

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv test demo clean
+.PHONY: venv test demo clean test-harnesses
 
 venv: $(VENV)/.installed
 
@@ -30,3 +30,12 @@ clean:
 DEMO_ARGS ?= --harness calc --harness-arg max_tokens=48 --steps 20 --batch-size 4 --group-size 8 --lr 2e-5 --eval-tasks 200 --max-concurrency 32
 demo: venv
 	$(VPY) train.py $(DEMO_ARGS) --out runs/demo
+
+# Install nine real agent harnesses under .harnesses/ (once; tests/real_harnesses/install.sh)
+# and run each for one task against the proxy: with a scripted policy (a tool round trip
+# in seconds) and with the embedded model. Select with e.g.
+#   make test-harnesses HARNESS_ARGS="--only codex,opencode --mode scripted"
+HARNESS_ARGS ?= --mode both --max-model-len 32768
+test-harnesses: venv
+	tests/real_harnesses/install.sh
+	$(VPY) tests/real_harnesses/run.py $(HARNESS_ARGS)

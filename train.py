@@ -57,9 +57,10 @@ p.add_argument("--clip-low", type=float, default=0.2)
 p.add_argument("--clip-high", type=float, default=0.28)
 p.add_argument("--tis-cap", type=float, default=2.0)
 p.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial model (0: off, no reference model loaded)")
-p.add_argument("--norm-const", type=float, default=None, help="constant of seq-mean-token-sum-norm (default: longest sample's trainable tokens)")
+p.add_argument("--norm-const", type=float, default=None, help="C of seq-mean-token-sum-norm, a fixed token budget (default: --max-seq-len)")
 p.add_argument("--drop-zero-variance", action="store_true", help="drop groups whose rollouts all got the same reward")
 p.add_argument("--max-seq-len", type=int, default=2048, help="longer samples are cut at a turn boundary (counted)")
+p.add_argument("--max-model-len", type=int, default=None, help="context of the served model (default: the model's); beyond what it was trained for, RoPE is scaled (YaRN)")
 p.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward/backward")
 p.add_argument("--max-concurrency", type=int, default=8, help="rollouts in flight per rank")
 p.add_argument("--rollout-timeout", type=float, default=300.0, help="seconds before a rollout is killed and marked failed")
@@ -112,8 +113,8 @@ if args.resume and os.path.exists(os.path.join(ckpt_root, "latest")):
 elif args.resume:
     log(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
 tok = load_tokenizer(args.model)
-model = load_model(resume_dir or args.model, device)
-ref_model = load_model(args.model, device).eval().requires_grad_(False) if args.kl_coef > 0 else None
+model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len)
+ref_model = load_model(args.model, device, max_model_len=args.max_model_len).eval().requires_grad_(False) if args.kl_coef > 0 else None
 train_model = DDP(model) if ddp else model
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
 
@@ -140,7 +141,7 @@ if master:
 
 # ----------------------------------------------------------------------------- backend, proxy, harness
 # The backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
-backend = HFBackend(model, tok, max_batch_size=args.max_batch_size)
+backend = HFBackend(model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
 backend.version = start_step
 proxy = Proxy(backend, tok, model_name=args.model)
 server = ProxyServer(proxy).start()
@@ -220,8 +221,9 @@ def micro_batches(samples, weights):
     return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in out]
 
 
-def trainer_logprobs(net, tokens, loss_mask, temp):
-    """[B, T] logprobs of ``tokens`` under ``net`` (0.0 before the first trainable position).
+def trainer_logprobs(net, b):
+    """[B, T] logprobs of the micro-batch's tokens under ``net``: each trainable token under the
+    sampling settings of the call that drew it (algo.sampled_logprobs), 0.0 elsewhere.
 
     Two savings, both exact:
     - the rows' common prefix (a GRPO group's prompt, a shared system prompt) runs
@@ -229,6 +231,7 @@ def trainer_logprobs(net, tokens, loss_mask, temp):
     - the LM head runs only from the first trainable position on.
     Agent prompts are long and responses short, so this is most of the work.
     """
+    tokens, loss_mask = b["tokens"], b["loss_mask"]
     B, T = tokens.shape
     first = int(loss_mask.nonzero()[:, 1].min()) if loss_mask.any() else T - 1  # >= 1: token 0 is never sampled
     same = (tokens == tokens[:1]).all(0)
@@ -244,15 +247,16 @@ def trainer_logprobs(net, tokens, loss_mask, temp):
     else:
         P = 0
     keep = torch.arange(first - 1 - P, T - 1 - P, device=tokens.device)
-    logits = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits.float() / temp
-    lp = logits.gather(-1, tokens[:, first:, None])[..., 0] - logits.logsumexp(-1)
-    return torch.cat([lp.new_zeros(B, first), lp], 1)
+    logits = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits  # predicts tokens[:, first:]
+    on = loss_mask[:, first:] > 0
+    lp = algo.sampled_logprobs(logits[on], tokens[:, first:][on], *(b[k][:, first:][on] for k in ("temperature", "top_k", "top_p")))
+    return loss_mask.new_zeros(B, T).masked_scatter(loss_mask > 0, lp)
 
 
 def train_on(samples):
     """Loss and backward over this rank's micro-batches; gradients summed over ranks by DDP. Returns metrics."""
     denoms = algo.global_denominators(samples)  # all-reduced before any backward: exact under any split
-    weights = algo.sample_weights(samples, args.norm, denoms, args.norm_const)
+    weights = algo.sample_weights(samples, args.norm, denoms, args.norm_const or args.max_seq_len)
     mbs = micro_batches(samples, weights) or [None]  # a rank without samples still joins the all-reduce
     metrics = []
     for i, mb in enumerate(mbs):
@@ -263,12 +267,11 @@ def train_on(samples):
                 (out.logits.sum() * 0.0).backward()
                 continue
             b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0)
-            temp = torch.tensor([s.temperature or 1.0 for s in mb[0]], device=device)[:, None, None]
-            lp = trainer_logprobs(train_model, b["tokens"], b["loss_mask"], temp)
+            lp = trainer_logprobs(train_model, b)
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref = trainer_logprobs(ref_model, b["tokens"], b["loss_mask"], temp)
+                    ref = trainer_logprobs(ref_model, b)
             loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], loss=args.loss,
                                        clip_low=args.clip_low, clip_high=args.clip_high, tis_cap=args.tis_cap,
                                        kl_coef=args.kl_coef, ref_logprobs=ref)
@@ -329,6 +332,7 @@ try:
             "merge_ratio": n_unmerged / max(1, n_tok), "zero_var_groups": astats.get("zero_variance_groups", 0),
             "loss": m.get("loss", 0.0), "grad_norm": gnorm, "clip_frac": m.get("clip_frac", 0.0),
             "prob_corr": m.get("prob_corr", float("nan")), "dlogp_mean": m.get("dlogp_mean", 0.0), "dlogp_max": m.get("dlogp_max", 0.0),
+            "ratio_out_frac": m.get("ratio_out_frac", 0.0),
             "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_train": round(t_train, 2), "t_sync": round(t_sync, 3),
             "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / max(t_train, 1e-9) / world, "t_step": round(time.time() - t_step, 2),
             "splits": {k[6:]: v for k, v in sstats.items() if k.startswith("split_") and v},

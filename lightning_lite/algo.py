@@ -9,7 +9,7 @@ One step, as train.py runs it (``samples`` are this rank's, built by samples.py)
     weights = sample_weights(samples, "rollout-mean", denoms)
     for micro in chunks(range(len(samples))):                 # any split gives the same gradient
         b = collate([samples[i] for i in micro], [weights[i] for i in micro], device)
-        lp = token_logprobs(model(b["tokens"]).logits / temperature, b["tokens"])
+        lp = token_logprobs(model(b["tokens"]).logits, b["tokens"], b)  # each token under its own sampling
         loss, m = policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"])
         (loss * world_size).backward()   # DDP averages gradients over ranks; we want their sum
         metrics.append(m)
@@ -57,8 +57,10 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
 
     A group whose rewards are all equal (one rollout included) carries no signal
     for a group baseline: grpo, dr_grpo and rloo give it 0 (rloo's leave-one-out
-    mean of a single rollout is undefined: 0 too). It is counted, and with
-    ``drop_zero_variance`` left out of the result; reinforce keeps r - batch mean.
+    mean of a single rollout is undefined: 0 too); reinforce keeps r - batch mean.
+    It is counted, and with ``drop_zero_variance`` left out of the result, unless
+    it has one rollout: a group of 1 is not "flat", it is all the data there is
+    (reinforce with groups of 1 would otherwise drop everything).
     Under DDP, pass the rewards of all ranks (``gather_rewards``) so that the
     batch mean and the stats are global.
     """
@@ -83,7 +85,7 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
         flat = max(r) == min(r)
         stats["zero_variance_groups"] += flat
         stats["singleton_groups"] += n == 1
-        if flat and drop_zero_variance:
+        if flat and drop_zero_variance and n > 1:
             stats["dropped_rollouts"] += n
             continue
         if estimator == "reinforce":
@@ -138,15 +140,14 @@ def global_denominators(samples: list[Sample], group=None) -> dict:
     """Counts over the GLOBAL batch (all ranks, all micro-batches), before any backward.
 
     ``tokens``: trainable tokens; ``samples`` and ``rollouts``: those with at least
-    one trainable token; ``max_tokens``: the most trainable tokens in one sample.
+    one trainable token.
     Collective under torch.distributed (every rank calls it, with its own samples).
     A rollout's samples must all be on one rank (they are: a rank runs whole groups).
     """
     n = [sum(s.loss_mask) for s in samples]
     rollouts = {s.rollout_id for s, k in zip(samples, n) if k > 0}
     tokens, nseq, nroll = all_reduce([sum(n), sum(k > 0 for k in n), len(rollouts)], dist.ReduceOp.SUM, group)
-    (max_tokens,) = all_reduce([max(n, default=0)], dist.ReduceOp.MAX, group)
-    return {"tokens": int(tokens), "samples": int(nseq), "rollouts": int(nroll), "max_tokens": int(max_tokens)}
+    return {"tokens": int(tokens), "samples": int(nseq), "rollouts": int(nroll)}
 
 
 def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: Optional[float] = None) -> list[float]:
@@ -163,15 +164,17 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
         seq-mean-token-sum-norm  1/(N_samples C)     (a1+a2+a3+b1+b2+b3) / (3 C)   (Dr. GRPO)
         rollout-mean             1/(N_rollouts n_r)  ((a1+a2+a3)/3 + (b1+b2+b3)/3) / 2
 
-    C is ``norm_const`` (pass the max response length), else the batch's largest n_s.
+    C is ``norm_const``, a fixed token budget (Dr. GRPO: the generation budget; train.py
+    passes --max-seq-len): a constant that depends on the batch would bring back a length bias.
     """
     if norm not in NORMS:
         raise ValueError(f"unknown loss normalization {norm!r}; pick one of {NORMS}")
+    if norm == "seq-mean-token-sum-norm" and not (norm_const and norm_const > 0):
+        raise ValueError("seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the max sequence length")
     n = [sum(s.loss_mask) for s in samples]
     per_rollout: Counter = Counter()
     for s, k in zip(samples, n):
         per_rollout[s.rollout_id] += k
-    const = norm_const if norm_const is not None else denoms["max_tokens"]
     weights = []
     for s, k in zip(samples, n):
         if k == 0:
@@ -183,7 +186,7 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
         elif norm == "seq-mean-token-sum":
             weights.append(1.0 / denoms["samples"])
         elif norm == "seq-mean-token-sum-norm":
-            weights.append(1.0 / (denoms["samples"] * const))
+            weights.append(1.0 / (denoms["samples"] * norm_const))
         else:  # rollout-mean
             weights.append(1.0 / (denoms["rollouts"] * per_rollout[s.rollout_id]))
     return weights
@@ -192,25 +195,86 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
 # ----------------------------------------------------------------------------- the loss
 
 def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0) -> dict:
-    """Right-pad one micro-batch into [B, T] tensors (``advantages``, ``weights``: [B])."""
+    """Right-pad one micro-batch into [B, T] tensors (``advantages``, ``weights``: [B]); ``temperature``,
+    ``top_k``, ``top_p`` are the sampling settings of each token (see ``token_logprobs``)."""
     T = max(len(s.tokens) for s in samples)
     pad = lambda xs, v: [list(x) + [v] * (T - len(x)) for x in xs]  # noqa: E731
     return {
         "tokens": torch.tensor(pad([s.tokens for s in samples], pad_id), dtype=torch.long, device=device),
         "loss_mask": torch.tensor(pad([s.loss_mask for s in samples], 0), dtype=dtype, device=device),
         "old_logprobs": torch.tensor(pad([s.logprobs for s in samples], 0.0), dtype=dtype, device=device),
+        "temperature": torch.tensor(pad([s.temperature for s in samples], 1.0), dtype=dtype, device=device),
+        "top_k": torch.tensor(pad([s.top_k for s in samples], 0), dtype=torch.long, device=device),
+        "top_p": torch.tensor(pad([s.top_p for s in samples], 1.0), dtype=dtype, device=device),
         "advantages": torch.tensor([s.advantage for s in samples], dtype=dtype, device=device),
         "weights": torch.tensor(weights, dtype=dtype, device=device),
     }
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] logits, [B, T] tokens -> [B, T] logprob of ``tokens[:, t]`` given the
-    tokens before it (position 0 has no context: 0.0), aligned with Sample.logprobs.
-    Divide the logits by the sampling temperature first; half precision is upcast."""
+def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The tokens that top-k, then top-p sampling may draw: [N, V] logits already divided by
+    the temperature, [N] ``top_k`` (<= 0: off) and ``top_p`` (1.0: off) -> [N, V] bool.
+
+    top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the most
+    probable of those until their renormalized mass reaches top_p (at least one). Either way
+    the support is the n largest logits for some n, i.e. ``x >= (the n-th largest)``. The
+    sampler (backends.sample_token) and the trainer (``sampled_logprobs``) both call this,
+    so they agree on the rule by construction.
+
+    >>> sampling_support(torch.tensor([[3., 2., 1., 0.]]), torch.tensor([3]), torch.tensor([0.7]))
+    tensor([[ True,  True, False, False]])   # top-3 probs .67 .24 .09: mass before the 3rd is .91 >= .7
+    """
+    V = x.shape[-1]
+    cut_k = (top_k > 0) & (top_k < V)
+    # The support nearly always lies in the 1,024 largest logits: a top-m costs ~1/40 of sorting
+    # a 50k vocabulary. Sort everything only when some row needs more than m tokens.
+    for m in (min(V, 1024), V):
+        sx = x.topk(m, -1).values  # sorted, largest first
+        inside = ~cut_k[:, None] | (sx >= sx.gather(-1, (top_k.clamp(1, m) - 1)[:, None]))  # top-k, ties included
+        lse = torch.where(cut_k, sx.masked_fill(~inside, -math.inf).logsumexp(-1), x.logsumexp(-1))
+        p = (sx - lse[:, None]).exp() * inside  # renormalized over the top-k
+        n_p = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)  # the mass before each kept token < top_p
+        n = torch.where(top_p < 1.0, torch.minimum(inside.sum(-1), n_p), inside.sum(-1))
+        if m == V or bool((n < m).all()):
+            break
+    return (x >= sx.gather(-1, (n - 1)[:, None])) | (n == V)[:, None]
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
+                     top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] logits, [N] tokens and the settings that sampled each of them -> [N] logprob of
+    each token under the distribution it was drawn from: softmax(logits / T) restricted to the
+    top-k / top-p support (``sampling_support``) and renormalized; greedy (T = 0) under
+    softmax(logits), as the sampler reports it. The support is recomputed on these logits
+    (no gradient flows through its choice) and always holds the token itself: with the
+    sampler's own weights it is the sampler's support up to float noise at the boundary.
+
+    For logits [2, 1, 0], token 0, T 1: no truncation -0.408; top_k 2 -> -0.313; top_p 0.5 -> 0.0.
+    """
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    lp = logits[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0] - logits[:, :-1].logsumexp(-1)
+    greedy = temperature <= 0
+    x = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    lse = x.logsumexp(-1)
+    cut = (~greedy & ((top_k > 0) | (top_p < 1.0))).nonzero()[:, 0]
+    if len(cut):
+        with torch.no_grad():
+            keep = sampling_support(x[cut], top_k[cut], top_p[cut])
+            keep[torch.arange(len(cut)), tokens[cut]] = True
+        lse = lse.index_put((cut,), x[cut].masked_fill(~keep, -math.inf).logsumexp(-1))
+    return x.gather(-1, tokens[:, None])[:, 0] - lse
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: Optional[dict] = None) -> torch.Tensor:
+    """[B, T, V] logits, [B, T] tokens -> [B, T] logprob of ``tokens[:, t]`` given the tokens
+    before it (position 0 has no context: 0.0), aligned with Sample.logprobs. ``sampling``:
+    [B, T] tensors ``temperature``, ``top_k``, ``top_p`` (as ``collate`` makes them) score
+    each token under the settings that sampled it; without it, plain softmax(logits)."""
+    B, T, V = logits.shape
+    flat = tokens[:, 1:].reshape(-1)
+    s = {k: sampling[k][:, 1:].reshape(-1) for k in ("temperature", "top_k", "top_p")} if sampling else \
+        {"temperature": logits.new_ones(len(flat)), "top_k": flat.new_zeros(len(flat)), "top_p": logits.new_ones(len(flat))}
+    lp = sampled_logprobs(logits[:, :-1].reshape(-1, V), flat, **s).view(B, T - 1)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
 
@@ -266,7 +330,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         none = r.numel() == 0
         metrics = {
             "loss": total.detach().double(), "tokens": on.sum().double(), "clipped": was_clipped[on].sum().double(),
-            "ratio_sum": r.sum(), "dlogp_sum": dlp.sum(),
+            "ratio_sum": r.sum(), "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(), "dlogp_sum": dlp.sum(),
             "kl_sum": kl[on].double().sum() if kl_coef > 0 else r.sum() * 0,
             # Pearson correlation of rollout vs trainer token probabilities, from sums.
             "p_sum": p.sum(), "q_sum": q.sum(), "pp_sum": (p * p).sum(), "qq_sum": (q * q).sum(),
@@ -278,14 +342,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return total, metrics
 
 
-_SUMS = ("loss", "tokens", "clipped", "ratio_sum", "dlogp_sum", "kl_sum",
+_SUMS = ("loss", "tokens", "clipped", "ratio_sum", "ratio_out", "dlogp_sum", "kl_sum",
          "p_sum", "q_sum", "pp_sum", "qq_sum", "pq_sum")
 
 
 def reduce_metrics(metrics: list[dict], group=None) -> dict[str, float]:
     """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective
     under torch.distributed; a rank without samples passes []) into: loss (the global
-    loss), tokens, clip_frac, ratio_mean/min/max, dlogp_mean/max (|trainer - rollout
+    loss), tokens, clip_frac, ratio_mean/min/max, ratio_out_frac (tokens whose ratio leaves
+    [0.9, 1.1]: a mean near 1 can hide per-token noise), dlogp_mean/max (|trainer - rollout
     logprob|), prob_corr (Pearson, token probabilities), kl_mean."""
     kinds = ((_SUMS, dist.ReduceOp.SUM, torch.sum, 0.0),
              (("ratio_min",), dist.ReduceOp.MIN, torch.amin, math.inf),
@@ -303,6 +368,7 @@ def reduce_metrics(metrics: list[dict], group=None) -> dict[str, float]:
     return {
         "loss": agg["loss"], "tokens": agg["tokens"], "clip_frac": agg["clipped"] / n,
         "ratio_mean": agg["ratio_sum"] / n, "ratio_min": agg["ratio_min"], "ratio_max": agg["ratio_max"],
+        "ratio_out_frac": agg["ratio_out"] / n,
         "dlogp_mean": agg["dlogp_sum"] / n, "dlogp_max": agg["dlogp_max"], "kl_mean": agg["kl_sum"] / n,
         "prob_corr": cov / math.sqrt(var) if var > 0 else float("nan"),
     }

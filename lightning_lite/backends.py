@@ -3,7 +3,7 @@
 Every backend has the same small surface, so the proxy never knows which one
 serves it:
 
-    gen = await backend.generate(prompt_ids, Sampling(max_tokens=64, temperature=1.0))
+    gen = await backend.generate(prompt_ids, Sampling(max_tokens=64, temperature=1.0), on_token=None)
     gen.response_ids, gen.logprobs, gen.finish_reason, gen.text
     backend.pause(); ...train...; backend.sync_weights(model); backend.resume()
 
@@ -26,10 +26,11 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from .algo import sampling_support
 from .chat import Sampling
 
 
@@ -45,10 +46,10 @@ class Generation:
 def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None) -> tuple[int, float]:
     """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled* distribution.
 
-    The distribution is softmax(logits / T) restricted to the top-k tokens and to
-    the smallest set whose probability reaches top_p, renormalized: the logprob
-    is that of the token under exactly this distribution, so the trainer's
-    importance ratio compares like with like. Greedy (T = 0) is not a
+    The distribution is softmax(logits / T) on the top-k / top-p support
+    (``algo.sampling_support``, the rule the trainer applies too), renormalized:
+    the logprob is that of the token under exactly this distribution, so the
+    trainer's importance ratio compares like with like. Greedy (T = 0) is not a
     distribution; it reports the logprob under softmax(logits).
 
     >>> sample_token(torch.tensor([0.0, 0.0, 10.0]), Sampling(temperature=0))
@@ -60,14 +61,9 @@ def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Ge
         tok = int(torch.argmax(logits))
         return tok, float(lp[tok])
     x = logits / s.temperature
-    if s.top_k and s.top_k > 0 and s.top_k < x.numel():
-        kth = torch.topk(x, s.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if s.top_p < 1.0:
-        probs, order = torch.sort(torch.softmax(x, -1), descending=True)
-        drop = (torch.cumsum(probs, -1) - probs) >= s.top_p  # keep tokens until the mass reaches top_p
-        drop[0] = False
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if s.top_k > 0 or s.top_p < 1.0:
+        keep = sampling_support(x[None], torch.tensor([s.top_k]), torch.tensor([s.top_p]))[0]
+        x = x.masked_fill(~keep, float("-inf"))
     lp = torch.log_softmax(x, -1)
     tok = int(torch.multinomial(lp.exp(), 1, generator=generator))
     return tok, float(lp[tok])
@@ -85,6 +81,7 @@ class _Request:
     text: str = ""
     max_new: int = 0
     generator: Optional[torch.Generator] = None
+    on_token: Optional[Callable[[int], None]] = None  # called on the request's event loop with each sampled id
 
 
 class HFBackend:
@@ -113,14 +110,15 @@ class HFBackend:
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None) -> Generation:
+        """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled (streaming)."""
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's context of {self.max_model_len}")
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), sampling, loop.create_future(), loop)
+        req = _Request(list(prompt_ids), sampling, loop.create_future(), loop, on_token=on_token)
         req.max_new = min(sampling.max_tokens or room, room)
         if sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(sampling.seed)
@@ -302,6 +300,8 @@ class HFBackend:
                     tok, lp = sample_token(last[j], r.sampling, r.generator)
                     r.response_ids.append(tok)
                     r.logprobs.append(lp)
+                    if r.on_token:
+                        r.loop.call_soon_threadsafe(r.on_token, tok)
                     self.stats["generated_tokens"] += 1
                     toks.append(tok)
                     if self._finish(r, tok):

@@ -1,10 +1,11 @@
-"""Chat: API request shapes -> one internal conversation -> prompt token ids, and back.
+"""Chat: one internal conversation -> prompt token ids, and sampled text -> a reply.
 
-Three jobs, all pure functions of (tokenizer, request):
+apis.py maps every API shape onto :class:`Request` (normalized messages, tools,
+sampling); this file does the rest, as pure functions of (tokenizer, request):
 
-1. ``parse_chat_request`` / ``parse_completions_request`` validate an OpenAI
-   request body and map it to :class:`Request` (messages, tools, sampling).
-   Later API shapes (Responses, Anthropic Messages) map onto the same class.
+1. ``parse_tool_calls`` / ``Renderer.parse_reply`` read tool calls out of the
+   model's text, and ``ContentStream`` decides what of a reply may be streamed
+   as content while it is still being sampled.
 2. ``Renderer`` turns messages into prompt ids. A template with tool support
    (Qwen2.5, Qwen3) gets the tools as they are; a template without (SmolLM2)
    gets them written into the system prompt in the Hermes convention, and
@@ -70,45 +71,17 @@ class Request:
     parse_tools: bool = True  # False for tool_choice "none"
     force_tool: Optional[str] = None  # tool_choice "required" -> "", a named function -> its name
     sampling: Sampling = field(default_factory=Sampling)
+    n: int = 1  # choices: each is recorded as its own call
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
     model: str = ""
     prompt_ids: Optional[list[int]] = None
     prompt_text: Optional[str] = None
+    n_instructions: int = 0  # Responses API: leading messages from ``instructions`` (not carried to the next response)
 
 
-# ----------------------------------------------------------------------------- request parsing
-
-
-def _expect(cond: bool, message: str, param: str):
-    if not cond:
-        raise BadRequest(message, param=param, code="invalid_type" if "must be" in message else "invalid_value")
-
-
-def _text_of(content: Any, param: str) -> str:
-    """Content as a string or a list of parts -> one string (text parts joined by newlines)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    _expect(isinstance(content, list), f"'{param}' must be a string or a list of content parts", param)
-    texts = []
-    for i, part in enumerate(content):
-        p = f"{param}[{i}]"
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        _expect(isinstance(part, dict), f"'{p}' must be an object", p)
-        kind = part.get("type", "text")
-        if kind in ("text", "input_text", "output_text"):
-            _expect(isinstance(part.get("text"), str), f"'{p}.text' must be a string", p + ".text")
-            texts.append(part["text"])
-        elif kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
-        else:
-            raise BadRequest(f"content part type '{kind}' is not supported: this model reads text only", p + ".type", "unsupported_content")
-    return "\n".join(texts)
+# ----------------------------------------------------------------------------- tool calls in text
 
 
 def parse_arguments(args: Any) -> Any:
@@ -121,131 +94,6 @@ def parse_arguments(args: Any) -> Any:
     return args
 
 
-def _message(m: Any, i: int) -> dict:
-    param = f"messages[{i}]"
-    _expect(isinstance(m, dict), f"'{param}' must be an object", param)
-    role = m.get("role")
-    _expect(isinstance(role, str), f"'{param}.role' must be a string", param + ".role")
-    if role not in ROLES:
-        raise BadRequest(f"unknown role '{role}' in {param}; expected one of {sorted(ROLES)}", param + ".role", "invalid_value")
-    out: dict = {"role": ROLES[role], "content": _text_of(m.get("content"), param + ".content")}
-    if out["role"] == "assistant" and m.get("tool_calls"):
-        tcs = m["tool_calls"]
-        _expect(isinstance(tcs, list), f"'{param}.tool_calls' must be a list", param + ".tool_calls")
-        out["tool_calls"] = []
-        for j, tc in enumerate(tcs):
-            p = f"{param}.tool_calls[{j}]"
-            _expect(isinstance(tc, dict) and isinstance(tc.get("function"), dict), f"'{p}' must be an object with a 'function'", p)
-            fn = tc["function"]
-            _expect(isinstance(fn.get("name"), str), f"'{p}.function.name' must be a string", p + ".function.name")
-            out["tool_calls"].append({"id": str(tc.get("id", "")), "name": fn["name"], "arguments": parse_arguments(fn.get("arguments", {}))})
-    if out["role"] == "tool":
-        out["tool_call_id"] = str(m.get("tool_call_id", ""))
-        if m.get("name"):
-            out["name"] = str(m["name"])
-    return out
-
-
-def _number(body: dict, key: str, lo: float, hi: float, default):
-    v = body.get(key)
-    if v is None:
-        return default
-    _expect(isinstance(v, (int, float)) and not isinstance(v, bool), f"'{key}' must be a number", key)
-    if not lo <= v <= hi:
-        raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {v}", key, "invalid_value")
-    return v
-
-
-def _sampling(body: dict) -> Sampling:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        _expect(isinstance(max_tokens, int) and not isinstance(max_tokens, bool), "'max_tokens' must be an integer", "max_tokens")
-        if max_tokens <= 0:
-            raise BadRequest(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    _expect(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "'stop' must be a string or a list of strings", "stop")
-    n = body.get("n", 1)
-    if n != 1:
-        raise BadRequest("only n=1 is supported: send n requests instead (each is recorded as its own call)", "n", "invalid_value")
-    seed = body.get("seed")
-    _expect(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), "'seed' must be an integer", "seed")
-    return Sampling(
-        max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 0.0, 2.0, 1.0)),
-        top_p=float(_number(body, "top_p", 0.0, 1.0, 1.0)),
-        top_k=int(_number(body, "top_k", -1, 1e9, 0)),
-        stop=[s for s in stop if s],
-        seed=seed,
-    )
-
-
-def _body(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object", None, "invalid_request")
-    return body
-
-
-def parse_chat_request(body: Any) -> Request:
-    """Validate a /v1/chat/completions body. Unknown fields (reasoning_effort, metadata, ...) are ignored."""
-    body = _body(body)
-    msgs = body.get("messages")
-    _expect(isinstance(msgs, list), "'messages' must be a list", "messages")
-    if not msgs:
-        raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
-    tools = body.get("tools") or []
-    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
-    norm_tools = []
-    for i, t in enumerate(tools):
-        _expect(isinstance(t, dict), f"'tools[{i}]' must be an object", f"tools[{i}]")
-        fn = t.get("function", t)  # {"type": "function", "function": {...}} or a bare function
-        _expect(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"'tools[{i}].function.name' must be a string", f"tools[{i}]")
-        norm_tools.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
-    choice, force = body.get("tool_choice"), None
-    if norm_tools and choice == "required":
-        force = ""
-    elif norm_tools and isinstance(choice, dict):
-        force = (choice.get("function") or {}).get("name", choice.get("name"))
-        _expect(isinstance(force, str), "'tool_choice.function.name' must be a string", "tool_choice")
-        if force not in {t["name"] for t in norm_tools}:
-            raise BadRequest(f"tool_choice names '{force}', which is not in 'tools'", "tool_choice", "invalid_value")
-    stream_options = body.get("stream_options") or {}
-    _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
-    return Request(
-        messages=[_message(m, i) for i, m in enumerate(msgs)],
-        tools=norm_tools,
-        parse_tools=bool(norm_tools) and choice != "none",
-        force_tool=force,
-        sampling=_sampling(body),
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(stream_options.get("include_usage", False)),
-        logprobs=bool(body.get("logprobs", False)),
-        model=str(body.get("model", "")),
-    )
-
-
-def parse_completions_request(body: Any) -> Request:
-    """Validate a /v1/completions body: the prompt is a string or a list of token ids."""
-    body = _body(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    req = Request(sampling=_sampling(body), stream=bool(body.get("stream", False)), model=str(body.get("model", "")))
-    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-    req.logprobs = body.get("logprobs") is not None
-    if body.get("echo"):
-        raise BadRequest("'echo' is not supported", "echo", "invalid_value")
-    if isinstance(prompt, str):
-        req.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        req.prompt_ids = list(prompt)
-    else:
-        raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)", "prompt", "invalid_type")
-    return req
-
-
-# ----------------------------------------------------------------------------- tool calls in text
 
 TOOLS_PROMPT = """# Tools
 
@@ -289,6 +137,39 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     return "".join(kept).strip() if calls else text, calls
 
 
+class ContentStream:
+    """What of a reply may be sent as content while it is still being sampled.
+
+    Fed the ids sampled so far, ``feed`` returns the new content: the decoded text
+    up to the first stop string or ``<tool_call>`` (a tool call is sent whole, once
+    parsed), holding back a character still split across tokens, the start of a
+    possible marker and trailing whitespace, so that what was sent is always a
+    prefix of the final, stripped content (``parse_reply``). A forced tool call
+    streams no content at all.
+
+    >>> s = ContentStream(tok, stops=[], parse_tools=True, forced=False)
+    >>> s.feed(ids_of("Let me"))  ->  "Let me";   s.feed(ids_of("Let me <tool"))  ->  ""
+    """
+
+    def __init__(self, tokenizer, stops: list[str], parse_tools: bool, forced: bool):
+        self.tok, self.sent, self.off = tokenizer, "", forced
+        self.markers = [m for m in stops if m] + (["<tool_call>"] if parse_tools else [])
+
+    def feed(self, ids: list[int]) -> str:
+        if self.off:
+            return ""
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a UTF-8 character split across tokens: wait for the rest
+            return ""
+        text = text[: min([text.find(m) for m in self.markers if m in text], default=len(text))]
+        hold = max([k for m in self.markers for k in range(1, len(m)) if text.endswith(m[:k])], default=0)
+        visible = text[: len(text) - hold].strip()
+        if not visible.startswith(self.sent):  # cannot happen with a prefix-stable decoder; never send a contradiction
+            return ""
+        delta, self.sent = visible[len(self.sent):], visible
+        return delta
+
+
 def same_message(a: dict, b: dict) -> bool:
     """Do two normalized messages say the same thing? (after parsing: whitespace around content,
     JSON formatting of arguments and tool-call ids do not matter)."""
@@ -318,13 +199,15 @@ class Renderer:
 
     SENTINEL = "LLSENTINEL7f3a"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, eos_ids: Optional[set[int]] = None):
+        """``eos_ids``: every token that ends the model's turn, the same set generation stops on
+        (the backend's: generation_config's EOS ids and the tokenizer's)."""
         self.tok = tokenizer
         template = tokenizer.chat_template or ""
         if not template:
             raise ValueError("the tokenizer has no chat template; use a chat/instruct model or set tokenizer.chat_template")
         self.native_tools = "tools" in template
-        self.eos_ids = set(t for t in [tokenizer.eos_token_id] if t is not None)
+        self.eos_ids = set(eos_ids or ()) | {t for t in [tokenizer.eos_token_id] if t is not None}
         # The text a template writes after an assistant message's content (e.g. "<|im_end|>\n").
         probe = self.render_text([{"role": "user", "content": "x"}, {"role": "assistant", "content": self.SENTINEL}], [], False)
         self.turn_close = probe[probe.rindex(self.SENTINEL) + len(self.SENTINEL) :]
@@ -428,11 +311,11 @@ class Renderer:
         return '<tool_call>\n{"name": "' + (force_tool + '", "arguments": ' if force_tool else "")
 
     def parse_reply(self, text: str, parse_tools: bool) -> dict:
-        """The assistant message for a generated text: content and, if any, tool calls."""
+        """The assistant message for a generated text: content (stripped) and, if any, tool calls."""
         if not parse_tools:
-            return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": text.strip()}
         content, calls = parse_tool_calls(text)
-        msg = {"role": "assistant", "content": content}
+        msg = {"role": "assistant", "content": content.strip()}
         if calls:
             msg["tool_calls"] = calls
         return msg

@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -75,11 +76,24 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(resolve(model))
 
 
-def load_model(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
+def load_model(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None):
+    """Load a causal LM. ``max_model_len`` beyond the context it was trained for extends it with
+    YaRN RoPE scaling (factor = max_model_len / trained length). YaRN, not dynamic NTK: its
+    rotation does not depend on how long the sequence is so far, so the KV cache of a growing
+    conversation and the trainer's one-pass forward see the same positions: logprobs stay exact."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(resolve(model), dtype=dtype)
-    return m.to(device)
+    path = resolve(model)
+    config = AutoConfig.from_pretrained(path)
+    trained = getattr(config, "max_position_embeddings", None)
+    if max_model_len and trained and max_model_len > trained:
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{model} already scales RoPE ({rope.get('rope_type')}); --max-model-len {max_model_len} "
+                             f"exceeds its max_position_embeddings {trained}: use at most {trained}")
+        rope.update(rope_type="yarn", factor=max_model_len / trained, original_max_position_embeddings=trained)
+        config.rope_parameters, config.max_position_embeddings = rope, max_model_len
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
 
 
 def main():

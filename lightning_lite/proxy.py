@@ -1,15 +1,17 @@
-"""The proxy: an OpenAI-compatible HTTP endpoint that serves the policy and records every call.
+"""The proxy: an OpenAI- and Anthropic-compatible HTTP endpoint that serves the policy and records every call.
 
-Harnesses talk to ``http://HOST:PORT/rollout/<rollout_id>/v1`` (or plain
-``/v1``, recorded under rollout id ``default``). For each request the proxy
+Harnesses talk to ``http://HOST:PORT/rollout/<rollout_id>/v1`` (Anthropic clients:
+``http://HOST:PORT/rollout/<rollout_id>``; or no prefix, recorded under rollout id
+``default``). For each request (chat completions, Anthropic messages, Responses)
+the proxy
 
-1. validates and normalizes it (chat.py), 4xx with an OpenAI error body if bad;
+1. validates and normalizes it (apis.py), 4xx with an error body in the API's format if bad;
 2. builds the prompt ids itself, reusing the tokens sampled in an earlier call
    of the same rollout when the conversation extends it (chat.Renderer);
 3. asks the backend for response ids + logprobs (token ids in, token ids out);
 4. appends a :class:`Call` to ``calls.jsonl`` *before* the answer is sent, so
    every answered call is on disk even if the process dies right after;
-5. answers as JSON or as a server-sent-event stream.
+5. answers as JSON or as server-sent events, content streamed as it is sampled.
 
 The trainer drives it in-process (``ProxyServer``), pausing the backend around
 weight updates; ``python proxy.py`` serves it on its own.
@@ -18,6 +20,8 @@ weight updates; ``python proxy.py`` serves it on its own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -30,7 +34,8 @@ from typing import Optional
 
 from aiohttp import web
 
-from .chat import BadRequest, Renderer, Request, Turn, parse_chat_request, parse_completions_request
+from . import apis
+from .chat import BadRequest, ContentStream, Renderer, Request, Turn
 from .records import Call, to_json
 
 log = logging.getLogger("lightning_lite.proxy")
@@ -42,6 +47,7 @@ class Session:
     """What the proxy knows about one rollout."""
 
     turns: list[Turn] = field(default_factory=list)
+    responses: dict[str, list[dict]] = field(default_factory=dict)  # Responses API id -> its conversation
     n_calls: int = 0
     reward: Optional[float] = None
 
@@ -49,7 +55,7 @@ class Session:
 class Proxy:
     def __init__(self, backend, tokenizer, model_name: str = "smollm2", out_dir: Optional[str] = None, reuse_tokens: bool = True, max_body_mb: float = 32.0):
         self.backend, self.tok = backend, tokenizer
-        self.renderer = Renderer(tokenizer)
+        self.renderer = Renderer(tokenizer, getattr(backend, "eos_ids", None))  # the EOS set generation stops on
         self.model_name = model_name
         self.reuse_tokens = reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
@@ -87,12 +93,14 @@ class Proxy:
 
     # ------------------------------------------------------------------ recording
 
-    def _record(self, rid: str, api: str, prompt_ids, gen, parent, hint, sampling, t0, reply=None) -> Call:
+    def _record(self, rid: str, api: str, prompt_ids, gen, parent, hint, sampling, t0, reply=None, choice=0) -> Call:
         s = self.sessions.setdefault(rid, Session())
+        # "length" stays "length" even when the cut reply parses as a tool call: the trainer must see truncation
+        tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
         call = Call(
             rollout_id=rid, index=s.n_calls, api=api, model_version=gen.version, prompt_ids=list(prompt_ids),
             response_ids=gen.response_ids, response_logprobs=gen.logprobs,
-            finish_reason="tool_calls" if reply and reply.get("tool_calls") else gen.finish_reason,
+            finish_reason="tool_calls" if tool else gen.finish_reason, choice=choice,
             parent=parent, split_hint=hint, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             created=t0, latency_s=round(time.time() - t0, 4), response=reply,
         )
@@ -111,6 +119,8 @@ class Proxy:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+        except RecursionError:
+            raise BadRequest("the request body nests JSON too deeply", None, "invalid_json") from None
 
     def _rollout(self, request: web.Request) -> str:
         rid = request.match_info.get("rid", "default")
@@ -118,84 +128,133 @@ class Proxy:
             raise BadRequest(f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]", None, "invalid_rollout_id")
         return rid
 
-    async def _generate(self, prompt_ids: list[int], req: Request):
-        limit = self.backend.max_model_len
-        if len(prompt_ids) >= limit:
-            raise BadRequest(
-                f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt_ids)}; shorten the conversation",
-                "messages", "context_length_exceeded",
-            )
+    async def _generate(self, prompt_ids: list[int], req: Request, on_token=None) -> list:
+        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set)."""
+        seeded = lambda i: req.sampling if req.sampling.seed is None else dataclasses.replace(req.sampling, seed=req.sampling.seed + i)  # noqa: E731
         try:
-            return await self.backend.generate(prompt_ids, req.sampling)
+            return await asyncio.gather(*(self.backend.generate(prompt_ids, seeded(i), **({"on_token": on_token} if on_token else {}))
+                                          for i in range(req.n)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the backend failed: report it loudly, answer 500, record nothing
             log.exception("backend failed")
             self.failures.append({"time": time.time(), "error": f"{type(e).__name__}: {e}"})
-            raise web.HTTPInternalServerError(reason="backend error", text=json.dumps(_error(f"backend error: {type(e).__name__}: {e}", "server_error")), content_type="application/json")
+            raise BackendError(f"backend error: {type(e).__name__}: {e}") from e
 
-    async def chat(self, request: web.Request):
+    async def _generate_live(self, prompt_ids: list[int], req: Request, on_ids) -> list:
+        """One generation whose ids reach ``await on_ids(ids so far)`` as they are sampled."""
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._generate(prompt_ids, req, on_token=queue.put_nowait))
+        task.add_done_callback(lambda _: queue.put_nowait(None))  # after every id: same loop, in order
+        ids = []
+        try:
+            while (t := await queue.get()) is not None:
+                ids.append(t)
+                await on_ids(ids)
+        finally:
+            task.cancel()  # a no-op when it is done; the client went away otherwise
+        return await task
+
+    def _check_context(self, prompt_ids: list[int]):
+        limit = self.backend.max_model_len
+        if len(prompt_ids) >= limit:
+            raise BadRequest(f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt_ids)}; "
+                             "shorten the conversation", "messages", "context_length_exceeded")
+
+    def _previous(self, session: Session, response_id: str) -> list[dict]:
+        if response_id not in session.responses:
+            raise BadRequest(f"previous_response_id {response_id[:80]!r} is not a response of this rollout", "previous_response_id", "invalid_value", 404)
+        return session.responses[response_id]
+
+    async def converse(self, request: web.Request, api: str):
+        """chat completions, Anthropic messages and Responses: one conversation, one path."""
         rid = self._rollout(request)
-        req = parse_chat_request(await self._json(request))
+        body = await self._json(request)
+        session = self.sessions.setdefault(rid, Session())
+        if api == "chat":
+            req = apis.parse_chat_request(body)
+        elif api == "anthropic":
+            req = apis.parse_anthropic_request(body)
+        else:
+            req = apis.parse_responses_request(body, lambda rsp: self._previous(session, rsp))
         t0 = time.time()
-        turns = self.sessions.setdefault(rid, Session()).turns
-        prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, turns, self.reuse_tokens)
+        prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens)
         forced = self.renderer.forced_prefix(req.force_tool)
         prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
-        gen = await self._generate(prompt_ids, req)
-        reply = self.renderer.parse_reply(forced + gen.text, req.parse_tools)
-        call = self._record(rid, "chat", prompt_ids, gen, parent, hint, req.sampling, t0, reply)
-        turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids))
-        return await self._respond_chat(request, req, call, reply)
+        self._check_context(prompt_ids)
+        if api == "chat":
+            out = apis.ChatReply(req, self.model_name, len(prompt_ids), self.tok)
+        elif api == "anthropic":
+            out = apis.AnthropicReply(req, self.model_name, len(prompt_ids))
+        else:
+            out = apis.ResponsesReply(req, self.model_name, len(prompt_ids), body.get("previous_response_id"))
+        resp, sent = None, ""
+        if req.stream:
+            resp = await _sse_start(request)
+            await resp.write(out.start())
+        try:
+            if req.stream and req.n == 1:  # live: content leaves as it is sampled
+                stream = ContentStream(self.tok, req.sampling.stop, req.parse_tools, bool(forced))
+
+                async def on_ids(ids):
+                    delta = stream.feed(ids)
+                    if delta:
+                        await resp.write(out.text(delta))
+
+                gens = await self._generate_live(prompt_ids, req, on_ids)
+                sent = stream.sent
+            else:
+                gens = await self._generate(prompt_ids, req)
+        except BackendError as e:
+            if resp is None:
+                raise
+            await resp.write(out.error(str(e)))  # the stream has begun: the error goes in it
+            return resp
+        answers = []
+        for i, gen in enumerate(gens):
+            reply = self.renderer.parse_reply(forced + gen.text, req.parse_tools)
+            call = self._record(rid, api, prompt_ids, gen, parent, hint, req.sampling, t0, reply, choice=i)
+            session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids))
+            answers.append((call, reply))
+        if api == "responses":  # for previous_response_id; a new request's instructions replace these
+            session.responses[out.id] = req.messages[req.n_instructions:] + [answers[0][1]]
+        if resp is None:
+            return web.json_response(out.body(answers))
+        await resp.write(out.end(answers, sent))
+        return resp
+
+    async def count_tokens(self, request: web.Request):
+        self._rollout(request)
+        req = apis.parse_anthropic_request(await self._json(request))
+        return web.json_response({"input_tokens": len(self.renderer.build_prompt(req.messages, req.tools, [])[0])})
 
     async def completions(self, request: web.Request):
         rid = self._rollout(request)
-        req = parse_completions_request(await self._json(request))
+        req = apis.parse_completions_request(await self._json(request))
         prompt_ids = req.prompt_ids if req.prompt_ids is not None else self.tok.encode(req.prompt_text)
         vocab = len(self.tok)
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
+        self._check_context(prompt_ids)
         t0 = time.time()
-        gen = await self._generate(prompt_ids, req)
-        call = self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0)
+        gens = await self._generate(prompt_ids, req)
+        calls = [self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i) for i, gen in enumerate(gens)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(t0), "model": req.model or self.model_name}
-        usage = _usage(call)
-        choice = {"index": 0, "text": gen.text, "finish_reason": call.finish_reason, "logprobs": None}
-        if req.logprobs:
-            choice["logprobs"] = {"tokens": [self.tok.decode([t]) for t in call.response_ids], "token_logprobs": call.response_logprobs}
-        if not req.stream:
-            return web.json_response({**head, "choices": [choice], "usage": usage})
-        resp = await _sse_start(request)
-        for piece in _pieces(gen.text):
-            await _sse(resp, {**head, "choices": [{"index": 0, "text": piece, "finish_reason": None, "logprobs": None}]})
-        await _sse(resp, {**head, "choices": [{"index": 0, "text": "", "finish_reason": call.finish_reason, "logprobs": None}]})
-        if req.include_usage:
-            await _sse(resp, {**head, "choices": [], "usage": usage})
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def _respond_chat(self, request, req: Request, call: Call, reply: dict):
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(call.created), "model": req.model or self.model_name}
-        tool_calls = [{"id": t["id"], "type": "function", "function": {"name": t["name"], "arguments": t["arguments"]}} for t in reply.get("tool_calls", [])]
-        usage = _usage(call)
-        if not req.stream:
-            msg = {"role": "assistant", "content": reply["content"] if (reply["content"] or not tool_calls) else None}
-            if tool_calls:
-                msg["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": msg, "finish_reason": call.finish_reason, "logprobs": None}
+        choices = []
+        for call, gen in zip(calls, gens):
+            choice = {"index": call.choice, "text": gen.text, "finish_reason": call.finish_reason, "logprobs": None}
             if req.logprobs:
-                choice["logprobs"] = {"content": [_token_logprob(self.tok, t, lp) for t, lp in zip(call.response_ids, call.response_logprobs)]}
-            return web.json_response({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
-        head["object"] = "chat.completion.chunk"
+                choice["logprobs"] = {"tokens": [self.tok.decode([t]) for t in call.response_ids], "token_logprobs": call.response_logprobs}
+            choices.append(choice)
+        if not req.stream:
+            return web.json_response({**head, "choices": choices, "usage": _usage(calls)})
         resp = await _sse_start(request)
-        await _sse(resp, {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-        for piece in _pieces(reply["content"]):
-            await _sse(resp, {**head, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
-        for i, tc in enumerate(tool_calls):
-            await _sse(resp, {**head, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, **tc}]}, "finish_reason": None}]})
-        await _sse(resp, {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": call.finish_reason}]})
+        for c in choices:
+            for piece in _pieces(c["text"]):
+                await _sse(resp, {**head, "choices": [{"index": c["index"], "text": piece, "finish_reason": None, "logprobs": None}]})
+            await _sse(resp, {**head, "choices": [{"index": c["index"], "text": "", "finish_reason": c["finish_reason"], "logprobs": None}]})
         if req.include_usage:
-            await _sse(resp, {**head, "choices": [], "usage": usage})
+            await _sse(resp, {**head, "choices": [], "usage": _usage(calls)})
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -223,12 +282,15 @@ class Proxy:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[_errors])
         for prefix in ("", "/rollout/{rid}"):
-            app.router.add_post(prefix + "/v1/chat/completions", self.chat)
+            app.router.add_post(prefix + "/v1/chat/completions", functools.partial(self.converse, api="chat"))
+            app.router.add_post(prefix + "/v1/messages", functools.partial(self.converse, api="anthropic"))  # ?beta=true too
+            app.router.add_post(prefix + "/v1/messages/count_tokens", self.count_tokens)
+            app.router.add_post(prefix + "/v1/responses", functools.partial(self.converse, api="responses"))
             app.router.add_post(prefix + "/v1/completions", self.completions)
+            app.router.add_get(prefix or "/", self.root)  # GET and HEAD: harnesses probe their base URL (Claude Code)
             app.router.add_get(prefix + "/v1/models", self.models)
             app.router.add_get(prefix + "/health", self.health)
         app.router.add_post("/rollout/{rid}/reward", self.post_reward)
-        app.router.add_get("/", self.root)  # GET and HEAD: harnesses probe the root (Claude Code)
         app.on_cleanup.append(self._cleanup)
         return app
 
@@ -239,34 +301,39 @@ class Proxy:
 # ---------------------------------------------------------------------- helpers
 
 
-def _error(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+class BackendError(Exception):
+    """The backend failed a call: 500 with an error body (or an error event in a begun stream)."""
+
+
+def _api_of(path: str) -> str:
+    return "anthropic" if "/v1/messages" in path else "openai"
 
 
 @web.middleware
 async def _errors(request: web.Request, handler):
-    """Every 4xx carries an OpenAI-style error body; the server keeps serving."""
+    """Every 4xx carries an error body in the API's own format; the server keeps serving."""
+    api = _api_of(request.path)
     try:
         return await handler(request)
     except BadRequest as e:
-        return web.json_response(_error(e.message, "invalid_request_error", e.param, e.code), status=e.status)
+        return web.json_response(apis.error_body(api, e.message, "not_found_error" if e.status == 404 and api == "anthropic" else "invalid_request_error",
+                                                 e.param, e.code), status=e.status)
+    except BackendError as e:
+        return web.json_response(apis.error_body(api, str(e), "api_error" if api == "anthropic" else "server_error"), status=500)
     except web.HTTPException as e:
-        if e.status < 400 or e.content_type == "application/json":
+        if e.status < 400:
             raise
         msg = {404: f"no route {request.method} {request.path}; see GET /v1/models and the README for the routes",
                405: f"method {request.method} is not allowed on {request.path}",
                413: f"request body too large (limit {request.app._client_max_size} bytes)"}.get(e.status, e.reason)
-        return web.json_response(_error(msg, "invalid_request_error", None, {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)), status=e.status)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+        return web.json_response(apis.error_body(api, msg, "invalid_request_error", None, code), status=e.status)
 
 
-def _usage(call: Call) -> dict:
-    p, c = len(call.prompt_ids), len(call.response_ids)
+def _usage(calls: list[Call]) -> dict:
+    """One request's usage: its prompt once, the tokens of all its choices."""
+    p, c = len(calls[0].prompt_ids), sum(len(call.response_ids) for call in calls)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _token_logprob(tok, t: int, lp: float) -> dict:
-    s = tok.decode([t])
-    return {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
 
 
 def _pieces(text: str) -> list[str]:

@@ -33,6 +33,11 @@ class Call:
     ``prompt_ids + response_ids`` this call's prompt starts with, when the
     proxy reused the sampled tokens; ``split_hint`` says why it could not
     (one of ``SPLIT_REASONS``), or is None when there was nothing to extend.
+
+    A request for ``n`` choices is recorded as n calls with consecutive indices
+    and ``choice`` 0..n-1: call ``index - choice`` is its request's first.
+    ``finish_reason`` is ``length`` whenever the per-call token cap cut the
+    reply, even if what was written parses as a tool call.
     """
 
     rollout_id: str
@@ -43,6 +48,7 @@ class Call:
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "tool_calls"
+    choice: int = 0
     parent: Optional[int] = None
     split_hint: Optional[str] = None
     temperature: float = 1.0
@@ -59,7 +65,9 @@ class Sample:
 
     ``loss_mask[i] == 1`` exactly where ``tokens[i]`` was sampled by the
     policy (and is trained in this sample); ``logprobs[i]`` is its recorded
-    rollout logprob, 0.0 where the mask is 0.
+    rollout logprob, 0.0 where the mask is 0. ``temperature[i]``, ``top_k[i]``,
+    ``top_p[i]`` are the settings of the call that sampled ``tokens[i]`` (1.0, 0,
+    1.0 where the mask is 0): the trainer scores each token under its own.
     """
 
     rollout_id: str
@@ -69,7 +77,9 @@ class Sample:
     advantage: float = 0.0
     calls: list[int] = field(default_factory=list)  # indices of the calls merged into it
     model_version: int = 0
-    temperature: float = 1.0
+    temperature: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
 
 
 T = TypeVar("T")

@@ -26,9 +26,10 @@ extends nothing starts a new root (a "split"), counted by reason:
                        a later call already continued from the earlier one)
 
 Several calls may extend the same call (branching): each leaf becomes a
-sample, and a sampled token shared by several leaves is trained in the first
+sample, and a sampled token shared by several leaves is trained in the longest
 of them only (mask 0 and logprob 0.0 in the others), so no token is trained
-twice.
+twice. The ``n`` choices of one request share a prompt: siblings, each its own
+sample, never a retry of each other.
 
     python -m lightning_lite.samples CALLS.jsonl --out SAMPLES.jsonl [--max-seq-len N]
 """
@@ -65,7 +66,7 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     ``max_seq_len``: a longer sample is cut after the last call response that
     fits (never inside a response), or dropped when even its first call does
     not fit; both are counted (``truncated``, ``dropped``), and the cut-off
-    sampled tokens are trained nowhere.
+    sampled tokens are trained nowhere (unless another leaf holds them).
     """
     calls = sorted(calls, key=lambda c: c.index)
     stats = Counter(rollouts=1, calls=len(calls))
@@ -76,10 +77,11 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
         _check(c)
         stats["sampled_tokens"] += len(c.response_ids)
         has_child = {p for i, p in parent.items() if i in kept and p is not None}
-        # A retry: the same prompt ids again. The earlier attempt is dropped unless something
-        # already continued from it (then the harness used it: both stay, as branches).
-        # Checked before extension, as that prompt also extends the attempt's parent.
-        retried = [e for e in kept.values() if e.prompt_ids == c.prompt_ids]
+        # A retry: the same prompt ids again, from an earlier request (the n choices of one
+        # request, indices index-choice .. index, are siblings, not retries). The earlier attempt
+        # is dropped unless something already continued from it (then the harness used it: both
+        # stay, as branches). Checked before extension, as that prompt also extends its parent.
+        retried = [e for e in kept.values() if e.prompt_ids == c.prompt_ids and e.index < c.index - c.choice]
         stats["split_retry"] += bool(retried)
         for e in retried:
             if e.index not in has_child:
@@ -87,59 +89,64 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
         # Longest candidate first: in an append-only chat the previous call matches at once.
         ext = next((i for i in sorted(kept, key=lambda i: -len(full[i]))
                     if c.prompt_ids[:len(full[i])] == full[i]), None)
-        if ext is not None:
-            parent[c.index] = ext
-        else:
-            parent[c.index] = None
-            if kept and not retried:  # the first root of a rollout is not a split
-                if c.split_hint in SPLIT_REASONS:
-                    reason = c.split_hint
-                elif any(c.prompt_ids[:len(e.prompt_ids)] == e.prompt_ids for e in kept.values()):
-                    reason = "rewrote_history"
-                else:
-                    reason = "new_thread"
-                stats["split_" + reason] += 1
+        parent[c.index] = ext
+        # The first root of a rollout is not a split, nor is choice 1.. of a request (a sibling).
+        if ext is None and kept and not retried and c.choice == 0:
+            if c.split_hint in SPLIT_REASONS:
+                reason = c.split_hint
+            elif any(c.prompt_ids[:len(e.prompt_ids)] == e.prompt_ids for e in kept.values()):
+                reason = "rewrote_history"
+            else:
+                reason = "new_thread"
+            stats["split_" + reason] += 1
         kept[c.index] = c
         full[c.index] = c.prompt_ids + c.response_ids
 
     stats["tokens_unmerged"] = sum(len(c.prompt_ids) + len(c.response_ids) for c in kept.values())
     children = {p for i, p in parent.items() if i in kept and p is not None}
-    trained: set[int] = set()  # calls whose response is already trained in an earlier leaf
-    samples = []
+    paths = []  # root -> leaf calls of each leaf, cut to max_seq_len
     for leaf in (c for i, c in kept.items() if i not in children):
         path = [leaf]
         while parent[path[-1].index] is not None:
             path.append(kept[parent[path[-1].index]])
         path.reverse()
-        tokens = leaf.prompt_ids + leaf.response_ids
-        mask, logprobs = [0] * len(tokens), [0.0] * len(tokens)
-        for c in path:
-            if c.index in trained:
-                continue
-            trained.add(c.index)
-            start = len(c.prompt_ids)
-            mask[start:start + len(c.response_ids)] = [1] * len(c.response_ids)
-            logprobs[start:start + len(c.response_ids)] = c.response_logprobs
-        if max_seq_len is not None and len(tokens) > max_seq_len:
+        if max_seq_len is not None and len(full[leaf.index]) > max_seq_len:
             # Cut at the end of a call's response: a turn boundary, never mid-response.
-            ends = [len(c.prompt_ids) + len(c.response_ids) for c in path]
-            fit = [e for e in ends if e <= max_seq_len]
+            fit = [c for c in path if len(full[c.index]) <= max_seq_len]
             if not fit:
                 stats["dropped"] += 1
                 continue
             stats["truncated"] += 1
-            tokens, mask, logprobs = tokens[:fit[-1]], mask[:fit[-1]], logprobs[:fit[-1]]
-            path = path[:len(fit)]
-        if not any(mask):  # everything it sampled is trained in another leaf (or was cut off)
+            path = fit
+        paths.append(path)
+    # A sampled token on several leaves' paths is trained once, in the longest leaf (ties: the
+    # smaller token ids): a rule that does not depend on which branch the harness sent first,
+    # so per-sample normalizations (seq-mean-token-mean) weigh it the same in every run.
+    paths.sort(key=lambda p: (-len(full[p[-1].index]), full[p[-1].index]))
+    trained: set[int] = set()  # calls whose response is already trained in a longer leaf
+    samples = []
+    for path in paths:
+        tokens = full[path[-1].index]
+        n = len(tokens)
+        mask, logprobs, temperature, top_k, top_p = [0] * n, [0.0] * n, [1.0] * n, [0] * n, [1.0] * n
+        for c in path:
+            if c.index in trained:
+                continue
+            trained.add(c.index)
+            a, k = len(c.prompt_ids), len(c.response_ids)
+            mask[a:a + k], logprobs[a:a + k] = [1] * k, c.response_logprobs
+            temperature[a:a + k], top_k[a:a + k], top_p[a:a + k] = [c.temperature] * k, [c.top_k] * k, [c.top_p] * k
+        if not any(mask):  # everything it sampled is trained in another leaf
             stats["empty"] += 1
             continue
         samples.append(Sample(
-            rollout_id=leaf.rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs,
+            rollout_id=path[-1].rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs,
             calls=[c.index for c in path], model_version=min(c.model_version for c in path),
-            temperature=leaf.temperature))
+            temperature=temperature, top_k=top_k, top_p=top_p))
         stats["samples"] += 1
         stats["trainable_tokens"] += sum(mask)
-        stats["tokens"] += len(tokens)
+        stats["tokens"] += n
+    samples.sort(key=lambda s: s.calls[-1])  # in call order
     return samples, stats
 
 

@@ -59,3 +59,39 @@ class ScriptHarness(SubprocessHarness):
 
     def command(self, task, endpoint):
         return [sys.executable, "-c", SCRIPT], {}, None
+
+
+class SamplingHarness(Harness):
+    """Replies sampled under one of the settings that real harnesses send; reward = length, so every
+    group has variance and the step trains. ``setting``:
+
+        plain   one call at temperature 1.0 (the baseline: no truncation)
+        top_p   one call at temperature 1.0, top_p 0.6
+        top_k   one call at temperature 1.0, top_k 5
+        mixed   a two-turn conversation: turn 1 at temperature 0.5, turn 2 at 1.0 (one merged sample)
+        all     three tasks: one top_p, one top_k, one mixed
+    """
+
+    name = "sampling"
+
+    def __init__(self, setting="mixed", max_tokens=12):
+        self.setting, self.max_tokens = setting, max_tokens
+
+    def tasks(self, split):
+        return [Task(f"{split}-{i}", f"Write one sentence about {t}.") for i, t in enumerate(TOPICS[:3] if self.setting == "all" else TOPICS)]
+
+    async def run(self, task, endpoint):
+        msgs = [{"role": "user", "content": task.prompt}]
+        setting = ("top_p", "top_k", "mixed")[int(task.id.split("-")[1]) % 3] if self.setting == "all" else self.setting
+        turns = {"plain": [dict(temperature=1.0)], "top_p": [dict(temperature=1.0, top_p=0.6)], "top_k": [dict(temperature=1.0, extra_body={"top_k": 5})],
+                 "mixed": [dict(temperature=0.5), dict(temperature=1.0)]}[setting]
+        text = ""
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
+            for i, kw in enumerate(turns):
+                if i:
+                    msgs.append({"role": "user", "content": "And one more."})
+                r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, **kw)
+                reply = r.choices[0].message.content or ""
+                msgs.append({"role": "assistant", "content": reply})
+                text += reply
+        return min(1.0, len(text) / (60 * len(turns)))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_lite.algo import (collate, compute_advantages, global_denominators, policy_loss, reduce_metrics,
-                                 sample_weights, token_logprobs)
+                                 sample_weights, sampled_logprobs, sampling_support, token_logprobs)
 from lightning_lite.records import Sample
 
 approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-9)  # noqa: E731
@@ -42,7 +42,11 @@ def test_dr_grpo_rloo_reinforce():
 
 def test_drop_zero_variance_and_errors():
     adv, st = compute_advantages(REWARDS, GROUPS, "grpo", drop_zero_variance=True)
-    assert sorted(adv) == ["a", "b", "c"] and st["dropped_rollouts"] == 3
+    # g2 (d, e: both 1.0) is dropped; h is a group of 1: all the data there is, never "flat"
+    assert sorted(adv) == ["a", "b", "c", "h"] and st["dropped_rollouts"] == 2
+    # reinforce with groups of 1 (its use case) keeps every rollout
+    adv, st = compute_advantages({"x": 1.0, "y": 0.0}, {"x": "gx", "y": "gy"}, "reinforce", drop_zero_variance=True)
+    assert adv == {"x": 0.5, "y": -0.5} and st["dropped_rollouts"] == 0
     with pytest.raises(ValueError, match="pick one of"):
         compute_advantages(REWARDS, GROUPS, "ppo")
     with pytest.raises(ValueError, match="no group"):
@@ -66,13 +70,12 @@ def norm_batch():
     ("seq-mean-token-mean", None, (-1 - 5 / 2 - 22 / 4) / 3),  # (-1 + -2.5 + -5.5) / 3 = -3
     ("seq-mean-token-sum", None, (-1 - 5 - 22) / 3),           # -28 / 3
     ("seq-mean-token-sum-norm", 10, -28 / (3 * 10)),           # sums / (3 samples x C=10)
-    ("seq-mean-token-sum-norm", None, -28 / (3 * 4)),          # C defaults to the longest sample: 4
     ("rollout-mean", None, (-6 / 3 - 22 / 4) / 2),             # A: -6/3 = -2, B: -22/4 = -5.5 -> -3.75
 ])
 def test_normalization_modes(norm, const, expected):
     samples = norm_batch()
     denoms = global_denominators(samples)  # no torch.distributed: the local counts
-    assert denoms == {"tokens": 7, "samples": 3, "rollouts": 2, "max_tokens": 4}
+    assert denoms == {"tokens": 7, "samples": 3, "rollouts": 2}
     w = sample_weights(samples, norm, denoms, norm_const=const)
     total, parts = 0.0, []
     for micro in ([0, 1, 2], [0], [1, 2]):  # the whole batch, then split in two micro-batches
@@ -94,6 +97,8 @@ def test_weights_by_hand():
     assert sample_weights(samples, "rollout-mean", d) == approx([1 / 6, 1 / 6, 1 / 8])
     with pytest.raises(ValueError, match="pick one of"):
         sample_weights(samples, "mean", d)
+    with pytest.raises(ValueError, match="fixed token budget"):  # no batch-dependent default: that is a length bias
+        sample_weights(samples, "seq-mean-token-sum-norm", d)
 
 
 def two_rows(ratios, advs):
@@ -178,3 +183,49 @@ def test_token_logprobs_alignment():
 def test_reduce_metrics_of_a_rank_without_samples():
     r = reduce_metrics([])  # such a rank still joins the all-reduce, with neutral values
     assert r["tokens"] == 0 and r["loss"] == 0 and r["ratio_min"] == math.inf and math.isnan(r["prob_corr"])
+
+
+def test_sampling_support_by_hand():
+    x = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 5)
+    keep = sampling_support(x, torch.tensor([0, 2, 3, 0, 1]), torch.tensor([1.0, 1.0, 0.7, 0.9, 0.1]))
+    # softmax [.644 .237 .087 .032]; top-3 renormalized [.665 .245 .090]
+    assert keep.tolist() == [[True] * 4,                  # nothing truncated
+                             [True, True, False, False],  # top-2
+                             [True, True, False, False],  # top-3, then top-p .7: the mass before the 3rd is .91
+                             [True, True, True, False],   # top-p .9: the mass before the 4th is .968 >= .9
+                             [True, False, False, False]]
+    # top-p 0 still keeps one token; ties with the k-th logit stay in (as in the sampler)
+    assert sampling_support(torch.tensor([[1.0, 2.0]]), torch.tensor([0]), torch.tensor([0.0])).tolist() == [[False, True]]
+    assert sampling_support(torch.tensor([[2.0, 1.0, 1.0, 0.0]]), torch.tensor([2]), torch.tensor([1.0])).tolist() == [[True, True, True, False]]
+
+
+def test_sampled_logprobs_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0]] * 6)
+    tokens = torch.tensor([0, 0, 0, 0, 1, 2])
+    T = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.0, 1.0])
+    k = torch.tensor([0, 2, 0, 0, 5, 1])
+    p = torch.tensor([1.0, 1.0, 0.5, 1.0, 0.5, 1.0])
+    lp = sampled_logprobs(logits, tokens, T, k, p)
+    z = math.log(math.e ** 2 + math.e + 1)
+    assert lp[0].item() == approx(2 - z)                                # plain softmax: -0.408
+    assert lp[1].item() == approx(2 - math.log(math.e ** 2 + math.e))   # top-2: -0.313
+    assert lp[2].item() == approx(0.0)                                  # top-p .5 keeps token 0 alone
+    assert lp[3].item() == approx(4 - math.log(math.e ** 4 + math.e ** 2 + 1))  # T = 0.5
+    assert lp[4].item() == approx(1 - z)                                # greedy: softmax(logits), no truncation
+    # top-1 keeps token 0, but token 2 WAS sampled (float noise at the boundary): it stays in the support
+    assert lp[5].item() == approx(0 - math.log(math.e ** 2 + 1))
+
+
+def test_token_logprobs_uses_each_tokens_own_sampling():
+    """A merged sample whose turns used different settings: each token is scored under its own."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 5, 11, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 11, (1, 5), generator=g)
+    s = {"temperature": torch.tensor([[1.0, 0.5, 0.5, 1.0, 1.0]], dtype=torch.float64),
+         "top_k": torch.tensor([[0, 0, 0, 3, 0]]), "top_p": torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.6]], dtype=torch.float64)}
+    lp = token_logprobs(logits, tokens, s)
+    for t in range(1, 5):  # token t is predicted at position t-1 under the settings of token t
+        one = sampled_logprobs(logits[0, t - 1:t], tokens[0, t:t + 1], s["temperature"][0, t:t + 1], s["top_k"][0, t:t + 1], s["top_p"][0, t:t + 1])
+        assert lp[0, t].item() == approx(one.item())
+    assert lp[0, 1].item() == approx(torch.log_softmax(logits[0, 0] / 0.5, -1)[tokens[0, 1]].item())
+    assert lp.dtype == torch.float64 and lp[0, 0] == 0.0

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from lightning_lite.chat import BadRequest, Renderer, Turn, parse_chat_request, parse_tool_calls, same_message
+from lightning_lite.apis import parse_chat_request
+from lightning_lite.chat import BadRequest, Renderer, Turn, parse_tool_calls, same_message
 
 # A Qwen2.5-style template that renders tools and tool calls itself.
 NATIVE = (
@@ -91,3 +92,23 @@ def test_reuse_extends_the_longest_matching_turn(tok):
     assert tok.decode(p1) == r.render_text(m1, [])  # SmolLM2's template round-trips: same text either way
     # different tools: nothing to extend
     assert r.build_prompt(m1, [{"name": "f"}], [t0])[1:] == (None, "rewrote_history")
+
+
+def test_turn_close_is_not_glued_on_twice_when_generation_stops_on_another_eos(tok):
+    """A model whose turn ends with a token other than tokenizer.eos_token (Qwen2.5: generation stops on
+    <|im_end|> and <|endoftext|>): the proxy uses the backend's EOS set, so the close is not repeated."""
+    import copy
+
+    other = copy.deepcopy(tok)
+    other.eos_token = "<|endoftext|>"  # the tokenizer's EOS is no longer the turn close <|im_end|>
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    m0 = [{"role": "user", "content": "hi"}]
+    m1 = m0 + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "bye"}]
+    for eos_ids, doubled in ((None, True), ({other.eos_token_id, im_end}, False)):
+        r = Renderer(other, eos_ids)
+        p0, _, _ = r.build_prompt(m0, [], [])
+        resp0 = r.encode("Hello!") + [im_end]  # the model ended its turn with <|im_end|>
+        p1, parent, _ = r.build_prompt(m1, [], [Turn(0, m0, [], {"role": "assistant", "content": "Hello!"}, p0, resp0)])
+        assert parent == 0 and ("<|im_end|><|im_end|>" in other.decode(p1)) == doubled
+        if not doubled:
+            assert other.decode(p1) == r.render_text(m1, [])

@@ -59,7 +59,7 @@ def grads(samples, norm, loss, n_micro, world=1, denoms=None):
     """Exactly train.py's step: denominators, weights, micro-batches, backward, DDP's average."""
     p, ref = [t.requires_grad_() for t in params(1)], params(2)
     denoms = denoms or global_denominators(samples)
-    w = sample_weights(samples, norm, denoms)
+    w = sample_weights(samples, norm, denoms, norm_const=8.0)  # the C of seq-mean-token-sum-norm: a fixed budget
     metrics = []
     for k in range(n_micro):
         idx = list(range(k, len(samples), n_micro))

@@ -14,7 +14,7 @@ import pytest
 import requests
 import torch
 
-from conftest import HARNESS_REQUESTS, ROOT
+from conftest import HARNESS_REQUESTS, NO_CAPTURES, ROOT
 
 from lightning_lite.records import read_calls
 
@@ -38,11 +38,26 @@ def teacher_forced(model, prompt_ids, response_ids, temperature=1.0):
     return [lp[n - 1 + i, t].item() for i, t in enumerate(response_ids)]
 
 
+def teacher_forced_call(model, call):
+    """The trainer's logprobs of a call's response under the call's own sampling (temperature, top-k, top-p)."""
+    from lightning_lite.algo import sampled_logprobs
+
+    ids = torch.tensor([call.prompt_ids + call.response_ids])
+    n, k = len(call.prompt_ids), len(call.response_ids)
+    with torch.no_grad():
+        logits = model(ids).logits[0, n - 1 : n - 1 + k]
+    s = lambda v, dt=torch.float32: torch.full((k,), v, dtype=dt)  # noqa: E731
+    return sampled_logprobs(logits, torch.tensor(call.response_ids), s(call.temperature), s(call.top_k, torch.long), s(call.top_p)).tolist()
+
+
 # ---------------------------------------------------------------------------- real harness requests
 
 
 def harness_chat_requests():
-    out = []
+    """The project's own fixtures, and the captured requests of real harnesses when that folder is there."""
+    out = [pytest.param(body, id=f"fixture-{name}") for name, body in json.load(open(os.path.join(ROOT, "tests", "fixtures", "chat_requests.json"))).items() if not name.startswith("_")]
+    if not os.path.isdir(HARNESS_REQUESTS):
+        return out + [pytest.param(None, id="captured", marks=pytest.mark.skip(reason=NO_CAPTURES))]
     for name in sorted(os.listdir(HARNESS_REQUESTS)):
         if not name.endswith(".jsonl"):
             continue
@@ -63,7 +78,8 @@ def test_replay_harness_request(server, tok, body, stream):
     c = client(server, "replay-" + uuid.uuid4().hex[:8])
     # The embedded model's context is 8192 tokens; some harnesses send more (Qwen Code's system prompt and tools
     # alone are ~19k). Those must get OpenAI's own context error, which the client raises as BadRequestError.
-    from lightning_lite.chat import Renderer, parse_chat_request
+    from lightning_lite.apis import parse_chat_request
+    from lightning_lite.chat import Renderer
 
     req = parse_chat_request(dict(body, **known))
     r = Renderer(tok)
@@ -88,59 +104,6 @@ def test_replay_harness_request(server, tok, body, stream):
 
 
 # ---------------------------------------------------------------------------- multi-turn reuse + faithfulness
-
-
-SEEDS = [1, 1, 0]  # sampling seeds for which the model completes both forced calls as valid JSON
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_three_turn_tool_conversation_reuses_sampled_tokens(server, model, stream):
-    rid = f"three-turn-{'sse' if stream else 'json'}"
-    c = client(server, rid)
-    msgs = [{"role": "system", "content": "Use the calculator tool for arithmetic."}, {"role": "user", "content": "What is 17*23, then plus 5?"}]
-    choices = [{"type": "function", "function": {"name": "calculator"}}, {"type": "function", "function": {"name": "calculator"}}, "auto"]
-    n_tool_calls = 0
-    for turn, choice in enumerate(choices):
-        kw = dict(model="smollm2", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=32, temperature=1.0, seed=SEEDS[turn])
-        if stream:
-            content, calls = "", {}
-            for ch in c.chat.completions.create(stream=True, **kw):
-                d = ch.choices[0].delta if ch.choices else None
-                content += (d.content or "") if d else ""
-                for tc in (d.tool_calls or []) if d else []:
-                    calls.setdefault(tc.index, {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": ""}})
-                    calls[tc.index]["function"]["arguments"] += tc.function.arguments or ""
-            msg = {"role": "assistant", "content": content or None, **({"tool_calls": list(calls.values())} if calls else {})}
-        else:
-            msg = c.chat.completions.create(**kw).choices[0].message.model_dump(exclude_none=True)
-        msgs.append(msg)
-        for tc in msg.get("tool_calls", []):
-            n_tool_calls += 1
-            msgs.append({"role": "tool", "tool_call_id": tc["id"], "content": "391"})
-        if not msg.get("tool_calls"):
-            msgs.append({"role": "user", "content": "Go on."})
-    assert n_tool_calls >= 2  # tool_choice names the function: the proxy starts the call, the model fills it in
-    calls = calls_of(server, rid)
-    assert [c.index for c in calls] == [0, 1, 2]
-    for prev, cur in zip(calls, calls[1:]):
-        assert cur.prompt_ids[: len(prev.prompt_ids) + len(prev.response_ids)] == prev.prompt_ids + prev.response_ids
-        assert cur.parent == prev.index and cur.split_hint is None
-    # Invariant 1: the trainer's teacher-forced logprobs on exactly the recorded tokens match the recorded ones.
-    for call in calls:
-        tf = teacher_forced(model, call.prompt_ids, call.response_ids, call.temperature)
-        assert max(abs(a - b) for a, b in zip(tf, call.response_logprobs)) < 2e-3
-    # ... and the three calls merge into one sample whose trainable logprobs match the same way.
-    from lightning_lite.samples import build_samples
-
-    samples, stats = build_samples(calls)
-    assert len(samples) == 1 and stats["samples"] == 1
-    s = samples[0]
-    with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([s.tokens])).logits[0].float(), -1)
-    for i, (m, old) in enumerate(zip(s.loss_mask, s.logprobs)):
-        if m:
-            assert abs(lp[i - 1, s.tokens[i]].item() - old) < 2e-3
-    assert sum(s.loss_mask) == sum(len(c.response_ids) for c in calls)
 
 
 def test_rewritten_history_renders_fresh_and_says_why(server):
@@ -198,6 +161,61 @@ def test_stop_strings_and_max_tokens(server):
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
+def test_n_choices_are_recorded_as_sibling_calls(server, tok, model):
+    """n=2: two choices, each its own call (choice 0, 1) and its own sample; the harness continues one of them."""
+    rid = "n-choices"
+    c = client(server, rid)
+    msgs = [{"role": "user", "content": "Name an animal."}]
+    r = c.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=1.0, top_p=0.8, n=2, seed=3)
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == sum(len(x.response_ids) for x in calls_of(server, rid))
+    msgs += [r.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "Another."}]
+    c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=1.0)
+    calls = calls_of(server, rid)
+    assert [(x.index, x.choice) for x in calls] == [(0, 0), (1, 1), (2, 0)]
+    assert calls[0].prompt_ids == calls[1].prompt_ids and calls[0].response_ids != calls[1].response_ids
+    assert calls[2].parent == 1  # it continues the choice the harness kept
+    for x in calls:
+        assert max(abs(a - b) for a, b in zip(teacher_forced_call(model, x), x.response_logprobs)) < 2e-3
+    from lightning_lite.samples import build_samples
+
+    samples, st = build_samples(calls)
+    assert [s.calls for s in samples] == [[0], [1, 2]] and not any(v for k, v in st.items() if k.startswith("split_"))
+    assert sum(sum(s.loss_mask) for s in samples) == sum(len(x.response_ids) for x in calls)
+    chunks = list(client(server, rid + "-sse").chat.completions.create(model="m", messages=msgs[:1], max_tokens=6, n=2, seed=3, stream=True))
+    assert sorted({ch.choices[0].index for ch in chunks if ch.choices}) == [0, 1]
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].finish_reason) == 2
+    r = c.completions.create(model="m", prompt="1, 2, 3,", max_tokens=3, n=3, seed=1)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and [x.choice for x in calls_of(server, rid)[-3:]] == [0, 1, 2]
+
+
+class CannedBackend:
+    """Answers every request with the same text, cut by the token cap ("length")."""
+
+    eos_ids, max_model_len, version, stats = set(), 8192, 0, {}
+
+    def __init__(self, tok, text):
+        self.ids = tok.encode(text, add_special_tokens=False)
+        self.text = text
+
+    async def generate(self, prompt_ids, sampling):
+        from lightning_lite.backends import Generation
+
+        return Generation(self.ids, [0.0] * len(self.ids), "length", self.text, self.version)
+
+
+def test_a_cut_reply_that_parses_as_a_tool_call_is_recorded_as_length(tok, tmp_path):
+    from lightning_lite.proxy import Proxy, ProxyServer
+
+    srv = ProxyServer(Proxy(CannedBackend(tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}'), tok, out_dir=str(tmp_path))).start()
+    try:
+        r = client(srv, "cut").chat.completions.create(model="m", messages=[{"role": "user", "content": "2+3?"}], tools=TOOLS, max_tokens=20)
+    finally:
+        srv.stop()
+    # the client gets the call it can run; the record keeps the truth: the cap cut the reply
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "calculator"
+    assert [c.finish_reason for c in read_calls(str(tmp_path / "calls.jsonl"))] == ["length"]
+
+
 def test_models_health_and_root(server):
     assert client(server).models.list().data[0].id == "smollm2"
     assert requests.get(server.url + "/health").json()["status"] == "ok"
@@ -226,7 +244,9 @@ BAD = [
     ("max_tokens zero", "/v1/chat/completions", dict(GOOD, max_tokens=0), 400, "invalid_value"),
     ("max_tokens negative", "/v1/chat/completions", dict(GOOD, max_tokens=-5), 400, "invalid_value"),
     ("max_tokens wrong type", "/v1/chat/completions", dict(GOOD, max_tokens="10"), 400, "invalid_type"),
-    ("n > 1", "/v1/chat/completions", dict(GOOD, n=2), 400, "invalid_value"),
+    ("n too large", "/v1/chat/completions", dict(GOOD, n=1000), 400, "invalid_value"),
+    ("n wrong type", "/v1/completions", {"prompt": "hi", "n": "2"}, 400, "invalid_type"),
+    ("deeply nested json", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),
     ("unknown tool_choice", "/v1/chat/completions", dict(GOOD, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400, "invalid_value"),
     ("prompt too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "context_length_exceeded"),
     ("completion prompt ids out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "invalid_value"),

@@ -67,11 +67,42 @@ def test_shared_sampled_prefix_is_trained_once():
     calls = [call(0, [1], [10, 11]), call(1, [1, 10, 11, 5], [12]), call(2, [1, 10, 11, 6], [13, 14])]
     samples, st = build_samples(calls)
     assert [s.tokens for s in samples] == [[1, 10, 11, 5, 12], [1, 10, 11, 6, 13, 14]]
-    assert [s.loss_mask for s in samples] == [[0, 1, 1, 0, 1], [0, 0, 0, 0, 1, 1]]
+    # the shared [10 11] is trained once, in the longest leaf, whichever branch came first
+    assert [s.loss_mask for s in samples] == [[0, 0, 0, 0, 1], [0, 1, 1, 0, 1, 1]]
     for s in samples:
         check_logprobs(s)
     assert st["trainable_tokens"] == 5 == sum(len(c.response_ids) for c in calls)
     assert not any(k.startswith("split_") and v for k, v in st.items())  # branching is not a split
+    swapped = [call(0, [1], [10, 11]), call(1, [1, 10, 11, 6], [13, 14]), call(2, [1, 10, 11, 5], [12])]
+    masks = {tuple(s.tokens): s.loss_mask for s in build_samples(swapped)[0]}
+    assert masks == {tuple(s.tokens): s.loss_mask for s in samples}
+    # equal lengths: the smaller token ids train it (a rule, not arrival order)
+    tie = [call(0, [1], [10]), call(1, [1, 10, 6], [13]), call(2, [1, 10, 5], [12])]
+    assert [s.loss_mask for s in build_samples(tie)[0]] == [[0, 0, 0, 1], [0, 1, 0, 1]]
+
+
+def test_n_choices_are_siblings_not_retries():
+    # one request for n=2 (calls 0, 1: choice 0, 1), the harness continues choice 1, then retries that call
+    calls = [call(0, [1, 2], [10]), call(1, [1, 2], [20]), call(2, [1, 2, 20, 5], [21]), call(3, [1, 2, 20, 5], [22])]
+    calls[1].choice = 1
+    samples, st = build_samples(calls)
+    assert [s.tokens for s in samples] == [[1, 2, 10], [1, 2, 20, 5, 22]]
+    assert [s.loss_mask for s in samples] == [[0, 0, 1], [0, 0, 1, 0, 1]]
+    assert st["split_retry"] == 1 and st["split_new_thread"] == st["split_rewrote_history"] == 0
+    # the same prompt again in a LATER request retries both choices of the earlier one
+    later = [call(0, [1, 2], [10]), call(1, [1, 2], [20]), call(2, [1, 2], [30])]
+    later[1].choice = 1
+    samples, st = build_samples(later)
+    assert [s.tokens for s in samples] == [[1, 2, 30]] and st["split_retry"] == 1
+
+
+def test_each_token_carries_the_sampling_of_its_call():
+    calls = [call(0, [1, 2], [10, 11]), call(1, [1, 2, 10, 11, 5], [12])]
+    calls[0].temperature, calls[0].top_p = 0.5, 0.9
+    calls[1].temperature, calls[1].top_k = 1.0, 5
+    (s,), _ = build_samples(calls)
+    assert s.temperature == [1.0, 1.0, 0.5, 0.5, 1.0, 1.0]
+    assert s.top_p == [1.0, 1.0, 0.9, 0.9, 1.0, 1.0] and s.top_k == [0, 0, 0, 0, 0, 5]
 
 
 def test_retry_keeps_the_last_attempt():

@@ -115,6 +115,22 @@ def test_every_loss_norm_and_estimator_trains(tmp_path, opts):
         assert [r["step"] for r in rows(out) if "eval_reward" in r] == [0, 1, 2]
 
 
+def test_each_token_is_scored_under_the_sampling_that_drew_it(tmp_path):
+    """Rollouts sampled with top_p 0.6, with top_k 5, and two-turn conversations at temperature 0.5 then 1.0
+    (merged into one sample), trained for one step: the trainer reproduces every recorded logprob to fp32
+    noise (plain temperature-1 runs: |dlogp| mean ~1e-5, max ~3e-5). Scoring by temperature alone gave
+    mean 0.27-0.39 and max 0.5-2.9 on these settings."""
+    out = str(tmp_path / "run")
+    run([sys.executable, "train.py", "--harness", HARNESSES + ":SamplingHarness", "--harness-arg", "setting='all'", "--harness-arg", "max_tokens=8",
+         "--steps", "1", "--batch-size", "3", "--group-size", "3", "--eval-tasks", "0", "--out", out])
+    (step,) = rows(out)
+    assert step["failed"] == 0 and step["calls"] == 12 and step["samples"] == 9  # the two-turn rollouts merged
+    assert step["grad_norm"] > 0 and step["trainable_tokens"] > 50
+    assert step["dlogp_mean"] < 1e-4 and step["dlogp_max"] < 1e-3 and step["ratio_out_frac"] == 0.0, step
+    calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
+    assert {(c["temperature"], c["top_p"], c["top_k"]) for c in calls} == {(1.0, 0.6, 0), (1.0, 1.0, 5), (0.5, 1.0, 0), (1.0, 1.0, 0)}
+
+
 def test_ctrl_c_saves_a_checkpoint_and_exits(tmp_path):
     import signal
     import time

@@ -1,0 +1,531 @@
+"""API shapes: each one's request -> the internal :class:`~chat.Request`, and the internal reply -> its answer.
+
+Three shapes serve every harness we know (chat completions: OpenHands, mini-swe-agent,
+opencode, Qwen Code, smolagents, LangGraph; Anthropic Messages: Claude Code; the
+Responses API: Codex, the OpenAI Agents SDK). Each maps onto one conversation of
+normalized messages (chat.py), so rendering, reuse of sampled tokens and merging
+work the same whatever the harness speaks:
+
+    parse_chat_request(body)            POST /v1/chat/completions
+    parse_completions_request(body)     POST /v1/completions (a prompt, no conversation)
+    parse_anthropic_request(body)       POST /v1/messages
+    parse_responses_request(body, prev) POST /v1/responses
+
+and one writer per shape (``ChatReply``, ``AnthropicReply``, ``ResponsesReply``)
+turns the answered calls into the JSON body or the server-sent events clients
+expect: ``start()`` before the first token, ``text(delta)`` for content as it is
+sampled, ``end(answers, sent)`` for the rest (tool calls are sent whole, once
+parsed), ``error(message)`` when the backend fails mid-stream. What a model cannot
+use (thinking, cache_control, reasoning, server-side tools such as web_search) is
+ignored, not rejected; what it cannot read (images) is a 400.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+from .chat import ROLES, BadRequest, Request, Sampling, parse_arguments
+
+def _expect(cond: bool, message: str, param: str):
+    if not cond:
+        raise BadRequest(message, param=param, code="invalid_type" if "must be" in message else "invalid_value")
+
+
+def _text_of(content: Any, param: str) -> str:
+    """Content as a string or a list of parts -> one string (text parts joined by newlines)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    _expect(isinstance(content, list), f"'{param}' must be a string or a list of content parts", param)
+    texts = []
+    for i, part in enumerate(content):
+        p = f"{param}[{i}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        _expect(isinstance(part, dict), f"'{p}' must be an object", p)
+        kind = part.get("type", "text")
+        if kind in ("text", "input_text", "output_text"):
+            _expect(isinstance(part.get("text"), str), f"'{p}.text' must be a string", p + ".text")
+            texts.append(part["text"])
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            raise BadRequest(f"content part type '{kind}' is not supported: this model reads text only", p + ".type", "unsupported_content")
+    return "\n".join(texts)
+
+
+def _message(m: Any, i: int) -> dict:
+    param = f"messages[{i}]"
+    _expect(isinstance(m, dict), f"'{param}' must be an object", param)
+    role = m.get("role")
+    _expect(isinstance(role, str), f"'{param}.role' must be a string", param + ".role")
+    if role not in ROLES:
+        raise BadRequest(f"unknown role '{role}' in {param}; expected one of {sorted(ROLES)}", param + ".role", "invalid_value")
+    out: dict = {"role": ROLES[role], "content": _text_of(m.get("content"), param + ".content")}
+    if out["role"] == "assistant" and m.get("tool_calls"):
+        tcs = m["tool_calls"]
+        _expect(isinstance(tcs, list), f"'{param}.tool_calls' must be a list", param + ".tool_calls")
+        out["tool_calls"] = []
+        for j, tc in enumerate(tcs):
+            p = f"{param}.tool_calls[{j}]"
+            _expect(isinstance(tc, dict) and isinstance(tc.get("function"), dict), f"'{p}' must be an object with a 'function'", p)
+            fn = tc["function"]
+            _expect(isinstance(fn.get("name"), str), f"'{p}.function.name' must be a string", p + ".function.name")
+            out["tool_calls"].append({"id": str(tc.get("id", "")), "name": fn["name"], "arguments": parse_arguments(fn.get("arguments", {}))})
+    elif out["role"] == "assistant":
+        out.update(_calls_as_text(out["content"]))
+    if out["role"] == "tool":
+        out["tool_call_id"] = str(m.get("tool_call_id", ""))
+        if m.get("name"):
+            out["name"] = str(m["name"])
+    return out
+
+
+CALLS_AS_TEXT = re.compile(r"\s*Calling tools:\s*(\[.*\])\s*", re.DOTALL)
+
+
+def _calls_as_text(content: str) -> dict:
+    """smolagents sends the tool calls it received back as text, ``Calling tools:\n[{'id': ..., 'type':
+    'function', 'function': {'name': ..., 'arguments': {...}}}]`` (a Python repr): read them back as
+    tool calls, so the turn matches the reply the proxy gave and its sampled tokens are reused."""
+    m = CALLS_AS_TEXT.fullmatch(content)
+    try:
+        calls = ast.literal_eval(m.group(1)) if m else None
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return {}
+    if not (isinstance(calls, list) and calls and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      and isinstance(c["function"].get("name"), str) for c in calls)):
+        return {}
+    return {"content": "", "tool_calls": [{"id": str(c.get("id", "")), "name": c["function"]["name"],
+                                           "arguments": parse_arguments(c["function"].get("arguments", {}))} for c in calls]}
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default):
+    v = body.get(key)
+    if v is None:
+        return default
+    _expect(isinstance(v, (int, float)) and not isinstance(v, bool), f"'{key}' must be a number", key)
+    if not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {v}", key, "invalid_value")
+    return v
+
+
+def _sampling(body: dict) -> Sampling:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        _expect(isinstance(max_tokens, int) and not isinstance(max_tokens, bool), "'max_tokens' must be an integer", "max_tokens")
+        if max_tokens <= 0:
+            raise BadRequest(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    _expect(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "'stop' must be a string or a list of strings", "stop")
+    seed = body.get("seed")
+    _expect(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), "'seed' must be an integer", "seed")
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 0.0, 2.0, 1.0)),
+        top_p=float(_number(body, "top_p", 0.0, 1.0, 1.0)),
+        top_k=max(0, int(_number(body, "top_k", -1, 1e9, 0))),  # -1 (vLLM's "off") -> 0
+        stop=[s for s in stop if s],
+        seed=seed,
+    )
+
+
+def _body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", None, "invalid_request")
+    return body
+
+
+MAX_N = 16
+
+
+def _n(body: dict) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    _expect(isinstance(n, int) and not isinstance(n, bool), "'n' must be an integer", "n")
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"'n' must be between 1 and {MAX_N}, got {n}", "n", "invalid_value")
+    return n
+
+
+def parse_chat_request(body: Any) -> Request:
+    """Validate a /v1/chat/completions body. Unknown fields (reasoning_effort, metadata, ...) are ignored."""
+    body = _body(body)
+    msgs = body.get("messages")
+    _expect(isinstance(msgs, list), "'messages' must be a list", "messages")
+    if not msgs:
+        raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
+    tools = body.get("tools") or []
+    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
+    norm_tools = []
+    for i, t in enumerate(tools):
+        _expect(isinstance(t, dict), f"'tools[{i}]' must be an object", f"tools[{i}]")
+        fn = t.get("function", t)  # {"type": "function", "function": {...}} or a bare function
+        _expect(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"'tools[{i}].function.name' must be a string", f"tools[{i}]")
+        norm_tools.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
+    choice, force = body.get("tool_choice"), None
+    if norm_tools and choice == "required":
+        force = ""
+    elif norm_tools and isinstance(choice, dict):
+        force = (choice.get("function") or {}).get("name", choice.get("name"))
+        _expect(isinstance(force, str), "'tool_choice.function.name' must be a string", "tool_choice")
+        _check_forced(force, norm_tools)
+    stream_options = body.get("stream_options") or {}
+    _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
+    return Request(
+        messages=[_message(m, i) for i, m in enumerate(msgs)],
+        tools=norm_tools,
+        parse_tools=bool(norm_tools) and choice != "none",
+        force_tool=force,
+        sampling=_sampling(body),
+        n=_n(body),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        logprobs=bool(body.get("logprobs", False)),
+        model=str(body.get("model", "")),
+    )
+
+
+def parse_completions_request(body: Any) -> Request:
+    """Validate a /v1/completions body: the prompt is a string or a list of token ids."""
+    body = _body(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    req = Request(sampling=_sampling(body), n=_n(body), stream=bool(body.get("stream", False)), model=str(body.get("model", "")))
+    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+    req.logprobs = body.get("logprobs") is not None
+    if body.get("echo"):
+        raise BadRequest("'echo' is not supported", "echo", "invalid_value")
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        req.prompt_ids = list(prompt)
+    else:
+        raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)", "prompt", "invalid_type")
+    return req
+
+
+# ----------------------------------------------------------------------------- Anthropic Messages
+
+
+def _blocks(content: Any, param: str) -> list[dict]:
+    if content is None or isinstance(content, str):
+        return [{"type": "text", "text": content or ""}]
+    _expect(isinstance(content, list) and all(isinstance(b, dict) for b in content), f"'{param}' must be a string or a list of content blocks", param)
+    return content
+
+
+def parse_anthropic_request(body: Any) -> Request:
+    """Validate a /v1/messages body (what Claude Code sends: ``system`` as text or blocks,
+    ``role: system`` turns inside ``messages``, tool_use / tool_result blocks)."""
+    body = _body(body)
+    msgs = body.get("messages")
+    _expect(isinstance(msgs, list), "'messages' must be a list", "messages")
+    if not msgs:
+        raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
+    out = [{"role": "system", "content": _text_of(body["system"], "system")}] if body.get("system") else []
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        _expect(isinstance(m, dict), f"'{p}' must be an object", p)
+        role = m.get("role")
+        if role not in ("user", "assistant", "system"):
+            raise BadRequest(f"unknown role {role!r} in {p}; expected user, assistant or system", p + ".role", "invalid_value")
+        texts, calls = [], []
+        for j, b in enumerate(_blocks(m.get("content"), p + ".content")):
+            kind, q = b.get("type"), f"{p}.content[{j}]"
+            if kind == "text":
+                texts.append(_text_of([b], q))
+            elif kind == "tool_use" and role == "assistant":
+                _expect(isinstance(b.get("name"), str), f"'{q}.name' must be a string", q + ".name")
+                calls.append({"id": str(b.get("id", "")), "name": b["name"], "arguments": b.get("input") or {}})
+            elif kind == "tool_result":  # results come first in a user turn: one tool message each
+                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": _text_of(b.get("content"), q + ".content")})
+            elif kind in ("image", "document"):
+                raise BadRequest(f"content block type '{kind}' is not supported: this model reads text only", q + ".type", "unsupported_content")
+            # thinking, redacted_thinking, server tool blocks: nothing this model can use
+        if role == "assistant":
+            out.append({"role": "assistant", "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
+        elif texts:
+            out.append({"role": role, "content": "\n".join(texts)})
+    tools = body.get("tools") or []
+    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
+    # server tools (web_search_..., bash_..., text_editor_...) have no input_schema: the model cannot call them here
+    tools = [{"name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"]}
+             for t in tools if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("input_schema"), dict)]
+    choice = body.get("tool_choice") or {}
+    _expect(isinstance(choice, dict), "'tool_choice' must be an object", "tool_choice")
+    force = {"any": "", "tool": choice.get("name")}.get(choice.get("type")) if tools else None
+    _check_forced(force, tools)
+    return Request(messages=out, tools=tools, parse_tools=bool(tools) and choice.get("type") != "none", force_tool=force,
+                   sampling=_sampling({k: body.get(a) for k, a in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                                                                    ("top_k", "top_k"), ("stop", "stop_sequences"), ("seed", "seed"))}),
+                   stream=bool(body.get("stream", False)), model=str(body.get("model", "")))
+
+
+# ----------------------------------------------------------------------------- Responses API
+
+
+def parse_responses_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
+    """Validate a /v1/responses body. ``previous(response_id)`` returns the conversation a
+    response of this rollout ended (its input and its output), for ``previous_response_id``."""
+    body = _body(body)
+    history = []
+    if body.get("previous_response_id") is not None:
+        _expect(isinstance(body["previous_response_id"], str), "'previous_response_id' must be a string", "previous_response_id")
+        history = list(previous(body["previous_response_id"]))
+    items = body.get("input", [])
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    _expect(isinstance(items, list), "'input' must be a string or a list of items", "input")
+    for i, it in enumerate(items):
+        p = f"input[{i}]"
+        _expect(isinstance(it, dict), f"'{p}' must be an object", p)
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise BadRequest(f"unknown role {role!r} in {p}", p + ".role", "invalid_value")
+            history.append({"role": ROLES[role], "content": _text_of(it.get("content"), p + ".content")})
+        elif kind == "function_call":
+            _expect(isinstance(it.get("name"), str), f"'{p}.name' must be a string", p + ".name")
+            call = {"id": str(it.get("call_id", "")), "name": it["name"], "arguments": parse_arguments(it.get("arguments", "{}"))}
+            if not (history and history[-1]["role"] == "assistant"):  # calls after a message join it: one assistant turn
+                history.append({"role": "assistant", "content": ""})
+            history[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            out = it.get("output", "")
+            history.append({"role": "tool", "tool_call_id": str(it.get("call_id", "")), "content": out if isinstance(out, str) else _text_of(out, p + ".output")})
+        # reasoning items, item references and calls of tools the model cannot use: ignored
+    if not history:
+        raise BadRequest("'input' must not be empty", "input", "invalid_value")
+    tools = body.get("tools") or []
+    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
+    tools = [{k: t[k] for k in ("name", "description", "parameters") if k in t} for t in tools
+             if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)]  # web_search, namespace, ...: ignored
+    choice = body.get("tool_choice")
+    force = "" if choice == "required" else (choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None)
+    force = force if tools else None
+    _check_forced(force, tools)
+    instructions = [{"role": "system", "content": _text_of(body["instructions"], "instructions")}] if body.get("instructions") else []
+    return Request(messages=instructions + history, tools=tools, parse_tools=bool(tools) and choice != "none", force_tool=force,
+                   sampling=_sampling({"max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                                       "top_k": body.get("top_k"), "seed": body.get("seed")}),
+                   stream=bool(body.get("stream", False)), model=str(body.get("model", "")), n_instructions=len(instructions))
+
+
+def _check_forced(force: Optional[str], tools: list[dict]):
+    if force and force not in {t["name"] for t in tools}:
+        raise BadRequest(f"tool_choice names '{force}', which is not in 'tools'", "tool_choice", "invalid_value")
+
+
+# ----------------------------------------------------------------------------- replies and stream events
+#
+# ``answers`` are (call, reply) pairs: the recorded Call and the parsed assistant message
+# ({"role", "content", "tool_calls"?}). ``sent`` is the content already streamed.
+
+
+def _sse(obj: dict, event: Optional[str] = None) -> bytes:
+    return (f"event: {event}\n" if event else "").encode() + b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _rest(content: str, sent: str) -> str:
+    """What of the final content the stream has not sent yet (sent is always a prefix of it)."""
+    return content[len(sent):] if content.startswith(sent) else ""
+
+
+def _finish(call, reply) -> str:
+    # the client is told "tool_calls" whenever it got calls to run, even from a reply cut at the cap
+    return "tool_calls" if reply.get("tool_calls") else call.finish_reason
+
+
+def error_body(api: str, message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
+    if api == "anthropic":
+        return {"type": "error", "error": {"type": type_, "message": message}}
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ChatReply:
+    def __init__(self, req: Request, model: str, n_prompt: int, tok=None):
+        self.req, self.n_prompt, self.tok = req, n_prompt, tok  # tok: to write the tokens of ``logprobs``
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model or model}
+
+    def _usage(self, answers) -> dict:
+        c = sum(len(call.response_ids) for call, _ in answers)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": c, "total_tokens": self.n_prompt + c}
+
+    @staticmethod
+    def _tool_calls(reply) -> list[dict]:
+        return [{"id": t["id"], "type": "function", "function": {"name": t["name"], "arguments": t["arguments"]}} for t in reply.get("tool_calls", [])]
+
+    def body(self, answers) -> dict:
+        choices = []
+        for call, reply in answers:
+            calls = self._tool_calls(reply)
+            msg = {"role": "assistant", "content": reply["content"] if (reply["content"] or not calls) else None, **({"tool_calls": calls} if calls else {})}
+            c = {"index": call.choice, "message": msg, "finish_reason": _finish(call, reply), "logprobs": None}
+            if self.req.logprobs:
+                tokens = [self.tok.decode([t]) for t in call.response_ids]
+                c["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                             for t, lp in zip(tokens, call.response_logprobs)]}
+            choices.append(c)
+        return {**self.head, "object": "chat.completion", "choices": choices, "usage": self._usage(answers)}
+
+    def _chunk(self, index: int, delta: dict, finish=None) -> bytes:
+        return _sse({**self.head, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]})
+
+    def start(self) -> bytes:
+        return b"".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.req.n))
+
+    def text(self, delta: str) -> bytes:
+        return self._chunk(0, {"content": delta})
+
+    def end(self, answers, sent: str = "") -> bytes:
+        out = []
+        for call, reply in answers:
+            rest = _rest(reply["content"], sent if call.choice == 0 else "")  # only one choice streams live
+            if rest:
+                out.append(self._chunk(call.choice, {"content": rest}))
+            for i, tc in enumerate(self._tool_calls(reply)):
+                out.append(self._chunk(call.choice, {"tool_calls": [{"index": i, **tc}]}))
+            out.append(self._chunk(call.choice, {}, _finish(call, reply)))
+        if self.req.include_usage:
+            out.append(_sse({**self.head, "choices": [], "usage": self._usage(answers)}))
+        return b"".join(out) + b"data: [DONE]\n\n"
+
+    def error(self, message: str) -> bytes:
+        return _sse(error_body("chat", message, "server_error")) + b"data: [DONE]\n\n"
+
+
+class AnthropicReply:
+    STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+    def __init__(self, req: Request, model: str, n_prompt: int):
+        self.req, self.n_prompt, self.open = req, n_prompt, False
+        self.id, self.model = f"msg_{uuid.uuid4().hex[:24]}", req.model or model
+
+    @staticmethod
+    def _input(tc) -> dict:
+        args = parse_arguments(tc["arguments"])
+        return args if isinstance(args, dict) else {}
+
+    def _message(self, content: list, stop_reason, output_tokens: int) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content, "stop_reason": stop_reason,
+                "stop_sequence": None, "usage": {"input_tokens": self.n_prompt, "output_tokens": output_tokens}}
+
+    def body(self, answers) -> dict:
+        (call, reply), = answers
+        content = [{"type": "text", "text": reply["content"]}] if reply["content"] or not reply.get("tool_calls") else []
+        content += [{"type": "tool_use", "id": "toolu_" + tc["id"].removeprefix("call_"), "name": tc["name"], "input": self._input(tc)} for tc in reply.get("tool_calls", [])]
+        return self._message(content, self.STOP[_finish(call, reply)], len(call.response_ids))
+
+    def start(self) -> bytes:
+        return _sse({"type": "message_start", "message": self._message([], None, 0)}, "message_start")
+
+    def text(self, delta: str) -> bytes:
+        out = b"" if self.open else _sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
+        self.open = True
+        return out + _sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}}, "content_block_delta")
+
+    def end(self, answers, sent: str = "") -> bytes:
+        (call, reply), = answers
+        message = self.body(answers)
+        out = []
+        for i, block in enumerate(message["content"]):
+            if block["type"] == "text":
+                rest = _rest(block["text"], sent)
+                out.append(self.text(rest) if rest or not self.open else b"")
+            else:
+                out.append(_sse({"type": "content_block_start", "index": i, "content_block": {**block, "input": {}}}, "content_block_start"))
+                out.append(_sse({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}, "content_block_delta"))
+            out.append(_sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
+        out.append(_sse({"type": "message_delta", "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+                         "usage": {"output_tokens": len(call.response_ids)}}, "message_delta"))
+        out.append(_sse({"type": "message_stop"}, "message_stop"))
+        return b"".join(out)
+
+    def error(self, message: str) -> bytes:
+        return _sse(error_body("anthropic", message, "api_error"), "error")
+
+
+class ResponsesReply:
+    def __init__(self, req: Request, model: str, n_prompt: int, previous_id: Optional[str] = None):
+        self.req, self.n_prompt, self.seq = req, n_prompt, 0
+        self.id, self.msg_id, self.model = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", req.model or model
+        self.created, self.previous_id, self.open = int(time.time()), previous_id, False
+
+    def _output(self, reply) -> list[dict]:
+        out = []
+        if reply["content"] or not reply.get("tool_calls"):
+            out.append({"type": "message", "id": self.msg_id, "status": "completed", "role": "assistant",
+                        "content": [{"type": "output_text", "text": reply["content"], "annotations": [], "logprobs": []}]})
+        out += [{"type": "function_call", "id": "fc_" + tc["id"].removeprefix("call_"), "call_id": tc["id"], "name": tc["name"],
+                 "arguments": tc["arguments"] if isinstance(tc["arguments"], str) else json.dumps(tc["arguments"]), "status": "completed"}
+                for tc in reply.get("tool_calls", [])]
+        return out
+
+    def _response(self, status: str, output: list, call=None) -> dict:
+        n_out = len(call.response_ids) if call else 0
+        s = self.req.sampling
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model, "output": output,
+                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": None, "previous_response_id": self.previous_id, "parallel_tool_calls": True, "tool_choice": "auto",
+                "tools": [{"type": "function", **t} for t in self.req.tools], "temperature": s.temperature, "top_p": s.top_p,
+                "max_output_tokens": s.max_tokens, "store": True, "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+                "usage": {"input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": self.n_prompt + n_out}}
+
+    def _status(self, call, reply) -> str:
+        return "incomplete" if call.finish_reason == "length" and not reply.get("tool_calls") else "completed"
+
+    def body(self, answers) -> dict:
+        (call, reply), = answers
+        return self._response(self._status(call, reply), self._output(reply), call)
+
+    def _event(self, kind: str, **fields) -> bytes:
+        self.seq += 1
+        return _sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
+
+    def start(self) -> bytes:
+        r = self._response("in_progress", [])
+        return self._event("response.created", response=r) + self._event("response.in_progress", response=r)
+
+    def text(self, delta: str) -> bytes:
+        out = b""
+        if not self.open:
+            self.open = True
+            out = self._event("response.output_item.added", output_index=0, item={"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []})
+            out += self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        return out + self._event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0, delta=delta, logprobs=[])
+
+    def end(self, answers, sent: str = "") -> bytes:
+        (call, reply), = answers
+        output, out = self._output(reply), []
+        for i, item in enumerate(output):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                rest = _rest(text, sent)
+                out.append(self.text(rest) if rest or not self.open else b"")
+                out.append(self._event("response.output_text.done", item_id=self.msg_id, output_index=i, content_index=0, text=text, logprobs=[]))
+                out.append(self._event("response.content_part.done", item_id=self.msg_id, output_index=i, content_index=0, part=item["content"][0]))
+            else:
+                out.append(self._event("response.output_item.added", output_index=i, item={**item, "arguments": "", "status": "in_progress"}))
+                out.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=item["arguments"]))
+                out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i, arguments=item["arguments"]))
+            out.append(self._event("response.output_item.done", output_index=i, item=item))
+        status = self._status(call, reply)
+        out.append(self._event(f"response.{status}", response=self._response(status, output, call)))
+        return b"".join(out)
+
+    def error(self, message: str) -> bytes:
+        return self._event("error", code="server_error", message=message, param=None)

@@ -29,6 +29,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's); beyond what it was trained for, RoPE is scaled (YaRN)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="the most tokens one call may generate, whatever the request asks (default: no cap)")
     p.add_argument("--no-reuse-tokens", action="store_true", help="render every prompt fresh instead of reusing sampled tokens (for comparison)")
     a = p.parse_args()
 
@@ -36,10 +37,10 @@ def main():
     tok = load_tokenizer(a.model)
     model = load_model(a.model, a.device, max_model_len=a.max_model_len).eval()
     backend = HFBackend(model, tok, max_batch_size=a.max_batch_size, max_model_len=a.max_model_len)
-    proxy = Proxy(backend, tok, model_name=a.model, out_dir=a.out, reuse_tokens=not a.no_reuse_tokens)
+    proxy = Proxy(backend, tok, model_name=a.model, out_dir=a.out, reuse_tokens=not a.no_reuse_tokens, max_new_tokens=a.max_new_tokens)
     print(f"serving {a.model} on http://{a.host}:{a.port}/v1 (per rollout: /rollout/<id>/v1); recording to {a.out}/calls.jsonl", flush=True)
     try:
-        web.run_app(proxy.app(), host=a.host, port=a.port, print=None, access_log=None)
+        web.run_app(proxy.app(), host=a.host, port=a.port, print=None, access_log=None, handler_cancellation=True)  # a client that leaves cancels its call
     finally:
         backend.close()
         print(f"stopped; calls are in {a.out}/calls.jsonl", flush=True)

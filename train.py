@@ -60,6 +60,7 @@ p.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the ini
 p.add_argument("--norm-const", type=float, default=None, help="C of seq-mean-token-sum-norm, a fixed token budget (default: --max-seq-len)")
 p.add_argument("--drop-zero-variance", action="store_true", help="drop groups whose rollouts all got the same reward")
 p.add_argument("--max-seq-len", type=int, default=2048, help="longer samples are cut at a turn boundary (counted)")
+p.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one call may generate, whatever the harness asks (many ask nothing)")
 p.add_argument("--max-model-len", type=int, default=None, help="context of the served model (default: the model's); beyond what it was trained for, RoPE is scaled (YaRN)")
 p.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward/backward")
 p.add_argument("--max-concurrency", type=int, default=8, help="rollouts in flight per rank")
@@ -143,7 +144,7 @@ if master:
 # The backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
 backend = HFBackend(model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
 backend.version = start_step
-proxy = Proxy(backend, tok, model_name=args.model)
+proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens)
 server = ProxyServer(proxy).start()
 harness = load_harness(args.harness, **parse_kwargs(args.harness_arg))
 train_tasks, test_tasks = harness.tasks("train"), harness.tasks("test")[: args.eval_tasks]

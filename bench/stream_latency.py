@@ -23,7 +23,7 @@ PROMPT = "Tell me a long story about a dragon who learns to bake bread."
 def bodies(n):
     msgs = [{"role": "user", "content": PROMPT}]
     return {
-        "chat": ("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": n, "temperature": 0, "stream": True}, '"content": "'),
+        "chat": ("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": n, "temperature": 0, "stream": True}, '"delta": {"content": "'),
         "responses": ("/v1/responses", {"model": "m", "input": PROMPT, "max_output_tokens": n, "temperature": 0, "stream": True}, "output_text.delta"),
         "anthropic": ("/v1/messages", {"model": "m", "messages": msgs, "max_tokens": n, "temperature": 0, "stream": True}, "text_delta"),
     }
@@ -39,7 +39,8 @@ def main():
     from lightning_lite.proxy import Proxy, ProxyServer
 
     tok = load_tokenizer("smollm2")
-    srv = ProxyServer(Proxy(HFBackend(load_model("smollm2").eval(), tok), tok)).start()
+    backend = HFBackend(load_model("smollm2").eval(), tok)
+    srv = ProxyServer(Proxy(backend, tok)).start()
     print(f"{'api':<10} {'first content (s)':>18} {'whole answer (s)':>17} {'tokens':>7}")
     for api, (path, body, marker) in bodies(a.tokens).items():
         firsts, totals = [], []
@@ -54,6 +55,7 @@ def main():
         n = len(srv.proxy.calls[-1].response_ids)
         print(f"{api:<10} {statistics.median(firsts):>18.2f} {statistics.median(totals):>17.2f} {n:>7}")
     srv.stop()
+    backend.close()
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ class HFBackend:
         self.eos_ids = {t for t in eos + [tokenizer.eos_token_id] if t is not None}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
         self.version = 0
-        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "batches": 0, "busy_s": 0.0}
+        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "cancelled": 0, "batches": 0, "busy_s": 0.0}
         self.prefix_cache_tokens = prefix_cache_tokens
         self._prefix: OrderedDict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
         self._prefix_len = 0
@@ -187,6 +187,7 @@ class HFBackend:
         with self._cond:
             if self._paused or room <= 0:
                 return []
+            self._pending = [r for r in self._pending if not r.future.cancelled()]  # their clients went away
             new, self._pending = self._pending[:room], self._pending[room:]
             return new
 
@@ -304,7 +305,10 @@ class HFBackend:
                         r.loop.call_soon_threadsafe(r.on_token, tok)
                     self.stats["generated_tokens"] += 1
                     toks.append(tok)
-                    if self._finish(r, tok):
+                    if r.future.cancelled():  # the client went away (the proxy cancels its call): stop generating
+                        self.stats["cancelled"] += 1
+                        done.append(j)
+                    elif self._finish(r, tok):
                         done.append(j)
                         # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
                         seq = r.prompt_ids + r.response_ids[:-1]

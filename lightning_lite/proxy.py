@@ -53,8 +53,12 @@ class Session:
 
 
 class Proxy:
-    def __init__(self, backend, tokenizer, model_name: str = "smollm2", out_dir: Optional[str] = None, reuse_tokens: bool = True, max_body_mb: float = 32.0):
+    def __init__(self, backend, tokenizer, model_name: str = "smollm2", out_dir: Optional[str] = None, reuse_tokens: bool = True,
+                 max_body_mb: float = 32.0, max_new_tokens: Optional[int] = None):
+        """``max_new_tokens``: the most tokens one call may generate, whatever the request asks (or when it
+        asks nothing: mini-swe-agent, OpenHands): the trainer's cap, recorded as ``capped`` when it cut a reply."""
         self.backend, self.tok = backend, tokenizer
+        self.max_new_tokens = max_new_tokens
         self.renderer = Renderer(tokenizer, getattr(backend, "eos_ids", None))  # the EOS set generation stops on
         self.model_name = model_name
         self.reuse_tokens = reuse_tokens
@@ -93,14 +97,21 @@ class Proxy:
 
     # ------------------------------------------------------------------ recording
 
-    def _record(self, rid: str, api: str, prompt_ids, gen, parent, hint, sampling, t0, reply=None, choice=0) -> Call:
+    def _cap(self, req: Request) -> bool:
+        """Apply the per-call cap; True when it lowered (or set) what the request asked for."""
+        if self.max_new_tokens and (req.sampling.max_tokens is None or req.sampling.max_tokens > self.max_new_tokens):
+            req.sampling.max_tokens = self.max_new_tokens
+            return True
+        return False
+
+    def _record(self, rid: str, api: str, prompt_ids, gen, parent, hint, sampling, t0, reply=None, choice=0, capped=False) -> Call:
         s = self.sessions.setdefault(rid, Session())
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must see truncation
         tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
         call = Call(
             rollout_id=rid, index=s.n_calls, api=api, model_version=gen.version, prompt_ids=list(prompt_ids),
             response_ids=gen.response_ids, response_logprobs=gen.logprobs,
-            finish_reason="tool_calls" if tool else gen.finish_reason, choice=choice,
+            finish_reason="tool_calls" if tool else gen.finish_reason, choice=choice, capped=capped and gen.finish_reason == "length",
             parent=parent, split_hint=hint, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             created=t0, latency_s=round(time.time() - t0, 4), response=reply,
         )
@@ -177,7 +188,7 @@ class Proxy:
             req = apis.parse_anthropic_request(body)
         else:
             req = apis.parse_responses_request(body, lambda rsp: self._previous(session, rsp))
-        t0 = time.time()
+        t0, capped = time.time(), self._cap(req)
         prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens)
         forced = self.renderer.forced_prefix(req.force_tool)
         prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
@@ -210,10 +221,12 @@ class Proxy:
                 raise
             await resp.write(out.error(str(e)))  # the stream has begun: the error goes in it
             return resp
+        except ConnectionResetError:  # the client left mid-stream; _generate_live cancelled its generation
+            return resp
         answers = []
         for i, gen in enumerate(gens):
             reply = self.renderer.parse_reply(forced + gen.text, req.parse_tools)
-            call = self._record(rid, api, prompt_ids, gen, parent, hint, req.sampling, t0, reply, choice=i)
+            call = self._record(rid, api, prompt_ids, gen, parent, hint, req.sampling, t0, reply, choice=i, capped=capped)
             session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids))
             answers.append((call, reply))
         if api == "responses":  # for previous_response_id; a new request's instructions replace these
@@ -236,9 +249,9 @@ class Proxy:
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
         self._check_context(prompt_ids)
-        t0 = time.time()
+        t0, capped = time.time(), self._cap(req)
         gens = await self._generate(prompt_ids, req)
-        calls = [self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i) for i, gen in enumerate(gens)]
+        calls = [self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i, capped=capped) for i, gen in enumerate(gens)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(t0), "model": req.model or self.model_name}
         choices = []
         for call, gen in zip(calls, gens):
@@ -377,7 +390,7 @@ class ProxyServer:
         return self
 
     async def _start(self):
-        self._runner = web.AppRunner(self.proxy.app(), access_log=None)
+        self._runner = web.AppRunner(self.proxy.app(), access_log=None, handler_cancellation=True)  # a client that leaves cancels its call
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -49,6 +49,7 @@ class Call:
     response_logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "tool_calls"
     choice: int = 0
+    capped: bool = False  # the proxy's per-call cap (--max-new-tokens), not the request, cut the reply
     parent: Optional[int] = None
     split_hint: Optional[str] = None
     temperature: float = 1.0

@@ -278,3 +278,19 @@ def test_replay_captured_anthropic_and_responses_requests(server, path, body):
     else:
         assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_client_that_goes_away_stops_its_generation(server):
+    """The harness gave up (timeout, closed connection): its call stops generating within a few tokens."""
+    stats = server.proxy.backend.stats
+    before = dict(stats)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Write a very long essay about the sea."}], "max_tokens": 2000, "temperature": 1.0}
+    for stream in (False, True):
+        with pytest.raises((requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError)):  # a timeout mid-body reads as a connection error
+            requests.post(f"{server.url}/rollout/gone-{stream}/v1/chat/completions", json=dict(body, stream=stream), timeout=1.5).content
+    deadline = time.time() + 30
+    while stats["cancelled"] - before["cancelled"] < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert stats["cancelled"] - before["cancelled"] == 2
+    assert stats["generated_tokens"] - before["generated_tokens"] < 400  # not the 4,000 asked for
+    assert not calls_of(server, "gone-False") and not calls_of(server, "gone-True")  # nothing answered, nothing recorded

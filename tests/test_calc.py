@@ -94,6 +94,8 @@ def test_agent_uses_the_calculator_and_is_rewarded():
     assert [rid for rid, _, _ in requests] == ["r1", "r1"]
     first, second = requests[0][2], requests[1][2]
     assert first["model"] == "stub-model" and first["max_tokens"] == 64
+    # the first call must use the calculator, later ones may
+    assert first["tool_choice"] == {"type": "function", "function": {"name": "calculator"}} and second["tool_choice"] == "auto"
     assert first["tools"][0]["function"]["name"] == "calculator"
     assert "ANSWER:" in first["messages"][0]["content"] and first["messages"][1]["role"] == "user"
     assistant, tool = second["messages"][2], second["messages"][3]
@@ -106,13 +108,18 @@ def test_agent_survives_malformed_tool_calls():
                               tool_call("search", {"q": "3+4"}, call_id="call_1")]},
               {"content": "ANSWER: 8"}]
     result, requests = run_agent(lambda rid, body, n: script[n])
-    assert result.reward == 0.1  # right format, wrong number
+    assert result.reward == pytest.approx(0.8 * 0.1)  # no valid first call; right format, wrong number
     tool_results = [m["content"] for m in requests[1][2]["messages"] if m["role"] == "tool"]
     assert tool_results[0].startswith("error: arguments must be JSON") and "unknown tool" in tool_results[1]
 
 
 def test_agent_stops_after_max_turns():
     result, requests = run_agent(lambda rid, body, n: {"tool_calls": [tool_call("calculator", {"expression": "1+1"})]})
-    assert len(requests) == 3 and result.reward == 0.0
+    assert len(requests) == 3 and result.reward == pytest.approx(0.2)  # a valid first call, no answer
+    # the forced first call did not parse (the model wrote text): told so, it answers on the next turn
     result, requests = run_agent(lambda rid, body, n: {"content": "seven"}, format_reward=0.0)
-    assert len(requests) == 1 and (result.reward, result.error) == (0.0, None)
+    assert len(requests) == 2 and (result.reward, result.error) == (0.0, None)
+    assert requests[1][2]["messages"][-1]["content"].startswith("That was not a valid calculator call")
+    # tool_first=False: the single-turn agent of before, reward = the answer's score
+    result, requests = run_agent(lambda rid, body, n: {"content": "3 + 4 = 7."}, tool_first=False)
+    assert len(requests) == 1 and result.reward == 1.0 and requests[0][2]["tool_choice"] == "auto"

@@ -294,7 +294,7 @@ def test_proxy_cli_serves_and_stops_cleanly(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "proxy.py"), "--port", str(port), "--out", str(out), "--max-batch-size", "4", "--max-model-len", "2048", "--no-reuse-tokens", "--host", "127.0.0.1", "--device", "cpu", "--model", "smollm2"],
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "proxy.py"), "--port", str(port), "--out", str(out), "--max-batch-size", "4", "--max-model-len", "2048", "--max-new-tokens", "3", "--no-reuse-tokens", "--host", "127.0.0.1", "--device", "cpu", "--model", "smollm2"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/rollout/cli/v1", api_key="x", max_retries=0)
@@ -315,6 +315,8 @@ def test_proxy_cli_serves_and_stops_cleanly(tmp_path):
     assert p.returncode == 0, log
     calls = read_calls(str(out / "calls.jsonl"))
     assert [c.rollout_id for c in calls] == ["cli", "cli"] and sum(len(c.response_ids) for c in calls) == n
+    # max_tokens 5 asked, 3 allowed: the cap cut what the request would have let run on, and says so
+    assert all(len(c.response_ids) <= 3 and c.capped == (c.finish_reason == "length") for c in calls)
 
 
 def test_samples_cli_on_calls_recorded_by_the_proxy(server, tmp_path):

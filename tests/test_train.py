@@ -95,13 +95,19 @@ def test_calc_agent_on_the_embedded_model(server):
     calls = [c for c in server.proxy.take_calls() if c.rollout_id.startswith("calc-")]
     assert {c.rollout_id for c in calls} == {"calc-0", "calc-1", "calc-2"}
     assert all(c.temperature == 0.7 and len(c.response_ids) <= 16 for c in calls)
+    # multi-turn: a forced calculator call, then an answer; each rollout's calls merge into one sample
+    from lightning_lite.samples import build_batch_samples
+
+    samples, stats = build_batch_samples(calls)
+    assert len(calls) >= 6 and len(samples) == 3 and stats["samples"] == 3
 
 
 @pytest.mark.parametrize("opts", [
     ["--loss", "gspo", "--clip-low", "3e-4", "--clip-high", "4e-4", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0"],
     ["--loss", "tis", "--tis-cap", "1.5", "--norm", "seq-mean-token-mean", "--adv", "reinforce", "--kl-coef", "0.05", "--weight-decay", "0.01"],
     ["--norm", "seq-mean-token-sum", "--adv", "dr_grpo", "--micro-batch-tokens", "64", "--max-seq-len", "48", "--drop-zero-variance"],
-    ["--norm", "seq-mean-token-sum-norm", "--norm-const", "32", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3", "--model", "smollm2", "--device", "cpu"],
+    ["--norm", "seq-mean-token-sum-norm", "--norm-const", "32", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3", "--model", "smollm2", "--device", "cpu",
+     "--max-new-tokens", "5", "--max-model-len", "16384"],
 ], ids=["gspo-token-mean-rloo-cosine", "tis-seq-mean-reinforce-kl", "seq-sum-dr_grpo-microbatch-maxlen", "sum-norm-eval-every"])
 def test_every_loss_norm_and_estimator_trains(tmp_path, opts):
     out = str(tmp_path / "run")
@@ -113,6 +119,10 @@ def test_every_loss_norm_and_estimator_trains(tmp_path, opts):
     assert json.load(open(os.path.join(out, "config.json")))["norm"] == opts[opts.index("--norm") + 1]
     if "--eval-every" in opts:
         assert [r["step"] for r in rows(out) if "eval_reward" in r] == [0, 1, 2]
+    if "--max-new-tokens" in opts:  # the harness asks for 8 tokens, the trainer allows 5; beyond 8192, RoPE is YaRN-scaled
+        calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
+        assert all(len(c["response_ids"]) <= 5 and c["capped"] == (c["finish_reason"] == "length") for c in calls)
+        assert json.load(open(os.path.join(out, "checkpoints", "step_2", "config.json")))["rope_parameters"]["rope_type"] == "yarn"
 
 
 def test_each_token_is_scored_under_the_sampling_that_drew_it(tmp_path):

@@ -4,11 +4,14 @@ Tasks are generated from a seed (no data files), e.g. at difficulty 1:
 
     Tom has 3 apples and buys 4 more. How many apples does Tom have now?
 
-The agent is plain ``openai`` client code: it may call a ``calculator`` tool
-(at most ``max_turns`` model calls) and must end with ``ANSWER: <number>``.
-Reward: 1.0 for the exact number, ``format_reward`` for a well-formed wrong
-answer, 0.0 otherwise. Sized for a 135M model on a CPU: short prompts, small
-numbers, few short turns.
+The agent is plain ``openai`` client code: its first call must call the
+``calculator`` tool (``tool_choice``), the result is fed back, and it answers
+(at most ``max_turns`` model calls), ending with ``ANSWER: <number>``. So every
+rollout is a multi-turn conversation that merges into one training sample.
+Reward: ``tool_reward`` for a valid first calculator call (one that returns a
+number), plus ``1 - tool_reward`` times the answer's score (1.0 for the exact
+number, ``format_reward`` for a well-formed wrong answer, 0.0 otherwise).
+Sized for a 135M model on a CPU: short prompts, small numbers, few short turns.
 
     python train.py --harness calc --harness-arg difficulty=1
 """
@@ -176,13 +179,13 @@ class CalcHarness(Harness):
 
     def __init__(self, n_train: int = 2000, n_test: int = 200, difficulty: int = 1, seed: int = 0,
                  format_reward: float = 0.1, max_turns: int = 3, max_tokens: int = 64,
-                 temperature: float = 0.7, strict: bool = False):
+                 temperature: float = 0.7, strict: bool = False, tool_first: bool = True, tool_reward: float = 0.2):
         if difficulty not in (1, 2, 3):
             raise ValueError(f"calc difficulty must be 1, 2 or 3, not {difficulty!r}")
         self.n = {"train": n_train, "test": n_test}
         self.difficulty, self.seed, self.format_reward = difficulty, seed, format_reward
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
-        self.strict = strict
+        self.strict, self.tool_first, self.tool_reward = strict, tool_first, tool_reward
         self._tasks: dict[str, list[Task]] = {}
 
     def tasks(self, split: str) -> list[Task]:
@@ -214,19 +217,31 @@ class CalcHarness(Harness):
                     {"role": "user", "content": task.prompt}]
         # max_retries=0: a failed call fails the rollout visibly instead of being
         # silently re-sampled (a retry would be a second, differently-sampled call).
+        valid_call = False
         async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
                                       max_retries=0) as client:
-            for _ in range(self.max_turns):
+            for turn in range(self.max_turns):
+                # The first call must use the calculator: the proxy starts the call, the model writes the arguments.
+                first = turn == 0 and self.tool_first
                 response = await client.chat.completions.create(
                     model=endpoint.model, messages=messages, tools=[CALCULATOR_TOOL],
+                    tool_choice={"type": "function", "function": {"name": "calculator"}} if first else "auto",
                     max_tokens=self.max_tokens, temperature=self.temperature)
                 message = response.choices[0].message
                 messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
                 if not message.tool_calls:
-                    break
+                    if not first:
+                        break
+                    # The forced call did not parse: say so, as a tool would, and let the model answer.
+                    messages.append({"role": "user", "content": 'That was not a valid calculator call. Answer the problem.'})
+                    continue
                 for call in message.tool_calls:
                     result = (calculator(call.function.arguments) if call.function.name == "calculator"
                               else f"error: unknown tool {call.function.name!r}; use calculator")
+                    valid_call |= first and not result.startswith("error")
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         # The answer is whatever the model said last (a turn-limited run may end on a tool call).
-        return score(message.content or "", task.answer, self.format_reward, self.strict)
+        answer = score(message.content or "", task.answer, self.format_reward, self.strict)
+        if not self.tool_first:
+            return answer
+        return self.tool_reward * valid_call + (1 - self.tool_reward) * answer

@@ -40,7 +40,9 @@ def main():
     proxy = Proxy(backend, tok, model_name=a.model, out_dir=a.out, reuse_tokens=not a.no_reuse_tokens, max_new_tokens=a.max_new_tokens)
     print(f"serving {a.model} on http://{a.host}:{a.port}/v1 (per rollout: /rollout/<id>/v1); recording to {a.out}/calls.jsonl", flush=True)
     try:
-        web.run_app(proxy.app(), host=a.host, port=a.port, print=None, access_log=None, handler_cancellation=True)  # a client that leaves cancels its call
+        # handler_cancellation: a client that leaves cancels its call; shutdown_timeout: on SIGTERM/SIGINT, calls
+        # still generating get 2 s to finish, then are cancelled (every answered call is already on disk)
+        web.run_app(proxy.app(), host=a.host, port=a.port, print=None, access_log=None, handler_cancellation=True, shutdown_timeout=2)
     finally:
         backend.close()
         print(f"stopped; calls are in {a.out}/calls.jsonl", flush=True)

@@ -289,12 +289,15 @@ def test_reward_endpoint(server):
 # ---------------------------------------------------------------------------- the CLI
 
 
-def test_proxy_cli_serves_and_stops_cleanly(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+def test_proxy_cli_serves_and_stops_cleanly(tmp_path, sig):
+    """python proxy.py serves; Ctrl-C or `kill` (what process managers send) stops it within seconds, even while
+    a call is generating, with exit code 0 and every answered call on disk."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "proxy.py"), "--port", str(port), "--out", str(out), "--max-batch-size", "4", "--max-model-len", "2048", "--max-new-tokens", "3", "--no-reuse-tokens", "--host", "127.0.0.1", "--device", "cpu", "--model", "smollm2"],
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "proxy.py"), "--port", str(port), "--out", str(out), "--max-batch-size", "4", "--max-model-len", "2048", "--max-new-tokens", "40", "--no-reuse-tokens", "--host", "127.0.0.1", "--device", "cpu", "--model", "smollm2"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/rollout/cli/v1", api_key="x", max_retries=0)
@@ -307,16 +310,23 @@ def test_proxy_cli_serves_and_stops_cleanly(tmp_path):
         assert models.data[0].max_model_len == 2048
         n = 0
         for i in range(2):
-            r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": f"What is {i}+3?"}], max_tokens=5)
+            r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": f"What is {i}+3?"}], max_tokens=50, temperature=0)
             n += r.usage.completion_tokens
+        # a call still generating when the signal comes (it asks for no limit: the cap applies)
+        busy = subprocess.Popen(["curl", "-s", "-m", "60", f"http://127.0.0.1:{port}/v1/chat/completions", "-H", "Content-Type: application/json",
+                                 "-d", json.dumps({"messages": [{"role": "user", "content": "Write a long essay about rivers."}]})], stdout=subprocess.DEVNULL)
+        time.sleep(1.0)
     finally:
-        p.send_signal(signal.SIGINT)
+        t0 = time.time()
+        p.send_signal(sig)
         log, _ = p.communicate(timeout=60)
-    assert p.returncode == 0, log
+        busy.kill()
+    assert p.returncode == 0 and time.time() - t0 < 20, log
+    assert "Traceback" not in log and "terminate called" not in log, log
     calls = read_calls(str(out / "calls.jsonl"))
-    assert [c.rollout_id for c in calls] == ["cli", "cli"] and sum(len(c.response_ids) for c in calls) == n
-    # max_tokens 5 asked, 3 allowed: the cap cut what the request would have let run on, and says so
-    assert all(len(c.response_ids) <= 3 and c.capped == (c.finish_reason == "length") for c in calls)
+    assert [c.rollout_id for c in calls[:2]] == ["cli", "cli"] and sum(len(c.response_ids) for c in calls[:2]) == n
+    # max_tokens 50 asked, 40 allowed: where the cap cut the reply, the record says so
+    assert all(len(c.response_ids) <= 40 and c.capped == (c.finish_reason == "length") for c in calls)
 
 
 def test_samples_cli_on_calls_recorded_by_the_proxy(server, tmp_path):

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv test demo clean test-harnesses
+.PHONY: venv test demo clean setup-swe setup-openhands test-harnesses
 
 venv: $(VENV)/.installed
 
@@ -27,7 +27,7 @@ clean:
 
 # Train SmolLM2-135M on the calc harness on a CPU: held-out eval before and after,
 # runs/demo/metrics.jsonl and runs/demo/reward.png. About 22 minutes on 2 cores.
-DEMO_ARGS ?= --harness calc --harness-arg max_tokens=48 --steps 20 --batch-size 4 --group-size 8 --lr 2e-5 --eval-tasks 200 --max-concurrency 32
+DEMO_ARGS ?= --harness calc --harness-arg max_tokens=48 --harness-arg tool_first=False --steps 20 --batch-size 4 --group-size 8 --lr 2e-5 --eval-tasks 200 --max-concurrency 32
 demo: venv
 	$(VPY) train.py $(DEMO_ARGS) --out runs/demo
 
@@ -39,3 +39,10 @@ HARNESS_ARGS ?= --mode both --max-model-len 32768
 test-harnesses: venv
 	tests/real_harnesses/install.sh
 	$(VPY) tests/real_harnesses/run.py $(HARNESS_ARGS)
+
+# The coding examples' harnesses (examples/swe: mini-swe-agent; examples/openhands: the OpenHands
+# SDK in a Python 3.12 venv), then: python train.py --harness swe  /  torchrun train.py --harness openhands
+setup-swe: venv
+	tests/real_harnesses/install.sh mini-swe-agent
+setup-openhands: venv
+	tests/real_harnesses/install.sh openhands

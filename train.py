@@ -59,7 +59,7 @@ p.add_argument("--tis-cap", type=float, default=2.0)
 p.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial model (0: off, no reference model loaded)")
 p.add_argument("--norm-const", type=float, default=None, help="C of seq-mean-token-sum-norm, a fixed token budget (default: --max-seq-len)")
 p.add_argument("--drop-zero-variance", action="store_true", help="drop groups whose rollouts all got the same reward")
-p.add_argument("--max-seq-len", type=int, default=2048, help="longer samples are cut at a turn boundary (counted)")
+p.add_argument("--max-seq-len", type=int, default=None, help="longer samples are cut at a turn boundary, or dropped when their first turn is longer (counted, warned) (default: the served context)")
 p.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one call may generate, whatever the harness asks (many ask nothing)")
 p.add_argument("--max-model-len", type=int, default=None, help="context of the served model (default: the model's); beyond what it was trained for, RoPE is scaled (YaRN)")
 p.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward/backward")
@@ -97,7 +97,8 @@ def log(*a):
 
 
 def append_metrics(row):
-    if master:
+    if master:  # NaN (no tokens to correlate) is not JSON: null
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with open(metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -116,6 +117,7 @@ elif args.resume:
 tok = load_tokenizer(args.model)
 model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len)
 ref_model = load_model(args.model, device, max_model_len=args.max_model_len).eval().requires_grad_(False) if args.kl_coef > 0 else None
+args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings  # what can be served can be trained on
 train_model = DDP(model) if ddp else model
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
 
@@ -323,19 +325,22 @@ try:
         backend.resume()
         t_sync = time.time() - t0
         # log: one line per step
-        n_roll, n_fail, r_sum, n_succ, n_tok, n_trainable, n_unmerged, n_calls, n_gen = algo.all_reduce([
+        n_roll, n_fail, r_sum, n_succ, n_tok, n_trainable, n_unmerged, n_calls, n_gen, n_cut, n_drop = algo.all_reduce([
             len(results), len(results) - len(ok), sum(ok.values()), sum(r >= 1.0 for r in ok.values()),
-            sstats["tokens"], sstats["trainable_tokens"], sstats["tokens_unmerged"], len(calls), gen_tokens])
+            sstats["tokens"], sstats["trainable_tokens"], sstats["tokens_unmerged"], len(calls), gen_tokens,
+            sstats["truncated"], sstats["dropped"]])
+        if n_drop:
+            log(f"step {step + 1}: {int(n_drop)} samples dropped: their first turn is longer than --max-seq-len {args.max_seq_len}")
         n_ok = max(1, n_roll - n_fail)
         row = {
             "step": step + 1, "reward": r_sum / n_ok, "success": n_succ / n_ok, "rollouts": int(n_roll), "failed": int(n_fail),
-            "calls": int(n_calls), "samples": int(n_train), "trainable_tokens": int(n_trainable),
+            "calls": int(n_calls), "samples": int(n_train), "trainable_tokens": int(n_trainable), "truncated": int(n_cut), "dropped": int(n_drop),
             "merge_ratio": n_unmerged / max(1, n_tok), "zero_var_groups": astats.get("zero_variance_groups", 0),
             "loss": m.get("loss", 0.0), "grad_norm": gnorm, "clip_frac": m.get("clip_frac", 0.0),
             "prob_corr": m.get("prob_corr", float("nan")), "dlogp_mean": m.get("dlogp_mean", 0.0), "dlogp_max": m.get("dlogp_max", 0.0),
             "ratio_out_frac": m.get("ratio_out_frac", 0.0),
             "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_train": round(t_train, 2), "t_sync": round(t_sync, 3),
-            "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / max(t_train, 1e-9) / world, "t_step": round(time.time() - t_step, 2),
+            "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / t_train / world if m else 0.0, "t_step": round(time.time() - t_step, 2),
             "splits": {k[6:]: v for k, v in sstats.items() if k.startswith("split_") and v},
         }
         log(f"step {step + 1:4d} | reward {row['reward']:.3f} succ {row['success']:.2f} | fail {row['failed']} | samples {row['samples']} "

@@ -187,7 +187,9 @@ class HFBackend:
         with self._cond:
             if self._paused or room <= 0:
                 return []
-            self._pending = [r for r in self._pending if not r.future.cancelled()]  # their clients went away
+            live = [r for r in self._pending if not r.future.cancelled()]  # the others' clients went away
+            self.stats["cancelled"] += len(self._pending) - len(live)
+            self._pending = live
             new, self._pending = self._pending[:room], self._pending[room:]
             return new
 

@@ -118,31 +118,35 @@ class SubprocessHarness(Harness):
         env.update({k: str(v) for k, v in (env_extra or {}).items()})
         tmp = None if cwd else tempfile.mkdtemp(prefix=f"ll-{endpoint.rollout_id}-")
         workdir, proc = cwd or tmp, None
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True)  # own process group: killpg reaches its children too
-            out, err = await proc.communicate()
-            stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
-            reward = self.reward(task, stdout, proc.returncode, workdir)
-            if reward is None and proc.returncode != 0:
-                tail = " | ".join(stderr.strip().splitlines()[-3:])
-                raise RuntimeError(f"{argv[0]} exited with code {proc.returncode}: {tail or '(no stderr)'}")
-            return reward
-        finally:
-            # Timeout and cancellation land here too: kill the whole group (the
-            # agent's shells, servers, test runners), then reap the child:
-            # awaiting wait() is what prevents a zombie.
-            if proc is not None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                if proc.returncode is None:
-                    await proc.wait()
-            if tmp:
-                shutil.rmtree(tmp, ignore_errors=True)
+        # Output goes to files, not pipes: a grandchild that escaped the process group and keeps
+        # a pipe open would otherwise hold communicate() until the rollout's timeout.
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
+                    start_new_session=True)  # own process group: killpg reaches its children too
+                await proc.wait()
+                out.seek(0), err.seek(0)
+                stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+                # scoring may run tests for a while: off the event loop, so other rollouts go on
+                reward = await asyncio.to_thread(self.reward, task, stdout, proc.returncode, workdir)
+                if reward is None and proc.returncode != 0:
+                    tail = " | ".join(stderr.strip().splitlines()[-3:])
+                    raise RuntimeError(f"{argv[0]} exited with code {proc.returncode}: {tail or '(no stderr)'}")
+                return reward
+            finally:
+                # Timeout and cancellation land here too: kill the whole group (the
+                # agent's shells, servers, test runners), then reap the child:
+                # awaiting wait() is what prevents a zombie.
+                if proc is not None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                    if proc.returncode is None:
+                        await proc.wait()
+                if tmp:
+                    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- loading
@@ -288,7 +292,8 @@ async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]],
         else:
             failed += 1
             msg = " ".join(error.split())
-            tqdm.write(f"[{desc}] rollout {rollout_id} (task {task.id}) failed: {msg[:300]}", file=sys.stderr)
+            msg = msg if len(msg) <= 400 else "..." + msg[-400:]  # the end of a traceback says what happened
+            tqdm.write(f"[{desc}] rollout {rollout_id} (task {task.id}) failed: {msg}", file=sys.stderr)
         bar.update(1)
         # the bar counts rollouts done; the postfix says how many failed and the mean reward so far
         bar.set_postfix(failed=failed, reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-")

@@ -156,6 +156,21 @@ def test_subprocess_timeout_kills_the_whole_process_group(tmp_path):
     assert str(pids[0]) not in children.split()  # our direct child was reaped: no zombie
 
 
+def test_a_grandchild_that_escapes_the_group_does_not_hold_the_rollout(tmp_path):
+    """An agent whose helper left the process group (setsid) and kept stdout open: the rollout ends when the
+    agent does (its output goes to files, not pipes that the grandchild would hold open)."""
+    code = textwrap.dedent("""
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        open("pid", "w").write(str(child.pid))
+        print(0.5)
+    """)
+    t0 = time.monotonic()
+    result = asyncio.run(run_rollouts(Script(code, cwd=str(tmp_path)), [("r0", Task("t", ""))], fake_endpoint, timeout=30, progress=False))[0]
+    os.kill(int((tmp_path / "pid").read_text()), 9)
+    assert (result.reward, result.error) == (0.5, None) and time.monotonic() - t0 < 10
+
+
 def test_subprocess_crash_reports_exit_code_and_stderr():
     code = "import sys; sys.stderr.write('Traceback...\\nValueError: bad task\\n'); sys.exit(3)"
     result = asyncio.run(run_rollouts(Script(code), [("r0", Task("t", ""))], fake_endpoint, progress=False))[0]

@@ -143,8 +143,7 @@ class Proxy:
         """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set)."""
         seeded = lambda i: req.sampling if req.sampling.seed is None else dataclasses.replace(req.sampling, seed=req.sampling.seed + i)  # noqa: E731
         try:
-            return await asyncio.gather(*(self.backend.generate(prompt_ids, seeded(i), **({"on_token": on_token} if on_token else {}))
-                                          for i in range(req.n)))
+            return await asyncio.gather(*(self.backend.generate(prompt_ids, seeded(i), on_token=on_token) for i in range(req.n)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the backend failed: report it loudly, answer 500, record nothing

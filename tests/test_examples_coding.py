@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from examples.swe.tasks import FAMILIES, CodingHarness, make_tasks, new_rollout_dir, score, write_solution, write_workspace
+from examples.swe.tasks import FAMILIES, CodingHarness, make_tasks, score, write_solution, write_workspace
 
 
 @pytest.fixture(scope="module")

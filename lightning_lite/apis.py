@@ -345,8 +345,12 @@ def _rest(content: str, sent: str) -> str:
 
 
 def _finish(call, reply) -> str:
-    # the client is told "tool_calls" whenever it got calls to run, even from a reply cut at the cap
-    return "tool_calls" if reply.get("tool_calls") else call.finish_reason
+    """What the client is told: "tool_calls" whenever it got calls to run, even from a cut reply; and a
+    reply cut by the proxy's own cap (``capped``), not by the client's limit, as finished: Claude Code
+    and Codex take a length stop they did not ask for as an error. The record keeps "length"."""
+    if reply.get("tool_calls"):
+        return "tool_calls"
+    return "stop" if call.capped else call.finish_reason
 
 
 def error_body(api: str, message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
@@ -486,7 +490,7 @@ class ResponsesReply:
                           "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": self.n_prompt + n_out}}
 
     def _status(self, call, reply) -> str:
-        return "incomplete" if call.finish_reason == "length" and not reply.get("tool_calls") else "completed"
+        return "incomplete" if _finish(call, reply) == "length" else "completed"
 
     def body(self, answers) -> dict:
         (call, reply), = answers

@@ -295,3 +295,24 @@ def test_a_client_that_goes_away_stops_its_generation(server):
     assert stats["cancelled"] - before["cancelled"] == 2
     assert stats["generated_tokens"] - before["generated_tokens"] < 400  # not the 4,000 asked for
     assert not calls_of(server, "gone-False") and not calls_of(server, "gone-True")  # nothing answered, nothing recorded
+
+
+def test_a_reply_cut_by_the_proxys_cap_is_answered_as_finished(tok, tmp_path):
+    """The trainer's cap is not the client's limit: the client is told stop / end_turn / completed, the record says length."""
+    from test_proxy import CannedBackend
+
+    from lightning_lite.proxy import Proxy, ProxyServer
+    from lightning_lite.records import read_calls
+
+    srv = ProxyServer(Proxy(CannedBackend(tok, "Once upon a time"), tok, out_dir=str(tmp_path), max_new_tokens=4)).start()
+    try:
+        msgs = [{"role": "user", "content": "Tell me a story."}]
+        assert client(srv, "cap").chat.completions.create(model="m", messages=msgs).choices[0].finish_reason == "stop"
+        assert client(srv, "cap").chat.completions.create(model="m", messages=msgs, max_tokens=4).choices[0].finish_reason == "length"  # its own limit
+        a = anthropic.Anthropic(base_url=f"{srv.url}/rollout/cap", api_key="x", max_retries=0)
+        assert a.messages.create(model="m", max_tokens=8000, messages=msgs).stop_reason == "end_turn"
+        assert client(srv, "cap").responses.create(model="m", input="Tell me a story.").status == "completed"
+    finally:
+        srv.stop()
+    calls = read_calls(str(tmp_path / "calls.jsonl"))
+    assert [(c.finish_reason, c.capped) for c in calls] == [("length", True), ("length", False), ("length", True), ("length", True)]

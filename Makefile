@@ -35,7 +35,7 @@ demo: venv
 # and run each for one task against the proxy: with a scripted policy (a tool round trip
 # in seconds) and with the embedded model. Select with e.g.
 #   make test-harnesses HARNESS_ARGS="--only codex,opencode --mode scripted"
-HARNESS_ARGS ?= --mode both --max-model-len 32768
+HARNESS_ARGS ?= --mode both --max-model-len 32768 --torch-threads 2
 test-harnesses: venv
 	tests/real_harnesses/install.sh
 	$(VPY) tests/real_harnesses/run.py $(HARNESS_ARGS)

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -68,6 +69,7 @@ p.add_argument("--rollout-timeout", type=float, default=300.0, help="seconds bef
 p.add_argument("--eval-every", type=int, default=0, help="evaluate on the test split every N steps (0: only before and after)")
 p.add_argument("--eval-tasks", type=int, default=100, help="test tasks per evaluation (0: no evaluation)")
 p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+p.add_argument("--keep-checkpoints", type=int, default=2, help="keep the newest N checkpoints, delete older ones (0: keep all); one is ~12 bytes/param with AdamW state")
 p.add_argument("--max-batch-size", type=int, default=32, help="backend: requests decoded together")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 args = p.parse_args()
@@ -207,6 +209,10 @@ def save(step):
     with open(os.path.join(ckpt_root, "latest"), "w") as f:
         f.write(f"step_{step}")
     log(f"saved {d}")
+    if args.keep_checkpoints:
+        kept = sorted((n for n in os.listdir(ckpt_root) if re.fullmatch(r"step_\d+", n)), key=lambda n: -int(n[5:]))
+        for n in kept[args.keep_checkpoints:]:
+            shutil.rmtree(os.path.join(ckpt_root, n))
 
 
 def micro_batches(samples, weights):

@@ -335,7 +335,7 @@ def _check_forced(force: Optional[str], tools: list[dict]):
 # ({"role", "content", "tool_calls"?}). ``sent`` is the content already streamed.
 
 
-def _sse(obj: dict, event: Optional[str] = None) -> bytes:
+def sse(obj: dict, event: Optional[str] = None) -> bytes:
     return (f"event: {event}\n" if event else "").encode() + b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
@@ -344,7 +344,7 @@ def _rest(content: str, sent: str) -> str:
     return content[len(sent):] if content.startswith(sent) else ""
 
 
-def _finish(call, reply) -> str:
+def client_finish(call, reply) -> str:
     """What the client is told: "tool_calls" whenever it got calls to run, even from a cut reply; and a
     reply cut by the proxy's own cap (``capped``), not by the client's limit, as finished: Claude Code
     and Codex take a length stop they did not ask for as an error. The record keeps "length"."""
@@ -377,7 +377,7 @@ class ChatReply:
         for call, reply in answers:
             calls = self._tool_calls(reply)
             msg = {"role": "assistant", "content": reply["content"] if (reply["content"] or not calls) else None, **({"tool_calls": calls} if calls else {})}
-            c = {"index": call.choice, "message": msg, "finish_reason": _finish(call, reply), "logprobs": None}
+            c = {"index": call.choice, "message": msg, "finish_reason": client_finish(call, reply), "logprobs": None}
             if self.req.logprobs:
                 tokens = [self.tok.decode([t]) for t in call.response_ids]
                 c["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
@@ -386,7 +386,7 @@ class ChatReply:
         return {**self.head, "object": "chat.completion", "choices": choices, "usage": self._usage(answers)}
 
     def _chunk(self, index: int, delta: dict, finish=None) -> bytes:
-        return _sse({**self.head, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]})
+        return sse({**self.head, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]})
 
     def start(self) -> bytes:
         return b"".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.req.n))
@@ -402,13 +402,13 @@ class ChatReply:
                 out.append(self._chunk(call.choice, {"content": rest}))
             for i, tc in enumerate(self._tool_calls(reply)):
                 out.append(self._chunk(call.choice, {"tool_calls": [{"index": i, **tc}]}))
-            out.append(self._chunk(call.choice, {}, _finish(call, reply)))
+            out.append(self._chunk(call.choice, {}, client_finish(call, reply)))
         if self.req.include_usage:
-            out.append(_sse({**self.head, "choices": [], "usage": self._usage(answers)}))
+            out.append(sse({**self.head, "choices": [], "usage": self._usage(answers)}))
         return b"".join(out) + b"data: [DONE]\n\n"
 
     def error(self, message: str) -> bytes:
-        return _sse(error_body("chat", message, "server_error")) + b"data: [DONE]\n\n"
+        return sse(error_body("chat", message, "server_error")) + b"data: [DONE]\n\n"
 
 
 class AnthropicReply:
@@ -431,15 +431,15 @@ class AnthropicReply:
         (call, reply), = answers
         content = [{"type": "text", "text": reply["content"]}] if reply["content"] or not reply.get("tool_calls") else []
         content += [{"type": "tool_use", "id": "toolu_" + tc["id"].removeprefix("call_"), "name": tc["name"], "input": self._input(tc)} for tc in reply.get("tool_calls", [])]
-        return self._message(content, self.STOP[_finish(call, reply)], len(call.response_ids))
+        return self._message(content, self.STOP[client_finish(call, reply)], len(call.response_ids))
 
     def start(self) -> bytes:
-        return _sse({"type": "message_start", "message": self._message([], None, 0)}, "message_start")
+        return sse({"type": "message_start", "message": self._message([], None, 0)}, "message_start")
 
     def text(self, delta: str) -> bytes:
-        out = b"" if self.open else _sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
+        out = b"" if self.open else sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
         self.open = True
-        return out + _sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}}, "content_block_delta")
+        return out + sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}}, "content_block_delta")
 
     def end(self, answers, sent: str = "") -> bytes:
         (call, reply), = answers
@@ -450,16 +450,16 @@ class AnthropicReply:
                 rest = _rest(block["text"], sent)
                 out.append(self.text(rest) if rest or not self.open else b"")
             else:
-                out.append(_sse({"type": "content_block_start", "index": i, "content_block": {**block, "input": {}}}, "content_block_start"))
-                out.append(_sse({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}, "content_block_delta"))
-            out.append(_sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
-        out.append(_sse({"type": "message_delta", "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+                out.append(sse({"type": "content_block_start", "index": i, "content_block": {**block, "input": {}}}, "content_block_start"))
+                out.append(sse({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}, "content_block_delta"))
+            out.append(sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
+        out.append(sse({"type": "message_delta", "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
                          "usage": {"output_tokens": len(call.response_ids)}}, "message_delta"))
-        out.append(_sse({"type": "message_stop"}, "message_stop"))
+        out.append(sse({"type": "message_stop"}, "message_stop"))
         return b"".join(out)
 
     def error(self, message: str) -> bytes:
-        return _sse(error_body("anthropic", message, "api_error"), "error")
+        return sse(error_body("anthropic", message, "api_error"), "error")
 
 
 class ResponsesReply:
@@ -490,7 +490,7 @@ class ResponsesReply:
                           "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": self.n_prompt + n_out}}
 
     def _status(self, call, reply) -> str:
-        return "incomplete" if _finish(call, reply) == "length" else "completed"
+        return "incomplete" if client_finish(call, reply) == "length" else "completed"
 
     def body(self, answers) -> dict:
         (call, reply), = answers
@@ -498,7 +498,7 @@ class ResponsesReply:
 
     def _event(self, kind: str, **fields) -> bytes:
         self.seq += 1
-        return _sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
+        return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
 
     def start(self) -> bytes:
         r = self._response("in_progress", [])

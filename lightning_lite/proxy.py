@@ -254,7 +254,7 @@ class Proxy:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(t0), "model": req.model or self.model_name}
         choices = []
         for call, gen in zip(calls, gens):
-            choice = {"index": call.choice, "text": gen.text, "finish_reason": call.finish_reason, "logprobs": None}
+            choice = {"index": call.choice, "text": gen.text, "finish_reason": apis.client_finish(call, {}), "logprobs": None}
             if req.logprobs:
                 choice["logprobs"] = {"tokens": [self.tok.decode([t]) for t in call.response_ids], "token_logprobs": call.response_logprobs}
             choices.append(choice)
@@ -263,10 +263,10 @@ class Proxy:
         resp = await _sse_start(request)
         for c in choices:
             for piece in _pieces(c["text"]):
-                await _sse(resp, {**head, "choices": [{"index": c["index"], "text": piece, "finish_reason": None, "logprobs": None}]})
-            await _sse(resp, {**head, "choices": [{"index": c["index"], "text": "", "finish_reason": c["finish_reason"], "logprobs": None}]})
+                await resp.write(apis.sse({**head, "choices": [{"index": c["index"], "text": piece, "finish_reason": None, "logprobs": None}]}))
+            await resp.write(apis.sse({**head, "choices": [{"index": c["index"], "text": "", "finish_reason": c["finish_reason"], "logprobs": None}]}))
         if req.include_usage:
-            await _sse(resp, {**head, "choices": [], "usage": _usage(calls)})
+            await resp.write(apis.sse({**head, "choices": [], "usage": _usage(calls)}))
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -357,10 +357,6 @@ async def _sse_start(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     return resp
-
-
-async def _sse(resp: web.StreamResponse, obj: dict):
-    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
 
 class ProxyServer:

@@ -312,7 +312,8 @@ def test_a_reply_cut_by_the_proxys_cap_is_answered_as_finished(tok, tmp_path):
         a = anthropic.Anthropic(base_url=f"{srv.url}/rollout/cap", api_key="x", max_retries=0)
         assert a.messages.create(model="m", max_tokens=8000, messages=msgs).stop_reason == "end_turn"
         assert client(srv, "cap").responses.create(model="m", input="Tell me a story.").status == "completed"
+        assert client(srv, "cap").completions.create(model="m", prompt="Once").choices[0].finish_reason == "stop"
     finally:
         srv.stop()
     calls = read_calls(str(tmp_path / "calls.jsonl"))
-    assert [(c.finish_reason, c.capped) for c in calls] == [("length", True), ("length", False), ("length", True), ("length", True)]
+    assert [(c.finish_reason, c.capped) for c in calls] == [("length", True), ("length", False), ("length", True), ("length", True), ("length", True)]

@@ -50,11 +50,12 @@ def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
     changed = [n for (n, a), b in zip(ckpt.named_parameters(), model.parameters()) if not torch.equal(a, b)]
     assert len(changed) > 10
     # --resume continues at step 2 with the optimizer state and the same data order
-    run(torchrun + calc + ["--steps", "3", "--resume", "--eval-tasks", "0", "--out", out])
+    run(torchrun + calc + ["--steps", "3", "--resume", "--eval-tasks", "0", "--keep-checkpoints", "1", "--out", out])
     steps = [r for r in rows(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert json.load(open(os.path.join(out, "config.json")))["start_step"] == 2
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_3"
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_3"]  # --keep-checkpoints 1
 
 
 def test_failing_rollouts_are_reported_and_training_goes_on(tmp_path):

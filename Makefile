@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv test demo clean setup-swe setup-openhands test-harnesses
+.PHONY: venv test demo clean setup-swe setup-openhands test-harnesses setup-browser
 
 venv: $(VENV)/.installed
 
@@ -46,3 +46,9 @@ setup-swe: venv
 	tests/real_harnesses/install.sh mini-swe-agent
 setup-openhands: venv
 	tests/real_harnesses/install.sh openhands
+
+# Debian's chromium for tests/test_report.py, which opens report.html in it through playwright
+# (in requirements.txt); playwright's own browser download needs the internet. Without it that test skips.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+setup-browser: venv
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }

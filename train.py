@@ -15,6 +15,7 @@ Outputs in --out: config.json, metrics.jsonl (one line per step), calls/step_K.j
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -30,9 +31,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_lite import algo
 from lightning_lite.backends import HFBackend
-from lightning_lite.harness import Endpoint, load_harness, parse_kwargs, run_rollouts
+from lightning_lite.harness import Endpoint, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer
 from lightning_lite.proxy import Proxy, ProxyServer
+from lightning_lite.records import read_calls, read_jsonl, write_jsonl
 from lightning_lite.samples import build_batch_samples
 
 # ----------------------------------------------------------------------------- config (defaults in one place)
@@ -105,9 +107,14 @@ def append_metrics(row):
             f.write(json.dumps(row) + "\n")
 
 
-def calls_path(name):
-    """Where a step's (or an evaluation's) calls go: one file per rank under DDP."""
-    return os.path.join(args.out, "calls", f"{name}.rank{rank}.jsonl" if ddp else f"{name}.jsonl")
+def run_file(kind, name):
+    """Where a step's (or an evaluation's) calls or rollouts go: one file per rank under DDP."""
+    return os.path.join(args.out, kind, f"{name}.rank{rank}.jsonl" if ddp else f"{name}.jsonl")
+
+
+def save_rollouts(name, results, adv):
+    """One line per rollout: task, reward (null: failed), why it failed, seconds, advantage (null: not trained)."""
+    write_jsonl(run_file("rollouts", name), [{**dataclasses.asdict(r), "advantage": adv.get(r.rollout_id)} for r in results])
 
 
 # ----------------------------------------------------------------------------- model, optimizer, resume
@@ -139,6 +146,23 @@ if resume_dir:
     start_step = state["step"]
     log(f"resumed from {resume_dir} at step {start_step}")
 
+
+
+def forget_from(k):
+    """A run that starts at step k drops what an earlier attempt wrote from there on: those steps run again
+    on the same tasks (step_tasks), so a run killed between checkpoints loses no data and trains none twice."""
+    for kind in ("calls", "rollouts"):
+        d = os.path.join(args.out, kind)
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            m = re.fullmatch(r"(step|eval)_(\d+)(\.rank\d+)?\.jsonl", name)  # eval_k ran before checkpoint k
+            if m and os.path.join(d, name) == run_file(kind, f"{m[1]}_{m[2]}") and (int(m[2]) >= k if m[1] == "step" or k == 0 else int(m[2]) > k):
+                os.remove(os.path.join(d, name))
+    if master and os.path.exists(metrics_path):
+        kept = [r for r in read_jsonl(metrics_path) if k and r["step"] <= k]  # read_jsonl skips a torn last line
+        write_jsonl(metrics_path, kept)
+
+
+forget_from(start_step)
 config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
 if master:
@@ -148,7 +172,7 @@ if master:
 # The backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
 backend = HFBackend(model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
 backend.version = start_step
-proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens)
+proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout)
 server = ProxyServer(proxy).start()
 harness = load_harness(args.harness, **parse_kwargs(args.harness_arg))
 train_tasks, test_tasks = harness.tasks("train"), harness.tasks("test")[: args.eval_tasks]
@@ -169,15 +193,16 @@ def step_tasks(step):
     return batch[rank::world]
 
 
-def rollouts(jobs, calls_path, desc):
+def rollouts(jobs, name, desc):
     """Run jobs through the harness on this rank's proxy; return (results, calls, seconds)."""
-    proxy.set_output(calls_path)
+    proxy.set_output(run_file("calls", name))
     t0 = time.time()
     results = asyncio.run(run_rollouts(harness, jobs, endpoint_for, args.max_concurrency, args.rollout_timeout,
                                        posted_reward=proxy.reward, desc=desc, progress=master))
     proxy.set_output(None)
-    calls = proxy.take_calls()
+    calls = read_calls(run_file("calls", name))  # from disk: the proxy keeps none in memory
     proxy.reset()
+    fail_rollouts_the_backend_failed(results, calls)
     return results, calls, time.time() - t0
 
 
@@ -186,7 +211,8 @@ def evaluate(step):
     if not test_tasks:
         return
     mine = test_tasks[rank::world]
-    results, calls, secs = rollouts([(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(mine)], calls_path(f"eval_{step}"), f"eval {step}")
+    results, calls, secs = rollouts([(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(mine)], f"eval_{step}", f"eval {step}")
+    save_rollouts(f"eval_{step}", results, {})
     ok = [r.reward for r in results if r.reward is not None]
     n, total, success, failed = algo.all_reduce([len(results), sum(ok), sum(r >= 1.0 for r in ok), len(results) - len(ok)])
     ev = {"step": step, "eval_reward": total / max(1, n), "eval_success": success / max(1, n), "eval_tasks": int(n), "eval_failed": int(failed), "eval_s": round(secs, 1)}
@@ -298,7 +324,7 @@ try:
         t_step = time.time()
         # 1. rollouts: every task group_size times, through this rank's proxy
         jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(step_tasks(step)) for g in range(args.group_size)]
-        results, calls, t_roll = rollouts(jobs, calls_path(f"step_{step}"), f"step {step}")
+        results, calls, t_roll = rollouts(jobs, f"step_{step}", f"step {step}")
         ok = {r.rollout_id: r.reward for r in results if r.error is None}
         gen_tokens = sum(len(c.response_ids) for c in calls)
         # 2. samples: merge each rollout's calls (failed rollouts are never trained on)
@@ -308,6 +334,7 @@ try:
         rewards, groups = algo.gather_rewards(ok, {rid: task_of[rid] for rid in ok})  # all ranks' rollouts under DDP
         adv, astats = algo.compute_advantages(rewards, groups, args.adv, drop_zero_variance=args.drop_zero_variance)
         samples = algo.assign_advantages(samples, adv)  # zero-advantage samples stay: they count in the denominators
+        save_rollouts(f"step_{step}", results, adv)
         n_train, n_signal = algo.all_reduce([len(samples), sum(s.advantage != 0.0 for s in samples)])
         # 4-6. loss, backward, optimizer step (skipped when nothing carries a signal)
         t0 = time.time()

@@ -11,6 +11,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import requests
@@ -37,10 +38,12 @@ def main():
     from lightning_lite.backends import HFBackend
     from lightning_lite.models import load_model, load_tokenizer
     from lightning_lite.proxy import Proxy, ProxyServer
+    from lightning_lite.records import read_calls
 
     tok = load_tokenizer("smollm2")
     backend = HFBackend(load_model("smollm2").eval(), tok)
-    srv = ProxyServer(Proxy(backend, tok)).start()
+    out = tempfile.mkdtemp(prefix="stream-latency-")
+    srv = ProxyServer(Proxy(backend, tok, out_dir=out)).start()
     print(f"{'api':<10} {'first content (s)':>18} {'whole answer (s)':>17} {'tokens':>7}")
     for api, (path, body, marker) in bodies(a.tokens).items():
         firsts, totals = [], []
@@ -52,7 +55,7 @@ def main():
                         first = time.time() - t0
             firsts.append(first)
             totals.append(time.time() - t0)
-        n = len(srv.proxy.calls[-1].response_ids)
+        n = len(read_calls(os.path.join(out, "calls.jsonl"))[-1].response_ids)
         print(f"{api:<10} {statistics.median(firsts):>18.2f} {statistics.median(totals):>17.2f} {n:>7}")
     srv.stop()
     backend.close()

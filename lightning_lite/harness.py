@@ -91,11 +91,16 @@ class SubprocessHarness(Harness):
     ``command(task, endpoint) -> (argv, env_extra, cwd)``; the program runs in
     its own process group with OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL,
     ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY, LL_ROLLOUT_ID, LL_TASK_ID and
-    LL_REWARD_URL set. With ``cwd=None`` it gets a fresh temporary directory,
+    LL_REWARD_URL set, ``env_extra``, and of the trainer's own environment only
+    ``BASE_ENV`` and the names in ``pass_env``: the trainer's secrets (hub
+    tokens, cloud keys) never reach the agent, which may print them. With ``cwd=None`` it gets a fresh temporary directory,
     removed afterwards. On timeout or cancellation the whole group is killed,
     so agents that spawn shells, servers or test runners leave nothing behind.
     Example: ``return ["python", "agent.py", task.prompt], {}, None``.
     """
+
+    BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "PYENV_ROOT")
+    pass_env: tuple[str, ...] = ()  # more of the trainer's variables the program needs (e.g. "HF_HOME")
 
     def command(self, task: Task, endpoint: Endpoint) -> tuple[list[str], dict, Optional[str]]:
         raise NotImplementedError(f"{type(self).__name__} must define command(task, endpoint)")
@@ -110,8 +115,8 @@ class SubprocessHarness(Harness):
 
     async def run(self, task: Task, endpoint: Endpoint) -> Optional[float]:
         argv, env_extra, cwd = self.command(task, endpoint)
-        env = dict(os.environ,
-                   OPENAI_BASE_URL=endpoint.base_url, OPENAI_API_KEY=endpoint.api_key,
+        env = {k: v for k, v in os.environ.items() if k in self.BASE_ENV or k.startswith("LC_") or k in self.pass_env}
+        env.update(OPENAI_BASE_URL=endpoint.base_url, OPENAI_API_KEY=endpoint.api_key,
                    OPENAI_MODEL=endpoint.model, ANTHROPIC_BASE_URL=endpoint.anthropic_base_url,
                    ANTHROPIC_API_KEY=endpoint.api_key, LL_ROLLOUT_ID=endpoint.rollout_id,
                    LL_TASK_ID=task.id, LL_REWARD_URL=endpoint.reward_url)
@@ -245,6 +250,15 @@ class RolloutResult:
     reward: Optional[float]  # None when failed
     error: Optional[str]  # "timeout after 60s", "RuntimeError: ...", "no reward"; None when it worked
     seconds: float
+
+
+def fail_rollouts_the_backend_failed(results: list[RolloutResult], calls) -> None:
+    """A rollout one of whose calls the backend failed (``finish_reason == "error"``) is failed, even if the
+    harness carried on and got a reward: part of its conversation was never sampled by the policy."""
+    broken = {c.rollout_id for c in calls if c.finish_reason == "error"}
+    for r in results:
+        if r.rollout_id in broken and r.error is None:
+            r.reward, r.error = None, "the backend failed one of its calls (finish_reason 'error' in the calls file)"
 
 
 async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]],

@@ -22,14 +22,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hmac
 import json
 import logging
+import math
 import os
 import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional
 
 from aiohttp import web
@@ -54,17 +57,21 @@ class Session:
 
 class Proxy:
     def __init__(self, backend, tokenizer, model_name: str = "smollm2", out_dir: Optional[str] = None, reuse_tokens: bool = True,
-                 max_body_mb: float = 32.0, max_new_tokens: Optional[int] = None):
+                 max_body_mb: float = 32.0, max_new_tokens: Optional[int] = None, call_timeout: Optional[float] = None,
+                 api_key: Optional[str] = None, max_requests: int = 1024):
         """``max_new_tokens``: the most tokens one call may generate, whatever the request asks (or when it
-        asks nothing: mini-swe-agent, OpenHands): the trainer's cap, recorded as ``capped`` when it cut a reply."""
+        asks nothing: mini-swe-agent, OpenHands): the trainer's cap, recorded as ``capped`` when it cut a reply.
+        ``call_timeout``: seconds the backend gets per call before the client is answered 504.
+        ``api_key``: when set, every route wants it (``Authorization: Bearer KEY`` or ``x-api-key: KEY``).
+        ``max_requests``: requests handled at once; more are answered 429 with Retry-After."""
         self.backend, self.tok = backend, tokenizer
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
+        self.max_requests, self.active = max_requests, 0
         self.renderer = Renderer(tokenizer, getattr(backend, "eos_ids", None))  # the EOS set generation stops on
         self.model_name = model_name
         self.reuse_tokens = reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
-        self.calls: list[Call] = []  # answered since the last take_calls()
         self.failures: list[dict] = []  # backend errors: reported, never trained on
         self._file = None
         self.set_output(os.path.join(out_dir, "calls.jsonl") if out_dir else None)
@@ -72,17 +79,17 @@ class Proxy:
     # ------------------------------------------------------------------ used by the trainer
 
     def set_output(self, path: Optional[str]):
-        """Append calls to ``path`` from now on (train.py switches files every step)."""
+        """Append calls to ``path`` from now on (train.py switches files every step). Each call is flushed
+        as it is recorded (a killed process loses none) and the file fsync'd when closed (a crashed machine
+        loses at most the open file's tail: a torn last line is skipped on read)."""
         if self._file:
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
         self._file = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a")
-
-    def take_calls(self) -> list[Call]:
-        calls, self.calls = self.calls, []
-        return calls
 
     def reward(self, rollout_id: str) -> Optional[float]:
         s = self.sessions.get(rollout_id)
@@ -119,8 +126,14 @@ class Proxy:
         if self._file:
             self._file.write(to_json(call) + "\n")
             self._file.flush()
-        self.calls.append(call)
         return call
+
+    def _unanswered(self, rid: str, api: str, prompt_ids, req: Request, t0: float, reason: str):
+        """Record the calls of a request that got no answer (``error``: the backend failed; ``cancelled``:
+        the client went away): they show in the records and are never trained on (records.UNANSWERED)."""
+        gone = SimpleNamespace(response_ids=[], logprobs=[], finish_reason=reason, version=self.backend.version)
+        for i in range(req.n):
+            self._record(rid, api, prompt_ids, gone, None, None, req.sampling, t0, choice=i)
 
     # ------------------------------------------------------------------ handlers
 
@@ -139,22 +152,28 @@ class Proxy:
             raise BadRequest(f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]", None, "invalid_rollout_id")
         return rid
 
-    async def _generate(self, prompt_ids: list[int], req: Request, on_token=None) -> list:
-        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set)."""
+    async def _generate(self, rid: str, api: str, prompt_ids: list[int], req: Request, t0: float, on_token=None) -> list:
+        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set). A backend
+        that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is recorded as ``error``."""
         seeded = lambda i: req.sampling if req.sampling.seed is None else dataclasses.replace(req.sampling, seed=req.sampling.seed + i)  # noqa: E731
         try:
-            return await asyncio.gather(*(self.backend.generate(prompt_ids, seeded(i), on_token=on_token) for i in range(req.n)))
-        except asyncio.CancelledError:
+            return await asyncio.wait_for(asyncio.gather(*(self.backend.generate(prompt_ids, seeded(i), on_token=on_token) for i in range(req.n))),
+                                          self.call_timeout)
+        except asyncio.CancelledError:  # the client went away (its generation is cancelled with it)
+            self._unanswered(rid, api, prompt_ids, req, t0, "cancelled")
             raise
-        except Exception as e:  # the backend failed: report it loudly, answer 500, record nothing
-            log.exception("backend failed")
-            self.failures.append({"time": time.time(), "error": f"{type(e).__name__}: {e}"})
-            raise BackendError(f"backend error: {type(e).__name__}: {e}") from e
+        except Exception as e:  # the backend failed: report it loudly, answer 502/504, never train on it
+            timeout = isinstance(e, TimeoutError)
+            msg = f"the backend did not answer within {self.call_timeout:g} s" if timeout else f"backend error: {type(e).__name__}: {e}"
+            log.error(msg, exc_info=not timeout)
+            self.failures.append({"time": time.time(), "rollout_id": rid, "error": msg})
+            self._unanswered(rid, api, prompt_ids, req, t0, "error")
+            raise BackendError(msg, 504 if timeout else 502) from e
 
-    async def _generate_live(self, prompt_ids: list[int], req: Request, on_ids) -> list:
+    async def _generate_live(self, rid: str, api: str, prompt_ids: list[int], req: Request, t0: float, on_ids) -> list:
         """One generation whose ids reach ``await on_ids(ids so far)`` as they are sampled."""
         queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(self._generate(prompt_ids, req, on_token=queue.put_nowait))
+        task = asyncio.ensure_future(self._generate(rid, api, prompt_ids, req, t0, on_token=queue.put_nowait))
         task.add_done_callback(lambda _: queue.put_nowait(None))  # after every id: same loop, in order
         ids = []
         try:
@@ -211,10 +230,10 @@ class Proxy:
                     if delta:
                         await resp.write(out.text(delta))
 
-                gens = await self._generate_live(prompt_ids, req, on_ids)
+                gens = await self._generate_live(rid, api, prompt_ids, req, t0, on_ids)
                 sent = stream.sent
             else:
-                gens = await self._generate(prompt_ids, req)
+                gens = await self._generate(rid, api, prompt_ids, req, t0)
         except BackendError as e:
             if resp is None:
                 raise
@@ -249,7 +268,7 @@ class Proxy:
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
         self._check_context(prompt_ids)
         t0, capped = time.time(), self._cap(req)
-        gens = await self._generate(prompt_ids, req)
+        gens = await self._generate(rid, "completions", prompt_ids, req, t0)
         calls = [self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i, capped=capped) for i, gen in enumerate(gens)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(t0), "model": req.model or self.model_name}
         choices = []
@@ -274,7 +293,7 @@ class Proxy:
         rid = self._rollout(request)
         body = await self._json(request)
         r = body.get("reward") if isinstance(body, dict) else body
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or r != r:
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
             raise BadRequest("send {\"reward\": <number>}", "reward", "invalid_type")
         self.sessions.setdefault(rid, Session()).reward = float(r)
         return web.json_response({"rollout_id": rid, "reward": float(r)})
@@ -291,8 +310,25 @@ class Proxy:
 
     # ------------------------------------------------------------------ app
 
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
+        """Every route: the API key when one is set, the bound on requests at once; every 4xx/5xx carries an
+        error body in the API's own format, and the server keeps serving."""
+        api = _api_of(request.path)
+        if self.api_key and not hmac.compare_digest(_key_of(request).encode(), self.api_key.encode()):
+            return web.json_response(apis.error_body(api, "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                                                     "authentication_error" if api == "anthropic" else "invalid_request_error", None, "invalid_api_key"), status=401)
+        if self.active >= self.max_requests:
+            return web.json_response(apis.error_body(api, f"the proxy is handling {self.active} requests (its limit); retry shortly",
+                                                     "rate_limit_error", None, "too_many_requests"), status=429, headers={"Retry-After": "1"})
+        self.active += 1
+        try:
+            return await _answer_errors(request, handler, api)
+        finally:
+            self.active -= 1
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body, middlewares=[_errors])
+        app = web.Application(client_max_size=self.max_body, middlewares=[self._guard])
         for prefix in ("", "/rollout/{rid}"):
             app.router.add_post(prefix + "/v1/chat/completions", functools.partial(self.converse, api="chat"))
             app.router.add_post(prefix + "/v1/messages", functools.partial(self.converse, api="anthropic"))  # ?beta=true too
@@ -314,24 +350,31 @@ class Proxy:
 
 
 class BackendError(Exception):
-    """The backend failed a call: 500 with an error body (or an error event in a begun stream)."""
+    """The backend failed a call (502) or timed out (504): an error body, or an error event in a begun stream."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
 
 
 def _api_of(path: str) -> str:
     return "anthropic" if "/v1/messages" in path else "openai"
 
 
-@web.middleware
-async def _errors(request: web.Request, handler):
-    """Every 4xx carries an error body in the API's own format; the server keeps serving."""
-    api = _api_of(request.path)
+def _key_of(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+
+
+async def _answer_errors(request: web.Request, handler, api: str):
     try:
         return await handler(request)
     except BadRequest as e:
         return web.json_response(apis.error_body(api, e.message, "not_found_error" if e.status == 404 and api == "anthropic" else "invalid_request_error",
                                                  e.param, e.code), status=e.status)
     except BackendError as e:
-        return web.json_response(apis.error_body(api, str(e), "api_error" if api == "anthropic" else "server_error"), status=500)
+        kind = "api_error" if api == "anthropic" else "server_error"
+        return web.json_response(apis.error_body(api, str(e), "timeout_error" if e.status == 504 and api == "anthropic" else kind), status=e.status)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -339,7 +382,8 @@ async def _errors(request: web.Request, handler):
                405: f"method {request.method} is not allowed on {request.path}",
                413: f"request body too large (limit {request.app._client_max_size} bytes)"}.get(e.status, e.reason)
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        return web.json_response(apis.error_body(api, msg, "invalid_request_error", None, code), status=e.status)
+        kind = {404: "not_found_error", 413: "request_too_large"}.get(e.status, "invalid_request_error") if api == "anthropic" else "invalid_request_error"
+        return web.json_response(apis.error_body(api, msg, kind, None, code), status=e.status)
 
 
 def _usage(calls: list[Call]) -> dict:

@@ -2,7 +2,7 @@
 
 Two JSONL contracts (DESIGN.md) live here:
 
-- ``calls.jsonl``: one :class:`Call` per answered LLM call.
+- ``calls.jsonl``: one :class:`Call` per LLM call (answered, or ``error`` / ``cancelled``).
 - ``samples.jsonl``: one :class:`Sample` per training sequence.
 
 Both are written one JSON object per line so that a crashed run leaves every
@@ -14,11 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional, Type, TypeVar
 
 # Why a call did not simply extend an earlier call of its rollout (see samples.py).
 SPLIT_REASONS = ("rewrote_history", "template_mismatch", "new_thread", "retry")
+# Calls the proxy recorded but did not answer: the backend failed ("error": the rollout fails) or the
+# client went away ("cancelled"). Their response is empty; samples skip them.
+UNANSWERED = ("error", "cancelled")
 
 
 @dataclass
@@ -37,7 +41,8 @@ class Call:
     A request for ``n`` choices is recorded as n calls with consecutive indices
     and ``choice`` 0..n-1: call ``index - choice`` is its request's first.
     ``finish_reason`` is ``length`` whenever the per-call token cap cut the
-    reply, even if what was written parses as a tool call.
+    reply, even if what was written parses as a tool call; ``error`` or
+    ``cancelled`` (``UNANSWERED``) for a call that got no answer.
     """
 
     rollout_id: str
@@ -47,7 +52,7 @@ class Call:
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "tool_calls"
+    finish_reason: str  # "stop" | "length" | "tool_calls"; unanswered (never trained): "error" | "cancelled"
     choice: int = 0
     capped: bool = False  # the proxy's per-call cap (--max-new-tokens), not the request, cut the reply
     parent: Optional[int] = None
@@ -77,6 +82,7 @@ class Sample:
     logprobs: list[float]
     advantage: float = 0.0
     calls: list[int] = field(default_factory=list)  # indices of the calls merged into it
+    split: Optional[str] = None  # why its first call began a new sample (SPLIT_REASONS); None: the rollout's first
     model_version: int = 0
     temperature: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
@@ -107,14 +113,18 @@ def write_jsonl(path: str, items: Iterable[Any], append: bool = False) -> int:
 
 
 def read_jsonl(path: str, cls: Optional[Type[T]] = None) -> Iterator[Any]:
+    """Yield the objects of a JSONL file. A last line cut short by a crash (no newline, not JSON) is
+    skipped with a warning: every line before it was complete. A bad line anywhere else is an error."""
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
+            if not line.strip():
                 continue
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
+                if not line.endswith("\n") and not f.read():
+                    warnings.warn(f"{path}:{lineno}: skipped a torn last line ({len(line)} bytes; the writer was killed mid-line)")
+                    return
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e}); is this a calls/samples .jsonl file?") from None
             yield from_dict(cls, d) if cls is not None else d
 

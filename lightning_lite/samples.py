@@ -41,7 +41,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Iterable, Optional
 
-from .records import SPLIT_REASONS, Call, Sample, read_calls, write_jsonl
+from .records import SPLIT_REASONS, UNANSWERED, Call, Sample, read_calls, write_jsonl
 
 
 def _check(c: Call) -> None:
@@ -68,11 +68,13 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     not fit; both are counted (``truncated``, ``dropped``), and the cut-off
     sampled tokens are trained nowhere (unless another leaf holds them).
     """
-    calls = sorted(calls, key=lambda c: c.index)
     stats = Counter(rollouts=1, calls=len(calls))
+    stats["unanswered"] += sum(c.finish_reason in UNANSWERED for c in calls)  # a failed or cancelled call: nothing to train
+    calls = sorted((c for c in calls if c.finish_reason not in UNANSWERED), key=lambda c: c.index)
     kept: dict[int, Call] = {}  # index -> call still in the tree (retried attempts leave it)
     full: dict[int, list[int]] = {}  # index -> prompt + response ids
     parent: dict[int, Optional[int]] = {}
+    why: dict[int, str] = {}  # index -> why this call began a new tree instead of extending one (a split reason)
     for c in calls:
         _check(c)
         stats["sampled_tokens"] += len(c.response_ids)
@@ -91,14 +93,16 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
                     if c.prompt_ids[:len(full[i])] == full[i]), None)
         parent[c.index] = ext
         # The first root of a rollout is not a split, nor is choice 1.. of a request (a sibling).
-        if ext is None and kept and not retried and c.choice == 0:
+        if ext is None and retried:
+            why[c.index] = "retry"
+        elif ext is None and kept and c.choice == 0:
             if c.split_hint in SPLIT_REASONS:
-                reason = c.split_hint
+                why[c.index] = c.split_hint
             elif any(c.prompt_ids[:len(e.prompt_ids)] == e.prompt_ids for e in kept.values()):
-                reason = "rewrote_history"
+                why[c.index] = "rewrote_history"
             else:
-                reason = "new_thread"
-            stats["split_" + reason] += 1
+                why[c.index] = "new_thread"
+            stats["split_" + why[c.index]] += 1
         kept[c.index] = c
         full[c.index] = c.prompt_ids + c.response_ids
 
@@ -141,7 +145,7 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
             continue
         samples.append(Sample(
             rollout_id=path[-1].rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs,
-            calls=[c.index for c in path], model_version=min(c.model_version for c in path),
+            calls=[c.index for c in path], split=why.get(path[0].index), model_version=min(c.model_version for c in path),
             temperature=temperature, top_k=top_k, top_p=top_p))
         stats["samples"] += 1
         stats["trainable_tokens"] += sum(mask)
@@ -179,7 +183,7 @@ def format_stats(stats: Counter) -> str:
     merged, unmerged = stats["tokens"], stats["tokens_unmerged"]
     rows = [
         ("rollouts", stats["rollouts"], ""),
-        ("calls", stats["calls"], ""),
+        ("calls", stats["calls"], f"{stats['unanswered']} unanswered (backend error, client gone)" if stats["unanswered"] else ""),
         ("samples", stats["samples"], ""),
         ("trainable tokens", stats["trainable_tokens"], f"of {stats['sampled_tokens']} sampled"),
         ("tokens (merged)", merged, ""),

@@ -281,7 +281,8 @@ def test_replay_captured_anthropic_and_responses_requests(server, path, body):
 
 
 def test_a_client_that_goes_away_stops_its_generation(server):
-    """The harness gave up (timeout, closed connection): its call stops generating within a few tokens."""
+    """The harness gave up (timeout, closed connection): its call stops generating within a few tokens and
+    is recorded as cancelled."""
     stats = server.proxy.backend.stats
     before = dict(stats)
     body = {"model": "m", "messages": [{"role": "user", "content": "Write a very long essay about the sea."}], "max_tokens": 2000, "temperature": 1.0}
@@ -294,7 +295,8 @@ def test_a_client_that_goes_away_stops_its_generation(server):
         time.sleep(0.2)
     assert stats["cancelled"] - before["cancelled"] == 2
     assert stats["generated_tokens"] - before["generated_tokens"] < 400  # not the 4,000 asked for
-    assert not calls_of(server, "gone-False") and not calls_of(server, "gone-True")  # nothing answered, nothing recorded
+    # nothing answered: each recorded as cancelled, with no response (never trained on)
+    assert [(c.finish_reason, c.response_ids) for c in calls_of(server, "gone-False") + calls_of(server, "gone-True")] == [("cancelled", [])] * 2
 
 
 def test_a_reply_cut_by_the_proxys_cap_is_answered_as_finished(tok, tmp_path):

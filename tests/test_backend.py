@@ -103,3 +103,21 @@ def test_pause_holds_requests_and_sync_weights_bumps_version(backend, tok):
     assert backend.version == v + 1 and backend._prefix_len == 0
     backend.resume()
     assert done.wait(60) and result["g"].version == v + 1
+
+
+def test_a_call_in_flight_during_a_weight_sync_finishes_on_the_old_version(backend, tok):
+    """pause() lets the running batch finish under the weights it started with (recorded as that version);
+    calls that come after the sync are served by the new version."""
+    p = tok.encode(_prompt(tok, "Tell me a story about a cat."))
+    started, result = threading.Event(), {}
+    gen = backend.generate(p, Sampling(max_tokens=24), on_token=lambda t: started.set())
+    th = threading.Thread(target=lambda: result.update(g=asyncio.run(gen)))
+    th.start()
+    assert started.wait(60)
+    v = backend.version
+    backend.pause()  # returns once the call in flight is done
+    th.join(60)
+    assert result["g"].version == v and result["g"].finish_reason in ("stop", "length")
+    backend.sync_weights()
+    backend.resume()
+    assert asyncio.run(backend.generate(p, Sampling(max_tokens=2))).version == v + 1

@@ -1,6 +1,7 @@
 """The harness interface, the loader and the rollout runner (no model: a scripted stub server)."""
 
 import asyncio
+import json
 import os
 import sys
 import textwrap
@@ -115,6 +116,33 @@ def test_subprocess_harness_gets_its_own_base_url_and_key():
     assert [(r.rollout_id, r.reward, r.error) for r in results] == [("roll-a", 1.0, None), ("roll-b", 1.0, None)]
     seen = sorted((rid, auth, body["model"]) for rid, auth, body in stub.requests)
     assert seen == [("roll-a", "Bearer key-roll-a", "stub-model"), ("roll-b", "Bearer key-roll-b", "stub-model")]
+
+
+ENV_PRINTER = """
+import json, os
+print(json.dumps(dict(os.environ)))
+"""
+
+
+def test_subprocess_harness_gets_a_scrubbed_environment(monkeypatch):
+    """The trainer's secrets stay out of the agent's environment; what the harness declares gets in."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("MY_TOOL_HOME", "/opt/tool")
+
+    class Printer(Script):
+        pass_env = ("MY_TOOL_HOME",)
+
+        def reward(self, task, stdout, returncode, workdir):
+            self.env, self.workdir = json.loads(stdout), workdir
+            return 1.0
+
+    h = Printer(ENV_PRINTER)
+    endpoint = Endpoint("http://127.0.0.1:9/rollout/r/v1", "k", "m", "r", "http://127.0.0.1:9")
+    assert asyncio.run(run_rollouts(h, [("r", Task("t", "hi"))], lambda rid: endpoint, progress=False))[0].reward == 1.0
+    assert "HF_TOKEN" not in h.env and h.env["MY_TOOL_HOME"] == "/opt/tool" and h.env["PATH"] == os.environ["PATH"]
+    assert h.env["OPENAI_BASE_URL"] == endpoint.base_url and h.env["PROMPT"] == "hi" and h.env["LL_ROLLOUT_ID"] == "r"
+    assert not set(h.env) - set(SubprocessHarness.BASE_ENV) - {"MY_TOOL_HOME", "PROMPT"} - {k for k in h.env if k.startswith(("LC_", "OPENAI_", "ANTHROPIC_", "LL_"))}
+    assert os.path.basename(h.workdir).startswith("ll-r-") and not os.path.exists(h.workdir)  # its own directory, removed
 
 
 def test_subprocess_harness_may_post_its_reward():

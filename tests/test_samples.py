@@ -47,6 +47,7 @@ def test_rewritten_history_splits_with_reason():
     assert [s.tokens for s in samples] == [[1, 2, 10, 11], [1, 2, 10, 99, 5, 12]]
     assert [s.loss_mask for s in samples] == [[0, 0, 1, 1], [0, 0, 0, 0, 0, 1]]
     assert st["split_rewrote_history"] == 1 and st["samples"] == 2
+    assert [s.split for s in samples] == [None, "rewrote_history"]  # why each sample began
     # the proxy's hint names the reason when it knows better (same tokens, fresh render)
     calls[1].split_hint = "template_mismatch"
     _, st = build_samples(calls)
@@ -59,7 +60,7 @@ def test_interleaved_threads_give_two_samples():
     assert [s.tokens for s in samples] == [[1, 2, 10, 5, 11], [3, 20, 6, 21]]
     assert [s.loss_mask for s in samples] == [[0, 0, 1, 0, 1], [0, 1, 0, 1]]
     assert [s.calls for s in samples] == [[0, 2], [1, 3]]
-    assert st["split_new_thread"] == 1
+    assert st["split_new_thread"] == 1 and [s.split for s in samples] == [None, "new_thread"]
 
 
 def test_shared_sampled_prefix_is_trained_once():
@@ -93,7 +94,7 @@ def test_n_choices_are_siblings_not_retries():
     later = [call(0, [1, 2], [10]), call(1, [1, 2], [20]), call(2, [1, 2], [30])]
     later[1].choice = 1
     samples, st = build_samples(later)
-    assert [s.tokens for s in samples] == [[1, 2, 30]] and st["split_retry"] == 1
+    assert [s.tokens for s in samples] == [[1, 2, 30]] and st["split_retry"] == 1 and samples[0].split == "retry"
 
 
 def test_each_token_carries_the_sampling_of_its_call():

@@ -11,6 +11,8 @@ import torch
 
 from conftest import ROOT
 
+from lightning_lite.records import read_calls, read_jsonl
+
 HARNESSES = os.path.join(ROOT, "tests", "harnesses.py")
 TINY = ["--batch-size", "2", "--group-size", "3", "--eval-tasks", "2", "--max-concurrency", "8"]
 
@@ -22,7 +24,7 @@ def run(args, timeout=600):
 
 
 def rows(out):
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return list(read_jsonl(os.path.join(out, "metrics.jsonl")))
 
 
 def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
@@ -41,6 +43,9 @@ def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
         for rank in (0, 1):
             calls = [json.loads(line) for line in open(os.path.join(out, "calls", f"step_{step}.rank{rank}.jsonl"))]
             assert len({c["rollout_id"] for c in calls}) == 12 and {c["model_version"] for c in calls} == {step}
+            rolls = [json.loads(line) for line in open(os.path.join(out, "rollouts", f"step_{step}.rank{rank}.jsonl"))]
+            assert {r["rollout_id"] for r in rolls} == {c["rollout_id"] for c in calls} and all(r["error"] is None and r["advantage"] is not None for r in rolls)
+    assert len(open(os.path.join(out, "rollouts", "eval_0.rank0.jsonl")).readlines()) == 1  # 2 eval tasks over 2 ranks
     assert json.load(open(os.path.join(out, "config.json")))["world_size"] == 2
     assert os.path.exists(os.path.join(out, "reward.png"))
     # the checkpoint is a transformers model, and training changed it
@@ -56,6 +61,35 @@ def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
     assert json.load(open(os.path.join(out, "config.json")))["start_step"] == 2
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_3"
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_3"]  # --keep-checkpoints 1
+
+
+def test_a_run_killed_between_checkpoints_resumes_without_losing_or_repeating_a_step(tmp_path):
+    """SIGKILL after step 3 of 4 (checkpoint at step 2), and a torn line in metrics.jsonl: --resume redoes
+    step 3 on the same tasks, and the run's files hold each step once."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = [sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "4", "--save-every", "2", "--batch-size", "2",
+            "--group-size", "2", "--eval-tasks", "0", "--out", str(out)]
+    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not [r for r in (rows(out) if (out / "metrics.jsonl").exists() else []) if r["step"] == 3] and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGKILL)
+        p.wait(60)
+    finally:
+        p.kill()
+    assert (out / "checkpoints" / "latest").read_text() == "step_2"
+    tasks = sorted(r["task_id"] for r in map(json.loads, open(out / "rollouts" / "step_2.jsonl")))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "rew')  # as if killed mid-write
+    run(args + ["--resume"])
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
+    calls = read_calls(str(out / "calls" / "step_2.jsonl"))
+    assert len(calls) == 4 and len({c.rollout_id for c in calls}) == 4 and {c.model_version for c in calls} == {2}
+    assert sorted(r["task_id"] for r in map(json.loads, open(out / "rollouts" / "step_2.jsonl"))) == tasks  # the same data
 
 
 def test_failing_rollouts_are_reported_and_training_goes_on(tmp_path):
@@ -81,8 +115,7 @@ def test_subprocess_harness_calls_land_in_its_rollout(server):
     endpoint_for = lambda rid: Endpoint(server.base_url(rid), "sk-sub", "smollm2", rid, server.url)  # noqa: E731
     results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
     assert all(r.error is None and r.reward is not None for r in results), results
-    calls = server.proxy.take_calls()
-    assert sorted(c.rollout_id for c in calls if c.rollout_id.startswith("sub-")) == ["sub-0", "sub-1"]
+    assert sorted(c.rollout_id for c in read_calls(os.path.join(server.out, "calls.jsonl")) if c.rollout_id.startswith("sub-")) == ["sub-0", "sub-1"]
 
 
 def test_calc_agent_on_the_embedded_model(server):
@@ -93,7 +126,7 @@ def test_calc_agent_on_the_embedded_model(server):
     endpoint_for = lambda rid: Endpoint(server.base_url(rid), "k", "smollm2", rid, server.url)  # noqa: E731
     results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
     assert all(r.error is None and 0.0 <= r.reward <= 1.0 for r in results), results
-    calls = [c for c in server.proxy.take_calls() if c.rollout_id.startswith("calc-")]
+    calls = [c for c in read_calls(os.path.join(server.out, "calls.jsonl")) if c.rollout_id.startswith("calc-")]
     assert {c.rollout_id for c in calls} == {"calc-0", "calc-1", "calc-2"}
     assert all(c.temperature == 0.7 and len(c.response_ids) <= 16 for c in calls)
     # multi-turn: a forced calculator call, then an answer; each rollout's calls merge into one sample

@@ -42,6 +42,7 @@ from aiohttp import web  # noqa: E402
 from commands import HARNESSES, command  # noqa: E402
 from lightning_lite.models import load_tokenizer  # noqa: E402
 from lightning_lite.proxy import Proxy, ProxyServer  # noqa: E402
+from lightning_lite.records import read_calls  # noqa: E402
 from lightning_lite.samples import build_samples  # noqa: E402
 from scripted import ScriptedBackend  # noqa: E402
 
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
                 log_path = os.path.join(out, f"{name}.log")
                 rc, secs = run_harness(name, server.url, rid, a.task, log_path, timeout)
                 reqs = [r for r in proxy.requests if r["rid"] == rid]
-                calls = [c for c in proxy.take_calls() if c.rollout_id == rid]
+                calls = [c for c in read_calls(os.path.join(out, "calls.jsonl")) if c.rollout_id == rid]
                 rows.append(evaluate(name, mode, rc, secs, reqs, calls, tok, log_path))
                 r = rows[-1]
                 print(f"  {name:<16} {'PASS' if r['ok'] else 'FAIL'} {r['secs']:>6}s  {r['calls']} calls  {r['reason']}", flush=True)

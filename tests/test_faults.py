@@ -1,0 +1,299 @@
+"""Faults, load and hostile input: the proxy answers in the API's own format, records every call once
+(answered, failed or cancelled), never trains on what was not answered, and keeps serving."""
+
+import asyncio
+import gc
+import json
+import os
+import resource
+import time
+import tracemalloc
+
+import aiohttp
+import pytest
+import requests
+
+from test_proxy import TOOLS
+
+from lightning_lite.backends import Generation
+from lightning_lite.harness import RolloutResult, fail_rollouts_the_backend_failed
+from lightning_lite.proxy import Proxy, ProxyServer
+from lightning_lite.records import read_calls, read_jsonl
+from lightning_lite.samples import build_batch_samples
+
+# ---------------------------------------------------------------------------- bad input
+
+CHAT, MSG, RSP, CMPL = "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/completions"
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+AGOOD = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+LONG = "hello " * 9000  # over the embedded model's 8,192 tokens
+BAD = [  # name, path, body (dict or raw bytes), status, code (OpenAI routes) or error type (Anthropic routes)
+    ("invalid json", CHAT, b"{not json", 400, "invalid_json"),
+    ("invalid utf-8", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_json"),
+    ("body not an object", CHAT, b"[1, 2]", 400, "invalid_request"),
+    ("empty body", CHAT, b"", 400, "invalid_json"),
+    ("messages not a list", CHAT, {"messages": "hi"}, 400, "invalid_type"),
+    ("empty messages", CHAT, {"messages": []}, 400, "invalid_value"),
+    ("message not an object", CHAT, {"messages": ["hi"]}, 400, "invalid_type"),
+    ("content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_type"),
+    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value"),
+    ("image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "unsupported_content"),
+    ("temperature wrong type", CHAT, dict(GOOD, temperature="hot"), 400, "invalid_type"),
+    ("temperature out of range", CHAT, dict(GOOD, temperature=7), 400, "invalid_value"),
+    ("temperature NaN", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "invalid_value"),
+    ("top_p out of range", CHAT, dict(GOOD, top_p=1.5), 400, "invalid_value"),
+    ("max_tokens zero", CHAT, dict(GOOD, max_tokens=0), 400, "invalid_value"),
+    ("max_tokens negative", CHAT, dict(GOOD, max_tokens=-5), 400, "invalid_value"),
+    ("max_tokens wrong type", CHAT, dict(GOOD, max_tokens="10"), 400, "invalid_type"),
+    ("max_tokens infinite", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e999}', 400, "invalid_type"),
+    ("n too large", CHAT, dict(GOOD, n=1000), 400, "invalid_value"),
+    ("n zero", CHAT, dict(GOOD, n=0), 400, "invalid_value"),
+    ("stop wrong type", CHAT, dict(GOOD, stop=5), 400, "invalid_type"),
+    ("tools not a list", CHAT, dict(GOOD, tools={"type": "function"}), 400, "invalid_type"),
+    ("unknown tool_choice", CHAT, dict(GOOD, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400, "invalid_value"),
+    ("deeply nested json", CHAT, b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),
+    ("prompt too long", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "context_length_exceeded"),
+    ("oversized body", CHAT, {"messages": [{"role": "user", "content": "x" * (2 * 2**20)}]}, 413, "request_too_large"),
+    ("completion prompt ids out of vocab", CMPL, {"prompt": [1, 2, 10**9]}, 400, "invalid_value"),
+    ("completion prompt missing", CMPL, {"max_tokens": 3}, 400, "invalid_type"),
+    ("completion prompt wrong type", CMPL, {"prompt": 5}, 400, "invalid_type"),
+    ("completion n wrong type", CMPL, {"prompt": "hi", "n": "2"}, 400, "invalid_type"),
+    ("completion prompt too long", CMPL, {"prompt": LONG}, 400, "context_length_exceeded"),
+    ("anthropic invalid json", MSG, b"{", 400, "invalid_request_error"),
+    ("anthropic messages not a list", MSG, dict(AGOOD, messages="hi"), 400, "invalid_request_error"),
+    ("anthropic unknown role", MSG, dict(AGOOD, messages=[{"role": "tool", "content": "hi"}]), 400, "invalid_request_error"),
+    ("anthropic image block", MSG, dict(AGOOD, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, "invalid_request_error"),
+    ("anthropic system wrong type", MSG, dict(AGOOD, system=5), 400, "invalid_request_error"),
+    ("anthropic max_tokens wrong type", MSG, dict(AGOOD, max_tokens="many"), 400, "invalid_request_error"),
+    ("anthropic prompt too long", MSG, dict(AGOOD, messages=[{"role": "user", "content": LONG}]), 400, "invalid_request_error"),
+    ("anthropic count_tokens bad body", MSG + "/count_tokens", {"messages": 5}, 400, "invalid_request_error"),
+    ("anthropic oversized body", MSG, dict(AGOOD, system="x" * (2 * 2**20)), 413, "request_too_large"),
+    ("responses input wrong type", RSP, {"input": 5}, 400, "invalid_type"),
+    ("responses unknown item type", RSP, {"input": [{"type": "hologram"}]}, 400, "invalid_value"),
+    ("responses unknown previous_response_id", RSP, {"input": "hi", "previous_response_id": "resp_nope"}, 404, "invalid_value"),
+    ("responses max_output_tokens zero", RSP, {"input": "hi", "max_output_tokens": 0}, 400, "invalid_value"),
+    ("responses instructions wrong type", RSP, {"input": "hi", "instructions": 5}, 400, "invalid_type"),
+    ("unsafe rollout id", "/rollout/..%2F..%2Fetc" + CHAT, GOOD, 400, "invalid_rollout_id"),
+    ("rollout id with a slash", "/rollout/a%2Fb" + CHAT, GOOD, 400, "invalid_rollout_id"),
+    ("rollout id too long", "/rollout/" + "a" * 200 + CHAT, GOOD, 400, "invalid_rollout_id"),
+    ("reward not a number", "/rollout/r/reward", {"reward": "high"}, 400, "invalid_type"),
+    ("reward infinite", "/rollout/r/reward", b'{"reward": Infinity}', 400, "invalid_type"),
+    ("unknown route", "/v1/embeddings", GOOD, 404, "not_found"),
+    ("unknown anthropic route", "/v1/messages/batches", AGOOD, 404, "not_found_error"),
+]
+
+
+def _post(server, path, data, method="POST"):
+    return requests.request(method, server.url + path, data=data, headers={"Content-Type": "application/json"})
+
+
+def _error_of(r, path):
+    """The error's code (OpenAI shape) or type (Anthropic shape); fails if the body is in neither shape."""
+    body = r.json()
+    if "/v1/messages" in path:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"]
+        return body["error"]["type"]
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    return body["error"]["code"]
+
+
+@pytest.mark.parametrize("name,path,payload,status,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_4xx_in_its_apis_format_and_the_proxy_keeps_serving(server, name, path, payload, status, code):
+    r = _post(server, path, payload if isinstance(payload, bytes) else json.dumps(payload).encode())
+    assert (r.status_code, _error_of(r, path)) == (status, code), r.text
+    ok = _post(server, CHAT, json.dumps(GOOD).encode())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("method,path", [("GET", CHAT), ("PUT", MSG), ("DELETE", RSP), ("PATCH", "/rollout/r/reward")])
+def test_wrong_method_is_405_in_its_apis_format(server, method, path):
+    r = _post(server, path, b"{}", method)
+    assert r.status_code == 405 and _error_of(r, path) == ("invalid_request_error" if "/v1/messages" in path else "method_not_allowed")
+
+
+def test_at_least_forty_kinds_of_bad_input():
+    assert len(BAD) + 4 >= 40
+
+
+# ---------------------------------------------------------------------------- backend faults
+
+
+class FakeBackend:
+    """Answers "ok" at once, unless told to fail (raise) or hang (never answer)."""
+
+    eos_ids, max_model_len, version = set(), 8192, 0
+
+    def __init__(self, tok, delay=0.0):
+        self.ids, self.delay, self.mode, self.stats = tok.encode("ok", add_special_tokens=False), delay, "up", {"cancelled": 0}
+
+    async def generate(self, prompt_ids, sampling, on_token=None):
+        if self.mode == "down":
+            raise RuntimeError("the engine died")
+        await asyncio.sleep(3600 if self.mode == "hang" else self.delay)
+        for t in self.ids:
+            if on_token:
+                on_token(t)
+        return Generation(list(self.ids), [-0.1] * len(self.ids), "stop", "ok", self.version)
+
+
+@pytest.fixture
+def fake(tok, tmp_path):
+    backend = FakeBackend(tok)
+    srv = ProxyServer(Proxy(backend, tok, out_dir=str(tmp_path), call_timeout=1.0)).start()
+    srv.backend, srv.calls = backend, lambda: read_calls(str(tmp_path / "calls.jsonl"))
+    yield srv
+    srv.stop()
+
+
+def test_a_failed_or_hung_backend_gets_502_or_504_the_call_is_recorded_failed_and_a_restarted_one_serves(fake):
+    chat = lambda rid, **kw: requests.post(f"{fake.url}/rollout/{rid}{CHAT}", json=dict(GOOD, **kw))  # noqa: E731
+    assert chat("a").status_code == 200
+    fake.backend.mode = "down"
+    r = chat("b")
+    assert r.status_code == 502 and r.json()["error"]["type"] == "server_error" and "the engine died" in r.json()["error"]["message"]
+    r = requests.post(f"{fake.url}/rollout/b{MSG}", json=AGOOD)
+    assert r.status_code == 502 and r.json()["error"]["type"] == "api_error"
+    with requests.post(f"{fake.url}/rollout/b{CHAT}", json=dict(GOOD, stream=True), stream=True) as s:  # the stream has begun: an error event
+        events = [line for line in s.iter_lines() if line.startswith(b"data: {")]
+    assert s.status_code == 200 and "the engine died" in json.loads(events[-1][6:])["error"]["message"]
+    fake.backend.mode = "hang"
+    t0 = time.time()
+    r = chat("c")
+    assert r.status_code == 504 and "did not answer within 1 s" in r.json()["error"]["message"] and time.time() - t0 < 5
+    fake.backend.mode = "up"  # restarted: used again
+    assert chat("c").status_code == 200
+    assert requests.get(fake.url + "/health").json()["backend_failures"] == 4
+    calls = fake.calls()
+    assert [(c.rollout_id, c.finish_reason) for c in calls] == [("a", "stop"), ("b", "error"), ("b", "error"), ("b", "error"), ("c", "error"), ("c", "stop")]
+    samples, stats = build_batch_samples(calls)
+    assert stats["unanswered"] == 4 and sorted(s.rollout_id for s in samples) == ["a", "c"]  # never trained on
+    # the trainer fails a rollout whose call the backend failed, even if the harness went on and got a reward
+    results = [RolloutResult(rid, "t", 1.0, None, 1.0) for rid in "abc"]
+    fail_rollouts_the_backend_failed(results, calls)
+    assert [r.reward for r in results] == [1.0, None, None] and "backend failed" in results[1].error
+
+
+def test_other_rollouts_are_served_while_one_call_hangs(fake, tok):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async def call(rid):
+                async with s.post(f"{fake.url}/rollout/{rid}{CHAT}", json=GOOD) as r:
+                    return r.status
+
+            hung = asyncio.ensure_future(call("slow"))
+            await asyncio.sleep(0.1)
+            fake.backend.mode = "up"
+            return await asyncio.gather(*(call(f"quick-{i}") for i in range(20))), await hung
+
+    fake.backend.mode = "hang"
+    quick, slow = asyncio.run(main())
+    assert quick == [200] * 20 and slow == 504
+
+
+def test_requests_over_the_limit_get_429_with_retry_after(tok, tmp_path):
+    srv = ProxyServer(Proxy(FakeBackend(tok, delay=0.5), tok, out_dir=str(tmp_path), max_requests=2)).start()
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async def call(i):
+                async with s.post(f"{srv.url}/rollout/r{i}{CHAT}", json=GOOD) as r:
+                    return r.status, r.headers.get("Retry-After")
+
+            return await asyncio.gather(*(call(i) for i in range(3)))
+
+    try:
+        got = sorted(asyncio.run(main()))
+    finally:
+        srv.stop()
+    assert got == [(200, None), (200, None), (429, "1")]
+
+
+def test_an_api_key_guards_every_route(tok, tmp_path):
+    srv = ProxyServer(Proxy(FakeBackend(tok), tok, out_dir=str(tmp_path), api_key="s3cret")).start()
+    try:
+        for method, path, body in [("POST", CHAT, GOOD), ("POST", MSG, AGOOD), ("POST", RSP, {"input": "hi"}), ("POST", CMPL, {"prompt": "hi"}),
+                                   ("GET", "/v1/models", None), ("GET", "/health", None), ("POST", "/rollout/r/reward", {"reward": 1})]:
+            r = requests.request(method, srv.url + path, json=body)
+            assert r.status_code == 401 and "API key" in r.text, (path, r.text)
+            r = requests.request(method, srv.url + path, json=body, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            assert requests.request(method, srv.url + path, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert requests.post(srv.url + MSG, json=AGOOD, headers={"x-api-key": "s3cret"}).status_code == 200  # Anthropic clients
+    finally:
+        srv.stop()
+
+
+def test_proxy_cli_will_not_expose_the_model_without_a_key():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "LL_API_KEY"}
+    p = subprocess.run([sys.executable, "proxy.py", "--host", "0.0.0.0"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 2 and "set --api-key" in p.stderr
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def test_512_concurrent_multi_turn_sessions_every_call_recorded_once(fake, tok):
+    """512 rollouts of 3 turns each, at once, half streaming: no error answers, every answered call on disk exactly
+    once with what the client received, and nothing kept in memory after the sessions are forgotten."""
+    n, turns = 512, 3
+
+    async def rollout(s, i):
+        msgs, got = [{"role": "user", "content": f"task {i}"}], []
+        for t in range(turns):
+            body = {"messages": msgs, "max_tokens": 4, "stream": i % 2 == 1}
+            async with s.post(f"{fake.url}/rollout/load-{i}{CHAT}", json=body) as r:
+                assert r.status == 200, await r.text()
+                if body["stream"]:
+                    chunks = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+                    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+                else:
+                    text = (await r.json())["choices"][0]["message"]["content"]
+            got.append(text)
+            msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": f"turn {t + 1}"}]
+        return got
+
+    async def main():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n)) as s:
+            return await asyncio.gather(*(rollout(s, i) for i in range(n)))
+
+    t0 = time.time()
+    answers = asyncio.run(main())
+    secs = time.time() - t0
+    calls = fake.calls()
+    assert len(calls) == n * turns and len({(c.rollout_id, c.index) for c in calls}) == n * turns
+    assert all(a == ["ok"] * turns for a in answers) and all(c.response["content"] == "ok" and c.finish_reason == "stop" for c in calls)
+    samples, stats = build_batch_samples(calls)
+    assert len(samples) == n and stats["calls"] == n * turns  # each rollout's 3 calls merge into one sample
+    # memory: a second round after reset() (what train.py does between steps) leaves nothing behind; keeping
+    # the calls alone would hold ~3 MB (1,536 calls of ~40 prompt ids)
+    fake.proxy.reset()
+    time.sleep(1)  # the server closes the first round's connections
+    gc.collect()
+    tracemalloc.start()
+    asyncio.run(main())
+    fake.proxy.reset()
+    time.sleep(1)
+    gc.collect()
+    kept = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    print(f"512 sessions x 3 turns: {secs:.1f}s, {n * turns / secs:.0f} calls/s, kept after reset {kept / 1e3:.0f} kB, "
+          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
+    assert kept < 1e6 and len(fake.calls()) == 2 * n * turns
+
+
+# ---------------------------------------------------------------------------- torn files
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning_a_torn_middle_is_an_error(tmp_path):
+    p = tmp_path / "calls.jsonl"
+    p.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b": [1, 2')
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert list(read_jsonl(str(p))) == [{"a": 1}, {"a": 2}]
+    p.write_text('{"a": 1}\n{"a": 2, "b\n{"a": 3}\n')
+    with pytest.raises(ValueError, match=":2: not valid JSON"):
+        list(read_jsonl(str(p)))

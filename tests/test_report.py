@@ -1,0 +1,149 @@
+"""report.py: a run folder -> one self-contained report.html, checked in a real headless browser.
+
+The run folder is written here by hand, in train.py's layout, with real SmolLM2 token ids so
+that the page decodes them. The browser is Debian's chromium driven by playwright (playwright's
+own browser download needs the internet); without them the browser test skips: `make setup-browser`.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from conftest import ROOT
+from lightning_lite.records import Call, write_jsonl
+from lightning_lite.report import batch_label
+from lightning_lite.samples import build_samples
+
+NO_BROWSER = "chromium or playwright missing: run `make setup-browser`"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+ERROR = "RuntimeError: the harness crashed (exit 3)"
+
+
+def call(rid, index, prompt, response, parent=None, hint=None):
+    return Call(rollout_id=rid, index=index, api="chat", model_version=1, prompt_ids=prompt, response_ids=response,
+                response_logprobs=[-0.5] * len(response), finish_reason="stop", parent=parent, split_hint=hint,
+                latency_s=0.25)
+
+
+def report(run_dir):
+    return subprocess.run([sys.executable, "-m", "lightning_lite.report", str(run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def run(tok, tmp_path_factory):
+    """A 2-step run: evals at steps 0 and 2; calls/step_1 (trained as metrics step 2) holds a
+    rollout whose calls 0 and 1 merge and whose call 2 rewrote the history, and a failed rollout;
+    calls/eval_2 has a long prompt and, like an older run, no rollouts/ file."""
+    d = tmp_path_factory.mktemp("run")
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    (d / "config.json").write_text(json.dumps({"harness": "calc", "model": "smollm2", "steps": 2, "batch_size": 1,
+                                               "group_size": 2, "lr": 1e-5, "max_seq_len": 4096,
+                                               "world_size": 1, "start_step": 0}))
+    rows = [{"step": 0, "eval_reward": 0.25, "eval_success": 0.25, "eval_tasks": 4, "eval_failed": 0, "eval_s": 3.0},
+            {"step": 1, "reward": 0.5, "success": 0.5, "rollouts": 2, "failed": 0, "loss": -0.01, "grad_norm": 0.3,
+             "clip_frac": 0.0, "prob_corr": 0.99, "dlogp_mean": 0.01, "dlogp_max": 0.2, "ratio_out_frac": 0.0,
+             "t_rollout": 5.0, "t_train": 2.0, "t_sync": 0.1},
+            {"step": 2, "reward": 0.625, "success": 0.5, "rollouts": 2, "failed": 1, "loss": 0.02, "grad_norm": 0.25,
+             "clip_frac": 0.01, "prob_corr": float("nan"), "dlogp_mean": 0.02, "dlogp_max": 0.3, "ratio_out_frac": 0.0,
+             "t_rollout": 6.0, "t_train": 2.5, "t_sync": 0.1, "splits": {"rewrote_history": 1}},
+            {"step": 2, "eval_reward": 0.5, "eval_success": 0.5, "eval_tasks": 4, "eval_failed": 0, "eval_s": 3.0}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # NaN as train.py writes it
+
+    p0, r0 = ids("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"), ids("It is 4.<|im_end|>")
+    p1, r1 = p0 + r0 + ids("\n<|im_start|>user\nAre you sure?<|im_end|>\n<|im_start|>assistant\n"), ids("Yes, 4.<|im_end|>")
+    p2, r2 = p0 + ids("Earlier you said four.<|im_end|>\n<|im_start|>assistant\n"), ids("Sure.<|im_end|>")
+    good = [call("s1-g0", 0, p0, r0), call("s1-g0", 1, p1, r1, parent=0), call("s1-g0", 2, p2, r2, hint="rewrote_history")]
+    failed = [call("s1-g1", 0, p0, ids("I do not know"))]
+    write_jsonl(str(d / "calls" / "step_1.jsonl"), good + failed)
+    write_jsonl(str(d / "rollouts" / "step_1.jsonl"), [
+        {"rollout_id": "s1-g0", "task_id": "t7", "reward": 1.0, "error": None, "seconds": 1.5, "advantage": 0.7071},
+        {"rollout_id": "s1-g1", "task_id": "t7", "reward": None, "error": ERROR, "seconds": 0.5, "advantage": None}])
+    long_prompt = ids("<|im_start|>user\n" + "count the words " * 300 + "<|im_end|>\n<|im_start|>assistant\n")
+    write_jsonl(str(d / "calls" / "eval_2.jsonl"), [call("eval2-r0-0", 0, long_prompt, ids("Nine hundred."))])
+
+    result = report(d)
+    assert result.returncode == 0, result.stderr
+    samples, _ = build_samples(good)
+    return {"dir": d, "stdout": result.stdout, "trainable": [sum(s.loss_mask) for s in samples],
+            "long_prompt": len(long_prompt)}
+
+
+def test_report_is_one_page_that_needs_no_network(run):
+    page = run["dir"] / "report.html"
+    assert run["stdout"].startswith(f"wrote {page} (") and "trajectories of 2 of 2 steps/evals" in run["stdout"]
+    html = page.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)  # no script, style or image from elsewhere
+    assert "/*DATA*/" not in html and page.stat().st_size < 1_000_000
+
+
+def test_a_folder_that_is_no_run_says_what_is_expected(tmp_path):
+    missing = report(tmp_path / "nope")
+    assert missing.returncode == 2 and "no such folder" in missing.stderr and "metrics.jsonl" in missing.stderr
+    empty = report(tmp_path)
+    assert empty.returncode == 2 and f"{tmp_path} has no metrics.jsonl" in empty.stderr
+
+
+def test_page_in_headless_chromium(run):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip(NO_BROWSER)
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        pytest.skip(NO_BROWSER)
+    errors = []
+    with tempfile.TemporaryDirectory() as profile, sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto((run["dir"] / "report.html").as_uri())
+        page.wait_for_selector("#rollout-detail[data-rollout]")
+
+        # the numbers: config, the last training row (NaN shown as no value), six plots
+        assert "smollm2" in page.inner_text("#config")
+        assert page.inner_text('#latest [data-key="reward"]') == "reward 0.625"
+        assert page.inner_text('#latest [data-key="prob_corr"]') == "prob_corr —"
+        assert page.inner_text('#latest [data-key="eval_success"]') == "eval_success 0.500"
+        assert page.locator("#plots svg").count() == 6
+
+        # calls/step_1 is metrics step 2; its failed rollout says why
+        page.select_option("#batch", label=batch_label("step", 1))
+        page.wait_for_selector('#rollouts tr[data-rollout="s1-g1"]')
+        assert ERROR in page.inner_text('#rollouts tr[data-rollout="s1-g1"]')
+        assert "reward 0.625" in page.inner_text("#batch-summary")
+        page.click('#rollouts tr[data-rollout="s1-g1"]')
+        page.wait_for_selector('#rollout-detail[data-rollout="s1-g1"]')
+        assert f"failed: {ERROR}" in page.inner_text("#rollout-detail")
+
+        # the good rollout: calls 0+1 merged into sample 1, call 2 split off (rewrote_history) into sample 2
+        page.select_option("#rollout", label="s1-g0  reward 1")
+        page.wait_for_selector('#rollout-detail[data-rollout="s1-g0"]')
+        detail = page.inner_text("#rollout-detail")
+        assert "trained yes, advantage 0.707" in detail and "It is 4." in detail and "Are you sure?" in detail
+        first, second = (page.locator(f'#rollout-detail .sample[data-sample="{i}"]') for i in (0, 1))
+        assert [first.locator(".tok.train").count(), second.locator(".tok.train").count()] == run["trainable"]
+        assert first.locator(".call-mark").all_inner_texts() == ["call 0", "call 1"]
+        assert first.locator(".split-mark").count() == 0
+        assert second.locator(".split-mark").inner_text() == "split: rewrote_history"
+
+        # an eval without a rollouts/ file: rewards unknown; its long prompt drawn collapsed until expanded
+        page.select_option("#batch", label=batch_label("eval", 2))
+        page.wait_for_selector('#rollout-detail[data-rollout="eval2-r0-0"]')
+        assert "No rollouts/ file" in page.inner_text("#batch-summary")
+        prompt = page.locator('#rollout-detail .sample[data-sample="0"] .tok.ctx')
+        assert prompt.count() == 400
+        page.click("#rollout-detail .expand")
+        assert prompt.count() == run["long_prompt"]
+        browser.close()
+    assert errors == []

@@ -2,6 +2,7 @@
 
     python train.py --harness calc                          # one process (CPU or one GPU)
     torchrun --nproc_per_node 2 train.py --harness calc     # DDP: gloo on CPU, NCCL on GPU
+    torchrun --nproc_per_node 8 train.py --parallel fsdp ...   # FSDP2: weights, grads, AdamW state sharded
 
 Every rank serves the policy through its own proxy (http://127.0.0.1:PORT/rollout/<id>/v1)
 and runs its share of the step's tasks through the harness. One step, top to bottom:
@@ -9,12 +10,12 @@ and runs its share of the step's tasks through the harness. One step, top to bot
     rollouts -> samples -> advantages -> micro-batches -> loss + backward -> AdamW -> weight sync -> log
 
 Outputs in --out: config.json, metrics.jsonl (one line per step), calls/step_K.jsonl
-(every recorded call), checkpoints/step_K (transformers format), reward.png.
+(every recorded call), rollouts/step_K.jsonl (reward, error, advantage per rollout),
+checkpoints/step_K (transformers format), reward.png. See them: python -m lightning_lite.report OUT
 """
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
@@ -27,14 +28,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
-from lightning_lite import algo
+from lightning_lite import algo, parallel
 from lightning_lite.backends import HFBackend
 from lightning_lite.harness import Endpoint, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer
 from lightning_lite.proxy import Proxy, ProxyServer
-from lightning_lite.records import read_calls, read_jsonl, write_jsonl
+from lightning_lite.records import SPLIT_REASONS, read_calls, read_jsonl, write_jsonl
 from lightning_lite.samples import build_batch_samples
 
 # ----------------------------------------------------------------------------- config (defaults in one place)
@@ -66,6 +67,9 @@ p.add_argument("--max-seq-len", type=int, default=None, help="longer samples are
 p.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one call may generate, whatever the harness asks (many ask nothing)")
 p.add_argument("--max-model-len", type=int, default=None, help="context of the served model (default: the model's); beyond what it was trained for, RoPE is scaled (YaRN)")
 p.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward/backward")
+p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help="ddp: weights, grads and AdamW state whole on every rank (~16 B/param); fsdp: all three sharded over the ranks (FSDP2, per decoder layer)")
+p.add_argument("--fsdp-offload", action="store_true", help="fsdp: keep parameters, gradients and optimizer state in CPU memory")
+p.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer's activations in backward: less memory, ~1/3 more compute")
 p.add_argument("--max-concurrency", type=int, default=8, help="rollouts in flight per rank")
 p.add_argument("--rollout-timeout", type=float, default=300.0, help="seconds before a rollout is killed and marked failed")
 p.add_argument("--eval-every", type=int, default=0, help="evaluate on the test split every N steps (0: only before and after)")
@@ -74,6 +78,8 @@ p.add_argument("--save-every", type=int, default=0, help="checkpoint every N ste
 p.add_argument("--keep-checkpoints", type=int, default=2, help="keep the newest N checkpoints, delete older ones (0: keep all); one is ~12 bytes/param with AdamW state")
 p.add_argument("--max-batch-size", type=int, default=32, help="backend: requests decoded together")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+p.add_argument("--tensorboard", action="store_true", help="also log metrics to OUT/tensorboard (needs: pip install tensorboard)")
+p.add_argument("--wandb", metavar="PROJECT", default=None, help="also log metrics to Weights & Biases (needs: pip install wandb; WANDB_MODE=offline without a network)")
 args = p.parse_args()
 
 # ----------------------------------------------------------------------------- distributed setup
@@ -87,6 +93,10 @@ if device.type == "cuda":
 master = rank == 0
 if args.batch_size % world:
     sys.exit(f"--batch-size {args.batch_size} does not divide over {world} ranks: use a multiple of {world} (GRPO groups stay on one rank)")
+if args.fsdp_offload and (args.parallel != "fsdp" or device.type != "cuda"):
+    sys.exit("--fsdp-offload moves FSDP's shards from GPU memory to CPU memory: it needs --parallel fsdp on GPUs")
+if args.parallel == "fsdp" and not ddp:
+    sys.exit("--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N (N >= 2); one process trains whole")
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
 torch.manual_seed(args.seed + rank)
@@ -105,6 +115,13 @@ def append_metrics(row):
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with open(metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if tensorboard:
+            for k, v in numbers.items():
+                tensorboard.add_scalar(k, v, row["step"])
+            tensorboard.flush()
+        if wandb_run:
+            wandb_run.log(numbers, step=row["step"])
 
 
 def run_file(kind, name):
@@ -127,8 +144,11 @@ tok = load_tokenizer(args.model)
 model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len)
 ref_model = load_model(args.model, device, max_model_len=args.max_model_len).eval().requires_grad_(False) if args.kl_coef > 0 else None
 args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings  # what can be served can be trained on
-train_model = DDP(model) if ddp else model
-opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+fsdp = args.parallel == "fsdp"
+# Under FSDP the trainer's parameters are shards: the embedded backend serves from a full copy of its own.
+infer_model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len).eval() if fsdp else model
+train_model = parallel.wrap(model, args.parallel, device, world, args.fsdp_offload, args.activation_checkpointing)
+opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))  # after sharding: over the shards
 
 
 def lr_at(step):
@@ -142,7 +162,7 @@ def lr_at(step):
 
 if resume_dir:
     state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), map_location=device, weights_only=False)
-    opt.load_state_dict(state["optimizer"])
+    parallel.load_optimizer_state(model, opt, state["optimizer"], args.parallel)
     start_step = state["step"]
     log(f"resumed from {resume_dir} at step {start_step}")
 
@@ -165,12 +185,24 @@ def forget_from(k):
 forget_from(start_step)
 config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
+tensorboard = wandb_run = None
 if master:
     json.dump(config, open(os.path.join(args.out, "config.json"), "w"), indent=1)
+    try:  # optional loggers: imported only when asked for
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tensorboard = SummaryWriter(os.path.join(args.out, "tensorboard"))
+        if args.wandb:
+            import wandb
+
+            wandb_run = wandb.init(project=args.wandb, config=config, dir=args.out, name=os.path.basename(os.path.abspath(args.out)))
+    except ImportError as e:
+        sys.exit(f"--tensorboard / --wandb need their package ({e}): pip install {'tensorboard' if args.tensorboard else 'wandb'}")
 
 # ----------------------------------------------------------------------------- backend, proxy, harness
-# The backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
-backend = HFBackend(model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+# Under DDP the backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
+backend = HFBackend(infer_model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
 backend.version = start_step
 proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout)
 server = ProxyServer(proxy).start()
@@ -221,15 +253,18 @@ def evaluate(step):
 
 
 def save(step):
-    """Checkpoint in transformers format + optimizer state; rank 0 writes (all ranks hold the same weights)."""
+    """Checkpoint in transformers format + the whole optimizer state, written by rank 0 (under FSDP every
+    rank first helps gather them; the plain-class copy writes them, so the checkpoint loads anywhere)."""
+    weights = parallel.full_state_dict(model, args.parallel) if fsdp else None
+    optim = parallel.optimizer_state(model, opt, args.parallel)
     if not master:
         return
     d = os.path.join(ckpt_root, f"step_{step}")
     tmp = d + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    infer_model.save_pretrained(tmp, state_dict=weights)  # under DDP infer_model is the trained model itself
     tok.save_pretrained(tmp)
-    torch.save({"optimizer": opt.state_dict(), "step": step, "args": vars(args)}, os.path.join(tmp, "trainer_state.pt"))
+    torch.save({"optimizer": optim, "step": step, "args": vars(args)}, os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(d, ignore_errors=True)
     os.replace(tmp, d)
     with open(os.path.join(ckpt_root, "latest"), "w") as f:
@@ -272,7 +307,8 @@ def trainer_logprobs(net, b):
     same = (tokens == tokens[:1]).all(0)
     P = min(int(same.long().cumprod(0).sum()), first - 1) if B > 1 else 0
     kw = {}
-    if P >= 16:  # below that the extra call costs more than it saves
+    # below 16 the extra call costs more than it saves; under FSDP every forward is a collective (ranks must run as many)
+    if P >= 16 and not fsdp:
         from transformers import DynamicCache
 
         raw = getattr(net, "module", net)  # the prefix runs outside DDP's forward; its grads still reach DDP's hooks
@@ -289,14 +325,14 @@ def trainer_logprobs(net, b):
 
 
 def train_on(samples):
-    """Loss and backward over this rank's micro-batches; gradients summed over ranks by DDP. Returns metrics."""
+    """Loss and backward over this rank's micro-batches; gradients summed over ranks by DDP or FSDP. Returns metrics."""
     denoms = algo.global_denominators(samples)  # all-reduced before any backward: exact under any split
     weights = algo.sample_weights(samples, args.norm, denoms, args.norm_const or args.max_seq_len)
-    mbs = micro_batches(samples, weights) or [None]  # a rank without samples still joins the all-reduce
+    mbs = parallel.pad_micro_batches(micro_batches(samples, weights), args.parallel)  # None: a zero-loss step, to join the collectives
     metrics = []
-    for i, mb in enumerate(mbs):
-        sync = i == len(mbs) - 1
-        with (train_model.no_sync() if ddp and not sync else contextlib.nullcontext()):
+    bar = tqdm(mbs, desc="train", unit="mb", leave=False, disable=not (master and sys.stderr.isatty()))  # quiet in logs
+    for i, mb in enumerate(bar):
+        with parallel.accumulating(train_model, args.parallel, last=i == len(mbs) - 1):
             if mb is None:
                 out = train_model(input_ids=torch.tensor([[tok.eos_token_id]], device=device))
                 (out.logits.sum() * 0.0).backward()
@@ -310,7 +346,7 @@ def train_on(samples):
             loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], loss=args.loss,
                                        clip_low=args.clip_low, clip_high=args.clip_high, tis_cap=args.tis_cap,
                                        kl_coef=args.kl_coef, ref_logprobs=ref)
-            (loss * world).backward()  # DDP averages gradients over ranks; the weights already make the global sum
+            (loss * world).backward()  # DDP and FSDP average gradients over ranks; the weights already make the global sum
             metrics.append(m)
     return algo.reduce_metrics(metrics)
 
@@ -346,7 +382,7 @@ try:
                 g["lr"] = lr_at(step)
             opt.zero_grad(set_to_none=True)
             m = train_on(samples)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
+            gnorm = parallel.scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             opt.step()
             model.eval()
         else:
@@ -354,7 +390,7 @@ try:
         t_train = time.time() - t0
         # 7. weight sync: the backend serves the new weights from the next request on
         t0 = time.time()
-        backend.sync_weights(model, version=step + 1)
+        backend.sync_weights(parallel.full_state_dict(model, args.parallel) if fsdp else model, version=step + 1)
         backend.resume()
         t_sync = time.time() - t0
         # log: one line per step
@@ -362,6 +398,7 @@ try:
             len(results), len(results) - len(ok), sum(ok.values()), sum(r >= 1.0 for r in ok.values()),
             sstats["tokens"], sstats["trainable_tokens"], sstats["tokens_unmerged"], len(calls), gen_tokens,
             sstats["truncated"], sstats["dropped"]])
+        splits = dict(zip(SPLIT_REASONS, algo.all_reduce([sstats["split_" + r] for r in SPLIT_REASONS])))  # all ranks' rollouts
         if n_drop:
             log(f"step {step + 1}: {int(n_drop)} samples dropped: their first turn is longer than --max-seq-len {args.max_seq_len}")
         n_ok = max(1, n_roll - n_fail)
@@ -374,7 +411,7 @@ try:
             "ratio_out_frac": m.get("ratio_out_frac", 0.0),
             "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_train": round(t_train, 2), "t_sync": round(t_sync, 3),
             "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / t_train / world if m else 0.0, "t_step": round(time.time() - t_step, 2),
-            "splits": {k[6:]: v for k, v in sstats.items() if k.startswith("split_") and v},
+            "splits": {r: int(n) for r, n in splits.items() if n},
         }
         log(f"step {step + 1:4d} | reward {row['reward']:.3f} succ {row['success']:.2f} | fail {row['failed']} | samples {row['samples']} "
             f"tok {row['trainable_tokens']} merge {row['merge_ratio']:.2f}x | loss {row['loss']:+.4f} gnorm {gnorm:.3f} clip {row['clip_frac']:.3f} "
@@ -402,5 +439,9 @@ if master:
     from lightning_lite.plot import plot_metrics
 
     print(f"wrote {plot_metrics(metrics_path, os.path.join(args.out, 'reward.png'))}")
+    if tensorboard:
+        tensorboard.close()
+    if wandb_run:
+        wandb_run.finish()
 if ddp:
     dist.destroy_process_group()

@@ -29,6 +29,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from .algo import sampling_support
 from .chat import Sampling
@@ -90,6 +94,8 @@ class HFBackend:
     def __init__(self, model, tokenizer, max_batch_size: int = 32, max_model_len: Optional[int] = None, prefix_cache_tokens: int = 32768):
         self.model, self.tok = model, tokenizer
         self.device = next(model.parameters()).device
+        if model.config._attn_implementation == "sdpa":  # the same attention, without copying KV heads in decoding
+            model.set_attn_implementation("grouped_sdpa")
         cfg_len = getattr(model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or cfg_len)
         self.max_batch_size = max_batch_size
@@ -142,11 +148,14 @@ class HFBackend:
             self._cond.notify_all()
 
     def sync_weights(self, model=None, version: Optional[int] = None):
-        """Serve new weights. With ``model`` the module we already share, only stale caches are dropped."""
+        """Serve new weights: ``model`` a module (with the module we already share, only stale caches are
+        dropped) or a full state dict (gathered from FSDP shards)."""
         with self._cond:
             while self._busy:
                 self._cond.wait()
-            if model is not None and model is not self.model:
+            if isinstance(model, dict):
+                self.model.load_state_dict(model)
+            elif model is not None and model is not self.model:
                 src = getattr(model, "module", model)  # unwrap DDP
                 self.model.load_state_dict(src.state_dict())
             self._prefix.clear()  # KV computed by the old weights must not be reused
@@ -294,6 +303,8 @@ class HFBackend:
                             mask, pos, last = torch.cat([mask, row_mask]), torch.cat([pos, pos.new_tensor([n])]), torch.cat([last, logit[None]])
                         else:
                             cache, mask, pos, last = DynamicCache(ddp_cache_data=kv), row_mask, torch.tensor([n], device=self.device), logit[None]
+                            for layer in cache.layers:
+                                layer.__class__ = _RoomyLayer  # appends in place (see _RoomyLayer)
                         rows.append(r)
                         start.append(L - n)
                 if not rows:
@@ -338,6 +349,46 @@ class HFBackend:
                 for r in rows + new:
                     r.loop.call_soon_threadsafe(_set_exc, r.future, e)
                 return
+
+
+# ---------------------------------------------------------------------------- decoding at agent-length contexts
+# Two copies per decode step dominate once the context is long (8k tokens, 135M model: ~1.5 GB of memory
+# traffic per token against 0.5 GB of weights): DynamicCache appends by torch.cat, copying the whole cache,
+# and transformers' SDPA repeats every KV head for each of its query heads whenever a mask is given, which
+# batched decoding always does. The layer appends in place; the attention groups query heads instead.
+
+
+class _RoomyLayer(DynamicLayer):
+    """A cache layer whose keys/values are views into buffers with room for 256 more tokens: appending
+    writes one column instead of copying the cache. When the batching code replaces .keys/.values (it
+    pads, trims and selects rows), the next update copies them into a new buffer once."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, m = self.keys.shape[-2], key_states.shape[-2]
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf[0].data_ptr() != self.keys.data_ptr() or buf[0].shape[:2] != self.keys.shape[:2] or buf[0].shape[2] < n + m:
+            buf = tuple(t.new_empty(t.shape[0], t.shape[1], n + m + 256, t.shape[3]) for t in (self.keys, self.values))
+            buf[0][:, :, :n], buf[1][:, :, :n] = self.keys, self.values
+            self._buf = buf
+        buf[0][:, :, n:n + m], buf[1][:, :, n:n + m] = key_states, value_states
+        self.keys, self.values = buf[0][:, :, :n + m], buf[1][:, :, :n + m]
+        return self.keys, self.values
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' SDPA, except that a decode step (one query token per row) reads each KV head once:
+    the query heads that share a KV head are laid out as that head's query positions (all rows' positions
+    see the same keys under the same mask), which is exactly attention with repeated KV heads."""
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or n_rep == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    B, H, _, D = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, H // n_rep, n_rep, D), key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("grouped_sdpa", _grouped_sdpa)
+AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
 
 
 def _set_result(fut: asyncio.Future, value):

@@ -15,7 +15,10 @@ sampling); this file does the rest, as pure functions of (tokenizer, request):
    the assistant message the proxy returned, compared after parsing), the
    prompt is ``earlier prompt ids + earlier response ids + ids of the new
    messages``, so the model sees its own tokens and the calls merge into one
-   sample. Otherwise it renders fresh and says why (``split_hint``).
+   sample. Otherwise it renders fresh and says why (``split_hint``). The
+   earlier turn is found by fingerprint, and with a template that renders each
+   message on its own only the new messages are rendered: the cost of a call
+   does not grow with the length of the conversation.
 
 Example (SmolLM2, no native tool support)::
 
@@ -29,6 +32,7 @@ Example (SmolLM2, no native tool support)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -170,6 +174,24 @@ class ContentStream:
         return delta
 
 
+def fingerprints(messages: list[dict]) -> list[bytes]:
+    """``fps[k]`` identifies ``messages[:k]`` as ``same_message`` compares them (role, stripped content,
+    tool calls by name and parsed arguments): finding the earlier turn a request extends is then a
+    dictionary lookup, not a comparison with every earlier turn (flat cost in the conversation's length).
+
+    >>> a = fingerprints([{"role": "user", "content": "hi "}]); b = fingerprints([{"role": "user", "content": "hi"}]); a == b
+    True
+    """
+    fps = [b""]
+    for m in messages:
+        content = (m.get("content") or "").strip()
+        key = f"{m['role']}\0{len(content)}\0{content}"  # the length keeps content and tool calls apart
+        if m.get("tool_calls"):
+            key += "\0" + json.dumps([[t["name"], parse_arguments(t["arguments"])] for t in m["tool_calls"]], sort_keys=True)
+        fps.append(hashlib.blake2b(fps[-1] + key.encode(errors="surrogatepass"), digest_size=16).digest())
+    return fps
+
+
 def same_message(a: dict, b: dict) -> bool:
     """Do two normalized messages say the same thing? (after parsing: whitespace around content,
     JSON formatting of arguments and tool-call ids do not matter)."""
@@ -192,6 +214,10 @@ class Turn:
     reply: dict  # the assistant message the harness received
     prompt_ids: list[int]
     response_ids: list[int]
+    fp: bytes = b""  # fingerprints(messages + [reply])[-1], set below
+
+    def __post_init__(self):
+        self.fp = fingerprints(self.messages + [self.reply])[-1]
 
 
 class Renderer:
@@ -211,6 +237,17 @@ class Renderer:
         # The text a template writes after an assistant message's content (e.g. "<|im_end|>\n").
         probe = self.render_text([{"role": "user", "content": "x"}, {"role": "assistant", "content": self.SENTINEL}], [], False)
         self.turn_close = probe[probe.rindex(self.SENTINEL) + len(self.SENTINEL) :]
+        # Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the
+        # messages after a turn can be rendered without the whole conversation before it. Templates that
+        # rewrite earlier turns (Qwen3 drops <think> from them) fail this probe and render in full.
+        calls = [{"id": "c1", "name": "f", "arguments": "{}"}]
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "<think>\nt\n</think>\n\na", "tool_calls": calls},
+                 {"role": "tool", "content": "r", "tool_call_id": "c1"}, {"role": "tool", "content": "r2", "tool_call_id": "c1"},
+                 {"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
+        tools = [{"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}]
+        deltas = [(self._full_delta(probe, k, tools), self._delta(probe, k, tools)) for k in (3, 6)]
+        self.local = all(full is not None and full == local for full, local in deltas)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)  # the template writes BOS etc. itself
@@ -264,26 +301,22 @@ class Renderer:
         With ``reuse=False`` every prompt is rendered fresh; a call still merges
         when the fresh rendering happens to start with the earlier tokens.
         """
-        full = self.render_text(messages, tools, True)
-        # The longest earlier turn whose messages + reply this request starts with.
-        best = None
-        for t in history:
-            n = len(t.messages)
-            if len(messages) > n and (best is None or n > len(best.messages)) and t.tools == tools:
-                if all(same_message(a, b) for a, b in zip(messages[:n], t.messages)) and same_message(messages[n], t.reply):
-                    best = t
+        # The longest earlier turn whose messages + reply this request starts with (the latest such turn).
+        by_fp = {t.fp: t for t in history if t.tools == tools}
+        fps = fingerprints(messages)
+        best = next((by_fp[fps[k]] for k in range(len(messages), 0, -1) if fps[k] in by_fp), None)
         if best is not None and reuse:
-            head = self.render_text(messages[: len(best.messages) + 1], tools, False)
-            if full.startswith(head):
+            k = len(best.messages) + 1
+            new = self._delta(messages, k, tools) if self.local else self._full_delta(messages, k, tools)
+            if new is not None:
                 # After the sampled tokens comes the template's turn close (minus the EOS the model
                 # already sampled), then the new messages and the generation prompt.
                 glue = self.turn_close
                 if best.response_ids and best.response_ids[-1] in self.eos_ids:
                     eos_text = self.tok.decode([best.response_ids[-1]])
                     glue = glue[len(eos_text) :] if glue.startswith(eos_text) else glue
-                ids = best.prompt_ids + best.response_ids + self.encode(glue + full[len(head) :])
-                return ids, best.index, None
-        ids = self.encode(full)
+                return best.prompt_ids + best.response_ids + self.encode(glue + new), best.index, None
+        ids = self.encode(self.render_text(messages, tools, True))
         if best is not None:
             prev = best.prompt_ids + best.response_ids
             if ids[: len(prev)] == prev:
@@ -297,6 +330,20 @@ class Renderer:
             if len(messages) >= n and all(same_message(a, b) for a, b in zip(messages[:n], t.messages)):
                 return ids, None, "retry" if len(messages) == n and t.tools == tools else "rewrote_history"
         return ids, None, "new_thread"
+
+    def _full_delta(self, messages: list[dict], k: int, tools: list[dict]) -> Optional[str]:
+        """The text the template writes for ``messages[k:]`` and the generation prompt, after ``messages[:k]``:
+        the whole conversation rendered, minus the first k messages rendered; None when the template
+        renders those k differently once more follows (it rewrote history)."""
+        head, full = self.render_text(messages[:k], tools, False), self.render_text(messages, tools, True)
+        return full[len(head):] if full.startswith(head) else None
+
+    def _delta(self, messages: list[dict], k: int, tools: list[dict]) -> Optional[str]:
+        """The same text for a template that renders each message on its own (``self.local``), at a cost
+        that does not grow with the conversation: only the system prompt, message k-1 (the assistant
+        turn being extended) and the new messages are rendered."""
+        ctx = (messages[:1] if messages[0]["role"] == "system" and k > 1 else []) + [{"role": "user", "content": "x"}, messages[k - 1]]
+        return self._full_delta(ctx + messages[k:], len(ctx), tools)
 
     @staticmethod
     def forced_prefix(force_tool: Optional[str]) -> str:

@@ -275,7 +275,7 @@ async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]],
     """
     limit = min((t for t in (timeout, harness.timeout) if t), default=None)  # None: no limit
     sem = asyncio.Semaphore(max_concurrency)
-    bar = tqdm(total=len(jobs), desc=desc, disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=len(jobs), desc=desc, disable=not (progress and sys.stderr.isatty()), file=sys.stderr, dynamic_ncols=True)  # quiet in logs
     rewards: list[float] = []
     failed = 0
 

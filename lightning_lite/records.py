@@ -93,7 +93,10 @@ T = TypeVar("T")
 
 
 def to_json(obj: Any) -> str:
-    return json.dumps(dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj, separators=(",", ":"))
+    # A shallow dict: dataclasses.asdict deep-copies every list element by element, which made writing
+    # one 32k-token call 20 ms (the fields are already plain JSON values).
+    d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else obj
+    return json.dumps(d, separators=(",", ":"))
 
 
 def from_dict(cls: Type[T], d: dict) -> T:

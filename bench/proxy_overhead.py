@@ -122,7 +122,7 @@ def serve_ours(reply, out_dir, reuse):
         eos_ids, version, stats = set(), 0, {}
         max_model_len = 10**7  # the turns part runs past the model's context; nothing is computed on the ids
 
-        async def generate(self, prompt_ids, sampling, on_token=None):
+        async def generate(self, prompt_ids, sampling, on_token=None, rollout_id=""):
             for t in ids:
                 if on_token:
                     on_token(t)

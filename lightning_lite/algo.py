@@ -206,6 +206,7 @@ def collate(samples: list[Sample], weights: list[float], device=None, dtype=torc
         "temperature": torch.tensor(pad([s.temperature for s in samples], 1.0), dtype=dtype, device=device),
         "top_k": torch.tensor(pad([s.top_k for s in samples], 0), dtype=torch.long, device=device),
         "top_p": torch.tensor(pad([s.top_p for s in samples], 1.0), dtype=dtype, device=device),
+        "version": torch.tensor(pad([s.version or [s.model_version] * len(s.tokens) for s in samples], 0), dtype=torch.long, device=device),
         "advantages": torch.tensor([s.advantage for s in samples], dtype=dtype, device=device),
         "weights": torch.tensor(weights, dtype=dtype, device=device),
     }

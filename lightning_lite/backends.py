@@ -22,8 +22,13 @@ SmolLM, Qwen2/2.5/3, Mistral without sliding window). Use vLLM for others.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
+import tempfile
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -110,13 +115,13 @@ class HFBackend:
         self._prefix_len = 0
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
-        self._paused = self._busy = self._closed = False
+        self.paused = self._busy = self._closed = False
         self._thread = threading.Thread(target=self._worker, name="hf-backend", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None, rollout_id: str = "") -> Generation:
         """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled (streaming)."""
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -138,13 +143,13 @@ class HFBackend:
     def pause(self):
         """Stop starting new batches and wait for the running one to finish (before training touches the weights)."""
         with self._cond:
-            self._paused = True
+            self.paused = True
             while self._busy:
                 self._cond.wait()
 
     def resume(self):
         with self._cond:
-            self._paused = False
+            self.paused = False
             self._cond.notify_all()
 
     def sync_weights(self, model=None, version: Optional[int] = None):
@@ -173,7 +178,7 @@ class HFBackend:
     def _worker(self):
         while True:
             with self._cond:
-                while not self._closed and (self._paused or not self._pending):
+                while not self._closed and (self.paused or not self._pending):
                     self._cond.wait()
                 if self._closed:
                     for r in self._pending:
@@ -194,7 +199,7 @@ class HFBackend:
     def _take(self, room: int) -> list[_Request]:
         """Pending requests that may join the running batch (none while paused)."""
         with self._cond:
-            if self._paused or room <= 0:
+            if self.paused or room <= 0:
                 return []
             live = [r for r in self._pending if not r.future.cancelled()]  # the others' clients went away
             self.stats["cancelled"] += len(self._pending) - len(live)
@@ -422,3 +427,172 @@ def _set_result(fut: asyncio.Future, value):
 def _set_exc(fut: asyncio.Future, exc: BaseException):
     if not fut.done():
         fut.set_exception(exc)
+
+
+# ---------------------------------------------------------------------------- vLLM servers
+
+
+class VLLMBackend:
+    """vLLM OpenAI servers behind the same surface. The proxy still renders the prompt; the server gets its
+    token ids on ``/v1/completions`` and answers with the ids it sampled (``return_token_ids``) and their
+    logprobs, so the records are exactly what the engine consumed and produced. Start the servers with
+    ``--logprobs-mode processed_logprobs`` (logprobs under the temperature / top-k / top-p distribution that
+    was sampled, as the trainer scores them) and ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes).
+    A rollout sticks to one server (its prefix cache holds the conversation); rollouts spread over servers.
+
+    Weight sync: the weights are written once as safetensors into ``sync_dir`` (a folder the servers can
+    read: memory-backed /dev/shm on one machine), then every server reloads them in place
+    (``POST /collective_rpc {"method": "reload_weights"}``) and drops its prefix cache. While paused, new
+    calls wait; calls in flight finish on the old weights first.
+    """
+
+    def __init__(self, urls: list[str], sync_dir: str, procs: Optional[list] = None):
+        self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
+        try:
+            models = [_http(u + "/v1/models", timeout=30)["data"][0] for u in self.urls]
+        except OSError as e:
+            raise RuntimeError(f"no vLLM server answers at {' '.join(self.urls)} ({e}): start it (README: GPUs), or leave out --vllm-url") from None
+        self.model_name, self.max_model_len = models[0]["id"], min(m["max_model_len"] for m in models)
+        self.version, self.paused, self._inflight, self._cond = 0, False, 0, threading.Condition()
+        self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
+
+    @classmethod
+    def spawn(cls, model_dir: str, n: int = 1, python: str = "python", args: Optional[list] = None, timeout: float = 900, log_dir: str = "."):
+        """Start ``n`` servers of ``model_dir`` as subprocesses (logs in ``log_dir``/vllm_K.log) and wait until they are healthy."""
+        import socket
+        import subprocess
+
+        procs, urls = [], []
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        for k in range(n):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+                   "--logprobs-mode", "processed_logprobs", *(args or [])]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=open(os.path.join(log_dir, f"vllm_{k}.log"), "w"), stderr=subprocess.STDOUT))
+            urls.append(f"http://127.0.0.1:{port}")
+        t0 = time.time()
+        for k, (p, u) in enumerate(zip(procs, urls)):
+            while True:
+                if p.poll() is not None:
+                    for q in procs:
+                        q.kill()
+                    raise RuntimeError(f"vLLM server {k} exited with code {p.returncode}: see {os.path.join(log_dir, f'vllm_{k}.log')}")
+                try:
+                    _http(u + "/health", timeout=5)
+                    break
+                except OSError:
+                    if time.time() - t0 > timeout:
+                        raise TimeoutError(f"vLLM server {k} not healthy after {timeout:.0f} s: see {log_dir}/vllm_{k}.log") from None
+                    time.sleep(2)
+        # the weights go through memory (/dev/shm) when there is one: the servers run on this machine
+        return cls(urls, tempfile.mkdtemp(prefix="lightning-lite-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), procs=procs)
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None, rollout_id: str = "") -> Generation:
+        import aiohttp
+
+        room = self.max_model_len - len(prompt_ids)
+        if not prompt_ids or room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the served context of {self.max_model_len}")
+        while True:  # a sync is under way: wait for it (checked and counted under one lock, so pause() sees us)
+            with self._cond:
+                if not self.paused:
+                    self._inflight += 1
+                    version = self.version
+                    break
+            await asyncio.sleep(0.05)
+        try:
+            url = self.urls[zlib.crc32(rollout_id.encode()) % len(self.urls)]
+            body = {"model": self.model_name, "prompt": list(prompt_ids), "max_tokens": min(sampling.max_tokens or room, room),
+                    "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1, "stop": sampling.stop,
+                    "logprobs": 0, "return_token_ids": True, "stream": on_token is not None}
+            if sampling.seed is not None:
+                body["seed"] = sampling.seed
+            ids, lps, text, finish = [], [], [], None
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"vLLM at {url} answered {r.status}: {(await r.text())[:500]}")
+                    async for c in _chunks(r, body["stream"]):
+                        ch = c["choices"][0]
+                        new = ch.get("token_ids") or []
+                        ids += new
+                        lps += ch["logprobs"]["token_logprobs"] if new else []
+                        text.append(ch.get("text") or "")
+                        finish = ch.get("finish_reason") or finish
+                        for t in new if on_token else []:
+                            on_token(t)
+            if finish not in ("stop", "length") or len(lps) != len(ids):
+                raise RuntimeError(f"vLLM at {url} ended a reply with finish_reason {finish!r} ({len(ids)} ids, {len(lps)} logprobs)")
+            self.stats["requests"] += 1
+            self.stats["prompt_tokens"] += len(prompt_ids)
+            self.stats["generated_tokens"] += len(ids)
+            return Generation(ids, lps, finish, "".join(text), version)
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def pause(self):
+        """New calls wait; returns when the calls in flight have finished."""
+        with self._cond:
+            self.paused = True
+            while self._inflight:
+                self._cond.wait()
+
+    def resume(self):
+        with self._cond:
+            self.paused = False
+
+    def sync_weights(self, model=None, version: Optional[int] = None):
+        """Every server serves ``model``'s weights (a module or a full state dict; None: only the version moves)."""
+        from safetensors.torch import save_file
+
+        self.pause()
+        if model is not None:
+            sd = model if isinstance(model, dict) else getattr(model, "module", model).state_dict()
+            seen, out = set(), {}
+            for k, v in sd.items():  # tied embeddings share storage: write it once (the server re-ties it)
+                if v.data_ptr() not in seen:
+                    seen.add(v.data_ptr())
+                    out[k] = v.detach().to("cpu").contiguous()
+            os.makedirs(self.sync_dir, exist_ok=True)
+            save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
+            for u in self.urls:
+                _http(u + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}})
+                _http(u + "/reset_prefix_cache", {})
+        self.version = self.version + 1 if version is None else version
+
+    def close(self):
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(timeout=60)
+        if self.procs:  # spawn() made the folder
+            shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+def _http(url: str, body: Optional[dict] = None, timeout: float = 600):
+    """GET (or POST ``body`` as JSON) and parse the answer; errors name the URL and what it said."""
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url} answered {e.code}: {e.read()[:500]!r} (the weight-sync routes need VLLM_SERVER_DEV_MODE=1 on the server)") from None
+    return json.loads(raw) if raw.strip() else None
+
+
+async def _chunks(r, stream: bool):
+    """The completion, or its server-sent chunks as they arrive."""
+    if not stream:
+        yield await r.json()
+        return
+    async for line in r.content:
+        if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+            yield json.loads(line[5:])

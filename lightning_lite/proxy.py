@@ -58,15 +58,17 @@ class Session:
 class Proxy:
     def __init__(self, backend, tokenizer, model_name: str = "smollm2", out_dir: Optional[str] = None, reuse_tokens: bool = True,
                  max_body_mb: float = 32.0, max_new_tokens: Optional[int] = None, call_timeout: Optional[float] = None,
-                 api_key: Optional[str] = None, max_requests: int = 1024):
+                 api_key: Optional[str] = None, max_requests: int = 1024, pause_retry_after: Optional[float] = None):
         """``max_new_tokens``: the most tokens one call may generate, whatever the request asks (or when it
         asks nothing: mini-swe-agent, OpenHands): the trainer's cap, recorded as ``capped`` when it cut a reply.
         ``call_timeout``: seconds the backend gets per call before the client is answered 504.
         ``api_key``: when set, every route wants it (``Authorization: Bearer KEY`` or ``x-api-key: KEY``).
-        ``max_requests``: requests handled at once; more are answered 429 with Retry-After."""
+        ``max_requests``: requests handled at once; more are answered 429 with Retry-After.
+        ``pause_retry_after``: while the backend is paused (a weight sync), new calls wait (None) or are
+        answered 429 with this Retry-After."""
         self.backend, self.tok = backend, tokenizer
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
-        self.max_requests, self.active = max_requests, 0
+        self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
         self.renderer = Renderer(tokenizer, getattr(backend, "eos_ids", None))  # the EOS set generation stops on
         self.model_name = model_name
         self.reuse_tokens = reuse_tokens
@@ -157,7 +159,7 @@ class Proxy:
         that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is recorded as ``error``."""
         seeded = lambda i: req.sampling if req.sampling.seed is None else dataclasses.replace(req.sampling, seed=req.sampling.seed + i)  # noqa: E731
         try:
-            return await asyncio.wait_for(asyncio.gather(*(self.backend.generate(prompt_ids, seeded(i), on_token=on_token) for i in range(req.n))),
+            return await asyncio.wait_for(asyncio.gather(*(self.backend.generate(prompt_ids, seeded(i), on_token=on_token, rollout_id=rid) for i in range(req.n))),
                                           self.call_timeout)
         except asyncio.CancelledError:  # the client went away (its generation is cancelled with it)
             self._unanswered(rid, api, prompt_ids, req, t0, "cancelled")
@@ -185,6 +187,8 @@ class Proxy:
         return await task
 
     def _check_context(self, prompt_ids: list[int]):
+        if self.pause_retry_after is not None and self.backend.paused:
+            raise BackendError("the policy's weights are being updated; retry shortly", 429, self.pause_retry_after)
         limit = self.backend.max_model_len
         if len(prompt_ids) >= limit:
             raise BadRequest(f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt_ids)}; "
@@ -350,11 +354,12 @@ class Proxy:
 
 
 class BackendError(Exception):
-    """The backend failed a call (502) or timed out (504): an error body, or an error event in a begun stream."""
+    """The backend failed a call (502), timed out (504) or is paused for a weight sync (429, before any stream
+    begins): an error body, or an error event in a begun stream."""
 
-    def __init__(self, message: str, status: int = 502):
+    def __init__(self, message: str, status: int = 502, retry_after: Optional[float] = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.retry_after = status, retry_after
 
 
 def _api_of(path: str) -> str:
@@ -373,8 +378,8 @@ async def _answer_errors(request: web.Request, handler, api: str):
         return web.json_response(apis.error_body(api, e.message, "not_found_error" if e.status == 404 and api == "anthropic" else "invalid_request_error",
                                                  e.param, e.code), status=e.status)
     except BackendError as e:
-        kind = "api_error" if api == "anthropic" else "server_error"
-        return web.json_response(apis.error_body(api, str(e), "timeout_error" if e.status == 504 and api == "anthropic" else kind), status=e.status)
+        kind = {429: "rate_limit_error", 504: "timeout_error" if api == "anthropic" else "server_error"}.get(e.status, "api_error" if api == "anthropic" else "server_error")
+        return web.json_response(apis.error_body(api, str(e), kind), status=e.status, headers={"Retry-After": f"{e.retry_after:g}"} if e.retry_after else None)
     except web.HTTPException as e:
         if e.status < 400:
             raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional, Type, TypeVar
@@ -23,6 +24,8 @@ SPLIT_REASONS = ("rewrote_history", "template_mismatch", "new_thread", "retry")
 # Calls the proxy recorded but did not answer: the backend failed ("error": the rollout fails) or the
 # client went away ("cancelled"). Their response is empty; samples skip them.
 UNANSWERED = ("error", "cancelled")
+# A run folder's per-batch files (train.py): calls|rollouts/step_K or eval_K, .rankR under DDP.
+RUN_FILE = re.compile(r"(step|eval)_(\d+)(?:\.rank\d+)?\.jsonl")
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Sample:
     rollout logprob, 0.0 where the mask is 0. ``temperature[i]``, ``top_k[i]``,
     ``top_p[i]`` are the settings of the call that sampled ``tokens[i]`` (1.0, 0,
     1.0 where the mask is 0): the trainer scores each token under its own.
+    ``model_version`` is the oldest version among its calls.
     """
 
     rollout_id: str
@@ -87,6 +91,7 @@ class Sample:
     temperature: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
     top_p: list[float] = field(default_factory=list)
+    version: list[int] = field(default_factory=list)  # the policy version that sampled each token (0 where the mask is 0)
 
 
 T = TypeVar("T")

@@ -11,8 +11,8 @@ what is highlighted as trainable is what the trainer trained.
 The page is one file with its data, script and style inline (it opens without
 a network); its layout and script live in report.html beside this file.
 
-Names: train.py writes the rollouts of the policy after K updates to
-calls/step_K (and rollouts/step_K), trains on them and logs that update as
+Names: train.py writes the rollouts of the policy after K updates (under --async: up to
+N updates older) to calls/step_K (and rollouts/step_K), trains on them and logs that update as
 metrics step K+1; calls/eval_K is the evaluation logged as step K. Under DDP
 each rank writes its own .rankR file; they are read together.
 
@@ -32,33 +32,18 @@ import argparse
 import base64
 import gzip
 import json
+import math
 import os
-import re
 import sys
 from collections import defaultdict
 from typing import Optional
 
 from tqdm import tqdm
 
-from .records import Call, read_calls
+from .records import RUN_FILE, Call, read_calls, read_jsonl
 from .samples import build_samples
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.html")
-BATCH_FILE = re.compile(r"(step|eval)_(\d+)(?:\.rank\d+)?\.jsonl")
-
-
-def read_json_lines(path: str) -> list[dict]:
-    """A .jsonl file's rows. NaN and infinities become null (JSON has no NaN; the page
-    shows null as "no value"); a half-written line (a run killed mid-write) is skipped."""
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line, parse_constant=lambda _: None))
-                except json.JSONDecodeError:
-                    print(f"report: {path}:{lineno}: not valid JSON, skipped", file=sys.stderr)
-    return rows
 
 
 def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
@@ -68,7 +53,7 @@ def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
     for sub in ("calls", "rollouts"):
         folder = os.path.join(run_dir, sub)
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            m = BATCH_FILE.fullmatch(name)
+            m = RUN_FILE.fullmatch(name)
             if m:
                 found[(m[1], int(m[2]))][sub].append(os.path.join(folder, name))
     return dict(sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] == "step")))
@@ -77,7 +62,7 @@ def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
 def batch_label(kind: str, k: int) -> str:
     if kind == "eval":
         return f"eval at step {k} (calls/eval_{k})"
-    return f"train step {k + 1} (calls/step_{k}: rollouts of the policy after {k} updates)"
+    return f"train step {k + 1} (calls/step_{k}: the rollouts update {k + 1} trained on)"
 
 
 def spread(items: list, n: int) -> list:
@@ -139,7 +124,7 @@ def build_batch(files: dict[str, list[str]], max_seq_len: Optional[int]) -> dict
     for path in files["calls"]:
         for c in read_calls(path):
             calls_of[c.rollout_id].append(c)
-    infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_json_lines(path)}
+    infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path)}
     for rid in calls_of:
         infos.setdefault(rid, {"rollout_id": rid, "task_id": None, "reward": None, "error": None,
                                "seconds": None, "advantage": None})
@@ -170,7 +155,8 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     """Write RUN_DIR/report.html; return its path, how many batches it holds, how many were found."""
     config_path = os.path.join(run_dir, "config.json")
     config = json.load(open(config_path), parse_constant=lambda _: None) if os.path.isfile(config_path) else {}
-    metrics = read_json_lines(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()}  # JSON has no NaN
+               for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
     found = find_batches(run_dir)
     kept = spread(list(found), max_batches)
     batches, ids = [], set()

@@ -132,7 +132,7 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     for path in paths:
         tokens = full[path[-1].index]
         n = len(tokens)
-        mask, logprobs, temperature, top_k, top_p = [0] * n, [0.0] * n, [1.0] * n, [0] * n, [1.0] * n
+        mask, logprobs, temperature, top_k, top_p, version = [0] * n, [0.0] * n, [1.0] * n, [0] * n, [1.0] * n, [0] * n
         for c in path:
             if c.index in trained:
                 continue
@@ -140,13 +140,14 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
             a, k = len(c.prompt_ids), len(c.response_ids)
             mask[a:a + k], logprobs[a:a + k] = [1] * k, c.response_logprobs
             temperature[a:a + k], top_k[a:a + k], top_p[a:a + k] = [c.temperature] * k, [c.top_k] * k, [c.top_p] * k
+            version[a:a + k] = [c.model_version] * k
         if not any(mask):  # everything it sampled is trained in another leaf
             stats["empty"] += 1
             continue
         samples.append(Sample(
             rollout_id=path[-1].rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs,
             calls=[c.index for c in path], split=why.get(path[0].index), model_version=min(c.model_version for c in path),
-            temperature=temperature, top_k=top_k, top_p=top_p))
+            temperature=temperature, top_k=top_k, top_p=top_p, version=version))
         stats["samples"] += 1
         stats["trainable_tokens"] += sum(mask)
         stats["tokens"] += n

@@ -16,12 +16,15 @@ class LengthHarness(Harness):
 
     name = "length"
 
+    def __init__(self, max_tokens: int = 8):
+        self.max_tokens = max_tokens
+
     def tasks(self, split):
         return [Task(f"{split}-{i}", f"Say something about {t}.") for i, t in enumerate(TOPICS)]
 
     async def run(self, task, endpoint):
         async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
-            r = await c.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": task.prompt}], max_tokens=8, temperature=1.0)
+            r = await c.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": task.prompt}], max_tokens=self.max_tokens, temperature=1.0)
         return min(1.0, len(r.choices[0].message.content or "") / 80)
 
 

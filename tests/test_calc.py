@@ -116,6 +116,9 @@ def test_agent_survives_malformed_tool_calls():
 def test_agent_stops_after_max_turns():
     result, requests = run_agent(lambda rid, body, n: {"tool_calls": [tool_call("calculator", {"expression": "1+1"})]})
     assert len(requests) == 3 and result.reward == pytest.approx(0.2)  # a valid first call, no answer
+    # a bare number is not a computation: no tool reward (the trained model learned to pass one, often the answer)
+    result, _ = run_agent(lambda rid, body, n: [{"tool_calls": [tool_call("calculator", {"expression": "7"})]}, {"content": "ANSWER: 7"}][n])
+    assert result.reward == pytest.approx(0.8)
     # the forced first call did not parse (the model wrote text): told so, it answers on the next turn
     result, requests = run_agent(lambda rid, body, n: {"content": "seven"}, format_reward=0.0)
     assert len(requests) == 2 and (result.reward, result.error) == (0.0, None)

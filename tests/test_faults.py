@@ -121,12 +121,12 @@ def test_at_least_forty_kinds_of_bad_input():
 class FakeBackend:
     """Answers "ok" at once, unless told to fail (raise) or hang (never answer)."""
 
-    eos_ids, max_model_len, version = set(), 8192, 0
+    eos_ids, max_model_len, version, paused = set(), 8192, 0, False
 
     def __init__(self, tok, delay=0.0):
         self.ids, self.delay, self.mode, self.stats = tok.encode("ok", add_special_tokens=False), delay, "up", {"cancelled": 0}
 
-    async def generate(self, prompt_ids, sampling, on_token=None):
+    async def generate(self, prompt_ids, sampling, on_token=None, rollout_id=""):
         if self.mode == "down":
             raise RuntimeError("the engine died")
         await asyncio.sleep(3600 if self.mode == "hang" else self.delay)
@@ -206,6 +206,22 @@ def test_requests_over_the_limit_get_429_with_retry_after(tok, tmp_path):
     finally:
         srv.stop()
     assert got == [(200, None), (200, None), (429, "1")]
+
+
+def test_during_a_weight_sync_new_calls_get_429_with_retry_after_when_asked(tok, tmp_path):
+    backend = FakeBackend(tok)
+    srv = ProxyServer(Proxy(backend, tok, out_dir=str(tmp_path), pause_retry_after=2.5)).start()
+    try:
+        backend.paused = True
+        for path, body in [(CHAT, GOOD), (MSG, AGOOD), (CMPL, {"prompt": "hi", "max_tokens": 2}), (CHAT, dict(GOOD, stream=True))]:
+            r = requests.post(srv.url + path, json=body)
+            assert r.status_code == 429 and r.headers["Retry-After"] == "2.5", (path, r.text)
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        backend.paused = False
+        assert requests.post(srv.url + CHAT, json=GOOD).status_code == 200
+    finally:
+        srv.stop()
+    assert len(read_calls(str(tmp_path / "calls.jsonl"))) == 1  # the refused calls were never made
 
 
 def test_an_api_key_guards_every_route(tok, tmp_path):

@@ -197,7 +197,7 @@ class CannedBackend:
         self.ids = tok.encode(text, add_special_tokens=False)
         self.text = text
 
-    async def generate(self, prompt_ids, sampling, on_token=None):
+    async def generate(self, prompt_ids, sampling, on_token=None, rollout_id=""):
         from lightning_lite.backends import Generation
 
         return Generation(self.ids, [0.0] * len(self.ids), "length", self.text, self.version)

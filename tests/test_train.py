@@ -48,7 +48,7 @@ def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
             assert {r["rollout_id"] for r in rolls} == {c["rollout_id"] for c in calls} and all(r["error"] is None and r["advantage"] is not None for r in rolls)
     assert len(open(os.path.join(out, "rollouts", "eval_0.rank0.jsonl")).readlines()) == 1  # 2 eval tasks over 2 ranks
     assert json.load(open(os.path.join(out, "config.json")))["world_size"] == 2
-    assert os.path.exists(os.path.join(out, "reward.png"))
+    assert os.path.exists(os.path.join(out, "report.html"))
     # the checkpoint is a transformers model, and training changed it
     from transformers import AutoModelForCausalLM
 
@@ -207,3 +207,24 @@ def test_ctrl_c_saves_a_checkpoint_and_exits(tmp_path):
     assert "saving a checkpoint" in log
     latest = (out / "checkpoints" / "latest").read_text()
     assert (out / "checkpoints" / latest / "model.safetensors").exists() and int(latest.split("_")[1]) >= 1
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_async_rollouts_stay_within_the_staleness_bound_and_are_scored_against_what_served_them(tmp_path, bound):
+    """--async N: step s's rollouts start while earlier steps train, so calls are served by older weights,
+    never more than N updates old. The trainer (fp32, on the pre-update weights of step s) reproduces the
+    recorded logprobs of calls served by the current version exactly and differs from calls served by older
+    versions: the recorded logprobs are those of the version that served each call, which the loss's ratio corrects."""
+    out = str(tmp_path / "run")
+    steps = bound + 2
+    run([sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", str(steps), "--batch-size", "2", "--group-size", "3",
+         "--eval-tasks", "0", "--lr", "1e-4", "--warmup-steps", "0", "--async", str(bound), "--out", out])
+    trained = [r for r in rows(out) if "reward" in r]
+    assert [r["step"] for r in trained] == list(range(1, steps + 1)) and all(r["failed"] == 0 for r in trained)
+    for s in range(steps):
+        versions = {c.model_version for c in read_calls(os.path.join(out, "calls", f"step_{s}.jsonl"))}
+        assert versions and all(max(0, s - bound) <= v <= s for v in versions), (s, versions)
+    ages = {int(a) for r in trained for a in r["staleness"]}
+    assert ages <= set(range(bound + 1)) and max(ages) >= 1, ages  # rollouts did overlap training
+    by_age = {int(a): d for r in trained for a, d in r["dlogp_by_staleness"].items() if r["grad_norm"] > 0}
+    assert by_age.get(0, 0.0) < 1e-4 and all(d > 1e-2 for a, d in by_age.items() if a >= 1), by_age

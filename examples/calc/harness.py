@@ -8,9 +8,11 @@ The agent is plain ``openai`` client code: its first call must call the
 ``calculator`` tool (``tool_choice``), the result is fed back, and it answers
 (at most ``max_turns`` model calls), ending with ``ANSWER: <number>``. So every
 rollout is a multi-turn conversation that merges into one training sample.
-Reward: ``tool_reward`` for a valid first calculator call (one that returns a
-number), plus ``1 - tool_reward`` times the answer's score (1.0 for the exact
-number, ``format_reward`` for a well-formed wrong answer, 0.0 otherwise).
+Reward: ``tool_reward`` for a valid first calculator call (an expression with an
+operator that the calculator evaluates: a bare number, which the model learned to
+pass when any number counted, earns nothing), plus ``1 - tool_reward`` times the
+answer's score (1.0 for the exact number, ``format_reward`` for a well-formed wrong
+answer, 0.0 otherwise).
 Sized for a 135M model on a CPU: short prompts, small numbers, few short turns.
 
     python train.py --harness calc --harness-arg difficulty=1
@@ -116,6 +118,10 @@ def evaluate(expression: str):
     return _eval(ast.parse(expression, mode="eval").body)
 
 
+def _arith(expression) -> str:
+    return str(expression).replace("^", "**").replace("×", "*").replace("x", "*")  # how people write them
+
+
 def calculator(arguments: str) -> str:
     """The tool: JSON arguments as the model wrote them -> result text. Never raises,
     because a malformed call should teach the model, not crash the rollout.
@@ -128,7 +134,7 @@ def calculator(arguments: str) -> str:
         expression = args.get("expression") if isinstance(args, dict) else args
         if not isinstance(expression, (str, int, float)):
             return 'error: call calculator with {"expression": "3+4"}'
-        value = evaluate(str(expression).replace("^", "**").replace("×", "*").replace("x", "*"))
+        value = evaluate(_arith(expression))
         if isinstance(value, float):
             value = int(value) if value.is_integer() else round(value, 6)
         return str(value)
@@ -136,6 +142,20 @@ def calculator(arguments: str) -> str:
         return 'error: arguments must be JSON like {"expression": "3+4"}'
     except Exception as e:  # SyntaxError, ZeroDivisionError, OverflowError, ValueError
         return f"error: {e}"
+
+
+def computes(arguments: str) -> bool:
+    """Does a calculator call compute something: an expression with an operator that evaluates?
+
+    >>> computes('{"expression": "3+4"}'), computes('{"expression": "7"}'), computes('{"expression": "3+"}')
+    (True, False, False)
+    """
+    try:
+        expression = json.loads(arguments or "{}").get("expression")
+        return isinstance(ast.parse(_arith(expression), mode="eval").body, ast.BinOp) and \
+            not calculator(arguments).startswith("error")
+    except (ValueError, SyntaxError, AttributeError):  # not JSON, not an object, not an expression
+        return False
 
 
 # ---------------------------------------------------------------------------- the tasks
@@ -238,7 +258,7 @@ class CalcHarness(Harness):
                 for call in message.tool_calls:
                     result = (calculator(call.function.arguments) if call.function.name == "calculator"
                               else f"error: unknown tool {call.function.name!r}; use calculator")
-                    valid_call |= first and not result.startswith("error")
+                    valid_call |= first and call.function.name == "calculator" and computes(call.function.arguments)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         # The answer is whatever the model said last (a turn-limited run may end on a tool call).
         answer = score(message.content or "", task.answer, self.format_reward, self.strict)

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one script (the vLLM backend and FSDP2 issues). From the repo root:
+#
+#   scripts/gpu_check.sh            # GPUs: the embedded 135M model and a random 1.4B Qwen2-shaped model
+#   SMOKE=1 scripts/gpu_check.sh    # CPU: the same runs on a tiny random model and 2 gloo ranks (checks the script)
+#
+# Runs two training steps each (tests/harnesses.py LengthHarness: reward = reply length, so every step
+# updates) and prints, from step 2 (warm): seconds by phase (rollout, train, weight sync), generation
+# and training tokens/s, peak GPU memory, model-FLOPs utilization of the training phase (6 x params x
+# tokens/s against the GPU's dense bf16 peak; PEAK_TFLOPS overrides it), and the rollout/trainer
+# mismatch. Under DDP (and --backend vllm) on the embedded backend, under FSDP when there are >= 2 GPUs;
+# vLLM (server mode on the same GPUs) when `make setup-vllm` can install it. No model hub is needed:
+# the 1.4B model is randomly initialized (SmolLM2's tokenizer, so its vocabulary is 49,152).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-runs/gpu_check}
+SMOKE=${SMOKE:-0}
+mkdir -p "$OUT"
+[ -x "$PY" ] || make venv || exit 1
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$SMOKE" = 1 ]; then NPROC=2; SIZES="tiny"; STEP="--batch-size 2 --group-size 2 --max-new-tokens 8"
+  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}; VLLM_ARGS=${VLLM_ARGS:---dtype bfloat16 --max-model-len 2048}
+elif [ "$NGPU" -ge 1 ]; then NPROC=$NGPU; SIZES="embedded 1.4b"; STEP="--batch-size $((8 * NGPU)) --group-size 4 --max-new-tokens 128"
+else echo "no GPU here (torch.cuda.device_count() is 0): run it on a GPU machine, or SMOKE=1 on a CPU"; exit 1; fi
+
+# A random Qwen2-shaped model in transformers format (1.4B: Qwen2.5-1.5B's layers and widths).
+make_model() {
+  $PY - "$1" "$2" <<'EOF'
+import sys, torch, transformers
+from lightning_lite.models import load_tokenizer
+size, out = sys.argv[1], sys.argv[2]
+tok = load_tokenizer("smollm2")
+shape = {"1.4b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+         "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}[size]
+cfg = transformers.Qwen2Config(vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **shape)
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+model.save_pretrained(out)
+tok.save_pretrained(out)
+print(f"{out}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
+EOF
+}
+
+run() {  # run NAME MODEL ARGS...: two steps, logs in OUT/NAME.log
+  local name=$1 model=$2; shift 2
+  rm -rf "$OUT/$name"
+  echo "== $name"
+  $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py --model "$model" --harness tests/harnesses.py:LengthHarness \
+      --harness-arg max_tokens=128 --steps 2 --eval-tasks 0 --lr 1e-5 --out "$OUT/$name" $STEP "$@" > "$OUT/$name.log" 2>&1 \
+    || { echo "   failed: see $OUT/$name.log"; tail -5 "$OUT/$name.log"; }
+}
+
+VLLM=0
+if [ "$SMOKE" = 1 ] && [ -x .venv-vllm/bin/python ]; then VLLM=1
+elif [ "$SMOKE" != 1 ] && make setup-vllm > "$OUT/setup-vllm.log" 2>&1; then VLLM=1
+else echo "vLLM not available (see $OUT/setup-vllm.log): skipping the vLLM runs"; fi
+
+for size in $SIZES; do
+  model=smollm2
+  if [ "$size" != embedded ]; then model="$OUT/model-$size"; [ -f "$model/config.json" ] || make_model "$size" "$model"; fi
+  run "$size-ddp" "$model" --parallel ddp
+  [ "$NPROC" -ge 2 ] && run "$size-fsdp" "$model" --parallel fsdp
+  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-args "${VLLM_ARGS:---gpu-memory-utilization 0.35 --max-model-len 4096}"
+done
+
+$PY - "$OUT" <<'EOF'
+import json, os, sys
+import torch
+out = sys.argv[1]
+name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+peaks = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "A10": 125, "L4": 121}  # dense bf16 TFLOPS
+peak = float(os.environ.get("PEAK_TFLOPS") or next((v for k, v in peaks.items() if k in name), 0)) * 1e12
+print(f"\n{name}; MFU against {peak / 1e12:.0f} TFLOPS per device" if peak else f"\n{name}: no peak FLOPS known, no MFU (set PEAK_TFLOPS)")
+print(f"{'run':18} {'rollout s':>9} {'train s':>8} {'sync s':>7} {'gen tok/s':>9} {'train tok/s':>11} {'peak GB':>8} {'MFU':>6} {'prob_corr':>9} {'|dlogp|':>8}")
+for run in sorted(d for d in os.listdir(out) if os.path.isfile(os.path.join(out, d, "metrics.jsonl"))):
+    rows = [r for r in map(json.loads, open(os.path.join(out, run, "metrics.jsonl"))) if "reward" in r]
+    cfg = json.load(open(os.path.join(out, run, "config.json")))
+    if not rows:
+        continue
+    r = rows[-1]
+    model = cfg["model"] if os.path.isdir(cfg["model"]) else os.path.expanduser("~/.cache/lightning-lite/smollm2")
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model)
+    h, L, V, I = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
+    kv = c.num_key_value_heads * h // c.num_attention_heads
+    params = V * h + L * (2 * h * h + 2 * h * kv + 3 * h * I)  # embeddings (tied) + attention + MLP
+    mfu = f"{r['train_tok_s'] * 6 * params / peak:.1%}" if peak else "-"
+    corr = f"{r['prob_corr']:.4f}" if r.get("prob_corr") is not None else "-"
+    print(f"{run:18} {r['t_rollout']:9.1f} {r['t_train']:8.1f} {r['t_sync']:7.2f} {r['gen_tok_s']:9.0f} {r['train_tok_s']:11.0f} "
+          f"{r.get('peak_mem_gb', 0):8.1f} {mfu:>6} {corr:>9} {r['dlogp_mean']:8.4f}")
+EOF

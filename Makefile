@@ -41,7 +41,7 @@ clean:
 
 # Train SmolLM2-135M on the multi-turn calc agent on a CPU (a forced calculator call, its result, the
 # answer: two calls merged into one sample per rollout): held-out eval before and after,
-# runs/demo/metrics.jsonl and runs/demo/reward.png. About 38 minutes on 2 cores.
+# runs/demo/metrics.jsonl and runs/demo/report.html. About 23 minutes on 2 cores.
 DEMO_ARGS ?= --harness calc --harness-arg max_tokens=48 --steps 20 --batch-size 4 --group-size 8 --lr 2e-5 --eval-tasks 100 --max-concurrency 32
 demo: venv
 	$(VPY) train.py $(DEMO_ARGS) --out runs/demo

@@ -186,7 +186,9 @@ class Proxy:
             task.cancel()  # a no-op when it is done; the client went away otherwise
         return await task
 
-    def _check_context(self, prompt_ids: list[int]):
+    def _admit(self, prompt_ids: list[int]):
+        """May this prompt be served now? Not during a weight sync when calls are told to come back later (429),
+        never when it does not fit the model's context (400)."""
         if self.pause_retry_after is not None and self.backend.paused:
             raise BackendError("the policy's weights are being updated; retry shortly", 429, self.pause_retry_after)
         limit = self.backend.max_model_len
@@ -214,7 +216,7 @@ class Proxy:
         prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens)
         forced = self.renderer.forced_prefix(req.force_tool)
         prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
-        self._check_context(prompt_ids)
+        self._admit(prompt_ids)
         if api == "chat":
             out = apis.ChatReply(req, self.model_name, len(prompt_ids), self.tok)
         elif api == "anthropic":
@@ -270,7 +272,7 @@ class Proxy:
         vocab = len(self.tok)
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
-        self._check_context(prompt_ids)
+        self._admit(prompt_ids)
         t0, capped = time.time(), self._cap(req)
         gens = await self._generate(rid, "completions", prompt_ids, req, t0)
         calls = [self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i, capped=capped) for i, gen in enumerate(gens)]

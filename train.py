@@ -84,6 +84,7 @@ p.add_argument("--vllm-url", nargs="+", default=None, metavar="URL", help="vllm:
 p.add_argument("--vllm-servers", type=int, default=1, help="vllm: servers to start (rank 0 starts them; logs in OUT/vllm_K.log)")
 p.add_argument("--vllm-python", default=".venv-vllm/bin/python" if os.path.exists(".venv-vllm/bin/python") else sys.executable, help="vllm: the Python that has vLLM")
 p.add_argument("--vllm-args", default="", help="vllm: more arguments for the started servers, e.g. '--dtype bfloat16 --max-model-len 4096'")
+p.add_argument("--vllm-sleep", action="store_true", help="vllm, servers on the training GPUs: they free their GPU memory while the trainer computes (sleep level 2; started ones get --enable-sleep-mode)")
 p.add_argument("--async", dest="max_staleness", type=int, nargs="?", const=1, default=0, metavar="N",
                help="the next steps' rollouts run while this step trains, on weights at most N updates old (default 1); the loss's ratio to the recorded logprobs corrects for it")
 p.add_argument("--pause-retry-after", type=float, default=None, help="during a weight sync new calls wait (default), or are answered 429 with this Retry-After")
@@ -107,6 +108,8 @@ if args.fsdp_offload and (args.parallel != "fsdp" or device.type != "cuda"):
     sys.exit("--fsdp-offload moves FSDP's shards from GPU memory to CPU memory: it needs --parallel fsdp on GPUs")
 if args.parallel == "fsdp" and not ddp:
     sys.exit("--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N (N >= 2); one process trains whole")
+if args.vllm_sleep and (args.backend != "vllm" or args.max_staleness):
+    sys.exit("--vllm-sleep frees the vLLM servers' GPU memory while training: it needs --backend vllm, and no --async (rollouts would run then)")
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
 torch.manual_seed(args.seed + rank)
@@ -216,7 +219,8 @@ if master:
 if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank 0 starts them and syncs their weights
     backend, urls = None, [args.vllm_url]
     if master and not args.vllm_url:
-        backend = VLLMBackend.spawn(resume_dir or resolve(args.model), args.vllm_servers, args.vllm_python, args.vllm_args.split(), log_dir=args.out)
+        sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []  # the CPU build has none
+        backend = VLLMBackend.spawn(resume_dir or resolve(args.model), args.vllm_servers, args.vllm_python, args.vllm_args.split() + sleep, log_dir=args.out)
         urls = [backend.urls]
     if ddp:
         dist.broadcast_object_list(urls)
@@ -428,6 +432,9 @@ try:
         t0 = time.time()
         if not worker:
             backend.pause()  # no generation while the weights change (--async: the backend serves its own copy)
+        if args.vllm_sleep and master:
+            backend.sleep()  # the trainer gets the GPU memory; the weight sync below wakes the servers
+        t0, t_sleep = time.time(), time.time() - t0
         m, gnorm = {}, 0.0
         if n_signal > 0 or (n_train > 0 and args.kl_coef > 0):
             model.train()
@@ -469,7 +476,7 @@ try:
             "prob_corr": m.get("prob_corr", float("nan")), "dlogp_mean": m.get("dlogp_mean", 0.0), "dlogp_max": m.get("dlogp_max", 0.0),
             "ratio_out_frac": m.get("ratio_out_frac", 0.0),
             "staleness": m.get("staleness", {}), "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
-            "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_wait": round(t_wait, 2), "t_train": round(t_train, 2), "t_sync": round(t_sync, 3),
+            "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_wait": round(t_wait, 2), "t_train": round(t_train, 2), "t_sleep": round(t_sleep, 3), "t_sync": round(t_sync, 3),
             "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / t_train / world if m else 0.0, "t_step": round(time.time() - t_step, 2),
             "splits": {r: int(n) for r, n in splits.items() if n},
             **({"peak_mem_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)} if device.type == "cuda" else {}),

@@ -458,7 +458,7 @@ class VLLMBackend:
         except OSError as e:
             raise RuntimeError(f"no vLLM server answers at {' '.join(self.urls)} ({e}): start it (README: GPUs), or leave out --vllm-url") from None
         self.model_name, self.max_model_len = models[0]["id"], min(m["max_model_len"] for m in models)
-        self.version, self.paused, self._inflight, self._cond = 0, False, 0, threading.Condition()
+        self.version, self.paused, self.sleeping, self._inflight, self._cond = 0, False, False, 0, threading.Condition()
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
 
     @classmethod
@@ -554,11 +554,26 @@ class VLLMBackend:
         with self._cond:
             self.paused = False
 
+    def sleep(self):
+        """Servers on the training GPUs hand their memory back while the trainer computes: vLLM's sleep level 2
+        drops KV cache and weights (servers started with --enable-sleep-mode; the CPU build ignores it), and
+        the next ``sync_weights`` wakes them and loads the new weights."""
+        self.pause()
+        for u in self.urls:
+            _http(u + "/sleep?level=2", {})
+        self.sleeping = True
+
     def sync_weights(self, model=None, version: Optional[int] = None):
         """Every server serves ``model``'s weights (a module or a full state dict; None: only the version moves)."""
         from safetensors.torch import save_file
 
         self.pause()
+        if self.sleeping:
+            if model is None:
+                raise ValueError("the servers slept at level 2 and dropped their weights: sync_weights needs the model")
+            for u in self.urls:
+                _http(u + "/wake_up", {})
+            self.sleeping = False
         if model is not None:
             sd = model if isinstance(model, dict) else getattr(model, "module", model).state_dict()
             seen, out = set(), {}

@@ -4,13 +4,14 @@
 #   scripts/gpu_check.sh            # GPUs: the embedded 135M model and a random 1.4B Qwen2-shaped model
 #   SMOKE=1 scripts/gpu_check.sh    # CPU: the same runs on a tiny random model and 2 gloo ranks (checks the script)
 #
-# Runs two training steps each (tests/harnesses.py LengthHarness: reward = reply length, so every step
-# updates) and prints, from step 2 (warm): seconds by phase (rollout, train, weight sync), generation
-# and training tokens/s, peak GPU memory, model-FLOPs utilization of the training phase (6 x params x
-# tokens/s against the GPU's dense bf16 peak; PEAK_TFLOPS overrides it), and the rollout/trainer
-# mismatch. Under DDP (and --backend vllm) on the embedded backend, under FSDP when there are >= 2 GPUs;
-# vLLM (server mode on the same GPUs) when `make setup-vllm` can install it. No model hub is needed:
-# the 1.4B model is randomly initialized (SmolLM2's tokenizer, so its vocabulary is 49,152).
+# Each model trains two steps (tests/harnesses.py LengthHarness: reward = reply length, so every step
+# updates) three ways: DDP with the embedded backend; FSDP with the embedded backend (>= 2 GPUs); DDP with
+# vLLM servers on the same GPUs, asleep while the trainer computes (--backend vllm --vllm-sleep; when
+# `make setup-vllm` can install vLLM). From step 2 (warm) it prints seconds by phase (rollout, train,
+# sleep, weight sync), generation and training tokens/s, peak GPU memory of the trainer, model-FLOPs
+# utilization of the training phase (6 x params x tokens/s per GPU against its dense bf16 peak;
+# PEAK_TFLOPS overrides it) and the rollout/trainer mismatch. No model hub is needed: the 1.4B model is
+# randomly initialized (SmolLM2's tokenizer, so its vocabulary is 49,152).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -62,7 +63,7 @@ for size in $SIZES; do
   if [ "$size" != embedded ]; then model="$OUT/model-$size"; [ -f "$model/config.json" ] || make_model "$size" "$model"; fi
   run "$size-ddp" "$model" --parallel ddp
   [ "$NPROC" -ge 2 ] && run "$size-fsdp" "$model" --parallel fsdp
-  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-args "${VLLM_ARGS:---gpu-memory-utilization 0.35 --max-model-len 4096}"
+  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --vllm-args "${VLLM_ARGS:---gpu-memory-utilization 0.35 --max-model-len 4096}"
 done
 
 $PY - "$OUT" <<'EOF'
@@ -73,7 +74,7 @@ name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 peaks = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "A10": 125, "L4": 121}  # dense bf16 TFLOPS
 peak = float(os.environ.get("PEAK_TFLOPS") or next((v for k, v in peaks.items() if k in name), 0)) * 1e12
 print(f"\n{name}; MFU against {peak / 1e12:.0f} TFLOPS per device" if peak else f"\n{name}: no peak FLOPS known, no MFU (set PEAK_TFLOPS)")
-print(f"{'run':18} {'rollout s':>9} {'train s':>8} {'sync s':>7} {'gen tok/s':>9} {'train tok/s':>11} {'peak GB':>8} {'MFU':>6} {'prob_corr':>9} {'|dlogp|':>8}")
+print(f"{'run':18} {'rollout s':>9} {'train s':>8} {'sleep s':>7} {'sync s':>7} {'gen tok/s':>9} {'train tok/s':>11} {'peak GB':>8} {'MFU':>6} {'prob_corr':>9} {'|dlogp|':>8}")
 for run in sorted(d for d in os.listdir(out) if os.path.isfile(os.path.join(out, d, "metrics.jsonl"))):
     rows = [r for r in map(json.loads, open(os.path.join(out, run, "metrics.jsonl"))) if "reward" in r]
     cfg = json.load(open(os.path.join(out, run, "config.json")))
@@ -88,6 +89,6 @@ for run in sorted(d for d in os.listdir(out) if os.path.isfile(os.path.join(out,
     params = V * h + L * (2 * h * h + 2 * h * kv + 3 * h * I)  # embeddings (tied) + attention + MLP
     mfu = f"{r['train_tok_s'] * 6 * params / peak:.1%}" if peak else "-"
     corr = f"{r['prob_corr']:.4f}" if r.get("prob_corr") is not None else "-"
-    print(f"{run:18} {r['t_rollout']:9.1f} {r['t_train']:8.1f} {r['t_sync']:7.2f} {r['gen_tok_s']:9.0f} {r['train_tok_s']:11.0f} "
+    print(f"{run:18} {r['t_rollout']:9.1f} {r['t_train']:8.1f} {r.get('t_sleep', 0):7.2f} {r['t_sync']:7.2f} {r['gen_tok_s']:9.0f} {r['train_tok_s']:11.0f} "
           f"{r.get('peak_mem_gb', 0):8.1f} {mfu:>6} {corr:>9} {r['dlogp_mean']:8.4f}")
 EOF

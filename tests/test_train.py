@@ -29,11 +29,12 @@ def rows(out):
 
 
 def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
-    """Two DDP ranks (gloo) train on calc. 2 tasks per rank x 6 rollouts: a group has a reward spread
-    (something to learn) with probability ~0.5 on the untrained model, so some of the 8 groups do."""
+    """Two DDP ranks (gloo) train on calc's single-call agent (reward: the answer's score; the untrained model
+    answers ~13% right and often in the right format, so most groups of 6 have a reward spread to learn
+    from; the multi-turn agent's untrained rewards are nearly all 0)."""
     out = str(tmp_path / "run")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py"]
-    calc = ["--harness", "calc", "--harness-arg", "max_tokens=32", "--batch-size", "4", "--group-size", "6", "--eval-tasks", "2", "--lr", "5e-5"]
+    calc = ["--harness", "calc", "--harness-arg", "max_tokens=32", "--harness-arg", "tool_first=False", "--batch-size", "4", "--group-size", "6", "--eval-tasks", "2", "--lr", "5e-5"]
     run(torchrun + calc + ["--steps", "2", "--save-every", "1", "--out", out])
     steps = [r for r in rows(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]

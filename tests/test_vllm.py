@@ -50,11 +50,13 @@ def gap(model, prompt, gen):
 
 
 def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path):
-    """Two steps of the calc agent: train.py starts the server, every call's
-    tokens and logprobs come from vLLM, the trainer reproduces them to bf16 noise after each weight sync."""
+    """Two steps of the calc agent: train.py starts the server, every call's tokens and logprobs come from
+    vLLM, the trainer reproduces them to bf16 noise after each weight sync. --vllm-sleep: the server sleeps
+    while the trainer computes and wakes for the sync (on the CPU build sleep frees nothing, but the calls
+    are made in that order)."""
     out = str(tmp_path / "run")
     p = subprocess.run([sys.executable, "train.py", "--harness", "calc", "--harness-arg", "max_tokens=24", "--steps", "2", "--batch-size", "2",
-                        "--group-size", "4", "--eval-tasks", "0", "--lr", "1e-4", "--warmup-steps", "0", "--backend", "vllm",
+                        "--group-size", "4", "--eval-tasks", "0", "--lr", "1e-4", "--warmup-steps", "0", "--backend", "vllm", "--vllm-sleep",
                         "--vllm-python", VLLM_PY, "--vllm-args", " ".join(SERVE), "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
@@ -63,6 +65,8 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path):
         if r["grad_norm"] > 0:
             print(f"step {r['step']}: prob_corr {r['prob_corr']:.4f}  mean |dlogp| by staleness {r['dlogp_by_staleness']}  sync {r['t_sync']} s")
             assert r["prob_corr"] >= 0.99 and r["dlogp_by_staleness"].get("0", 0.0) < 0.1, r
+    log = open(os.path.join(out, "vllm_0.log")).read()
+    assert log.count("to fall asleep") == 2 and log.count("seconds to wake up") == 2, log[-2000:]
     calls = read_calls(os.path.join(out, "calls", "step_1.jsonl"))
     assert {c.model_version for c in calls} <= {0, 1} and all(c.response_ids and len(c.response_logprobs) == len(c.response_ids) for c in calls)
     assert not os.listdir("/dev/shm") or not any(n.startswith("lightning-lite-weights-") for n in os.listdir("/dev/shm"))  # cleaned up

@@ -322,10 +322,10 @@ def save(step):
             shutil.rmtree(os.path.join(ckpt_root, n))
 
 
-def micro_batches(samples, weights):
+def micro_batches(samples, weights, order=None):
     """Sort by tokens (a group's samples share their prompt: neighbours share prefixes and have similar
-    lengths), then cut into micro-batches of at most --micro-batch-tokens padded tokens."""
-    order = sorted(range(len(samples)), key=lambda i: samples[i].tokens)
+    lengths), or take ``order``, then cut into micro-batches of at most --micro-batch-tokens padded tokens."""
+    order = sorted(range(len(samples)), key=lambda i: samples[i].tokens) if order is None else order
     out, cur = [], []
     for i in order:
         if cur and max(len(samples[j].tokens) for j in cur + [i]) * (len(cur) + 1) > args.micro_batch_tokens:

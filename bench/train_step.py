@@ -49,20 +49,6 @@ def from_train_py(names, namespace):
     return [namespace[n] for n in names]
 
 
-def pack(samples, weights, order, budget):
-    """train.py's micro_batches rule on a given order: cut when the next sample would take the padded
-    size (longest x count) over ``budget``."""
-    out, cur = [], []
-    for i in order:
-        if cur and max(len(samples[j].tokens) for j in cur + [i]) * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in out]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=16)
@@ -111,7 +97,7 @@ def main():
         sync()
         return time.perf_counter() - t0
 
-    step(pack(samples[:2], weights[:2], [0, 1], a.micro_batch_tokens))  # warm-up: first-call allocations
+    step(micro_batches(samples[:2], weights[:2], [0, 1]))  # warm-up: first-call allocations
     real = sum(len(s.tokens) for s in samples)
     trainable = sum(sum(s.loss_mask) for s in samples)
     print(f"{a.samples} samples in groups of {a.group_size}, {real} tokens ({trainable} trainable), "
@@ -121,12 +107,12 @@ def main():
     print(head)
     print("-" * len(head))
     for name, mbs in (("train.py", micro_batches(samples, weights)),
-                      ("by length", pack(samples, weights, sorted(range(len(samples)), key=lambda i: len(samples[i].tokens)), a.micro_batch_tokens)),
-                      ("arrival", pack(samples, weights, range(len(samples)), a.micro_batch_tokens))):
+                      ("by length", micro_batches(samples, weights, sorted(range(len(samples)), key=lambda i: len(samples[i].tokens)))),
+                      ("arrival", micro_batches(samples, weights, range(len(samples))))):
         padded = sum(max(len(s.tokens) for s in mb) * len(mb) for mb, _ in mbs)
         t = min(step(mbs) for _ in range(a.repeat))  # the best of --repeat: the first pass over new shapes allocates
         print(f"{name:<14} {len(mbs):>5} {padded:>10} {1 - real / padded:>8.1%} {t:>7.1f} {real / t:>9.0f} {padded / t:>12.0f}")
-    print("\nModel-FLOPs utilization needs a GPU run (scripts/gpu_check.sh, not in this repo yet); on a CPU the table\n"
+    print("\nModel-FLOPs utilization needs a GPU: scripts/gpu_check.sh prints it; on a CPU the table\n"
           "compares batchings only.")
 
 

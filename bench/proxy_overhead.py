@@ -33,7 +33,8 @@ tool's result of ~--tool-words words), once with reuse_tokens (train.py's settin
 with Proxy(reuse_tokens=False). Each call also goes, with the same body, to the fake engine;
 the proxy's added ms is the difference, median over each --ranges turn range, with the
 prompt length in tokens at the range's end. A flat added cost means appending a turn costs
-the same whatever the conversation's length.
+the same whatever the conversation's length. It also prints the size of the conversation's
+calls.jsonl against what it would be with every call's whole prompt written out.
 
 Run it on a quiet machine: it measures wall-clock time.
 """
@@ -352,12 +353,12 @@ def latency_part(a, tmp, procs):
 
 
 def turns_part(a, tmp, procs):
-    from lightning_lite.records import read_calls
+    from lightning_lite.records import read_calls, to_json
 
     engine_p, engine = spawn(["--serve", "engine", "--pieces", json.dumps([TOOL_REPLY])], os.path.join(tmp, "engine-turns.log"))
     procs.append(engine_p)
     engine_url = f"http://127.0.0.1:{engine['port']}"
-    runs, merged = {}, {}
+    runs, merged, size = {}, {}, {}
     for reuse in (True, False):
         out = os.path.join(tmp, f"turns-reuse-{reuse}")
         p, ours = spawn(["--serve", "ours", "--reply", TOOL_REPLY, "--out-dir", out] + ([] if reuse else ["--no-reuse"]),
@@ -367,6 +368,8 @@ def turns_part(a, tmp, procs):
         stop(p)
         calls = [c for c in read_calls(os.path.join(out, "calls.jsonl")) if c.rollout_id == "agent"]
         merged[reuse] = sum(c.parent == c.index - 1 for c in calls[1:])
+        # bytes on disk, and what the file would hold with every call's whole prompt written out
+        size[reuse] = (os.path.getsize(os.path.join(out, "calls.jsonl")), sum(len(to_json(c)) + 1 for c in calls))
 
     ranges = []
     for r in a.ranges.split(","):
@@ -386,6 +389,9 @@ def turns_part(a, tmp, procs):
               f"{med(off, lambda r: r[0]):>13.2f} {med(off, lambda r: r[0] - r[1]):>9.2f} {off[-1][2]:>10} | {med(on + off, lambda r: r[1]):>9.2f}")
     print(f"\ncalls that extended the previous call's tokens (merge into one sample): "
           f"reuse on {merged[True]}/{a.turns - 1}, reuse off {merged[False]}/{a.turns - 1}")
+    (disk, whole) = size[True]
+    print(f"calls.jsonl of the conversation (reuse on): {disk / 1e6:.2f} MB, each prompt id written once; "
+          f"{whole / 1e6:.1f} MB with every call's whole prompt ({whole / disk:.0f}x)")
 
 
 def main():

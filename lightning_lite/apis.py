@@ -6,10 +6,13 @@ Responses API: Codex, the OpenAI Agents SDK). Each maps onto one conversation of
 normalized messages (chat.py), so rendering, reuse of sampled tokens and merging
 work the same whatever the harness speaks:
 
-    parse_chat_request(body)            POST /v1/chat/completions
-    parse_completions_request(body)     POST /v1/completions (a prompt, no conversation)
-    parse_anthropic_request(body)       POST /v1/messages
-    parse_responses_request(body, prev) POST /v1/responses
+    parse_chat_request(body, memo)            POST /v1/chat/completions
+    parse_completions_request(body)           POST /v1/completions (a prompt, no conversation)
+    parse_anthropic_request(body, memo)       POST /v1/messages
+    parse_responses_request(body, prev, memo) POST /v1/responses
+
+(``memo``: a dict kept per conversation, so that a request that appends a turn converts only
+its new messages; see ``_convert``.)
 
 and one writer per shape (``ChatReply``, ``AnthropicReply``, ``ResponsesReply``)
 turns the answered calls into the JSON body or the server-sent events clients
@@ -29,7 +32,20 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from .chat import ROLES, BadRequest, Request, Sampling, parse_arguments
+from .chat import ROLES, BadRequest, Request, Sampling, common_prefix, parse_arguments
+
+
+def _convert(items: list, convert: Callable[[Any, int], list[dict]], memo: Optional[dict]) -> list[dict]:
+    """``convert(items[i], i)`` for every item, concatenated. ``memo`` (None, or a dict the caller keeps for
+    one conversation) holds the previous request's items and what they became: the items this request
+    starts with again (equal, compared in C) reuse it, so appending a turn converts only the new items.
+    The messages returned are shared between requests: never modify one."""
+    memo = {} if memo is None else memo
+    k = common_prefix(items, memo.get("items", []))
+    out = memo.get("out", [])[:k] + [convert(it, i) for i, it in enumerate(items[k:], k)]
+    memo["items"], memo["out"] = items, out  # only once every item converted: a bad request changes nothing
+    return [m for ms in out for m in ms]
+
 
 def _expect(cond: bool, message: str, param: str):
     if not cond:
@@ -158,7 +174,7 @@ def _n(body: dict) -> int:
     return n
 
 
-def parse_chat_request(body: Any) -> Request:
+def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
     """Validate a /v1/chat/completions body. Unknown fields (reasoning_effort, metadata, ...) are ignored."""
     body = _body(body)
     msgs = body.get("messages")
@@ -183,7 +199,7 @@ def parse_chat_request(body: Any) -> Request:
     stream_options = body.get("stream_options") or {}
     _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
     return Request(
-        messages=[_message(m, i) for i, m in enumerate(msgs)],
+        messages=_convert(msgs, lambda m, i: [_message(m, i)], memo),
         tools=norm_tools,
         parse_tools=bool(norm_tools) and choice != "none",
         force_tool=force,
@@ -226,7 +242,7 @@ def _blocks(content: Any, param: str) -> list[dict]:
     return content
 
 
-def parse_anthropic_request(body: Any) -> Request:
+def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
     """Validate a /v1/messages body (what Claude Code sends: ``system`` as text or blocks,
     ``role: system`` turns inside ``messages``, tool_use / tool_result blocks)."""
     body = _body(body)
@@ -234,9 +250,9 @@ def parse_anthropic_request(body: Any) -> Request:
     _expect(isinstance(msgs, list), "'messages' must be a list", "messages")
     if not msgs:
         raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
-    out = [{"role": "system", "content": _text_of(body["system"], "system")}] if body.get("system") else []
-    for i, m in enumerate(msgs):
-        p = f"messages[{i}]"
+
+    def message(m: Any, i: int) -> list[dict]:  # one tool message per tool_result, then the turn's text and calls
+        p, out = f"messages[{i}]", []
         _expect(isinstance(m, dict), f"'{p}' must be an object", p)
         role = m.get("role")
         if role not in ("user", "assistant", "system"):
@@ -258,6 +274,9 @@ def parse_anthropic_request(body: Any) -> Request:
             out.append({"role": "assistant", "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
         elif texts:
             out.append({"role": role, "content": "\n".join(texts)})
+        return out
+
+    system = [{"role": "system", "content": _text_of(body["system"], "system")}] if body.get("system") else []
     tools = body.get("tools") or []
     _expect(isinstance(tools, list), "'tools' must be a list", "tools")
     # server tools (web_search_..., bash_..., text_editor_...) have no input_schema: the model cannot call them here
@@ -267,7 +286,7 @@ def parse_anthropic_request(body: Any) -> Request:
     _expect(isinstance(choice, dict), "'tool_choice' must be an object", "tool_choice")
     force = {"any": "", "tool": choice.get("name")}.get(choice.get("type")) if tools else None
     _check_forced(force, tools)
-    return Request(messages=out, tools=tools, parse_tools=bool(tools) and choice.get("type") != "none", force_tool=force,
+    return Request(messages=system + _convert(msgs, message, memo), tools=tools, parse_tools=bool(tools) and choice.get("type") != "none", force_tool=force,
                    sampling=_sampling({k: body.get(a) for k, a in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                                                                     ("top_k", "top_k"), ("stop", "stop_sequences"), ("seed", "seed"))}),
                    stream=bool(body.get("stream", False)), model=str(body.get("model", "")))
@@ -276,7 +295,7 @@ def parse_anthropic_request(body: Any) -> Request:
 # ----------------------------------------------------------------------------- Responses API
 
 
-def parse_responses_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
+def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], memo: Optional[dict] = None) -> Request:
     """Validate a /v1/responses body. ``previous(response_id)`` returns the conversation a
     response of this rollout ended (its input and its output), for ``previous_response_id``."""
     body = _body(body)
@@ -288,7 +307,8 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]]) ->
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     _expect(isinstance(items, list), "'input' must be a string or a list of items", "input")
-    for i, it in enumerate(items):
+
+    def item(it: Any, i: int) -> list[dict]:  # a message, or a tool call (no "role": joined below)
         p = f"input[{i}]"
         _expect(isinstance(it, dict), f"'{p}' must be an object", p)
         kind = it.get("type", "message")
@@ -296,17 +316,22 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]]) ->
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise BadRequest(f"unknown role {role!r} in {p}", p + ".role", "invalid_value")
-            history.append({"role": ROLES[role], "content": _text_of(it.get("content"), p + ".content")})
-        elif kind == "function_call":
+            return [{"role": ROLES[role], "content": _text_of(it.get("content"), p + ".content")}]
+        if kind == "function_call":
             _expect(isinstance(it.get("name"), str), f"'{p}.name' must be a string", p + ".name")
-            call = {"id": str(it.get("call_id", "")), "name": it["name"], "arguments": parse_arguments(it.get("arguments", "{}"))}
-            if not (history and history[-1]["role"] == "assistant"):  # calls after a message join it: one assistant turn
-                history.append({"role": "assistant", "content": ""})
-            history[-1].setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+            return [{"id": str(it.get("call_id", "")), "name": it["name"], "arguments": parse_arguments(it.get("arguments", "{}"))}]
+        if kind == "function_call_output":
             out = it.get("output", "")
-            history.append({"role": "tool", "tool_call_id": str(it.get("call_id", "")), "content": out if isinstance(out, str) else _text_of(out, p + ".output")})
-        # reasoning items, item references and calls of tools the model cannot use: ignored
+            return [{"role": "tool", "tool_call_id": str(it.get("call_id", "")), "content": out if isinstance(out, str) else _text_of(out, p + ".output")}]
+        return []  # reasoning items, item references and calls of tools the model cannot use: ignored
+
+    for m in _convert(items, item, memo):
+        if "role" in m:
+            history.append(m)
+        elif history and history[-1]["role"] == "assistant":  # calls after a message join it: one assistant turn
+            history[-1] = {**history[-1], "tool_calls": history[-1].get("tool_calls", []) + [m]}  # a new dict: memo's are shared
+        else:
+            history.append({"role": "assistant", "content": "", "tool_calls": [m]})
     if not history:
         raise BadRequest("'input' must not be empty", "input", "invalid_value")
     tools = body.get("tools") or []

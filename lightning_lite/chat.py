@@ -16,9 +16,9 @@ sampling); this file does the rest, as pure functions of (tokenizer, request):
    prompt is ``earlier prompt ids + earlier response ids + ids of the new
    messages``, so the model sees its own tokens and the calls merge into one
    sample. Otherwise it renders fresh and says why (``split_hint``). The
-   earlier turn is found by fingerprint, and with a template that renders each
-   message on its own only the new messages are rendered: the cost of a call
-   does not grow with the length of the conversation.
+   earlier turn is found by fingerprint (only the new messages are hashed), and
+   with a template that renders each message on its own only the new messages
+   are rendered: a call's Python work does not grow with the conversation.
 
 Example (SmolLM2, no native tool support)::
 
@@ -174,31 +174,52 @@ class ContentStream:
         return delta
 
 
-def fingerprints(messages: list[dict]) -> list[bytes]:
-    """``fps[k]`` identifies ``messages[:k]`` as ``same_message`` compares them (role, stripped content,
-    tool calls by name and parsed arguments): finding the earlier turn a request extends is then a
-    dictionary lookup, not a comparison with every earlier turn (flat cost in the conversation's length).
+def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"] = None) -> list[bytes]:
+    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` as ``same_message`` compares them: finding the
+    earlier turn a request extends is a dictionary lookup, not a comparison with every earlier turn.
+    ``known``: an earlier turn; the fingerprints of the messages this request shares with it (equal
+    dicts, compared in C) are reused, so a request that appends hashes only its new messages.
 
-    >>> a = fingerprints([{"role": "user", "content": "hi "}]); b = fingerprints([{"role": "user", "content": "hi"}]); a == b
+    >>> fingerprints([{"role": "user", "content": "hi "}], []) == fingerprints([{"role": "user", "content": "hi"}], [])
     True
     """
-    fps = [b""]
-    for m in messages:
-        content = (m.get("content") or "").strip()
-        key = f"{m['role']}\0{len(content)}\0{content}"  # the length keeps content and tool calls apart
-        if m.get("tool_calls"):
-            key += "\0" + json.dumps([[t["name"], parse_arguments(t["arguments"])] for t in m["tool_calls"]], sort_keys=True)
-        fps.append(hashlib.blake2b(fps[-1] + key.encode(errors="surrogatepass"), digest_size=16).digest())
+    if known is not None and known.tools == tools:
+        k = common_prefix(messages, known.messages)
+        fps = known.fps[: k + 1]
+    else:
+        k, fps = 0, [hashlib.blake2b(json.dumps(tools, sort_keys=True).encode(), digest_size=16).digest()]
+    for m in messages[k:]:
+        fps.append(_link(fps[-1], m))
     return fps
 
 
+def common_prefix(a: list, b: list) -> int:
+    """How many leading elements ``a`` and ``b`` share. ``common_prefix([1, 2, 3], [1, 2, 4]) == 2``"""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a request that appends), in one comparison in C
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+def _key(m: dict) -> str:
+    """What identifies a normalized message: role, stripped content, tool calls by name and parsed arguments
+    (not their ids, nor how the arguments' JSON was formatted)."""
+    content = (m.get("content") or "").strip()
+    key = f"{m['role']}\0{len(content)}\0{content}"  # the length keeps content and tool calls apart
+    if m.get("tool_calls"):
+        key += "\0" + json.dumps([[t["name"], parse_arguments(t["arguments"])] for t in m["tool_calls"]], sort_keys=True)
+    return key
+
+
+def _link(fp: bytes, m: dict) -> bytes:
+    """The fingerprint of a conversation whose fingerprint was ``fp``, extended by message ``m``."""
+    return hashlib.blake2b(fp + _key(m).encode(errors="surrogatepass"), digest_size=16).digest()
+
+
 def same_message(a: dict, b: dict) -> bool:
-    """Do two normalized messages say the same thing? (after parsing: whitespace around content,
-    JSON formatting of arguments and tool-call ids do not matter)."""
-    if a["role"] != b["role"] or (a.get("content") or "").strip() != (b.get("content") or "").strip():
-        return False
-    ta, tb = a.get("tool_calls") or [], b.get("tool_calls") or []
-    return len(ta) == len(tb) and all(x["name"] == y["name"] and parse_arguments(x["arguments"]) == parse_arguments(y["arguments"]) for x, y in zip(ta, tb))
+    """Do two normalized messages say the same thing? (whitespace around content, JSON formatting of arguments
+    and tool-call ids do not matter)."""
+    return _key(a) == _key(b)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -214,10 +235,12 @@ class Turn:
     reply: dict  # the assistant message the harness received
     prompt_ids: list[int]
     response_ids: list[int]
-    fp: bytes = b""  # fingerprints(messages + [reply])[-1], set below
+    fps: Optional[list[bytes]] = None  # fingerprints(messages, tools), computed here when not given
+    fp: bytes = b""  # the fingerprint of messages + [reply]: what a request that extends this turn starts with
 
     def __post_init__(self):
-        self.fp = fingerprints(self.messages + [self.reply])[-1]
+        self.fps = self.fps or fingerprints(self.messages, self.tools)
+        self.fp = _link(self.fps[-1], self.reply)
 
 
 class Renderer:
@@ -292,18 +315,20 @@ class Renderer:
         kwargs = {"tools": [{"type": "function", "function": t} for t in tools]} if (self.native_tools and tools) else {}
         return self.tok.apply_chat_template(self._hf_messages(messages, tools), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def build_prompt(self, messages: list[dict], tools: list[dict], history: list[Turn], reuse: bool = True) -> tuple[list[int], Optional[int], Optional[str]]:
+    def build_prompt(self, messages: list[dict], tools: list[dict], history: list[Turn], reuse: bool = True,
+                     fps: Optional[list[bytes]] = None) -> tuple[list[int], Optional[int], Optional[str]]:
         """Prompt ids for ``messages``, reusing sampled tokens of an earlier turn where it extends one.
 
         Returns ``(prompt_ids, parent, split_hint)``: ``parent`` is the index of
         the call whose prompt+response ids the prompt starts with, ``split_hint``
         why no earlier call could be extended (None when nothing was there to extend).
+        ``fps``: ``fingerprints(messages, tools, ...)`` when the caller has them.
         With ``reuse=False`` every prompt is rendered fresh; a call still merges
         when the fresh rendering happens to start with the earlier tokens.
         """
         # The longest earlier turn whose messages + reply this request starts with (the latest such turn).
-        by_fp = {t.fp: t for t in history if t.tools == tools}
-        fps = fingerprints(messages)
+        by_fp = {t.fp: t for t in history}  # fingerprints include the tools
+        fps = fps or fingerprints(messages, tools, history[-1] if history else None)
         best = next((by_fp[fps[k]] for k in range(len(messages), 0, -1) if fps[k] in by_fp), None)
         if best is not None and reuse:
             k = len(best.messages) + 1

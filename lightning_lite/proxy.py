@@ -38,7 +38,7 @@ from typing import Optional
 from aiohttp import web
 
 from . import apis
-from .chat import BadRequest, ContentStream, Renderer, Request, Turn
+from .chat import BadRequest, ContentStream, Renderer, Request, Turn, fingerprints
 from .records import Call, to_json
 
 log = logging.getLogger("lightning_lite.proxy")
@@ -53,6 +53,8 @@ class Session:
     responses: dict[str, list[dict]] = field(default_factory=dict)  # Responses API id -> its conversation
     n_calls: int = 0
     reward: Optional[float] = None
+    sizes: dict[int, int] = field(default_factory=dict)  # call index -> len(prompt_ids + response_ids)
+    memo: dict[str, dict] = field(default_factory=dict)  # per API: the last request's messages (apis._convert)
 
 
 class Proxy:
@@ -118,15 +120,17 @@ class Proxy:
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must see truncation
         tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
         call = Call(
-            rollout_id=rid, index=s.n_calls, api=api, model_version=gen.version, prompt_ids=list(prompt_ids),
+            rollout_id=rid, index=s.n_calls, api=api, model_version=gen.version, prompt_ids=prompt_ids,
             response_ids=gen.response_ids, response_logprobs=gen.logprobs,
             finish_reason="tool_calls" if tool else gen.finish_reason, choice=choice, capped=capped and gen.finish_reason == "length",
             parent=parent, split_hint=hint, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             created=t0, latency_s=round(time.time() - t0, 4), response=reply,
         )
         s.n_calls += 1
-        if self._file:
-            self._file.write(to_json(call) + "\n")
+        s.sizes[call.index] = len(call.prompt_ids) + len(call.response_ids)
+        if self._file:  # a call that extends its parent is written as the ids after the parent's (records.read_calls)
+            n = s.sizes[parent] if parent is not None else 0
+            self._file.write((to_json(call, prompt_ids=None, prompt_tail=call.prompt_ids[n:]) if n else to_json(call)) + "\n")
             self._file.flush()
         return call
 
@@ -206,14 +210,16 @@ class Proxy:
         rid = self._rollout(request)
         body = await self._json(request)
         session = self.sessions.setdefault(rid, Session())
+        memo = session.memo.setdefault(api, {})  # converts only the messages a request appends
         if api == "chat":
-            req = apis.parse_chat_request(body)
+            req = apis.parse_chat_request(body, memo)
         elif api == "anthropic":
-            req = apis.parse_anthropic_request(body)
+            req = apis.parse_anthropic_request(body, memo)
         else:
-            req = apis.parse_responses_request(body, lambda rsp: self._previous(session, rsp))
+            req = apis.parse_responses_request(body, lambda rsp: self._previous(session, rsp), memo)
         t0, capped = time.time(), self._cap(req)
-        prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens)
+        fps = fingerprints(req.messages, req.tools, session.turns[-1] if session.turns else None)  # hashes the new messages only
+        prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens, fps)
         forced = self.renderer.forced_prefix(req.force_tool)
         prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
         self._admit(prompt_ids)
@@ -251,7 +257,7 @@ class Proxy:
         for i, gen in enumerate(gens):
             reply = self.renderer.parse_reply(forced + gen.text, req.parse_tools)
             call = self._record(rid, api, prompt_ids, gen, parent, hint, req.sampling, t0, reply, choice=i, capped=capped)
-            session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids))
+            session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids, fps))
             answers.append((call, reply))
         if api == "responses":  # for previous_response_id; a new request's instructions replace these
             session.responses[out.id] = req.messages[req.n_instructions:] + [answers[0][1]]

@@ -2,7 +2,8 @@
 
 Two JSONL contracts (DESIGN.md) live here:
 
-- ``calls.jsonl``: one :class:`Call` per LLM call (answered, or ``error`` / ``cancelled``).
+- ``calls.jsonl``: one :class:`Call` per LLM call (answered, or ``error`` / ``cancelled``); a call
+  that extends its parent stores only the new prompt ids (``prompt_tail``; read it with ``read_calls``).
 - ``samples.jsonl``: one :class:`Sample` per training sequence.
 
 Both are written one JSON object per line so that a crashed run leaves every
@@ -97,11 +98,12 @@ class Sample:
 T = TypeVar("T")
 
 
-def to_json(obj: Any) -> str:
+def to_json(obj: Any, **replace: Any) -> str:
+    """One JSONL line for a dataclass or dict, with the fields in ``replace`` replaced or added."""
     # A shallow dict: dataclasses.asdict deep-copies every list element by element, which made writing
     # one 32k-token call 20 ms (the fields are already plain JSON values).
-    d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else obj
-    return json.dumps(d, separators=(",", ":"))
+    d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else dict(obj)
+    return json.dumps({**d, **replace}, separators=(",", ":"))
 
 
 def from_dict(cls: Type[T], d: dict) -> T:
@@ -138,7 +140,20 @@ def read_jsonl(path: str, cls: Optional[Type[T]] = None) -> Iterator[Any]:
 
 
 def read_calls(path: str) -> list[Call]:
-    return list(read_jsonl(path, Call))
+    """The calls of a calls.jsonl file, each with its whole ``prompt_ids``. The proxy writes a call whose
+    prompt extends its parent's ``prompt_ids + response_ids`` as ``"prompt_ids": null`` and ``prompt_tail``
+    (the ids after them), so a rollout of n turns writes each id once, not n times; they are joined here."""
+    calls, seen = [], {}
+    for d in read_jsonl(path):
+        c = from_dict(Call, d)
+        if d.get("prompt_tail") is not None:
+            p = seen.get((c.rollout_id, c.parent))
+            if p is None:
+                raise ValueError(f"{path}: call {c.index} of rollout {c.rollout_id!r} extends call {c.parent}, which no earlier line holds")
+            c.prompt_ids = p.prompt_ids + p.response_ids + d["prompt_tail"]
+        seen[c.rollout_id, c.index] = c
+        calls.append(c)
+    return calls
 
 
 def read_samples(path: str) -> list[Sample]:

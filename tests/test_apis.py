@@ -223,6 +223,41 @@ def test_responses_previous_response_id(server):
         c.responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
 
 
+def test_a_request_that_appends_converts_only_its_new_messages():
+    """With a memo kept per conversation, the messages a request shares with the previous one are reused (the
+    same objects: no Python work per earlier message), the new ones converted; the result is what parsing
+    without a memo gives; an edited message is converted again; a bad request leaves the memo as it was."""
+    from lightning_lite.apis import parse_anthropic_request, parse_chat_request, parse_responses_request
+    from lightning_lite.chat import BadRequest
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    shapes = {  # a user turn, an assistant turn with a tool call, its result; the memo sees the first two, then all three
+        "chat": (lambda items, memo: parse_chat_request({"messages": items}, memo),
+                 [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "1"}]),
+        "anthropic": (lambda items, memo: parse_anthropic_request({"messages": items, "max_tokens": 4}, memo),
+                      [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {"x": 1}}]},
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "1"}]}]),
+        "responses": (lambda items, memo: parse_responses_request({"input": items}, None, memo),
+                      [{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", "content": "ok"},
+                       {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'}, {"type": "function_call_output", "call_id": "c1", "output": "1"}]),
+    }
+    for name, (parse, items) in shapes.items():
+        memo = {}
+        first = parse(items[:-1], memo).messages
+        second = parse(items, memo).messages
+        assert second == parse(items, None).messages and len(second) == 3 and second[2]["role"] == "tool", name
+        assert second[0] is first[0] and (name == "responses" or second[1] is first[1]), name  # reused, not converted again
+        edited = [{"role": "user", "content": "hello"}] + items[1:]
+        assert parse(edited, memo).messages == parse(edited, None).messages and memo["items"] is edited, name
+        with pytest.raises(BadRequest):
+            parse(edited + [{"role": "nobody"}], memo)
+        assert memo["items"] is edited, name
+    # Responses joins a call to the assistant message before it in a new dict: the memo's own stays as it was
+    memo = {}
+    parse_responses_request({"input": shapes["responses"][1]}, None, memo)
+    assert memo["out"][1] == [{"role": "assistant", "content": "ok"}]
+
+
 def test_tool_calls_sent_back_as_text_are_read_as_tool_calls():
     """smolagents' form: the calls it received, as a Python repr in the assistant's text."""
     from lightning_lite.apis import parse_chat_request

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from lightning_lite.apis import parse_chat_request
-from lightning_lite.chat import BadRequest, Renderer, Turn, parse_tool_calls, same_message
+from lightning_lite.chat import BadRequest, Renderer, Turn, common_prefix, fingerprints, parse_tool_calls, same_message
 
 # A Qwen2.5-style template that renders tools and tool calls itself.
 NATIVE = (
@@ -34,6 +34,21 @@ def test_same_message_ignores_formatting_not_meaning():
     c = copy.deepcopy(b)
     c["tool_calls"][0]["arguments"] = '{"x": 2, "y": [1, 2]}'
     assert not same_message(a, c)
+
+
+def test_fingerprints_reuse_what_a_known_turn_shares_and_include_the_tools():
+    """A request that extends a turn hashes only its new messages, with the same result as hashing all of them;
+    the echoed reply matches the turn whatever its formatting; other tools or an edited message do not match."""
+    tools, m = [{"name": "f"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    t = Turn(0, m, tools, {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "name": "f", "arguments": {"x": 1}}]}, [1], [2])
+    echoed = {"role": "assistant", "content": " ", "tool_calls": [{"id": "b", "name": "f", "arguments": '{"x":1}'}]}
+    nxt = m + [echoed, {"role": "tool", "content": "1"}]
+    fps = fingerprints(nxt, tools, t)
+    assert fps == fingerprints(nxt, tools) and fps[:3] == t.fps and fps[3] == t.fp
+    assert fingerprints(nxt, [], t)[3] != t.fp  # the tools are part of it
+    edited = [m[0], {"role": "user", "content": "q2"}] + nxt[2:]
+    assert fingerprints(edited, tools, t) == fingerprints(edited, tools) and fingerprints(edited, tools, t)[3] != t.fp
+    assert (common_prefix([1, 2, 3], [1, 2, 4]), common_prefix([1], [1, 2]), common_prefix([], [1])) == (2, 1, 0)
 
 
 def test_request_parsing_accepts_what_harnesses_send():

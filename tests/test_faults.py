@@ -125,8 +125,11 @@ class FakeBackend:
 
     def __init__(self, tok, delay=0.0):
         self.ids, self.delay, self.mode, self.stats = tok.encode("ok", add_special_tokens=False), delay, "up", {"cancelled": 0}
+        self.prompts = None  # a list: every prompt it is given is appended
 
     async def generate(self, prompt_ids, sampling, on_token=None, rollout_id=""):
+        if self.prompts is not None:
+            self.prompts.append(prompt_ids)
         if self.mode == "down":
             raise RuntimeError("the engine died")
         await asyncio.sleep(3600 if self.mode == "hang" else self.delay)
@@ -300,6 +303,27 @@ def test_512_concurrent_multi_turn_sessions_every_call_recorded_once(fake, tok):
     print(f"512 sessions x 3 turns: {secs:.1f}s, {n * turns / secs:.0f} calls/s, kept after reset {kept / 1e3:.0f} kB, "
           f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
     assert kept < 1e6 and len(fake.calls()) == 2 * n * turns
+
+
+def test_calls_jsonl_holds_each_prompt_id_once_and_read_calls_restores_whole_prompts(fake, tmp_path):
+    """A call that extends its parent is written as the ids after the parent's prompt + response ids
+    (``prompt_tail``): a rollout of n turns writes each id once, not O(n^2) ids. read_calls joins them back
+    into exactly the prompts the backend consumed."""
+    msgs, fake.backend.prompts = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "task"}], []
+    for t in range(4):
+        reply = requests.post(f"{fake.url}/rollout/tail{CHAT}", json={"messages": msgs, "max_tokens": 4}).json()["choices"][0]["message"]
+        msgs = msgs + [reply, {"role": "user", "content": f"turn {t}"}]
+    requests.post(f"{fake.url}/rollout/tail{CHAT}", json={"messages": msgs[:2] + [{"role": "user", "content": "new"}], "max_tokens": 4})
+    lines = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    assert [line["parent"] for line in lines] == [None, 0, 1, 2, None]  # the last one rewrote history: written whole
+    assert [line["prompt_ids"] is None for line in lines] == [False, True, True, True, False] and "prompt_tail" not in lines[0]
+    calls = fake.calls()
+    assert [c.prompt_ids for c in calls] == fake.backend.prompts
+    written = sum(len(line.get("prompt_tail") or []) + len(line["prompt_ids"] or []) + len(line["response_ids"]) for line in lines[:4])
+    assert written == len(calls[3].prompt_ids) + len(calls[3].response_ids)  # every id of the conversation written once
+    (tmp_path / "cut.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[2:]))  # a parent's line is missing
+    with pytest.raises(ValueError, match="extends call 1, which no earlier line holds"):
+        read_calls(str(tmp_path / "cut.jsonl"))
 
 
 # ---------------------------------------------------------------------------- torn files

@@ -340,7 +340,7 @@ class Renderer:
                 if best.response_ids and best.response_ids[-1] in self.eos_ids:
                     eos_text = self.tok.decode([best.response_ids[-1]])
                     glue = glue[len(eos_text) :] if glue.startswith(eos_text) else glue
-                return best.prompt_ids + best.response_ids + self.encode(glue + new), best.index, None
+                return best.prompt_ids + (best.response_ids + self.encode(glue + new)), best.index, None  # one copy of the long part
         ids = self.encode(self.render_text(messages, tools, True))
         if best is not None:
             prev = best.prompt_ids + best.response_ids

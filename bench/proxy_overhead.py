@@ -358,7 +358,7 @@ def turns_part(a, tmp, procs):
     engine_p, engine = spawn(["--serve", "engine", "--pieces", json.dumps([TOOL_REPLY])], os.path.join(tmp, "engine-turns.log"))
     procs.append(engine_p)
     engine_url = f"http://127.0.0.1:{engine['port']}"
-    runs, merged, size = {}, {}, {}
+    runs, merged = {}, {}
     for reuse in (True, False):
         out = os.path.join(tmp, f"turns-reuse-{reuse}")
         p, ours = spawn(["--serve", "ours", "--reply", TOOL_REPLY, "--out-dir", out] + ([] if reuse else ["--no-reuse"]),
@@ -368,8 +368,9 @@ def turns_part(a, tmp, procs):
         stop(p)
         calls = [c for c in read_calls(os.path.join(out, "calls.jsonl")) if c.rollout_id == "agent"]
         merged[reuse] = sum(c.parent == c.index - 1 for c in calls[1:])
-        # bytes on disk, and what the file would hold with every call's whole prompt written out
-        size[reuse] = (os.path.getsize(os.path.join(out, "calls.jsonl")), sum(len(to_json(c)) + 1 for c in calls))
+        if reuse:  # the conversation's bytes on disk, and with every call's whole prompt written out
+            disk = sum(len(line) for line in open(os.path.join(out, "calls.jsonl")) if '"rollout_id":"agent"' in line)
+            whole = sum(len(to_json(c)) + 1 for c in calls)
 
     ranges = []
     for r in a.ranges.split(","):
@@ -389,7 +390,6 @@ def turns_part(a, tmp, procs):
               f"{med(off, lambda r: r[0]):>13.2f} {med(off, lambda r: r[0] - r[1]):>9.2f} {off[-1][2]:>10} | {med(on + off, lambda r: r[1]):>9.2f}")
     print(f"\ncalls that extended the previous call's tokens (merge into one sample): "
           f"reuse on {merged[True]}/{a.turns - 1}, reuse off {merged[False]}/{a.turns - 1}")
-    (disk, whole) = size[True]
     print(f"calls.jsonl of the conversation (reuse on): {disk / 1e6:.2f} MB, each prompt id written once; "
           f"{whole / 1e6:.1f} MB with every call's whole prompt ({whole / disk:.0f}x)")
 

@@ -145,15 +145,15 @@ def calculator(arguments: str) -> str:
 
 
 def computes(arguments: str) -> bool:
-    """Does a calculator call compute something: an expression with an operator that evaluates?
+    """Does a calculator call ask for a computation: an expression with an operator, not a bare number?
+    (Whether it evaluates is the calculator's result.)
 
     >>> computes('{"expression": "3+4"}'), computes('{"expression": "7"}'), computes('{"expression": "3+"}')
     (True, False, False)
     """
     try:
         expression = json.loads(arguments or "{}").get("expression")
-        return isinstance(ast.parse(_arith(expression), mode="eval").body, ast.BinOp) and \
-            not calculator(arguments).startswith("error")
+        return isinstance(ast.parse(_arith(expression), mode="eval").body, ast.BinOp)
     except (ValueError, SyntaxError, AttributeError):  # not JSON, not an object, not an expression
         return False
 
@@ -258,7 +258,7 @@ class CalcHarness(Harness):
                 for call in message.tool_calls:
                     result = (calculator(call.function.arguments) if call.function.name == "calculator"
                               else f"error: unknown tool {call.function.name!r}; use calculator")
-                    valid_call |= first and call.function.name == "calculator" and computes(call.function.arguments)
+                    valid_call |= first and not result.startswith("error") and computes(call.function.arguments)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         # The answer is whatever the model said last (a turn-limited run may end on a tool call).
         answer = score(message.content or "", task.answer, self.format_reward, self.strict)

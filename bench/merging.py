@@ -9,8 +9,11 @@ tokens per turn (about a third of them sampled) after a --system-tokens long fir
 (a summary replaces the turns so far), which starts a new sample each time
 (split_rewrote_history).
 
-Columns: total tokens (the longest sequence), ids the calls hold (the sum of prompt +
-response lengths, what build_samples reads), median time over --repeat runs, time per call,
+The calls are given as records.read_calls reads them: a call the proxy built on the previous
+one holds only its new ids (parent + prompt_tail), a rewrite its whole prompt.
+
+Columns: total tokens (the longest sequence), ids the calls stand for (the sum of prompt +
+response lengths: one sample per call would train that many), median time over --repeat runs, time per call,
 time per held id and per merged token (flat down a column: linear in that size), extra peak
 memory while it runs (tracemalloc, a separate run: tracing slows it), and the training
 tokens with merging vs one sample per call (stats["tokens"] vs stats["tokens_unmerged"]).
@@ -36,17 +39,20 @@ def rollout(n_calls, rng, a, split_every=0):
     """n_calls calls of one append-only chat; with split_every, every split_every-th call rewrites the history."""
     ids = lambda k: [rng.randrange(VOCAB) for _ in range(k)]  # noqa: E731
     system = ids(a.system_tokens)
-    prompt, calls = system + ids(rng.randint(a.min_new, a.max_new) // 2), []
+    prompt, tail, calls = system + ids(rng.randint(a.min_new, a.max_new) // 2), None, []
     for i in range(n_calls):
         if split_every and i and i % split_every == 0:
             # A rewritten history: the same system prompt, then a summary the model never sampled.
-            prompt = system + ids(rng.randint(a.min_new, a.max_new))
+            prompt, tail = system + ids(rng.randint(a.min_new, a.max_new)), None
         new = rng.randint(a.min_new, a.max_new)
         k = max(1, new // 3)  # sampled; the rest of the turn's new tokens arrive as the next tool result
         response = ids(k)
-        calls.append(Call(rollout_id="r", index=i, api="chat", model_version=0, prompt_ids=prompt, response_ids=response,
-                          response_logprobs=[-rng.random() for _ in range(k)], finish_reason="tool_calls"))
-        prompt = prompt + response + ids(new - k)
+        # As records.read_calls gives them: a call built on the previous one is its parent + the new ids.
+        calls.append(Call(rollout_id="r", index=i, api="chat", model_version=0, prompt_ids=None if tail else prompt, response_ids=response,
+                          response_logprobs=[-rng.random() for _ in range(k)], finish_reason="tool_calls",
+                          parent=i - 1 if tail else None, prompt_tail=tail))
+        tail = ids(new - k)
+        prompt = prompt + response + tail
     return calls
 
 
@@ -89,8 +95,8 @@ def main():
         print(f"{name:<16} {n:>5} {st['samples']:>7} {longest:>9} {st['tokens_unmerged']:>9} {t * 1e3:>8.2f} {t / n * 1e6:>8.1f} "
               f"{t / st['tokens_unmerged'] * 1e9:>10.2f} {t / st['tokens'] * 1e9:>9.1f} {peak / 2**20:>8.1f} "
               f"{st['tokens']:>16} {st['tokens_unmerged']:>12} {st['tokens_unmerged'] / st['tokens']:>5.1f}x")
-    print("\nids held = sum of prompt + response lengths over the calls (grows as calls^2 in an append-only chat);\n"
-          "ns/id held flat down the rows: time linear in what the calls hold; ns/merged flat: linear in the merged tokens.")
+    print("\nids held = sum of prompt + response lengths the calls stand for (grows as calls^2 in an append-only chat), what\n"
+          "build_samples read when every call held its whole prompt; they hold each id once now (parent + prompt_tail).")
 
 
 if __name__ == "__main__":

@@ -366,7 +366,7 @@ def turns_part(a, tmp, procs):
         procs.append(p)
         runs[reuse] = asyncio.run(conversation(f"http://127.0.0.1:{ours['port']}", engine_url, "agent", a))
         stop(p)
-        calls = [c for c in read_calls(os.path.join(out, "calls.jsonl")) if c.rollout_id == "agent"]
+        calls = [c for c in read_calls(os.path.join(out, "calls.jsonl"), whole=True) if c.rollout_id == "agent"]
         merged[reuse] = sum(c.parent == c.index - 1 for c in calls[1:])
         if reuse:  # the conversation's bytes on disk, and with every call's whole prompt written out
             disk = sum(len(line) for line in open(os.path.join(out, "calls.jsonl")) if '"rollout_id":"agent"' in line)

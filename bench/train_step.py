@@ -6,8 +6,8 @@ Synthetic samples (records.Sample) of random token ids in GRPO groups of --group
 samples of a group share their prompt (about 1 - --response-frac of --min-len..--max-len
 tokens, drawn per group) and each has its own trainable response (loss_mask 1, about
 --response-frac of it, drawn per sample). They go through train.py's own path: micro-batches
-of at most --micro-batch-tokens padded tokens, algo.collate, train.py's trainer_logprobs
-(read from train.py's source, so the bench follows it), algo.policy_loss, backward. Three
+of at most --micro-batch-tokens padded tokens (train.py's micro_batches, read from its source, so
+the bench follows it), algo.collate, algo.trainer_logprobs, algo.policy_loss, backward. Three
 orders, one pass each, no optimizer step (the same whatever the batching):
 
   train.py        train.py's micro_batches: sorted by token ids (a group's samples side by
@@ -80,8 +80,8 @@ def main():
                               logprobs=[0.0] * (n - k) + [-rng.uniform(0.05, 3.0) for _ in range(k)], advantage=rng.choice([-1.0, 1.0]),
                               temperature=[1.0] * n, top_k=[0] * n, top_p=[1.0] * n))
     weights = algo.sample_weights(samples, "rollout-mean", algo.global_denominators(samples))
-    ns = {"torch": torch, "algo": algo, "fsdp": False, "args": SimpleNamespace(micro_batch_tokens=a.micro_batch_tokens)}  # train.py's globals they read
-    micro_batches, trainer_logprobs = from_train_py(["micro_batches", "trainer_logprobs"], ns)
+    ns = {"args": SimpleNamespace(micro_batch_tokens=a.micro_batch_tokens)}  # the train.py global it reads
+    (micro_batches,) = from_train_py(["micro_batches"], ns)
 
     def step(mbs):
         """Forward + backward over the micro-batches; returns seconds."""
@@ -91,7 +91,7 @@ def main():
         t0 = time.perf_counter()
         for mb in mbs:
             b = algo.collate(*mb, device=a.device)
-            lp = trainer_logprobs(model, b)
+            lp = algo.trainer_logprobs(model, b)
             loss, _ = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"])
             loss.backward()
         sync()

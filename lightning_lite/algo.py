@@ -1,27 +1,11 @@
 """Advantages and the policy-gradient loss, exact under DDP and gradient accumulation.
 
-One step, as train.py runs it (``samples`` are this rank's, built by samples.py):
-
-    rewards, groups = gather_rewards(rewards, groups)         # all ranks' rewards (DDP only)
-    adv, adv_stats = compute_advantages(rewards, groups, "grpo")
-    samples = assign_advantages(samples, adv)                 # failed rollouts leave here
-    denoms = global_denominators(samples)                     # all-reduce: before any backward
-    weights = sample_weights(samples, "rollout-mean", denoms)
-    for micro in chunks(range(len(samples))):                 # any split gives the same gradient
-        b = collate([samples[i] for i in micro], [weights[i] for i in micro], device)
-        lp = token_logprobs(model(b["tokens"]).logits, b["tokens"], b)  # each token under its own sampling
-        loss, m = policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"])
-        (loss * world_size).backward()   # DDP averages gradients over ranks; we want their sum
-        metrics.append(m)
-    log(reduce_metrics(metrics))                              # all-reduce: global loss, clip fraction, ...
-
-The normalization is a weight ``w`` per trainable token, computed once from the
-whole global batch, so that the loss is ``sum over all tokens of w * token_loss``:
-each micro-batch contributes its partial sum, and nothing depends on how the
-batch is cut into ranks and micro-batches. Under DDP, run all but the last
-backward in ``model.no_sync()``; a rank left without samples (all its rollouts
-failed) must still call the collectives above and backward a zero loss
-(``0 * sum of params``), or the other ranks wait for it forever.
+The normalization is a weight per trainable token computed once from the whole global batch
+(``global_denominators`` all-reduces the counts before any backward), so the loss is a sum of
+``weight * token_loss`` that each micro-batch contributes a part of: nothing depends on how the
+batch is cut into ranks and micro-batches. train.py's step is the order of this file: advantages,
+weights, ``collate`` + ``trainer_logprobs`` + ``policy_loss`` per micro-batch, ``reduce_metrics``.
+A rank without samples must still call the collectives and backward a zero loss, or the others wait.
 """
 
 from __future__ import annotations
@@ -37,6 +21,7 @@ from .records import Sample
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce")
 LOSSES = ("ppo", "gspo", "tis")
+CLIP = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}  # default (clip_low, clip_high); GSPO's: its paper's (a sequence ratio moves far less)
 NORMS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "rollout-mean")
 
 
@@ -151,26 +136,20 @@ def global_denominators(samples: list[Sample], group=None) -> dict:
 
 
 def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: Optional[float] = None) -> list[float]:
-    """Each sample's weight per trainable token (a sample's tokens weigh alike), such
-    that the loss is ``sum over trainable tokens of weight * token_loss``. With N_*
-    from ``global_denominators``, n_s and n_r a sample's and a rollout's trainable
-    tokens, and for rollout A with samples of 1 and 2 tokens and rollout B with one
-    of 3 (token losses a1 | a2 a3 | b1 b2 b3):
+    """Each sample's weight per trainable token, such that the loss is ``sum over trainable tokens of
+    weight * token_loss`` (README: the normalization table). N_* from ``global_denominators``; n_s,
+    n_r a sample's and a rollout's trainable tokens:
 
-        mode                     weight              loss
-        token-mean               1/N_tokens          (a1+a2+a3+b1+b2+b3) / 6
-        seq-mean-token-mean      1/(N_samples n_s)   (a1/1 + (a2+a3)/2 + (b1+b2+b3)/3) / 3
-        seq-mean-token-sum       1/N_samples         (a1 + (a2+a3) + (b1+b2+b3)) / 3
-        seq-mean-token-sum-norm  1/(N_samples C)     (a1+a2+a3+b1+b2+b3) / (3 C)   (Dr. GRPO)
-        rollout-mean             1/(N_rollouts n_r)  ((a1+a2+a3)/3 + (b1+b2+b3)/3) / 2
+        token-mean 1/N_tokens   seq-mean-token-mean 1/(N_samples n_s)   seq-mean-token-sum 1/N_samples
+        seq-mean-token-sum-norm 1/(N_samples C)   rollout-mean 1/(N_rollouts n_r)
 
-    C is ``norm_const``, a fixed token budget (Dr. GRPO: the generation budget; train.py
-    passes --max-seq-len): a constant that depends on the batch would bring back a length bias.
+    C is ``norm_const``, a fixed token budget (Dr. GRPO: the generation budget; train.py's default
+    is --max-new-tokens): a constant that depends on the batch would bring back a length bias.
     """
     if norm not in NORMS:
         raise ValueError(f"unknown loss normalization {norm!r}; pick one of {NORMS}")
     if norm == "seq-mean-token-sum-norm" and not (norm_const and norm_const > 0):
-        raise ValueError("seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the max sequence length")
+        raise ValueError("seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the most tokens a rollout may generate")
     n = [sum(s.loss_mask) for s in samples]
     per_rollout: Counter = Counter()
     for s, k in zip(samples, n):
@@ -196,7 +175,7 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
 
 def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0) -> dict:
     """Right-pad one micro-batch into [B, T] tensors (``advantages``, ``weights``: [B]); ``temperature``,
-    ``top_k``, ``top_p`` are the sampling settings of each token (see ``token_logprobs``)."""
+    ``top_k``, ``top_p`` are the sampling settings of each token (see ``trainer_logprobs``)."""
     T = max(len(s.tokens) for s in samples)
     pad = lambda xs, v: [list(x) + [v] * (T - len(x)) for x in xs]  # noqa: E731
     return {
@@ -206,7 +185,7 @@ def collate(samples: list[Sample], weights: list[float], device=None, dtype=torc
         "temperature": torch.tensor(pad([s.temperature for s in samples], 1.0), dtype=dtype, device=device),
         "top_k": torch.tensor(pad([s.top_k for s in samples], 0), dtype=torch.long, device=device),
         "top_p": torch.tensor(pad([s.top_p for s in samples], 1.0), dtype=dtype, device=device),
-        "version": torch.tensor(pad([s.version or [s.model_version] * len(s.tokens) for s in samples], 0), dtype=torch.long, device=device),
+        "version": torch.tensor(pad([s.version or [0] * len(s.tokens) for s in samples], 0), dtype=torch.long, device=device),
         "advantages": torch.tensor([s.advantage for s in samples], dtype=dtype, device=device),
         "weights": torch.tensor(weights, dtype=dtype, device=device),
     }
@@ -266,22 +245,39 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: to
     return x.gather(-1, tokens[:, None])[:, 0] - lse
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: Optional[dict] = None) -> torch.Tensor:
-    """[B, T, V] logits, [B, T] tokens -> [B, T] logprob of ``tokens[:, t]`` given the tokens
-    before it (position 0 has no context: 0.0), aligned with Sample.logprobs. ``sampling``:
-    [B, T] tensors ``temperature``, ``top_k``, ``top_p`` (as ``collate`` makes them) score
-    each token under the settings that sampled it; without it, plain softmax(logits)."""
-    B, T, V = logits.shape
-    flat = tokens[:, 1:].reshape(-1)
-    s = {k: sampling[k][:, 1:].reshape(-1) for k in ("temperature", "top_k", "top_p")} if sampling else \
-        {"temperature": logits.new_ones(len(flat)), "top_k": flat.new_zeros(len(flat)), "top_p": logits.new_ones(len(flat))}
-    lp = sampled_logprobs(logits[:, :-1].reshape(-1, V), flat, **s).view(B, T - 1)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+def trainer_logprobs(net, b: dict, fsdp: bool = False) -> torch.Tensor:
+    """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a transformers causal
+    LM, maybe in DDP), each under the sampling settings of the call that drew it (``sampled_logprobs``);
+    0.0 elsewhere. Two savings, both exact, and most of the work for long agent prompts:
+    - the rows' common prefix (a GRPO group's prompt) runs once and its KV cache is shared by all
+      rows; gradients flow through it;
+    - the LM head runs only from the first trainable position on.
+    """
+    tokens, loss_mask = b["tokens"], b["loss_mask"]
+    B, T = tokens.shape
+    first = int(loss_mask.nonzero()[:, 1].min()) if loss_mask.any() else T - 1  # >= 1: token 0 is never sampled
+    same = (tokens == tokens[:1]).all(0)
+    P = min(int(same.long().cumprod(0).sum()), first - 1) if B > 1 else 0
+    kw = {}
+    # below 16 the extra call costs more than it saves; under FSDP every forward is a collective (ranks must run as many)
+    if P >= 16 and not fsdp:
+        raw = getattr(net, "module", net)  # the prefix runs outside DDP's forward; its grads still reach DDP's hooks
+        cache = raw(input_ids=tokens[:1, :P], use_cache=True, logits_to_keep=1).past_key_values
+        for layer in cache.layers:  # one row's keys and values, seen by every row (expand: no copy)
+            layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
+        kw = dict(past_key_values=cache, position_ids=torch.arange(P, T, device=tokens.device)[None].expand(B, -1))
+    else:
+        P = 0
+    keep = torch.arange(first - 1 - P, T - 1 - P, device=tokens.device)
+    logits = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits  # predicts tokens[:, first:]
+    on = loss_mask[:, first:] > 0
+    lp = sampled_logprobs(logits[on], tokens[:, first:][on], *(b[k][:, first:][on] for k in ("temperature", "top_k", "top_p")))
+    return loss_mask.new_zeros(B, T).masked_scatter(loss_mask > 0, lp.to(loss_mask.dtype))
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                loss_mask: torch.Tensor, weights: torch.Tensor, loss: str = "ppo", clip_low: float = 0.2,
-                clip_high: float = 0.28, tis_cap: float = 2.0, kl_coef: float = 0.0,
+                loss_mask: torch.Tensor, weights: torch.Tensor, loss: str = "ppo", clip_low: Optional[float] = None,
+                clip_high: Optional[float] = None, tis_cap: float = 2.0, kl_coef: float = 0.0,
                 ref_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``).
 
@@ -291,14 +287,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
         ppo   -min(r A, clip(r, 1-clip_low, 1+clip_high) A)          per token
         gspo  the same with r replaced by the sample's exp(mean log-ratio over its
-              trainable tokens), one value per sample; GSPO wants a far smaller
-              clip range (the paper: 3e-4, 4e-4)
+              trainable tokens), one value per sample
         tis   -min(r, tis_cap) A logprobs: REINFORCE, truncated importance weight (no grad)
 
     plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0.
+    A clip bound left None is the loss's own default (``CLIP``).
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown policy loss {loss!r}; pick one of {LOSSES}")
+    low, high = CLIP.get(loss, (None, None))
+    clip_low, clip_high = low if clip_low is None else clip_low, high if clip_high is None else clip_high
     mask = loss_mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)[:, None]
     # 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a bug) from overflowing

@@ -1,26 +1,16 @@
 """API shapes: each one's request -> the internal :class:`~chat.Request`, and the internal reply -> its answer.
 
-Three shapes serve every harness we know (chat completions: OpenHands, mini-swe-agent,
-opencode, Qwen Code, smolagents, LangGraph; Anthropic Messages: Claude Code; the
-Responses API: Codex, the OpenAI Agents SDK). Each maps onto one conversation of
-normalized messages (chat.py), so rendering, reuse of sampled tokens and merging
-work the same whatever the harness speaks:
+Chat completions, Anthropic Messages and the Responses API map onto one conversation of normalized messages
+(chat.py), so rendering, token reuse and merging work the same whatever a harness speaks (README: which
+harness speaks which, and what each route accepts). ``memo``: a dict kept per conversation, so that a request
+that appends a turn converts only its new messages (``_convert``).
 
-    parse_chat_request(body, memo)            POST /v1/chat/completions
-    parse_completions_request(body)           POST /v1/completions (a prompt, no conversation)
-    parse_anthropic_request(body, memo)       POST /v1/messages
-    parse_responses_request(body, prev, memo) POST /v1/responses
-
-(``memo``: a dict kept per conversation, so that a request that appends a turn converts only
-its new messages; see ``_convert``.)
-
-and one writer per shape (``ChatReply``, ``AnthropicReply``, ``ResponsesReply``)
-turns the answered calls into the JSON body or the server-sent events clients
-expect: ``start()`` before the first token, ``text(delta)`` for content as it is
-sampled, ``end(answers, sent)`` for the rest (tool calls are sent whole, once
-parsed), ``error(message)`` when the backend fails mid-stream. What a model cannot
-use (thinking, cache_control, reasoning, server-side tools such as web_search) is
-ignored, not rejected; what it cannot read (images) is a 400.
+Writers (``ChatReply``, ``AnthropicReply``, ``ResponsesReply``; ``CompletionsReply``) turn the answered calls
+into the JSON body (``body(answers)``) or server-sent events: ``start()`` before the first token,
+``reasoning(delta)`` and ``text(delta)`` as they are sampled (all reasoning before any text),
+``end(answers, sent, sent_reasoning)`` for what was not sent yet (tool calls are sent whole, once parsed),
+``error(message)`` when the backend fails mid-stream. What the model cannot use (cache_control, server tools)
+is ignored; what it cannot read (images) is a 400.
 """
 
 from __future__ import annotations
@@ -85,23 +75,29 @@ def _message(m: Any, i: int) -> dict:
     if role not in ROLES:
         raise BadRequest(f"unknown role '{role}' in {param}; expected one of {sorted(ROLES)}", param + ".role", "invalid_value")
     out: dict = {"role": ROLES[role], "content": _text_of(m.get("content"), param + ".content")}
-    if out["role"] == "assistant" and m.get("tool_calls"):
-        tcs = m["tool_calls"]
-        _expect(isinstance(tcs, list), f"'{param}.tool_calls' must be a list", param + ".tool_calls")
-        out["tool_calls"] = []
-        for j, tc in enumerate(tcs):
-            p = f"{param}.tool_calls[{j}]"
-            _expect(isinstance(tc, dict) and isinstance(tc.get("function"), dict), f"'{p}' must be an object with a 'function'", p)
-            fn = tc["function"]
-            _expect(isinstance(fn.get("name"), str), f"'{p}.function.name' must be a string", p + ".function.name")
-            out["tool_calls"].append({"id": str(tc.get("id", "")), "name": fn["name"], "arguments": parse_arguments(fn.get("arguments", {}))})
-    elif out["role"] == "assistant":
-        out.update(_calls_as_text(out["content"]))
+    if out["role"] == "assistant":
+        reasoning = m.get("reasoning_content") or m.get("reasoning")  # vLLM's name, OpenRouter's
+        if reasoning and isinstance(reasoning, str):
+            out["reasoning"] = reasoning
+        out.update(_calls(m["tool_calls"], param + ".tool_calls") if m.get("tool_calls") else _calls_as_text(out["content"]))
     if out["role"] == "tool":
         out["tool_call_id"] = str(m.get("tool_call_id", ""))
         if m.get("name"):
             out["name"] = str(m["name"])
     return out
+
+
+def _calls(tcs: Any, param: str) -> dict:
+    """Chat tool calls ``[{"id", "function": {"name", "arguments"}}]`` -> ``{"tool_calls": [{"id", "name", "arguments"}]}``."""
+    _expect(isinstance(tcs, list), f"'{param}' must be a list", param)
+    calls = []
+    for j, tc in enumerate(tcs):
+        p = f"{param}[{j}]"
+        _expect(isinstance(tc, dict) and isinstance(tc.get("function"), dict), f"'{p}' must be an object with a 'function'", p)
+        fn = tc["function"]
+        _expect(isinstance(fn.get("name"), str), f"'{p}.function.name' must be a string", p + ".function.name")
+        calls.append({"id": str(tc.get("id", "")), "name": fn["name"], "arguments": parse_arguments(fn.get("arguments", {}))})
+    return {"tool_calls": calls}
 
 
 CALLS_AS_TEXT = re.compile(r"\s*Calling tools:\s*(\[.*\])\s*", re.DOTALL)
@@ -114,13 +110,9 @@ def _calls_as_text(content: str) -> dict:
     m = CALLS_AS_TEXT.fullmatch(content)
     try:
         calls = ast.literal_eval(m.group(1)) if m else None
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return {"content": "", **_calls(calls, "content")} if calls else {}
+    except (ValueError, SyntaxError, MemoryError, RecursionError, BadRequest):  # not tool calls: the text it is
         return {}
-    if not (isinstance(calls, list) and calls and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                      and isinstance(c["function"].get("name"), str) for c in calls)):
-        return {}
-    return {"content": "", "tool_calls": [{"id": str(c.get("id", "")), "name": c["function"]["name"],
-                                           "arguments": parse_arguments(c["function"].get("arguments", {}))} for c in calls]}
 
 
 def _number(body: dict, key: str, lo: float, hi: float, default):
@@ -155,6 +147,35 @@ def _sampling(body: dict) -> Sampling:
     )
 
 
+def _tools(body: dict) -> dict:
+    """``tools`` and ``tool_choice`` in any API's shape -> the Request's ``tools``, ``parse_tools``, ``force_tool``.
+    Tools the model cannot call (server tools: web_search, namespace, Anthropic's bash_...: a type other than
+    "function" and no input_schema) are left out."""
+    tools = body.get("tools") or []
+    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        _expect(isinstance(t, dict), f"'tools[{i}]' must be an object", f"tools[{i}]")
+        if t.get("type", "function") != "function" and "input_schema" not in t:
+            continue
+        fn = t["function"] if isinstance(t.get("function"), dict) else t  # chat nests the function, the others do not
+        _expect(isinstance(fn.get("name"), str), f"'tools[{i}].name' must be a string", f"tools[{i}]")
+        tool = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+        out.append({**tool, "parameters": fn["input_schema"]} if "input_schema" in fn else tool)
+    choice = body.get("tool_choice")  # "auto" | "none" | "required", or {"type": "auto" | "none" | "any" | "function" | "tool", ...}
+    _expect(choice is None or isinstance(choice, (str, dict)), "'tool_choice' must be a string or an object", "tool_choice")
+    kind, force = choice.get("type") if isinstance(choice, dict) else choice, None
+    if out and kind in ("required", "any"):
+        force = ""
+    elif out and kind in ("function", "tool"):
+        fn = choice.get("function")
+        force = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+        _expect(isinstance(force, str), "'tool_choice.name' must be a string", "tool_choice")
+        if force not in {t["name"] for t in out}:
+            raise BadRequest(f"tool_choice names '{force}', which is not in 'tools'", "tool_choice", "invalid_value")
+    return {"tools": out, "parse_tools": bool(out) and kind != "none", "force_tool": force}
+
+
 def _body(body: Any) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", None, "invalid_request")
@@ -181,28 +202,14 @@ def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
     _expect(isinstance(msgs, list), "'messages' must be a list", "messages")
     if not msgs:
         raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
-    tools = body.get("tools") or []
-    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
-    norm_tools = []
-    for i, t in enumerate(tools):
-        _expect(isinstance(t, dict), f"'tools[{i}]' must be an object", f"tools[{i}]")
-        fn = t.get("function", t)  # {"type": "function", "function": {...}} or a bare function
-        _expect(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"'tools[{i}].function.name' must be a string", f"tools[{i}]")
-        norm_tools.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
-    choice, force = body.get("tool_choice"), None
-    if norm_tools and choice == "required":
-        force = ""
-    elif norm_tools and isinstance(choice, dict):
-        force = (choice.get("function") or {}).get("name", choice.get("name"))
-        _expect(isinstance(force, str), "'tool_choice.function.name' must be a string", "tool_choice")
-        _check_forced(force, norm_tools)
     stream_options = body.get("stream_options") or {}
     _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
+    template_kwargs = {} if body.get("chat_template_kwargs") is None else body["chat_template_kwargs"]  # {"enable_thinking": false}, ...
+    _expect(isinstance(template_kwargs, dict), "'chat_template_kwargs' must be an object", "chat_template_kwargs")
     return Request(
         messages=_convert(msgs, lambda m, i: [_message(m, i)], memo),
-        tools=norm_tools,
-        parse_tools=bool(norm_tools) and choice != "none",
-        force_tool=force,
+        **_tools(body),
+        template_kwargs=template_kwargs,
         sampling=_sampling(body),
         n=_n(body),
         stream=bool(body.get("stream", False)),
@@ -257,7 +264,7 @@ def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
         role = m.get("role")
         if role not in ("user", "assistant", "system"):
             raise BadRequest(f"unknown role {role!r} in {p}; expected user, assistant or system", p + ".role", "invalid_value")
-        texts, calls = [], []
+        texts, calls, thoughts = [], [], []
         for j, b in enumerate(_blocks(m.get("content"), p + ".content")):
             kind, q = b.get("type"), f"{p}.content[{j}]"
             if kind == "text":
@@ -267,32 +274,31 @@ def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
                 calls.append({"id": str(b.get("id", "")), "name": b["name"], "arguments": b.get("input") or {}})
             elif kind == "tool_result":  # results come first in a user turn: one tool message each
                 out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": _text_of(b.get("content"), q + ".content")})
+            elif kind == "thinking" and isinstance(b.get("thinking"), str) and b["thinking"]:
+                thoughts.append(b["thinking"])
             elif kind in ("image", "document"):
                 raise BadRequest(f"content block type '{kind}' is not supported: this model reads text only", q + ".type", "unsupported_content")
-            # thinking, redacted_thinking, server tool blocks: nothing this model can use
+            # redacted_thinking (encrypted), server tool blocks: nothing this model can use
         if role == "assistant":
-            out.append({"role": "assistant", "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
+            out.append({"role": "assistant", "content": "\n".join(texts), **({"reasoning": "\n".join(thoughts)} if thoughts else {}),
+                        **({"tool_calls": calls} if calls else {})})
         elif texts:
             out.append({"role": role, "content": "\n".join(texts)})
         return out
 
     system = [{"role": "system", "content": _text_of(body["system"], "system")}] if body.get("system") else []
-    tools = body.get("tools") or []
-    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
-    # server tools (web_search_..., bash_..., text_editor_...) have no input_schema: the model cannot call them here
-    tools = [{"name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"]}
-             for t in tools if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("input_schema"), dict)]
-    choice = body.get("tool_choice") or {}
-    _expect(isinstance(choice, dict), "'tool_choice' must be an object", "tool_choice")
-    force = {"any": "", "tool": choice.get("name")}.get(choice.get("type")) if tools else None
-    _check_forced(force, tools)
-    return Request(messages=system + _convert(msgs, message, memo), tools=tools, parse_tools=bool(tools) and choice.get("type") != "none", force_tool=force,
+    return Request(messages=system + _convert(msgs, message, memo), **_tools(body),
                    sampling=_sampling({k: body.get(a) for k, a in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                                                                     ("top_k", "top_k"), ("stop", "stop_sequences"), ("seed", "seed"))}),
                    stream=bool(body.get("stream", False)), model=str(body.get("model", "")))
 
 
 # ----------------------------------------------------------------------------- Responses API
+
+
+def _part_texts(parts: Any) -> str:
+    """The texts of a list of parts ({"type", "text"}), joined by newlines; anything else: ""."""
+    return "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)) if isinstance(parts, list) else ""
 
 
 def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], memo: Optional[dict] = None) -> Request:
@@ -323,41 +329,34 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], me
         if kind == "function_call_output":
             out = it.get("output", "")
             return [{"role": "tool", "tool_call_id": str(it.get("call_id", "")), "content": out if isinstance(out, str) else _text_of(out, p + ".output")}]
-        return []  # reasoning items, item references and calls of tools the model cannot use: ignored
+        if kind == "reasoning":  # its reasoning_text parts, else its summary; encrypted only: nothing to read
+            text = _part_texts(it.get("content")) or _part_texts(it.get("summary"))
+            return [{"role": "assistant", "content": "", "reasoning": text}] if text else []
+        return []  # item references and calls of tools the model cannot use: ignored
 
-    for m in _convert(items, item, memo):
-        if "role" in m:
-            history.append(m)
-        elif history and history[-1]["role"] == "assistant":  # calls after a message join it: one assistant turn
-            history[-1] = {**history[-1], "tool_calls": history[-1].get("tool_calls", []) + [m]}  # a new dict: memo's are shared
-        else:
+    for m in _convert(items, item, memo):  # one assistant turn: its reasoning, its message, its calls (new dicts: memo's are shared)
+        last = history[-1] if history and history[-1]["role"] == "assistant" else None
+        if "role" not in m and last is not None:  # a call joins the turn before it
+            history[-1] = {**last, "tool_calls": last.get("tool_calls", []) + [m]}
+        elif "role" not in m:
             history.append({"role": "assistant", "content": "", "tool_calls": [m]})
+        elif m["role"] == "assistant" and last is not None and last.keys() == {"role", "content", "reasoning"} and not last["content"]:
+            history[-1] = {**m, "reasoning": "\n".join(r for r in (last["reasoning"], m.get("reasoning")) if r)}  # the message after a reasoning item
+        else:
+            history.append(m)
     if not history:
         raise BadRequest("'input' must not be empty", "input", "invalid_value")
-    tools = body.get("tools") or []
-    _expect(isinstance(tools, list), "'tools' must be a list", "tools")
-    tools = [{k: t[k] for k in ("name", "description", "parameters") if k in t} for t in tools
-             if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)]  # web_search, namespace, ...: ignored
-    choice = body.get("tool_choice")
-    force = "" if choice == "required" else (choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None)
-    force = force if tools else None
-    _check_forced(force, tools)
     instructions = [{"role": "system", "content": _text_of(body["instructions"], "instructions")}] if body.get("instructions") else []
-    return Request(messages=instructions + history, tools=tools, parse_tools=bool(tools) and choice != "none", force_tool=force,
+    return Request(messages=instructions + history, **_tools(body),
                    sampling=_sampling({"max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                                        "top_k": body.get("top_k"), "seed": body.get("seed")}),
                    stream=bool(body.get("stream", False)), model=str(body.get("model", "")), n_instructions=len(instructions))
 
 
-def _check_forced(force: Optional[str], tools: list[dict]):
-    if force and force not in {t["name"] for t in tools}:
-        raise BadRequest(f"tool_choice names '{force}', which is not in 'tools'", "tool_choice", "invalid_value")
-
-
 # ----------------------------------------------------------------------------- replies and stream events
 #
-# ``answers`` are (call, reply) pairs: the recorded Call and the parsed assistant message
-# ({"role", "content", "tool_calls"?}). ``sent`` is the content already streamed.
+# ``answers`` are (call, reply) pairs: the recorded Call and the parsed assistant message ({"role", "content",
+# "reasoning"?, "tool_calls"?}). ``sent``, ``sent_reasoning``: the content and reasoning already streamed.
 
 
 def sse(obj: dict, event: Optional[str] = None) -> bytes:
@@ -367,6 +366,12 @@ def sse(obj: dict, event: Optional[str] = None) -> bytes:
 def _rest(content: str, sent: str) -> str:
     """What of the final content the stream has not sent yet (sent is always a prefix of it)."""
     return content[len(sent):] if content.startswith(sent) else ""
+
+
+def _usage(n_prompt: int, answers) -> dict:
+    """One request's usage: its prompt once, the tokens of all its choices."""
+    c = sum(len(call.response_ids) for call, _ in answers)
+    return {"prompt_tokens": n_prompt, "completion_tokens": c, "total_tokens": n_prompt + c}
 
 
 def client_finish(call, reply) -> str:
@@ -389,10 +394,6 @@ class ChatReply:
         self.req, self.n_prompt, self.tok = req, n_prompt, tok  # tok: to write the tokens of ``logprobs``
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model or model}
 
-    def _usage(self, answers) -> dict:
-        c = sum(len(call.response_ids) for call, _ in answers)
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": c, "total_tokens": self.n_prompt + c}
-
     @staticmethod
     def _tool_calls(reply) -> list[dict]:
         return [{"id": t["id"], "type": "function", "function": {"name": t["name"], "arguments": t["arguments"]}} for t in reply.get("tool_calls", [])]
@@ -401,14 +402,15 @@ class ChatReply:
         choices = []
         for call, reply in answers:
             calls = self._tool_calls(reply)
-            msg = {"role": "assistant", "content": reply["content"] if (reply["content"] or not calls) else None, **({"tool_calls": calls} if calls else {})}
+            msg = {"role": "assistant", "content": reply["content"] if (reply["content"] or not calls) else None,
+                   **({"reasoning_content": reply["reasoning"]} if reply.get("reasoning") else {}), **({"tool_calls": calls} if calls else {})}
             c = {"index": call.choice, "message": msg, "finish_reason": client_finish(call, reply), "logprobs": None}
             if self.req.logprobs:
                 tokens = [self.tok.decode([t]) for t in call.response_ids]
                 c["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                              for t, lp in zip(tokens, call.response_logprobs)]}
             choices.append(c)
-        return {**self.head, "object": "chat.completion", "choices": choices, "usage": self._usage(answers)}
+        return {**self.head, "object": "chat.completion", "choices": choices, "usage": _usage(self.n_prompt, answers)}
 
     def _chunk(self, index: int, delta: dict, finish=None) -> bytes:
         return sse({**self.head, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]})
@@ -416,31 +418,70 @@ class ChatReply:
     def start(self) -> bytes:
         return b"".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.req.n))
 
+    def reasoning(self, delta: str) -> bytes:
+        return self._chunk(0, {"reasoning_content": delta})
+
     def text(self, delta: str) -> bytes:
         return self._chunk(0, {"content": delta})
 
-    def end(self, answers, sent: str = "") -> bytes:
+    def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
         out = []
         for call, reply in answers:
-            rest = _rest(reply["content"], sent if call.choice == 0 else "")  # only one choice streams live
-            if rest:
-                out.append(self._chunk(call.choice, {"content": rest}))
+            live = call.choice == 0  # only one choice streams live
+            for key, field_, done in (("reasoning", "reasoning_content", sent_reasoning), ("content", "content", sent)):
+                rest = _rest(reply.get(key, ""), done if live else "")
+                if rest:
+                    out.append(self._chunk(call.choice, {field_: rest}))
             for i, tc in enumerate(self._tool_calls(reply)):
                 out.append(self._chunk(call.choice, {"tool_calls": [{"index": i, **tc}]}))
             out.append(self._chunk(call.choice, {}, client_finish(call, reply)))
         if self.req.include_usage:
-            out.append(sse({**self.head, "choices": [], "usage": self._usage(answers)}))
+            out.append(sse({**self.head, "choices": [], "usage": _usage(self.n_prompt, answers)}))
         return b"".join(out) + b"data: [DONE]\n\n"
 
     def error(self, message: str) -> bytes:
         return sse(error_body("chat", message, "server_error")) + b"data: [DONE]\n\n"
 
 
+def _pieces(text: str) -> list[str]:
+    """Split text into word-sized stream deltas (generation finishes before streaming starts)."""
+    return re.findall(r"\s*\S+|\s+", text or "")
+
+
+class CompletionsReply:
+    """/v1/completions: ``answers`` are (call, text) pairs; a stream is sent whole once generated, in word-sized pieces."""
+
+    def __init__(self, req: Request, model: str, n_prompt: int, tok=None):
+        self.req, self.n_prompt, self.tok = req, n_prompt, tok
+        self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": req.model or model}
+
+    def body(self, answers) -> dict:
+        choices = []
+        for call, text in answers:
+            c = {"index": call.choice, "text": text, "finish_reason": client_finish(call, {}), "logprobs": None}
+            if self.req.logprobs:
+                c["logprobs"] = {"tokens": [self.tok.decode([t]) for t in call.response_ids], "token_logprobs": call.response_logprobs}
+            choices.append(c)
+        return {**self.head, "choices": choices, "usage": _usage(self.n_prompt, answers)}
+
+    def _chunk(self, index: int, text: str, finish=None) -> bytes:
+        return sse({**self.head, "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]})
+
+    def end(self, answers) -> bytes:
+        out = []
+        for call, text in answers:
+            out += [self._chunk(call.choice, piece) for piece in _pieces(text)] + [self._chunk(call.choice, "", client_finish(call, {}))]
+        if self.req.include_usage:
+            out.append(sse({**self.head, "choices": [], "usage": _usage(self.n_prompt, answers)}))
+        return b"".join(out) + b"data: [DONE]\n\n"
+
+
 class AnthropicReply:
     STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
     def __init__(self, req: Request, model: str, n_prompt: int):
-        self.req, self.n_prompt, self.open = req, n_prompt, False
+        self.req, self.n_prompt = req, n_prompt
+        self.open, self.index = None, 0  # the stream's open block ("thinking" or "text", or None) and its index (else the next one's)
         self.id, self.model = f"msg_{uuid.uuid4().hex[:24]}", req.model or model
 
     @staticmethod
@@ -454,30 +495,53 @@ class AnthropicReply:
 
     def body(self, answers) -> dict:
         (call, reply), = answers
-        content = [{"type": "text", "text": reply["content"]}] if reply["content"] or not reply.get("tool_calls") else []
+        content = [{"type": "thinking", "thinking": reply["reasoning"], "signature": ""}] if reply.get("reasoning") else []
+        content += [{"type": "text", "text": reply["content"]}] if reply["content"] or not reply.get("tool_calls") else []
         content += [{"type": "tool_use", "id": "toolu_" + tc["id"].removeprefix("call_"), "name": tc["name"], "input": self._input(tc)} for tc in reply.get("tool_calls", [])]
         return self._message(content, self.STOP[client_finish(call, reply)], len(call.response_ids))
 
     def start(self) -> bytes:
         return sse({"type": "message_start", "message": self._message([], None, 0)}, "message_start")
 
-    def text(self, delta: str) -> bytes:
-        out = b"" if self.open else sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
-        self.open = True
-        return out + sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}}, "content_block_delta")
+    def _delta(self, kind: str, delta: str) -> bytes:
+        """``delta`` in the open block of this kind ("thinking" or "text"), closing the other and starting this one first."""
+        out = b""
+        if self.open != kind:
+            block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+            out, self.open = self._close() + sse({"type": "content_block_start", "index": self.index, "content_block": block}, "content_block_start"), kind
+        return out + sse({"type": "content_block_delta", "index": self.index, "delta": {"type": kind + "_delta", kind: delta}}, "content_block_delta")
 
-    def end(self, answers, sent: str = "") -> bytes:
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        # a thinking block ends with its signature: none here (nothing to verify it against when it comes back)
+        out = sse({"type": "content_block_delta", "index": self.index, "delta": {"type": "signature_delta", "signature": ""}}, "content_block_delta") if self.open == "thinking" else b""
+        self.open, self.index = None, self.index + 1
+        return out + sse({"type": "content_block_stop", "index": self.index - 1}, "content_block_stop")
+
+    def reasoning(self, delta: str) -> bytes:
+        return self._delta("thinking", delta)
+
+    def text(self, delta: str) -> bytes:
+        return self._delta("text", delta)
+
+    def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
         (call, reply), = answers
-        message = self.body(answers)
-        out = []
+        message, out = self.body(answers), []
         for i, block in enumerate(message["content"]):
-            if block["type"] == "text":
-                rest = _rest(block["text"], sent)
-                out.append(self.text(rest) if rest or not self.open else b"")
+            if i < self.index:  # streamed and closed already (the thinking, once the text began)
+                continue
+            kind = block["type"]
+            if kind in ("thinking", "text"):
+                rest = _rest(block[kind], sent_reasoning if kind == "thinking" else sent)
+                out.append(self._delta(kind, rest) if rest or self.open != kind else b"")
             else:
-                out.append(sse({"type": "content_block_start", "index": i, "content_block": {**block, "input": {}}}, "content_block_start"))
-                out.append(sse({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}, "content_block_delta"))
-            out.append(sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
+                out.append(self._close())
+                out.append(sse({"type": "content_block_start", "index": self.index, "content_block": {**block, "input": {}}}, "content_block_start"))
+                out.append(sse({"type": "content_block_delta", "index": self.index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}, "content_block_delta"))
+                out.append(sse({"type": "content_block_stop", "index": self.index}, "content_block_stop"))
+                self.index += 1
+        out.append(self._close())
         out.append(sse({"type": "message_delta", "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
                          "usage": {"output_tokens": len(call.response_ids)}}, "message_delta"))
         out.append(sse({"type": "message_stop"}, "message_stop"))
@@ -491,10 +555,15 @@ class ResponsesReply:
     def __init__(self, req: Request, model: str, n_prompt: int, previous_id: Optional[str] = None):
         self.req, self.n_prompt, self.seq = req, n_prompt, 0
         self.id, self.msg_id, self.model = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", req.model or model
-        self.created, self.previous_id, self.open = int(time.time()), previous_id, False
+        self.created, self.previous_id = int(time.time()), previous_id
+        self.rs_id, self.thought = f"rs_{uuid.uuid4().hex}", ""  # the reasoning item, and its text streamed so far
+        self.open, self.index = None, 0  # the stream's open item ("reasoning" or "message", or None) and its output index (else the next one's)
+
+    def _reasoning_item(self, text: str) -> dict:
+        return {"type": "reasoning", "id": self.rs_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
     def _output(self, reply) -> list[dict]:
-        out = []
+        out = [self._reasoning_item(reply["reasoning"])] if reply.get("reasoning") else []
         if reply["content"] or not reply.get("tool_calls"):
             out.append({"type": "message", "id": self.msg_id, "status": "completed", "role": "assistant",
                         "content": [{"type": "output_text", "text": reply["content"], "annotations": [], "logprobs": []}]})
@@ -529,29 +598,53 @@ class ResponsesReply:
         r = self._response("in_progress", [])
         return self._event("response.created", response=r) + self._event("response.in_progress", response=r)
 
-    def text(self, delta: str) -> bytes:
-        out = b""
-        if not self.open:
-            self.open = True
-            out = self._event("response.output_item.added", output_index=0, item={"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []})
-            out += self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-        return out + self._event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0, delta=delta, logprobs=[])
+    def reasoning(self, delta: str) -> bytes:
+        out, at = b"", dict(item_id=self.rs_id, output_index=self.index, content_index=0)
+        if self.open != "reasoning":
+            self.open = "reasoning"
+            out = self._event("response.output_item.added", output_index=self.index, item={"type": "reasoning", "id": self.rs_id, "summary": [], "content": []})
+            out += self._event("response.content_part.added", **at, part={"type": "reasoning_text", "text": ""})
+        self.thought += delta
+        return out + self._event("response.reasoning_text.delta", **at, delta=delta)
 
-    def end(self, answers, sent: str = "") -> bytes:
+    def _close_reasoning(self, text: str) -> bytes:
+        item, at = self._reasoning_item(text), dict(item_id=self.rs_id, output_index=self.index, content_index=0)
+        out = self._event("response.reasoning_text.done", **at, text=text) + self._event("response.content_part.done", **at, part=item["content"][0])
+        out += self._event("response.output_item.done", output_index=self.index, item=item)
+        self.open, self.index = None, self.index + 1
+        return out
+
+    def text(self, delta: str) -> bytes:
+        out = self._close_reasoning(self.thought) if self.open == "reasoning" else b""
+        if self.open != "message":
+            self.open = "message"
+            out += self._event("response.output_item.added", output_index=self.index, item={"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []})
+            out += self._event("response.content_part.added", item_id=self.msg_id, output_index=self.index, content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        return out + self._event("response.output_text.delta", item_id=self.msg_id, output_index=self.index, content_index=0, delta=delta, logprobs=[])
+
+    def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
         (call, reply), = answers
         output, out = self._output(reply), []
         for i, item in enumerate(output):
-            if item["type"] == "message":
+            if i < self.index:  # streamed and closed already (the reasoning, once the text began)
+                continue
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                rest = _rest(text, sent_reasoning)
+                out.append(self.reasoning(rest) if rest or self.open != "reasoning" else b"")
+                out.append(self._close_reasoning(text))
+            elif item["type"] == "message":
                 text = item["content"][0]["text"]
                 rest = _rest(text, sent)
-                out.append(self.text(rest) if rest or not self.open else b"")
+                out.append(self.text(rest) if rest or self.open != "message" else b"")
                 out.append(self._event("response.output_text.done", item_id=self.msg_id, output_index=i, content_index=0, text=text, logprobs=[]))
                 out.append(self._event("response.content_part.done", item_id=self.msg_id, output_index=i, content_index=0, part=item["content"][0]))
             else:
                 out.append(self._event("response.output_item.added", output_index=i, item={**item, "arguments": "", "status": "in_progress"}))
                 out.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=item["arguments"]))
                 out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i, arguments=item["arguments"]))
-            out.append(self._event("response.output_item.done", output_index=i, item=item))
+            if item["type"] != "reasoning":
+                out.append(self._event("response.output_item.done", output_index=i, item=item))
         status = self._status(call, reply)
         out.append(self._event(f"response.{status}", response=self._response(status, output, call)))
         return b"".join(out)

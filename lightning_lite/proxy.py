@@ -30,19 +30,30 @@ import os
 import re
 import threading
 import time
-import uuid
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Optional
+from typing import IO, Optional
 
 from aiohttp import web
 
 from . import apis
 from .chat import BadRequest, ContentStream, Renderer, Request, Turn, fingerprints
-from .records import Call, to_json
+from .models import eos_ids
+from .records import Call, prepare_append, to_json
 
 log = logging.getLogger("lightning_lite.proxy")
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+@dataclass
+class CallsFile:
+    """A calls file the proxy records into (path None: none), and each rollout's next call index in it."""
+
+    path: Optional[str]
+    next: dict[str, int] = field(default_factory=dict)
+    file: Optional[IO] = None  # open while it is the proxy's current output
 
 
 @dataclass
@@ -51,16 +62,17 @@ class Session:
 
     turns: list[Turn] = field(default_factory=list)
     responses: dict[str, list[dict]] = field(default_factory=dict)  # Responses API id -> its conversation
-    n_calls: int = 0
     reward: Optional[float] = None
     sizes: dict[int, int] = field(default_factory=dict)  # call index -> len(prompt_ids + response_ids)
     memo: dict[str, dict] = field(default_factory=dict)  # per API: the last request's messages (apis._convert)
+    out: Optional[CallsFile] = None  # where its calls go: the file current when it began (set by its first call or a switch)
 
 
 class Proxy:
     def __init__(self, backend, tokenizer, model_name: str = "smollm2", out_dir: Optional[str] = None, reuse_tokens: bool = True,
                  max_body_mb: float = 32.0, max_new_tokens: Optional[int] = None, call_timeout: Optional[float] = None,
-                 api_key: Optional[str] = None, max_requests: int = 1024, pause_retry_after: Optional[float] = None):
+                 api_key: Optional[str] = None, max_requests: int = 1024, pause_retry_after: Optional[float] = None,
+                 tool_format: Optional[str] = None, keep_history_tokens: bool = False):
         """``max_new_tokens``: the most tokens one call may generate, whatever the request asks (or when it
         asks nothing: mini-swe-agent, OpenHands): the trainer's cap, recorded as ``capped`` when it cut a reply.
         ``call_timeout``: seconds the backend gets per call before the client is answered 504.
@@ -71,37 +83,51 @@ class Proxy:
         self.backend, self.tok = backend, tokenizer
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
         self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
-        self.renderer = Renderer(tokenizer, getattr(backend, "eos_ids", None))  # the EOS set generation stops on
+        # the EOS set generation stops on: the backend's (HFBackend), or generation_config's and the tokenizer's
+        self.renderer = Renderer(tokenizer, getattr(backend, "eos_ids", None) or eos_ids(tokenizer), tool_format, keep_history_tokens)
         self.model_name = model_name
         self.reuse_tokens = reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
-        self.failures: list[dict] = []  # backend errors: reported, never trained on
-        self._file = None
+        self.failures, self.n_failures = deque(maxlen=100), 0  # backend errors (the last 100; all counted): reported, never trained on
+        self._out, self._lock = CallsFile(None), threading.Lock()  # set_output runs on the trainer's thread, _record on the loop's
+        self._retired: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()  # reset()'s sessions a request still holds
         self.set_output(os.path.join(out_dir, "calls.jsonl") if out_dir else None)
 
     # ------------------------------------------------------------------ used by the trainer
 
     def set_output(self, path: Optional[str]):
         """Append calls to ``path`` from now on (train.py switches files every step). Each call is flushed
-        as it is recorded (a killed process loses none) and the file fsync'd when closed (a crashed machine
-        loses at most the open file's tail: a torn last line is skipped on read)."""
-        if self._file:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-        self._file = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "a")
+        as it is recorded (a killed process loses none) and the file fsync'd when switched (a crashed machine
+        loses at most its tail). A session's calls go to the file current when it began, also a call still in
+        flight after the switch. A file that holds calls already (a restarted proxy) has a torn last line cut
+        off, and each rollout's calls are numbered on after its highest index there: runs never collide."""
+        with self._lock:
+            old = self._out
+            for s in list(self.sessions.values()) + list(self._retired.values()):
+                s.out = s.out or old
+            if old.file:
+                old.file.flush()
+                os.fsync(old.file.fileno())
+                old.file.close()
+                old.file = None
+            self._out = CallsFile(path)
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self._out.next, cut = prepare_append(path)
+                if cut:
+                    log.warning(f"{path}: cut off a torn last line ({cut} bytes; its writer was killed mid-line) before appending")
+                self._out.file = open(path, "a")
 
     def reward(self, rollout_id: str) -> Optional[float]:
         s = self.sessions.get(rollout_id)
         return s.reward if s else None
 
     def reset(self):
-        """Forget the sessions (between training steps; rollout ids are not reused)."""
-        self.sessions.clear()
+        """Forget the sessions (between training steps; rollout ids are not reused). A call still in flight
+        keeps its session (its request holds it; _retired finds it, weakly) and is recorded with it."""
+        old, self.sessions = self.sessions, {}
+        self._retired.update(dict(old))
 
     def close(self):
         self.set_output(None)
@@ -115,23 +141,30 @@ class Proxy:
             return True
         return False
 
-    def _record(self, rid: str, api: str, prompt_ids, gen, parent, hint, sampling, t0, reply=None, choice=0, capped=False) -> Call:
-        s = self.sessions.setdefault(rid, Session())
+    def _record(self, rid: str, api: str, prompt_ids, gen, parent, split, sampling, t0, reply=None, choice=0, capped=False) -> Call:
+        s = self.sessions.get(rid) or self._retired.get(rid) or self.sessions.setdefault(rid, Session())
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must see truncation
         tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
-        call = Call(
-            rollout_id=rid, index=s.n_calls, api=api, model_version=gen.version, prompt_ids=prompt_ids,
-            response_ids=gen.response_ids, response_logprobs=gen.logprobs,
-            finish_reason="tool_calls" if tool else gen.finish_reason, choice=choice, capped=capped and gen.finish_reason == "length",
-            parent=parent, split_hint=hint, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            created=t0, latency_s=round(time.time() - t0, 4), response=reply,
-        )
-        s.n_calls += 1
-        s.sizes[call.index] = len(call.prompt_ids) + len(call.response_ids)
-        if self._file:  # a call that extends its parent is written as the ids after the parent's (records.read_calls)
-            n = s.sizes[parent] if parent is not None else 0
-            self._file.write((to_json(call, prompt_ids=None, prompt_tail=call.prompt_ids[n:]) if n else to_json(call)) + "\n")
-            self._file.flush()
+        with self._lock:
+            out = s.out = s.out or self._out
+            call = Call(  # numbered on after the rollout's calls already in the file
+                rollout_id=rid, index=out.next.get(rid, 0), api=api, model_version=gen.version, prompt_ids=prompt_ids,
+                response_ids=gen.response_ids, response_logprobs=gen.logprobs,
+                finish_reason="tool_calls" if tool else gen.finish_reason, choice=choice, capped=capped and gen.finish_reason == "length",
+                parent=parent, split=split, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                created=t0, latency_s=round(time.time() - t0, 4), response=reply,
+            )
+            out.next[rid] = call.index + 1
+            s.sizes[call.index] = len(call.prompt_ids) + len(call.response_ids)
+            if out.path:  # a call that extends its parent is written as the ids after the parent's (records.read_calls)
+                n = s.sizes[parent] if parent is not None else 0
+                line = (to_json(call, prompt_ids=None, prompt_tail=call.prompt_ids[n:]) if n else to_json(call)) + "\n"
+                if out.file:
+                    out.file.write(line)
+                    out.file.flush()
+                else:  # its file was switched while the call was in flight: it still goes there, not into the next one
+                    with open(out.path, "a") as f:
+                        f.write(line)
         return call
 
     def _unanswered(self, rid: str, api: str, prompt_ids, req: Request, t0: float, reason: str):
@@ -172,6 +205,7 @@ class Proxy:
             timeout = isinstance(e, TimeoutError)
             msg = f"the backend did not answer within {self.call_timeout:g} s" if timeout else f"backend error: {type(e).__name__}: {e}"
             log.error(msg, exc_info=not timeout)
+            self.n_failures += 1
             self.failures.append({"time": time.time(), "rollout_id": rid, "error": msg})
             self._unanswered(rid, api, prompt_ids, req, t0, "error")
             raise BackendError(msg, 504 if timeout else 502) from e
@@ -219,8 +253,9 @@ class Proxy:
             req = apis.parse_responses_request(body, lambda rsp: self._previous(session, rsp), memo)
         t0, capped = time.time(), self._cap(req)
         fps = fingerprints(req.messages, req.tools, session.turns[-1] if session.turns else None)  # hashes the new messages only
-        prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens, fps)
-        forced = self.renderer.forced_prefix(req.force_tool)
+        prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens, fps, req.template_kwargs)
+        opened = self.renderer.opens_reasoning(prompt_ids)  # the generation prompt opened a reasoning block
+        forced = self.renderer.forced_prefix(req.force_tool, opened)
         prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
         self._admit(prompt_ids)
         if api == "chat":
@@ -229,21 +264,23 @@ class Proxy:
             out = apis.AnthropicReply(req, self.model_name, len(prompt_ids))
         else:
             out = apis.ResponsesReply(req, self.model_name, len(prompt_ids), body.get("previous_response_id"))
-        resp, sent = None, ""
+        resp, sent, sent_reasoning = None, "", ""
         if req.stream:
             resp = await _sse_start(request)
             await resp.write(out.start())
         try:
-            if req.stream and req.n == 1:  # live: content leaves as it is sampled
-                stream = ContentStream(self.tok, req.sampling.stop, req.parse_tools, bool(forced))
+            if req.stream and req.n == 1:  # live: reasoning and content leave as they are sampled
+                stream = ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
 
                 async def on_ids(ids):
-                    delta = stream.feed(ids)
-                    if delta:
-                        await resp.write(out.text(delta))
+                    reasoning, content = stream.feed(ids)
+                    if reasoning:
+                        await resp.write(out.reasoning(reasoning))
+                    if content:
+                        await resp.write(out.text(content))
 
                 gens = await self._generate_live(rid, api, prompt_ids, req, t0, on_ids)
-                sent = stream.sent
+                sent, sent_reasoning = stream.sent, stream.reasoning
             else:
                 gens = await self._generate(rid, api, prompt_ids, req, t0)
         except BackendError as e:
@@ -255,15 +292,15 @@ class Proxy:
             return resp
         answers = []
         for i, gen in enumerate(gens):
-            reply = self.renderer.parse_reply(forced + gen.text, req.parse_tools)
+            reply = self.renderer.parse_reply(forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop), req.parse_tools, opened)
             call = self._record(rid, api, prompt_ids, gen, parent, hint, req.sampling, t0, reply, choice=i, capped=capped)
-            session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids, fps))
+            session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids, fps, forced))
             answers.append((call, reply))
         if api == "responses":  # for previous_response_id; a new request's instructions replace these
             session.responses[out.id] = req.messages[req.n_instructions:] + [answers[0][1]]
         if resp is None:
             return web.json_response(out.body(answers))
-        await resp.write(out.end(answers, sent))
+        await resp.write(out.end(answers, sent, sent_reasoning))
         return resp
 
     async def count_tokens(self, request: web.Request):
@@ -280,25 +317,15 @@ class Proxy:
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
         self._admit(prompt_ids)
         t0, capped = time.time(), self._cap(req)
+        session = self.sessions.setdefault(rid, Session())  # held while in flight: a reset leaves it to this call (_record)
         gens = await self._generate(rid, "completions", prompt_ids, req, t0)
-        calls = [self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i, capped=capped) for i, gen in enumerate(gens)]
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(t0), "model": req.model or self.model_name}
-        choices = []
-        for call, gen in zip(calls, gens):
-            choice = {"index": call.choice, "text": gen.text, "finish_reason": apis.client_finish(call, {}), "logprobs": None}
-            if req.logprobs:
-                choice["logprobs"] = {"tokens": [self.tok.decode([t]) for t in call.response_ids], "token_logprobs": call.response_logprobs}
-            choices.append(choice)
+        answers = [(self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i, capped=capped), gen.text) for i, gen in enumerate(gens)]
+        del session  # recorded with it
+        out = apis.CompletionsReply(req, self.model_name, len(prompt_ids), self.tok)
         if not req.stream:
-            return web.json_response({**head, "choices": choices, "usage": _usage(calls)})
+            return web.json_response(out.body(answers))
         resp = await _sse_start(request)
-        for c in choices:
-            for piece in _pieces(c["text"]):
-                await resp.write(apis.sse({**head, "choices": [{"index": c["index"], "text": piece, "finish_reason": None, "logprobs": None}]}))
-            await resp.write(apis.sse({**head, "choices": [{"index": c["index"], "text": "", "finish_reason": c["finish_reason"], "logprobs": None}]}))
-        if req.include_usage:
-            await resp.write(apis.sse({**head, "choices": [], "usage": _usage(calls)}))
-        await resp.write(b"data: [DONE]\n\n")
+        await resp.write(out.end(answers))
         return resp
 
     async def post_reward(self, request: web.Request):
@@ -318,7 +345,7 @@ class Proxy:
 
     async def health(self, request: web.Request):
         return web.json_response({"status": "ok", "model": self.model_name, "version": self.backend.version,
-                                  "backend_failures": len(self.failures), **self.backend.stats})
+                                  "backend_failures": self.n_failures, **self.backend.stats})
 
     # ------------------------------------------------------------------ app
 
@@ -397,17 +424,6 @@ async def _answer_errors(request: web.Request, handler, api: str):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
         kind = {404: "not_found_error", 413: "request_too_large"}.get(e.status, "invalid_request_error") if api == "anthropic" else "invalid_request_error"
         return web.json_response(apis.error_body(api, msg, kind, None, code), status=e.status)
-
-
-def _usage(calls: list[Call]) -> dict:
-    """One request's usage: its prompt once, the tokens of all its choices."""
-    p, c = len(calls[0].prompt_ids), sum(len(call.response_ids) for call in calls)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _pieces(text: str) -> list[str]:
-    """Split text into word-sized stream deltas (generation finishes before streaming starts)."""
-    return re.findall(r"\s*\S+|\s+", text or "")
 
 
 async def _sse_start(request: web.Request) -> web.StreamResponse:

@@ -2,12 +2,14 @@
 
 Two JSONL contracts (DESIGN.md) live here:
 
-- ``calls.jsonl``: one :class:`Call` per LLM call (answered, or ``error`` / ``cancelled``); a call
-  that extends its parent stores only the new prompt ids (``prompt_tail``; read it with ``read_calls``).
+- ``calls.jsonl``: one :class:`Call` per LLM call (answered, or ``error`` / ``cancelled``). A call whose
+  prompt the proxy built on its parent's prompt + response stores only the ids after them
+  (``prompt_ids`` null, ``prompt_tail``): a rollout of n turns holds each id once, on disk and in memory.
 - ``samples.jsonl``: one :class:`Sample` per training sequence.
 
-Both are written one JSON object per line so that a crashed run leaves every
-line it finished readable, and so that ``jq`` and pandas read them directly.
+Both are written one JSON object per line, so a crashed run leaves every line it finished readable and
+``jq`` or ``pandas.read_json(path, lines=True)`` read them as they are; a call's whole prompt is its
+parent chain's (``full_prompt``, or ``read_calls(path, whole=True)``).
 """
 
 from __future__ import annotations
@@ -33,14 +35,18 @@ RUN_FILE = re.compile(r"(step|eval)_(\d+)(?:\.rank\d+)?\.jsonl")
 class Call:
     """One answered LLM call, token-exact.
 
-    ``prompt_ids`` are exactly the ids the backend consumed, ``response_ids``
-    exactly the ids it sampled, ``response_logprobs[i]`` the logprob of
-    ``response_ids[i]`` under the distribution it was sampled from.
+    The prompt ids (``prompt_ids``, or ``full_prompt``) are exactly the ids
+    the backend consumed, ``response_ids`` exactly the ids it sampled,
+    ``response_logprobs[i]`` the logprob of ``response_ids[i]`` under the
+    distribution it was sampled from.
 
     ``parent`` is the index of the earlier call of the same rollout whose
     ``prompt_ids + response_ids`` this call's prompt starts with, when the
-    proxy reused the sampled tokens; ``split_hint`` says why it could not
-    (one of ``SPLIT_REASONS``), or is None when there was nothing to extend.
+    proxy built it so (it reused the sampled tokens); ``prompt_ids`` is then
+    None as read (``read_calls``) and ``prompt_tail`` holds the ids after them.
+    ``split`` says why the proxy could not (one of ``SPLIT_REASONS``), or is
+    None when there was nothing to extend. Indices are unique per rollout in
+    a file, also across proxy runs (a restarted proxy continues after them).
 
     A request for ``n`` choices is recorded as n calls with consecutive indices
     and ``choice`` 0..n-1: call ``index - choice`` is its request's first.
@@ -53,20 +59,21 @@ class Call:
     index: int
     api: str  # "chat" | "completions" | "responses" | "anthropic"
     model_version: int
-    prompt_ids: list[int]
+    prompt_ids: Optional[list[int]]  # None: the call extends its parent (prompt_tail)
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "tool_calls"; unanswered (never trained): "error" | "cancelled"
     choice: int = 0
     capped: bool = False  # the proxy's per-call cap (--max-new-tokens), not the request, cut the reply
     parent: Optional[int] = None
-    split_hint: Optional[str] = None
+    split: Optional[str] = None  # why it extends no earlier call (SPLIT_REASONS); None: nothing to extend
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     created: float = 0.0
     latency_s: float = 0.0
     response: Optional[dict] = None  # the assistant message the harness received
+    prompt_tail: Optional[list[int]] = None  # with prompt_ids None: the prompt ids after the parent's prompt + response
 
 
 @dataclass
@@ -77,8 +84,8 @@ class Sample:
     policy (and is trained in this sample); ``logprobs[i]`` is its recorded
     rollout logprob, 0.0 where the mask is 0. ``temperature[i]``, ``top_k[i]``,
     ``top_p[i]`` are the settings of the call that sampled ``tokens[i]`` (1.0, 0,
-    1.0 where the mask is 0): the trainer scores each token under its own.
-    ``model_version`` is the oldest version among its calls.
+    1.0 where the mask is 0): the trainer scores each token under its own,
+    and ``version[i]`` is the policy version that sampled it.
     """
 
     rollout_id: str
@@ -88,7 +95,6 @@ class Sample:
     advantage: float = 0.0
     calls: list[int] = field(default_factory=list)  # indices of the calls merged into it
     split: Optional[str] = None  # why its first call began a new sample (SPLIT_REASONS); None: the rollout's first
-    model_version: int = 0
     temperature: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
     top_p: list[float] = field(default_factory=list)
@@ -139,21 +145,69 @@ def read_jsonl(path: str, cls: Optional[Type[T]] = None) -> Iterator[Any]:
             yield from_dict(cls, d) if cls is not None else d
 
 
-def read_calls(path: str) -> list[Call]:
-    """The calls of a calls.jsonl file, each with its whole ``prompt_ids``. The proxy writes a call whose
-    prompt extends its parent's ``prompt_ids + response_ids`` as ``"prompt_ids": null`` and ``prompt_tail``
-    (the ids after them), so a rollout of n turns writes each id once, not n times; they are joined here."""
+def read_calls(path: str, whole: bool = False) -> list[Call]:
+    """The calls of a calls.jsonl file, as written: a call that extends its parent keeps ``prompt_ids``
+    None and ``prompt_tail``, so a rollout of n turns of L tokens holds L ids, not n * L / 2 (samples.py
+    merges along ``parent``). ``whole``: every call with its whole ``prompt_ids`` (``prompt_tail`` None),
+    for tools that look at a few calls' prompts; ``full_prompt`` joins one."""
     calls, seen = [], {}
     for d in read_jsonl(path):
+        if "split_hint" in d:  # files written before it was named split
+            d["split"] = d.pop("split_hint")
         c = from_dict(Call, d)
-        if d.get("prompt_tail") is not None:
+        if c.prompt_ids is None:
             p = seen.get((c.rollout_id, c.parent))
-            if p is None:
-                raise ValueError(f"{path}: call {c.index} of rollout {c.rollout_id!r} extends call {c.parent}, which no earlier line holds")
-            c.prompt_ids = p.prompt_ids + p.response_ids + d["prompt_tail"]
+            if p is None or c.prompt_tail is None:
+                raise ValueError(f"{path}: call {c.index} of rollout {c.rollout_id!r} has no prompt_ids, and " + (
+                    "no prompt_tail" if c.prompt_tail is None else f"extends call {c.parent}, which no earlier line holds"))
+            if whole:
+                c.prompt_ids, c.prompt_tail = p.prompt_ids + p.response_ids + c.prompt_tail, None
         seen[c.rollout_id, c.index] = c
         calls.append(c)
     return calls
+
+
+def full_prompt(call: Call, calls: dict[int, Call]) -> list[int]:
+    """The whole prompt ids of ``call``: its parents' prompt + response ids, then its ``prompt_tail``.
+    ``calls``: the calls of its rollout by index (``{c.index: c for c in calls_of_the_rollout}``)."""
+    parts = []
+    while call.prompt_ids is None:
+        if call.parent not in calls:
+            raise ValueError(f"call {call.index} of rollout {call.rollout_id!r} extends call {call.parent}, which is not among its calls")
+        parts.append(call.prompt_tail)
+        call = calls[call.parent]
+        parts.append(call.response_ids)
+    ids = list(call.prompt_ids)
+    for p in reversed(parts):
+        ids += p
+    return ids
+
+
+# How every line of a Call starts (to_json keeps the dataclass's field order): a file's calls are
+# numbered without parsing the ids of each line.
+_HEAD = re.compile(rb'\{"rollout_id":"([^"\\]*)","index":(\d+)[,}]')
+
+
+def prepare_append(path: str) -> tuple[dict[str, int], int]:
+    """Make a calls file ready for a writer that appends to it (a restarted proxy); return (each rollout's
+    next free call index there: one past its highest, bytes cut off). A torn last line (its writer was
+    killed mid-line) is cut off: the next record would be glued onto it, and the file unreadable."""
+    nxt: dict[str, int] = {}
+    if not os.path.exists(path):
+        return nxt, 0
+    with open(path, "r+b") as f:
+        good = 0
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            good += len(line)
+            if m := _HEAD.match(line):
+                rid = m[1].decode()
+                nxt[rid] = max(nxt.get(rid, 0), int(m[2]) + 1)
+        cut = f.seek(0, os.SEEK_END) - good
+        if cut:
+            f.truncate(good)
+    return nxt, cut
 
 
 def read_samples(path: str) -> list[Sample]:

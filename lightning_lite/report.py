@@ -90,7 +90,7 @@ def rollout_view(calls: list[Call], info: dict, max_seq_len: Optional[int], seqs
     """One rollout for the page: its result, its calls, and its samples; each sample's
     tokens are appended to ``seqs`` (the batch's token store) and referred to by position."""
     calls = sorted(calls, key=lambda c: c.index)
-    view = {**info, "calls": [{"index": c.index, "parent": c.parent, "split_hint": c.split_hint, "choice": c.choice,
+    view = {**info, "calls": [{"index": c.index, "parent": c.parent, "split": c.split, "choice": c.choice,
                                "finish": c.finish_reason, "prompt": len(c.prompt_ids), "response": len(c.response_ids),
                                "latency": c.latency_s, "version": c.model_version} for c in calls],
             "samples": [], "samples_error": None}
@@ -122,7 +122,7 @@ def build_batch(files: dict[str, list[str]], max_seq_len: Optional[int]) -> dict
     """One batch's rollouts (from rollouts/ when the run wrote it, else from the calls alone)."""
     calls_of: dict[str, list[Call]] = defaultdict(list)
     for path in files["calls"]:
-        for c in read_calls(path):
+        for c in read_calls(path, whole=True):  # whole prompts: the page draws where each call's prompt ends
             calls_of[c.rollout_id].append(c)
     infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path)}
     for rid in calls_of:

@@ -10,9 +10,15 @@ per turn; merging them trains the K turns of a conversation in one sequence:
     sample: tokens    [1 2 3 4 5 6]
             loss_mask [0 0 1 1 0 1]   (1 exactly on sampled tokens)
 
-The token ids are the source of truth. Each call hangs under the earlier call
-whose prompt + response is the longest prefix of its prompt; a call that
-extends nothing starts a new root (a "split"), counted by reason:
+The token ids are the source of truth. A call the proxy recorded with a
+``parent`` hangs under that call without a single id compared: the proxy built
+its prompt as the parent's prompt + response ids + ``prompt_tail``, so the claim
+is a fact about the ids, true by construction (and no call's whole prompt need
+be built: 200 turns of a 37k-token rollout would be 200 prompts, ~4M ids). Any
+other call (rendered fresh, or not recorded by the proxy) hangs under the
+earlier call whose prompt + response is the longest prefix of its prompt,
+compared id by id; a call that extends nothing starts a new root (a "split"),
+counted by reason:
 
     rewrote_history    the harness sent back a history that differs from what
                        the model produced (reformatted tool calls, stripped
@@ -41,13 +47,13 @@ import os
 from collections import Counter, defaultdict
 from typing import Iterable, Optional
 
-from .records import SPLIT_REASONS, UNANSWERED, Call, Sample, read_calls, write_jsonl
+from .records import SPLIT_REASONS, UNANSWERED, Call, Sample, full_prompt, read_calls, write_jsonl
 
 
 def _check(c: Call) -> None:
-    if not c.prompt_ids:
-        raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: empty prompt_ids; the first sampled "
-                         "token would have no context to be trained from. Is the proxy recording prompt ids?")
+    if not (c.prompt_ids or c.parent is not None and c.prompt_tail is not None):
+        raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: no prompt ids (empty prompt_ids, no parent + prompt_tail); the "
+                         "first sampled token would have no context to be trained from. Is the proxy recording prompt ids?")
     if len(c.response_logprobs) != len(c.response_ids):
         raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: {len(c.response_ids)} response ids but "
                          f"{len(c.response_logprobs)} logprobs; every sampled token needs its rollout logprob.")
@@ -59,7 +65,7 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     Example: an append-only chat of 2 turns and a separate title call:
 
         0: prompt [1 2]        response [3 4]
-        1: prompt [1 2 3 4 5]  response [6]     extends 0
+        1: prompt [1 2 3 4 5]  response [6]     extends 0 (as recorded: parent 0, prompt_tail [5])
         2: prompt [9]          response [8]     extends nothing -> split_new_thread
         -> samples [1 2 3 4 5 6] mask [0 0 1 1 0 1]  and  [9 8] mask [0 1]
 
@@ -71,73 +77,112 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     stats = Counter(rollouts=1, calls=len(calls))
     stats["unanswered"] += sum(c.finish_reason in UNANSWERED for c in calls)  # a failed or cancelled call: nothing to train
     calls = sorted((c for c in calls if c.finish_reason not in UNANSWERED), key=lambda c: c.index)
+    by_index = {c.index: c for c in calls}
+    if len(by_index) < len(calls):
+        i = next(a.index for a, b in zip(calls, calls[1:]) if a.index == b.index)
+        raise ValueError(f"rollout {calls[0].rollout_id!r}: call index {i} twice; pass each rollout's calls once, from one "
+                         "calls file (a proxy restarted on a file before calls were numbered after those on disk reuses indices)")
+    # The tree: each call as the ids after the call it extends (a root: its whole prompt). A call's
+    # prompt + response ids are the segments up its path, built as one list for the samples only.
     kept: dict[int, Call] = {}  # index -> call still in the tree (retried attempts leave it)
-    full: dict[int, list[int]] = {}  # index -> prompt + response ids
-    parent: dict[int, Optional[int]] = {}
-    why: dict[int, str] = {}  # index -> why this call began a new tree instead of extending one (a split reason)
+    up: dict[int, Optional[int]] = {}  # index -> the call it extends (None: a root)
+    tail: dict[int, list[int]] = {}  # index -> its prompt ids after up's prompt + response ids
+    size: dict[int, int] = {}  # index -> len(prompt + response)
+    split: dict[int, str] = {}  # index -> why this call began a new tree instead of extending one (SPLIT_REASONS)
+
+    def segments(i):  # call i's prompt + response ids, last segment first
+        while i is not None:
+            yield by_index[i].response_ids
+            yield tail[i]
+            i = up[i]
+
+    def starts(ids, i, prompt_only=False):  # does ids start with call i's prompt (+ response) ids?
+        segs, end = segments(i), size[i]
+        if prompt_only:
+            end -= len(next(segs))
+        if len(ids) < end:
+            return False
+        for seg in segs:
+            if ids[end - len(seg):end] != seg:
+                return False
+            end -= len(seg)
+        return True
+
     for c in calls:
         _check(c)
         stats["sampled_tokens"] += len(c.response_ids)
-        has_child = {p for i, p in parent.items() if i in kept and p is not None}
+        has_child = {p for i, p in up.items() if i in kept and p is not None}
+        claimed = c.parent in kept  # the proxy built this prompt on that call's: nothing to compare
+        if claimed:
+            t = c.prompt_tail if c.prompt_ids is None else c.prompt_ids[size[c.parent]:]
+            same = lambda e: up[e.index] == c.parent and tail[e.index] == t  # noqa: E731
+        else:  # placed by its ids (its claimed parent, if any, left the tree as a retried attempt)
+            ids = c.prompt_ids if c.prompt_ids is not None else full_prompt(c, by_index)
+            same = lambda e: size[e.index] - len(e.response_ids) == len(ids) and starts(ids, e.index, True)  # noqa: E731
         # A retry: the same prompt ids again, from an earlier request (the n choices of one
         # request, indices index-choice .. index, are siblings, not retries). The earlier attempt
         # is dropped unless something already continued from it (then the harness used it: both
         # stay, as branches). Checked before extension, as that prompt also extends its parent.
-        retried = [e for e in kept.values() if e.prompt_ids == c.prompt_ids and e.index < c.index - c.choice]
+        retried = [e for e in kept.values() if e.index < c.index - c.choice and same(e)]
         stats["split_retry"] += bool(retried)
         for e in retried:
             if e.index not in has_child:
                 del kept[e.index]
-        # Longest candidate first: in an append-only chat the previous call matches at once.
-        ext = next((i for i in sorted(kept, key=lambda i: -len(full[i]))
-                    if c.prompt_ids[:len(full[i])] == full[i]), None)
-        parent[c.index] = ext
-        # The first root of a rollout is not a split, nor is choice 1.. of a request (a sibling).
-        if ext is None and retried:
-            why[c.index] = "retry"
-        elif ext is None and kept and c.choice == 0:
-            if c.split_hint in SPLIT_REASONS:
-                why[c.index] = c.split_hint
-            elif any(c.prompt_ids[:len(e.prompt_ids)] == e.prompt_ids for e in kept.values()):
-                why[c.index] = "rewrote_history"
-            else:
-                why[c.index] = "new_thread"
-            stats["split_" + why[c.index]] += 1
+        if claimed:
+            up[c.index], tail[c.index] = c.parent, t
+        else:
+            # Longest candidate first: in an append-only chat the previous call matches at once.
+            ext = next((i for i in sorted(kept, key=lambda i: -size[i]) if starts(ids, i)), None)
+            up[c.index], tail[c.index] = ext, ids if ext is None else ids[size[ext]:]
+            # The first root of a rollout is not a split, nor is choice 1.. of a request (a sibling).
+            if ext is None and retried:
+                split[c.index] = "retry"
+            elif ext is None and kept and c.choice == 0:
+                if c.split in SPLIT_REASONS:
+                    split[c.index] = c.split
+                elif any(starts(ids, e.index, True) for e in kept.values()):
+                    split[c.index] = "rewrote_history"
+                else:
+                    split[c.index] = "new_thread"
+                stats["split_" + split[c.index]] += 1
         kept[c.index] = c
-        full[c.index] = c.prompt_ids + c.response_ids
+        size[c.index] = (size[up[c.index]] if up[c.index] is not None else 0) + len(tail[c.index]) + len(c.response_ids)
 
-    stats["tokens_unmerged"] = sum(len(c.prompt_ids) + len(c.response_ids) for c in kept.values())
-    children = {p for i, p in parent.items() if i in kept and p is not None}
-    paths = []  # root -> leaf calls of each leaf, cut to max_seq_len
+    stats["tokens_unmerged"] = sum(size[i] for i in kept)
+    children = {up[i] for i in kept if up[i] is not None}
+    paths = []  # (tokens, root -> leaf calls) of each leaf, cut to max_seq_len
     for leaf in (c for i, c in kept.items() if i not in children):
         path = [leaf]
-        while parent[path[-1].index] is not None:
-            path.append(kept[parent[path[-1].index]])
+        while up[path[-1].index] is not None:
+            path.append(kept[up[path[-1].index]])
         path.reverse()
-        if max_seq_len is not None and len(full[leaf.index]) > max_seq_len:
+        if max_seq_len is not None and size[leaf.index] > max_seq_len:
             # Cut at the end of a call's response: a turn boundary, never mid-response.
-            fit = [c for c in path if len(full[c.index]) <= max_seq_len]
+            fit = [c for c in path if size[c.index] <= max_seq_len]
             if not fit:
                 stats["dropped"] += 1
                 continue
             stats["truncated"] += 1
             path = fit
-        paths.append(path)
+        tokens = []
+        for seg in reversed(list(segments(path[-1].index))):
+            tokens += seg
+        paths.append((tokens, path))
     # A sampled token on several leaves' paths is trained once, in the longest leaf (ties: the
     # smaller token ids): a rule that does not depend on which branch the harness sent first,
     # so per-sample normalizations (seq-mean-token-mean) weigh it the same in every run.
-    paths.sort(key=lambda p: (-len(full[p[-1].index]), full[p[-1].index]))
+    paths.sort(key=lambda p: (-len(p[0]), p[0]))
     trained: set[int] = set()  # calls whose response is already trained in a longer leaf
     samples = []
-    for path in paths:
-        tokens = full[path[-1].index]
+    for tokens, path in paths:
         n = len(tokens)
         mask, logprobs, temperature, top_k, top_p, version = [0] * n, [0.0] * n, [1.0] * n, [0] * n, [1.0] * n, [0] * n
         for c in path:
             if c.index in trained:
                 continue
             trained.add(c.index)
-            a, k = len(c.prompt_ids), len(c.response_ids)
+            k = len(c.response_ids)
+            a = size[c.index] - k
             mask[a:a + k], logprobs[a:a + k] = [1] * k, c.response_logprobs
             temperature[a:a + k], top_k[a:a + k], top_p[a:a + k] = [c.temperature] * k, [c.top_k] * k, [c.top_p] * k
             version[a:a + k] = [c.model_version] * k
@@ -145,9 +190,8 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
             stats["empty"] += 1
             continue
         samples.append(Sample(
-            rollout_id=path[-1].rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs,
-            calls=[c.index for c in path], split=why.get(path[0].index), model_version=min(c.model_version for c in path),
-            temperature=temperature, top_k=top_k, top_p=top_p, version=version))
+            rollout_id=path[-1].rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs, calls=[c.index for c in path],
+            split=split.get(path[0].index), temperature=temperature, top_k=top_k, top_p=top_p, version=version))
         stats["samples"] += 1
         stats["trainable_tokens"] += sum(mask)
         stats["tokens"] += n
@@ -170,31 +214,19 @@ def build_batch_samples(calls: Iterable[Call], max_seq_len: Optional[int] = None
 
 
 def format_stats(stats: Counter) -> str:
-    """A small aligned table of merge statistics, e.g.
-
-        rollouts                     2
-        calls                        7
-        samples                      3
-        trainable tokens           120  of 120 sampled
-        tokens (merged)            300
-        tokens (one per call)      810  2.70x the merged count
-        split: rewrote_history       1
-        ...
-    """
-    merged, unmerged = stats["tokens"], stats["tokens_unmerged"]
-    rows = [
-        ("rollouts", stats["rollouts"], ""),
-        ("calls", stats["calls"], f"{stats['unanswered']} unanswered (backend error, client gone)" if stats["unanswered"] else ""),
-        ("samples", stats["samples"], ""),
-        ("trainable tokens", stats["trainable_tokens"], f"of {stats['sampled_tokens']} sampled"),
-        ("tokens (merged)", merged, ""),
-        ("tokens (one per call)", unmerged, f"{unmerged / merged:.2f}x the merged count" if merged else ""),
-    ]
-    rows += [(f"split: {r}", stats["split_" + r], "") for r in SPLIT_REASONS]
-    rows += [("truncated (max-seq-len)", stats["truncated"], "cut at a turn boundary"),
-             ("dropped (max-seq-len)", stats["dropped"], "first turn too long"),
-             ("empty", stats["empty"], "no token left to train")]
-    return "\n".join(f"{name:<24}{value:>9}  {note}".rstrip() for name, value, note in rows)
+    """The merge statistics as aligned rows of name, count, note (what the CLI prints)."""
+    merged, unanswered = stats["tokens"], stats["unanswered"]
+    rows = [("rollouts", "rollouts", ""),
+            ("calls", "calls", f"{unanswered} unanswered (backend error, client gone)" if unanswered else ""),
+            ("samples", "samples", ""),
+            ("trainable tokens", "trainable_tokens", f"of {stats['sampled_tokens']} sampled"),
+            ("tokens (merged)", "tokens", ""),
+            ("tokens (one per call)", "tokens_unmerged", f"{stats['tokens_unmerged'] / merged:.2f}x the merged count" if merged else ""),
+            *((f"split: {r}", "split_" + r, "") for r in SPLIT_REASONS),
+            ("truncated (max-seq-len)", "truncated", "cut at a turn boundary"),
+            ("dropped (max-seq-len)", "dropped", "first turn too long"),
+            ("empty", "empty", "no token left to train")]
+    return "\n".join(f"{name:<24}{stats[key]:>9}  {note}".rstrip() for name, key, note in rows)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

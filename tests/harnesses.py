@@ -2,6 +2,7 @@
 
 import asyncio
 import sys
+import zlib
 
 import openai
 
@@ -12,19 +13,21 @@ TOPICS = ["cats", "rain", "bread", "trains", "the sea", "music", "snow", "books"
 
 class LengthHarness(Harness):
     """One short call; reward = reply length / 80 characters. Sampled replies differ in length,
-    so every group has variance and every step updates the weights."""
+    so every group has variance and every step updates the weights. ``seeded``: each call sends a
+    seed made from its rollout id, so a rerun samples the same replies (with --max-concurrency 1)."""
 
     name = "length"
 
-    def __init__(self, max_tokens: int = 8):
-        self.max_tokens = max_tokens
+    def __init__(self, max_tokens: int = 8, seeded: bool = False):
+        self.max_tokens, self.seeded = max_tokens, seeded
 
     def tasks(self, split):
         return [Task(f"{split}-{i}", f"Say something about {t}.") for i, t in enumerate(TOPICS)]
 
     async def run(self, task, endpoint):
         async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
-            r = await c.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": task.prompt}], max_tokens=self.max_tokens, temperature=1.0)
+            r = await c.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": task.prompt}], max_tokens=self.max_tokens, temperature=1.0,
+                                                **({"seed": zlib.crc32(endpoint.rollout_id.encode())} if self.seeded else {}))
         return min(1.0, len(r.choices[0].message.content or "") / 80)
 
 

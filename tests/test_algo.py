@@ -1,12 +1,13 @@
 """algo.py against numbers computed by hand (the arithmetic is in the comments)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_lite.algo import (collate, compute_advantages, global_denominators, policy_loss, reduce_metrics,
-                                 sample_weights, sampled_logprobs, sampling_support, token_logprobs)
+                                 sample_weights, sampled_logprobs, sampling_support, trainer_logprobs)
 from lightning_lite.records import Sample
 
 approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-9)  # noqa: E731
@@ -129,7 +130,8 @@ def test_gspo_by_hand():
     # row 1: log-ratios 0.9 x3 -> exp(0.9) = 2.4596; A = -1: -min(-2.4596, -1.28) = 2.4596 (not clipped)
     new, old, adv, mask = two_rows([[1.0, 1.0, math.exp(0.3)], [math.exp(0.9)] * 3], [2.0, -1.0])
     w = torch.full((2,), 1 / 6, dtype=torch.float64)  # seq-mean-token-mean: 1 / (2 samples x 3 tokens)
-    loss, m = policy_loss(new, old, adv, mask, w, "gspo")
+    ppo_clip = dict(clip_low=0.2, clip_high=0.28)
+    loss, m = policy_loss(new, old, adv, mask, w, "gspo", **ppo_clip)
     assert loss.item() == approx((-2 * math.exp(0.1) + math.exp(0.9)) / 2)
     loss.backward()
     # d(seq ratio)/d(logprob_t) = seq ratio / 3; sample weight 1/2: grad = -A s / 3 / 2
@@ -138,9 +140,14 @@ def test_gspo_by_hand():
     assert reduce_metrics([m])["clip_frac"] == 0.0
     # A = +1 on row 1 instead: 2.4596 > 1.28 is clipped, the whole sample gets no gradient
     new.grad = None
-    loss, m = policy_loss(new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "gspo")
+    loss, m = policy_loss(new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "gspo", **ppo_clip)
     loss.backward()
     assert new.grad[1].tolist() == [0.0] * 3 and reduce_metrics([m])["clip_frac"] == approx(0.5)
+    # GSPO's own default range (3e-4, 4e-4): row 0's ratio 1.105 is clipped too, for A > 0
+    _, m = policy_loss(new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "gspo")
+    assert reduce_metrics([m])["clip_frac"] == 1.0
+    _, m = policy_loss(new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "ppo")  # PPO's (0.2, 0.28): 0.9 inside
+    assert reduce_metrics([m])["clip_frac"] == approx(4 / 6)
 
 
 def test_tis_by_hand():
@@ -172,12 +179,43 @@ def test_kl_penalty_and_mismatch_metrics():
     assert reduce_metrics([m])["prob_corr"] == approx(-1.0)
 
 
-def test_token_logprobs_alignment():
+def fixed_logits(logits):
+    """A stand-in for the model: returns the rows of ``logits`` that train.py asks for (logits_to_keep)."""
+    return lambda input_ids, logits_to_keep, **_: SimpleNamespace(logits=logits[:, logits_to_keep])
+
+
+def test_trainer_logprobs_alignment():
     logits = torch.randn(2, 4, 5, dtype=torch.float64)
-    tokens = torch.tensor([[1, 2, 3, 4], [0, 0, 1, 1]])
-    lp = token_logprobs(logits, tokens)
-    ref = torch.log_softmax(logits, -1)
-    assert lp[0, 0] == 0 and lp[1, 2] == approx(ref[1, 1, 1].item()) and lp[0, 3] == approx(ref[0, 2, 4].item())
+    tokens = [[1, 2, 3, 4], [0, 0, 1, 1]]
+    b = collate([Sample("a", tokens[0], [0, 0, 1, 1], [0.0] * 4), Sample("b", tokens[1], [0, 1, 1, 0], [0.0] * 4)], [1.0, 1.0], dtype=torch.float64)
+    lp = trainer_logprobs(fixed_logits(logits), b)
+    ref = torch.log_softmax(logits, -1)  # token t is predicted at position t - 1
+    assert lp[1, 2] == approx(ref[1, 1, 1].item()) and lp[0, 3] == approx(ref[0, 2, 4].item())
+    assert lp[0, :2].tolist() == [0.0, 0.0] and lp[1, 3] == 0.0  # off the loss mask
+
+
+def test_trainer_logprobs_shares_the_prefix_exactly():
+    """Rows with a common prefix of >= 16 tokens run it once and share its KV cache: the logprobs and their
+    gradients are those of running every row whole (a tiny random Llama in fp64; its RMSNorm computes in fp32,
+    so the gradients, summed over the rows in another order, differ by fp32 noise: measured 4e-9 of their size)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    net = LlamaForCausalLM(cfg).double()
+    prompt = torch.randint(0, 50, (20,)).tolist()
+    samples = [Sample(f"r{i}", prompt + torch.randint(0, 50, (n,)).tolist(), [0] * 20 + [1] * n, [0.0] * (20 + n)) for i, n in enumerate((3, 5, 4))]
+    b = collate(samples, [1.0] * 3, dtype=torch.float64)
+    grads = []
+    for fsdp in (False, True):  # fsdp: no prefix sharing (every forward is a collective there)
+        net.zero_grad()
+        lp = trainer_logprobs(net, b, fsdp=fsdp)
+        lp.sum().backward()
+        grads.append((lp.detach(), torch.cat([p.grad.flatten() for p in net.parameters()])))
+    full = torch.log_softmax(net(input_ids=b["tokens"]).logits, -1)[:, :-1].gather(-1, b["tokens"][:, 1:, None])[..., 0]
+    assert torch.allclose(grads[0][0][:, 1:], full * b["loss_mask"][:, 1:], atol=1e-12)
+    (lp, g), (lp_whole, g_whole) = grads
+    assert torch.allclose(lp, lp_whole, atol=1e-12) and (g - g_whole).abs().max() <= 1e-6 * g_whole.abs().max()
 
 
 def test_reduce_metrics_of_a_rank_without_samples():
@@ -216,14 +254,15 @@ def test_sampled_logprobs_by_hand():
     assert lp[5].item() == approx(0 - math.log(math.e ** 2 + 1))
 
 
-def test_token_logprobs_uses_each_tokens_own_sampling():
+def test_trainer_logprobs_uses_each_tokens_own_sampling():
     """A merged sample whose turns used different settings: each token is scored under its own."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 5, 11, generator=g, dtype=torch.float64)
     tokens = torch.randint(0, 11, (1, 5), generator=g)
-    s = {"temperature": torch.tensor([[1.0, 0.5, 0.5, 1.0, 1.0]], dtype=torch.float64),
-         "top_k": torch.tensor([[0, 0, 0, 3, 0]]), "top_p": torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.6]], dtype=torch.float64)}
-    lp = token_logprobs(logits, tokens, s)
+    sample = Sample("a", tokens[0].tolist(), [0, 1, 1, 1, 1], [0.0] * 5, temperature=[1.0, 0.5, 0.5, 1.0, 1.0], top_k=[0, 0, 0, 3, 0],
+                    top_p=[1.0, 1.0, 1.0, 1.0, 0.6])
+    s = collate([sample], [1.0], dtype=torch.float64)
+    lp = trainer_logprobs(fixed_logits(logits), s)
     for t in range(1, 5):  # token t is predicted at position t-1 under the settings of token t
         one = sampled_logprobs(logits[0, t - 1:t], tokens[0, t:t + 1], s["temperature"][0, t:t + 1], s["top_k"][0, t:t + 1], s["top_p"][0, t:t + 1])
         assert lp[0, t].item() == approx(one.item())

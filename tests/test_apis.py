@@ -108,12 +108,26 @@ class Messages:
         return [b.name for b in uses]
 
 
+@pytest.fixture(scope="module")
+def kept(backend, tok, tmp_path_factory):
+    """A proxy that keeps the sampled tokens of every echoed turn (keep_history_tokens): the 135M model writes
+    replies its template renders otherwise (text after a call), which by default split (tests/test_families.py)."""
+    from lightning_lite.proxy import Proxy, ProxyServer
+
+    out = tmp_path_factory.mktemp("kept")
+    srv = ProxyServer(Proxy(backend, tok, out_dir=str(out), keep_history_tokens=True)).start()
+    srv.out = out
+    yield srv
+    srv.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("api", [Chat, Responses, Messages], ids=["chat", "responses", "anthropic"])
-def test_three_turn_tool_conversation_in_each_api_is_one_sample(server, model, api, stream):
+def test_three_turn_tool_conversation_in_each_api_is_one_sample(kept, model, api, stream):
     """The same conversation (same seeds, so the same sampled tokens) through each API shape: the proxy
     records prompt ids that extend the previous call's prompt + response ids, and the calls merge into one
     sample whose logprobs the trainer reproduces."""
+    server = kept
     rid = f"three-turn-{api.__name__}-{'sse' if stream else 'json'}"
     h = api(server, rid)
     names = [h.turn(force, seed, stream) for force, seed in zip(FORCE, SEEDS)]
@@ -122,7 +136,7 @@ def test_three_turn_tool_conversation_in_each_api_is_one_sample(server, model, a
     assert [c.index for c in calls] == [0, 1, 2] and {c.api for c in calls} == {api.__name__.lower().replace("messages", "anthropic")}
     for prev, cur in zip(calls, calls[1:]):
         assert cur.prompt_ids[: len(prev.prompt_ids) + len(prev.response_ids)] == prev.prompt_ids + prev.response_ids
-        assert cur.parent == prev.index and cur.split_hint is None
+        assert cur.parent == prev.index and cur.split is None
     for call in calls:  # invariant 1, per call ...
         assert max(abs(a - b) for a, b in zip(teacher_forced_call(model, call), call.response_logprobs)) < 2e-3
     samples, stats = build_samples(calls)  # ... and on the merged sample
@@ -177,13 +191,14 @@ def test_streaming_sends_tokens_as_they_are_sampled(server):
 def test_streamed_content_never_shows_a_tool_call_or_a_stop_string(server, tok):
     from lightning_lite.chat import ContentStream
 
-    s = ContentStream(tok, stops=["STOP"], parse_tools=True, forced=False)
-    pieces = [s.feed(tok.encode(t)) for t in ["  Hello", "  Hello wor", "  Hello world <tool", "  Hello world <tool_call>\n{", "  Hello world ST"]]
+    r = server.proxy.renderer
+    s = ContentStream(r, stops=["STOP"], parse_tools=True)
+    pieces = [s.feed(tok.encode(t))[1] for t in ["  Hello", "  Hello wor", "  Hello world <tool", "  Hello world <tool_call>\n{", "  Hello world ST"]]
     assert pieces == ["Hello", " wor", "ld", "", ""] and s.sent == "Hello world"  # "<tool" may start a call: held back
-    s = ContentStream(tok, stops=[], parse_tools=False, forced=False)
+    s = ContentStream(r, stops=[], parse_tools=False)
     ids = tok.encode("café ☕")
-    assert "".join(s.feed(ids[:k]) for k in range(1, len(ids) + 1)) == "café ☕"  # no split UTF-8 character, ever
-    assert ContentStream(tok, [], True, forced=True).feed(ids) == ""
+    assert "".join(s.feed(ids[:k])[1] for k in range(1, len(ids) + 1)) == "café ☕"  # no split UTF-8 character, ever
+    assert ContentStream(r, [], True, forced=r.forced_prefix("")).feed(ids) == ("", "")
 
 
 def test_anthropic_count_tokens_errors_and_probe(server):
@@ -354,3 +369,204 @@ def test_a_reply_cut_by_the_proxys_cap_is_answered_as_finished(tok, tmp_path):
         srv.stop()
     calls = read_calls(str(tmp_path / "calls.jsonl"))
     assert [(c.finish_reason, c.capped) for c in calls] == [("length", True), ("length", False), ("length", True), ("length", True), ("length", True)]
+
+
+# ----------------------------------------------------------------------------- writers and parsers, no model
+
+THOUGHT, ANSWER = "The user wants 17*23. 17*20 = 340, 17*3 = 51: 391.", "It is 391."
+CALL = {"id": "call_7", "name": "calculator", "arguments": {"expression": "17*23"}}
+
+
+def answered(reply, choices=1, finish="stop"):
+    """Fake answers for a writer: (call, reply) pairs with what the writers read of a recorded call."""
+    from types import SimpleNamespace
+
+    return [(SimpleNamespace(choice=i, response_ids=[5] * 9, response_logprobs=[-0.5] * 9, capped=False, finish_reason=finish), reply) for i in range(choices)]
+
+
+def writer(api, req=None):
+    from lightning_lite.apis import AnthropicReply, ChatReply, ResponsesReply
+    from lightning_lite.chat import Request
+
+    req = req or Request(tools=[CALC], stream=True, include_usage=True)
+    return {"chat": lambda: ChatReply(req, "m", 11), "anthropic": lambda: AnthropicReply(req, "m", 11), "responses": lambda: ResponsesReply(req, "m", 11)}[api]()
+
+
+def streamed(w, answers, live_reasoning=(), live_text=()):
+    """The bytes of a stream: start, the live reasoning then text deltas, then end() with what they sent."""
+    return w.start() + b"".join(map(w.reasoning, live_reasoning)) + b"".join(map(w.text, live_text)) + w.end(answers, "".join(live_text), "".join(live_reasoning))
+
+
+def sdk_client(api, body: bytes):
+    """The API's official client, answered ``body`` (server-sent events) by a fake transport: its stream helpers check the events."""
+    import importlib.util
+
+    httpx = importlib.import_module("httpx2" if importlib.util.find_spec("httpx2") else "httpx")  # what these clients are built on
+
+    http = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})))
+    if api == "anthropic":
+        return anthropic.Anthropic(base_url="http://fake", api_key="x", http_client=http, max_retries=0)
+    return openai.OpenAI(base_url="http://fake/v1", api_key="x", http_client=http, max_retries=0)
+
+
+LIVE = [((), ()), (("The user wants ", "17*23."), ()), ((THOUGHT[:20], THOUGHT[20:]), ("It is ",))]  # nothing live, part of the reasoning, all of it and part of the text
+
+
+@pytest.mark.parametrize("live", LIVE, ids=["nothing-live", "reasoning-partly-live", "text-partly-live"])
+@pytest.mark.parametrize("calls", [False, True], ids=["text", "text+call"])
+def test_reasoning_goes_out_in_each_apis_own_field_and_the_stream_carries_the_same(live, calls):
+    """reasoning_content / a thinking block / a reasoning item, before the text and the calls; the streamed events,
+    whatever was sent live, reassemble (by hand, and by the official clients' stream helpers) into the JSON body's."""
+    reply = {"role": "assistant", "content": ANSWER, "reasoning": THOUGHT, **({"tool_calls": [CALL]} if calls else {})}
+    answers = answered(reply, finish="tool_calls" if calls else "stop")
+    live_reasoning, live_text = live
+
+    msg = writer("chat").body(answers)["choices"][0]["message"]
+    assert (msg["content"], msg["reasoning_content"], len(msg.get("tool_calls", []))) == (ANSWER, THOUGHT, int(calls))
+    deltas = [e["choices"][0]["delta"] for e in sse_events(streamed(writer("chat"), answers, live_reasoning, live_text).decode()) if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT and "".join(d.get("content", "") for d in deltas) == ANSWER
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all("reasoning_content" not in d for d in deltas[first_content:])  # reasoning before content
+    assert [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", [])] == ["calculator"] * calls
+
+    body = writer("anthropic").body(answers)
+    assert body["content"][0] == {"type": "thinking", "thinking": THOUGHT, "signature": ""} and body["content"][1] == {"type": "text", "text": ANSWER}
+    assert [b["type"] for b in body["content"]] == ["thinking", "text"] + ["tool_use"] * calls
+    events = sse_events(streamed(writer("anthropic"), answers, live_reasoning, live_text).decode())
+    starts = [e for e in events if e["type"] == "content_block_start"]
+    assert [e["index"] for e in starts] == list(range(len(body["content"]))) == [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert "".join(e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta") == THOUGHT
+    assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == ANSWER
+    with sdk_client("anthropic", streamed(writer("anthropic"), answers, live_reasoning, live_text)).messages.stream(model="m", max_tokens=9, messages=[{"role": "user", "content": "hi"}]) as s:
+        final = s.get_final_message()
+    assert [b.model_dump(exclude_none=True) for b in final.content] == body["content"] and final.stop_reason == body["stop_reason"]
+
+    body = writer("responses").body(answers)
+    reasoning, message = body["output"][:2]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": THOUGHT}] and message["content"][0]["text"] == ANSWER
+    assert [o["type"] for o in body["output"]] == ["reasoning", "message"] + ["function_call"] * calls
+    raw = streamed(writer("responses"), answers, live_reasoning, live_text)
+    events = sse_events(raw.decode())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == list(range(len(body["output"])))
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == THOUGHT
+    assert [e["text"] for e in events if e["type"] == "response.reasoning_text.done"] == [THOUGHT]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == ANSWER
+    with sdk_client("responses", raw).responses.stream(model="m", input="hi") as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert [o.model_dump(exclude_none=True)["type"] for o in final.output] == [o["type"] for o in body["output"]]
+    assert final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER
+
+
+def test_a_reply_without_reasoning_has_no_reasoning_field_or_event():
+    answers = answered({"role": "assistant", "content": ANSWER})
+    assert "reasoning_content" not in writer("chat").body(answers)["choices"][0]["message"]
+    assert [b["type"] for b in writer("anthropic").body(answers)["content"]] == ["text"]
+    assert [o["type"] for o in writer("responses").body(answers)["output"]] == ["message"]
+    for api in ("chat", "anthropic", "responses"):
+        for raw in (streamed(writer(api), answers, (), ("It ",)), streamed(writer(api), answers)):
+            assert not any(k in raw for k in (b"reasoning_content", b'"reasoning"', b"reasoning_text", b"thinking")), api
+
+
+def test_chat_reasoning_of_every_choice_is_sent_and_only_choice_0_streamed_live():
+    from lightning_lite.chat import Request
+
+    answers = answered({"role": "assistant", "content": ANSWER, "reasoning": THOUGHT}, choices=2)
+    events = sse_events(streamed(writer("chat", Request(n=2, stream=True)), answers, (THOUGHT[:9],), ("It",)).decode())
+    for i in (0, 1):
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT and "".join(d.get("content") or "" for d in deltas) == ANSWER
+
+
+def test_reasoning_sent_back_is_read_back_in_each_apis_shape():
+    """What a client echoes of the reasoning (chat reasoning_content or reasoning, Anthropic thinking blocks, Responses
+    reasoning items) becomes the assistant message's "reasoning"; what the proxy wrote comes back as the reply it was."""
+    from lightning_lite.apis import parse_anthropic_request, parse_chat_request, parse_responses_request
+
+    user = {"role": "user", "content": QUESTION}
+    reply = {"role": "assistant", "content": ANSWER, "reasoning": THOUGHT, "tool_calls": [CALL]}
+    tool = {"role": "tool", "tool_call_id": CALL["id"], "content": "391"}
+    expected = [user, reply, tool]
+
+    msg = writer("chat").body(answered(reply))["choices"][0]["message"]
+    assert parse_chat_request({"messages": [user, msg, tool]}).messages == expected
+    renamed = {k if k != "reasoning_content" else "reasoning": v for k, v in msg.items()}  # OpenRouter's name
+    assert parse_chat_request({"messages": [user, renamed, tool]}).messages == expected
+    bare = parse_chat_request({"messages": [user, {"role": "assistant", "content": "x", "reasoning_content": ""}, {**user, "reasoning": "no"}]}).messages
+    assert all("reasoning" not in m for m in bare)  # empty: no key; a user's: not an assistant's reasoning
+
+    blocks = writer("anthropic").body(answered(reply))["content"]
+    anth = parse_anthropic_request({"max_tokens": 5, "messages": [user, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "xyz"}] + blocks},
+                                                                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_7", "content": "391"}]}]})
+    assert anth.messages == [user, {**reply, "tool_calls": [{**CALL, "id": "toolu_7"}]}, {**tool, "tool_call_id": "toolu_7"}]
+    redacted = parse_anthropic_request({"max_tokens": 5, "messages": [user, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "ok"}]}]})
+    assert redacted.messages[1] == {"role": "assistant", "content": "ok"}
+
+    output = writer("responses").body(answered(reply))["output"]
+    output_tool = {"type": "function_call_output", "call_id": CALL["id"], "output": "391"}
+    assert parse_responses_request({"input": [user] + output + [output_tool]}, lambda _: []).messages == expected
+    summary = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": THOUGHT}], "encrypted_content": "gAAA"}
+    call = {"type": "function_call", "call_id": CALL["id"], "name": "calculator", "arguments": json.dumps(CALL["arguments"])}
+    later = [{"role": "user", "content": "Thanks."}, {"type": "reasoning", "id": "rs_2", "summary": []}, {"role": "assistant", "content": "Bye."}]
+    msgs = parse_responses_request({"input": [user, summary, call, output_tool] + later}, lambda _: []).messages
+    assert msgs == [user, {"role": "assistant", "content": "", "reasoning": THOUGHT, "tool_calls": [CALL]}, tool, later[0], later[2]]
+
+
+def test_chat_template_kwargs_reach_the_request_and_a_non_object_is_a_400():
+    from lightning_lite.apis import parse_chat_request
+    from lightning_lite.chat import BadRequest
+
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat_request({**base, "chat_template_kwargs": {"enable_thinking": False}}).template_kwargs == {"enable_thinking": False}
+    assert parse_chat_request(base).template_kwargs == {} == parse_chat_request({**base, "chat_template_kwargs": None}).template_kwargs
+    for bad in ("enable_thinking=false", ["enable_thinking"], 0):
+        with pytest.raises(BadRequest) as e:
+            parse_chat_request({**base, "chat_template_kwargs": bad})
+        assert (e.value.status, e.value.param, e.value.code) == (400, "chat_template_kwargs", "invalid_type")
+
+
+def test_tools_and_tool_choice_read_alike_in_every_apis_shape():
+    """One normalizer: the same function tool, and tool_choice none / auto / required / named, in each API's own shape;
+    tools the model cannot call (server tools) are left out; a named tool that is not offered is a 400."""
+    from lightning_lite.apis import parse_anthropic_request, parse_chat_request, parse_responses_request
+    from lightning_lite.chat import BadRequest
+
+    user = {"role": "user", "content": "hi"}
+    shapes = {
+        "chat": (lambda tools, choice: parse_chat_request({"messages": [user], "tools": tools, **choice}),
+                 [{"type": "function", "function": CALC}], {"none": "none", "auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "calculator"}}}),
+        "anthropic": (lambda tools, choice: parse_anthropic_request({"max_tokens": 5, "messages": [user], "tools": tools, **choice}),
+                      [{"name": "calculator", "description": CALC["description"], "input_schema": CALC["parameters"]}, {"type": "web_search_20250305", "name": "web_search"}],
+                      {"none": {"type": "none"}, "auto": {"type": "auto"}, "required": {"type": "any"}, "named": {"type": "tool", "name": "calculator"}}),
+        "responses": (lambda tools, choice: parse_responses_request({"input": "hi", "tools": tools, **choice}, lambda _: []),
+                      [{"type": "function", **CALC}, {"type": "web_search"}, {"type": "namespace", "name": "x", "tools": []}],
+                      {"none": "none", "auto": "auto", "required": "required", "named": {"type": "function", "name": "calculator"}}),
+    }
+    for name, (parse, tools, choices) in shapes.items():
+        got = {k: (r.tools, r.parse_tools, r.force_tool) for k, c in choices.items() for r in [parse(tools, {"tool_choice": c})]}
+        assert got == {"none": ([CALC], False, None), "auto": ([CALC], True, None), "required": ([CALC], True, ""), "named": ([CALC], True, "calculator")}, name
+        assert parse(tools, {}).force_tool is None and parse([], {"tool_choice": choices["required"]}).force_tool is None, name  # no tools: nothing to force
+        named = choices["named"]
+        wrong = {**named, "function": {"name": "nope"}} if "function" in named else {**named, "name": "nope"}
+        for bad_tools, choice, param in ([tools, {"tool_choice": wrong}, "tool_choice"], [tools, {"tool_choice": 5}, "tool_choice"],
+                                         [{"calculator": CALC}, {}, "tools"], [[5], {}, "tools[0]"], [[{"type": "function", "description": "no name"}], {}, "tools[0]"]):
+            with pytest.raises(BadRequest) as e:
+                parse(bad_tools, choice)
+            assert e.value.param == param and e.value.status == 400, (name, bad_tools, choice)
+
+
+def test_completions_reply_body_and_stream_agree():
+    from lightning_lite.apis import CompletionsReply
+    from lightning_lite.chat import Request
+
+    answers = [(call, text) for (call, _), text in zip(answered({}, choices=2, finish="length"), ["Paris, and then", " Lyon"])]
+    w = CompletionsReply(Request(n=2, stream=True, include_usage=True), "m", 4)
+    body = w.body(answers)
+    assert [c["text"] for c in body["choices"]] == ["Paris, and then", " Lyon"] and body["usage"] == {"prompt_tokens": 4, "completion_tokens": 18, "total_tokens": 22}
+    events = sse_events(w.end(answers).decode())
+    assert ["".join(e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["index"] == i) for i in (0, 1)] == ["Paris, and then", " Lyon"]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]] == ["length", "length"]
+    assert events[-1]["usage"] == body["usage"] and len(events) > 4  # word-sized pieces, then the usage chunk

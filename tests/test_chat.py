@@ -1,12 +1,11 @@
 """chat.py without a model: request parsing, tool-call parsing, rendering with and without native tool support."""
 
 import copy
-import json
 
 import pytest
 
 from lightning_lite.apis import parse_chat_request
-from lightning_lite.chat import BadRequest, Renderer, Turn, common_prefix, fingerprints, parse_tool_calls, same_message
+from lightning_lite.chat import BadRequest, Renderer, Turn, common_prefix, fingerprints, same_message
 
 # A Qwen2.5-style template that renders tools and tool calls itself.
 NATIVE = (
@@ -15,16 +14,6 @@ NATIVE = (
     "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}({{ tc.function.arguments | tojson }})</tool_call>{% endfor %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def test_parse_tool_calls_hermes_form():
-    content, calls = parse_tool_calls('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>')
-    assert content == "Let me compute." and len(calls) == 1
-    assert calls[0]["name"] == "calculator" and json.loads(calls[0]["arguments"]) == {"expression": "2+3"} and calls[0]["id"].startswith("call_")
-    # an unclosed block at the end (EOS right after the JSON) still counts; broken JSON stays text
-    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')[1][0]["name"] == "f"
-    text = '<tool_call>{"name": "f", "arguments": {</tool_call>'
-    assert parse_tool_calls(text) == (text, [])
 
 
 def test_same_message_ignores_formatting_not_meaning():
@@ -111,7 +100,8 @@ def test_reuse_extends_the_longest_matching_turn(tok):
 
 def test_turn_close_is_not_glued_on_twice_when_generation_stops_on_another_eos(tok):
     """A model whose turn ends with a token other than tokenizer.eos_token (Qwen2.5: generation stops on
-    <|im_end|> and <|endoftext|>): the proxy uses the backend's EOS set, so the close is not repeated."""
+    <|im_end|> and <|endoftext|>): the proxy uses the backend's EOS set, so the close is not repeated. Without
+    it too, the glue is what the template writes after the sampled text, not the whole turn close."""
     import copy
 
     other = copy.deepcopy(tok)
@@ -119,8 +109,8 @@ def test_turn_close_is_not_glued_on_twice_when_generation_stops_on_another_eos(t
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     m0 = [{"role": "user", "content": "hi"}]
     m1 = m0 + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "bye"}]
-    for eos_ids, doubled in ((None, True), ({other.eos_token_id, im_end}, False)):
-        r = Renderer(other, eos_ids)
+    for eos_ids, keep, doubled in ((None, True, False), (None, False, False), ({other.eos_token_id, im_end}, False, False)):
+        r = Renderer(other, eos_ids, keep_history_tokens=keep)
         p0, _, _ = r.build_prompt(m0, [], [])
         resp0 = r.encode("Hello!") + [im_end]  # the model ended its turn with <|im_end|>
         p1, parent, _ = r.build_prompt(m1, [], [Turn(0, m0, [], {"role": "assistant", "content": "Hello!"}, p0, resp0)])
@@ -142,7 +132,7 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
     conversation before them, and give the same ids as a full render. A template that rewrites earlier
     turns fails the probe and is rendered in full, so it still splits where it rewrites."""
     r = Renderer(tok)
-    assert r.local
+    assert r.per_message
     msgs, turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}], []
     for i in range(30):
         ids, parent, hint = r.build_prompt(msgs, [], turns)
@@ -154,7 +144,7 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
     thinking = copy.deepcopy(tok)
     thinking.chat_template = THINKING
     r = Renderer(thinking)
-    assert not r.local
+    assert not r.per_message
     m0 = [{"role": "user", "content": "hi"}]
     p0, _, _ = r.build_prompt(m0, [], [])
     reply = {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"}

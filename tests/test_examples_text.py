@@ -260,7 +260,7 @@ def test_search_trains_one_step_and_compaction_splits_the_sample(tmp_path):
     assert len(by_rollout) == 2
     for rollout in by_rollout.values():
         assert [x["parent"] for x in rollout] == [None, 0, 1, None]
-        assert [x["split_hint"] for x in rollout] == [None, None, None, "rewrote_history"]
+        assert [x["split"] for x in rollout] == [None, None, None, "rewrote_history"]
     assert row["samples"] == 4 and row["splits"] == {"rewrote_history": 2}
 
 

@@ -2,6 +2,7 @@
 (answered, failed or cancelled), never trains on what was not answered, and keeps serving."""
 
 import asyncio
+import concurrent.futures
 import gc
 import json
 import os
@@ -18,7 +19,7 @@ from test_proxy import TOOLS
 from lightning_lite.backends import Generation
 from lightning_lite.harness import RolloutResult, fail_rollouts_the_backend_failed
 from lightning_lite.proxy import Proxy, ProxyServer
-from lightning_lite.records import read_calls, read_jsonl
+from lightning_lite.records import full_prompt, read_calls, read_jsonl
 from lightning_lite.samples import build_batch_samples
 
 # ---------------------------------------------------------------------------- bad input
@@ -305,25 +306,34 @@ def test_512_concurrent_multi_turn_sessions_every_call_recorded_once(fake, tok):
     assert kept < 1e6 and len(fake.calls()) == 2 * n * turns
 
 
-def test_calls_jsonl_holds_each_prompt_id_once_and_read_calls_restores_whole_prompts(fake, tmp_path):
+def test_calls_jsonl_holds_each_prompt_id_once_on_disk_and_in_memory(fake, tmp_path):
     """A call that extends its parent is written as the ids after the parent's prompt + response ids
-    (``prompt_tail``): a rollout of n turns writes each id once, not O(n^2) ids. read_calls joins them back
-    into exactly the prompts the backend consumed."""
+    (``prompt_tail``): a rollout of n turns writes each id once, not O(n^2) ids. read_calls keeps them so
+    (samples.py merges along the parents); whole=True and full_prompt join them back into exactly the
+    prompts the backend consumed."""
     msgs, fake.backend.prompts = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "task"}], []
     for t in range(4):
         reply = requests.post(f"{fake.url}/rollout/tail{CHAT}", json={"messages": msgs, "max_tokens": 4}).json()["choices"][0]["message"]
         msgs = msgs + [reply, {"role": "user", "content": f"turn {t}"}]
     requests.post(f"{fake.url}/rollout/tail{CHAT}", json={"messages": msgs[:2] + [{"role": "user", "content": "new"}], "max_tokens": 4})
-    lines = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    path = str(tmp_path / "calls.jsonl")
+    lines = [json.loads(line) for line in open(path)]
     assert [line["parent"] for line in lines] == [None, 0, 1, 2, None]  # the last one rewrote history: written whole
-    assert [line["prompt_ids"] is None for line in lines] == [False, True, True, True, False] and "prompt_tail" not in lines[0]
-    calls = fake.calls()
-    assert [c.prompt_ids for c in calls] == fake.backend.prompts
+    assert [line["prompt_ids"] is None for line in lines] == [False, True, True, True, False] and lines[0]["prompt_tail"] is None
+    calls = read_calls(path)
+    assert [c.prompt_ids is None for c in calls] == [False, True, True, True, False]
+    assert [c.prompt_tail for c in calls] == [line["prompt_tail"] for line in lines]  # each id held once in memory too
+    by_index = {c.index: c for c in calls}
+    assert [full_prompt(c, by_index) for c in calls] == fake.backend.prompts == [c.prompt_ids for c in read_calls(path, whole=True)]
+    assert build_batch_samples(calls)[0] == build_batch_samples(read_calls(path, whole=True))[0]
     written = sum(len(line.get("prompt_tail") or []) + len(line["prompt_ids"] or []) + len(line["response_ids"]) for line in lines[:4])
-    assert written == len(calls[3].prompt_ids) + len(calls[3].response_ids)  # every id of the conversation written once
+    assert written == len(fake.backend.prompts[3]) + len(calls[3].response_ids)  # every id of the conversation written once
     (tmp_path / "cut.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[2:]))  # a parent's line is missing
     with pytest.raises(ValueError, match="extends call 1, which no earlier line holds"):
         read_calls(str(tmp_path / "cut.jsonl"))
+    old = {("split_hint" if k == "split" else k): v for k, v in lines[4].items()}  # a file written before split was named so
+    (tmp_path / "old.jsonl").write_text(json.dumps(old) + "\n")
+    assert read_calls(str(tmp_path / "old.jsonl"))[0].split == "rewrote_history"
 
 
 # ---------------------------------------------------------------------------- torn files
@@ -337,3 +347,99 @@ def test_a_torn_last_line_is_skipped_with_a_warning_a_torn_middle_is_an_error(tm
     p.write_text('{"a": 1}\n{"a": 2, "b\n{"a": 3}\n')
     with pytest.raises(ValueError, match=":2: not valid JSON"):
         list(read_jsonl(str(p)))
+
+
+def test_a_torn_last_line_is_cut_off_before_the_proxy_appends(tok, tmp_path, caplog):
+    """A proxy killed mid-write leaves a torn last line; the next run cuts it off (with a warning that says how
+    many bytes) instead of gluing its first record onto it, which would make the whole file unreadable."""
+    path = tmp_path / "calls.jsonl"
+    chat = lambda srv: requests.post(f"{srv.url}/rollout/r1{CHAT}", json=GOOD).status_code  # noqa: E731
+    srv = ProxyServer(Proxy(FakeBackend(tok), tok, out_dir=str(tmp_path))).start()
+    try:
+        assert chat(srv) == 200
+    finally:
+        srv.stop()
+    torn = '{"rollout_id":"r1","index":1,"api":"chat","model_version":0,"prompt_ids":[1,2'
+    with open(path, "a") as f:
+        f.write(torn)
+    srv = ProxyServer(Proxy(FakeBackend(tok), tok, out_dir=str(tmp_path))).start()
+    try:
+        assert chat(srv) == 200
+    finally:
+        srv.stop()
+    assert f"cut off a torn last line ({len(torn)} bytes" in caplog.text
+    assert [(c.rollout_id, c.index) for c in read_calls(str(path))] == [("r1", 0), ("r1", 1)]  # no warning: nothing torn now
+
+
+# ---------------------------------------------------------------------------- restarts and resets
+
+
+def _converse(srv, rid, msgs, turns):
+    """``turns`` chat turns on rollout ``rid`` continuing ``msgs``; returns the conversation after them."""
+    for t in range(turns):
+        r = requests.post(f"{srv.url}/rollout/{rid}{CHAT}", json={"messages": msgs, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        msgs = msgs + [r.json()["choices"][0]["message"], {"role": "user", "content": f"go on {t}"}]
+    return msgs
+
+
+def test_a_proxy_restarted_on_the_same_out_continues_each_rollouts_call_indices(tok, tmp_path):
+    """Two proxy runs on one --out, two turns of rollout r1 each (the harness carries on across the restart): the
+    second run numbers its calls after the first run's, so none overwrites another, and every sampled token of
+    both runs is trained exactly once (the second run's first call, rendered fresh, extends the first run's)."""
+    msgs = [{"role": "user", "content": "task"}]
+    for run in range(2):
+        srv = ProxyServer(Proxy(FakeBackend(tok), tok, out_dir=str(tmp_path))).start()
+        try:
+            msgs = _converse(srv, "r1", msgs, 2)
+            _converse(srv, f"other-{run}", [{"role": "user", "content": "hi"}], 1)
+        finally:
+            srv.stop()
+    calls = read_calls(str(tmp_path / "calls.jsonl"))
+    assert [(c.rollout_id, c.index, c.parent) for c in calls] == [
+        ("r1", 0, None), ("r1", 1, 0), ("other-0", 0, None), ("r1", 2, None), ("r1", 3, 2), ("other-1", 0, None)]
+    samples, stats = build_batch_samples([c for c in calls if c.rollout_id == "r1"])
+    assert len(samples) == 1 and samples[0].calls == [0, 1, 2, 3]
+    assert stats["trainable_tokens"] == stats["sampled_tokens"] == sum(len(c.response_ids) for c in calls[:2] + calls[3:5]) > 0
+
+
+def test_a_call_in_flight_across_a_reset_is_recorded_with_its_session_in_its_own_file(tok, tmp_path):
+    """train.py switches files and resets between steps; a call still in flight then (a harness past its
+    timeout, --async) is answered 200 and recorded with its own session (its parent's size, its indices),
+    in the file of the step it began in, never in the next step's."""
+    backend = FakeBackend(tok)
+    proxy = Proxy(backend, tok)
+    first, second = str(tmp_path / "step_0.jsonl"), str(tmp_path / "step_1.jsonl")
+    proxy.set_output(first)
+    srv = ProxyServer(proxy).start()
+    try:
+        msgs = _converse(srv, "s0", [{"role": "user", "content": "task"}], 1)
+        backend.delay = 1.0
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            straggler = pool.submit(_converse, srv, "s0", msgs, 1)
+            first_call = pool.submit(_converse, srv, "s0-new", [{"role": "user", "content": "hi"}], 1)  # its first call
+            time.sleep(0.3)  # both are being generated
+            proxy.set_output(None)  # what train.py does after a step's rollouts
+            proxy.reset()
+            proxy.set_output(second)
+            backend.delay = 0.0
+            _converse(srv, "s1", [{"role": "user", "content": "task"}], 1)
+            for f in (straggler, first_call):
+                f.result(timeout=10)  # raises unless answered 200 (_converse asserts it)
+    finally:
+        srv.stop()
+    got = read_calls(first)
+    assert sorted((c.rollout_id, c.index, c.parent) for c in got) == [("s0", 0, None), ("s0", 1, 0), ("s0-new", 0, None)]
+    assert [(c.rollout_id, c.index) for c in read_calls(second)] == [("s1", 0)]
+    samples, stats = build_batch_samples(got)
+    assert len(samples) == 2 and stats["trainable_tokens"] == stats["sampled_tokens"]
+    assert not proxy._retired  # the sessions of finished calls are not kept
+
+
+def test_backend_failures_are_counted_and_only_the_last_hundred_kept(fake):
+    fake.backend.mode = "down"
+    with requests.Session() as http:
+        for i in range(120):
+            assert http.post(f"{fake.url}/rollout/f{i}{CMPL}", json={"prompt": "hi", "max_tokens": 2}).status_code == 502
+    assert requests.get(fake.url + "/health").json()["backend_failures"] == 120
+    assert len(fake.proxy.failures) == 100 and fake.proxy.failures[-1]["rollout_id"] == "f119"

@@ -8,12 +8,13 @@ import os
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from lightning_lite.algo import (NORMS, assign_advantages, collate, compute_advantages, gather_rewards,
-                                 global_denominators, policy_loss, reduce_metrics, sample_weights, token_logprobs)
+                                 global_denominators, policy_loss, reduce_metrics, sample_weights, trainer_logprobs)
 from lightning_lite.records import Sample
 
 V, D = 13, 4
@@ -27,10 +28,13 @@ def params(seed):
     return [torch.randn(V, D, generator=g, dtype=torch.float64), torch.randn(D, V, generator=g, dtype=torch.float64)]
 
 
-def logits(p, tokens):
-    # a tiny causal model: the running mean of the embeddings so far, projected to the vocab
-    h = p[0][tokens].cumsum(1) / torch.arange(1, tokens.shape[1] + 1, dtype=torch.float64)[:, None]
-    return h @ p[1]
+def tiny(p):
+    """A tiny causal model with train.py's calling convention: the running mean of the embeddings so far,
+    projected to the vocab, at the positions ``logits_to_keep``."""
+    def net(input_ids, logits_to_keep, **_):
+        h = p[0][input_ids].cumsum(1) / torch.arange(1, input_ids.shape[1] + 1, dtype=torch.float64)[:, None]
+        return SimpleNamespace(logits=(h @ p[1])[:, logits_to_keep])
+    return net
 
 
 def make_batch():
@@ -45,10 +49,9 @@ def make_batch():
             mask = [0, 0] + (torch.rand(T - 2, generator=g) < 0.7).long().tolist()
             mask[-1] = 1
             samples.append(Sample(rollout_id=f"r{r}", tokens=tokens, loss_mask=mask, logprobs=[0.0] * T))
-    p0 = params(1)
+    net = tiny(params(1))
     for s in samples:
-        t = torch.tensor([s.tokens])
-        lp = token_logprobs(logits(p0, t), t)[0] + 0.3 * torch.randn(len(s.tokens), generator=g, dtype=torch.float64)
+        lp = trainer_logprobs(net, collate([s], [1.0], dtype=torch.float64))[0] + 0.3 * torch.randn(len(s.tokens), generator=g, dtype=torch.float64)
         s.logprobs = [x if m else 0.0 for x, m in zip(lp.tolist(), s.loss_mask)]
     rewards = {f"r{r}": x for r, x in enumerate(REWARDS)}
     groups = {f"r{r}": f"t{r // 2}" for r in range(8)}
@@ -64,10 +67,10 @@ def grads(samples, norm, loss, n_micro, world=1, denoms=None):
     for k in range(n_micro):
         idx = list(range(k, len(samples), n_micro))
         b = collate([samples[i] for i in idx], [w[i] for i in idx], dtype=torch.float64)
-        lp = token_logprobs(logits(p, b["tokens"]), b["tokens"])
+        lp = trainer_logprobs(tiny(p), b)  # the function train.py trains with
         kl = {}
         if loss == "ppo+kl":
-            kl = dict(kl_coef=0.05, ref_logprobs=token_logprobs(logits(ref, b["tokens"]), b["tokens"]))
+            kl = dict(kl_coef=0.05, ref_logprobs=trainer_logprobs(tiny(ref), b))
         l, m = policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"],
                            loss=loss.split("+")[0], tis_cap=1.3, **kl)  # a low cap: some tokens truncated
         (l * world).backward()

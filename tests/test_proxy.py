@@ -27,7 +27,7 @@ def client(server, rid=None):
 
 
 def calls_of(server, rid):
-    return [c for c in read_calls(os.path.join(server.out, "calls.jsonl")) if c.rollout_id == rid]
+    return [c for c in read_calls(os.path.join(server.out, "calls.jsonl"), whole=True) if c.rollout_id == rid]
 
 
 def teacher_forced(model, prompt_ids, response_ids, temperature=1.0):
@@ -115,27 +115,79 @@ def test_rewritten_history_renders_fresh_and_says_why(server):
     c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Unrelated title request"}], max_tokens=4, temperature=0)
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Unrelated title request"}], max_tokens=4, temperature=0)
-    hints = [(x.parent, x.split_hint) for x in calls_of(server, rid)]
+    hints = [(x.parent, x.split) for x in calls_of(server, rid)]
     assert hints == [(None, None), (None, "rewrote_history"), (None, "new_thread"), (None, "retry")]
 
 
-def test_no_reuse_tokens_counts_template_mismatch(backend, tok, tmp_path):
-    """With --no-reuse-tokens every prompt is rendered fresh: SmolLM2 renders a tool call differently from how
-    the model wrote it, so the turn cannot merge and the reason is recorded."""
+def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(backend, tok, tmp_path):
+    """SmolLM2 renders a tool call as pretty JSON; the model wrote it compact. By default the next prompt is the
+    template's rendering (what a stock server sends), split as template_mismatch; keep_history_tokens keeps the
+    sampled tokens; --no-reuse-tokens renders fresh as well."""
     from lightning_lite.chat import Renderer, Turn
 
+    msgs, tools = [{"role": "user", "content": "2+3?"}], [{"name": "calculator"}]
     r = Renderer(tok)
-    msgs = [{"role": "user", "content": "2+3?"}]
-    ids, _, _ = r.build_prompt(msgs, [{"name": "calculator"}], [])
+    ids, _, _ = r.build_prompt(msgs, tools, [])
     resp = r.encode('<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>') + [tok.eos_token_id]
-    reply = r.parse_reply(tok.decode(resp, skip_special_tokens=True), True)
-    turn = Turn(0, msgs, [{"name": "calculator"}], reply, ids, resp)
+    reply = r.parse_reply(r.sampled_text(resp, []), True)
+    turn = Turn(0, msgs, tools, reply, ids, resp)
     nxt = msgs + [reply, {"role": "tool", "tool_call_id": "x", "content": "5"}]
-    reused, parent, hint = r.build_prompt(nxt, [{"name": "calculator"}], [turn], reuse=True)
-    assert (parent, hint) == (0, None) and reused[: len(ids) + len(resp)] == ids + resp
-    fresh, parent, hint = r.build_prompt(nxt, [{"name": "calculator"}], [turn], reuse=False)
-    assert (parent, hint) == (None, "template_mismatch")
-    assert tok.decode(fresh) != tok.decode(reused)
+    fresh, parent, split = r.build_prompt(nxt, tools, [turn])
+    assert (parent, split) == (None, "template_mismatch") and tok.decode(fresh) == r.render_text(nxt, tools)
+    assert r.build_prompt(nxt, tools, [turn], reuse=False)[1:] == (None, "template_mismatch")
+    kept, parent, split = Renderer(tok, keep_history_tokens=True).build_prompt(nxt, tools, [turn])
+    assert (parent, split) == (0, None) and kept[: len(ids) + len(resp)] == ids + resp
+    # written as the template writes it, the turn is reused as sampled
+    resp = r.encode(r._turn_text(msgs + [reply], 2, tools, {}).removesuffix("\n")[: -len("<|im_end|>")]) + [tok.eos_token_id]
+    turn = Turn(0, msgs, tools, r.parse_reply(r.sampled_text(resp, []), True), ids, resp)
+    assert r.build_prompt(nxt, tools, [turn])[1:] == (0, None)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_thinking_template_on_the_embedded_model_prompts_as_a_stock_server_or_keeps_one_sample(backend, tok, tmp_path, keep):
+    """A Qwen3-shaped template (reasoning in <think>, Hermes calls) swapped into the embedded model; a 3-call tool
+    conversation whose client echoes what it got (content, tool calls, reasoning_content). By default every prompt
+    is exactly the template's rendering of the conversation; with keep_history_tokens the calls are one sample."""
+    import copy
+
+    from lightning_lite.chat import Renderer
+    from lightning_lite.proxy import Proxy, ProxyServer
+    from lightning_lite.samples import build_batch_samples
+
+    t = copy.deepcopy(tok)
+    t.chat_template = open(os.path.join(ROOT, "tests", "fixtures", "templates", "qwen3.jinja")).read()
+    srv = ProxyServer(Proxy(backend, t, out_dir=str(tmp_path), keep_history_tokens=keep)).start()
+    try:
+        c = openai.OpenAI(base_url=srv.base_url("think"), api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "What is 2+3? Think, then use the calculator."}]
+        force, sent = {"type": "function", "function": {"name": "calculator"}}, []
+        for turn in range(3):
+            sent.append(copy.deepcopy(msgs))
+            r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice=force if turn < 2 else "auto", max_tokens=16, temperature=0.8, seed=turn)
+            m = r.choices[0].message
+            echo = {"role": "assistant", "content": m.content or ""}
+            if getattr(m, "reasoning_content", None):
+                echo["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                echo["tool_calls"] = [tc.model_dump(include={"id", "type", "function"}) for tc in m.tool_calls]
+            msgs += [echo] + [{"role": "tool", "tool_call_id": tc.id, "content": "5"} for tc in m.tool_calls or []]
+            if not m.tool_calls:
+                msgs.append({"role": "user", "content": "Thanks."})
+    finally:
+        srv.stop()
+    calls = read_calls(str(tmp_path / "calls.jsonl"), whole=True)
+    assert len(calls) == 3
+    samples, stats = build_batch_samples(calls)
+    if keep:
+        assert [x.parent for x in calls] == [None, 0, 1] and len(samples) == 1
+    else:  # the prompt a stock server would build: the template's text of the conversation, plus a forced call's opening
+        from lightning_lite.apis import parse_chat_request
+
+        r = Renderer(t)
+        for call, m in zip(calls, sent):
+            forced = r.forced_prefix("calculator") if call.index < 2 else ""
+            assert t.decode(call.prompt_ids) == r.render_text(parse_chat_request({"messages": m, "tools": TOOLS}).messages, [TOOLS[0]["function"]]) + forced
+        assert stats["samples"] == 1 + stats["split_template_mismatch"]
 
 
 def test_completions_api_text_and_token_ids(server, tok, model):

@@ -27,7 +27,7 @@ ERROR = "RuntimeError: the harness crashed (exit 3)"
 
 def call(rid, index, prompt, response, parent=None, hint=None):
     return Call(rollout_id=rid, index=index, api="chat", model_version=1, prompt_ids=prompt, response_ids=response,
-                response_logprobs=[-0.5] * len(response), finish_reason="stop", parent=parent, split_hint=hint,
+                response_logprobs=[-0.5] * len(response), finish_reason="stop", parent=parent, split=hint,
                 latency_s=0.25)
 
 

@@ -12,11 +12,18 @@ from lightning_lite.records import Call, read_samples, write_jsonl
 from lightning_lite.samples import build_batch_samples, build_samples
 
 
-def call(index, prompt, response, rid="r0", hint=None):
+def call(index, prompt, response, rid="r0", split=None):
     # logprob of a sampled token = -(token id)/100: easy to check where it lands
     return Call(rollout_id=rid, index=index, api="chat", model_version=index, prompt_ids=list(prompt),
                 response_ids=list(response), response_logprobs=[-t / 100 for t in response],
-                finish_reason="stop", split_hint=hint)
+                finish_reason="stop", split=split)
+
+
+def child(index, parent, tail, response, rid="r0"):
+    """A call as the proxy records it when it built the prompt on call ``parent``'s (records.read_calls keeps it so)."""
+    c = call(index, [], response, rid)
+    c.prompt_ids, c.prompt_tail, c.parent = None, list(tail), parent
+    return c
 
 
 def check_logprobs(s):
@@ -48,8 +55,8 @@ def test_rewritten_history_splits_with_reason():
     assert [s.loss_mask for s in samples] == [[0, 0, 1, 1], [0, 0, 0, 0, 0, 1]]
     assert st["split_rewrote_history"] == 1 and st["samples"] == 2
     assert [s.split for s in samples] == [None, "rewrote_history"]  # why each sample began
-    # the proxy's hint names the reason when it knows better (same tokens, fresh render)
-    calls[1].split_hint = "template_mismatch"
+    # the proxy's split names the reason when it knows better (same tokens, fresh render)
+    calls[1].split = "template_mismatch"
     _, st = build_samples(calls)
     assert st["split_template_mismatch"] == 1 and st["split_rewrote_history"] == 0
 
@@ -199,3 +206,71 @@ def test_retry_of_a_continued_call_keeps_both():
     samples, st = build_samples(calls)
     assert [s.tokens for s in samples] == [[1, 10, 5, 11], [1, 12]]
     assert st["split_retry"] == 1 and st["split_rewrote_history"] == 0 and st["trainable_tokens"] == 3
+
+
+def random_rollout(rng):
+    """Random calls: extensions of earlier calls (an observation appended), retries, new threads; each also as the
+    proxy records it (an extension: ``parent`` + ``prompt_tail``, a retry: the retried call's parent and tail)."""
+    whole, tails, nxt = [], [], 100
+    for i in range(rng.randint(1, 10)):
+        r, resp = rng.random(), list(range(nxt, nxt + rng.randint(1, 4)))  # unique ids: each sampled token is traceable
+        nxt += len(resp)
+        if whole and r < 0.6:  # extend a random earlier call with an observation
+            e = rng.choice(whole)
+            obs = [rng.randint(1, 9)]
+            whole.append(call(i, e.prompt_ids + e.response_ids + obs, resp))
+            tails.append(child(i, e.index, obs, resp))
+        elif whole and r < 0.75:  # retry
+            k = rng.randrange(len(whole))
+            whole.append(call(i, whole[k].prompt_ids, resp))
+            tails.append(child(i, tails[k].parent, tails[k].prompt_tail, resp) if tails[k].parent is not None else call(i, whole[k].prompt_ids, resp))
+        else:
+            prompt = [rng.randint(1, 9) for _ in range(rng.randint(1, 3))]
+            whole.append(call(i, prompt, resp))
+            tails.append(call(i, prompt, resp))
+    return whole, tails
+
+
+def test_calls_as_recorded_merge_exactly_as_their_whole_prompts_would():
+    """samples.py follows the proxy's parent claims without comparing (or building) prompts: the same samples
+    and stats as from every call's whole prompt ids, on random trees with retries and branches."""
+    rng = random.Random(1)
+    for _ in range(300):
+        whole, tails = random_rollout(rng)
+        (a, sa), (b, sb) = build_samples(whole), build_samples(tails)
+        assert [(s.tokens, s.loss_mask, s.logprobs, s.calls, s.split, s.version) for s in a] == \
+               [(s.tokens, s.loss_mask, s.logprobs, s.calls, s.split, s.version) for s in b]
+        assert sa == sb
+        assert build_samples(whole, max_seq_len=7)[1] == build_samples(tails, max_seq_len=7)[1]  # truncation too
+
+
+def test_a_call_whose_claimed_parent_was_dropped_as_a_retried_attempt_is_placed_by_its_ids():
+    # 2 retries 1 (which is dropped: nothing continued from it yet), then 3 continues from 1's answer after all
+    calls = [call(0, [1], [10]), child(1, 0, [5], [11]), child(2, 0, [5], [12]), child(3, 1, [6], [13])]
+    samples, st = build_samples(calls)
+    assert [(s.tokens, s.loss_mask, s.calls) for s in samples] == [
+        ([1, 10, 5, 12], [0, 0, 0, 1], [0, 2]), ([1, 10, 5, 11, 6, 13], [0, 1, 0, 0, 0, 1], [0, 3])]
+    assert st["split_retry"] == 1 and st["trainable_tokens"] == 3
+
+
+def test_a_long_rollout_merges_holding_each_id_about_once():
+    """200 turns as read_calls gives them: build_samples builds the one leaf's tokens, never each call's whole
+    prompt (that was 200 prompts of up to 11k ids: ~9 MB of list here, 2 GB per step at 37k-token rollouts)."""
+    import tracemalloc
+
+    calls, nxt = [call(0, range(1000, 2000), [1])], 2
+    for i in range(1, 200):
+        calls.append(child(i, i - 1, range(nxt, nxt + 40), [nxt + 40] * 10))
+        nxt += 50
+    tracemalloc.start()
+    (s,), st = build_samples(calls)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(s.tokens) == st["tokens"] == 1000 + 1 + 199 * 50 and st["trainable_tokens"] == 1 + 199 * 10
+    assert st["tokens_unmerged"] > 100 * len(s.tokens)  # what one sample per call would train
+    assert peak < 12 * 8 * len(s.tokens), peak  # the sample's few per-token lists, not 200 prompts
+
+
+def test_duplicate_call_indices_are_an_error_that_says_why():
+    with pytest.raises(ValueError, match="call index 0 twice"):
+        build_samples([call(0, [1], [10]), call(0, [2], [20])])

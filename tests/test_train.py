@@ -139,11 +139,11 @@ def test_calc_agent_on_the_embedded_model(server):
 
 
 @pytest.mark.parametrize("opts", [
-    ["--loss", "gspo", "--clip-low", "3e-4", "--clip-high", "4e-4", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0",
+    ["--loss", "gspo", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0",
      "--tensorboard", "--wandb", "ll-test"],
     ["--loss", "tis", "--tis-cap", "1.5", "--norm", "seq-mean-token-mean", "--adv", "reinforce", "--kl-coef", "0.05", "--weight-decay", "0.01"],
     ["--norm", "seq-mean-token-sum", "--adv", "dr_grpo", "--micro-batch-tokens", "64", "--max-seq-len", "48", "--drop-zero-variance"],
-    ["--norm", "seq-mean-token-sum-norm", "--norm-const", "32", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3", "--model", "smollm2", "--device", "cpu",
+    ["--norm", "seq-mean-token-sum-norm", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3", "--model", "smollm2", "--device", "cpu",
      "--max-new-tokens", "5", "--max-model-len", "16384"],
 ], ids=["gspo-token-mean-rloo-cosine", "tis-seq-mean-reinforce-kl", "seq-sum-dr_grpo-microbatch-maxlen", "sum-norm-eval-every"])
 def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
@@ -154,7 +154,12 @@ def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
     steps = [r for r in rows(out) if "reward" in r]
     assert len(steps) == 2 and all(r["failed"] == 0 and r["samples"] > 0 and r["grad_norm"] > 0 for r in steps)
     assert abs(steps[0]["dlogp_mean"]) < 1e-3  # same weights on both sides: the trainer reproduces the rollout logprobs
-    assert json.load(open(os.path.join(out, "config.json")))["norm"] == opts[opts.index("--norm") + 1]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["norm"] == opts[opts.index("--norm") + 1]
+    if "gspo" in opts:  # GSPO's own clip range, not PPO's 0.2 / 0.28
+        assert (config["clip_low"], config["clip_high"]) == (3e-4, 4e-4)
+    if "seq-mean-token-sum-norm" in opts:  # Dr. GRPO's C: the generation budget, --max-new-tokens
+        assert config["norm_const"] == 5
     if "--eval-every" in opts:
         assert [r["step"] for r in rows(out) if "eval_reward" in r] == [0, 1, 2]
     if "--max-new-tokens" in opts:  # the harness asks for 8 tokens, the trainer allows 5; beyond 8192, RoPE is YaRN-scaled
@@ -229,3 +234,175 @@ def test_async_rollouts_stay_within_the_staleness_bound_and_are_scored_against_w
     assert ages <= set(range(bound + 1)) and max(ages) >= 1, ages  # rollouts did overlap training
     by_age = {int(a): d for r in trained for a, d in r["dlogp_by_staleness"].items() if r["grad_norm"] > 0}
     assert by_age.get(0, 0.0) < 1e-4 and all(d > 1e-2 for a, d in by_age.items() if a >= 1), by_age
+
+
+
+# Runs train.py in one process (runpy: the imports are paid once), run after run; a run's "phase" raises a
+# KeyboardInterrupt (Ctrl-C) from a monkeypatched function in that phase of step k (train.py has no test hooks).
+DRIVER = r'''
+import builtins, json, os, runpy, sys
+sys.path.insert(0, os.getcwd())
+import torch
+from lightning_lite import algo, backends, harness, records
+
+
+def interrupt(orig, *a, **kw):
+    raise KeyboardInterrupt
+
+
+def patch(obj, name, when, then=interrupt):
+    """obj.name does then(orig, ...) instead on the first call for which when(...) holds; returns the undo."""
+    orig, fired = getattr(obj, name), []
+
+    def hooked(*a, **kw):
+        if fired or not when(*a, **kw):
+            return orig(*a, **kw)
+        fired.append(1)
+        return then(orig, *a, **kw)
+    setattr(obj, name, hooked)
+    return lambda: setattr(obj, name, orig)
+
+
+def nth_call(n):
+    count = [0]
+
+    def when(*a, **kw):
+        count[0] += 1
+        return count[0] == n
+    return when
+
+
+def nan_loss(orig, *a, **kw):
+    loss, m = orig(*a, **kw)
+    return loss * float("nan"), m
+
+
+def torn_write(orig, path, items, *a, **kw):  # killed after the first line
+    orig(path, list(items)[:1])
+    raise KeyboardInterrupt
+
+
+def trained_and_served(out, k):
+    def when(backend, model=None, version=None):  # HFBackend.sync_weights gets the trained module; it serves backend.model
+        if version == k + 1:
+            torch.save({"trained": model.state_dict(), "served": backend.model.state_dict()}, os.path.join(out, "at_interrupt.pt"))
+        return version == k + 1
+    return when
+
+
+def phase_patch(phase, k, out):
+    return {
+        "rollouts": lambda: patch(harness, "run_rollouts", lambda *a, desc="", **kw: desc == f"step {k}"),
+        "training": lambda: patch(torch.nn.utils, "clip_grad_norm_", nth_call(k + 1)),  # after backward, before opt.step()
+        "sync": lambda: patch(backends.HFBackend, "sync_weights", lambda self, model=None, version=None: version == k + 1),
+        "async-sync": lambda: patch(backends.HFBackend, "sync_weights", trained_and_served(out, k)),
+        "logging": lambda: patch(builtins, "print", lambda *a, **kw: bool(a) and str(a[0]).startswith(f"step {k + 1:4d} |")),
+        "eval": lambda: patch(harness, "run_rollouts", lambda *a, desc="", **kw: desc == f"eval {k + 1}"),
+        "save-every": lambda: patch(torch, "save", lambda obj, f, *a, **kw: f"step_{k + 1}.tmp" in str(f)),
+        "forget": lambda: patch(records, "write_jsonl", lambda path, *a, **kw: path.startswith(os.path.join(out, "metrics.jsonl")), torn_write),
+        "nan-loss": lambda: patch(algo, "policy_loss", nth_call(1), nan_loss),
+        None: lambda: (lambda: None),
+    }[phase]()
+
+
+root, common, runs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+results = []
+for r in runs:
+    out = os.path.join(root, r["out"])
+    for name in r.get("plant", []):  # files of an attempt with another world size
+        records.write_jsonl(os.path.join(out, name), [{"rollout_id": "x"}])
+    metrics = os.path.join(out, "metrics.jsonl")
+    res = {"rows_before": len(list(records.read_jsonl(metrics))) if os.path.exists(metrics) else 0}
+    unpatch = phase_patch(r.get("phase"), r.get("k", 0), out)
+    sys.argv = ["train.py", *common, *r.get("args", []), "--out", out]
+    try:
+        runpy.run_path("train.py", run_name="__main__")
+        res["code"] = 0
+    except SystemExit as e:
+        res["code"] = e.code
+    except KeyboardInterrupt:
+        res["code"] = "KeyboardInterrupt"
+    finally:
+        unpatch()
+    latest = os.path.join(out, "checkpoints", "latest")
+    res["latest"] = open(latest).read() if os.path.exists(latest) else None
+    res["rows"] = len(list(records.read_jsonl(metrics))) if os.path.exists(metrics) else 0
+    res["planted_left"] = [name for name in r.get("plant", []) if os.path.exists(os.path.join(out, name))]
+    for name in res["planted_left"]:
+        os.remove(os.path.join(out, name))  # not real calls: the report would choke on them
+    results.append(res)
+json.dump(results, open(os.path.join(root, "results.json"), "w"))
+'''
+
+
+def run_in_process(tmp_path, common, runs, timeout=900):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    log = run([sys.executable, str(driver), str(tmp_path), json.dumps(common), json.dumps(runs)], timeout=timeout)
+    return json.load(open(tmp_path / "results.json")), log
+
+
+def safetensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
+    """Ctrl-C in each phase of a step, each followed by --resume: the checkpoint counts the step as done
+    once its update is applied (the interrupt in weight sync, logging, evaluation or --save-every comes
+    after it), and the final weights are those of the run that was never interrupted (seeded calls one at
+    a time: the same rollouts), so no update was lost or applied twice. On the way: a resume kill-ed while
+    it rewrites metrics.jsonl loses no row, and a resume drops every rank's files of the dropped steps."""
+    common = ["--harness", HARNESSES + ":LengthHarness", "--harness-arg", "max_tokens=4", "--harness-arg", "seeded=True", "--steps", "4",
+              "--batch-size", "1", "--group-size", "2", "--eval-tasks", "1", "--eval-every", "3", "--save-every", "4", "--max-concurrency", "1",
+              "--max-new-tokens", "4", "--lr", "1e-4", "--warmup-steps", "0", "--keep-checkpoints", "0"]
+    dropped = ["calls/step_3.rank1.jsonl", "rollouts/step_3.rank0.jsonl", "calls/eval_4.rank1.jsonl"]  # resuming at step 3
+    kept = ["calls/step_2.rank1.jsonl", "rollouts/eval_3.rank1.jsonl"]  # before checkpoint 3 (eval_3 runs before it)
+    chain = [("rollouts", 0, "step_0"), ("training", 0, "step_0"), ("sync", 0, "step_1"), ("logging", 1, "step_2"),
+             ("eval", 2, "step_3"), ("forget", 0, None), ("save-every", 3, "step_4"), (None, 0, "step_4")]
+    runs = [{"out": "baseline"}] + [{"out": "chain", "phase": phase, "k": k, "args": ["--resume"] * (i > 0), **({"plant": dropped + kept} if phase == "forget" else {})}
+                                    for i, (phase, k, _) in enumerate(chain)]
+    results, log = run_in_process(tmp_path, common, runs)
+    assert results[0]["code"] == 0, log[-3000:]
+    for (phase, k, latest), r in zip(chain, results[1:]):
+        if phase == "forget":  # killed while it rewrote metrics.jsonl: every row is still there
+            assert r["code"] == "KeyboardInterrupt" and r["rows"] == r["rows_before"] > 0, r
+            assert sorted(r["planted_left"]) == sorted(kept), r
+        else:
+            assert r["code"] == (130 if phase else 0) and r["latest"] == latest, (phase, k, r, log[-3000:])
+    base, start, final = (safetensors(tmp_path / d / "checkpoints" / s) for d, s in (("baseline", "step_4"), ("chain", "step_0"), ("chain", "step_4")))
+    update = sum((base[k] - start[k]).abs().sum().item() for k in base)
+    diff = sum((final[k] - base[k]).abs().sum().item() for k in base)
+    assert update > 0 and diff <= 1e-3 * update, f"the resumed run's weights differ from the uninterrupted run's by {diff / update:.3f} of the training's change"
+    # each step logged at most once; those interrupted after their update and before their log line are not
+    assert [r["step"] for r in rows(tmp_path / "chain") if "reward" in r] == [3, 4]
+
+
+def test_skipped_updates_log_nulls_and_async_ctrl_c_saves_the_trained_weights(tmp_path, model):
+    """A step without signal (groups of 1) logs its update's metrics as null (metrics.jsonl, the log line, no
+    TensorBoard scalar), never as a measured 0; a NaN loss skips the update with a warning instead of making
+    the weights NaN; Ctrl-C under --async checkpoints the trained weights, not the server's copy (a step behind)."""
+    common = ["--harness", HARNESSES + ":LengthHarness", "--harness-arg", "max_tokens=4", "--harness-arg", "seeded=True", "--steps", "1",
+              "--batch-size", "1", "--group-size", "2", "--eval-tasks", "0", "--max-concurrency", "1", "--max-new-tokens", "4", "--lr", "1e-4"]
+    runs = [{"out": "nosignal", "args": ["--group-size", "1", "--tensorboard"]}, {"out": "nan", "phase": "nan-loss"},
+            {"out": "async", "phase": "async-sync", "args": ["--async", "1", "--steps", "2"]}]  # last: its rollouts thread may outlive it
+    results, log = run_in_process(tmp_path, common, runs)
+    assert [r["code"] for r in results] == [0, 0, 130], log[-3000:]
+    (row,) = rows(tmp_path / "nosignal")
+    unmeasured = ("loss", "grad_norm", "clip_frac", "prob_corr", "dlogp_mean", "dlogp_max", "ratio_out_frac", "train_tok_s")
+    assert row["skipped"] == "no_signal" and all(row[k] is None for k in unmeasured) and row["reward"] is not None, row
+    assert "loss - gnorm - clip - |dlogp| -" in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "nosignal" / "tensorboard"))
+    tb.Reload()
+    assert "reward" in tb.Tags()["scalars"] and not set(unmeasured) & set(tb.Tags()["scalars"])
+    (row,) = rows(tmp_path / "nan")
+    assert row["skipped"] == "nonfinite_grad" and row["grad_norm"] is None and "WARNING: the gradient norm is nan" in log, row
+    start, after = model.state_dict(), safetensors(tmp_path / "nan" / "checkpoints" / "step_1")
+    assert all(torch.equal(after[k], start[k]) for k in after)  # no update, no NaN
+    at = torch.load(tmp_path / "async" / "at_interrupt.pt")
+    assert results[2]["latest"] == "step_1"
+    saved = safetensors(tmp_path / "async" / "checkpoints" / "step_1")
+    assert all(torch.equal(saved[k], at["trained"][k]) for k in saved) and not all(torch.equal(saved[k], at["served"][k]) for k in saved)

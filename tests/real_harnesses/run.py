@@ -210,7 +210,7 @@ def main(argv=None) -> int:
                 log_path = os.path.join(out, f"{name}.log")
                 rc, secs = run_harness(name, server.url, rid, a.task, log_path, timeout)
                 reqs = [r for r in proxy.requests if r["rid"] == rid]
-                calls = [c for c in read_calls(os.path.join(out, "calls.jsonl")) if c.rollout_id == rid]
+                calls = [c for c in read_calls(os.path.join(out, "calls.jsonl"), whole=True) if c.rollout_id == rid]
                 rows.append(evaluate(name, mode, rc, secs, reqs, calls, tok, log_path))
                 r = rows[-1]
                 print(f"  {name:<16} {'PASS' if r['ok'] else 'FAIL'} {r['secs']:>6}s  {r['calls']} calls  {r['reason']}", flush=True)

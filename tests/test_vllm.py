@@ -62,7 +62,7 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path):
     steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
     assert len(steps) == 2 and all(r["failed"] == 0 and r["calls"] == 16 for r in steps)
     for r in steps:
-        if r["grad_norm"] > 0:
+        if r["grad_norm"]:  # null: the update was skipped (no signal)
             print(f"step {r['step']}: prob_corr {r['prob_corr']:.4f}  mean |dlogp| by staleness {r['dlogp_by_staleness']}  sync {r['t_sync']} s")
             assert r["prob_corr"] >= 0.99 and r["dlogp_by_staleness"].get("0", 0.0) < 0.1, r
     log = open(os.path.join(out, "vllm_0.log")).read()

@@ -39,7 +39,7 @@ def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
     steps = [r for r in rows(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["rollouts"] == 24 and r["failed"] == 0 and r["samples"] >= 24 for r in steps)
-    assert any(r["grad_norm"] > 0 for r in steps)
+    assert any(r["grad_norm"] for r in steps)  # null: a skipped update
     assert len([r for r in rows(out) if "eval_reward" in r]) == 2  # before and after
     for step in (0, 1):
         for rank in (0, 1):
@@ -235,7 +235,7 @@ def test_async_rollouts_stay_within_the_staleness_bound_and_are_scored_against_w
         assert versions and all(max(0, s - bound) <= v <= s for v in versions), (s, versions)
     ages = {int(a) for r in trained for a in r["staleness"]}
     assert ages <= set(range(bound + 1)) and max(ages) >= 1, ages  # rollouts did overlap training
-    by_age = {int(a): d for r in trained for a, d in r["dlogp_by_staleness"].items() if r["grad_norm"] > 0}
+    by_age = {int(a): d for r in trained for a, d in r["dlogp_by_staleness"].items() if r["grad_norm"]}
     assert by_age.get(0, 0.0) < 1e-4 and all(d > 1e-2 for a, d in by_age.items() if a >= 1), by_age
 
 

@@ -2,11 +2,9 @@
 
     python proxy.py --model smollm2 --port 8000 --out runs/proxy
 
-Point any harness at http://127.0.0.1:8000/rollout/<rollout_id>/v1 (or plain
-http://127.0.0.1:8000/v1, recorded as rollout "default"). Every answered call
-is appended to OUT/calls.jsonl; turn them into training samples with
-``python -m lightning_lite.samples OUT/calls.jsonl --out OUT/samples.jsonl``.
-Ctrl-C stops it cleanly.
+Point any harness at http://127.0.0.1:8000/rollout/<rollout_id>/v1 (or plain /v1: rollout "default").
+Every answered call is appended to OUT/calls.jsonl; `python -m lightning_lite.samples OUT/calls.jsonl
+--out OUT/samples.jsonl` turns them into training samples. Ctrl-C stops it cleanly.
 """
 
 import argparse

@@ -1,17 +1,14 @@
-"""Harnessed agentic RL in one loop.
+"""Harnessed agentic RL in one loop (README: Training).
 
     python train.py --harness calc                          # one process (CPU or one GPU)
     torchrun --nproc_per_node 2 train.py --harness calc     # DDP: gloo on CPU, NCCL on GPU
     torchrun --nproc_per_node 8 train.py --parallel fsdp ...   # FSDP2: weights, grads, AdamW state sharded
 
-Every rank serves the policy through its own proxy (http://127.0.0.1:PORT/rollout/<id>/v1)
-and runs its share of the step's tasks through the harness. One step, top to bottom:
+Every rank serves the policy through its own proxy and runs its share of the step's tasks through the harness:
 
     rollouts -> samples -> advantages -> micro-batches -> loss + backward -> AdamW -> weight sync -> log
 
-Outputs in --out: config.json, metrics.jsonl (one line per step), calls/step_K.jsonl
-(every recorded call), rollouts/step_K.jsonl (reward, error, advantage per rollout),
-checkpoints/step_K (transformers format), report.html (plots and a trajectory browser: open it in a browser).
+In --out: config.json, metrics.jsonl, calls/, rollouts/, checkpoints/, report.html (README: what each holds).
 """
 
 import argparse
@@ -90,8 +87,7 @@ p.add_argument("--async", dest="async_steps", type=int, nargs="?", const=1, defa
                help="the next steps' rollouts run while this step trains, on weights at most N updates old (default 1); the loss's ratio to the recorded logprobs corrects for it")
 p.add_argument("--pause-retry-after", type=float, default=None, help="during a weight sync new calls wait (default), or are answered 429 with this Retry-After")
 p.add_argument("--tool-format", default=None, choices=FORMATS, help="the model family's tool-call format (default: detected from the chat template)")
-p.add_argument("--keep-history-tokens", action="store_true", help="when the chat template renders an earlier turn differently from what was sampled (reasoning stripped, calls "
-               "re-serialized), keep the sampled tokens (one sample per rollout) instead of the template's rendering (what a stock server sends; the sample splits: template_mismatch)")
+p.add_argument("--keep-history-tokens", action="store_true", help="keep earlier turns' sampled tokens (README)")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--tensorboard", action="store_true", help="also log metrics to OUT/tensorboard (needs: pip install tensorboard)")
 p.add_argument("--wandb", metavar="PROJECT", default=None, help="also log metrics to Weights & Biases (needs: pip install wandb; WANDB_MODE=offline without a network)")
@@ -131,41 +127,19 @@ def log(*a):
 
 
 def append_metrics(row):
-    """One line of metrics.jsonl: None is "not measured" (and NaN, inf, which JSON has not, are null too);
-    the numbers also go to --tensorboard / --wandb, where a null is left out."""
+    """One line of metrics.jsonl (None: not measured; NaN and inf, which JSON has not, too), also to --tensorboard
+    and --wandb, which leave a None out. The file is written last: a row in it has been logged everywhere."""
     if master:
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        sink({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, row["step"])
-
-
-def open_sink(config):
-    """--tensorboard and --wandb (each imported only when asked for) as one function: sink(numbers, step)
-    logs a row to them, sink(None) closes them."""
-    tb = wb = None
-    try:
-        if args.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            tb = SummaryWriter(os.path.join(args.out, "tensorboard"))
-        if args.wandb:
-            import wandb
-
-            wb = wandb.init(project=args.wandb, config=config, dir=args.out, name=os.path.basename(os.path.abspath(args.out)))
-    except ImportError as e:
-        sys.exit(f"--tensorboard / --wandb need their package ({e}): pip install {'tensorboard' if args.tensorboard else 'wandb'}")
-
-    def sink(numbers, step=None):
-        if tb and numbers is None:
-            tb.close()
-        elif tb:
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if tb:
             for k, v in numbers.items():
-                tb.add_scalar(k, v, step)
+                tb.add_scalar(k, v, row["step"])
             tb.flush()
         if wb:
-            wb.finish() if numbers is None else wb.log(numbers, step=step)
-    return sink
+            wb.log(numbers, step=row["step"])
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def run_file(kind, name):
@@ -197,13 +171,11 @@ train_model = parallel.wrap(model, args.parallel, device, world, args.fsdp_offlo
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))  # after sharding: over the shards
 
 
-def lr_at(step):
+def lr_at(step):  # linear warmup, then constant or cosine down to 10%
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    if args.lr_schedule == "cosine":
-        t = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-        return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
-    return args.lr
+    t = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)) if args.lr_schedule == "cosine" else 1.0)
 
 
 if resume_dir:
@@ -215,28 +187,44 @@ if resume_dir:
 
 
 def forget_from(k):
-    """A run that starts at step k drops what an earlier attempt wrote from there on: those steps run again
-    on the same tasks (step_tasks), so a run killed between checkpoints loses no data and trains none twice.
-    Rank 0 drops every rank's files (the attempt may have had another world size), then the others wait."""
+    """A run that starts at step k drops what an earlier attempt wrote after checkpoint k: those steps run again
+    on the same tasks (step_tasks), so a run killed between checkpoints loses no data and trains none twice; an
+    evaluation without its metrics row was cut short: dropped, it runs again. Rank 0 drops every rank's files
+    (the attempt may have had another world size), then the others wait. Returns the steps evaluated."""
+    prev = read_jsonl(metrics_path) if resume_dir and os.path.exists(metrics_path) else []  # skips a torn last line
+    rows = {(r["step"], "eval_reward" in r): r for r in prev if r["step"] <= k}  # once each: a Ctrl-C may log one twice
+    evaluated = {s for s, is_eval in rows if is_eval}
     for kind in ("calls", "rollouts") if master else ():
         d = os.path.join(args.out, kind)
         for name in os.listdir(d) if os.path.isdir(d) else []:
-            m = RUN_FILE.fullmatch(name)  # eval_k ran before checkpoint k
-            if m and (int(m[2]) >= k if m[1] == "step" or k == 0 else int(m[2]) > k):
+            m = RUN_FILE.fullmatch(name)
+            if m and (int(m[2]) >= k if m[1] == "step" else int(m[2]) not in evaluated):
                 os.remove(os.path.join(d, name))
     if master and os.path.exists(metrics_path):  # a new file, then a rename: a kill here loses no row
-        write_jsonl(metrics_path + ".tmp", [r for r in read_jsonl(metrics_path) if k and r["step"] <= k])  # read_jsonl skips a torn last line
+        write_jsonl(metrics_path + ".tmp", rows.values())
         os.replace(metrics_path + ".tmp", metrics_path)
     if ddp:
         dist.barrier()
+    return evaluated
 
 
-forget_from(start_step)
+evaluated = forget_from(start_step)
 config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
+tb = wb = None  # --tensorboard, --wandb: imported only when asked for
 if master:
     json.dump(config, open(os.path.join(args.out, "config.json"), "w"), indent=1)
-    sink = open_sink(config)
+    try:
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb = SummaryWriter(os.path.join(args.out, "tensorboard"))
+        if args.wandb:
+            import wandb
+
+            wb = wandb.init(project=args.wandb, config=config, dir=args.out, name=os.path.basename(os.path.abspath(args.out)))
+    except ImportError as e:
+        sys.exit(f"--tensorboard / --wandb need their package ({e}): pip install tensorboard / wandb")
 
 # ----------------------------------------------------------------------------- backend, proxy, harness
 if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank 0 starts them and syncs their weights
@@ -266,20 +254,18 @@ def endpoint_for(rid):
 
 def step_tasks(step):
     """This rank's tasks of a step: a fixed shuffle of the train split per epoch, so --resume sees the same order."""
-    per_epoch = max(1, len(train_tasks) // args.batch_size)
-    epoch, k = divmod(step, per_epoch)
-    order = list(range(len(train_tasks)))
-    random.Random(args.seed * 1000 + epoch).shuffle(order)
-    batch = [train_tasks[i] for i in order[k * args.batch_size : (k + 1) * args.batch_size]]
-    return batch[rank::world]
+    epoch, k = divmod(step, max(1, len(train_tasks) // args.batch_size))
+    tasks = list(train_tasks)
+    random.Random(args.seed * 1000 + epoch).shuffle(tasks)
+    return tasks[k * args.batch_size : (k + 1) * args.batch_size][rank::world]
 
 
-def rollouts(jobs, name, desc):
+def rollouts(jobs, name):
     """Run jobs through the harness on this rank's proxy; return (results, calls, seconds)."""
     proxy.set_output(run_file("calls", name))
     t0 = time.time()
     results = asyncio.run(run_rollouts(harness, jobs, endpoint_for, args.max_concurrency, args.rollout_timeout,
-                                       posted_reward=proxy.reward, desc=desc, progress=master))
+                                       posted_reward=proxy.reward, desc=name.replace("_", " "), progress=master))
     proxy.set_output(None)
     calls = read_calls(run_file("calls", name))  # from disk: the proxy keeps none in memory
     proxy.reset()
@@ -290,7 +276,7 @@ def rollouts(jobs, name, desc):
 def step_rollouts(step):
     """Every task of this rank's share of the step, group_size times: (jobs, results, calls, seconds)."""
     jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(step_tasks(step)) for g in range(args.group_size)]
-    return jobs, *rollouts(jobs, f"step_{step}", f"step {step}")
+    return jobs, *rollouts(jobs, f"step_{step}")
 
 
 ahead = {}  # --async: step -> its rollouts, run in step order by one worker thread
@@ -313,8 +299,8 @@ def evaluate(step):
     if not test_tasks:
         return
     concurrent.futures.wait(ahead.values())  # --async: the proxy records one run at a time
-    mine = test_tasks[rank::world]
-    results, calls, secs = rollouts([(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(mine)], f"eval_{step}", f"eval {step}")
+    jobs = [(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(test_tasks[rank::world])]
+    results, _, secs = rollouts(jobs, f"eval_{step}")
     save_rollouts(f"eval_{step}", results, {})
     ok = [r.reward for r in results if r.reward is not None]
     n, total, success, failed = algo.all_reduce([len(results), sum(ok), sum(r >= 1.0 for r in ok), len(results) - len(ok)])
@@ -348,40 +334,34 @@ def save(step):
 
 
 def micro_batches(samples, weights, order=None):
-    """Sort by tokens (a group's samples share their prompt: neighbours share prefixes and have similar
-    lengths), or take ``order``, then cut into micro-batches of at most --micro-batch-tokens padded tokens."""
-    order = sorted(range(len(samples)), key=lambda i: samples[i].tokens) if order is None else order
-    out, cur = [], []
-    for i in order:
-        if cur and max(len(samples[j].tokens) for j in cur + [i]) * (len(cur) + 1) > args.micro_batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in out]
+    """Sort by tokens (a group's samples share their prompt: neighbours share prefixes and have similar lengths),
+    or take ``order`` (bench/train_step.py), then cut into micro-batches of --micro-batch-tokens padded tokens."""
+    mbs = []
+    for i in sorted(range(len(samples)), key=lambda i: samples[i].tokens) if order is None else order:
+        if mbs and max(len(samples[j].tokens) for j in mbs[-1] + [i]) * (len(mbs[-1]) + 1) <= args.micro_batch_tokens:
+            mbs[-1].append(i)
+        else:
+            mbs.append([i])
+    return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in mbs]
 
 
 def train_on(samples, version):
     """Loss and backward over this rank's micro-batches; gradients summed over ranks by DDP or FSDP. Returns metrics,
     with the trained tokens and their mean |trainer - rollout logprob| by staleness (updates since they were sampled)."""
-    denoms = algo.global_denominators(samples)  # all-reduced before any backward: exact under any split
-    weights = algo.sample_weights(samples, args.norm, denoms, args.norm_const or args.max_seq_len)
+    # the denominators are all-reduced before any backward: exact under any split
+    weights = algo.sample_weights(samples, args.norm, algo.global_denominators(samples), args.norm_const)
     mbs = parallel.pad_micro_batches(micro_batches(samples, weights), args.parallel)  # None: a zero-loss step, to join the collectives
-    metrics, stale = [], torch.zeros(2, args.async_steps + 1, dtype=torch.float64)
+    metrics, stale = [], torch.zeros(2, args.async_steps + 1, dtype=torch.float64)  # tokens, sum |dlogp| by age
     bar = tqdm(mbs, desc="train", unit="mb", leave=False, disable=not (master and sys.stderr.isatty()))  # quiet in logs
     for i, mb in enumerate(bar):
         with parallel.accumulating(train_model, args.parallel, last=i == len(mbs) - 1):
             if mb is None:
-                out = train_model(input_ids=torch.tensor([[tok.eos_token_id]], device=device))
-                (out.logits.sum() * 0.0).backward()
+                (train_model(input_ids=torch.tensor([[tok.eos_token_id]], device=device)).logits.sum() * 0.0).backward()
                 continue
             b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0)
             lp = algo.trainer_logprobs(train_model, b, fsdp)
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref = algo.trainer_logprobs(ref_model, b)
+            with torch.no_grad():
+                ref = algo.trainer_logprobs(ref_model, b) if ref_model is not None else None
             loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], loss=args.loss,
                                        clip_low=args.clip_low, clip_high=args.clip_high, tis_cap=args.tis_cap,
                                        kl_coef=args.kl_coef, ref_logprobs=ref)
@@ -393,33 +373,42 @@ def train_on(samples, version):
                 raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {args.async_steps} allows")
             stale[0] += torch.bincount(age, minlength=len(stale[0])).double().cpu()
             stale[1] += torch.bincount(age, (lp - b["old_logprobs"])[on].abs().detach().double(), minlength=len(stale[0])).cpu()
-    both = algo.all_reduce(stale.view(-1).tolist())
-    n, d = both[: len(stale[0])], both[len(stale[0]):]
+    n, d = torch.tensor(algo.all_reduce(stale.view(-1).tolist())).view(2, -1).tolist()
     return {**algo.reduce_metrics(metrics), "staleness": {a: int(k) for a, k in enumerate(n) if k},
             "dlogp_by_staleness": {a: x / k for a, (k, x) in enumerate(zip(n, d)) if k}}
 
 
 # ----------------------------------------------------------------------------- the loop
-if start_step == 0:
-    evaluate(0)
+def eval_due(k):  # before and after training, and every --eval-every steps
+    return k in (0, args.steps) or (args.eval_every > 0 and k % args.eval_every == 0)
+
+
 step = steps_done = start_step  # steps_done: steps whose update is applied (or skipped): what a checkpoint holds
+unlogged = None  # the metrics row of step steps_done while it is not in metrics.jsonl: a Ctrl-C writes it
 try:
+    if eval_due(start_step) and start_step not in evaluated:  # a resumed run runs the one a Ctrl-C cut short
+        evaluate(start_step)
     for step in range(start_step, args.steps):
         t_step = time.time()
         # 1. rollouts: every task group_size times, through this rank's proxy (--async: begun during earlier steps)
         jobs, results, calls, t_roll = collect(step)
         t_wait = time.time() - t_step
         ok = {r.rollout_id: r.reward for r in results if r.error is None}
-        gen_tokens = sum(len(c.response_ids) for c in calls)
         # 2. samples: merge each rollout's calls (failed rollouts are never trained on)
         samples, sstats = build_batch_samples([c for c in calls if c.rollout_id in ok], args.max_seq_len)
         # 3. advantages: GRPO groups are the rollouts of one task, all on this rank
-        task_of = {rid: t.id for rid, t in jobs}
-        rewards, groups = algo.gather_rewards(ok, {rid: task_of[rid] for rid in ok})  # all ranks' rollouts under DDP
+        rewards, groups = algo.gather_rewards(ok, {rid: t.id for rid, t in jobs if rid in ok})  # all ranks' rollouts
         adv, astats = algo.compute_advantages(rewards, groups, args.adv, drop_zero_variance=args.drop_zero_variance)
         samples = algo.assign_advantages(samples, adv)  # zero-advantage samples stay: they count in the denominators
         save_rollouts(f"step_{step}", results, adv)
-        n_train, n_signal = algo.all_reduce([len(samples), sum(s.advantage != 0.0 for s in samples)])
+        counts = {"rollouts": len(results), "failed": len(results) - len(ok), "reward": sum(ok.values()),
+                  "success": sum(r >= 1.0 for r in ok.values()), "calls": len(calls), "samples": len(samples),
+                  "signal": sum(s.advantage != 0.0 for s in samples), "gen": sum(len(c.response_ids) for c in calls),
+                  **{k: sstats[k] for k in ("tokens", "trainable_tokens", "tokens_unmerged", "truncated", "dropped")},
+                  **{"split_" + r: sstats["split_" + r] for r in SPLIT_REASONS}}
+        n = dict(zip(counts, algo.all_reduce(list(counts.values()))))  # summed over ranks
+        if n["dropped"]:
+            log(f"step {step + 1}: {int(n['dropped'])} samples dropped, first turn > --max-seq-len {args.max_seq_len}")
         # 4-6. loss, backward, optimizer step (skipped when nothing carries a signal)
         t0 = time.time()
         if not worker:
@@ -428,7 +417,7 @@ try:
             backend.sleep()  # the trainer gets the GPU memory; the weight sync below wakes the servers
         t0, t_sleep = time.time(), time.time() - t0
         m, gnorm, skipped = {}, None, None  # None: not measured (no update, nothing to measure)
-        if n_signal > 0 or (n_train > 0 and args.kl_coef > 0):
+        if n["signal"] > 0 or (n["samples"] > 0 and args.kl_coef > 0):
             model.train()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
@@ -444,8 +433,23 @@ try:
         else:
             skipped = "no_signal"
             log(f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update")
-        steps_done = step + 1  # the update is applied (or skipped): a checkpoint from here on is of step + 1
         t_train = time.time() - t0
+        n_ok = n["rollouts"] - n["failed"]
+        per = lambda a, b: a / b if b else None  # noqa: E731  None: not measured (a 0 would claim a measurement)
+        row = {
+            "step": step + 1, "reward": per(n["reward"], n_ok), "success": per(n["success"], n_ok),
+            **{k: int(n[k]) for k in ("rollouts", "failed", "calls", "samples", "trainable_tokens", "truncated")},
+            "dropped": int(n["dropped"]), "merge_ratio": per(n["tokens_unmerged"], n["tokens"]),
+            "zero_var_groups": astats.get("zero_variance_groups", 0), "skipped": skipped, "grad_norm": gnorm,
+            **{k: m.get(k) for k in ("loss", "clip_frac", "prob_corr", "dlogp_mean", "dlogp_max", "ratio_out_frac")},
+            "staleness": m.get("staleness", {}), "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
+            "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_wait": round(t_wait, 2), "t_train": round(t_train, 2),
+            "t_sleep": round(t_sleep, 3), "t_sync": None, "t_step": None,  # None: a Ctrl-C came first
+            "gen_tok_s": n["gen"] / max(t_roll, 1e-9) / world,
+            "train_tok_s": per(n["tokens"], t_train * world) if m else None,
+            "splits": {r: int(n["split_" + r]) for r in SPLIT_REASONS if n["split_" + r]},
+        }
+        unlogged, steps_done = row, step + 1  # the update is applied (or skipped): a checkpoint from now is of step + 1
         # 7. weight sync: calls in flight finish on the old weights, new calls wait, then get the new ones
         t0 = time.time()
         gathered = parallel.full_state_dict(model, args.parallel) if fsdp else None  # a collective: the shards' full weights
@@ -456,56 +460,42 @@ try:
         if ddp:
             dist.barrier()
         backend.resume()
-        t_sync = time.time() - t0
+        row.update(t_sync=round(time.time() - t0, 3), t_step=round(time.time() - t_step, 2))
+        if device.type == "cuda":
+            row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         # log: one line per step
-        n_roll, n_fail, r_sum, n_succ, n_tok, n_trainable, n_unmerged, n_calls, n_gen, n_cut, n_drop = algo.all_reduce([
-            len(results), len(results) - len(ok), sum(ok.values()), sum(r >= 1.0 for r in ok.values()),
-            sstats["tokens"], sstats["trainable_tokens"], sstats["tokens_unmerged"], len(calls), gen_tokens,
-            sstats["truncated"], sstats["dropped"]])
-        splits = dict(zip(SPLIT_REASONS, algo.all_reduce([sstats["split_" + r] for r in SPLIT_REASONS])))  # all ranks' rollouts
-        if n_drop:
-            log(f"step {step + 1}: {int(n_drop)} samples dropped: their first turn is longer than --max-seq-len {args.max_seq_len}")
-        n_ok = n_roll - n_fail
-        row = {  # None: not measured (no rollout worked, no update: a 0 would claim a measurement)
-            "step": step + 1, "reward": r_sum / n_ok if n_ok else None, "success": n_succ / n_ok if n_ok else None, "rollouts": int(n_roll), "failed": int(n_fail),
-            "calls": int(n_calls), "samples": int(n_train), "trainable_tokens": int(n_trainable), "truncated": int(n_cut), "dropped": int(n_drop),
-            "merge_ratio": n_unmerged / n_tok if n_tok else None, "zero_var_groups": astats.get("zero_variance_groups", 0), "skipped": skipped,
-            "grad_norm": gnorm, **{k: m.get(k) for k in ("loss", "clip_frac", "prob_corr", "dlogp_mean", "dlogp_max", "ratio_out_frac")},
-            "staleness": m.get("staleness", {}), "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
-            "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_wait": round(t_wait, 2), "t_train": round(t_train, 2), "t_sleep": round(t_sleep, 3), "t_sync": round(t_sync, 3),
-            "gen_tok_s": n_gen / max(t_roll, 1e-9) / world, "train_tok_s": n_tok / t_train / world if m else None, "t_step": round(time.time() - t_step, 2),
-            "splits": {r: int(n) for r, n in splits.items() if n},
-            **({"peak_mem_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)} if device.type == "cuda" else {}),
-        }
         show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)  # noqa: E731  None: not measured
         log(f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | fail {row['failed']} | samples {row['samples']} "
             f"tok {row['trainable_tokens']} merge {show('merge_ratio', '.2f')}x | loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
             f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) "
             f"sync {row['t_sync']:.2f}s" + (f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}" if worker else ""))
         append_metrics(row)
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+        unlogged = None
+        if eval_due(step + 1):
             evaluate(step + 1)
         if args.save_every and (step + 1) % args.save_every == 0:
             save(step + 1)
+    save(args.steps)
 except KeyboardInterrupt:  # in step + 1; its update may be applied already (steps_done): --resume goes on from there
     log(f"interrupted in step {step + 1}: saving a checkpoint of step {steps_done} before exiting")
+    if unlogged:
+        append_metrics(unlogged)
     if worker:
         worker.shutdown(wait=False, cancel_futures=True)
     save(steps_done)
+    sys.exit(130)
+finally:
     server.stop()
     backend.close()
-    sys.exit(130)
 
-# ----------------------------------------------------------------------------- the end: evaluate, save, report
-if args.steps > start_step:
-    evaluate(args.steps)
-save(args.steps)
-server.stop()
-backend.close()
+# ----------------------------------------------------------------------------- the end: the report
 if master:
     from lightning_lite.report import write_report
 
     print(f"wrote {write_report(args.out)[0]}: plots and trajectories, open it in a browser")
-    sink(None)
+    if tb:
+        tb.close()
+    if wb:
+        wb.finish()
 if ddp:
     dist.destroy_process_group()

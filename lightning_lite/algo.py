@@ -1,11 +1,7 @@
-"""Advantages and the policy-gradient loss, exact under DDP and gradient accumulation.
-
-The normalization is a weight per trainable token computed once from the whole global batch
-(``global_denominators`` all-reduces the counts before any backward), so the loss is a sum of
-``weight * token_loss`` that each micro-batch contributes a part of: nothing depends on how the
-batch is cut into ranks and micro-batches. train.py's step is the order of this file: advantages,
-weights, ``collate`` + ``trainer_logprobs`` + ``policy_loss`` per micro-batch, ``reduce_metrics``.
-A rank without samples must still call the collectives and backward a zero loss, or the others wait.
+"""Advantages and the policy-gradient loss, exact under DDP and gradient accumulation: the loss is a sum of
+``weight * token_loss``, the weights computed from counts over the whole global batch (``global_denominators``),
+so nothing depends on how the batch is cut into ranks and micro-batches. train.py's step is the order of this
+file. A rank without samples must still call the collectives and backward a zero loss, or the others wait.
 """
 
 from __future__ import annotations
@@ -31,23 +27,18 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
                        eps: float = 1e-6, drop_zero_variance: bool = False) -> tuple[dict[str, float], dict]:
     """One advantage per rollout; return ({rollout_id: advantage}, stats).
 
-    ``rewards[rid] is None`` marks a failed rollout: it is left out before any
-    statistic and is missing from the result (so it is not trained). A group is
-    the rollouts of one task (``groups[rid]``). For rewards [1, 0, 0] in one group:
+    ``rewards[rid] is None`` marks a failed rollout: left out before any statistic and missing from the
+    result (not trained). A group is the rollouts of one task (``groups[rid]``). For rewards [1, 0, 0]:
 
         grpo       (r - mean) / (std + eps), std with n-1:  mean 1/3, std 0.577 -> [1.155, -0.577, -0.577]
         dr_grpo    r - mean                                                     -> [0.667, -0.333, -0.333]
         rloo       r - mean of the others = n/(n-1) (r - mean)                  -> [1, -0.5, -0.5]
         reinforce  r - mean over the whole batch (all groups)
 
-    A group whose rewards are all equal (one rollout included) carries no signal
-    for a group baseline: grpo, dr_grpo and rloo give it 0 (rloo's leave-one-out
-    mean of a single rollout is undefined: 0 too); reinforce keeps r - batch mean.
-    It is counted, and with ``drop_zero_variance`` left out of the result, unless
-    it has one rollout: a group of 1 is not "flat", it is all the data there is
-    (reinforce with groups of 1 would otherwise drop everything).
-    Under DDP, pass the rewards of all ranks (``gather_rewards``) so that the
-    batch mean and the stats are global.
+    A group whose rewards are all equal (one rollout included) gets 0 from a group baseline
+    (rloo's mean of the others is undefined for one rollout: 0 too); reinforce keeps r - batch mean.
+    It is counted, and with ``drop_zero_variance`` left out, unless it has one rollout: that is all
+    the data there is. Under DDP pass all ranks' rewards (``gather_rewards``): the batch mean is global.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
@@ -89,19 +80,17 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
     return adv, dict(stats)
 
 
-def gather_rewards(rewards: dict, groups: dict, group=None) -> tuple[dict, dict]:
-    """Under DDP, the union of every rank's ``rewards`` and ``groups`` dicts (a few
-    floats per rollout); unchanged without torch.distributed. Collective."""
+def gather_rewards(rewards: dict, groups: dict) -> tuple[dict, dict]:
+    """The union of every rank's ``rewards`` and ``groups`` (unchanged without torch.distributed). Collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return rewards, groups
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, (rewards, groups), group=group)
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (rewards, groups))
     return {k: v for r, _ in out for k, v in r.items()}, {k: v for _, g in out for k, v in g.items()}
 
 
 def assign_advantages(samples: list[Sample], advantages: dict[str, float]) -> list[Sample]:
-    """Set each sample's ``advantage`` to its rollout's; drop samples of rollouts
-    without one (failed, or dropped as zero-variance)."""
+    """Set each sample's ``advantage`` to its rollout's; drop those without one (failed, zero-variance dropped)."""
     kept = [s for s in samples if s.rollout_id in advantages]
     for s in kept:
         s.advantage = advantages[s.rollout_id]
@@ -110,41 +99,34 @@ def assign_advantages(samples: list[Sample], advantages: dict[str, float]) -> li
 
 # ----------------------------------------------------------------------------- normalization
 
-def all_reduce(values: list[float], op=dist.ReduceOp.SUM, group=None) -> list[float]:
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     """Reduce a few floats over ranks (unchanged without torch.distributed). Collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return values
     # NCCL only reduces CUDA tensors; gloo takes CPU ones.
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op, group=group)
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
-def global_denominators(samples: list[Sample], group=None) -> dict:
-    """Counts over the GLOBAL batch (all ranks, all micro-batches), before any backward.
-
-    ``tokens``: trainable tokens; ``samples`` and ``rollouts``: those with at least
-    one trainable token.
-    Collective under torch.distributed (every rank calls it, with its own samples).
-    A rollout's samples must all be on one rank (they are: a rank runs whole groups).
-    """
+def global_denominators(samples: list[Sample]) -> dict:
+    """Over the global batch (every rank calls it, with its own samples: a collective): ``tokens``, trainable
+    tokens; ``samples``, ``rollouts``: those with one or more. A rollout's samples must all be on one rank."""
     n = [sum(s.loss_mask) for s in samples]
     rollouts = {s.rollout_id for s, k in zip(samples, n) if k > 0}
-    tokens, nseq, nroll = all_reduce([sum(n), sum(k > 0 for k in n), len(rollouts)], dist.ReduceOp.SUM, group)
+    tokens, nseq, nroll = all_reduce([sum(n), sum(k > 0 for k in n), len(rollouts)])
     return {"tokens": int(tokens), "samples": int(nseq), "rollouts": int(nroll)}
 
 
 def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: Optional[float] = None) -> list[float]:
-    """Each sample's weight per trainable token, such that the loss is ``sum over trainable tokens of
-    weight * token_loss`` (README: the normalization table). N_* from ``global_denominators``; n_s,
-    n_r a sample's and a rollout's trainable tokens:
+    """Each sample's weight per trainable token: the loss is the sum of ``weight * token_loss`` (README: the
+    normalization table). N_* from ``global_denominators``; n_s, n_r a sample's, its rollout's trainable tokens:
 
         token-mean 1/N_tokens   seq-mean-token-mean 1/(N_samples n_s)   seq-mean-token-sum 1/N_samples
         seq-mean-token-sum-norm 1/(N_samples C)   rollout-mean 1/(N_rollouts n_r)
 
-    C is ``norm_const``, a fixed token budget (Dr. GRPO: the generation budget; train.py's default
-    is --max-new-tokens): a constant that depends on the batch would bring back a length bias.
+    C is ``norm_const``, a fixed token budget (Dr. GRPO: the generation budget): a C that depends on the
+    batch would bring back a length bias.
     """
     if norm not in NORMS:
         raise ValueError(f"unknown loss normalization {norm!r}; pick one of {NORMS}")
@@ -154,21 +136,12 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
     per_rollout: Counter = Counter()
     for s, k in zip(samples, n):
         per_rollout[s.rollout_id] += k
-    weights = []
-    for s, k in zip(samples, n):
-        if k == 0:
-            weights.append(0.0)
-        elif norm == "token-mean":
-            weights.append(1.0 / denoms["tokens"])
-        elif norm == "seq-mean-token-mean":
-            weights.append(1.0 / (denoms["samples"] * k))
-        elif norm == "seq-mean-token-sum":
-            weights.append(1.0 / denoms["samples"])
-        elif norm == "seq-mean-token-sum-norm":
-            weights.append(1.0 / (denoms["samples"] * norm_const))
-        else:  # rollout-mean
-            weights.append(1.0 / (denoms["rollouts"] * per_rollout[s.rollout_id]))
-    return weights
+    divisor = {"token-mean": lambda s, k: denoms["tokens"],  # the table above, one line per mode
+               "seq-mean-token-mean": lambda s, k: denoms["samples"] * k,
+               "seq-mean-token-sum": lambda s, k: denoms["samples"],
+               "seq-mean-token-sum-norm": lambda s, k: denoms["samples"] * norm_const,
+               "rollout-mean": lambda s, k: denoms["rollouts"] * per_rollout[s.rollout_id]}[norm]
+    return [1.0 / divisor(s, k) if k else 0.0 for s, k in zip(samples, n)]
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -192,14 +165,13 @@ def collate(samples: list[Sample], weights: list[float], device=None, dtype=torc
 
 
 def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The tokens that top-k, then top-p sampling may draw: [N, V] logits already divided by
-    the temperature, [N] ``top_k`` (<= 0: off) and ``top_p`` (1.0: off) -> [N, V] bool.
+    """The tokens that top-k, then top-p sampling may draw: [N, V] logits already divided by the temperature,
+    [N] ``top_k`` (<= 0: off) and ``top_p`` (1.0: off) -> [N, V] bool.
 
-    top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the most
-    probable of those until their renormalized mass reaches top_p (at least one). Either way
-    the support is the n largest logits for some n, i.e. ``x >= (the n-th largest)``. The
-    sampler (backends.sample_token) and the trainer (``sampled_logprobs``) both call this,
-    so they agree on the rule by construction.
+    top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the most probable of those
+    until their renormalized mass reaches top_p (at least one): either way ``x >= (the n-th largest)`` for
+    some n. The sampler (backends.sample_token) and the trainer (``sampled_logprobs``) both call this, so
+    they agree on the rule by construction.
 
     >>> sampling_support(torch.tensor([[3., 2., 1., 0.]]), torch.tensor([3]), torch.tensor([0.7]))
     tensor([[ True,  True, False, False]])   # top-3 probs .67 .24 .09: mass before the 3rd is .91 >= .7
@@ -222,12 +194,11 @@ def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
                      top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[N, V] logits, [N] tokens and the settings that sampled each of them -> [N] logprob of
-    each token under the distribution it was drawn from: softmax(logits / T) restricted to the
-    top-k / top-p support (``sampling_support``) and renormalized; greedy (T = 0) under
-    softmax(logits), as the sampler reports it. The support is recomputed on these logits
-    (no gradient flows through its choice) and always holds the token itself: with the
-    sampler's own weights it is the sampler's support up to float noise at the boundary.
+    """[N, V] logits, [N] tokens and the settings that sampled each -> [N] logprob of each token under the
+    distribution it was drawn from: softmax(logits / T) on the top-k / top-p support (``sampling_support``),
+    renormalized; greedy (T = 0) under softmax(logits), as the sampler reports it. The support is recomputed
+    on these logits (no gradient through its choice) and always holds the token: with the sampler's weights,
+    it is the sampler's support up to float noise at the boundary.
 
     For logits [2, 1, 0], token 0, T 1: no truncation -0.408; top_k 2 -> -0.313; top_p 0.5 -> 0.0.
     """
@@ -248,10 +219,9 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: to
 def trainer_logprobs(net, b: dict, fsdp: bool = False) -> torch.Tensor:
     """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a transformers causal
     LM, maybe in DDP), each under the sampling settings of the call that drew it (``sampled_logprobs``);
-    0.0 elsewhere. Two savings, both exact, and most of the work for long agent prompts:
-    - the rows' common prefix (a GRPO group's prompt) runs once and its KV cache is shared by all
-      rows; gradients flow through it;
-    - the LM head runs only from the first trainable position on.
+    0.0 elsewhere. Two savings, both exact, and most of the work for long agent prompts: the rows' common
+    prefix (a GRPO group's prompt) runs once, its KV cache shared by all rows (gradients flow through it),
+    and the LM head runs only from the first trainable position on.
     """
     tokens, loss_mask = b["tokens"], b["loss_mask"]
     B, T = tokens.shape
@@ -279,15 +249,12 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 loss_mask: torch.Tensor, weights: torch.Tensor, loss: str = "ppo", clip_low: Optional[float] = None,
                 clip_high: Optional[float] = None, tis_cap: float = 2.0, kl_coef: float = 0.0,
                 ref_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``).
-
-    [B, T]: ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout),
-    ``loss_mask``, ``ref_logprobs``; [B]: ``advantages``, ``weights`` (``sample_weights``).
-    With ratio r = exp(logprobs - old_logprobs) and advantage A, the token loss is
+    """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``). [B, T]:
+    ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout), ``loss_mask``, ``ref_logprobs``;
+    [B]: ``advantages``, ``weights`` (``sample_weights``). With r = exp(logprobs - old_logprobs), advantage A:
 
         ppo   -min(r A, clip(r, 1-clip_low, 1+clip_high) A)          per token
-        gspo  the same with r replaced by the sample's exp(mean log-ratio over its
-              trainable tokens), one value per sample
+        gspo  the same with r the sample's exp(mean log-ratio over its trainable tokens), one per sample
         tis   -min(r, tis_cap) A logprobs: REINFORCE, truncated importance weight (no grad)
 
     plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0.
@@ -302,15 +269,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     # 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a bug) from overflowing
     log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
     ratio = log_ratio.exp()
-    if loss == "ppo":
-        clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-        tok_loss = -torch.min(ratio * adv, clipped * adv)
-        was_clipped = clipped * adv < ratio * adv  # the clipped branch is taken: no gradient
-    elif loss == "gspo":
-        seq_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
-        clipped = seq_ratio.clamp(1 - clip_low, 1 + clip_high)
-        tok_loss = (-torch.min(seq_ratio * adv, clipped * adv)).expand_as(mask)
-        was_clipped = (clipped * adv < seq_ratio * adv).expand_as(mask)
+    if loss in ("ppo", "gspo"):  # gspo: the sample's ratio, exp(mean log-ratio over its trainable tokens)
+        r = ratio if loss == "ppo" else (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
+        clipped = r.clamp(1 - clip_low, 1 + clip_high)
+        tok_loss = (-torch.min(r * adv, clipped * adv)).expand_as(mask)
+        was_clipped = (clipped * adv < r * adv).expand_as(mask)  # the clipped branch is taken: no gradient
     else:  # tis
         tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
         was_clipped = ratio > tis_cap
@@ -326,7 +289,6 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         on = mask > 0
         r, p, q = ratio[on].double(), old_logprobs[on].double().exp(), logprobs[on].double().exp()
         dlp = (logprobs - old_logprobs)[on].double().abs()
-        none = r.numel() == 0
         metrics = {
             "loss": total.detach().double(), "tokens": on.sum().double(), "clipped": was_clipped[on].sum().double(),
             "ratio_sum": r.sum(), "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(), "dlogp_sum": dlp.sum(),
@@ -334,9 +296,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             # Pearson correlation of rollout vs trainer token probabilities, from sums.
             "p_sum": p.sum(), "q_sum": q.sum(), "pp_sum": (p * p).sum(), "qq_sum": (q * q).sum(),
             "pq_sum": (p * q).sum(),
-            "ratio_min": r.new_tensor(math.inf) if none else r.min(),
-            "ratio_max": r.new_tensor(-math.inf) if none else r.max(),
-            "dlogp_max": r.new_tensor(-math.inf) if none else dlp.max(),
+            "ratio_min": r.min() if r.numel() else r.new_tensor(math.inf),
+            "ratio_max": r.max() if r.numel() else r.new_tensor(-math.inf),
+            "dlogp_max": dlp.max() if r.numel() else r.new_tensor(-math.inf),
         }
     return total, metrics
 
@@ -345,11 +307,10 @@ _SUMS = ("loss", "tokens", "clipped", "ratio_sum", "ratio_out", "dlogp_sum", "kl
          "p_sum", "q_sum", "pp_sum", "qq_sum", "pq_sum")
 
 
-def reduce_metrics(metrics: list[dict], group=None) -> dict[str, float]:
-    """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective
-    under torch.distributed; a rank without samples passes []) into: loss (the global
-    loss), tokens, clip_frac, ratio_mean/min/max, ratio_out_frac (tokens whose ratio leaves
-    [0.9, 1.1]: a mean near 1 can hide per-token noise), dlogp_mean/max (|trainer - rollout
+def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
+    """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank without samples
+    passes []) into: loss (the global loss), tokens, clip_frac, ratio_mean/min/max, ratio_out_frac (tokens whose
+    ratio leaves [0.9, 1.1]: a mean near 1 can hide per-token noise), dlogp_mean/max (|trainer - rollout
     logprob|), prob_corr (Pearson, token probabilities), kl_mean."""
     kinds = ((_SUMS, dist.ReduceOp.SUM, torch.sum, 0.0),
              (("ratio_min",), dist.ReduceOp.MIN, torch.amin, math.inf),
@@ -360,7 +321,7 @@ def reduce_metrics(metrics: list[dict], group=None) -> dict[str, float]:
             vals = fn(torch.stack([torch.stack([m[k] for k in keys]) for m in metrics]), 0).tolist()
         else:
             vals = [empty] * len(keys)
-        agg.update(zip(keys, all_reduce(vals, op, group)))
+        agg.update(zip(keys, all_reduce(vals, op)))
     n = max(agg["tokens"], 1.0)
     cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]
     var = (n * agg["pp_sum"] - agg["p_sum"] ** 2) * (n * agg["qq_sum"] - agg["q_sum"] ** 2)

@@ -2,21 +2,20 @@
 
 Chat completions, Anthropic Messages and the Responses API map onto one conversation of normalized messages
 (chat.py), so rendering, token reuse and merging work the same whatever a harness speaks (README: which
-harness speaks which, and what each route accepts). ``memo``: a dict kept per conversation, so that a request
-that appends a turn converts only its new messages (``_convert``).
+harness speaks which, and what each route accepts, ignores or refuses).
 
 Writers (``ChatReply``, ``AnthropicReply``, ``ResponsesReply``; ``CompletionsReply``) turn the answered calls
 into the JSON body (``body(answers)``) or server-sent events: ``start()`` before the first token,
 ``reasoning(delta)`` and ``text(delta)`` as they are sampled (all reasoning before any text),
 ``end(answers, sent, sent_reasoning)`` for what was not sent yet (tool calls are sent whole, once parsed),
-``error(message)`` when the backend fails mid-stream. What the model cannot use (cache_control, server tools)
-is ignored; what it cannot read (images) is a 400.
+``error(message)`` when the backend fails mid-stream.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import time
 import uuid
@@ -44,17 +43,13 @@ def _expect(cond: bool, message: str, param: str):
 
 def _text_of(content: Any, param: str) -> str:
     """Content as a string or a list of parts -> one string (text parts joined by newlines)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     _expect(isinstance(content, list), f"'{param}' must be a string or a list of content parts", param)
     texts = []
     for i, part in enumerate(content):
         p = f"{param}[{i}]"
-        if isinstance(part, str):
-            texts.append(part)
-            continue
+        part = {"type": "text", "text": part} if isinstance(part, str) else part
         _expect(isinstance(part, dict), f"'{p}' must be an object", p)
         kind = part.get("type", "text")
         if kind in ("text", "input_text", "output_text"):
@@ -115,36 +110,31 @@ def _calls_as_text(content: str) -> dict:
         return {}
 
 
-def _number(body: dict, key: str, lo: float, hi: float, default):
-    v = body.get(key)
+def _number(key: str, v: Any, lo: float, hi: float, default, integer: bool = False):
     if v is None:
         return default
-    _expect(isinstance(v, (int, float)) and not isinstance(v, bool), f"'{key}' must be a number", key)
+    _expect(isinstance(v, int if integer else (int, float)) and not isinstance(v, bool),
+            f"'{key}' must be {'an integer' if integer else 'a number'}", key)
     if not lo <= v <= hi:
-        raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {v}", key, "invalid_value")
+        span = f"at least {lo}" if hi == math.inf else f"between {lo} and {hi}"
+        raise BadRequest(f"'{key}' must be {span}, got {v}", key, "invalid_value")
     return v
 
 
-def _sampling(body: dict) -> Sampling:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        _expect(isinstance(max_tokens, int) and not isinstance(max_tokens, bool), "'max_tokens' must be an integer", "max_tokens")
-        if max_tokens <= 0:
-            raise BadRequest(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
+def _settings(body: dict, max_tokens: Any, stop: Any) -> dict:
+    """The Request's ``sampling``, ``stream`` and ``model``. ``max_tokens``, ``stop``: their values (names vary)."""
+    max_tokens = _number("max_tokens", max_tokens, 1, math.inf, None, integer=True)
+    stop = [stop] if isinstance(stop, str) else stop or []
     _expect(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "'stop' must be a string or a list of strings", "stop")
-    seed = body.get("seed")
-    _expect(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), "'seed' must be an integer", "seed")
-    return Sampling(
+    sampling = Sampling(
         max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 0.0, 2.0, 1.0)),
-        top_p=float(_number(body, "top_p", 0.0, 1.0, 1.0)),
-        top_k=max(0, int(_number(body, "top_k", -1, 1e9, 0))),  # -1 (vLLM's "off") -> 0
         stop=[s for s in stop if s],
-        seed=seed,
+        seed=_number("seed", body.get("seed"), -math.inf, math.inf, None, integer=True),
+        temperature=float(_number("temperature", body.get("temperature"), 0.0, 2.0, 1.0)),
+        top_p=float(_number("top_p", body.get("top_p"), 0.0, 1.0, 1.0)),
+        top_k=max(0, int(_number("top_k", body.get("top_k"), -1, 1e9, 0))),  # -1 (vLLM's "off") -> 0
     )
+    return {"sampling": sampling, "stream": bool(body.get("stream", False)), "model": str(body.get("model", ""))}
 
 
 def _tools(body: dict) -> dict:
@@ -182,41 +172,33 @@ def _body(body: Any) -> dict:
     return body
 
 
+def _messages(body: Any) -> tuple[dict, list]:
+    body = _body(body)
+    _expect(isinstance(body.get("messages"), list), "'messages' must be a list", "messages")
+    if not body["messages"]:
+        raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
+    return body, body["messages"]
+
+
 MAX_N = 16
 
 
-def _n(body: dict) -> int:
-    n = body.get("n")
-    if n is None:
-        return 1
-    _expect(isinstance(n, int) and not isinstance(n, bool), "'n' must be an integer", "n")
-    if not 1 <= n <= MAX_N:
-        raise BadRequest(f"'n' must be between 1 and {MAX_N}, got {n}", "n", "invalid_value")
-    return n
+def _openai_settings(body: dict) -> dict:
+    """The settings of a chat or completions body: those of every API, ``n`` and ``stream_options``."""
+    stream_options = body.get("stream_options") or {}
+    _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
+    settings = _settings(body, body.get("max_completion_tokens", body.get("max_tokens")), body.get("stop"))
+    n = _number("n", body.get("n"), 1, MAX_N, 1, integer=True)
+    return {**settings, "n": n, "include_usage": bool(stream_options.get("include_usage", False))}
 
 
 def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
     """Validate a /v1/chat/completions body. Unknown fields (reasoning_effort, metadata, ...) are ignored."""
-    body = _body(body)
-    msgs = body.get("messages")
-    _expect(isinstance(msgs, list), "'messages' must be a list", "messages")
-    if not msgs:
-        raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
-    stream_options = body.get("stream_options") or {}
-    _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
+    body, msgs = _messages(body)
     template_kwargs = {} if body.get("chat_template_kwargs") is None else body["chat_template_kwargs"]  # {"enable_thinking": false}, ...
     _expect(isinstance(template_kwargs, dict), "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return Request(
-        messages=_convert(msgs, lambda m, i: [_message(m, i)], memo),
-        **_tools(body),
-        template_kwargs=template_kwargs,
-        sampling=_sampling(body),
-        n=_n(body),
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(stream_options.get("include_usage", False)),
-        logprobs=bool(body.get("logprobs", False)),
-        model=str(body.get("model", "")),
-    )
+    return Request(messages=_convert(msgs, lambda m, i: [_message(m, i)], memo), **_tools(body),
+                   template_kwargs=template_kwargs, **_openai_settings(body), logprobs=bool(body.get("logprobs")))
 
 
 def parse_completions_request(body: Any) -> Request:
@@ -225,38 +207,22 @@ def parse_completions_request(body: Any) -> Request:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    req = Request(sampling=_sampling(body), n=_n(body), stream=bool(body.get("stream", False)), model=str(body.get("model", "")))
-    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-    req.logprobs = body.get("logprobs") is not None
+    req = Request(**_openai_settings(body), logprobs=body.get("logprobs") is not None)
     if body.get("echo"):
         raise BadRequest("'echo' is not supported", "echo", "invalid_value")
-    if isinstance(prompt, str):
-        req.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        req.prompt_ids = list(prompt)
-    else:
-        raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)", "prompt", "invalid_type")
+    ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    _expect(isinstance(prompt, str) or ids, "'prompt' must be a non-empty string or a non-empty list of token ids "
+            "(one prompt per request)", "prompt")
+    req.prompt_text, req.prompt_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
     return req
 
 
 # ----------------------------------------------------------------------------- Anthropic Messages
 
 
-def _blocks(content: Any, param: str) -> list[dict]:
-    if content is None or isinstance(content, str):
-        return [{"type": "text", "text": content or ""}]
-    _expect(isinstance(content, list) and all(isinstance(b, dict) for b in content), f"'{param}' must be a string or a list of content blocks", param)
-    return content
-
-
 def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
-    """Validate a /v1/messages body (what Claude Code sends: ``system`` as text or blocks,
-    ``role: system`` turns inside ``messages``, tool_use / tool_result blocks)."""
-    body = _body(body)
-    msgs = body.get("messages")
-    _expect(isinstance(msgs, list), "'messages' must be a list", "messages")
-    if not msgs:
-        raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
+    """Validate a /v1/messages body (README: what Claude Code sends)."""
+    body, msgs = _messages(body)
 
     def message(m: Any, i: int) -> list[dict]:  # one tool message per tool_result, then the turn's text and calls
         p, out = f"messages[{i}]", []
@@ -264,8 +230,11 @@ def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
         role = m.get("role")
         if role not in ("user", "assistant", "system"):
             raise BadRequest(f"unknown role {role!r} in {p}; expected user, assistant or system", p + ".role", "invalid_value")
-        texts, calls, thoughts = [], [], []
-        for j, b in enumerate(_blocks(m.get("content"), p + ".content")):
+        texts, calls, thoughts, content = [], [], [], m.get("content")
+        blocks = [{"type": "text", "text": content or ""}] if content is None or isinstance(content, str) else content
+        _expect(isinstance(blocks, list) and all(isinstance(b, dict) for b in blocks),
+                f"'{p}.content' must be a string or a list of content blocks", p + ".content")
+        for j, b in enumerate(blocks):
             kind, q = b.get("type"), f"{p}.content[{j}]"
             if kind == "text":
                 texts.append(_text_of([b], q))
@@ -288,9 +257,7 @@ def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
 
     system = [{"role": "system", "content": _text_of(body["system"], "system")}] if body.get("system") else []
     return Request(messages=system + _convert(msgs, message, memo), **_tools(body),
-                   sampling=_sampling({k: body.get(a) for k, a in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                                                                    ("top_k", "top_k"), ("stop", "stop_sequences"), ("seed", "seed"))}),
-                   stream=bool(body.get("stream", False)), model=str(body.get("model", "")))
+                   **_settings(body, body.get("max_tokens"), body.get("stop_sequences")))
 
 
 # ----------------------------------------------------------------------------- Responses API
@@ -310,8 +277,7 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], me
         _expect(isinstance(body["previous_response_id"], str), "'previous_response_id' must be a string", "previous_response_id")
         history = list(previous(body["previous_response_id"]))
     items = body.get("input", [])
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else items
     _expect(isinstance(items, list), "'input' must be a string or a list of items", "input")
 
     def item(it: Any, i: int) -> list[dict]:  # a message, or a tool call (no "role": joined below)
@@ -327,8 +293,8 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], me
             _expect(isinstance(it.get("name"), str), f"'{p}.name' must be a string", p + ".name")
             return [{"id": str(it.get("call_id", "")), "name": it["name"], "arguments": parse_arguments(it.get("arguments", "{}"))}]
         if kind == "function_call_output":
-            out = it.get("output", "")
-            return [{"role": "tool", "tool_call_id": str(it.get("call_id", "")), "content": out if isinstance(out, str) else _text_of(out, p + ".output")}]
+            output = _text_of(it.get("output"), p + ".output")
+            return [{"role": "tool", "tool_call_id": str(it.get("call_id", "")), "content": output}]
         if kind == "reasoning":  # its reasoning_text parts, else its summary; encrypted only: nothing to read
             text = _part_texts(it.get("content")) or _part_texts(it.get("summary"))
             return [{"role": "assistant", "content": "", "reasoning": text}] if text else []
@@ -348,9 +314,7 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], me
         raise BadRequest("'input' must not be empty", "input", "invalid_value")
     instructions = [{"role": "system", "content": _text_of(body["instructions"], "instructions")}] if body.get("instructions") else []
     return Request(messages=instructions + history, **_tools(body),
-                   sampling=_sampling({"max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                                       "top_k": body.get("top_k"), "seed": body.get("seed")}),
-                   stream=bool(body.get("stream", False)), model=str(body.get("model", "")), n_instructions=len(instructions))
+                   **_settings(body, body.get("max_output_tokens"), None), n_instructions=len(instructions))
 
 
 # ----------------------------------------------------------------------------- replies and stream events
@@ -427,9 +391,8 @@ class ChatReply:
     def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
         out = []
         for call, reply in answers:
-            live = call.choice == 0  # only one choice streams live
             for key, field_, done in (("reasoning", "reasoning_content", sent_reasoning), ("content", "content", sent)):
-                rest = _rest(reply.get(key, ""), done if live else "")
+                rest = _rest(reply.get(key, ""), done if call.choice == 0 else "")  # only choice 0 streams live
                 if rest:
                     out.append(self._chunk(call.choice, {field_: rest}))
             for i, tc in enumerate(self._tool_calls(reply)):
@@ -443,13 +406,8 @@ class ChatReply:
         return sse(error_body("chat", message, "server_error")) + b"data: [DONE]\n\n"
 
 
-def _pieces(text: str) -> list[str]:
-    """Split text into word-sized stream deltas (generation finishes before streaming starts)."""
-    return re.findall(r"\s*\S+|\s+", text or "")
-
-
 class CompletionsReply:
-    """/v1/completions: ``answers`` are (call, text) pairs; a stream is sent whole once generated, in word-sized pieces."""
+    """/v1/completions: ``answers`` are (call, text) pairs; a stream is sent once generated, in word-sized pieces."""
 
     def __init__(self, req: Request, model: str, n_prompt: int, tok=None):
         self.req, self.n_prompt, self.tok = req, n_prompt, tok
@@ -470,7 +428,8 @@ class CompletionsReply:
     def end(self, answers) -> bytes:
         out = []
         for call, text in answers:
-            out += [self._chunk(call.choice, piece) for piece in _pieces(text)] + [self._chunk(call.choice, "", client_finish(call, {}))]
+            out += [self._chunk(call.choice, piece) for piece in re.findall(r"\s*\S+|\s+", text or "")]
+            out.append(self._chunk(call.choice, "", client_finish(call, {})))
         if self.req.include_usage:
             out.append(sse({**self.head, "choices": [], "usage": _usage(self.n_prompt, answers)}))
         return b"".join(out) + b"data: [DONE]\n\n"
@@ -481,7 +440,7 @@ class AnthropicReply:
 
     def __init__(self, req: Request, model: str, n_prompt: int):
         self.req, self.n_prompt = req, n_prompt
-        self.open, self.index = None, 0  # the stream's open block ("thinking" or "text", or None) and its index (else the next one's)
+        self.open, self.index = None, 0  # the stream's open block's type (or None) and its index (else the next one's)
         self.id, self.model = f"msg_{uuid.uuid4().hex[:24]}", req.model or model
 
     @staticmethod
@@ -526,11 +485,9 @@ class AnthropicReply:
         return self._delta("text", delta)
 
     def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
-        (call, reply), = answers
         message, out = self.body(answers), []
-        for i, block in enumerate(message["content"]):
-            if i < self.index:  # streamed and closed already (the thinking, once the text began)
-                continue
+        # from the first block not closed yet (the thinking closes once the text begins)
+        for block in message["content"][self.index:]:
             kind = block["type"]
             if kind in ("thinking", "text"):
                 rest = _rest(block[kind], sent_reasoning if kind == "thinking" else sent)
@@ -539,11 +496,10 @@ class AnthropicReply:
                 out.append(self._close())
                 out.append(sse({"type": "content_block_start", "index": self.index, "content_block": {**block, "input": {}}}, "content_block_start"))
                 out.append(sse({"type": "content_block_delta", "index": self.index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}, "content_block_delta"))
-                out.append(sse({"type": "content_block_stop", "index": self.index}, "content_block_stop"))
-                self.index += 1
+                self.open = kind  # sent whole: closed by the next block, or the end
         out.append(self._close())
         out.append(sse({"type": "message_delta", "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
-                         "usage": {"output_tokens": len(call.response_ids)}}, "message_delta"))
+                         "usage": {"output_tokens": message["usage"]["output_tokens"]}}, "message_delta"))
         out.append(sse({"type": "message_stop"}, "message_stop"))
         return b"".join(out)
 
@@ -583,12 +539,10 @@ class ResponsesReply:
                 "usage": {"input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
                           "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": self.n_prompt + n_out}}
 
-    def _status(self, call, reply) -> str:
-        return "incomplete" if client_finish(call, reply) == "length" else "completed"
-
     def body(self, answers) -> dict:
         (call, reply), = answers
-        return self._response(self._status(call, reply), self._output(reply), call)
+        status = "incomplete" if client_finish(call, reply) == "length" else "completed"
+        return self._response(status, self._output(reply), call)
 
     def _event(self, kind: str, **fields) -> bytes:
         self.seq += 1
@@ -607,15 +561,17 @@ class ResponsesReply:
         self.thought += delta
         return out + self._event("response.reasoning_text.delta", **at, delta=delta)
 
-    def _close_reasoning(self, text: str) -> bytes:
-        item, at = self._reasoning_item(text), dict(item_id=self.rs_id, output_index=self.index, content_index=0)
-        out = self._event("response.reasoning_text.done", **at, text=text) + self._event("response.content_part.done", **at, part=item["content"][0])
-        out += self._event("response.output_item.done", output_index=self.index, item=item)
+    def _done(self, item: dict) -> bytes:
+        """The events that end the open item (the reasoning or the message): its text, its content part, itself."""
+        part, at = item["content"][0], dict(item_id=item["id"], output_index=self.index, content_index=0)
+        logprobs = {"logprobs": []} if item["type"] == "message" else {}
+        out = self._event(f"response.{part['type']}.done", **at, text=part["text"], **logprobs)
+        out += self._event("response.content_part.done", **at, part=part)
         self.open, self.index = None, self.index + 1
-        return out
+        return out + self._event("response.output_item.done", output_index=self.index - 1, item=item)
 
     def text(self, delta: str) -> bytes:
-        out = self._close_reasoning(self.thought) if self.open == "reasoning" else b""
+        out = self._done(self._reasoning_item(self.thought)) if self.open == "reasoning" else b""
         if self.open != "message":
             self.open = "message"
             out += self._event("response.output_item.added", output_index=self.index, item={"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []})
@@ -623,30 +579,20 @@ class ResponsesReply:
         return out + self._event("response.output_text.delta", item_id=self.msg_id, output_index=self.index, content_index=0, delta=delta, logprobs=[])
 
     def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
-        (call, reply), = answers
-        output, out = self._output(reply), []
-        for i, item in enumerate(output):
-            if i < self.index:  # streamed and closed already (the reasoning, once the text began)
-                continue
-            if item["type"] == "reasoning":
-                text = item["content"][0]["text"]
-                rest = _rest(text, sent_reasoning)
-                out.append(self.reasoning(rest) if rest or self.open != "reasoning" else b"")
-                out.append(self._close_reasoning(text))
-            elif item["type"] == "message":
-                text = item["content"][0]["text"]
-                rest = _rest(text, sent)
-                out.append(self.text(rest) if rest or self.open != "message" else b"")
-                out.append(self._event("response.output_text.done", item_id=self.msg_id, output_index=i, content_index=0, text=text, logprobs=[]))
-                out.append(self._event("response.content_part.done", item_id=self.msg_id, output_index=i, content_index=0, part=item["content"][0]))
-            else:
+        response, out = self.body(answers), []
+        # from the first item not ended yet (the reasoning ends once the text begins)
+        for i, item in enumerate(response["output"][self.index:], self.index):
+            if item["type"] == "function_call":
                 out.append(self._event("response.output_item.added", output_index=i, item={**item, "arguments": "", "status": "in_progress"}))
                 out.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=item["arguments"]))
                 out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i, arguments=item["arguments"]))
-            if item["type"] != "reasoning":
                 out.append(self._event("response.output_item.done", output_index=i, item=item))
-        status = self._status(call, reply)
-        out.append(self._event(f"response.{status}", response=self._response(status, output, call)))
+            else:  # the reasoning or the message: what was not streamed yet, then its end
+                send, done = (self.reasoning, sent_reasoning) if item["type"] == "reasoning" else (self.text, sent)
+                rest = _rest(item["content"][0]["text"], done)
+                out.append(send(rest) if rest or self.open != item["type"] else b"")
+                out.append(self._done(item))
+        out.append(self._event(f"response.{response['status']}", response=response))
         return b"".join(out)
 
     def error(self, message: str) -> bytes:

@@ -7,19 +7,9 @@ serves it:
     gen.response_ids, gen.logprobs, gen.finish_reason, gen.text
     backend.pause(); ...train...; backend.sync_weights(model); backend.resume()
 
-``HFBackend`` is the embedded one: a transformers model in this process (CPU,
-or one GPU). Requests that arrive while a batch runs wait and join the next
-batch; generation runs on a worker thread so the proxy's event loop keeps
-answering. Each request's prompt is prefilled on its own, reusing the KV cache
-of an earlier sequence that shares its prefix (agent turns extend each other,
-so turn k+1 only prefills its new tokens), then all requests decode together
-with left-padded caches.
-
-Supported models: decoder-only transformers with full attention (Llama,
-SmolLM, Qwen2/2.5/3, Mistral without sliding window). Use vLLM for others.
-
-``VLLMBackend`` sends the same token ids to vLLM OpenAI servers (GPUs; tested on
-vLLM's CPU build) and syncs their weights by an in-place reload.
+``HFBackend`` is the embedded one (README: the embedded backend): a transformers model in this process (CPU,
+or one GPU), for decoder-only models with full attention (Llama, SmolLM, Qwen2/2.5/3, Mistral without
+sliding window); use vLLM for others. ``VLLMBackend`` sends the same token ids to vLLM OpenAI servers.
 """
 
 from __future__ import annotations
@@ -34,13 +24,12 @@ import tempfile
 import threading
 import time
 import zlib
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
@@ -59,96 +48,45 @@ class Generation:
 
 
 def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None) -> tuple[int, float]:
-    """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled* distribution.
-
-    The distribution is softmax(logits / T) on the top-k / top-p support
-    (``algo.sampling_support``, the rule the trainer applies too), renormalized:
-    the logprob is that of the token under exactly this distribution, so the
-    trainer's importance ratio compares like with like. Greedy (T = 0) is not a
+    """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled* distribution:
+    softmax(logits / T) on the top-k / top-p support (``algo.sampling_support``, the trainer's rule too),
+    renormalized, so the trainer's importance ratio compares like with like. Greedy (T = 0) is not a
     distribution; it reports the logprob under softmax(logits).
 
     >>> sample_token(torch.tensor([0.0, 0.0, 10.0]), Sampling(temperature=0))
     (2, -9.08e-05)
     """
-    logits = logits.float()
-    if s.temperature == 0:
-        lp = torch.log_softmax(logits, -1)
-        tok = int(torch.argmax(logits))
-        return tok, float(lp[tok])
-    x = logits / s.temperature
-    if s.top_k > 0 or s.top_p < 1.0:
-        keep = sampling_support(x[None], torch.tensor([s.top_k]), torch.tensor([s.top_p]))[0]
-        x = x.masked_fill(~keep, float("-inf"))
+    x = logits.float()
+    if s.temperature > 0:
+        x = x / s.temperature
+        if s.top_k > 0 or s.top_p < 1.0:
+            keep = sampling_support(x[None], torch.tensor([s.top_k], device=x.device), x.new_tensor([s.top_p]))[0]
+            x = x.masked_fill(~keep, float("-inf"))
     lp = torch.log_softmax(x, -1)
-    tok = int(torch.multinomial(lp.exp(), 1, generator=generator))
+    tok = int(torch.multinomial(lp.exp(), 1, generator=generator)) if s.temperature > 0 else int(torch.argmax(lp))
     return tok, float(lp[tok])
 
 
 @dataclass
 class _Request:
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: Sampling  # max_tokens: at most what the prompt leaves of the context
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    generator: Optional[torch.Generator]
+    on_token: Optional[Callable[[int], None]]  # called on the request's event loop with each sampled id
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    text: str = ""
-    max_new: int = 0
-    generator: Optional[torch.Generator] = None
-    on_token: Optional[Callable[[int], None]] = None  # called on the request's event loop with each sampled id
 
 
-class HFBackend:
-    """Embedded transformers backend with batching and a prefix KV cache."""
-
-    def __init__(self, model, tokenizer, max_batch_size: int = 32, max_model_len: Optional[int] = None, prefix_cache_tokens: int = 32768):
-        self.model, self.tok = model, tokenizer
-        self.device = next(model.parameters()).device
-        if model.config._attn_implementation == "sdpa":  # the same attention, without copying KV heads in decoding
-            model.set_attn_implementation("grouped_sdpa")
-        cfg_len = getattr(model.config, "max_position_embeddings", None) or 4096
-        self.max_model_len = int(max_model_len or cfg_len)
-        self.max_batch_size = max_batch_size
-        self.eos_ids = eos_ids(tokenizer, model.generation_config)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
-        self.version = 0
-        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "cancelled": 0, "batches": 0, "busy_s": 0.0}
-        self.prefix_cache_tokens = prefix_cache_tokens
-        self._prefix: OrderedDict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
-        self._prefix_len = 0
-        self._pending: list[_Request] = []
-        self._cond = threading.Condition()
-        self.paused = self._busy = self._closed = False
-        self._thread = threading.Thread(target=self._worker, name="hf-backend", daemon=True)
-        self._thread.start()
-
-    # ------------------------------------------------------------------ public API
-
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None, rollout_id: str = "") -> Generation:
-        """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled (streaming)."""
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's context of {self.max_model_len}")
-        loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), sampling, loop.create_future(), loop, on_token=on_token)
-        req.max_new = min(sampling.max_tokens or room, room)
-        if sampling.seed is not None:
-            req.generator = torch.Generator().manual_seed(sampling.seed)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("backend is closed")
-            self._pending.append(req)
-            self._cond.notify_all()
-        return await req.future
+class _Gate:
+    """pause() and resume() of both backends; ``_inflight``: the running batch (HF), the calls sent out (vLLM)."""
 
     def pause(self):
-        """Stop starting new batches and wait for the running one to finish (before training touches the weights)."""
+        """New work waits; returns when the work in flight has finished (before training touches the weights)."""
         with self._cond:
             self.paused = True
-            while self._busy:
+            while self._inflight:
                 self._cond.wait()
 
     def resume(self):
@@ -156,20 +94,64 @@ class HFBackend:
             self.paused = False
             self._cond.notify_all()
 
-    def sync_weights(self, model=None, version: Optional[int] = None):
-        """Serve new weights: ``model`` a module (with the module we already share, only stale caches are
-        dropped) or a full state dict (gathered from FSDP shards)."""
+
+def _max_new(prompt_ids: list[int], sampling: Sampling, max_model_len: int) -> int:
+    """How many tokens a reply may have: ``max_tokens``, at most what the prompt leaves of the context."""
+    room = max_model_len - len(prompt_ids)
+    if not prompt_ids or room < 1:
+        raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit the model's context of {max_model_len}: "
+                         f"1 to {max_model_len - 1} tokens fit")
+    return min(sampling.max_tokens or room, room)
+
+
+def _state_dict(model) -> dict:
+    """The weights to serve: a module's (unwrapped from DDP), or a full state dict (gathered from FSDP shards)."""
+    return model if isinstance(model, dict) else getattr(model, "module", model).state_dict()
+
+
+class HFBackend(_Gate):
+    """Embedded transformers backend with batching and a prefix KV cache."""
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 32, max_model_len: Optional[int] = None, prefix_cache_tokens: int = 32768):
+        self.model, self.tok = model, tokenizer
+        self.device = next(model.parameters()).device
+        if model.config._attn_implementation == "sdpa":  # the same attention, without copying KV heads in decoding
+            model.set_attn_implementation("grouped_sdpa")
+        self.max_model_len = int(max_model_len or getattr(model.config, "max_position_embeddings", None) or 4096)
+        self.max_batch_size = max_batch_size
+        self.eos_ids = eos_ids(tokenizer, model.generation_config)
+        self.version = 0
+        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "cancelled": 0, "batches": 0, "busy_s": 0.0}
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self._prefix: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []  # least recently used first
+        self._pending: list[_Request] = []
+        self._cond = threading.Condition()
+        self.paused = self._inflight = self._closed = False
+        self._thread = threading.Thread(target=self._worker, name="hf-backend", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None, rollout_id: str = "") -> Generation:
+        """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled (streaming)."""
+        sampling = replace(sampling, max_tokens=_max_new(prompt_ids, sampling, self.max_model_len))
+        loop = asyncio.get_running_loop()
+        generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
+        req = _Request(list(prompt_ids), sampling, loop.create_future(), loop, generator, on_token)
         with self._cond:
-            while self._busy:
-                self._cond.wait()
-            if isinstance(model, dict):
-                self.model.load_state_dict(model)
-            elif model is not None and model is not self.model:
-                src = getattr(model, "module", model)  # unwrap DDP
-                self.model.load_state_dict(src.state_dict())
-            self._prefix.clear()  # KV computed by the old weights must not be reused
-            self._prefix_len = 0
-            self.version = self.version + 1 if version is None else version
+            if self._closed:
+                raise RuntimeError("backend is closed")
+            self._pending.append(req)
+            self._cond.notify_all()
+        return await req.future
+
+    def sync_weights(self, model=None, version: Optional[int] = None):
+        """Pause, then serve ``model``'s weights (see _state_dict; the module we serve: only stale caches go)."""
+        self.pause()  # the running batch finishes on the old weights; no other starts
+        if model is not None and model is not self.model:
+            self.model.load_state_dict(_state_dict(model))
+        self._prefix.clear()  # KV computed by the old weights must not be reused
+        self.version = self.version + 1 if version is None else version
 
     def close(self):
         with self._cond:
@@ -188,14 +170,13 @@ class HFBackend:
                     for r in self._pending:
                         r.loop.call_soon_threadsafe(_set_exc, r.future, RuntimeError("backend closed"))
                     return
-                self._busy = True
+                self._inflight = True
             t0 = time.time()
             try:
-                with torch.inference_mode():
-                    self._run()
+                self._run()
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._inflight = False
                     self.stats["batches"] += 1
                     self.stats["busy_s"] += time.time() - t0
                     self._cond.notify_all()
@@ -203,76 +184,55 @@ class HFBackend:
     def _take(self, room: int) -> list[_Request]:
         """Pending requests that may join the running batch (none while paused)."""
         with self._cond:
-            if self.paused or room <= 0:
+            if self.paused:
                 return []
             live = [r for r in self._pending if not r.future.cancelled()]  # the others' clients went away
             self.stats["cancelled"] += len(self._pending) - len(live)
-            self._pending = live
-            new, self._pending = self._pending[:room], self._pending[room:]
+            new, self._pending = live[:room], live[room:]
             return new
 
     def _lookup(self, ids: list[int]) -> tuple[int, Optional[list]]:
-        """Longest cached prefix of ``ids`` (leaving at least one token to prefill)."""
-        best, best_len = None, 0
-        t = torch.tensor(ids)
-        for key, (toks, kv) in self._prefix.items():
-            n = min(len(toks), len(ids) - 1)
-            if n <= best_len:
-                continue
-            diff = (torch.tensor(toks[:n]) != t[:n]).nonzero()
-            common = int(diff[0]) if len(diff) else n
-            if common > best_len:
-                best, best_len = key, common
-        if best is None or best_len < 8:
+        """Longest cached prefix of ``ids``, of 8 tokens or more (leaving at least one token to prefill)."""
+        common = [len(os.path.commonprefix([toks, ids[:-1]])) for toks, _ in self._prefix]
+        n = max(common, default=0)
+        if n < 8:
             return 0, None
-        self._prefix.move_to_end(best)
-        return best_len, [(k[:, :, :best_len], v[:, :, :best_len]) for k, v in self._prefix[best][1]]
+        entry = self._prefix.pop(common.index(n))
+        self._prefix.append(entry)  # now the most recently used
+        return n, [(k[:, :, :n], v[:, :, :n]) for k, v in entry[1]]
 
     def _store(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]):
         """Remember the KV of ``ids``; entries that are a prefix of it become redundant and leave."""
-        if len(ids) > self.prefix_cache_tokens or self.prefix_cache_tokens <= 0:
+        if len(ids) > self.prefix_cache_tokens:
             return
-        for key, (toks, _) in list(self._prefix.items()):
-            if len(toks) <= len(ids) and ids[: len(toks)] == toks:
-                del self._prefix[key]
-                self._prefix_len -= len(toks)
-        self._prefix[id(kv)] = (ids, kv)
-        self._prefix_len += len(ids)
-        while self._prefix_len > self.prefix_cache_tokens:
-            _, (old, _) = self._prefix.popitem(last=False)
-            self._prefix_len -= len(old)
+        self._prefix = [(toks, old) for toks, old in self._prefix if ids[: len(toks)] != toks]
+        self._prefix.append((ids, kv))
+        while sum(len(toks) for toks, _ in self._prefix) > self.prefix_cache_tokens:
+            self._prefix.pop(0)  # the least recently used
 
     def _prefill(self, r: _Request):
-        from transformers import DynamicCache
-
         hit, kv = self._lookup(r.prompt_ids)
-        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
-        rest = torch.tensor([r.prompt_ids[hit:]], device=self.device)
-        pos = torch.arange(hit, len(r.prompt_ids), device=self.device)[None]
-        out = self.model(input_ids=rest, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        rest = torch.tensor([r.prompt_ids[hit:]], device=self.device)  # its positions follow the cache's
+        cache = DynamicCache(ddp_cache_data=kv)  # kv None: an empty cache
+        out = self.model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.stats["prompt_tokens"] += len(r.prompt_ids)
         self.stats["cached_tokens"] += hit
         # Requests that arrive together often share a prompt (a GRPO group): let the next one reuse this one.
         self._store(list(r.prompt_ids), [(l.keys, l.values) for l in out.past_key_values.layers])
         return out.past_key_values, out.logits[0, -1]
 
-    def _finish(self, r: _Request, tok: int) -> bool:
-        """Record ``tok`` for ``r``; return True when ``r`` is done."""
-        if tok in self.eos_ids:
-            r.finish_reason = "stop"
-        elif r.sampling.stop:
-            text = self.tok.decode(r.response_ids, skip_special_tokens=True)
-            hits = [(text.find(s), s) for s in r.sampling.stop if s in text]
-            if hits:
-                r.finish_reason, r.text = "stop", text[: min(hits)[0]]
-                return True
-        if r.finish_reason is None and len(r.response_ids) >= r.max_new:
-            r.finish_reason = "length"
-        if r.finish_reason:
-            r.text = self.tok.decode(r.response_ids, skip_special_tokens=True)
-            return True
-        return False
+    def _finish(self, r: _Request, tok: int) -> Optional[tuple[str, str]]:
+        """(finish_reason, text) when ``r``, which just sampled ``tok``, is done; else None."""
+        reason = "stop" if tok in self.eos_ids else "length" if len(r.response_ids) >= r.sampling.max_tokens else None
+        if not (reason or r.sampling.stop):
+            return None  # no need to decode
+        text = self.tok.decode(r.response_ids, skip_special_tokens=True)
+        cut = min((text.find(s) for s in r.sampling.stop if s in text), default=None)
+        if cut is not None:
+            return "stop", text[:cut]
+        return (reason, text) if reason else None
 
+    @torch.inference_mode()
     def _run(self):
         """Decode until no request is left, admitting new requests at every step (continuous batching):
         a row that finishes is answered at once and leaves the batch, so an agent's next turn can join
@@ -286,7 +246,7 @@ class HFBackend:
                     batch.add(r, *self._prefill(r))
                 if not batch.rows:
                     return
-                toks, keep = [], []
+                keep = []
                 for j, r in enumerate(batch.rows):
                     tok, lp = sample_token(batch.last[j], r.sampling, r.generator)
                     r.response_ids.append(tok)
@@ -294,21 +254,19 @@ class HFBackend:
                     if r.on_token:
                         r.loop.call_soon_threadsafe(r.on_token, tok)
                     self.stats["generated_tokens"] += 1
-                    toks.append(tok)
                     if r.future.cancelled():  # the client went away (the proxy cancels its call): stop generating
                         self.stats["cancelled"] += 1
-                    elif self._finish(r, tok):
+                    elif done := self._finish(r, tok):
                         # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
                         self._store(r.prompt_ids + r.response_ids[:-1], batch.row_cache(j))
-                        gen = Generation(r.response_ids, r.logprobs, r.finish_reason or "length", r.text, version)
+                        gen = Generation(r.response_ids, r.logprobs, *done, version)
                         r.loop.call_soon_threadsafe(_set_result, r.future, gen)
                     else:
                         keep.append(j)
                 if len(keep) < len(batch.rows):
                     batch.keep(keep)
-                    toks = [toks[j] for j in keep]
                 if batch.rows:
-                    batch.step(self.model, toks)
+                    batch.step(self.model)
             except Exception as e:  # a backend failure fails these requests (the proxy reports it), never silently
                 for r in batch.rows + new:
                     r.loop.call_soon_threadsafe(_set_exc, r.future, e)
@@ -316,39 +274,32 @@ class HFBackend:
 
 
 class _Batch:
-    """The requests decoding together. Their KV caches are left-padded to one length, so that every row's
-    next token goes into the same column: ``start[j]`` is where row j's own cache begins, ``mask`` hides
-    the padding, ``pos`` is each row's next position, ``last`` its latest logits."""
+    """The requests decoding together, their KV caches left-padded to one length so that every row's next
+    token goes into the same column. ``mask`` hides the padding: row j's own cache is its last ``mask[j].sum()``
+    columns, which is also the position of its next token. ``last``: each row's latest logits."""
 
     def __init__(self, device):
         self.device = device
         self.rows: list[_Request] = []
-        self.start: list[int] = []
-        self.cache = self.mask = self.pos = self.last = None
+        self.cache = self.mask = self.last = None
 
     def add(self, r: _Request, cache, logit: torch.Tensor):
         """Join a prefilled request: its own cache, and the logits after its prompt."""
-        from transformers import DynamicCache
-
         n = cache.get_seq_length()
         if not self.rows:
-            self.cache = DynamicCache(ddp_cache_data=[(l.keys, l.values) for l in cache.layers])
-            for layer in self.cache.layers:
+            for layer in cache.layers:
                 layer.__class__ = _RoomyLayer  # appends in place (see _RoomyLayer)
-            self.mask, self.pos, self.last = torch.ones((1, n), dtype=torch.long, device=self.device), torch.tensor([n], device=self.device), logit[None]
-        else:
-            L = self.mask.shape[1]
-            if n > L:  # widen the batch on the left
-                self._pad(n - L, self.cache.layers)
-                self.mask, self.start, L = torch.nn.functional.pad(self.mask, (n - L, 0)), [s + n - L for s in self.start], n
+            self.cache, self.mask, self.last = cache, logit.new_ones((1, n), dtype=torch.long), logit[None]
+        else:  # left-pad the batch or the newcomer to the longer of the two
+            L, widen = max(self.mask.shape[1], n), max(n - self.mask.shape[1], 0)
+            self._pad(widen, self.cache.layers)
             self._pad(L - n, cache.layers)
             for mine, theirs in zip(self.cache.layers, cache.layers):
                 mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
             row_mask = torch.arange(L, device=self.device)[None] >= L - n
-            self.mask = torch.cat([self.mask, row_mask.long()])
-            self.pos, self.last = torch.cat([self.pos, self.pos.new_tensor([n])]), torch.cat([self.last, logit[None]])
+            self.mask = torch.cat([torch.nn.functional.pad(self.mask, (widen, 0)), row_mask.long()])
+            self.last = torch.cat([self.last, logit[None]])
         self.rows.append(r)
-        self.start.append(self.mask.shape[1] - n)
 
     @staticmethod
     def _pad(k: int, layers):
@@ -358,29 +309,31 @@ class _Batch:
 
     def row_cache(self, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row j's own KV (without padding), copied out of the batch."""
-        return [(l.keys[j : j + 1, :, self.start[j] :].clone(), l.values[j : j + 1, :, self.start[j] :].clone()) for l in self.cache.layers]
+        s = self.mask.shape[1] - int(self.mask[j].sum())
+        return [(l.keys[j : j + 1, :, s:].clone(), l.values[j : j + 1, :, s:].clone()) for l in self.cache.layers]
 
     def keep(self, keep: list[int]):
         """Keep only rows ``keep``, then drop the columns that are padding for every row left."""
-        self.rows, self.start = [self.rows[j] for j in keep], [self.start[j] for j in keep]
-        if not self.rows:
-            self.cache = self.mask = self.pos = self.last = None
+        self.rows = [self.rows[j] for j in keep]
+        if not self.rows:  # the batch is over (add() starts a new one)
             return
         idx = torch.tensor(keep, device=self.device)
         self.cache.batch_select_indices(idx)
-        self.mask, self.pos, self.last = self.mask[idx], self.pos[idx], self.last[idx]
-        trim = min(self.start)
+        self.mask, self.last = self.mask[idx], self.last[idx]
+        trim = self.mask.shape[1] - int(self.mask.sum(1).max())
         if trim > 0:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
-            self.mask, self.start = self.mask[:, trim:], [s - trim for s in self.start]
+            self.mask = self.mask[:, trim:]
 
-    def step(self, model, toks: list[int]):
-        """Feed each row its sampled token; the logits for the next one land in ``last``."""
+    def step(self, model):
+        """Feed each row its latest sampled token; the logits for the next one land in ``last``."""
+        toks = torch.tensor([r.response_ids[-1] for r in self.rows], device=self.device)[:, None]
+        pos = self.mask.sum(1, keepdim=True)
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], 1)
-        out = model(input_ids=torch.tensor(toks, device=self.device)[:, None], attention_mask=self.mask,
-                    position_ids=self.pos[:, None], past_key_values=self.cache, use_cache=True)
-        self.pos, self.last = self.pos + 1, out.logits[:, -1]
+        out = model(input_ids=toks, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
+                    use_cache=True)
+        self.last = out.logits[:, -1]
 
 
 # ---------------------------------------------------------------------------- decoding at agent-length contexts
@@ -436,19 +389,11 @@ def _set_exc(fut: asyncio.Future, exc: BaseException):
 # ---------------------------------------------------------------------------- vLLM servers
 
 
-class VLLMBackend:
-    """vLLM OpenAI servers behind the same surface. The proxy still renders the prompt; the server gets its
-    token ids on ``/v1/completions`` and answers with the ids it sampled (``return_token_ids``) and their
-    logprobs, so the records are exactly what the engine consumed and produced. Start the servers with
-    ``--logprobs-mode processed_logprobs`` (logprobs under the temperature / top-k / top-p distribution that
-    was sampled, as the trainer scores them) and ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes).
-    A rollout sticks to one server (its prefix cache holds the conversation); rollouts spread over servers.
-
-    Weight sync: the weights are written once as safetensors into ``sync_dir`` (a folder the servers can
-    read: memory-backed /dev/shm on one machine), then every server reloads them in place
-    (``POST /collective_rpc {"method": "reload_weights"}``) and drops its prefix cache. While paused, new
-    calls wait; calls in flight finish on the old weights first.
-    """
+class VLLMBackend(_Gate):
+    """vLLM OpenAI servers behind the same surface (README: GPUs: vLLM): token ids in and out of
+    ``/v1/completions``; ``sync_weights`` writes safetensors into ``sync_dir`` (a folder the servers can read)
+    for every server to reload in place. The servers need ``--logprobs-mode processed_logprobs`` and
+    ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes)."""
 
     def __init__(self, urls: list[str], sync_dir: str, procs: Optional[list] = None):
         self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
@@ -500,9 +445,7 @@ class VLLMBackend:
     async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None, rollout_id: str = "") -> Generation:
         import aiohttp
 
-        room = self.max_model_len - len(prompt_ids)
-        if not prompt_ids or room < 1:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the served context of {self.max_model_len}")
+        max_new = _max_new(prompt_ids, sampling, self.max_model_len)
         while True:  # a sync is under way: wait for it (checked and counted under one lock, so pause() sees us)
             with self._cond:
                 if not self.paused:
@@ -512,11 +455,9 @@ class VLLMBackend:
             await asyncio.sleep(0.05)
         try:
             url = self.urls[zlib.crc32(rollout_id.encode()) % len(self.urls)]
-            body = {"model": self.model_name, "prompt": list(prompt_ids), "max_tokens": min(sampling.max_tokens or room, room),
+            body = {"model": self.model_name, "prompt": list(prompt_ids), "max_tokens": max_new, "seed": sampling.seed,
                     "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1, "stop": sampling.stop,
                     "logprobs": 0, "return_token_ids": True, "stream": on_token is not None}
-            if sampling.seed is not None:
-                body["seed"] = sampling.seed
             ids, lps, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
                 async with http.post(url + "/v1/completions", json=body) as r:
@@ -542,21 +483,9 @@ class VLLMBackend:
                 self._inflight -= 1
                 self._cond.notify_all()
 
-    def pause(self):
-        """New calls wait; returns when the calls in flight have finished."""
-        with self._cond:
-            self.paused = True
-            while self._inflight:
-                self._cond.wait()
-
-    def resume(self):
-        with self._cond:
-            self.paused = False
-
     def sleep(self):
-        """Servers on the training GPUs hand their memory back while the trainer computes: vLLM's sleep level 2
-        drops KV cache and weights (servers started with --enable-sleep-mode; the CPU build ignores it), and
-        the next ``sync_weights`` wakes them and loads the new weights."""
+        """Free the servers' GPU memory (README: --vllm-sleep): sleep level 2 drops KV cache and weights; the
+        next ``sync_weights`` wakes them and loads the new weights."""
         self.pause()
         for u in self.urls:
             _http(u + "/sleep?level=2", {})
@@ -574,12 +503,10 @@ class VLLMBackend:
                 _http(u + "/wake_up", {})
             self.sleeping = False
         if model is not None:
-            sd = model if isinstance(model, dict) else getattr(model, "module", model).state_dict()
-            seen, out = set(), {}
-            for k, v in sd.items():  # tied embeddings share storage: write it once (the server re-ties it)
-                if v.data_ptr() not in seen:
-                    seen.add(v.data_ptr())
-                    out[k] = v.detach().to("cpu").contiguous()
+            first = {}  # tied embeddings share storage: write it once, under its first name (vLLM re-ties it)
+            for k, v in _state_dict(model).items():
+                first.setdefault(v.data_ptr(), (k, v))
+            out = {k: v.detach().to("cpu").contiguous() for k, v in first.values()}
             os.makedirs(self.sync_dir, exist_ok=True)
             save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
             for u in self.urls:

@@ -1,26 +1,8 @@
 """Chat: one internal conversation -> prompt token ids, and sampled text -> a reply.
 
-apis.py maps every API shape onto :class:`Request` (normalized messages, tools,
-sampling); this file does the rest, as pure functions of (tokenizer, request):
-
-1. ``Renderer`` turns messages into prompt ids. A template with tool support
-   gets the tools as they are; a template without (SmolLM2) gets them written
-   into the system prompt in the Hermes convention, and tool calls / tool
-   results written as text in that convention.
-2. ``Renderer.parse_reply`` reads reasoning and tool calls out of the sampled
-   text in the template's own format (toolcalls.py: hermes, qwen3_coder, llama3,
-   mistral, deepseek, harmony, granite), and ``ContentStream`` decides what of
-   a reply may be streamed while it is still being sampled.
-3. ``Renderer.build_prompt`` reuses the tokens the model sampled: when the
-   request extends an earlier call of the rollout (same earlier messages +
-   the assistant message the proxy returned, compared after parsing) and the
-   template renders that reply as it was sampled, the prompt is ``earlier
-   prompt ids + earlier response ids + ids of the new messages``, so the model
-   sees its own tokens and the calls merge into one sample. Otherwise it
-   renders fresh and says why (``split``). The earlier turn is found by
-   fingerprint (only the new messages are hashed), and with a template that
-   renders each message on its own only the new messages are rendered: a
-   call's Python work does not grow with the conversation.
+apis.py maps every API shape onto :class:`Request`; here ``Renderer`` renders it into prompt ids, reusing the
+tokens the model sampled where it extends an earlier call (README "Reuse of sampled tokens"), and parses replies
+in the template's tool-call format (toolcalls.py); ``ContentStream`` decides what of a reply may be streamed.
 
 Example (SmolLM2, no native tool support)::
 
@@ -40,9 +22,10 @@ import logging
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from . import toolcalls
+from .toolcalls import parse_arguments
 
 log = logging.getLogger("lightning_lite.chat")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool", "function": "tool"}
@@ -68,13 +51,9 @@ class Sampling:
 
 @dataclass
 class Request:
-    """One API request in the shape every API maps to.
-
-    ``messages`` are normalized: ``{"role", "content": str}`` plus
-    ``tool_calls: [{"id", "name", "arguments": dict | str}]`` on assistant
-    messages and ``tool_call_id`` on tool messages. ``prompt_ids`` is set
-    instead of messages for the completions API.
-    """
+    """One API request in the shape every API maps to. ``messages`` are normalized: ``{"role", "content": str}``
+    plus ``tool_calls: [{"id", "name", "arguments": dict | str}]`` on assistant messages and ``tool_call_id`` on
+    tool messages. ``prompt_ids`` is set instead of messages for the completions API."""
 
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters"}]
@@ -95,16 +74,6 @@ class Request:
 # ----------------------------------------------------------------------------- tool calls in text
 
 
-def parse_arguments(args: Any) -> Any:
-    """Tool-call arguments -> a dict where they are JSON (so compact and pretty JSON compare equal)."""
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except json.JSONDecodeError:
-            return args
-    return args
-
-
 TOOLS_PROMPT = """# Tools
 
 You may call one or more functions to assist with the user query.
@@ -122,8 +91,7 @@ For each function call, return a json object with function name and arguments wi
 
 class ContentStream:
     """What of a reply may be sent while it is still being sampled: reasoning and content, each always a prefix of
-    what ``parse_reply`` makes of the whole reply (toolcalls.visible holds back a tool call, which is sent whole
-    once parsed, the start of a possible marker and trailing whitespace); here, a stop string and its start.
+    what ``parse_reply`` makes of the whole reply (toolcalls.visible; here, a stop string and its start are held).
 
     >>> s = ContentStream(renderer, stops=[], parse_tools=True)
     >>> s.feed(ids_of("Let me"))  ->  ("", "Let me");   s.feed(ids_of("Let me <tool"))  ->  ("", "")
@@ -136,10 +104,8 @@ class ContentStream:
 
     def feed(self, ids: list[int]) -> tuple[str, str]:
         """The new (reasoning, content) to send, given every id sampled so far."""
-        text = self.r.tok.decode(ids, skip_special_tokens=False)
-        text = text[: min([text.find(m) for m in self.stops if m in text], default=len(text))]
-        hold = max([k for m in self.stops for k in range(1, len(m)) if text.endswith(m[:k])], default=0)
-        reasoning, content = toolcalls.visible(self.format, self.forced + text[: len(text) - hold], self.r.think, self.opened)
+        text = toolcalls.hold_back(self.r.sampled_text(ids, self.stops), self.stops)
+        reasoning, content = toolcalls.visible(self.format, self.forced + text, self.r.think, self.opened)
         reasoning, content = self.r.specials.sub("", reasoning).strip(), self.r.specials.sub("", content).strip()
         r_delta = reasoning[len(self.reasoning):] if reasoning.startswith(self.reasoning) else ""  # never send a contradiction
         c_delta = content[len(self.sent):] if content.startswith(self.sent) else ""
@@ -148,10 +114,10 @@ class ContentStream:
 
 
 def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"] = None) -> list[bytes]:
-    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` as ``same_message`` compares them: finding the
-    earlier turn a request extends is a dictionary lookup, not a comparison with every earlier turn.
-    ``known``: an earlier turn; the fingerprints of the messages this request shares with it (equal
-    dicts, compared in C) are reused, so a request that appends hashes only its new messages.
+    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` after parsing (``_key``): finding the earlier turn a
+    request extends is a dictionary lookup, not a comparison with every earlier turn. ``known``: the session's
+    latest turn; the fingerprints of the messages this request shares with it (equal dicts, compared in C) are
+    reused, so a request that appends hashes only its new messages.
 
     >>> fingerprints([{"role": "user", "content": "hi "}], []) == fingerprints([{"role": "user", "content": "hi"}], [])
     True
@@ -194,44 +160,50 @@ def _link(fp: bytes, m: dict) -> bytes:
     return hashlib.blake2b(fp + _key(m).encode(errors="surrogatepass"), digest_size=16).digest()
 
 
-def same_message(a: dict, b: dict) -> bool:
-    """Do two normalized messages say the same thing? (whitespace around content, JSON formatting of arguments
-    and tool-call ids do not matter)."""
-    return _key(a) == _key(b)
-
-
 # ----------------------------------------------------------------------------- rendering
 
 
-@dataclass
 class Turn:
-    """What a session remembers of one answered call, to extend it later."""
+    """What a session remembers of one answered call, to extend it later, in memory linear in the conversation (as
+    records on disk): the ids its prompt adds to the turn it extends (``parent``), its response, two fingerprints;
+    the request's messages, tools and ``fps`` (``fingerprints``' fast path) only while it is the latest turn."""
 
-    index: int
-    messages: list[dict]
-    tools: list[dict]
-    reply: dict  # the assistant message the harness received
-    prompt_ids: list[int]
-    response_ids: list[int]
-    fps: Optional[list[bytes]] = None  # fingerprints(messages, tools), computed here when not given
-    forced: str = ""  # the forced tool-call opening the prompt ended with (tool_choice): the reply's first text
-    fp: bytes = b""  # the fingerprint of messages + [reply]: what a request that extends this turn starts with
+    def __init__(self, index: int, messages: list[dict], tools: list[dict], reply: dict, prompt_ids: list[int],
+                 response_ids: list[int], fps: Optional[list[bytes]] = None, forced: str = "",
+                 history: Optional[list["Turn"]] = None, parent: Optional[int] = None):
+        """``reply``: the assistant message the harness received; ``fps``: fingerprints(messages, tools) if known;
+        ``forced``: the forced tool-call opening the prompt ended with (tool_choice), the reply's first text.
+        ``history``: the session's turns, which this one is about to join: ``parent`` (build_prompt's) is found
+        there, and the latest turn forgets its messages."""
+        self.index, self.reply, self.response_ids, self.forced = index, reply, response_ids, forced
+        self.messages, self.tools, self.fps = messages, tools, fps or fingerprints(messages, tools)
+        self.fp_request = self.fps[-1]  # tools + messages: a retry of this request starts with it
+        self.fp = _link(self.fps[-1], reply)  # and the reply: what a request that extends this turn starts with
+        self.parent = next(t for t in reversed(history) if t.index == parent) if parent is not None else None
+        self.tail = prompt_ids[self.parent.size:] if self.parent else prompt_ids
+        self.size = len(prompt_ids) + len(response_ids)
+        if history:  # only the latest turn keeps them
+            history[-1].messages = history[-1].tools = history[-1].fps = None
 
-    def __post_init__(self):
-        self.fps = self.fps or fingerprints(self.messages, self.tools)
-        self.fp = _link(self.fps[-1], self.reply)
+    def tokens(self) -> list[int]:
+        """Prompt + response ids, what a call that extends this turn starts with: the chain's ids, root first
+        (a loop, not recursion: chains are as long as the conversation)."""
+        chain, t = [], self
+        while t is not None:
+            chain.append(t)
+            t = t.parent
+        ids = []
+        for t in reversed(chain):
+            ids += t.tail
+            ids += t.response_ids
+        return ids
 
 
 class Renderer:
-    """Chat template + tool-call format of one tokenizer, probed once at start-up by what the template renders.
+    """Chat template + tool-call format of one tokenizer, probed once at start-up by what the template renders
+    (DESIGN.md "The template decides the format")."""
 
-    A template that renders a tool list and an assistant tool call ("native": Qwen, Llama 3, Mistral, DeepSeek,
-    gpt-oss, Granite) gets them as they are, and the format its call comes out in (toolcalls.detect) is the
-    format replies are parsed in; one that does not (SmolLM2, Gemma 3) gets the tools written into the system
-    prompt in the Hermes convention, and tool calls / results written as text in that convention.
-    """
-
-    SENTINEL = "LLSENTINEL7f3a"
+    SENTINEL = toolcalls.SENTINEL  # the tool and call rendered; detect() looks for it
 
     def __init__(self, tokenizer, eos_ids: Optional[set[int]] = None, tool_format: Optional[str] = None, keep_history_tokens: bool = False):
         """``eos_ids``: every token that ends the model's turn, the same set generation stops on
@@ -290,7 +262,7 @@ class Renderer:
             {"role": "tool", "content": "r2", "tool_call_id": self._probe_calls()[1]["tool_calls"][0]["id"]},
             {"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
         try:
-            deltas = [(self._full_delta(probe, k, tools), self._delta(probe, k, tools)) for k in (3, 6)]
+            deltas = [[self._texts(probe, k, tools, {}, alone)[1] for alone in (False, True)] for k in (3, 6)]
             self.per_message = all(full is not None and full == alone for full, alone in deltas)
         except BadRequest:  # e.g. a template that refuses a system message or two tool results
             self.per_message = False
@@ -339,12 +311,10 @@ class Renderer:
         out: list[dict] = []
         if tools:
             block = TOOLS_PROMPT.format(tools="\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools))
-            if messages and messages[0]["role"] == "system":
-                out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + block})
-                messages = messages[1:]
-            else:
-                out.append({"role": "system", "content": block})
-        for m in messages:
+            system = messages[0]["content"] + "\n\n" if messages and messages[0]["role"] == "system" else ""
+            out.append({"role": "system", "content": system + block})
+            messages = messages[1:] if system else messages
+        for i, m in enumerate(messages):
             if m["role"] == "assistant" and m.get("tool_calls"):
                 calls = "\n".join(
                     "<tool_call>\n" + json.dumps({"name": t["name"], "arguments": parse_arguments(t["arguments"])}, ensure_ascii=False) + "\n</tool_call>" for t in m["tool_calls"]
@@ -352,15 +322,15 @@ class Renderer:
                 out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})
             elif m["role"] == "tool":
                 text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
-                if out and out[-1].get("_tool"):  # consecutive tool results share one user turn
+                if i and messages[i - 1]["role"] == "tool":  # consecutive tool results share one user turn
                     out[-1]["content"] += "\n" + text
                 else:
-                    out.append({"role": "user", "content": text, "_tool": True})
+                    out.append({"role": "user", "content": text})
             elif self.merge_roles and out and out[-1]["role"] == m["role"]:  # a template that wants roles to alternate
                 out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + m["content"]}
             else:
                 out.append({"role": m["role"], "content": m["content"]})
-        return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
+        return out
 
     def render_text(self, messages: list[dict], tools: list[dict], add_generation_prompt: bool = True, template_kwargs: Optional[dict] = None) -> str:
         """The template's text for a conversation. A template that refuses it (Llama's single tool call, roles that
@@ -374,100 +344,82 @@ class Renderer:
 
     def build_prompt(self, messages: list[dict], tools: list[dict], history: list[Turn], reuse: bool = True,
                      fps: Optional[list[bytes]] = None, template_kwargs: Optional[dict] = None) -> tuple[list[int], Optional[int], Optional[str]]:
-        """Prompt ids for ``messages``, reusing sampled tokens of an earlier turn where it extends one.
-
-        Returns ``(prompt_ids, parent, split)``: ``parent`` is the index of the call whose prompt+response ids the
-        prompt starts with, ``split`` why no earlier call could be extended (None when nothing was there to extend).
-        ``fps``: ``fingerprints(messages, tools, ...)`` when the caller has them.
-
-        The sampled tokens of the echoed turn are reused when the template renders that turn as it was sampled.
-        Where it renders it otherwise (reasoning stripped, a system prompt moved, arguments re-serialized) the
-        prompt is the template's, exactly what a stock server would send (``template_mismatch``), unless
-        ``keep_history_tokens``. With ``reuse=False`` every prompt is rendered fresh; a call still merges when the
-        fresh rendering happens to start with the earlier tokens.
-        """
+        """Prompt ids for ``messages``, reusing the sampled tokens of an earlier turn it extends where the template
+        renders that turn as it was sampled (else the template's prompt, ``template_mismatch``, unless
+        ``keep_history_tokens``). Returns ``(prompt_ids, parent, split)``: ``parent`` is the index of the call whose
+        prompt+response ids the prompt starts with, ``split`` why no earlier call could be extended (None when
+        nothing was there to extend). ``fps``: ``fingerprints(messages, tools, ...)`` when the caller has them.
+        ``reuse=False``: render fresh; a call still merges when that starts with the earlier tokens."""
         kw = template_kwargs or {}
+        fps = fps or fingerprints(messages, tools, history[-1] if history else None)
         # The longest earlier turn whose messages + reply this request starts with (the latest such turn).
         by_fp = {t.fp: t for t in history}  # fingerprints include the tools
-        fps = fps or fingerprints(messages, tools, history[-1] if history else None)
-        best = next((by_fp[fps[k]] for k in range(len(messages), 0, -1) if fps[k] in by_fp), None)
+        k, best = next(((k, by_fp[fps[k]]) for k in range(len(messages), 0, -1) if fps[k] in by_fp), (0, None))
+        text = None  # the whole conversation's rendering, where it was made on the way
         if best is not None and reuse:
-            k = len(best.messages) + 1
+            turn, new, full = self._texts(messages, k, tools, kw, self.per_message)
+            text = None if self.per_message else full
             # The sampled turn is reused when the template's text for it starts with what was sampled; the rest
             # of that text (its turn close, minus an EOS the model sampled) is the glue before the new messages.
             sampled = best.forced + self.tok.decode(best.response_ids, skip_special_tokens=False)
-            turn = self._turn_text(messages, k, tools, kw)
             glue = turn[len(sampled):] if turn is not None and turn.startswith(sampled) else None
             if glue is None and self.keep_history_tokens:  # the template renders it otherwise: keep it anyway
                 glue = self.turn_close  # less the end marker it starts with when the model sampled one (gpt-oss ends a call
                 if best.response_ids and best.response_ids[-1] in self.eos_ids:  # with <|call|>, its close is <|return|>)
                     glue = next((glue[len(t):] for t in map(self.tok.decode, ([e] for e in self.eos_ids)) if glue.startswith(t)), glue)
             if glue is not None:
-                new = self._delta(messages, k, tools, kw) if self.per_message else self._full_delta(messages, k, tools, kw)
                 if new is None and self.keep_history_tokens:  # the template rewrites that turn once more follows: render
                     # what follows it after the turn as sampled, reasoning too (Qwen3 writes an empty think block otherwise)
                     echoed = {**messages[k - 1], **({"reasoning": best.reply["reasoning"]} if best.reply.get("reasoning") else {})}
-                    new = self._delta(messages[: k - 1] + [echoed] + messages[k:], k, tools, kw)
+                    new = self._texts(messages[: k - 1] + [echoed] + messages[k:], k, tools, kw, True)[1]
                 if new is not None:
-                    return best.prompt_ids + (best.response_ids + self.encode(glue + new)), best.index, None  # one copy of the long part
-        ids = self.encode(self.render_text(messages, tools, True, kw))
+                    ids = best.tokens()  # one copy of the long part
+                    ids += self.encode(glue + new)
+                    return ids, best.index, None
+        ids = self.encode(text if text is not None else self.render_text(messages, tools, True, kw))
         if best is not None:
-            prev = best.prompt_ids + best.response_ids
-            if ids[: len(prev)] == prev:
-                return ids, best.index, None
-            return ids, None, "template_mismatch"
+            prev = best.tokens()
+            return (ids, best.index, None) if ids[: len(prev)] == prev else (ids, None, "template_mismatch")
         if not history:
             return ids, None, None
-        # Did it resend an earlier request's messages, but with a different assistant reply?
-        for t in reversed(history):
-            n = len(t.messages)
-            if len(messages) >= n and all(same_message(a, b) for a, b in zip(messages[:n], t.messages)):
-                return ids, None, "retry" if len(messages) == n and t.tools == tools else "rewrote_history"
-        return ids, None, "new_thread"
+        # Did it resend an earlier request's messages (or start with them), with another reply than it got? The
+        # fingerprints include the tools: with other tools the prompt starts otherwise, a new thread (as
+        # samples.py would tell from the ids).
+        asked = {t.fp_request for t in history}
+        k = next((k for k in range(len(messages), 0, -1) if fps[k] in asked), None)
+        return ids, None, "new_thread" if k is None else "retry" if k == len(messages) else "rewrote_history"
 
-    def _full_delta(self, messages: list[dict], k: int, tools: list[dict], kw: Optional[dict] = None) -> Optional[str]:
-        """The text the template writes for ``messages[k:]`` and the generation prompt, after ``messages[:k]``:
-        the whole conversation rendered, minus the first k messages rendered; None when the template
-        renders those k differently once more follows (it rewrote history)."""
-        head, full = self.render_text(messages[:k], tools, False, kw), self.render_text(messages, tools, True, kw)
-        return full[len(head):] if full.startswith(head) else None
-
-    def _context(self, messages: list[dict], k: int) -> list[dict]:
-        """For a template that renders each message on its own: a stand-in for ``messages[:k]`` that renders the
-        system prompt and message k-1 (the assistant turn being extended) the same way, at a cost that does not
-        grow with the conversation."""
-        return (messages[:1] if messages[0]["role"] == "system" and k > 1 else []) + [{"role": "user", "content": "x"}, messages[k - 1]]
-
-    def _delta(self, messages: list[dict], k: int, tools: list[dict], kw: Optional[dict] = None) -> Optional[str]:
-        """``_full_delta`` for a template that renders each message on its own (``self.per_message``)."""
-        ctx = self._context(messages, k)
-        return self._full_delta(ctx + messages[k:], len(ctx), tools, kw)
+    def _texts(self, messages: list[dict], k: int, tools: list[dict], kw: dict,
+               per_message: bool) -> tuple[Optional[str], Optional[str], str]:
+        """Three renderings cut into: the template's text for the assistant turn ``messages[k - 1]``, from after the
+        generation prompt to the end of its turn close (what the model must have sampled for the history to render
+        as sampled); its text for ``messages[k:]`` + the generation prompt after ``messages[:k]`` (None where it
+        renders those k otherwise once more follows); the last rendering. ``per_message``: ``messages[:k]`` is
+        stood in for by the system prompt, a user message and message k-1, which render alike, at a flat cost."""
+        if per_message:
+            system = messages[:1] if messages[0]["role"] == "system" and k > 1 else []
+            ctx = system + [{"role": "user", "content": "x"}, messages[k - 1]]
+        else:
+            ctx = messages[:k]
+        before, head = self.render_text(ctx[:-1], tools, True, kw), self.render_text(ctx, tools, False, kw)
+        full = self.render_text(ctx + messages[k:], tools, True, kw)
+        return _after(head, before), _after(full, head), full
 
     def _turn_text(self, messages: list[dict], k: int, tools: list[dict], kw: dict) -> Optional[str]:
-        """The text the template writes for the assistant turn ``messages[k - 1]``, from after the generation prompt
-        to the end of its turn close: what the model would have had to sample for the template's rendering of the
-        history to be exactly the sampled tokens."""
-        ctx = self._context(messages, k) if self.per_message else messages[:k]
-        before, upto = self.render_text(ctx[:-1], tools, True, kw), self.render_text(ctx, tools, False, kw)
-        return upto[len(before):] if upto.startswith(before) else None
+        """The first of ``_texts``: the template's text for the assistant turn ``messages[k - 1]``."""
+        return self._texts(messages, k, tools, kw, self.per_message)[0]
 
     def opens_reasoning(self, prompt_ids: list[int]) -> bool:
         """Does the prompt end inside a reasoning block (Qwen3.5's and DeepSeek-R1's generation prompt opens it)?"""
         return bool(self.think) and self.tok.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip().endswith(self.think[0])
 
     def forced_prefix(self, force_tool: Optional[str], opened: bool = False) -> str:
-        """Text that starts the assistant turn when a tool call is required (tool_choice).
-
-        It is appended to the prompt (the model did not sample it, so it is not
-        trained) and prepended to the generated text before parsing. The model
-        then only chooses the arguments (and the tool, for "required").
-        """
+        """Text that starts the assistant turn when a tool call is required (tool_choice): toolcalls.forced."""
         return "" if force_tool is None else toolcalls.forced(self.format, force_tool, opened, self.think)
 
     def sampled_text(self, response_ids: list[int], stops: list[str]) -> str:
         """The reply as the parser reads it: special tokens kept (Mistral's [TOOL_CALLS], Llama's <|python_tag|>,
-        every harmony marker are special tokens), the EOS that ended it dropped, cut at the stop string that
-        ended it."""
+        harmony's markers), without the EOS that ended it, cut at the stop string that ended it."""
         ids = response_ids[:-1] if response_ids and response_ids[-1] in self.eos_ids else response_ids
         text = self.tok.decode(ids, skip_special_tokens=False)
         return text[: min([text.find(s) for s in stops if s in text], default=len(text))]
@@ -484,6 +436,11 @@ class Renderer:
         if r.get("tool_calls"):
             msg["tool_calls"] = [{"id": t.get("id") or self.new_id(), "name": t["name"], "arguments": t["arguments"]} for t in r["tool_calls"]]
         return msg
+
+
+def _after(text: str, head: str) -> Optional[str]:
+    """What ``text`` has after ``head``; None when it does not start with it."""
+    return text[len(head):] if text.startswith(head) else None
 
 
 def _short_id(s: str) -> str:

@@ -1,22 +1,8 @@
-"""The harness interface, the harness loader, and the rollout runner.
+"""The harness interface, the harness loader, and the rollout runner (README: "Harnesses").
 
-A harness lists its tasks and runs one task against an OpenAI/Anthropic-style
-endpoint, returning a reward. The trainer never looks inside: it hands each
-rollout its own base URL (the proxy records every call under that rollout id)
-and collects one reward per rollout. A Python harness is one class::
-
-    class Echo(Harness):
-        name = "echo"
-        def tasks(self, split):
-            return [Task(id=f"echo-{split}-0", prompt="Say hi", answer="hi")]
-        async def run(self, task, endpoint):
-            client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
-            r = await client.chat.completions.create(model=endpoint.model,
-                    messages=[{"role": "user", "content": task.prompt}])
-            return float(task.answer in (r.choices[0].message.content or ""))
-
-A harness that is a program (Claude Code, OpenHands, a script) subclasses
-:class:`SubprocessHarness` and writes ``command()`` instead of ``run()``.
+A harness lists its tasks and runs one task against an OpenAI/Anthropic-style endpoint, returning a
+reward. The trainer never looks inside: it hands each rollout its own base URL (the proxy records every
+call under that rollout id) and collects one reward per rollout.
 """
 
 from __future__ import annotations
@@ -68,12 +54,9 @@ class Endpoint:
 
 
 class Harness:
-    """Base class of every harness: write ``tasks`` and ``run``.
-
-    ``run`` returns the reward, or None when it POSTed one to
-    ``endpoint.reward_url`` (or has none: the rollout is then failed).
-    ``timeout`` (seconds), when set, caps one rollout below the runner's limit.
-    """
+    """Base class of every harness: write ``tasks`` and ``run``. ``run`` returns the reward, or None when it
+    POSTed one to ``endpoint.reward_url`` (or has none: the rollout is then failed). ``timeout`` (seconds),
+    when set, caps one rollout below the runner's limit."""
 
     name = "base"
     timeout: Optional[float] = None
@@ -86,18 +69,10 @@ class Harness:
 
 
 class SubprocessHarness(Harness):
-    """A harness that is a program. Write ``command`` (and maybe ``reward``).
-
-    ``command(task, endpoint) -> (argv, env_extra, cwd)``; the program runs in
-    its own process group with OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL,
-    ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY, LL_ROLLOUT_ID, LL_TASK_ID and
-    LL_REWARD_URL set, ``env_extra``, and of the trainer's own environment only
-    ``BASE_ENV`` and the names in ``pass_env``: the trainer's secrets (hub
-    tokens, cloud keys) never reach the agent, which may print them. With ``cwd=None`` it gets a fresh temporary directory,
-    removed afterwards. On timeout or cancellation the whole group is killed,
-    so agents that spawn shells, servers or test runners leave nothing behind.
-    Example: ``return ["python", "agent.py", task.prompt], {}, None``.
-    """
+    """A harness that is a program (README: "Harnesses"): write ``command(task, endpoint) -> (argv, env_extra,
+    cwd)``, e.g. ``return ["python", "agent.py", task.prompt], {}, None``, and maybe ``reward``. Of the
+    trainer's environment it gets only ``BASE_ENV`` and ``pass_env``: the trainer's secrets (hub tokens,
+    cloud keys) never reach an agent, which may print them."""
 
     BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "PYENV_ROOT")
     pass_env: tuple[str, ...] = ()  # more of the trainer's variables the program needs (e.g. "HF_HOME")
@@ -107,10 +82,9 @@ class SubprocessHarness(Harness):
 
     def reward(self, task: Task, stdout: str, returncode: int, workdir: str) -> Optional[float]:
         """Default: the last non-empty stdout line, as a float; None if it is not one."""
-        lines = [line.strip() for line in stdout.splitlines() if line.strip()]
         try:
-            return float(lines[-1]) if lines else None
-        except ValueError:
+            return float(stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
             return None
 
     async def run(self, task: Task, endpoint: Endpoint) -> Optional[float]:
@@ -248,21 +222,16 @@ async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]],
                        timeout: float = 300.0,
                        posted_reward: Callable[[str], Optional[float]] = lambda rid: None,
                        desc: str = "rollouts", progress: bool = True) -> list[RolloutResult]:
-    """Run ``jobs`` (rollout id, task) concurrently; one result per job, in order.
-
-    A rollout that raises, runs past ``timeout`` or ends without a reward (neither
-    returned nor POSTed, see ``posted_reward``) is failed: its result has
-    ``reward=None`` and an ``error``, it is reported once on stderr, and the
-    other rollouts go on.
-    """
+    """Run ``jobs`` (rollout id, task) concurrently; one result per job, in order. A rollout that raises, runs
+    past ``timeout`` or ends without a reward (neither returned nor POSTed, see ``posted_reward``) is failed:
+    ``reward=None`` and an ``error``, reported once on stderr; the other rollouts go on."""
     limit = min((t for t in (timeout, harness.timeout) if t), default=None)  # None: no limit
     sem = asyncio.Semaphore(max_concurrency)
     bar = tqdm(total=len(jobs), desc=desc, disable=not (progress and sys.stderr.isatty()), file=sys.stderr, dynamic_ncols=True)  # quiet in logs
     rewards: list[float] = []
-    failed = 0
+    failed: list[str] = []
 
     async def one(rollout_id: str, task: Task) -> RolloutResult:
-        nonlocal failed
         async with sem:
             t0 = time.monotonic()
             reward, error = None, None
@@ -286,13 +255,13 @@ async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]],
         if error is None:
             rewards.append(float(reward))
         else:
-            failed += 1
+            failed.append(rollout_id)
             msg = " ".join(error.split())
             msg = msg if len(msg) <= 400 else "..." + msg[-400:]  # the end of a traceback says what happened
             tqdm.write(f"[{desc}] rollout {rollout_id} (task {task.id}) failed: {msg}", file=sys.stderr)
         bar.update(1)
         # the bar counts rollouts done; the postfix says how many failed and the mean reward so far
-        bar.set_postfix(failed=failed, reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-")
+        bar.set_postfix(failed=len(failed), reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-")
         return RolloutResult(rollout_id, task.id, None if error else float(reward), error, seconds)
 
     try:

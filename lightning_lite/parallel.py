@@ -1,17 +1,8 @@
-"""Data-parallel wrapping of the policy: DDP (a full copy per rank) or FSDP2 (everything sharded).
-
-DDP keeps the weights, gradients and AdamW state whole on every rank: ~16 bytes per
-parameter, 144 GB for a 9B model. FSDP2 (``torch.distributed.fsdp.fully_shard``, one
-unit per decoder layer) splits all three over the ranks and gathers a layer's weights
-only while it computes. The loss is the same either way: both average gradients over
-ranks, and train.py's weights already make the global sum.
-
-What changes for the loop under FSDP, and why:
-- every forward and backward gathers weights from all ranks (a collective), so every
-  rank must run the same number of micro-batches (``pad_micro_batches``);
-- the model's parameters are shards: the embedded backend serves from its own full
-  copy, refreshed from ``full_state_dict`` (no checkpoint on disk), and checkpoints
-  are written from the gathered full state (transformers format, as under DDP).
+"""Data-parallel wrapping of the policy: DDP (a full copy per rank) or FSDP2 (everything sharded;
+README: models bigger than one GPU). The loss is the same either way: both average gradients over
+ranks, and train.py's weights already make the global sum. Under FSDP every forward and backward
+gathers weights from all ranks (hence ``pad_micro_batches``), and the parameters are shards:
+``full_state_dict`` gathers them for the embedded backend's own copy and for checkpoints.
 """
 
 from __future__ import annotations
@@ -21,21 +12,21 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .algo import all_reduce
+
 
 def wrap(model, parallel: str, device: torch.device, world: int, offload: bool = False, checkpointing: bool = False):
-    """The module to train: ``model`` itself (one process), DDP(model), or model sharded in place (FSDP2).
-
-    FSDP on a GPU computes in bf16 and keeps fp32 master weights and gradient reductions;
-    ``offload`` keeps parameters, gradients and optimizer state in CPU memory."""
+    """The module to train: ``model`` itself (one process), DDP(model), or model sharded in place (FSDP2;
+    ``offload`` keeps parameters, gradients and optimizer state in CPU memory)."""
     if checkpointing:  # recompute each layer's activations in backward: memory for compute
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if parallel == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    # on a GPU: bf16 compute, fp32 master weights and gradient reductions
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
-    kw = {"mp_policy": mp, "offload_policy": CPUOffloadPolicy() if offload else None}
-    kw = {k: v for k, v in kw.items() if v is not None}
+    kw = {"mp_policy": mp, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     for layer in model.model.layers:  # transformers decoder models: one shard unit per layer
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
@@ -46,20 +37,15 @@ def accumulating(model, parallel: str, last: bool):
     """Context for one micro-batch's backward: gradients are reduced over ranks only on the last one."""
     if parallel == "fsdp":
         model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+    elif isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
         return model.no_sync()
     return contextlib.nullcontext()
 
 
 def pad_micro_batches(mbs: list, parallel: str) -> list:
-    """Under FSDP every rank must run as many forwards and backwards as the others: pad with None
-    (train.py runs a zero-loss step for None). A rank without samples always runs one."""
-    n = len(mbs)
-    if parallel == "fsdp" and dist.is_initialized():
-        t = torch.tensor([n])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n = int(t)
+    """Under FSDP each forward and backward is a collective, so every rank must run as many as the others:
+    pad with None (train.py runs a zero-loss step for None). A rank without samples always runs one."""
+    n = int(all_reduce([len(mbs)], op=dist.ReduceOp.MAX)[0]) if parallel == "fsdp" else len(mbs)
     return mbs + [None] * (max(n, 1) - len(mbs))
 
 

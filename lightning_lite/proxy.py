@@ -1,9 +1,5 @@
-"""The proxy: an OpenAI- and Anthropic-compatible HTTP endpoint that serves the policy and records every call.
-
-Harnesses talk to ``http://HOST:PORT/rollout/<rollout_id>/v1`` (Anthropic clients:
-``http://HOST:PORT/rollout/<rollout_id>``; or no prefix, recorded under rollout id
-``default``). For each request (chat completions, Anthropic messages, Responses)
-the proxy
+"""The proxy: an OpenAI- and Anthropic-compatible HTTP endpoint that serves the policy and records every call
+(its routes and records: README "Serving and recording"). For each request it
 
 1. validates and normalizes it (apis.py), 4xx with an error body in the API's format if bad;
 2. builds the prompt ids itself, reusing the tokens sampled in an earlier call
@@ -13,8 +9,7 @@ the proxy
    every answered call is on disk even if the process dies right after;
 5. answers as JSON or as server-sent events, content streamed as it is sampled.
 
-The trainer drives it in-process (``ProxyServer``), pausing the backend around
-weight updates; ``python proxy.py`` serves it on its own.
+The trainer drives it in-process (``ProxyServer``); ``python proxy.py`` serves it on its own.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import IO, Optional
+from typing import Optional
 
 from aiohttp import web
 
@@ -53,7 +48,6 @@ class CallsFile:
 
     path: Optional[str]
     next: dict[str, int] = field(default_factory=dict)
-    file: Optional[IO] = None  # open while it is the proxy's current output
 
 
 @dataclass
@@ -73,20 +67,16 @@ class Proxy:
                  max_body_mb: float = 32.0, max_new_tokens: Optional[int] = None, call_timeout: Optional[float] = None,
                  api_key: Optional[str] = None, max_requests: int = 1024, pause_retry_after: Optional[float] = None,
                  tool_format: Optional[str] = None, keep_history_tokens: bool = False):
-        """``max_new_tokens``: the most tokens one call may generate, whatever the request asks (or when it
-        asks nothing: mini-swe-agent, OpenHands): the trainer's cap, recorded as ``capped`` when it cut a reply.
-        ``call_timeout``: seconds the backend gets per call before the client is answered 504.
-        ``api_key``: when set, every route wants it (``Authorization: Bearer KEY`` or ``x-api-key: KEY``).
-        ``max_requests``: requests handled at once; more are answered 429 with Retry-After.
-        ``pause_retry_after``: while the backend is paused (a weight sync), new calls wait (None) or are
-        answered 429 with this Retry-After."""
+        """``max_new_tokens``: the most tokens one call may generate, whatever the request asks (``capped``
+        when it cut a reply). ``call_timeout``: seconds per call before a 504. ``api_key``: what every route
+        wants. ``max_requests``: handled at once (more: 429). ``pause_retry_after``: while the backend is
+        paused (a weight sync), new calls wait (None) or are answered 429 with this Retry-After."""
         self.backend, self.tok = backend, tokenizer
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
         self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
         # the EOS set generation stops on: the backend's (HFBackend), or generation_config's and the tokenizer's
         self.renderer = Renderer(tokenizer, getattr(backend, "eos_ids", None) or eos_ids(tokenizer), tool_format, keep_history_tokens)
-        self.model_name = model_name
-        self.reuse_tokens = reuse_tokens
+        self.model_name, self.reuse_tokens = model_name, reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
         self.failures, self.n_failures = deque(maxlen=100), 0  # backend errors (the last 100; all counted): reported, never trained on
@@ -97,27 +87,24 @@ class Proxy:
     # ------------------------------------------------------------------ used by the trainer
 
     def set_output(self, path: Optional[str]):
-        """Append calls to ``path`` from now on (train.py switches files every step). Each call is flushed
-        as it is recorded (a killed process loses none) and the file fsync'd when switched (a crashed machine
-        loses at most its tail). A session's calls go to the file current when it began, also a call still in
-        flight after the switch. A file that holds calls already (a restarted proxy) has a torn last line cut
-        off, and each rollout's calls are numbered on after its highest index there: runs never collide."""
+        """Append calls to ``path`` from now on (train.py switches files every step); each call is flushed as
+        it is recorded, the file fsync'd when switched. A session's calls go to the file current when it began,
+        also a call still in flight after the switch. A file that holds calls already (a restarted proxy) has
+        a torn last line cut off, and each rollout's calls are numbered on after its highest index there."""
         with self._lock:
             old = self._out
             for s in list(self.sessions.values()) + list(self._retired.values()):
                 s.out = s.out or old
-            if old.file:
-                old.file.flush()
-                os.fsync(old.file.fileno())
-                old.file.close()
-                old.file = None
+            if old.path:  # each call was written (closed) as recorded; a crashed machine loses none of them now
+                with open(old.path, "a") as f:
+                    os.fsync(f.fileno())
             self._out = CallsFile(path)
             if path:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 self._out.next, cut = prepare_append(path)
                 if cut:
                     log.warning(f"{path}: cut off a torn last line ({cut} bytes; its writer was killed mid-line) before appending")
-                self._out.file = open(path, "a")
+                open(path, "a").close()  # the file exists from now on, even if no call comes
 
     def reward(self, rollout_id: str) -> Optional[float]:
         s = self.sessions.get(rollout_id)
@@ -128,9 +115,6 @@ class Proxy:
         keeps its session (its request holds it; _retired finds it, weakly) and is recorded with it."""
         old, self.sessions = self.sessions, {}
         self._retired.update(dict(old))
-
-    def close(self):
-        self.set_output(None)
 
     # ------------------------------------------------------------------ recording
 
@@ -159,31 +143,18 @@ class Proxy:
             if out.path:  # a call that extends its parent is written as the ids after the parent's (records.read_calls)
                 n = s.sizes[parent] if parent is not None else 0
                 line = (to_json(call, prompt_ids=None, prompt_tail=call.prompt_ids[n:]) if n else to_json(call)) + "\n"
-                if out.file:
-                    out.file.write(line)
-                    out.file.flush()
-                else:  # its file was switched while the call was in flight: it still goes there, not into the next one
-                    with open(out.path, "a") as f:
-                        f.write(line)
+                # Opened per call, so a call still in flight when its session's file was switched goes there too.
+                with open(out.path, "a") as f:
+                    f.write(line)
         return call
-
-    def _unanswered(self, rid: str, api: str, prompt_ids, req: Request, t0: float, reason: str):
-        """Record the calls of a request that got no answer (``error``: the backend failed; ``cancelled``:
-        the client went away): they show in the records and are never trained on (records.UNANSWERED)."""
-        gone = SimpleNamespace(response_ids=[], logprobs=[], finish_reason=reason, version=self.backend.version)
-        for i in range(req.n):
-            self._record(rid, api, prompt_ids, gone, None, None, req.sampling, t0, choice=i)
 
     # ------------------------------------------------------------------ handlers
 
     async def _json(self, request: web.Request):
-        raw = await request.read()
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deeply
             raise BadRequest(f"the request body is not valid JSON ({e})", None, "invalid_json") from None
-        except RecursionError:
-            raise BadRequest("the request body nests JSON too deeply", None, "invalid_json") from None
 
     def _rollout(self, request: web.Request) -> str:
         rid = request.match_info.get("rid", "default")
@@ -198,31 +169,23 @@ class Proxy:
         try:
             return await asyncio.wait_for(asyncio.gather(*(self.backend.generate(prompt_ids, seeded(i), on_token=on_token, rollout_id=rid) for i in range(req.n))),
                                           self.call_timeout)
-        except asyncio.CancelledError:  # the client went away (its generation is cancelled with it)
-            self._unanswered(rid, api, prompt_ids, req, t0, "cancelled")
-            raise
-        except Exception as e:  # the backend failed: report it loudly, answer 502/504, never train on it
+        except (asyncio.CancelledError, Exception) as e:
+            # No answer: the client went away (its generation is cancelled with it) or the backend failed. The
+            # calls are recorded as "cancelled" or "error", with an empty response: never trained on.
+            cancelled = isinstance(e, asyncio.CancelledError)
+            gone = SimpleNamespace(response_ids=[], logprobs=[], finish_reason="cancelled" if cancelled else "error",
+                                   version=self.backend.version)
+            for i in range(req.n):
+                self._record(rid, api, prompt_ids, gone, None, None, req.sampling, t0, choice=i)
+            if cancelled:
+                raise
+            # the backend failed: report it loudly, answer 502/504
             timeout = isinstance(e, TimeoutError)
             msg = f"the backend did not answer within {self.call_timeout:g} s" if timeout else f"backend error: {type(e).__name__}: {e}"
             log.error(msg, exc_info=not timeout)
             self.n_failures += 1
             self.failures.append({"time": time.time(), "rollout_id": rid, "error": msg})
-            self._unanswered(rid, api, prompt_ids, req, t0, "error")
             raise BackendError(msg, 504 if timeout else 502) from e
-
-    async def _generate_live(self, rid: str, api: str, prompt_ids: list[int], req: Request, t0: float, on_ids) -> list:
-        """One generation whose ids reach ``await on_ids(ids so far)`` as they are sampled."""
-        queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(self._generate(rid, api, prompt_ids, req, t0, on_token=queue.put_nowait))
-        task.add_done_callback(lambda _: queue.put_nowait(None))  # after every id: same loop, in order
-        ids = []
-        try:
-            while (t := await queue.get()) is not None:
-                ids.append(t)
-                await on_ids(ids)
-        finally:
-            task.cancel()  # a no-op when it is done; the client went away otherwise
-        return await task
 
     def _admit(self, prompt_ids: list[int]):
         """May this prompt be served now? Not during a weight sync when calls are told to come back later (429),
@@ -271,15 +234,21 @@ class Proxy:
         try:
             if req.stream and req.n == 1:  # live: reasoning and content leave as they are sampled
                 stream = ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
-
-                async def on_ids(ids):
-                    reasoning, content = stream.feed(ids)
-                    if reasoning:
-                        await resp.write(out.reasoning(reasoning))
-                    if content:
-                        await resp.write(out.text(content))
-
-                gens = await self._generate_live(rid, api, prompt_ids, req, t0, on_ids)
+                queue: asyncio.Queue = asyncio.Queue()
+                task = asyncio.ensure_future(self._generate(rid, api, prompt_ids, req, t0, on_token=queue.put_nowait))
+                task.add_done_callback(lambda _: queue.put_nowait(None))  # after every id: same loop, in order
+                ids = []
+                try:
+                    while (t := await queue.get()) is not None:
+                        ids.append(t)
+                        reasoning, content = stream.feed(ids)
+                        if reasoning:
+                            await resp.write(out.reasoning(reasoning))
+                        if content:
+                            await resp.write(out.text(content))
+                finally:
+                    task.cancel()  # a no-op when it is done; the client went away otherwise
+                gens = await task
                 sent, sent_reasoning = stream.sent, stream.reasoning
             else:
                 gens = await self._generate(rid, api, prompt_ids, req, t0)
@@ -288,13 +257,14 @@ class Proxy:
                 raise
             await resp.write(out.error(str(e)))  # the stream has begun: the error goes in it
             return resp
-        except ConnectionResetError:  # the client left mid-stream; _generate_live cancelled its generation
+        except ConnectionResetError:  # the client left mid-stream; its generation was cancelled above
             return resp
         answers = []
         for i, gen in enumerate(gens):
             reply = self.renderer.parse_reply(forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop), req.parse_tools, opened)
             call = self._record(rid, api, prompt_ids, gen, parent, hint, req.sampling, t0, reply, choice=i, capped=capped)
-            session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids, fps, forced))
+            session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids,
+                                      fps, forced, session.turns, parent))
             answers.append((call, reply))
         if api == "responses":  # for previous_response_id; a new request's instructions replace these
             session.responses[out.id] = req.messages[req.n_instructions:] + [answers[0][1]]
@@ -340,9 +310,6 @@ class Proxy:
     async def models(self, request: web.Request):
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "lightning-lite", "max_model_len": self.backend.max_model_len}]})
 
-    async def root(self, request: web.Request):
-        return web.json_response({"status": "ok", "model": self.model_name})
-
     async def health(self, request: web.Request):
         return web.json_response({"status": "ok", "model": self.model_name, "version": self.backend.version,
                                   "backend_failures": self.n_failures, **self.backend.stats})
@@ -353,16 +320,31 @@ class Proxy:
     async def _guard(self, request: web.Request, handler):
         """Every route: the API key when one is set, the bound on requests at once; every 4xx/5xx carries an
         error body in the API's own format, and the server keeps serving."""
-        api = _api_of(request.path)
-        if self.api_key and not hmac.compare_digest(_key_of(request).encode(), self.api_key.encode()):
-            return web.json_response(apis.error_body(api, "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                                                     "authentication_error" if api == "anthropic" else "invalid_request_error", None, "invalid_api_key"), status=401)
+        api = "anthropic" if "/v1/messages" in request.path else "openai"
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if self.api_key and not hmac.compare_digest(key.encode(), self.api_key.encode()):
+            msg = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+            return _error(api, 401, msg, code="invalid_api_key")
         if self.active >= self.max_requests:
-            return web.json_response(apis.error_body(api, f"the proxy is handling {self.active} requests (its limit); retry shortly",
-                                                     "rate_limit_error", None, "too_many_requests"), status=429, headers={"Retry-After": "1"})
+            msg = f"the proxy is handling {self.active} requests (its limit); retry shortly"
+            return _error(api, 429, msg, code="too_many_requests", retry_after=1)
         self.active += 1
         try:
-            return await _answer_errors(request, handler, api)
+            return await handler(request)
+        except BadRequest as e:
+            return _error(api, e.status, e.message, e.param, e.code)
+        except BackendError as e:
+            return _error(api, e.status, str(e), retry_after=e.retry_after)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            where = f"{request.method} {request.path}"
+            msg, code = {404: (f"no route {where}; see GET /v1/models and the README for the routes", "not_found"),
+                         405: (f"method {request.method} is not allowed on {request.path}", "method_not_allowed"),
+                         413: (f"request body too large (limit {self.max_body} bytes)", "request_too_large"),
+                         }.get(e.status, (e.reason, None))
+            return _error(api, e.status, msg, code=code)
         finally:
             self.active -= 1
 
@@ -374,7 +356,7 @@ class Proxy:
             app.router.add_post(prefix + "/v1/messages/count_tokens", self.count_tokens)
             app.router.add_post(prefix + "/v1/responses", functools.partial(self.converse, api="responses"))
             app.router.add_post(prefix + "/v1/completions", self.completions)
-            app.router.add_get(prefix or "/", self.root)  # GET and HEAD: harnesses probe their base URL (Claude Code)
+            app.router.add_get(prefix or "/", self.health)  # GET and HEAD: harnesses probe their base URL (Claude Code)
             app.router.add_get(prefix + "/v1/models", self.models)
             app.router.add_get(prefix + "/health", self.health)
         app.router.add_post("/rollout/{rid}/reward", self.post_reward)
@@ -382,7 +364,7 @@ class Proxy:
         return app
 
     async def _cleanup(self, app):
-        self.close()
+        self.set_output(None)  # the last calls file is fsync'd
 
 
 # ---------------------------------------------------------------------- helpers
@@ -397,33 +379,15 @@ class BackendError(Exception):
         self.status, self.retry_after = status, retry_after
 
 
-def _api_of(path: str) -> str:
-    return "anthropic" if "/v1/messages" in path else "openai"
-
-
-def _key_of(request: web.Request) -> str:
-    auth = request.headers.get("Authorization", "")
-    return auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-
-
-async def _answer_errors(request: web.Request, handler, api: str):
-    try:
-        return await handler(request)
-    except BadRequest as e:
-        return web.json_response(apis.error_body(api, e.message, "not_found_error" if e.status == 404 and api == "anthropic" else "invalid_request_error",
-                                                 e.param, e.code), status=e.status)
-    except BackendError as e:
-        kind = {429: "rate_limit_error", 504: "timeout_error" if api == "anthropic" else "server_error"}.get(e.status, "api_error" if api == "anthropic" else "server_error")
-        return web.json_response(apis.error_body(api, str(e), kind), status=e.status, headers={"Retry-After": f"{e.retry_after:g}"} if e.retry_after else None)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        msg = {404: f"no route {request.method} {request.path}; see GET /v1/models and the README for the routes",
-               405: f"method {request.method} is not allowed on {request.path}",
-               413: f"request body too large (limit {request.app._client_max_size} bytes)"}.get(e.status, e.reason)
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        kind = {404: "not_found_error", 413: "request_too_large"}.get(e.status, "invalid_request_error") if api == "anthropic" else "invalid_request_error"
-        return web.json_response(apis.error_body(api, msg, kind, None, code), status=e.status)
+def _error(api: str, status: int, message: str, param=None, code=None, retry_after=None) -> web.Response:
+    """An error answer in the API's own format, its type the one that API gives that status."""
+    if api == "anthropic":
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                504: "timeout_error"}.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    else:
+        kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
+    return web.json_response(apis.error_body(api, message, kind, param, code), status=status,
+                             headers={"Retry-After": f"{retry_after:g}"} if retry_after else None)
 
 
 async def _sse_start(request: web.Request) -> web.StreamResponse:

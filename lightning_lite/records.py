@@ -1,15 +1,7 @@
-"""What the proxy records and what the trainer trains on, as plain dataclasses.
-
-Two JSONL contracts (DESIGN.md) live here:
-
-- ``calls.jsonl``: one :class:`Call` per LLM call (answered, or ``error`` / ``cancelled``). A call whose
-  prompt the proxy built on its parent's prompt + response stores only the ids after them
-  (``prompt_ids`` null, ``prompt_tail``): a rollout of n turns holds each id once, on disk and in memory.
-- ``samples.jsonl``: one :class:`Sample` per training sequence.
-
-Both are written one JSON object per line, so a crashed run leaves every line it finished readable and
-``jq`` or ``pandas.read_json(path, lines=True)`` read them as they are; a call's whole prompt is its
-parent chain's (``full_prompt``, or ``read_calls(path, whole=True)``).
+"""What the proxy records and what the trainer trains on, as plain dataclasses: the two JSONL contracts
+of DESIGN.md, ``calls.jsonl`` (one :class:`Call` per line) and ``samples.jsonl`` (one :class:`Sample`).
+One JSON object per line: a crashed run leaves every line it finished readable, and ``jq`` or
+``pandas.read_json(path, lines=True)`` read them as they are.
 """
 
 from __future__ import annotations
@@ -33,27 +25,11 @@ RUN_FILE = re.compile(r"(step|eval)_(\d+)(?:\.rank\d+)?\.jsonl")
 
 @dataclass
 class Call:
-    """One answered LLM call, token-exact.
-
-    The prompt ids (``prompt_ids``, or ``full_prompt``) are exactly the ids
-    the backend consumed, ``response_ids`` exactly the ids it sampled,
-    ``response_logprobs[i]`` the logprob of ``response_ids[i]`` under the
-    distribution it was sampled from.
-
-    ``parent`` is the index of the earlier call of the same rollout whose
-    ``prompt_ids + response_ids`` this call's prompt starts with, when the
-    proxy built it so (it reused the sampled tokens); ``prompt_ids`` is then
-    None as read (``read_calls``) and ``prompt_tail`` holds the ids after them.
-    ``split`` says why the proxy could not (one of ``SPLIT_REASONS``), or is
-    None when there was nothing to extend. Indices are unique per rollout in
-    a file, also across proxy runs (a restarted proxy continues after them).
-
-    A request for ``n`` choices is recorded as n calls with consecutive indices
-    and ``choice`` 0..n-1: call ``index - choice`` is its request's first.
-    ``finish_reason`` is ``length`` whenever the per-call token cap cut the
-    reply, even if what was written parses as a tool call; ``error`` or
-    ``cancelled`` (``UNANSWERED``) for a call that got no answer.
-    """
+    """One LLM call, token-exact: the prompt ids (``prompt_ids``, or ``full_prompt``) are exactly the ids the
+    backend consumed, ``response_ids`` exactly the ids it sampled, ``response_logprobs[i]`` the logprob of
+    ``response_ids[i]`` under the distribution it was sampled from. ``parent``: the earlier call of the
+    rollout whose ``prompt_ids + response_ids`` the proxy built this prompt on (``prompt_tail`` then holds
+    the ids after them). ``n`` choices are n calls with consecutive indices, ``choice`` 0..n-1."""
 
     rollout_id: str
     index: int
@@ -78,15 +54,10 @@ class Call:
 
 @dataclass
 class Sample:
-    """One training sequence: the tokens of one leaf of a rollout's prefix tree.
-
-    ``loss_mask[i] == 1`` exactly where ``tokens[i]`` was sampled by the
-    policy (and is trained in this sample); ``logprobs[i]`` is its recorded
-    rollout logprob, 0.0 where the mask is 0. ``temperature[i]``, ``top_k[i]``,
-    ``top_p[i]`` are the settings of the call that sampled ``tokens[i]`` (1.0, 0,
-    1.0 where the mask is 0): the trainer scores each token under its own,
-    and ``version[i]`` is the policy version that sampled it.
-    """
+    """One training sequence, a leaf of a rollout's prefix tree: ``loss_mask[i] == 1`` exactly where
+    ``tokens[i]`` was sampled (and is trained here), with its rollout logprob in ``logprobs[i]`` and the
+    settings of the call that sampled it in ``temperature[i]``, ``top_k[i]``, ``top_p[i]`` (1.0, 0, 1.0 and
+    logprob 0.0 where the mask is 0): the trainer scores each token under its own."""
 
     rollout_id: str
     tokens: list[int]
@@ -118,14 +89,10 @@ def from_dict(cls: Type[T], d: dict) -> T:
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def write_jsonl(path: str, items: Iterable[Any], append: bool = False) -> int:
+def write_jsonl(path: str, items: Iterable[Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    n = 0
-    with open(path, "a" if append else "w") as f:
-        for it in items:
-            f.write(to_json(it) + "\n")
-            n += 1
-    return n
+    with open(path, "w") as f:
+        f.writelines(to_json(it) + "\n" for it in items)
 
 
 def read_jsonl(path: str, cls: Optional[Type[T]] = None) -> Iterator[Any]:
@@ -146,10 +113,9 @@ def read_jsonl(path: str, cls: Optional[Type[T]] = None) -> Iterator[Any]:
 
 
 def read_calls(path: str, whole: bool = False) -> list[Call]:
-    """The calls of a calls.jsonl file, as written: a call that extends its parent keeps ``prompt_ids``
-    None and ``prompt_tail``, so a rollout of n turns of L tokens holds L ids, not n * L / 2 (samples.py
-    merges along ``parent``). ``whole``: every call with its whole ``prompt_ids`` (``prompt_tail`` None),
-    for tools that look at a few calls' prompts; ``full_prompt`` joins one."""
+    """The calls of a calls.jsonl file, as written: a call that extends its parent keeps ``prompt_ids`` None
+    and ``prompt_tail`` (a rollout of n turns of L tokens holds L ids, not n * L / 2). ``whole``: every call
+    with its whole ``prompt_ids``, for tools that look at a few calls' prompts."""
     calls, seen = [], {}
     for d in read_jsonl(path):
         if "split_hint" in d:  # files written before it was named split

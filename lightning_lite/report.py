@@ -1,29 +1,16 @@
-"""One HTML page to look at a training run:
+"""One HTML page to look at a training run (README: "Seeing a run"):
 
     python -m lightning_lite.report RUN_DIR        # writes RUN_DIR/report.html
 
-metrics.jsonl says *that* the reward moved or the rollout/trainer mismatch grew;
-the recorded calls say *why*. The page puts the two side by side: plots over
-steps, the run's config, and a browser of the token-exact trajectories, built
-into samples by ``samples.build_samples`` exactly as train.py built them, so
-what is highlighted as trainable is what the trainer trained.
+metrics.jsonl says *that* the reward moved; the recorded calls say *why*. The
+trajectories are built into samples by ``samples.build_samples`` exactly as
+train.py built them, so what is highlighted as trainable is what was trained.
+The page is one file that opens without a network (layout and script: report.html).
 
-The page is one file with its data, script and style inline (it opens without
-a network); its layout and script live in report.html beside this file.
-
-Names: train.py writes the rollouts of the policy after K updates (under --async: up to
-N updates older) to calls/step_K (and rollouts/step_K), trains on them and logs that update as
-metrics step K+1; calls/eval_K is the evaluation logged as step K. Under DDP
-each rank writes its own .rankR file; they are read together.
-
-Size: a long agent run records gigabytes of prompt tokens, so
-- trajectories are kept for at most ``--max-batches`` batches (a batch is one
-  step_K or eval_K, all ranks), evenly spaced, the first and last always in;
-  the plots always show every step;
-- each sample is stored as token ids that share their longest prefix with
-  another sample of the batch (a system prompt is stored once per batch, not
-  once per rollout), gzip-compressed; each token's text is stored once;
-- the page draws long prompt/observation spans collapsed (an "expand" button).
+A long agent run records gigabytes of prompt tokens, so the page keeps the
+trajectories of at most ``--max-batches`` batches (one step_K or eval_K, all
+ranks) and stores each sample as the ids after its longest prefix shared with
+another sample of the batch (a system prompt once per batch), gzip-compressed.
 """
 
 from __future__ import annotations
@@ -53,8 +40,7 @@ def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
     for sub in ("calls", "rollouts"):
         folder = os.path.join(run_dir, sub)
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            m = RUN_FILE.fullmatch(name)
-            if m:
+            if m := RUN_FILE.fullmatch(name):
                 found[(m[1], int(m[2]))][sub].append(os.path.join(folder, name))
     return dict(sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] == "step")))
 
@@ -76,13 +62,12 @@ def spread(items: list, n: int) -> list:
 
 def runs_of_ones(mask: list[int]) -> list[list[int]]:
     """[[start, end), ...] where mask is 1: the trainable spans, compactly."""
-    spans, start = [], None
-    for i, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append([start, i])
-            start = None
+    spans = []
+    for i, m in enumerate(mask):
+        if m and spans and spans[-1][1] == i:
+            spans[-1][1] = i + 1
+        elif m:
+            spans.append([i, i + 1])
     return spans
 
 
@@ -95,7 +80,7 @@ def rollout_view(calls: list[Call], info: dict, max_seq_len: Optional[int], seqs
                                "latency": c.latency_s, "version": c.model_version} for c in calls],
             "samples": [], "samples_error": None}
     try:
-        samples, _ = build_samples(calls, max_seq_len) if calls else ([], None)
+        samples = build_samples(calls, max_seq_len)[0]
     except ValueError as e:  # a malformed record: show the rollout, say why it has no samples
         samples, view["samples_error"] = [], str(e)
     for s in samples:
@@ -164,16 +149,13 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
         batch = build_batch(found[(kind, k)], config.get("max_seq_len") if kind == "step" else None)
         for seq in batch["seqs"]:
             ids.update(seq["tail"])
-        batches.append({"name": f"{kind}_{k}", "kind": kind, "label": batch_label(kind, k),
-                        "metrics_step": k + 1 if kind == "step" else k, "rollouts": len(batch["rollouts"]),
+        batches.append({"kind": kind, "label": batch_label(kind, k), "metrics_step": k + 1 if kind == "step" else k,
                         "blob": pack(batch)})
     texts = token_texts(config.get("model"), ids) if ids else {}
     data = {"run_dir": os.path.abspath(run_dir), "config": config, "metrics": metrics, "batches": batches,
             "batches_found": len(found), "vocab": pack(texts) if texts is not None else None}
-    with open(TEMPLATE) as f:
-        page = f.read()
     # "</" inside a <script> would end it early (a config string, a token text).
-    page = page.replace("/*DATA*/null", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
+    page = open(TEMPLATE).read().replace("/*DATA*/null", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
     out = os.path.join(run_dir, "report.html")
     with open(out, "w") as f:
         f.write(page)
@@ -186,10 +168,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--max-batches", type=int, default=20,
                     help="keep trajectories of at most this many steps/evals, evenly spaced (0: all); default 20")
     a = ap.parse_args(argv)
-    if not os.path.isdir(a.run_dir):
-        ap.error(f"{a.run_dir}: no such folder; pass the --out folder of a train.py run (it holds config.json and metrics.jsonl)")
     if not os.path.isfile(os.path.join(a.run_dir, "metrics.jsonl")):
-        ap.error(f"{a.run_dir} has no metrics.jsonl; pass the --out folder of a train.py run "
+        ap.error(f"{a.run_dir}" + (" has no metrics.jsonl" if os.path.isdir(a.run_dir) else ": no such folder") +
+                 "; pass the --out folder of a train.py run "
                  "(config.json, metrics.jsonl, calls/step_K.jsonl, rollouts/step_K.jsonl)")
     path, n, total = write_report(a.run_dir, a.max_batches)
     kept = f"trajectories of {n} of {total} steps/evals" + (" (--max-batches 0 keeps all)" if n < total else "")

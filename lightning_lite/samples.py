@@ -1,41 +1,18 @@
-"""Recorded calls -> training samples: one prefix tree per rollout, one sample per leaf.
+"""Recorded calls -> training samples: one prefix tree per rollout, one sample per leaf (DESIGN.md).
+Merging trains the K turns of a conversation in one sequence (example: ``build_samples``), instead of
+re-encoding the whole history once per turn, with ``loss_mask`` 1 exactly on sampled tokens.
 
-A harness that appends to its conversation makes calls whose prompt ids start
-with the previous call's prompt + response ids (the proxy builds them that
-way). Training each call separately would re-encode the whole history once
-per turn; merging them trains the K turns of a conversation in one sequence:
+A call the proxy recorded with a ``parent`` hangs under that call without an id compared: the proxy
+built its prompt as the parent's prompt + response + ``prompt_tail``, so no call's whole prompt need be
+built. Any other call hangs under the earlier call whose prompt + response is the longest prefix of its
+prompt, compared id by id; a call that extends nothing starts a new root (a "split"), counted by reason:
 
-    call 0: prompt [1 2]            response [3 4]
-    call 1: prompt [1 2 3 4 5]      response [6]        (5 = a tool result)
-    sample: tokens    [1 2 3 4 5 6]
-            loss_mask [0 0 1 1 0 1]   (1 exactly on sampled tokens)
-
-The token ids are the source of truth. A call the proxy recorded with a
-``parent`` hangs under that call without a single id compared: the proxy built
-its prompt as the parent's prompt + response ids + ``prompt_tail``, so the claim
-is a fact about the ids, true by construction (and no call's whole prompt need
-be built: 200 turns of a 37k-token rollout would be 200 prompts, ~4M ids). Any
-other call (rendered fresh, or not recorded by the proxy) hangs under the
-earlier call whose prompt + response is the longest prefix of its prompt,
-compared id by id; a call that extends nothing starts a new root (a "split"),
-counted by reason:
-
-    rewrote_history    the harness sent back a history that differs from what
-                       the model produced (reformatted tool calls, stripped
-                       reasoning, summaries): its prompt starts with an
-                       earlier prompt, but not with that call's response
-    template_mismatch  the proxy matched the messages but a fresh rendering
-                       differs from the sampled tokens (set by the proxy)
+    rewrote_history    its prompt starts with an earlier prompt, but not with that call's response
+                       (reformatted tool calls, stripped reasoning, summaries)
+    template_mismatch  the proxy matched the messages, but the template renders the sampled turn otherwise
     new_thread         an unrelated conversation (title generation, sub-agents)
-    retry              the same prompt ids again: the harness retried, so the
-                       earlier attempt is dropped and the last one kept (unless
-                       a later call already continued from the earlier one)
-
-Several calls may extend the same call (branching): each leaf becomes a
-sample, and a sampled token shared by several leaves is trained in the longest
-of them only (mask 0 and logprob 0.0 in the others), so no token is trained
-twice. The ``n`` choices of one request share a prompt: siblings, each its own
-sample, never a retry of each other.
+    retry              the same prompt ids again: the earlier attempt is dropped (unless a later call
+                       already continued from it); the ``n`` choices of one request are siblings instead
 
     python -m lightning_lite.samples CALLS.jsonl --out SAMPLES.jsonl [--max-seq-len N]
 """
@@ -45,18 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 from collections import Counter, defaultdict
+from itertools import chain
 from typing import Iterable, Optional
 
 from .records import SPLIT_REASONS, UNANSWERED, Call, Sample, full_prompt, read_calls, write_jsonl
-
-
-def _check(c: Call) -> None:
-    if not (c.prompt_ids or c.parent is not None and c.prompt_tail is not None):
-        raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: no prompt ids (empty prompt_ids, no parent + prompt_tail); the "
-                         "first sampled token would have no context to be trained from. Is the proxy recording prompt ids?")
-    if len(c.response_logprobs) != len(c.response_ids):
-        raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: {len(c.response_ids)} response ids but "
-                         f"{len(c.response_logprobs)} logprobs; every sampled token needs its rollout logprob.")
 
 
 def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple[list[Sample], Counter]:
@@ -87,7 +56,7 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     kept: dict[int, Call] = {}  # index -> call still in the tree (retried attempts leave it)
     up: dict[int, Optional[int]] = {}  # index -> the call it extends (None: a root)
     tail: dict[int, list[int]] = {}  # index -> its prompt ids after up's prompt + response ids
-    size: dict[int, int] = {}  # index -> len(prompt + response)
+    size: dict[Optional[int], int] = {None: 0}  # index -> len(prompt + response); None: above the roots
     split: dict[int, str] = {}  # index -> why this call began a new tree instead of extending one (SPLIT_REASONS)
 
     def segments(i):  # call i's prompt + response ids, last segment first
@@ -109,9 +78,14 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
         return True
 
     for c in calls:
-        _check(c)
+        if not (c.prompt_ids or c.parent is not None and c.prompt_tail is not None):
+            raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: no prompt ids (empty prompt_ids, no parent + "
+                             "prompt_tail); the first sampled token would have no context to be trained from. "
+                             "Is the proxy recording prompt ids?")
+        if len(c.response_logprobs) != len(c.response_ids):
+            raise ValueError(f"rollout {c.rollout_id!r} call {c.index}: {len(c.response_ids)} response ids but "
+                             f"{len(c.response_logprobs)} logprobs; every sampled token needs its rollout logprob.")
         stats["sampled_tokens"] += len(c.response_ids)
-        has_child = {p for i, p in up.items() if i in kept and p is not None}
         claimed = c.parent in kept  # the proxy built this prompt on that call's: nothing to compare
         if claimed:
             t = c.prompt_tail if c.prompt_ids is None else c.prompt_ids[size[c.parent]:]
@@ -126,48 +100,38 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
         retried = [e for e in kept.values() if e.index < c.index - c.choice and same(e)]
         stats["split_retry"] += bool(retried)
         for e in retried:
-            if e.index not in has_child:
+            if e.index not in (up[i] for i in kept):
                 del kept[e.index]
         if claimed:
             up[c.index], tail[c.index] = c.parent, t
         else:
             # Longest candidate first: in an append-only chat the previous call matches at once.
             ext = next((i for i in sorted(kept, key=lambda i: -size[i]) if starts(ids, i)), None)
-            up[c.index], tail[c.index] = ext, ids if ext is None else ids[size[ext]:]
+            up[c.index], tail[c.index] = ext, ids[size[ext]:]
             # The first root of a rollout is not a split, nor is choice 1.. of a request (a sibling).
-            if ext is None and retried:
-                split[c.index] = "retry"
-            elif ext is None and kept and c.choice == 0:
-                if c.split in SPLIT_REASONS:
-                    split[c.index] = c.split
-                elif any(starts(ids, e.index, True) for e in kept.values()):
-                    split[c.index] = "rewrote_history"
-                else:
-                    split[c.index] = "new_thread"
-                stats["split_" + split[c.index]] += 1
+            if ext is None and (retried or kept and c.choice == 0):
+                split[c.index] = ("retry" if retried else c.split if c.split in SPLIT_REASONS
+                                  else "rewrote_history" if any(starts(ids, i, True) for i in kept) else "new_thread")
+                stats["split_" + split[c.index]] += not retried  # a retry is counted above
         kept[c.index] = c
-        size[c.index] = (size[up[c.index]] if up[c.index] is not None else 0) + len(tail[c.index]) + len(c.response_ids)
+        size[c.index] = size[up[c.index]] + len(tail[c.index]) + len(c.response_ids)
 
     stats["tokens_unmerged"] = sum(size[i] for i in kept)
-    children = {up[i] for i in kept if up[i] is not None}
+    children = {up[i] for i in kept}
     paths = []  # (tokens, root -> leaf calls) of each leaf, cut to max_seq_len
-    for leaf in (c for i, c in kept.items() if i not in children):
-        path = [leaf]
-        while up[path[-1].index] is not None:
-            path.append(kept[up[path[-1].index]])
+    for leaf in (i for i in kept if i not in children):
+        path, i = [], leaf
+        while i is not None:
+            path.append(kept[i])
+            i = up[i]
         path.reverse()
-        if max_seq_len is not None and size[leaf.index] > max_seq_len:
+        if max_seq_len is not None and size[leaf] > max_seq_len:
             # Cut at the end of a call's response: a turn boundary, never mid-response.
-            fit = [c for c in path if size[c.index] <= max_seq_len]
-            if not fit:
-                stats["dropped"] += 1
+            path = [c for c in path if size[c.index] <= max_seq_len]
+            stats["truncated" if path else "dropped"] += 1
+            if not path:
                 continue
-            stats["truncated"] += 1
-            path = fit
-        tokens = []
-        for seg in reversed(list(segments(path[-1].index))):
-            tokens += seg
-        paths.append((tokens, path))
+        paths.append((list(chain.from_iterable(reversed(list(segments(path[-1].index))))), path))
     # A sampled token on several leaves' paths is trained once, in the longest leaf (ties: the
     # smaller token ids): a rule that does not depend on which branch the harness sent first,
     # so per-sample normalizations (seq-mean-token-mean) weigh it the same in every run.

@@ -1,9 +1,7 @@
 """Tool-call and reasoning formats of the model families: sampled text -> content, reasoning, tool calls.
 
-The text is what the model sampled, decoded with its special tokens kept, the EOS removed and cut at a
-stop string (for a forced call, the forced opening first). Each family was taught its own way of writing
-a call; ``detect`` reads from how a chat template renders one call which way it is, so that the proxy
-parses what the model was taught to write:
+The text is what the model sampled (chat.Renderer.sampled_text, after a forced call's opening). Each family
+was taught its own way of writing a call; ``detect`` reads which from how a chat template renders one call:
 
     hermes        <tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>          Qwen2.5, Qwen3, SmolLM, Hermes
     qwen3_coder   <tool_call>\\n<function=N>\\n<parameter=A>\\nV\\n</parameter>\\n</function>\\n</tool_call>   Qwen3-Coder, Qwen3.5
@@ -44,6 +42,7 @@ DEEPSEEK_RE = re.compile(re.escape(DS_BEGIN) + r"(.*?)(?:" + re.escape(DS_END) +
 FENCED_RE = re.compile(r"\s*(\S+?)\s*```(?:json)?\s*(.*?)\s*(?:```)?\s*", re.DOTALL)  # R1: NAME\n```json\n{...}\n```
 MISTRAL_NAME_RE = re.compile(r"\s*([^\[\]\s{]+)\s*(?:\[CALL_ID\]\s*([^\[\s]+)\s*)?\[ARGS\]")
 _JSON = json.JSONDecoder()
+SPACE, CALL_SEPARATORS = re.compile(r"\s*"), re.compile(r"[\s;]*")  # llama3: calls ;- or space-separated
 
 
 def _call(name: str, args, id: Optional[str] = None) -> dict:
@@ -61,33 +60,31 @@ def _from_obj(obj) -> Optional[dict]:
 
 def _json_at(text: str, i: int):
     """(the JSON value starting at text[i], after whitespace; the index after it), or None."""
-    while i < len(text) and text[i].isspace():
-        i += 1
     try:
-        return _JSON.raw_decode(text, i)
+        return _JSON.raw_decode(text, SPACE.match(text, i).end())
     except json.JSONDecodeError:
         return None
 
 
-def _value(v: str):
-    """A Qwen3-Coder parameter is text: a JSON value where it parses (numbers, objects), else the string."""
-    try:
-        return json.loads(v)
-    except ValueError:
-        return v
+def parse_arguments(args):
+    """Tool-call arguments -> a dict where they are JSON (so compact and pretty JSON compare equal); also a
+    Qwen3-Coder parameter, which is text: a JSON value where it parses (numbers, objects), else the string."""
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args
 
 
 def _tag_body(body: str) -> Optional[dict]:
     """One ``<tool_call>`` body: Hermes JSON or Qwen3-Coder's ``<function=...>`` (either format reads both)."""
     if body.startswith("{"):
-        try:
-            return _from_obj(json.loads(body))
-        except json.JSONDecodeError:
-            return None
+        return _from_obj(parse_arguments(body))
     m = FUNCTION_RE.fullmatch(body)
     if not m or PARAMETER_RE.sub("", m.group(2)).strip():  # anything but parameters inside: not a call
         return None
-    return _call(m.group(1).strip(), {k.strip(): _value(v) for k, v in PARAMETER_RE.findall(m.group(2))})
+    return _call(m.group(1).strip(), {k.strip(): parse_arguments(v) for k, v in PARAMETER_RE.findall(m.group(2))})
 
 
 def _deepseek(region: str) -> Optional[list[dict]]:
@@ -100,10 +97,7 @@ def _deepseek(region: str) -> Optional[list[dict]]:
         fenced = FENCED_RE.fullmatch(args) if name.strip() == "function" else None  # R1/V3; V3.1 has NAME<sep>{...}
         if fenced:
             name, args = fenced.groups()
-        try:
-            obj = json.loads(args)
-        except json.JSONDecodeError:
-            return None
+        obj = parse_arguments(args)
         if after.strip() or not sep or not isinstance(obj, dict):
             return None
         calls.append(_call(name.strip(), obj))
@@ -146,11 +140,9 @@ def _blocks(fmt: str, text: str) -> list[tuple[int, int, list[dict]]]:
 
 def _llama3(text: str) -> tuple[str, list[dict]]:
     """Calls only when the whole reply is call JSON (``;``- or space-separated): prose with JSON in it is content."""
-    s = text.strip()
-    s, i, calls = s[len(PYTHON_TAG):] if s.startswith(PYTHON_TAG) else s, 0, []
+    s, i, calls = text.strip().removeprefix(PYTHON_TAG), 0, []
     while True:
-        while i < len(s) and (s[i].isspace() or s[i] == ";"):
-            i += 1
+        i = CALL_SEPARATORS.match(s, i).end()
         if i == len(s):
             return ("", calls) if calls else (text.strip(), [])
         got = _json_at(s, i)
@@ -161,7 +153,7 @@ def _llama3(text: str) -> tuple[str, list[dict]]:
         i = got[1]
 
 
-def _hold(text: str, markers) -> str:
+def hold_back(text: str, markers) -> str:
     """``text`` without a tail that may be the start of one of ``markers``."""
     n = max([k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])], default=0)
     return text[: len(text) - n]
@@ -169,11 +161,9 @@ def _hold(text: str, markers) -> str:
 
 def _think(text: str, think, opened: bool) -> tuple[str, str, bool]:
     """(reasoning, rest, closed) for a think block at the start of the reply; unclosed, all of it is reasoning."""
-    if not think:
+    if not think or not (opened or text.lstrip().startswith(think[0])):
         return "", text, True
     if not opened:
-        if not text.lstrip().startswith(think[0]):
-            return "", text, True
         text = text.lstrip()[len(think[0]):]
     reasoning, close, rest = text.partition(think[1])
     return reasoning, rest, bool(close)
@@ -188,7 +178,7 @@ def _harmony(text: str, partial: bool) -> dict:
     is the reasoning, a recipient (``to=functions.N``) makes a call, the rest (final, preambles) is the content.
     ``partial``: the text is still growing, so stop before the first call or unfinished header."""
     if partial:
-        text = _hold(text, HARMONY_MARKERS)
+        text = hold_back(text, HARMONY_MARKERS)
     reasoning, content, calls = [], [], []
     segments = text.split("<|start|>")
     for k, seg in enumerate(segments):
@@ -204,10 +194,7 @@ def _harmony(text: str, partial: bool) -> dict:
         if to:
             if partial:
                 break
-            try:
-                args = json.loads(body)
-            except json.JSONDecodeError:
-                args = None
+            args = parse_arguments(body)
             if isinstance(args, dict):
                 calls.append(_call(to.group(1).removeprefix("functions."), args))
             else:  # a call whose body does not parse stays in the content, as the model wrote it
@@ -218,12 +205,9 @@ def _harmony(text: str, partial: bool) -> dict:
 
 
 def parse(fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = None, opened: bool = False) -> dict:
-    """Sampled text -> ``{"content", "reasoning", "tool_calls": [{"id"?, "name", "arguments": JSON str}]}``.
-
-    ``content`` and ``reasoning`` are stripped ("" when none); "id" only where the model wrote one. A call
-    whose body does not parse stays in the content as text: the harness sees what the model wrote.
-    ``fmt`` None: no calls (tool_choice "none"), only the reasoning is split off.
-    """
+    """Sampled text -> ``{"content", "reasoning", "tool_calls": [{"id"?, "name", "arguments": JSON str}]}``, content
+    and reasoning stripped, "id" only where the model wrote one. A call whose body does not parse stays in the
+    content: the harness sees what the model wrote. ``fmt`` None: no calls (tool_choice "none")."""
     if fmt is not None and fmt not in FORMATS:
         raise ValueError(f"unknown tool-call format {fmt!r}; use one of {', '.join(FORMATS)}")
     if fmt == "harmony":
@@ -255,22 +239,20 @@ def visible(fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = No
         return "", ""  # the think tag may still be coming
     reasoning, rest, closed = _think(text, think, opened)
     if not closed:
-        return _hold(reasoning, [think[1]]).strip(), ""
+        return hold_back(reasoning, [think[1]]).strip(), ""
     if fmt == "llama3":  # a reply that starts like JSON may be a call: all of it waits
         s = rest.lstrip()
         return reasoning.strip(), "" if s.startswith("{") or PYTHON_TAG.startswith(s[: len(PYTHON_TAG)]) else rest.strip()
     if fmt is None:
         return reasoning.strip(), rest.strip()
     cut = rest.find(OPENERS[fmt])
-    return reasoning.strip(), (rest[:cut] if cut >= 0 else _hold(rest, [OPENERS[fmt]])).strip()
+    return reasoning.strip(), (rest[:cut] if cut >= 0 else hold_back(rest, [OPENERS[fmt]])).strip()
 
 
 def forced(fmt: str, name: str, opened: bool = False, think: Optional[tuple[str, str]] = ("<think>", "</think>")) -> str:
-    """Text that opens a forced call (tool_choice): ``name`` "" lets the model pick the tool ("required").
-
-    It goes at the end of the prompt and before the sampled text when parsing; with ``opened`` (the prompt
-    opened a think block) it closes the reasoning first.
-    """
+    """Text that opens a forced call (tool_choice), at the end of the prompt (not trained: the model did not sample
+    it) and before the sampled text when parsing. ``name`` "" lets the model pick the tool ("required"); with
+    ``opened`` (the prompt opened a think block) it closes the reasoning first."""
     n = name
     opening = {
         "hermes": '<tool_call>\n{"name": "' + (n + '", "arguments": ' if n else ""),
@@ -296,25 +278,18 @@ def detect(rendered: str) -> Optional[str]:
     if i < 0 or "llval" not in rendered[i:]:
         return None
     before, after = rendered[:i], rendered[i + len(SENTINEL):]
-    if before.endswith("to=functions."):
-        return "harmony"
-    if before.endswith("<function="):
-        return "qwen3_coder"
     if after.startswith(DS_SEP):
         return "deepseek_v31"
-    if before.endswith(DS_SEP):
-        return "deepseek"
-    if before.endswith("[TOOL_CALLS]"):
-        return "mistral_v11"
-    m = re.search(r'\[?\s*\{\s*"name"\s*:\s*"$', before)  # a JSON call: which marker comes before it?
-    if not m:
-        return None
-    head = before[: m.start()].rstrip()
-    for marker, fmt in (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|tool_call|>", "granite"),
-                        (PYTHON_TAG, "llama3"), ("<|end_header_id|>", "llama3")):
-        if head.endswith(marker):
-            return fmt
-    return "llama3" if not head else None  # bare JSON that starts the rendered reply
+    json_call = re.search(r'\[?\s*\{\s*"name"\s*:\s*"$', before)  # a JSON call: which marker comes before it?
+    if not json_call:
+        markers = (("to=functions.", "harmony"), ("<function=", "qwen3_coder"), (DS_SEP, "deepseek"),
+                   ("[TOOL_CALLS]", "mistral_v11"))
+        return next((fmt for marker, fmt in markers if before.endswith(marker)), None)
+    head = before[: json_call.start()].rstrip()
+    markers = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|tool_call|>", "granite"),
+               (PYTHON_TAG, "llama3"), ("<|end_header_id|>", "llama3"))
+    # nothing before the JSON: it starts the rendered reply (llama3)
+    return next((fmt for marker, fmt in markers if head.endswith(marker)), None if head else "llama3")
 
 
 def think_tags(template_source: str) -> Optional[tuple[str, str]]:

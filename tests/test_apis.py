@@ -570,3 +570,53 @@ def test_completions_reply_body_and_stream_agree():
     assert ["".join(e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["index"] == i) for i in (0, 1)] == ["Paris, and then", " Lyon"]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]] == ["length", "length"]
     assert events[-1]["usage"] == body["usage"] and len(events) > 4  # word-sized pieces, then the usage chunk
+
+
+
+LIVE_ORDER = [(((THOUGHT[:9],), ()), 2, 1), (((THOUGHT,), (ANSWER[:3],)), 1, 2)]
+
+
+@pytest.mark.parametrize("live,n_thought,n_text", LIVE_ORDER, ids=["reasoning-partly-live", "text-partly-live"])
+def test_stream_events_come_in_each_apis_order(live, n_thought, n_text):
+    """Reasoning, text and a call streamed partly live: the exact sequence of events (and their indexes) each API's
+    clients expect, pinned (the reassembly checks above would not notice two events swapped)."""
+    reply = {"role": "assistant", "content": ANSWER, "reasoning": THOUGHT, "tool_calls": [CALL]}
+    answers = answered(reply, finish="tool_calls")
+
+    def block(i, kind, deltas):
+        deltas = [("content_block_delta", i, d) for d in deltas]
+        return [("content_block_start", i, kind)] + deltas + [("content_block_stop", i, None)]
+
+    events = sse_events(streamed(writer("anthropic"), answers, *live).decode())
+    kinds = [(e.get("delta") or e.get("content_block") or {}).get("type") for e in events]
+    assert [(e["type"], e.get("index"), kind) for e, kind in zip(events, kinds)] == (
+        [("message_start", None, None)] + block(0, "thinking", ["thinking_delta"] * n_thought + ["signature_delta"])
+        + block(1, "text", ["text_delta"] * n_text) + block(2, "tool_use", ["input_json_delta"])
+        + [("message_delta", None, None), ("message_stop", None, None)])
+
+    def item(i, text, n):
+        done = [(f"{text}.done", i), ("content_part.done", i), ("output_item.done", i)]
+        return [("output_item.added", i), ("content_part.added", i)] + [(f"{text}.delta", i)] * n + done
+
+    call = [("output_item.added", 2), ("function_call_arguments.delta", 2), ("function_call_arguments.done", 2),
+            ("output_item.done", 2)]
+    events = sse_events(streamed(writer("responses"), answers, *live).decode())
+    assert [(e["type"].removeprefix("response."), e.get("output_index")) for e in events] == (
+        [("created", None), ("in_progress", None)] + item(0, "reasoning_text", n_thought)
+        + item(1, "output_text", n_text) + call + [("completed", None)])
+
+
+def test_completions_request_and_its_bad_fields():
+    from lightning_lite.apis import parse_completions_request
+    from lightning_lite.chat import BadRequest
+
+    body = {"prompt": ["Paris"], "n": 2, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0}
+    req = parse_completions_request(body)
+    assert (req.prompt_text, req.prompt_ids, req.n, req.include_usage, req.logprobs) == ("Paris", None, 2, True, True)
+    assert parse_completions_request({"prompt": [[1, 2]], "max_tokens": 3}).prompt_ids == [1, 2]
+    for body, param in [({"prompt": "x", "stream_options": 3}, "stream_options"), ({"prompt": []}, "prompt"),
+                        ({"prompt": [True]}, "prompt"), ({"prompt": "x", "echo": True}, "echo"),
+                        ({"prompt": "x", "n": 17}, "n")]:
+        with pytest.raises(BadRequest) as e:  # a 400, not a 500 (a non-object stream_options once was)
+            parse_completions_request(body)
+        assert e.value.param == param and e.value.status == 400, body

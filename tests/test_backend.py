@@ -69,6 +69,30 @@ def test_prefix_cache_hit_gives_the_same_tokens(backend, tok):
     assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
 
 
+def test_prefix_cache_keeps_longest_prefixes_and_evicts_the_least_recently_used():
+    import types
+
+    from lightning_lite.backends import HFBackend
+
+    def kv(n):
+        return [(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1))]
+
+    c = types.SimpleNamespace(_prefix=[], prefix_cache_tokens=40)
+    a, b = list(range(20)), list(range(100, 115))
+    HFBackend._store(c, a[:10], kv(10))
+    HFBackend._store(c, a, kv(20))  # extends the first entry: it replaces it
+    HFBackend._store(c, b, kv(15))
+    assert [t for t, _ in c._prefix] == [a, b]
+    n, hit = HFBackend._lookup(c, a + [7])
+    assert n == 20 and hit[0][0].shape[2] == 20
+    assert HFBackend._lookup(c, a)[0] == 19  # one token is left to prefill
+    assert HFBackend._lookup(c, a[:7] + [0, 1])[0] == 0  # a shared prefix under 8 tokens is not worth it
+    HFBackend._store(c, list(range(200, 210)), kv(10))  # 45 tokens > 40: b, the least recently used, leaves
+    assert [t[0] for t, _ in c._prefix] == [0, 200]
+    HFBackend._store(c, list(range(41)), kv(41))  # longer than the whole cache: not kept
+    assert [t[0] for t, _ in c._prefix] == [0, 200]
+
+
 def test_eos_and_context_limit(backend, tok, model):
     p = tok.encode(_prompt(tok, "What is 2+3?"))  # greedy: "2 + 3 = 5" and EOS
     g = asyncio.run(backend.generate(p, Sampling(max_tokens=30, temperature=0)))
@@ -100,7 +124,7 @@ def test_pause_holds_requests_and_sync_weights_bumps_version(backend, tok):
     assert not done.is_set()  # paused: nothing generates while the trainer owns the weights
     v = backend.version
     backend.sync_weights()
-    assert backend.version == v + 1 and backend._prefix_len == 0
+    assert backend.version == v + 1 and not backend._prefix
     backend.resume()
     assert done.wait(60) and result["g"].version == v + 1
 

@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from lightning_lite.apis import parse_chat_request
-from lightning_lite.chat import BadRequest, Renderer, Turn, common_prefix, fingerprints, same_message
+from lightning_lite.chat import BadRequest, Renderer, Turn, common_prefix, fingerprints
 
 # A Qwen2.5-style template that renders tools and tool calls itself.
 NATIVE = (
@@ -16,13 +16,13 @@ NATIVE = (
 )
 
 
-def test_same_message_ignores_formatting_not_meaning():
+def test_fingerprints_ignore_formatting_not_meaning():
     a = {"role": "assistant", "content": " hi ", "tool_calls": [{"id": "1", "name": "f", "arguments": '{"x": 1, "y": [1, 2]}'}]}
     b = {"role": "assistant", "content": "hi", "tool_calls": [{"id": "other", "name": "f", "arguments": '{"y":[1,2],"x":1}'}]}
-    assert same_message(a, b)
+    assert fingerprints([a], []) == fingerprints([b], [])
     c = copy.deepcopy(b)
     c["tool_calls"][0]["arguments"] = '{"x": 2, "y": [1, 2]}'
-    assert not same_message(a, c)
+    assert fingerprints([a], []) != fingerprints([c], [])
 
 
 def test_fingerprints_reuse_what_a_known_turn_shares_and_include_the_tools():
@@ -94,8 +94,39 @@ def test_reuse_extends_the_longest_matching_turn(tok):
     p1, parent, hint = r.build_prompt(m1, [], [t0])
     assert (parent, hint) == (0, None) and p1[: len(p0) + len(resp0)] == p0 + resp0
     assert tok.decode(p1) == r.render_text(m1, [])  # SmolLM2's template round-trips: same text either way
-    # different tools: nothing to extend
-    assert r.build_prompt(m1, [{"name": "f"}], [t0])[1:] == (None, "rewrote_history")
+    # different tools: nothing to extend, and the prompt starts otherwise (the tools come first), a new thread as
+    # samples.py would call it from the ids; the same tools: a resent or an edited history
+    assert r.build_prompt(m1, [{"name": "f"}], [t0])[1:] == (None, "new_thread")
+    assert r.build_prompt(m0, [], [t0])[1:] == (None, "retry")
+    edited = m1[:1] + [{"role": "assistant", "content": "Bye!"}] + m1[2:]
+    assert r.build_prompt(edited, [], [t0])[1:] == (None, "rewrote_history")
+    assert r.build_prompt([{"role": "user", "content": "title?"}], [], [t0])[1:] == (None, "new_thread")
+
+
+def test_a_sessions_turns_hold_each_id_once_and_the_messages_of_the_latest_turn_only(tok):
+    """Memory linear in the conversation, as the records on disk: 50 turns built the way proxy.converse builds them
+    hold the ids of the last prompt + response once (not 50 times), only the latest turn keeps the request's
+    messages, and every turn still gives its whole prompt + response. A retry branches off an earlier turn."""
+    r = Renderer(tok)
+    msgs, turns, seen = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}], [], []
+    for i in range(50):
+        fps = fingerprints(msgs, [], turns[-1] if turns else None)
+        ids, parent, split = r.build_prompt(msgs, [], turns, True, fps)
+        assert (parent, split) == ((i - 1, None) if turns else (None, None))
+        reply, resp = {"role": "assistant", "content": f"a{i}"}, r.encode(f"a{i}") + [tok.eos_token_id]
+        turns.append(Turn(i, msgs, [], reply, ids, resp, fps, "", turns, parent))
+        seen.append(ids + resp)
+        msgs = msgs + [reply, {"role": "user", "content": f"q{i + 1}"}]
+    assert sum(len(t.tail) + len(t.response_ids) for t in turns) == len(seen[-1])
+    assert [t.tokens() for t in turns] == seen
+    assert all(t.messages is t.fps is t.tools is None for t in turns[:-1]) and turns[-1].messages is not None
+    again = msgs[:-3] + [{"role": "user", "content": "q49, again"}]  # the last question edited: extends turn 48
+    fps = fingerprints(again, [], turns[-1])
+    ids, parent, _ = r.build_prompt(again, [], turns, True, fps)
+    reply = {"role": "assistant", "content": "b"}
+    turns.append(Turn(50, again, [], reply, ids, [tok.eos_token_id], fps, "", turns, parent))
+    assert parent == 48 and turns[-1].parent is turns[48] and turns[-1].tokens() == ids + [tok.eos_token_id]
+    assert turns[-2].messages is None and tok.decode(ids) == r.render_text(again, [])
 
 
 def test_turn_close_is_not_glued_on_twice_when_generation_stops_on_another_eos(tok):
@@ -150,3 +181,11 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
     reply = {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"}
     t0 = Turn(0, m0, [], reply, p0, r.encode(reply["content"]) + [tok.eos_token_id])
     assert r.build_prompt(m0 + [reply, {"role": "user", "content": "bye"}], [], [t0])[1:] == (None, "template_mismatch")
+    # rendered in full, three renderings do: before the turn, up to it (shared with the rest's head), everything
+    renders, render = [], r.render_text
+    r.render_text = lambda *a, **k: renders.append(a) or render(*a, **k)
+    plain = {"role": "assistant", "content": "Hello!"}
+    t0 = Turn(0, m0, [], plain, p0, r.encode(plain["content"]) + [tok.eos_token_id])
+    m1 = m0 + [plain, {"role": "user", "content": "bye"}]
+    ids, parent, _ = r.build_prompt(m1, [], [t0])
+    assert parent == 0 and len(renders) == 3 and thinking.decode(ids) == render(m1, [])

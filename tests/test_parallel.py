@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -103,6 +104,7 @@ def test_fsdp_and_ddp_give_the_weights_of_one_process(tmp_path):
         assert diff <= 1e-2 * step, (mode, diff, step)
 
 
+@pytest.mark.slow  # minutes: two torchrun runs of train.py under FSDP
 def test_train_py_under_fsdp_syncs_checkpoints_and_resumes(tmp_path):
     from conftest import ROOT
 

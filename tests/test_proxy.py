@@ -285,6 +285,22 @@ def test_openai_client_sees_errors_as_its_own(server):
     assert e.value.code == "invalid_value" and "max_tokens" in e.value.message
 
 
+def test_error_types_follow_each_apis_status():
+    """Every error answer takes its type from its status, as OpenAI and Anthropic document them."""
+    from lightning_lite.proxy import _error
+
+    def kind(api, status):
+        return json.loads(_error(api, status, "m").text)["error"]["type"]
+
+    statuses = (400, 401, 404, 405, 413, 429, 502, 504)
+    assert [kind("anthropic", s) for s in statuses] == [
+        "invalid_request_error", "authentication_error", "not_found_error", "invalid_request_error", "request_too_large",
+        "rate_limit_error", "api_error", "timeout_error"]
+    assert [kind("openai", s) for s in statuses] == ["invalid_request_error"] * 5 + ["rate_limit_error"] + ["server_error"] * 2
+    assert _error("openai", 429, "m", retry_after=2.5).headers["Retry-After"] == "2.5"
+    assert "Retry-After" not in _error("anthropic", 502, "m").headers
+
+
 def test_reward_endpoint(server):
     r = requests.post(server.url + "/rollout/rewarded/reward", json={"reward": 0.5})
     assert r.status_code == 200 and server.proxy.reward("rewarded") == 0.5

@@ -28,6 +28,7 @@ def rows(out):
     return list(read_jsonl(os.path.join(out, "metrics.jsonl")))
 
 
+@pytest.mark.slow  # minutes: two torchrun runs of the calc agent
 def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
     """Two DDP ranks (gloo) train on calc's single-call agent (reward: the answer's score; the untrained model
     answers ~13% right and often in the right format, so most groups of 6 have a reward spread to learn
@@ -65,6 +66,7 @@ def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_3"]  # --keep-checkpoints 1
 
 
+@pytest.mark.slow  # minutes: a killed run, then --resume
 def test_a_run_killed_between_checkpoints_resumes_without_losing_or_repeating_a_step(tmp_path):
     """SIGKILL after step 3 of 4 (checkpoint at step 2), and a torn line in metrics.jsonl: --resume redoes
     step 3 on the same tasks, and the run's files hold each step once."""
@@ -197,6 +199,7 @@ def test_each_token_is_scored_under_the_sampling_that_drew_it(tmp_path):
     assert {(c["temperature"], c["top_p"], c["top_k"]) for c in calls} == {(1.0, 0.6, 0), (1.0, 1.0, 5), (0.5, 1.0, 0), (1.0, 1.0, 0)}
 
 
+@pytest.mark.slow  # minutes: a 100-step run stopped by SIGINT (the any-phase test below interrupts every phase)
 def test_ctrl_c_saves_a_checkpoint_and_exits(tmp_path):
     import signal
     import time
@@ -354,17 +357,21 @@ def safetensors(path):
 @pytest.mark.slow
 def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
     """Ctrl-C in each phase of a step, each followed by --resume: the checkpoint counts the step as done
-    once its update is applied (the interrupt in weight sync, logging, evaluation or --save-every comes
+    once its update is applied (the interrupt in weight sync, logging, --save-every or evaluation comes
     after it), and the final weights are those of the run that was never interrupted (seeded calls one at
-    a time: the same rollouts), so no update was lost or applied twice. On the way: a resume kill-ed while
-    it rewrites metrics.jsonl loses no row, and a resume drops every rank's files of the dropped steps."""
+    a time: the same rollouts), so no update was lost or applied twice. metrics.jsonl ends as the
+    uninterrupted run's: a row of every step (written at the Ctrl-C if it came between the update and the
+    log line), in order, none twice, and every due evaluation once (one cut short, the final one here, runs
+    again on resume; one not begun runs first thing). On the way: a resume killed while it rewrites
+    metrics.jsonl loses no row, and a resume drops every rank's files of the dropped steps and evaluations."""
     common = ["--harness", HARNESSES + ":LengthHarness", "--harness-arg", "max_tokens=4", "--harness-arg", "seeded=True", "--steps", "4",
-              "--batch-size", "1", "--group-size", "2", "--eval-tasks", "1", "--eval-every", "3", "--save-every", "4", "--max-concurrency", "1",
+              "--batch-size", "1", "--group-size", "2", "--eval-tasks", "1", "--eval-every", "3", "--save-every", "2", "--max-concurrency", "1",
               "--max-new-tokens", "4", "--lr", "1e-4", "--warmup-steps", "0", "--keep-checkpoints", "0"]
-    dropped = ["calls/step_3.rank1.jsonl", "rollouts/step_3.rank0.jsonl", "calls/eval_4.rank1.jsonl"]  # resuming at step 3
-    kept = ["calls/step_2.rank1.jsonl", "rollouts/eval_3.rank1.jsonl"]  # before checkpoint 3 (eval_3 runs before it)
-    chain = [("rollouts", 0, "step_0"), ("training", 0, "step_0"), ("sync", 0, "step_1"), ("logging", 1, "step_2"),
-             ("eval", 2, "step_3"), ("forget", 0, None), ("save-every", 3, "step_4"), (None, 0, "step_4")]
+    # resuming at step 3, with the rows of steps 1-3 and of evaluation 0 (evaluation 3 not begun)
+    dropped = ["calls/step_3.rank1.jsonl", "rollouts/step_3.rank0.jsonl", "calls/eval_4.rank1.jsonl", "rollouts/eval_3.rank1.jsonl"]
+    kept = ["calls/step_2.rank1.jsonl", "rollouts/eval_0.rank1.jsonl"]
+    chain = [("rollouts", 0, "step_0"), ("training", 0, "step_0"), ("sync", 0, "step_1"), ("save-every", 1, "step_2"),
+             ("logging", 2, "step_3"), ("forget", 0, None), ("eval", 3, "step_4"), (None, 0, "step_4")]
     runs = [{"out": "baseline"}] + [{"out": "chain", "phase": phase, "k": k, "args": ["--resume"] * (i > 0), **({"plant": dropped + kept} if phase == "forget" else {})}
                                     for i, (phase, k, _) in enumerate(chain)]
     results, log = run_in_process(tmp_path, common, runs)
@@ -379,8 +386,13 @@ def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
     update = sum((base[k] - start[k]).abs().sum().item() for k in base)
     diff = sum((final[k] - base[k]).abs().sum().item() for k in base)
     assert update > 0 and diff <= 1e-3 * update, f"the resumed run's weights differ from the uninterrupted run's by {diff / update:.3f} of the training's change"
-    # each step logged at most once; those interrupted after their update and before their log line are not
-    assert [r["step"] for r in rows(tmp_path / "chain") if "reward" in r] == [3, 4]
+    kinds = lambda d: [(r["step"], "eval_reward" in r) for r in rows(tmp_path / d)]  # noqa: E731
+    assert kinds("chain") == kinds("baseline") == [(0, True), (1, False), (2, False), (3, False), (3, True), (4, False), (4, True)]
+    for a, b in zip(rows(tmp_path / "chain"), rows(tmp_path / "baseline")):  # the rows written at a Ctrl-C hold their step's numbers
+        assert (a.get("reward"), a.get("eval_reward"), a.get("skipped")) == (b.get("reward"), b.get("eval_reward"), b.get("skipped")), (a, b)
+        assert a.get("grad_norm") == b.get("grad_norm") or abs(a["grad_norm"] - b["grad_norm"]) < 1e-3 * b["grad_norm"], (a, b)
+    steps = [r for r in rows(tmp_path / "chain") if "reward" in r]
+    assert [r["t_sync"] is None for r in steps] == [True, False, False, False], steps  # step 1's written at the Ctrl-C in its sync
 
 
 @pytest.mark.slow

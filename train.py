@@ -284,9 +284,8 @@ worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
 
 
 def collect(step):
-    """This step's rollouts. Under --async N, those of the next N steps start now, in the background:
-    rollouts of step s start once the weights of version >= s - N are served, so no trained
-    token is more than N updates old (calls in flight during a sync finish on the old weights)."""
+    """This step's rollouts. Under --async N, those of the next N steps start now, in the background: step s's
+    start once version s - N is served, so no trained token is more than N updates old (README: --async)."""
     if not worker:
         return step_rollouts(step)
     for s in range(step, min(step + args.async_steps, args.steps - 1) + 1):
@@ -441,7 +440,8 @@ try:
             **{k: int(n[k]) for k in ("rollouts", "failed", "calls", "samples", "trainable_tokens", "truncated")},
             "dropped": int(n["dropped"]), "merge_ratio": per(n["tokens_unmerged"], n["tokens"]),
             "zero_var_groups": astats.get("zero_variance_groups", 0), "skipped": skipped, "grad_norm": gnorm,
-            **{k: m.get(k) for k in ("loss", "clip_frac", "prob_corr", "dlogp_mean", "dlogp_max", "ratio_out_frac")},
+            **{k: m.get(k) for k in ("loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "prob_corr", "dlogp_mean", "dlogp_max",
+                                   "ratio_out_frac")},
             "staleness": m.get("staleness", {}), "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
             "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_wait": round(t_wait, 2), "t_train": round(t_train, 2),
             "t_sleep": round(t_sleep, 3), "t_sync": None, "t_step": None,  # None: a Ctrl-C came first

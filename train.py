@@ -87,7 +87,8 @@ p.add_argument("--async", dest="async_steps", type=int, nargs="?", const=1, defa
                help="the next steps' rollouts run while this step trains, on weights at most N updates old (default 1); the loss's ratio to the recorded logprobs corrects for it")
 p.add_argument("--pause-retry-after", type=float, default=None, help="during a weight sync new calls wait (default), or are answered 429 with this Retry-After")
 p.add_argument("--tool-format", default=None, choices=FORMATS, help="the model family's tool-call format (default: detected from the chat template)")
-p.add_argument("--keep-history-tokens", action="store_true", help="keep earlier turns' sampled tokens (README)")
+p.add_argument("--keep-history-tokens", action="store_true", help="where the chat template renders an earlier turn otherwise than it was "
+               "sampled, keep the sampled tokens (one sample per rollout) instead of the template's text (template_mismatch)")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--tensorboard", action="store_true", help="also log metrics to OUT/tensorboard (needs: pip install tensorboard)")
 p.add_argument("--wandb", metavar="PROJECT", default=None, help="also log metrics to Weights & Biases (needs: pip install wandb; WANDB_MODE=offline without a network)")

@@ -21,6 +21,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -34,7 +35,8 @@ from lightning_lite.backends import HFBackend, VLLMBackend
 from lightning_lite.harness import Endpoint, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
-from lightning_lite.records import RUN_FILE, SPLIT_REASONS, read_calls, read_jsonl, write_jsonl
+from lightning_lite.records import SPLIT_REASONS, read_calls, read_jsonl, write_jsonl
+from lightning_lite.report import find_batches, write_report
 from lightning_lite.samples import build_batch_samples
 from lightning_lite.toolcalls import FORMATS
 
@@ -59,6 +61,7 @@ p.add_argument("--norm", default="rollout-mean", choices=algo.NORMS, help="loss 
 p.add_argument("--adv", default="grpo", choices=algo.ESTIMATORS, help="advantage estimator")
 p.add_argument("--clip-low", type=float, default=None, help="ratio clip below 1 (default: the loss's own: ppo 0.2, gspo 3e-4, the GSPO paper's)")
 p.add_argument("--clip-high", type=float, default=None, help="ratio clip above 1 (default: ppo 0.28, gspo 4e-4)")
+p.add_argument("--clip-ratio-c", type=float, default=3.0, help="ppo, gspo: dual clip, for a negative advantage a ratio above C counts as C (verl's clip_ratio_c; inf: off)")
 p.add_argument("--tis-cap", type=float, default=2.0)
 p.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial model (0: off, no reference model loaded)")
 p.add_argument("--norm-const", type=float, default=None, help="C of seq-mean-token-sum-norm: Dr. GRPO's generation budget, a fixed token count (default: --max-new-tokens, what one call may generate)")
@@ -112,6 +115,8 @@ if args.fsdp_offload and (args.parallel != "fsdp" or device.type != "cuda"):
     sys.exit("--fsdp-offload moves FSDP's shards from GPU memory to CPU memory: it needs --parallel fsdp on GPUs")
 if args.parallel == "fsdp" and not ddp:
     sys.exit("--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N (N >= 2); one process trains whole")
+if args.backend == "vllm" and not args.vllm_url and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
+    sys.exit("--backend vllm starts its servers on rank 0's node, at 127.0.0.1: over several nodes start them yourself and pass --vllm-url")
 if args.vllm_sleep and (args.backend != "vllm" or args.async_steps):
     sys.exit("--vllm-sleep frees the vLLM servers' GPU memory while training: it needs --backend vllm, and no --async (rollouts would run then)")
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
@@ -143,8 +148,7 @@ def append_metrics(row):
             f.write(json.dumps(row) + "\n")
 
 
-def run_file(kind, name):
-    """Where a step's (or an evaluation's) calls or rollouts go: one file per rank under DDP."""
+def run_file(kind, name):  # a step's (or an evaluation's) calls or rollouts: one file per rank under DDP
     return os.path.join(args.out, kind, f"{name}.rank{rank}.jsonl" if ddp else f"{name}.jsonl")
 
 
@@ -180,36 +184,29 @@ def lr_at(step):  # linear warmup, then constant or cosine down to 10%
 
 
 if resume_dir:
-    state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), map_location=device, weights_only=False)
+    # to host memory: the whole AdamW state on every GPU would not fit next to a large model (each rank takes its part)
+    state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), map_location="cpu", weights_only=False)
     parallel.load_optimizer_state(model, opt, state["optimizer"], args.parallel)
     start_step = state["step"]
     log(f"resumed from {resume_dir} at step {start_step}")
 
 
-
-def forget_from(k):
-    """A run that starts at step k drops what an earlier attempt wrote after checkpoint k: those steps run again
-    on the same tasks (step_tasks), so a run killed between checkpoints loses no data and trains none twice; an
-    evaluation without its metrics row was cut short: dropped, it runs again. Rank 0 drops every rank's files
-    (the attempt may have had another world size), then the others wait. Returns the steps evaluated."""
-    prev = read_jsonl(metrics_path) if resume_dir and os.path.exists(metrics_path) else []  # skips a torn last line
-    rows = {(r["step"], "eval_reward" in r): r for r in prev if r["step"] <= k}  # once each: a Ctrl-C may log one twice
-    evaluated = {s for s, is_eval in rows if is_eval}
-    for kind in ("calls", "rollouts") if master else ():
-        d = os.path.join(args.out, kind)
-        for name in os.listdir(d) if os.path.isdir(d) else []:
-            m = RUN_FILE.fullmatch(name)
-            if m and (int(m[2]) >= k if m[1] == "step" else int(m[2]) not in evaluated):
-                os.remove(os.path.join(d, name))
-    if master and os.path.exists(metrics_path):  # a new file, then a rename: a kill here loses no row
-        write_jsonl(metrics_path + ".tmp", rows.values())
-        os.replace(metrics_path + ".tmp", metrics_path)
-    if ddp:
-        dist.barrier()
-    return evaluated
-
-
-evaluated = forget_from(start_step)
+# A run that starts at step k drops what an earlier attempt wrote after checkpoint k: those steps run again on the
+# same tasks (step_rollouts), so a run killed between checkpoints loses no data and trains none twice; an evaluation
+# without its metrics row was cut short: dropped, it runs again. Rank 0 drops every rank's files (the attempt may
+# have had another world size), then the others wait.
+prev = read_jsonl(metrics_path) if resume_dir and os.path.exists(metrics_path) else []  # skips a torn last line
+rows = {(r["step"], "eval_reward" in r): r for r in prev if r["step"] <= start_step}  # once each (Ctrl-C may log twice)
+evaluated = {s for s, is_eval in rows if is_eval}
+for (kind, k), files in find_batches(args.out).items() if master else ():
+    if kind == "step" and k >= start_step or kind == "eval" and k not in evaluated:
+        for path in files["calls"] + files["rollouts"]:
+            os.remove(path)
+if master and os.path.exists(metrics_path):  # a new file, then a rename: a kill here loses no row
+    write_jsonl(metrics_path + ".tmp", rows.values())
+    os.replace(metrics_path + ".tmp", metrics_path)
+if ddp:
+    dist.barrier()
 config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
 tb = wb = None  # --tensorboard, --wandb: imported only when asked for
@@ -230,13 +227,21 @@ if master:
 # ----------------------------------------------------------------------------- backend, proxy, harness
 if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank 0 starts them and syncs their weights
     backend, urls = None, [args.vllm_url]
+    # --max-model-len: the trainer's context and RoPE scaling (models.load_model: YaRN past the trained length), or
+    # every logprob differs
+    n, rope = model.config.max_position_embeddings, model.config.rope_parameters
+    context = ["--max-model-len", str(n), "--hf-overrides", json.dumps({"max_position_embeddings": n, "rope_parameters": rope})]
+    context = context if args.max_model_len else []
     if master and not args.vllm_url:
         sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []  # the CPU build has none
-        backend = VLLMBackend.spawn(resume_dir or resolve(args.model), args.vllm_servers, args.vllm_python, args.vllm_args.split() + sleep, log_dir=args.out)
+        backend = VLLMBackend.spawn(resume_dir or resolve(args.model), args.vllm_servers, args.vllm_python,
+                                    context + args.vllm_args.split() + sleep, log_dir=args.out)
         urls = [backend.urls]
     if ddp:
         dist.broadcast_object_list(urls)
     backend = backend or VLLMBackend(urls[0], os.path.join(os.path.abspath(args.out), "weights"))
+    if args.vllm_url and context and backend.max_model_len != args.max_model_len:
+        sys.exit(f"--max-model-len {args.max_model_len}: start the --vllm-url servers with {shlex.join(context)}, as the trainer")
 else:
     backend = HFBackend(infer_model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
 backend.version = start_step
@@ -253,14 +258,6 @@ def endpoint_for(rid):
     return Endpoint(server.base_url(rid), "sk-lightning-lite", args.model, rid, server.url)
 
 
-def step_tasks(step):
-    """This rank's tasks of a step: a fixed shuffle of the train split per epoch, so --resume sees the same order."""
-    epoch, k = divmod(step, max(1, len(train_tasks) // args.batch_size))
-    tasks = list(train_tasks)
-    random.Random(args.seed * 1000 + epoch).shuffle(tasks)
-    return tasks[k * args.batch_size : (k + 1) * args.batch_size][rank::world]
-
-
 def rollouts(jobs, name):
     """Run jobs through the harness on this rank's proxy; return (results, calls, seconds)."""
     proxy.set_output(run_file("calls", name))
@@ -275,23 +272,18 @@ def rollouts(jobs, name):
 
 
 def step_rollouts(step):
-    """Every task of this rank's share of the step, group_size times: (jobs, results, calls, seconds)."""
-    jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(step_tasks(step)) for g in range(args.group_size)]
+    """Every task of this rank's share of the step, group_size times: (jobs, results, calls, seconds). The tasks
+    are a fixed shuffle of the train split per epoch, so --resume sees the same order."""
+    epoch, k = divmod(step, max(1, len(train_tasks) // args.batch_size))
+    tasks = list(train_tasks)
+    random.Random(args.seed * 1000 + epoch).shuffle(tasks)
+    tasks = tasks[k * args.batch_size : (k + 1) * args.batch_size][rank::world]
+    jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(tasks) for g in range(args.group_size)]
     return jobs, *rollouts(jobs, f"step_{step}")
 
 
 ahead = {}  # --async: step -> its rollouts, run in step order by one worker thread
 worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts") if args.async_steps else None
-
-
-def collect(step):
-    """This step's rollouts. Under --async N, those of the next N steps start now, in the background: step s's
-    start once version s - N is served, so no trained token is more than N updates old (README: --async)."""
-    if not worker:
-        return step_rollouts(step)
-    for s in range(step, min(step + args.async_steps, args.steps - 1) + 1):
-        ahead[s] = ahead.get(s) or worker.submit(step_rollouts, s)
-    return ahead.pop(step).result()
 
 
 def evaluate(step):
@@ -363,8 +355,8 @@ def train_on(samples, version):
             with torch.no_grad():
                 ref = algo.trainer_logprobs(ref_model, b) if ref_model is not None else None
             loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], loss=args.loss,
-                                       clip_low=args.clip_low, clip_high=args.clip_high, tis_cap=args.tis_cap,
-                                       kl_coef=args.kl_coef, ref_logprobs=ref)
+                                       clip_low=args.clip_low, clip_high=args.clip_high, clip_ratio_c=args.clip_ratio_c,
+                                       tis_cap=args.tis_cap, kl_coef=args.kl_coef, ref_logprobs=ref)
             (loss * world).backward()  # DDP and FSDP average gradients over ranks; the weights already make the global sum
             metrics.append(m)
             on = b["loss_mask"] > 0
@@ -378,6 +370,17 @@ def train_on(samples, version):
             "dlogp_by_staleness": {a: x / k for a, (k, x) in enumerate(zip(n, d)) if k}}
 
 
+def sync_weights(version):  # the backend serves the trained weights; every rank calls it (a collective)
+    served = parallel.full_state_dict(model, args.parallel) if fsdp else model  # FSDP: a collective, the full weights
+    backend.pause()
+    if ddp:  # every rank's calls have finished before anything reloads (vLLM servers are shared)
+        dist.barrier()
+    backend.sync_weights(served if master or args.backend == "hf" else None, version=version)
+    if ddp:
+        dist.barrier()
+    backend.resume()
+
+
 # ----------------------------------------------------------------------------- the loop
 def eval_due(k):  # before and after training, and every --eval-every steps
     return k in (0, args.steps) or (args.eval_every > 0 and k % args.eval_every == 0)
@@ -386,12 +389,18 @@ def eval_due(k):  # before and after training, and every --eval-every steps
 step = steps_done = start_step  # steps_done: steps whose update is applied (or skipped): what a checkpoint holds
 unlogged = None  # the metrics row of step steps_done while it is not in metrics.jsonl: a Ctrl-C writes it
 try:
+    if args.vllm_url:  # servers a user started may serve other weights (a previous run's, before --resume): ours
+        sync_weights(start_step)
     if eval_due(start_step) and start_step not in evaluated:  # a resumed run runs the one a Ctrl-C cut short
         evaluate(start_step)
     for step in range(start_step, args.steps):
         t_step = time.time()
-        # 1. rollouts: every task group_size times, through this rank's proxy (--async: begun during earlier steps)
-        jobs, results, calls, t_roll = collect(step)
+        # 1. rollouts: every task group_size times, through this rank's proxy. Under --async N, those of the next N
+        # steps start now, in the background: step s's start once version s - N is served, so no trained token is
+        # more than N updates old (README: --async).
+        for s in range(step, min(step + args.async_steps, args.steps - 1) + 1) if worker else ():
+            ahead[s] = ahead.get(s) or worker.submit(step_rollouts, s)
+        jobs, results, calls, t_roll = ahead.pop(step).result() if worker else step_rollouts(step)
         t_wait = time.time() - t_step
         ok = {r.rollout_id: r.reward for r in results if r.error is None}
         # 2. samples: merge each rollout's calls (failed rollouts are never trained on)
@@ -453,14 +462,7 @@ try:
         unlogged, steps_done = row, step + 1  # the update is applied (or skipped): a checkpoint from now is of step + 1
         # 7. weight sync: calls in flight finish on the old weights, new calls wait, then get the new ones
         t0 = time.time()
-        gathered = parallel.full_state_dict(model, args.parallel) if fsdp else None  # a collective: the shards' full weights
-        backend.pause()
-        if ddp:  # every rank's calls have finished before anything reloads (vLLM servers are shared)
-            dist.barrier()
-        backend.sync_weights((gathered if fsdp else model) if master or args.backend == "hf" else None, version=step + 1)
-        if ddp:
-            dist.barrier()
-        backend.resume()
+        sync_weights(step + 1)
         row.update(t_sync=round(time.time() - t0, 3), t_step=round(time.time() - t_step, 2))
         if device.type == "cuda":
             row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -491,8 +493,6 @@ finally:
 
 # ----------------------------------------------------------------------------- the end: the report
 if master:
-    from lightning_lite.report import write_report
-
     print(f"wrote {write_report(args.out)[0]}: plots and trajectories, open it in a browser")
     if tb:
         tb.close()

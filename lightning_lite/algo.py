@@ -1,6 +1,5 @@
-"""Advantages and the policy-gradient loss, exact under DDP and gradient accumulation: the loss is a sum of
-``weight * token_loss``, the weights computed from counts over the whole global batch (``global_denominators``),
-so nothing depends on how the batch is cut into ranks and micro-batches. train.py's step is the order of this
+"""Advantages and the policy-gradient loss, exact under DDP and gradient accumulation: a sum of ``weight * token_loss``
+with weights from counts over the whole global batch (``global_denominators``). train.py's step is the order of this
 file. A rank without samples must still call the collectives and backward a zero loss, or the others wait.
 """
 
@@ -35,10 +34,9 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
         rloo       r - mean of the others = n/(n-1) (r - mean)                  -> [1, -0.5, -0.5]
         reinforce  r - mean over the whole batch (all groups)
 
-    A group whose rewards are all equal (one rollout included) gets 0 from a group baseline
-    (rloo's mean of the others is undefined for one rollout: 0 too); reinforce keeps r - batch mean.
-    It is counted, and with ``drop_zero_variance`` left out, unless it has one rollout: that is all
-    the data there is. Under DDP pass all ranks' rewards (``gather_rewards``): the batch mean is global.
+    A group whose rewards are all equal (one rollout too) gets 0 from a group baseline, reinforce r - batch
+    mean; it is counted, and ``drop_zero_variance`` drops it unless it has one rollout (README: the table).
+    Under DDP pass all ranks' rewards (``gather_rewards``): the batch mean is global.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
@@ -125,8 +123,7 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
         token-mean 1/N_tokens   seq-mean-token-mean 1/(N_samples n_s)   seq-mean-token-sum 1/N_samples
         seq-mean-token-sum-norm 1/(N_samples C)   rollout-mean 1/(N_rollouts n_r)
 
-    C is ``norm_const``, a fixed token budget (Dr. GRPO: the generation budget): a C that depends on the
-    batch would bring back a length bias.
+    C: ``norm_const``, a fixed token budget (Dr. GRPO's generation budget; a batch-dependent one brings a length bias).
     """
     if norm not in NORMS:
         raise ValueError(f"unknown loss normalization {norm!r}; pick one of {NORMS}")
@@ -147,8 +144,7 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
 # ----------------------------------------------------------------------------- the loss
 
 def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0) -> dict:
-    """Right-pad one micro-batch into [B, T] tensors (``advantages``, ``weights``: [B]); ``temperature``,
-    ``top_k``, ``top_p`` are the sampling settings of each token (see ``trainer_logprobs``)."""
+    """Right-pad one micro-batch into [B, T] tensors (``advantages``, ``weights``: [B]), the sampling settings too."""
     T = max(len(s.tokens) for s in samples)
     pad = lambda xs, v: [list(x) + [v] * (T - len(x)) for x in xs]  # noqa: E731
     return {
@@ -170,8 +166,7 @@ def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
     top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the most probable of those
     until their renormalized mass reaches top_p (at least one): either way ``x >= (the n-th largest)`` for
-    some n. The sampler (backends.sample_token) and the trainer (``sampled_logprobs``) both call this, so
-    they agree on the rule by construction.
+    some n. The sampler (backends.sample_token) calls it too: both agree on the rule by construction.
 
     >>> sampling_support(torch.tensor([[3., 2., 1., 0.]]), torch.tensor([3]), torch.tensor([0.7]))
     tensor([[ True,  True, False, False]])   # top-3 probs .67 .24 .09: mass before the 3rd is .91 >= .7
@@ -196,9 +191,8 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: to
                      top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[N, V] logits, [N] tokens and the settings that sampled each -> [N] logprob of each token under the
     distribution it was drawn from: softmax(logits / T) on the top-k / top-p support (``sampling_support``),
-    renormalized; greedy (T = 0) under softmax(logits), as the sampler reports it. The support is recomputed
-    on these logits (no gradient through its choice) and always holds the token: with the sampler's weights,
-    it is the sampler's support up to float noise at the boundary.
+    renormalized; greedy (T = 0) under softmax(logits), as the sampler reports it. The support is recomputed on
+    these logits (no gradient through its choice) and always holds the token (DESIGN.md: why recompute).
 
     For logits [2, 1, 0], token 0, T 1: no truncation -0.408; top_k 2 -> -0.313; top_p 0.5 -> 0.0.
     """
@@ -217,27 +211,26 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: to
 
 
 def trainer_logprobs(net, b: dict, fsdp: bool = False) -> torch.Tensor:
-    """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a transformers causal
-    LM, maybe in DDP), each under the sampling settings of the call that drew it (``sampled_logprobs``);
-    0.0 elsewhere. Two savings, both exact, and most of the work for long agent prompts: the rows' common
-    prefix (a GRPO group's prompt) runs once, its KV cache shared by all rows (gradients flow through it),
-    and the LM head runs only from the first trainable position on.
+    """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a transformers causal LM,
+    maybe in DDP), each under the sampling settings of the call that drew it (``sampled_logprobs``); 0.0 elsewhere.
+    Two exact savings for long agent prompts: the rows' common prefix (a GRPO group's prompt) runs once, its KV
+    cache shared by all rows (gradients flow through it), and the LM head runs from the first trainable position on.
     """
     tokens, loss_mask = b["tokens"], b["loss_mask"]
     B, T = tokens.shape
     first = int(loss_mask.nonzero()[:, 1].min()) if loss_mask.any() else T - 1  # >= 1: token 0 is never sampled
     same = (tokens == tokens[:1]).all(0)
     P = min(int(same.long().cumprod(0).sum()), first - 1) if B > 1 else 0
+    raw = getattr(net, "module", net)  # the prefix runs outside DDP's forward; its grads still reach DDP's hooks
+    # below 16 the extra call costs more than it saves; under FSDP every forward is a collective (ranks must run as
+    # many); checkpointed layers in training (--activation-checkpointing) return no cache for the rows to share
+    P = P if P >= 16 and not fsdp and not (raw.training and getattr(raw, "is_gradient_checkpointing", False)) else 0
     kw = {}
-    # below 16 the extra call costs more than it saves; under FSDP every forward is a collective (ranks must run as many)
-    if P >= 16 and not fsdp:
-        raw = getattr(net, "module", net)  # the prefix runs outside DDP's forward; its grads still reach DDP's hooks
+    if P:
         cache = raw(input_ids=tokens[:1, :P], use_cache=True, logits_to_keep=1).past_key_values
         for layer in cache.layers:  # one row's keys and values, seen by every row (expand: no copy)
             layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
         kw = dict(past_key_values=cache, position_ids=torch.arange(P, T, device=tokens.device)[None].expand(B, -1))
-    else:
-        P = 0
     keep = torch.arange(first - 1 - P, T - 1 - P, device=tokens.device)
     logits = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits  # predicts tokens[:, first:]
     on = loss_mask[:, first:] > 0
@@ -248,21 +241,20 @@ def trainer_logprobs(net, b: dict, fsdp: bool = False) -> torch.Tensor:
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 loss_mask: torch.Tensor, weights: torch.Tensor, loss: str = "ppo", clip_low: Optional[float] = None,
                 clip_high: Optional[float] = None, tis_cap: float = 2.0, kl_coef: float = 0.0,
-                ref_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+                ref_logprobs: Optional[torch.Tensor] = None, clip_ratio_c: float = 3.0) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``). [B, T]:
     ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout), ``loss_mask``, ``ref_logprobs``;
     [B]: ``advantages``, ``weights`` (``sample_weights``). With r = exp(logprobs - old_logprobs), advantage A:
 
-        ppo   -min(r A, clip(r, 1-clip_low, 1+clip_high) A)          per token
+        ppo   -min(r A, clip(r, 1-clip_low, 1+clip_high) A)          per token; for A < 0 at most -clip_ratio_c A
         gspo  the same with r the sample's exp(mean log-ratio over its trainable tokens), one per sample
         tis   -min(r, tis_cap) A logprobs: REINFORCE, truncated importance weight (no grad)
 
     plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0.
-    A clip bound left None is the loss's own default (``CLIP``).
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown policy loss {loss!r}; pick one of {LOSSES}")
-    low, high = CLIP.get(loss, (None, None))
+    low, high = CLIP.get(loss, (None, None))  # a clip bound left None: the loss's own default
     clip_low, clip_high = low if clip_low is None else clip_low, high if clip_high is None else clip_high
     mask = loss_mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)[:, None]
@@ -272,8 +264,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if loss in ("ppo", "gspo"):  # gspo: the sample's ratio, exp(mean log-ratio over its trainable tokens)
         r = ratio if loss == "ppo" else (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
         clipped = r.clamp(1 - clip_low, 1 + clip_high)
-        tok_loss = (-torch.min(r * adv, clipped * adv)).expand_as(mask)
-        was_clipped = (clipped * adv < r * adv).expand_as(mask)  # the clipped branch is taken: no gradient
+        tok_loss = -torch.min(r * adv, clipped * adv)
+        # Dual clip: for A < 0 the clip leaves r |A| unbounded above, and one stale or mismatched token could set the
+        # update; a ratio above clip_ratio_c counts as clip_ratio_c (no gradient). A = -1, r = 5: 5 -> 3.
+        tok_loss = torch.where(adv < 0, torch.minimum(tok_loss, -clip_ratio_c * adv), tok_loss).expand_as(mask)
+        was_clipped = ((clipped * adv < r * adv) | ((adv < 0) & (r > clip_ratio_c))).expand_as(mask)  # no gradient
     else:  # tis
         tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
         was_clipped = ratio > tis_cap
@@ -309,18 +304,14 @@ _SUMS = ("loss", "tokens", "clipped", "ratio_sum", "ratio_out", "dlogp_sum", "kl
 
 def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
     """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank without samples
-    passes []) into: loss (the global loss), tokens, clip_frac, ratio_mean/min/max, ratio_out_frac (tokens whose
-    ratio leaves [0.9, 1.1]: a mean near 1 can hide per-token noise), dlogp_mean/max (|trainer - rollout
-    logprob|), prob_corr (Pearson, token probabilities), kl_mean."""
+    passes []) into the global loss, tokens and the metrics the README lists (clip_frac, ratio_*, prob_corr, ...)."""
     kinds = ((_SUMS, dist.ReduceOp.SUM, torch.sum, 0.0),
              (("ratio_min",), dist.ReduceOp.MIN, torch.amin, math.inf),
              (("ratio_max", "dlogp_max"), dist.ReduceOp.MAX, torch.amax, -math.inf))
     agg = {}
     for keys, op, fn, empty in kinds:
-        if metrics:  # one device->host copy per kind, not one per number
-            vals = fn(torch.stack([torch.stack([m[k] for k in keys]) for m in metrics]), 0).tolist()
-        else:
-            vals = [empty] * len(keys)
+        rows = [torch.stack([m[k] for k in keys]) for m in metrics] or [torch.tensor([empty] * len(keys))]
+        vals = fn(torch.stack(rows), 0).tolist()  # one device->host copy per kind, not one per number
         agg.update(zip(keys, all_reduce(vals, op)))
     n = max(agg["tokens"], 1.0)
     cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]

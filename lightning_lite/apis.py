@@ -1,8 +1,5 @@
-"""API shapes: each one's request -> the internal :class:`~chat.Request`, and the internal reply -> its answer.
-
-Chat completions, Anthropic Messages and the Responses API map onto one conversation of normalized messages
-(chat.py), so rendering, token reuse and merging work the same whatever a harness speaks (README: which
-harness speaks which, and what each route accepts, ignores or refuses).
+"""API shapes: each one's request -> the internal :class:`~chat.Request`, one conversation of normalized messages
+whatever the API (README "Serving and recording": what each route accepts), and the internal reply -> its answer.
 
 Writers (``ChatReply``, ``AnthropicReply``, ``ResponsesReply``; ``CompletionsReply``) turn the answered calls
 into the JSON body (``body(answers)``) or server-sent events: ``start()`` before the first token,
@@ -36,9 +33,9 @@ def _convert(items: list, convert: Callable[[Any, int], list[dict]], memo: Optio
     return [m for ms in out for m in ms]
 
 
-def _expect(cond: bool, message: str, param: str):
+def _expect(cond: bool, message: str, param: Optional[str], code: Optional[str] = None):
     if not cond:
-        raise BadRequest(message, param=param, code="invalid_type" if "must be" in message else "invalid_value")
+        raise BadRequest(message, param, code or ("invalid_type" if "must be" in message else "invalid_value"))
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -67,8 +64,7 @@ def _message(m: Any, i: int) -> dict:
     _expect(isinstance(m, dict), f"'{param}' must be an object", param)
     role = m.get("role")
     _expect(isinstance(role, str), f"'{param}.role' must be a string", param + ".role")
-    if role not in ROLES:
-        raise BadRequest(f"unknown role '{role}' in {param}; expected one of {sorted(ROLES)}", param + ".role", "invalid_value")
+    _expect(role in ROLES, f"unknown role '{role}' in {param}; expected one of {sorted(ROLES)}", param + ".role")
     out: dict = {"role": ROLES[role], "content": _text_of(m.get("content"), param + ".content")}
     if out["role"] == "assistant":
         reasoning = m.get("reasoning_content") or m.get("reasoning")  # vLLM's name, OpenRouter's
@@ -77,8 +73,6 @@ def _message(m: Any, i: int) -> dict:
         out.update(_calls(m["tool_calls"], param + ".tool_calls") if m.get("tool_calls") else _calls_as_text(out["content"]))
     if out["role"] == "tool":
         out["tool_call_id"] = str(m.get("tool_call_id", ""))
-        if m.get("name"):
-            out["name"] = str(m["name"])
     return out
 
 
@@ -99,9 +93,8 @@ CALLS_AS_TEXT = re.compile(r"\s*Calling tools:\s*(\[.*\])\s*", re.DOTALL)
 
 
 def _calls_as_text(content: str) -> dict:
-    """smolagents sends the tool calls it received back as text, ``Calling tools:\n[{'id': ..., 'type':
-    'function', 'function': {'name': ..., 'arguments': {...}}}]`` (a Python repr): read them back as
-    tool calls, so the turn matches the reply the proxy gave and its sampled tokens are reused."""
+    """smolagents sends the tool calls it received back as text, ``Calling tools:\n[{'id': ..., 'function': {...}}]``
+    (a Python repr): read them back as tool calls, so the turn matches the reply the proxy gave (README)."""
     m = CALLS_AS_TEXT.fullmatch(content)
     try:
         calls = ast.literal_eval(m.group(1)) if m else None
@@ -115,9 +108,8 @@ def _number(key: str, v: Any, lo: float, hi: float, default, integer: bool = Fal
         return default
     _expect(isinstance(v, int if integer else (int, float)) and not isinstance(v, bool),
             f"'{key}' must be {'an integer' if integer else 'a number'}", key)
-    if not lo <= v <= hi:
-        span = f"at least {lo}" if hi == math.inf else f"between {lo} and {hi}"
-        raise BadRequest(f"'{key}' must be {span}, got {v}", key, "invalid_value")
+    span = f"at least {lo}" if hi == math.inf else f"between {lo} and {hi}"
+    _expect(lo <= v <= hi, f"'{key}' must be {span}, got {v}", key, "invalid_value")
     return v
 
 
@@ -126,14 +118,11 @@ def _settings(body: dict, max_tokens: Any, stop: Any) -> dict:
     max_tokens = _number("max_tokens", max_tokens, 1, math.inf, None, integer=True)
     stop = [stop] if isinstance(stop, str) else stop or []
     _expect(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "'stop' must be a string or a list of strings", "stop")
-    sampling = Sampling(
-        max_tokens=max_tokens,
-        stop=[s for s in stop if s],
-        seed=_number("seed", body.get("seed"), -math.inf, math.inf, None, integer=True),
-        temperature=float(_number("temperature", body.get("temperature"), 0.0, 2.0, 1.0)),
-        top_p=float(_number("top_p", body.get("top_p"), 0.0, 1.0, 1.0)),
-        top_k=max(0, int(_number("top_k", body.get("top_k"), -1, 1e9, 0))),  # -1 (vLLM's "off") -> 0
-    )
+    sampling = Sampling(max_tokens=max_tokens, stop=[s for s in stop if s],
+                        seed=_number("seed", body.get("seed"), -math.inf, math.inf, None, integer=True),
+                        temperature=float(_number("temperature", body.get("temperature"), 0.0, 2.0, 1.0)),
+                        top_p=float(_number("top_p", body.get("top_p"), 0.0, 1.0, 1.0)),
+                        top_k=max(0, int(_number("top_k", body.get("top_k"), -1, 1e9, 0))))  # -1 (vLLM's "off") -> 0
     return {"sampling": sampling, "stream": bool(body.get("stream", False)), "model": str(body.get("model", ""))}
 
 
@@ -153,7 +142,8 @@ def _tools(body: dict) -> dict:
         tool = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
         out.append({**tool, "parameters": fn["input_schema"]} if "input_schema" in fn else tool)
     choice = body.get("tool_choice")  # "auto" | "none" | "required", or {"type": "auto" | "none" | "any" | "function" | "tool", ...}
-    _expect(choice is None or isinstance(choice, (str, dict)), "'tool_choice' must be a string or an object", "tool_choice")
+    _expect(choice in (None, "auto", "none", "required") or isinstance(choice, dict),
+            "'tool_choice' must be \"auto\", \"none\", \"required\" or an object", "tool_choice")
     kind, force = choice.get("type") if isinstance(choice, dict) else choice, None
     if out and kind in ("required", "any"):
         force = ""
@@ -167,28 +157,22 @@ def _tools(body: dict) -> dict:
 
 
 def _body(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object", None, "invalid_request")
+    _expect(isinstance(body, dict), "the request body must be a JSON object", None, "invalid_request")
     return body
 
 
 def _messages(body: Any) -> tuple[dict, list]:
     body = _body(body)
     _expect(isinstance(body.get("messages"), list), "'messages' must be a list", "messages")
-    if not body["messages"]:
-        raise BadRequest("'messages' must not be empty", "messages", "invalid_value")
+    _expect(body["messages"], "'messages' must not be empty", "messages")
     return body, body["messages"]
 
 
-MAX_N = 16
-
-
 def _openai_settings(body: dict) -> dict:
-    """The settings of a chat or completions body: those of every API, ``n`` and ``stream_options``."""
     stream_options = body.get("stream_options") or {}
     _expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
     settings = _settings(body, body.get("max_completion_tokens", body.get("max_tokens")), body.get("stop"))
-    n = _number("n", body.get("n"), 1, MAX_N, 1, integer=True)
+    n = _number("n", body.get("n"), 1, 16, 1, integer=True)  # each choice is sampled and recorded as its own call
     return {**settings, "n": n, "include_usage": bool(stream_options.get("include_usage", False))}
 
 
@@ -208,8 +192,7 @@ def parse_completions_request(body: Any) -> Request:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     req = Request(**_openai_settings(body), logprobs=body.get("logprobs") is not None)
-    if body.get("echo"):
-        raise BadRequest("'echo' is not supported", "echo", "invalid_value")
+    _expect(not body.get("echo"), "'echo' is not supported", "echo")
     ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     _expect(isinstance(prompt, str) or ids, "'prompt' must be a non-empty string or a non-empty list of token ids "
             "(one prompt per request)", "prompt")
@@ -269,8 +252,7 @@ def _part_texts(parts: Any) -> str:
 
 
 def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], memo: Optional[dict] = None) -> Request:
-    """Validate a /v1/responses body. ``previous(response_id)`` returns the conversation a
-    response of this rollout ended (its input and its output), for ``previous_response_id``."""
+    """Validate a /v1/responses body. ``previous(id)``: the conversation (input + output) of this rollout's response."""
     body = _body(body)
     history = []
     if body.get("previous_response_id") is not None:
@@ -286,8 +268,7 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], me
         kind = it.get("type", "message")
         if kind == "message":
             role = it.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise BadRequest(f"unknown role {role!r} in {p}", p + ".role", "invalid_value")
+            _expect(role in ("user", "assistant", "system", "developer"), f"unknown role {role!r} in {p}", p + ".role")
             return [{"role": ROLES[role], "content": _text_of(it.get("content"), p + ".content")}]
         if kind == "function_call":
             _expect(isinstance(it.get("name"), str), f"'{p}.name' must be a string", p + ".name")
@@ -310,8 +291,7 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], me
             history[-1] = {**m, "reasoning": "\n".join(r for r in (last["reasoning"], m.get("reasoning")) if r)}  # the message after a reasoning item
         else:
             history.append(m)
-    if not history:
-        raise BadRequest("'input' must not be empty", "input", "invalid_value")
+    _expect(history, "'input' must not be empty", "input")
     instructions = [{"role": "system", "content": _text_of(body["instructions"], "instructions")}] if body.get("instructions") else []
     return Request(messages=instructions + history, **_tools(body),
                    **_settings(body, body.get("max_output_tokens"), None), n_instructions=len(instructions))
@@ -339,9 +319,8 @@ def _usage(n_prompt: int, answers) -> dict:
 
 
 def client_finish(call, reply) -> str:
-    """What the client is told: "tool_calls" whenever it got calls to run, even from a cut reply; and a
-    reply cut by the proxy's own cap (``capped``), not by the client's limit, as finished: Claude Code
-    and Codex take a length stop they did not ask for as an error. The record keeps "length"."""
+    """What the client is told (README): "tool_calls" whenever it got calls to run, even from a cut reply; a reply
+    the proxy's own cap cut (``capped``) as finished, not "length", which the record keeps."""
     if reply.get("tool_calls"):
         return "tool_calls"
     return "stop" if call.capped else call.finish_reason
@@ -443,11 +422,6 @@ class AnthropicReply:
         self.open, self.index = None, 0  # the stream's open block's type (or None) and its index (else the next one's)
         self.id, self.model = f"msg_{uuid.uuid4().hex[:24]}", req.model or model
 
-    @staticmethod
-    def _input(tc) -> dict:
-        args = parse_arguments(tc["arguments"])
-        return args if isinstance(args, dict) else {}
-
     def _message(self, content: list, stop_reason, output_tokens: int) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content, "stop_reason": stop_reason,
                 "stop_sequence": None, "usage": {"input_tokens": self.n_prompt, "output_tokens": output_tokens}}
@@ -456,7 +430,10 @@ class AnthropicReply:
         (call, reply), = answers
         content = [{"type": "thinking", "thinking": reply["reasoning"], "signature": ""}] if reply.get("reasoning") else []
         content += [{"type": "text", "text": reply["content"]}] if reply["content"] or not reply.get("tool_calls") else []
-        content += [{"type": "tool_use", "id": "toolu_" + tc["id"].removeprefix("call_"), "name": tc["name"], "input": self._input(tc)} for tc in reply.get("tool_calls", [])]
+        for tc in reply.get("tool_calls", []):
+            args = parse_arguments(tc["arguments"])  # arguments that are not a JSON object: no input
+            content.append({"type": "tool_use", "id": "toolu_" + tc["id"].removeprefix("call_"), "name": tc["name"],
+                            "input": args if isinstance(args, dict) else {}})
         return self._message(content, self.STOP[client_finish(call, reply)], len(call.response_ids))
 
     def start(self) -> bytes:
@@ -464,11 +441,14 @@ class AnthropicReply:
 
     def _delta(self, kind: str, delta: str) -> bytes:
         """``delta`` in the open block of this kind ("thinking" or "text"), closing the other and starting this one first."""
-        out = b""
-        if self.open != kind:
-            block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
-            out, self.open = self._close() + sse({"type": "content_block_start", "index": self.index, "content_block": block}, "content_block_start"), kind
+        block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+        out = b"" if self.open == kind else self._start(block)
         return out + sse({"type": "content_block_delta", "index": self.index, "delta": {"type": kind + "_delta", kind: delta}}, "content_block_delta")
+
+    def _start(self, block: dict) -> bytes:
+        out, self.open = self._close(), block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return out + sse(start, "content_block_start")
 
     def _close(self) -> bytes:
         if self.open is None:
@@ -492,11 +472,9 @@ class AnthropicReply:
             if kind in ("thinking", "text"):
                 rest = _rest(block[kind], sent_reasoning if kind == "thinking" else sent)
                 out.append(self._delta(kind, rest) if rest or self.open != kind else b"")
-            else:
-                out.append(self._close())
-                out.append(sse({"type": "content_block_start", "index": self.index, "content_block": {**block, "input": {}}}, "content_block_start"))
+            else:  # a tool_use, sent whole: closed by the next block, or the end
+                out.append(self._start({**block, "input": {}}))
                 out.append(sse({"type": "content_block_delta", "index": self.index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}, "content_block_delta"))
-                self.open = kind  # sent whole: closed by the next block, or the end
         out.append(self._close())
         out.append(sse({"type": "message_delta", "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
                          "usage": {"output_tokens": message["usage"]["output_tokens"]}}, "message_delta"))

@@ -1,7 +1,5 @@
-"""Inference backends: prompt token ids in, response token ids + logprobs out.
-
-Every backend has the same small surface, so the proxy never knows which one
-serves it:
+"""Inference backends: prompt token ids in, response token ids + logprobs out. Every backend has the same small
+surface, so the proxy never knows which one serves it:
 
     gen = await backend.generate(prompt_ids, Sampling(max_tokens=64, temperature=1.0), on_token=None)
     gen.response_ids, gen.logprobs, gen.finish_reason, gen.text
@@ -24,10 +22,12 @@ import tempfile
 import threading
 import time
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
+from torch.nn import functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -71,8 +71,7 @@ def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Ge
 class _Request:
     prompt_ids: list[int]
     sampling: Sampling  # max_tokens: at most what the prompt leaves of the context
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future  # of the caller's event loop
     generator: Optional[torch.Generator]
     on_token: Optional[Callable[[int], None]]  # called on the request's event loop with each sampled id
     response_ids: list[int] = field(default_factory=list)
@@ -121,7 +120,8 @@ class HFBackend(_Gate):
         self.max_batch_size = max_batch_size
         self.eos_ids = eos_ids(tokenizer, model.generation_config)
         self.version = 0
-        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "cancelled": 0, "batches": 0, "busy_s": 0.0}
+        self.stats = Counter(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0, cancelled=0, batches=0,
+                             busy_s=0.0)
         self.prefix_cache_tokens = prefix_cache_tokens
         self._prefix: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []  # least recently used first
         self._pending: list[_Request] = []
@@ -135,9 +135,8 @@ class HFBackend(_Gate):
     async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None, rollout_id: str = "") -> Generation:
         """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled (streaming)."""
         sampling = replace(sampling, max_tokens=_max_new(prompt_ids, sampling, self.max_model_len))
-        loop = asyncio.get_running_loop()
         generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
-        req = _Request(list(prompt_ids), sampling, loop.create_future(), loop, generator, on_token)
+        req = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), generator, on_token)
         with self._cond:
             if self._closed:
                 raise RuntimeError("backend is closed")
@@ -168,7 +167,7 @@ class HFBackend(_Gate):
                     self._cond.wait()
                 if self._closed:
                     for r in self._pending:
-                        r.loop.call_soon_threadsafe(_set_exc, r.future, RuntimeError("backend closed"))
+                        r.future.get_loop().call_soon_threadsafe(_settle, r.future, RuntimeError("backend closed"))
                     return
                 self._inflight = True
             t0 = time.time()
@@ -177,8 +176,7 @@ class HFBackend(_Gate):
             finally:
                 with self._cond:
                     self._inflight = False
-                    self.stats["batches"] += 1
-                    self.stats["busy_s"] += time.time() - t0
+                    self.stats.update(batches=1, busy_s=time.time() - t0)
                     self._cond.notify_all()
 
     def _take(self, room: int) -> list[_Request]:
@@ -215,8 +213,7 @@ class HFBackend(_Gate):
         rest = torch.tensor([r.prompt_ids[hit:]], device=self.device)  # its positions follow the cache's
         cache = DynamicCache(ddp_cache_data=kv)  # kv None: an empty cache
         out = self.model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        self.stats["prompt_tokens"] += len(r.prompt_ids)
-        self.stats["cached_tokens"] += hit
+        self.stats.update(prompt_tokens=len(r.prompt_ids), cached_tokens=hit)
         # Requests that arrive together often share a prompt (a GRPO group): let the next one reuse this one.
         self._store(list(r.prompt_ids), [(l.keys, l.values) for l in out.past_key_values.layers])
         return out.past_key_values, out.logits[0, -1]
@@ -252,7 +249,7 @@ class HFBackend(_Gate):
                     r.response_ids.append(tok)
                     r.logprobs.append(lp)
                     if r.on_token:
-                        r.loop.call_soon_threadsafe(r.on_token, tok)
+                        r.future.get_loop().call_soon_threadsafe(r.on_token, tok)
                     self.stats["generated_tokens"] += 1
                     if r.future.cancelled():  # the client went away (the proxy cancels its call): stop generating
                         self.stats["cancelled"] += 1
@@ -260,7 +257,7 @@ class HFBackend(_Gate):
                         # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
                         self._store(r.prompt_ids + r.response_ids[:-1], batch.row_cache(j))
                         gen = Generation(r.response_ids, r.logprobs, *done, version)
-                        r.loop.call_soon_threadsafe(_set_result, r.future, gen)
+                        r.future.get_loop().call_soon_threadsafe(_settle, r.future, gen)
                     else:
                         keep.append(j)
                 if len(keep) < len(batch.rows):
@@ -269,7 +266,7 @@ class HFBackend(_Gate):
                     batch.step(self.model)
             except Exception as e:  # a backend failure fails these requests (the proxy reports it), never silently
                 for r in batch.rows + new:
-                    r.loop.call_soon_threadsafe(_set_exc, r.future, e)
+                    r.future.get_loop().call_soon_threadsafe(_settle, r.future, e)
                 return
 
 
@@ -292,20 +289,15 @@ class _Batch:
             self.cache, self.mask, self.last = cache, logit.new_ones((1, n), dtype=torch.long), logit[None]
         else:  # left-pad the batch or the newcomer to the longer of the two
             L, widen = max(self.mask.shape[1], n), max(n - self.mask.shape[1], 0)
-            self._pad(widen, self.cache.layers)
-            self._pad(L - n, cache.layers)
+            for k, layers in ((widen, self.cache.layers), (L - n, cache.layers)):  # k columns of padding on the left
+                for layer in layers if k > 0 else []:
+                    layer.keys, layer.values = (F.pad(t, (0, 0, k, 0)) for t in (layer.keys, layer.values))
             for mine, theirs in zip(self.cache.layers, cache.layers):
                 mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
             row_mask = torch.arange(L, device=self.device)[None] >= L - n
-            self.mask = torch.cat([torch.nn.functional.pad(self.mask, (widen, 0)), row_mask.long()])
+            self.mask = torch.cat([F.pad(self.mask, (widen, 0)), row_mask.long()])
             self.last = torch.cat([self.last, logit[None]])
         self.rows.append(r)
-
-    @staticmethod
-    def _pad(k: int, layers):
-        """k columns of padding on the left of every layer's keys and values."""
-        for layer in layers if k > 0 else []:
-            layer.keys, layer.values = (torch.nn.functional.pad(t, (0, 0, k, 0)) for t in (layer.keys, layer.values))
 
     def row_cache(self, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row j's own KV (without padding), copied out of the batch."""
@@ -376,14 +368,10 @@ AttentionInterface.register("grouped_sdpa", _grouped_sdpa)
 AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
 
 
-def _set_result(fut: asyncio.Future, value):
+def _settle(fut: asyncio.Future, value):
+    """The answer to a request: ``value``, raised there when it is an exception (not once it is cancelled)."""
     if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exc(fut: asyncio.Future, exc: BaseException):
-    if not fut.done():
-        fut.set_exception(exc)
+        (fut.set_exception if isinstance(value, BaseException) else fut.set_result)(value)
 
 
 # ---------------------------------------------------------------------------- vLLM servers
@@ -403,7 +391,7 @@ class VLLMBackend(_Gate):
             raise RuntimeError(f"no vLLM server answers at {' '.join(self.urls)} ({e}): start it (README: GPUs), or leave out --vllm-url") from None
         self.model_name, self.max_model_len = models[0]["id"], min(m["max_model_len"] for m in models)
         self.version, self.paused, self.sleeping, self._inflight, self._cond = 0, False, False, 0, threading.Condition()
-        self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self.stats = Counter(requests=0, prompt_tokens=0, generated_tokens=0)
 
     @classmethod
     def spawn(cls, model_dir: str, n: int = 1, python: str = "python", args: Optional[list] = None, timeout: float = 900, log_dir: str = "."):
@@ -419,7 +407,7 @@ class VLLMBackend(_Gate):
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-                   "--logprobs-mode", "processed_logprobs", *(args or [])]
+                   "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *(args or [])]
             procs.append(subprocess.Popen(cmd, env=env, stdout=open(os.path.join(log_dir, f"vllm_{k}.log"), "w"), stderr=subprocess.STDOUT,
                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None))
             urls.append(f"http://127.0.0.1:{port}")
@@ -437,8 +425,7 @@ class VLLMBackend(_Gate):
                     if time.time() - t0 > timeout:
                         raise TimeoutError(f"vLLM server {k} not healthy after {timeout:.0f} s: see {log_dir}/vllm_{k}.log") from None
                     time.sleep(2)
-        # the weights go through memory (/dev/shm) when there is one: the servers run on this machine
-        backend = cls(urls, tempfile.mkdtemp(prefix="lightning-lite-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), procs=procs)
+        backend = cls(urls, _sync_dir(model_dir), procs=procs)
         atexit.register(backend.close)  # a trainer that fails does not leave servers holding the GPU
         return backend
 
@@ -455,16 +442,18 @@ class VLLMBackend(_Gate):
             await asyncio.sleep(0.05)
         try:
             url = self.urls[zlib.crc32(rollout_id.encode()) % len(self.urls)]
+            # Every sampling field explicit, the penalties and min_p neutral: vLLM fills an unset one from the model's
+            # generation_config.json (Qwen2.5's repetition_penalty 1.05), a distribution the trainer never scores.
             body = {"model": self.model_name, "prompt": list(prompt_ids), "max_tokens": max_new, "seed": sampling.seed,
                     "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1, "stop": sampling.stop,
+                    "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                     "logprobs": 0, "return_token_ids": True, "stream": on_token is not None}
             ids, lps, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
                 async with http.post(url + "/v1/completions", json=body) as r:
                     if r.status != 200:
                         raise RuntimeError(f"vLLM at {url} answered {r.status}: {(await r.text())[:500]}")
-                    async for c in _chunks(r, body["stream"]):
-                        ch = c["choices"][0]
+                    async for ch in _choices(r, body["stream"]):
                         new = ch.get("token_ids") or []
                         ids += new
                         lps += ch["logprobs"]["token_logprobs"] if new else []
@@ -474,9 +463,7 @@ class VLLMBackend(_Gate):
                             on_token(t)
             if finish not in ("stop", "length") or len(lps) != len(ids):
                 raise RuntimeError(f"vLLM at {url} ended a reply with finish_reason {finish!r} ({len(ids)} ids, {len(lps)} logprobs)")
-            self.stats["requests"] += 1
-            self.stats["prompt_tokens"] += len(prompt_ids)
-            self.stats["generated_tokens"] += len(ids)
+            self.stats.update(requests=1, prompt_tokens=len(prompt_ids), generated_tokens=len(ids))
             return Generation(ids, lps, finish, "".join(text), version)
         finally:
             with self._cond:
@@ -503,9 +490,8 @@ class VLLMBackend(_Gate):
                 _http(u + "/wake_up", {})
             self.sleeping = False
         if model is not None:
-            first = {}  # tied embeddings share storage: write it once, under its first name (vLLM re-ties it)
-            for k, v in _state_dict(model).items():
-                first.setdefault(v.data_ptr(), (k, v))
+            # tied embeddings share storage: write it once, under its first name (vLLM re-ties it)
+            first = {v.data_ptr(): (k, v) for k, v in reversed(_state_dict(model).items())}
             out = {k: v.detach().to("cpu").contiguous() for k, v in first.values()}
             os.makedirs(self.sync_dir, exist_ok=True)
             save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
@@ -521,6 +507,14 @@ class VLLMBackend(_Gate):
             p.wait(timeout=60)
         if self.procs:  # spawn() made the folder
             shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+def _sync_dir(model_dir: str) -> str:
+    """A new folder for the weight syncs of servers on this machine: in memory (/dev/shm) when it holds the weights
+    twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by default), else on disk."""
+    need = 2 * sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need else None
+    return tempfile.mkdtemp(prefix="lightning-lite-weights-", dir=shm)
 
 
 def _die_with_parent():
@@ -546,11 +540,11 @@ def _http(url: str, body: Optional[dict] = None, timeout: float = 600):
     return json.loads(raw) if raw.strip() else None
 
 
-async def _chunks(r, stream: bool):
-    """The completion, or its server-sent chunks as they arrive."""
+async def _choices(r, stream: bool):
+    """The completion's choice, or its server-sent chunks' as they arrive."""
     if not stream:
-        yield await r.json()
+        yield (await r.json())["choices"][0]
         return
     async for line in r.content:
         if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
-            yield json.loads(line[5:])
+            yield json.loads(line[5:])["choices"][0]

@@ -1,8 +1,5 @@
-"""Chat: one internal conversation -> prompt token ids, and sampled text -> a reply.
-
-apis.py maps every API shape onto :class:`Request`; here ``Renderer`` renders it into prompt ids, reusing the
-tokens the model sampled where it extends an earlier call (README "Reuse of sampled tokens"), and parses replies
-in the template's tool-call format (toolcalls.py); ``ContentStream`` decides what of a reply may be streamed.
+"""Chat: one :class:`Request` (apis.py maps every API onto it) -> prompt ids, reusing the tokens the model sampled
+(README "Reuse of sampled tokens"); sampled text -> a reply (toolcalls.py); ``ContentStream``: what may stream.
 
 Example (SmolLM2, no native tool support)::
 
@@ -114,10 +111,9 @@ class ContentStream:
 
 
 def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"] = None) -> list[bytes]:
-    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` after parsing (``_key``): finding the earlier turn a
-    request extends is a dictionary lookup, not a comparison with every earlier turn. ``known``: the session's
-    latest turn; the fingerprints of the messages this request shares with it (equal dicts, compared in C) are
-    reused, so a request that appends hashes only its new messages.
+    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` after parsing (``_key``): the earlier turn a request
+    extends is found by a dictionary lookup. ``known``: the session's latest turn, whose fingerprints of the
+    messages this request shares with it (equal dicts, compared in C) are reused: an append hashes only its new ones.
 
     >>> fingerprints([{"role": "user", "content": "hi "}], []) == fingerprints([{"role": "user", "content": "hi"}], [])
     True
@@ -134,10 +130,8 @@ def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"
 
 def common_prefix(a: list, b: list) -> int:
     """How many leading elements ``a`` and ``b`` share. ``common_prefix([1, 2, 3], [1, 2, 4]) == 2``"""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a request that appends), in one comparison in C
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
+    n = min(len(a), len(b))  # the usual case (a request that appends) is one comparison in C
+    return n if a[:n] == b[:n] else next(i for i in range(n) if a[i] != b[i])
 
 
 THINK_BLOCK = re.compile(r"\A\s*(<think>.*?</think>|\[THINK\].*?\[/THINK\])", re.DOTALL)
@@ -164,17 +158,14 @@ def _link(fp: bytes, m: dict) -> bytes:
 
 
 class Turn:
-    """What a session remembers of one answered call, to extend it later, in memory linear in the conversation (as
-    records on disk): the ids its prompt adds to the turn it extends (``parent``), its response, two fingerprints;
-    the request's messages, tools and ``fps`` (``fingerprints``' fast path) only while it is the latest turn."""
+    """What a session remembers of one answered call (DESIGN.md "The ids decide"): the ids its prompt adds to the
+    turn it extends (``parent``), its response, two fingerprints; messages, tools, ``fps`` only while the latest."""
 
     def __init__(self, index: int, messages: list[dict], tools: list[dict], reply: dict, prompt_ids: list[int],
                  response_ids: list[int], fps: Optional[list[bytes]] = None, forced: str = "",
                  history: Optional[list["Turn"]] = None, parent: Optional[int] = None):
         """``reply``: the assistant message the harness received; ``fps``: fingerprints(messages, tools) if known;
-        ``forced``: the forced tool-call opening the prompt ended with (tool_choice), the reply's first text.
-        ``history``: the session's turns, which this one is about to join: ``parent`` (build_prompt's) is found
-        there, and the latest turn forgets its messages."""
+        ``forced``: the call opening the prompt ended with (tool_choice); ``history``: the session's turns so far."""
         self.index, self.reply, self.response_ids, self.forced = index, reply, response_ids, forced
         self.messages, self.tools, self.fps = messages, tools, fps or fingerprints(messages, tools)
         self.fp_request = self.fps[-1]  # tools + messages: a retry of this request starts with it
@@ -186,17 +177,12 @@ class Turn:
             history[-1].messages = history[-1].tools = history[-1].fps = None
 
     def tokens(self) -> list[int]:
-        """Prompt + response ids, what a call that extends this turn starts with: the chain's ids, root first
-        (a loop, not recursion: chains are as long as the conversation)."""
-        chain, t = [], self
+        """Prompt + response ids, root first: what a call extending this turn starts with (a loop: chains are long)."""
+        parts, t = [], self
         while t is not None:
-            chain.append(t)
+            parts += [t.response_ids, t.tail]
             t = t.parent
-        ids = []
-        for t in reversed(chain):
-            ids += t.tail
-            ids += t.response_ids
-        return ids
+        return [i for part in reversed(parts) for i in part]
 
 
 class Renderer:
@@ -206,10 +192,9 @@ class Renderer:
     SENTINEL = toolcalls.SENTINEL  # the tool and call rendered; detect() looks for it
 
     def __init__(self, tokenizer, eos_ids: Optional[set[int]] = None, tool_format: Optional[str] = None, keep_history_tokens: bool = False):
-        """``eos_ids``: every token that ends the model's turn, the same set generation stops on
-        (generation_config's EOS ids and the tokenizer's: models.eos_ids). ``tool_format``: override the detected
-        format. ``keep_history_tokens``: reuse the sampled tokens of an echoed turn even where the template renders
-        it differently (see ``build_prompt``)."""
+        """``eos_ids``: every token that ends the model's turn, the set generation stops on (models.eos_ids).
+        ``tool_format``: override the detected format. ``keep_history_tokens``: reuse the sampled tokens of an
+        echoed turn even where the template renders it differently (see ``build_prompt``)."""
         self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
         templates = tokenizer.chat_template or ""
         if not templates:
@@ -258,9 +243,9 @@ class Renderer:
         # Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the
         # messages after a turn can be rendered without the whole conversation before it. Templates that
         # rewrite earlier turns (Qwen3 drops <think> from them) fail this probe and render in full.
-        probe = [{"role": "system", "content": "s"}] + self._probe_calls("<think>\nt\n</think>\n\na") + [
-            {"role": "tool", "content": "r2", "tool_call_id": self._probe_calls()[1]["tool_calls"][0]["id"]},
-            {"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
+        probe = [{"role": "system", "content": "s"}] + self._probe_calls("<think>\nt\n</think>\n\na")
+        probe += [{"role": "tool", "content": "r2", "tool_call_id": probe[-1]["tool_call_id"]},
+                  {"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
         try:
             deltas = [[self._texts(probe, k, tools, {}, alone)[1] for alone in (False, True)] for k in (3, 6)]
             self.per_message = all(full is not None and full == alone for full, alone in deltas)
@@ -273,7 +258,6 @@ class Renderer:
                 {"role": "tool", "content": "r", "tool_call_id": call["id"]}]
 
     def describe(self) -> str:
-        """One line for the start-up log: what was detected."""
         think = f"reasoning in {self.think[0]}...{self.think[1]}" if self.think else "no reasoning tags"
         where = "rendered by the template" if self.native_tools else "written into the system prompt (the template has no tool support)"
         return f"chat template: tool calls in the {self.format} format, {where}; {think}"
@@ -289,8 +273,8 @@ class Renderer:
         return _short_id(i) if self.short_ids else i
 
     def _hf_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        out: list[dict] = []
         if self.native_tools:
-            out = []
             for m in messages:
                 if self.merge_roles and out and m["role"] in ("user", "system") and out[-1]["role"] == m["role"]:  # Mistral: roles
                     out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}  # must alternate, one system
@@ -308,7 +292,6 @@ class Renderer:
                 out.append(h)
             return out
         # No tool support in the template: write the Hermes convention as text.
-        out: list[dict] = []
         if tools:
             block = TOOLS_PROMPT.format(tools="\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools))
             system = messages[0]["content"] + "\n\n" if messages and messages[0]["role"] == "system" else ""
@@ -316,10 +299,9 @@ class Renderer:
             messages = messages[1:] if system else messages
         for i, m in enumerate(messages):
             if m["role"] == "assistant" and m.get("tool_calls"):
-                calls = "\n".join(
-                    "<tool_call>\n" + json.dumps({"name": t["name"], "arguments": parse_arguments(t["arguments"])}, ensure_ascii=False) + "\n</tool_call>" for t in m["tool_calls"]
-                )
-                out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})
+                calls = [{"name": t["name"], "arguments": parse_arguments(t["arguments"])} for t in m["tool_calls"]]
+                text = "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
+                out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + text})
             elif m["role"] == "tool":
                 text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
                 if i and messages[i - 1]["role"] == "tool":  # consecutive tool results share one user turn
@@ -345,11 +327,9 @@ class Renderer:
     def build_prompt(self, messages: list[dict], tools: list[dict], history: list[Turn], reuse: bool = True,
                      fps: Optional[list[bytes]] = None, template_kwargs: Optional[dict] = None) -> tuple[list[int], Optional[int], Optional[str]]:
         """Prompt ids for ``messages``, reusing the sampled tokens of an earlier turn it extends where the template
-        renders that turn as it was sampled (else the template's prompt, ``template_mismatch``, unless
-        ``keep_history_tokens``). Returns ``(prompt_ids, parent, split)``: ``parent`` is the index of the call whose
-        prompt+response ids the prompt starts with, ``split`` why no earlier call could be extended (None when
-        nothing was there to extend). ``fps``: ``fingerprints(messages, tools, ...)`` when the caller has them.
-        ``reuse=False``: render fresh; a call still merges when that starts with the earlier tokens."""
+        renders that turn as sampled (DESIGN.md "Reuse what was sampled"). Returns ``(prompt_ids, parent, split)``:
+        the call whose prompt + response ids it starts with, or why none (None: nothing to extend). ``fps``: the
+        request's fingerprints if known. ``reuse=False``: render fresh (it still merges if that starts with them)."""
         kw = template_kwargs or {}
         fps = fps or fingerprints(messages, tools, history[-1] if history else None)
         # The longest earlier turn whose messages + reply this request starts with (the latest such turn).
@@ -405,16 +385,11 @@ class Renderer:
         full = self.render_text(ctx + messages[k:], tools, True, kw)
         return _after(head, before), _after(full, head), full
 
-    def _turn_text(self, messages: list[dict], k: int, tools: list[dict], kw: dict) -> Optional[str]:
-        """The first of ``_texts``: the template's text for the assistant turn ``messages[k - 1]``."""
-        return self._texts(messages, k, tools, kw, self.per_message)[0]
-
     def opens_reasoning(self, prompt_ids: list[int]) -> bool:
         """Does the prompt end inside a reasoning block (Qwen3.5's and DeepSeek-R1's generation prompt opens it)?"""
         return bool(self.think) and self.tok.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip().endswith(self.think[0])
 
     def forced_prefix(self, force_tool: Optional[str], opened: bool = False) -> str:
-        """Text that starts the assistant turn when a tool call is required (tool_choice): toolcalls.forced."""
         return "" if force_tool is None else toolcalls.forced(self.format, force_tool, opened, self.think)
 
     def sampled_text(self, response_ids: list[int], stops: list[str]) -> str:
@@ -425,8 +400,7 @@ class Renderer:
         return text[: min([text.find(s) for s in stops if s in text], default=len(text))]
 
     def parse_reply(self, text: str, parse_tools: bool, opened: bool = False) -> dict:
-        """The assistant message for a sampled text: content, reasoning and (when the request has tools) tool calls,
-        in the template's format; special tokens left in content or reasoning are dropped."""
+        """The assistant message for a sampled text, parsed in the template's format, special tokens dropped."""
         r = toolcalls.parse(self.format, text, self.think, opened)
         if not parse_tools and r.get("tool_calls"):  # tool_choice "none", or no tools: what looks like a call is text
             r = toolcalls.parse(None, text, self.think, opened)
@@ -439,7 +413,6 @@ class Renderer:
 
 
 def _after(text: str, head: str) -> Optional[str]:
-    """What ``text`` has after ``head``; None when it does not start with it."""
     return text[len(head):] if text.startswith(head) else None
 
 

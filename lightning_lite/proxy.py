@@ -1,13 +1,8 @@
 """The proxy: an OpenAI- and Anthropic-compatible HTTP endpoint that serves the policy and records every call
-(its routes and records: README "Serving and recording"). For each request it
-
-1. validates and normalizes it (apis.py), 4xx with an error body in the API's format if bad;
-2. builds the prompt ids itself, reusing the tokens sampled in an earlier call
-   of the same rollout when the conversation extends it (chat.Renderer);
-3. asks the backend for response ids + logprobs (token ids in, token ids out);
-4. appends a :class:`Call` to ``calls.jsonl`` *before* the answer is sent, so
-   every answered call is on disk even if the process dies right after;
-5. answers as JSON or as server-sent events, content streamed as it is sampled.
+(its routes and records: README "Serving and recording"). Each request is validated and normalized (apis.py;
+bad input: a 4xx in the API's format), its prompt ids built reusing the tokens an earlier call of the rollout
+sampled (chat.Renderer), its response ids + logprobs generated, its :class:`Call` appended to ``calls.jsonl``
+*before* the answer is sent (JSON, or server-sent events streamed as the tokens are sampled).
 
 The trainer drives it in-process (``ProxyServer``); ``python proxy.py`` serves it on its own.
 """
@@ -29,7 +24,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Optional
 
 from aiohttp import web
 
@@ -52,12 +47,9 @@ class CallsFile:
 
 @dataclass
 class Session:
-    """What the proxy knows about one rollout."""
-
     turns: list[Turn] = field(default_factory=list)
     responses: dict[str, list[dict]] = field(default_factory=dict)  # Responses API id -> its conversation
     reward: Optional[float] = None
-    sizes: dict[int, int] = field(default_factory=dict)  # call index -> len(prompt_ids + response_ids)
     memo: dict[str, dict] = field(default_factory=dict)  # per API: the last request's messages (apis._convert)
     out: Optional[CallsFile] = None  # where its calls go: the file current when it began (set by its first call or a switch)
 
@@ -67,10 +59,7 @@ class Proxy:
                  max_body_mb: float = 32.0, max_new_tokens: Optional[int] = None, call_timeout: Optional[float] = None,
                  api_key: Optional[str] = None, max_requests: int = 1024, pause_retry_after: Optional[float] = None,
                  tool_format: Optional[str] = None, keep_history_tokens: bool = False):
-        """``max_new_tokens``: the most tokens one call may generate, whatever the request asks (``capped``
-        when it cut a reply). ``call_timeout``: seconds per call before a 504. ``api_key``: what every route
-        wants. ``max_requests``: handled at once (more: 429). ``pause_retry_after``: while the backend is
-        paused (a weight sync), new calls wait (None) or are answered 429 with this Retry-After."""
+        """Options as proxy.py's flags of the same names (``pause_retry_after``: train.py's); see their help."""
         self.backend, self.tok = backend, tokenizer
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
         self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
@@ -87,10 +76,8 @@ class Proxy:
     # ------------------------------------------------------------------ used by the trainer
 
     def set_output(self, path: Optional[str]):
-        """Append calls to ``path`` from now on (train.py switches files every step); each call is flushed as
-        it is recorded, the file fsync'd when switched. A session's calls go to the file current when it began,
-        also a call still in flight after the switch. A file that holds calls already (a restarted proxy) has
-        a torn last line cut off, and each rollout's calls are numbered on after its highest index there."""
+        """Append calls to ``path`` from now on (train.py switches files every step). A session's calls, also one
+        in flight after the switch, go to the file current when it began; in a file with calls they number on."""
         with self._lock:
             old = self._out
             for s in list(self.sessions.values()) + list(self._retired.values()):
@@ -107,8 +94,7 @@ class Proxy:
                 open(path, "a").close()  # the file exists from now on, even if no call comes
 
     def reward(self, rollout_id: str) -> Optional[float]:
-        s = self.sessions.get(rollout_id)
-        return s.reward if s else None
+        return getattr(self.sessions.get(rollout_id), "reward", None)  # None: no such session, or no reward posted
 
     def reset(self):
         """Forget the sessions (between training steps; rollout ids are not reused). A call still in flight
@@ -139,9 +125,8 @@ class Proxy:
                 created=t0, latency_s=round(time.time() - t0, 4), response=reply,
             )
             out.next[rid] = call.index + 1
-            s.sizes[call.index] = len(call.prompt_ids) + len(call.response_ids)
             if out.path:  # a call that extends its parent is written as the ids after the parent's (records.read_calls)
-                n = s.sizes[parent] if parent is not None else 0
+                n = next(t.size for t in reversed(s.turns) if t.index == parent) if parent is not None else 0
                 line = (to_json(call, prompt_ids=None, prompt_tail=call.prompt_ids[n:]) if n else to_json(call)) + "\n"
                 # Opened per call, so a call still in flight when its session's file was switched goes there too.
                 with open(out.path, "a") as f:
@@ -150,17 +135,14 @@ class Proxy:
 
     # ------------------------------------------------------------------ handlers
 
-    async def _json(self, request: web.Request):
-        try:
-            return json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deeply
-            raise BadRequest(f"the request body is not valid JSON ({e})", None, "invalid_json") from None
-
-    def _rollout(self, request: web.Request) -> str:
+    async def _read(self, request: web.Request) -> tuple[str, Any]:
         rid = request.match_info.get("rid", "default")
         if not ROLLOUT_ID.match(rid):
             raise BadRequest(f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]", None, "invalid_rollout_id")
-        return rid
+        try:
+            return rid, json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deeply
+            raise BadRequest(f"the request body is not valid JSON ({e})", None, "invalid_json") from None
 
     async def _generate(self, rid: str, api: str, prompt_ids: list[int], req: Request, t0: float, on_token=None) -> list:
         """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set). A backend
@@ -204,16 +186,16 @@ class Proxy:
 
     async def converse(self, request: web.Request, api: str):
         """chat completions, Anthropic messages and Responses: one conversation, one path."""
-        rid = self._rollout(request)
-        body = await self._json(request)
+        rid, body = await self._read(request)
         session = self.sessions.setdefault(rid, Session())
         memo = session.memo.setdefault(api, {})  # converts only the messages a request appends
-        if api == "chat":
-            req = apis.parse_chat_request(body, memo)
+        if api == "chat":  # the request, and the writer of its answer
+            req, writer = apis.parse_chat_request(body, memo), functools.partial(apis.ChatReply, tok=self.tok)
         elif api == "anthropic":
-            req = apis.parse_anthropic_request(body, memo)
+            req, writer = apis.parse_anthropic_request(body, memo), apis.AnthropicReply
         else:
             req = apis.parse_responses_request(body, lambda rsp: self._previous(session, rsp), memo)
+            writer = functools.partial(apis.ResponsesReply, previous_id=body.get("previous_response_id"))
         t0, capped = time.time(), self._cap(req)
         fps = fingerprints(req.messages, req.tools, session.turns[-1] if session.turns else None)  # hashes the new messages only
         prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens, fps, req.template_kwargs)
@@ -221,37 +203,27 @@ class Proxy:
         forced = self.renderer.forced_prefix(req.force_tool, opened)
         prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
         self._admit(prompt_ids)
-        if api == "chat":
-            out = apis.ChatReply(req, self.model_name, len(prompt_ids), self.tok)
-        elif api == "anthropic":
-            out = apis.AnthropicReply(req, self.model_name, len(prompt_ids))
-        else:
-            out = apis.ResponsesReply(req, self.model_name, len(prompt_ids), body.get("previous_response_id"))
-        resp, sent, sent_reasoning = None, "", ""
+        out = writer(req, self.model_name, len(prompt_ids))
+        resp, stream = None, ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
         if req.stream:
-            resp = await _sse_start(request)
-            await resp.write(out.start())
+            resp = await _sse_start(request, out.start())
         try:
-            if req.stream and req.n == 1:  # live: reasoning and content leave as they are sampled
-                stream = ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
-                queue: asyncio.Queue = asyncio.Queue()
-                task = asyncio.ensure_future(self._generate(rid, api, prompt_ids, req, t0, on_token=queue.put_nowait))
-                task.add_done_callback(lambda _: queue.put_nowait(None))  # after every id: same loop, in order
-                ids = []
-                try:
-                    while (t := await queue.get()) is not None:
-                        ids.append(t)
-                        reasoning, content = stream.feed(ids)
-                        if reasoning:
-                            await resp.write(out.reasoning(reasoning))
-                        if content:
-                            await resp.write(out.text(content))
-                finally:
-                    task.cancel()  # a no-op when it is done; the client went away otherwise
-                gens = await task
-                sent, sent_reasoning = stream.sent, stream.reasoning
-            else:
-                gens = await self._generate(rid, api, prompt_ids, req, t0)
+            queue: asyncio.Queue = asyncio.Queue()
+            on_token = queue.put_nowait if req.stream and req.n == 1 else None  # one choice streams live
+            task = asyncio.ensure_future(self._generate(rid, api, prompt_ids, req, t0, on_token=on_token))
+            task.add_done_callback(lambda _: queue.put_nowait(None))  # after every id: same loop, in order
+            ids = []
+            try:
+                while (t := await queue.get()) is not None:
+                    ids.append(t)
+                    reasoning, content = stream.feed(ids)
+                    if reasoning:
+                        await resp.write(out.reasoning(reasoning))
+                    if content:
+                        await resp.write(out.text(content))
+            finally:
+                task.cancel()  # a no-op when it is done; the client went away otherwise
+            gens = await task
         except BackendError as e:
             if resp is None:
                 raise
@@ -270,17 +242,16 @@ class Proxy:
             session.responses[out.id] = req.messages[req.n_instructions:] + [answers[0][1]]
         if resp is None:
             return web.json_response(out.body(answers))
-        await resp.write(out.end(answers, sent, sent_reasoning))
+        await resp.write(out.end(answers, stream.sent, stream.reasoning))  # what was not streamed live
         return resp
 
     async def count_tokens(self, request: web.Request):
-        self._rollout(request)
-        req = apis.parse_anthropic_request(await self._json(request))
+        req = apis.parse_anthropic_request((await self._read(request))[1])
         return web.json_response({"input_tokens": len(self.renderer.build_prompt(req.messages, req.tools, [])[0])})
 
     async def completions(self, request: web.Request):
-        rid = self._rollout(request)
-        req = apis.parse_completions_request(await self._json(request))
+        rid, body = await self._read(request)
+        req = apis.parse_completions_request(body)
         prompt_ids = req.prompt_ids if req.prompt_ids is not None else self.tok.encode(req.prompt_text)
         vocab = len(self.tok)
         if any(t < 0 or t >= vocab for t in prompt_ids):
@@ -294,13 +265,10 @@ class Proxy:
         out = apis.CompletionsReply(req, self.model_name, len(prompt_ids), self.tok)
         if not req.stream:
             return web.json_response(out.body(answers))
-        resp = await _sse_start(request)
-        await resp.write(out.end(answers))
-        return resp
+        return await _sse_start(request, out.end(answers))
 
     async def post_reward(self, request: web.Request):
-        rid = self._rollout(request)
-        body = await self._json(request)
+        rid, body = await self._read(request)
         r = body.get("reward") if isinstance(body, dict) else body
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
             raise BadRequest("send {\"reward\": <number>}", "reward", "invalid_type")
@@ -380,7 +348,6 @@ class BackendError(Exception):
 
 
 def _error(api: str, status: int, message: str, param=None, code=None, retry_after=None) -> web.Response:
-    """An error answer in the API's own format, its type the one that API gives that status."""
     if api == "anthropic":
         kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                 504: "timeout_error"}.get(status, "api_error" if status >= 500 else "invalid_request_error")
@@ -390,9 +357,10 @@ def _error(api: str, status: int, message: str, param=None, code=None, retry_aft
                              headers={"Retry-After": f"{retry_after:g}"} if retry_after else None)
 
 
-async def _sse_start(request: web.Request) -> web.StreamResponse:
+async def _sse_start(request: web.Request, first: bytes) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    await resp.write(first)
     return resp
 
 
@@ -409,10 +377,6 @@ class ProxyServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
         self._runner = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
     def base_url(self, rollout_id: str) -> str:
         return f"{self.url}/rollout/{rollout_id}/v1"
 
@@ -427,6 +391,7 @@ class ProxyServer:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
 
     def stop(self):
         if self._runner is not None:

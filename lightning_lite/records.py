@@ -1,6 +1,5 @@
-"""What the proxy records and what the trainer trains on, as plain dataclasses: the two JSONL contracts
-of DESIGN.md, ``calls.jsonl`` (one :class:`Call` per line) and ``samples.jsonl`` (one :class:`Sample`).
-One JSON object per line: a crashed run leaves every line it finished readable, and ``jq`` or
+"""The two JSONL contracts of DESIGN.md as plain dataclasses: ``calls.jsonl`` (one :class:`Call` per line) and
+``samples.jsonl`` (one :class:`Sample`). A crashed run leaves every line it finished readable, and ``jq`` or
 ``pandas.read_json(path, lines=True)`` read them as they are.
 """
 
@@ -12,7 +11,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Type, TypeVar
+from typing import Any, Iterable, Iterator, Optional
 
 # Why a call did not simply extend an earlier call of its rollout (see samples.py).
 SPLIT_REASONS = ("rewrote_history", "template_mismatch", "new_thread", "retry")
@@ -25,11 +24,8 @@ RUN_FILE = re.compile(r"(step|eval)_(\d+)(?:\.rank\d+)?\.jsonl")
 
 @dataclass
 class Call:
-    """One LLM call, token-exact: the prompt ids (``prompt_ids``, or ``full_prompt``) are exactly the ids the
-    backend consumed, ``response_ids`` exactly the ids it sampled, ``response_logprobs[i]`` the logprob of
-    ``response_ids[i]`` under the distribution it was sampled from. ``parent``: the earlier call of the
-    rollout whose ``prompt_ids + response_ids`` the proxy built this prompt on (``prompt_tail`` then holds
-    the ids after them). ``n`` choices are n calls with consecutive indices, ``choice`` 0..n-1."""
+    """One LLM call, token-exact: the ids the backend consumed and sampled, and their logprobs under the
+    distribution they were sampled from (each field: README, the calls.jsonl table)."""
 
     rollout_id: str
     index: int
@@ -39,9 +35,9 @@ class Call:
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "tool_calls"; unanswered (never trained): "error" | "cancelled"
-    choice: int = 0
+    choice: int = 0  # the n choices of one request are n calls with consecutive indices, choice 0..n-1
     capped: bool = False  # the proxy's per-call cap (--max-new-tokens), not the request, cut the reply
-    parent: Optional[int] = None
+    parent: Optional[int] = None  # the call whose prompt_ids + response_ids the proxy built this prompt on
     split: Optional[str] = None  # why it extends no earlier call (SPLIT_REASONS); None: nothing to extend
     temperature: float = 1.0
     top_p: float = 1.0
@@ -54,10 +50,9 @@ class Call:
 
 @dataclass
 class Sample:
-    """One training sequence, a leaf of a rollout's prefix tree: ``loss_mask[i] == 1`` exactly where
-    ``tokens[i]`` was sampled (and is trained here), with its rollout logprob in ``logprobs[i]`` and the
-    settings of the call that sampled it in ``temperature[i]``, ``top_k[i]``, ``top_p[i]`` (1.0, 0, 1.0 and
-    logprob 0.0 where the mask is 0): the trainer scores each token under its own."""
+    """One training sequence, a leaf of a rollout's prefix tree: ``loss_mask[i] == 1`` exactly where ``tokens[i]``
+    was sampled and is trained here, ``logprobs[i]``, ``temperature[i]``, ``top_k[i]``, ``top_p[i]`` its rollout
+    logprob and the settings it was sampled with (0.0, 1.0, 0, 1.0 where the mask is 0)."""
 
     rollout_id: str
     tokens: list[int]
@@ -72,9 +67,6 @@ class Sample:
     version: list[int] = field(default_factory=list)  # the policy version that sampled each token (0 where the mask is 0)
 
 
-T = TypeVar("T")
-
-
 def to_json(obj: Any, **replace: Any) -> str:
     """One JSONL line for a dataclass or dict, with the fields in ``replace`` replaced or added."""
     # A shallow dict: dataclasses.asdict deep-copies every list element by element, which made writing
@@ -83,7 +75,7 @@ def to_json(obj: Any, **replace: Any) -> str:
     return json.dumps({**d, **replace}, separators=(",", ":"))
 
 
-def from_dict(cls: Type[T], d: dict) -> T:
+def from_dict(cls: type, d: dict) -> Any:
     """Build ``cls`` from a dict, ignoring keys it does not know (newer writers add fields)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
@@ -95,7 +87,7 @@ def write_jsonl(path: str, items: Iterable[Any]) -> None:
         f.writelines(to_json(it) + "\n" for it in items)
 
 
-def read_jsonl(path: str, cls: Optional[Type[T]] = None) -> Iterator[Any]:
+def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
     """Yield the objects of a JSONL file. A last line cut short by a crash (no newline, not JSON) is
     skipped with a warning: every line before it was complete. A bad line anywhere else is an error."""
     with open(path) as f:
@@ -113,9 +105,8 @@ def read_jsonl(path: str, cls: Optional[Type[T]] = None) -> Iterator[Any]:
 
 
 def read_calls(path: str, whole: bool = False) -> list[Call]:
-    """The calls of a calls.jsonl file, as written: a call that extends its parent keeps ``prompt_ids`` None
-    and ``prompt_tail`` (a rollout of n turns of L tokens holds L ids, not n * L / 2). ``whole``: every call
-    with its whole ``prompt_ids``, for tools that look at a few calls' prompts."""
+    """The calls of a calls.jsonl file, as written: a call that extends its parent keeps ``prompt_ids`` None and
+    ``prompt_tail`` (n turns of L tokens hold L ids, not n * L / 2). ``whole``: every call with its whole prompt."""
     calls, seen = [], {}
     for d in read_jsonl(path):
         if "split_hint" in d:  # files written before it was named split
@@ -143,10 +134,7 @@ def full_prompt(call: Call, calls: dict[int, Call]) -> list[int]:
         parts.append(call.prompt_tail)
         call = calls[call.parent]
         parts.append(call.response_ids)
-    ids = list(call.prompt_ids)
-    for p in reversed(parts):
-        ids += p
-    return ids
+    return [i for p in [call.prompt_ids, *reversed(parts)] for i in p]
 
 
 # How every line of a Call starts (to_json keeps the dataclass's field order): a file's calls are
@@ -174,7 +162,3 @@ def prepare_append(path: str) -> tuple[dict[str, int], int]:
         if cut:
             f.truncate(good)
     return nxt, cut
-
-
-def read_samples(path: str) -> list[Sample]:
-    return list(read_jsonl(path, Sample))

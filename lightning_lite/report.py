@@ -2,15 +2,13 @@
 
     python -m lightning_lite.report RUN_DIR        # writes RUN_DIR/report.html
 
-metrics.jsonl says *that* the reward moved; the recorded calls say *why*. The
-trajectories are built into samples by ``samples.build_samples`` exactly as
-train.py built them, so what is highlighted as trainable is what was trained.
-The page is one file that opens without a network (layout and script: report.html).
+metrics.jsonl says *that* the reward moved; the recorded calls say *why*. The trajectories are built into samples
+by ``samples.build_samples`` exactly as train.py built them, so what is highlighted as trainable is what was
+trained. The page is one file that opens without a network (layout and script: report.html).
 
-A long agent run records gigabytes of prompt tokens, so the page keeps the
-trajectories of at most ``--max-batches`` batches (one step_K or eval_K, all
-ranks) and stores each sample as the ids after its longest prefix shared with
-another sample of the batch (a system prompt once per batch), gzip-compressed.
+A long agent run records gigabytes of prompt tokens, so the page keeps the trajectories of at most
+``--max-batches`` batches (one step_K or eval_K, all ranks) and stores each sample as the ids after its longest
+prefix shared with another sample of the batch (a system prompt once per batch), gzip-compressed.
 """
 
 from __future__ import annotations
@@ -60,17 +58,6 @@ def spread(items: list, n: int) -> list:
     return [items[i] for i in sorted({round(j * (len(items) - 1) / (n - 1)) for j in range(n)})]
 
 
-def runs_of_ones(mask: list[int]) -> list[list[int]]:
-    """[[start, end), ...] where mask is 1: the trainable spans, compactly."""
-    spans = []
-    for i, m in enumerate(mask):
-        if m and spans and spans[-1][1] == i:
-            spans[-1][1] = i + 1
-        elif m:
-            spans.append([i, i + 1])
-    return spans
-
-
 def rollout_view(calls: list[Call], info: dict, max_seq_len: Optional[int], seqs: list[list[int]]) -> dict:
     """One rollout for the page: its result, its calls, and its samples; each sample's
     tokens are appended to ``seqs`` (the batch's token store) and referred to by position."""
@@ -84,7 +71,7 @@ def rollout_view(calls: list[Call], info: dict, max_seq_len: Optional[int], seqs
     except ValueError as e:  # a malformed record: show the rollout, say why it has no samples
         samples, view["samples_error"] = [], str(e)
     for s in samples:
-        view["samples"].append({"seq": len(seqs), "calls": s.calls, "trainable": runs_of_ones(s.loss_mask), "split": s.split})
+        view["samples"].append({"seq": len(seqs), "calls": s.calls, "mask": s.loss_mask, "split": s.split})
         seqs.append(s.tokens)
     return view
 
@@ -147,8 +134,7 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     batches, ids = [], set()
     for kind, k in tqdm(kept, desc="report: building samples", unit="batch", disable=not sys.stderr.isatty()):
         batch = build_batch(found[(kind, k)], config.get("max_seq_len") if kind == "step" else None)
-        for seq in batch["seqs"]:
-            ids.update(seq["tail"])
+        ids.update(t for seq in batch["seqs"] for t in seq["tail"])
         batches.append({"kind": kind, "label": batch_label(kind, k), "metrics_step": k + 1 if kind == "step" else k,
                         "blob": pack(batch)})
     texts = token_texts(config.get("model"), ids) if ids else {}

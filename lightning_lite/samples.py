@@ -1,18 +1,14 @@
-"""Recorded calls -> training samples: one prefix tree per rollout, one sample per leaf (DESIGN.md).
-Merging trains the K turns of a conversation in one sequence (example: ``build_samples``), instead of
-re-encoding the whole history once per turn, with ``loss_mask`` 1 exactly on sampled tokens.
+"""Recorded calls -> training samples: one prefix tree per rollout, one sample per leaf, ``loss_mask`` 1 exactly
+on sampled tokens (DESIGN.md "Retokenization and merging"; example: ``build_samples``).
 
-A call the proxy recorded with a ``parent`` hangs under that call without an id compared: the proxy
-built its prompt as the parent's prompt + response + ``prompt_tail``, so no call's whole prompt need be
-built. Any other call hangs under the earlier call whose prompt + response is the longest prefix of its
-prompt, compared id by id; a call that extends nothing starts a new root (a "split"), counted by reason:
+A call hangs under its recorded ``parent`` (no id compared), else under the earlier call whose prompt + response
+is the longest prefix of its prompt; a call that extends nothing starts a new root (a "split"), counted by reason:
 
-    rewrote_history    its prompt starts with an earlier prompt, but not with that call's response
-                       (reformatted tool calls, stripped reasoning, summaries)
+    rewrote_history    its prompt starts with an earlier call's prompt, not with that call's response (history edited)
     template_mismatch  the proxy matched the messages, but the template renders the sampled turn otherwise
     new_thread         an unrelated conversation (title generation, sub-agents)
-    retry              the same prompt ids again: the earlier attempt is dropped (unless a later call
-                       already continued from it); the ``n`` choices of one request are siblings instead
+    retry              the same prompt ids again: the earlier attempt is dropped unless a later call continued it
+                       (the ``n`` choices of one request are siblings instead)
 
     python -m lightning_lite.samples CALLS.jsonl --out SAMPLES.jsonl [--max-seq-len N]
 """
@@ -22,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections import Counter, defaultdict
-from itertools import chain
 from typing import Iterable, Optional
 
 from .records import SPLIT_REASONS, UNANSWERED, Call, Sample, full_prompt, read_calls, write_jsonl
@@ -38,13 +33,12 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
         2: prompt [9]          response [8]     extends nothing -> split_new_thread
         -> samples [1 2 3 4 5 6] mask [0 0 1 1 0 1]  and  [9 8] mask [0 1]
 
-    ``max_seq_len``: a longer sample is cut after the last call response that
-    fits (never inside a response), or dropped when even its first call does
-    not fit; both are counted (``truncated``, ``dropped``), and the cut-off
-    sampled tokens are trained nowhere (unless another leaf holds them).
+    ``max_seq_len``: a longer sample is cut after the last call response that fits (never inside a response),
+    or dropped when even its first call does not fit (counted: ``truncated``, ``dropped``); the tokens cut off
+    are trained nowhere (unless another leaf holds them).
     """
-    stats = Counter(rollouts=1, calls=len(calls))
-    stats["unanswered"] += sum(c.finish_reason in UNANSWERED for c in calls)  # a failed or cancelled call: nothing to train
+    # a failed or cancelled call: nothing to train
+    stats = Counter(rollouts=1, calls=len(calls), unanswered=sum(c.finish_reason in UNANSWERED for c in calls))
     calls = sorted((c for c in calls if c.finish_reason not in UNANSWERED), key=lambda c: c.index)
     by_index = {c.index: c for c in calls}
     if len(by_index) < len(calls):
@@ -59,14 +53,14 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     size: dict[Optional[int], int] = {None: 0}  # index -> len(prompt + response); None: above the roots
     split: dict[int, str] = {}  # index -> why this call began a new tree instead of extending one (SPLIT_REASONS)
 
-    def segments(i):  # call i's prompt + response ids, last segment first
+    def lineage(i):  # call i, the call it extends, ..., its root
         while i is not None:
-            yield by_index[i].response_ids
-            yield tail[i]
+            yield by_index[i]
             i = up[i]
 
     def starts(ids, i, prompt_only=False):  # does ids start with call i's prompt (+ response) ids?
-        segs, end = segments(i), size[i]
+        segs = (seg for c in lineage(i) for seg in (c.response_ids, tail[c.index]))  # the last segment first
+        end = size[i]
         if prompt_only:
             end -= len(next(segs))
         if len(ids) < end:
@@ -88,8 +82,9 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
         stats["sampled_tokens"] += len(c.response_ids)
         claimed = c.parent in kept  # the proxy built this prompt on that call's: nothing to compare
         if claimed:
-            t = c.prompt_tail if c.prompt_ids is None else c.prompt_ids[size[c.parent]:]
-            same = lambda e: up[e.index] == c.parent and tail[e.index] == t  # noqa: E731
+            up[c.index] = c.parent
+            tail[c.index] = c.prompt_tail if c.prompt_ids is None else c.prompt_ids[size[c.parent]:]
+            same = lambda e: up[e.index] == c.parent and tail[e.index] == tail[c.index]  # noqa: E731
         else:  # placed by its ids (its claimed parent, if any, left the tree as a retried attempt)
             ids = c.prompt_ids if c.prompt_ids is not None else full_prompt(c, by_index)
             same = lambda e: size[e.index] - len(e.response_ids) == len(ids) and starts(ids, e.index, True)  # noqa: E731
@@ -102,9 +97,7 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
         for e in retried:
             if e.index not in (up[i] for i in kept):
                 del kept[e.index]
-        if claimed:
-            up[c.index], tail[c.index] = c.parent, t
-        else:
+        if not claimed:
             # Longest candidate first: in an append-only chat the previous call matches at once.
             ext = next((i for i in sorted(kept, key=lambda i: -size[i]) if starts(ids, i)), None)
             up[c.index], tail[c.index] = ext, ids[size[ext]:]
@@ -120,18 +113,14 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     children = {up[i] for i in kept}
     paths = []  # (tokens, root -> leaf calls) of each leaf, cut to max_seq_len
     for leaf in (i for i in kept if i not in children):
-        path, i = [], leaf
-        while i is not None:
-            path.append(kept[i])
-            i = up[i]
-        path.reverse()
+        path = list(lineage(leaf))[::-1]
         if max_seq_len is not None and size[leaf] > max_seq_len:
             # Cut at the end of a call's response: a turn boundary, never mid-response.
             path = [c for c in path if size[c.index] <= max_seq_len]
             stats["truncated" if path else "dropped"] += 1
             if not path:
                 continue
-        paths.append((list(chain.from_iterable(reversed(list(segments(path[-1].index))))), path))
+        paths.append(([t for c in path for seg in (tail[c.index], c.response_ids) for t in seg], path))
     # A sampled token on several leaves' paths is trained once, in the longest leaf (ties: the
     # smaller token ids): a rule that does not depend on which branch the harness sent first,
     # so per-sample normalizations (seq-mean-token-mean) weigh it the same in every run.
@@ -164,21 +153,18 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
 
 
 def build_batch_samples(calls: Iterable[Call], max_seq_len: Optional[int] = None) -> tuple[list[Sample], Counter]:
-    """Group calls by ``rollout_id`` (in order of first appearance) and build each
-    rollout's samples; return all samples and the summed stats."""
+    """``build_samples`` of each rollout (in order of first appearance): all samples and the summed stats."""
     by_rollout: dict[str, list[Call]] = defaultdict(list)
     for c in calls:
         by_rollout[c.rollout_id].append(c)
     samples, stats = [], Counter()
-    for rollout_calls in by_rollout.values():
-        s, st = build_samples(rollout_calls, max_seq_len)
+    for s, st in (build_samples(rollout_calls, max_seq_len) for rollout_calls in by_rollout.values()):
         samples += s
         stats.update(st)
     return samples, stats
 
 
 def format_stats(stats: Counter) -> str:
-    """The merge statistics as aligned rows of name, count, note (what the CLI prints)."""
     merged, unanswered = stats["tokens"], stats["unanswered"]
     rows = [("rollouts", "rollouts", ""),
             ("calls", "calls", f"{unanswered} unanswered (backend error, client gone)" if unanswered else ""),

@@ -14,9 +14,8 @@ was taught its own way of writing a call; ``detect`` reads which from how a chat
     granite       <|tool_call|>[{"name": N, "arguments": {...}}]                         Granite 3.x
 
 Both mistral names and both deepseek names parse either shape; they differ in ``forced`` (and ``detect``).
-Reasoning: harmony's analysis channel; for the others a think-tag pair at the start of the reply
-(``think=("<think>", "</think>")``, Magistral's ``[THINK]``/``[/THINK]``); ``opened``: the generation prompt
-already opened it, so the text starts inside the reasoning (Qwen3.5, DeepSeek-R1).
+Reasoning: harmony's analysis channel, else a think-tag pair at the start of the reply (``think``: ``<think>``,
+Magistral's ``[THINK]``); ``opened``: the generation prompt opened it, the text starts inside (Qwen3.5, DeepSeek-R1).
 """
 
 from __future__ import annotations
@@ -69,12 +68,10 @@ def _json_at(text: str, i: int):
 def parse_arguments(args):
     """Tool-call arguments -> a dict where they are JSON (so compact and pretty JSON compare equal); also a
     Qwen3-Coder parameter, which is text: a JSON value where it parses (numbers, objects), else the string."""
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except json.JSONDecodeError:
-            return args
-    return args
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        return args
 
 
 def _tag_body(body: str) -> Optional[dict]:
@@ -94,8 +91,7 @@ def _deepseek(region: str) -> Optional[list[dict]]:
     for part in parts:
         body, _, after = part.partition(DS_CALL_END)
         name, sep, args = body.partition(DS_SEP)
-        fenced = FENCED_RE.fullmatch(args) if name.strip() == "function" else None  # R1/V3; V3.1 has NAME<sep>{...}
-        if fenced:
+        if name.strip() == "function" and (fenced := FENCED_RE.fullmatch(args)):  # R1/V3; V3.1 has NAME<sep>{...}
             name, args = fenced.groups()
         obj = parse_arguments(args)
         if after.strip() or not sep or not isinstance(obj, dict):
@@ -177,8 +173,7 @@ def _harmony(text: str, partial: bool) -> dict:
     """gpt-oss messages ``[<|start|>assistant]<|channel|>C [to=R] ...<|message|>BODY<|end|>``: the analysis channel
     is the reasoning, a recipient (``to=functions.N``) makes a call, the rest (final, preambles) is the content.
     ``partial``: the text is still growing, so stop before the first call or unfinished header."""
-    if partial:
-        text = hold_back(text, HARMONY_MARKERS)
+    text = hold_back(text, HARMONY_MARKERS) if partial else text
     reasoning, content, calls = [], [], []
     segments = text.split("<|start|>")
     for k, seg in enumerate(segments):
@@ -253,17 +248,16 @@ def forced(fmt: str, name: str, opened: bool = False, think: Optional[tuple[str,
     """Text that opens a forced call (tool_choice), at the end of the prompt (not trained: the model did not sample
     it) and before the sampled text when parsing. ``name`` "" lets the model pick the tool ("required"); with
     ``opened`` (the prompt opened a think block) it closes the reasoning first."""
-    n = name
     opening = {
-        "hermes": '<tool_call>\n{"name": "' + (n + '", "arguments": ' if n else ""),
-        "qwen3_coder": "<tool_call>\n<function=" + (n + ">\n" if n else ""),
-        "llama3": '{"name": "' + (n + '", "parameters": ' if n else ""),
-        "mistral": '[TOOL_CALLS][{"name": "' + (n + '", "arguments": ' if n else ""),
-        "mistral_v11": "[TOOL_CALLS]" + (n + "[ARGS]" if n else ""),
-        "deepseek": DS_BEGIN + DS_CALL + "function" + DS_SEP + (n + "\n```json\n" if n else ""),
-        "deepseek_v31": DS_BEGIN + DS_CALL + (n + DS_SEP if n else ""),
-        "harmony": "<|channel|>commentary to=functions." + (n + " <|constrain|>json<|message|>" if n else ""),
-        "granite": '<|tool_call|>[{"name": "' + (n + '", "arguments": ' if n else ""),
+        "hermes": '<tool_call>\n{"name": "' + (name + '", "arguments": ' if name else ""),
+        "qwen3_coder": "<tool_call>\n<function=" + (name + ">\n" if name else ""),
+        "llama3": '{"name": "' + (name + '", "parameters": ' if name else ""),
+        "mistral": '[TOOL_CALLS][{"name": "' + (name + '", "arguments": ' if name else ""),
+        "mistral_v11": "[TOOL_CALLS]" + (name + "[ARGS]" if name else ""),
+        "deepseek": DS_BEGIN + DS_CALL + "function" + DS_SEP + (name + "\n```json\n" if name else ""),
+        "deepseek_v31": DS_BEGIN + DS_CALL + (name + DS_SEP if name else ""),
+        "harmony": "<|channel|>commentary to=functions." + (name + " <|constrain|>json<|message|>" if name else ""),
+        "granite": '<|tool_call|>[{"name": "' + (name + '", "arguments": ' if name else ""),
     }[fmt]
     # No space after the last ':': the model's own first token carries it (' {'), as the template writes it; a
     # space here made the 135M model write two, and the template's rendering of the turn then differs.
@@ -296,6 +290,4 @@ def think_tags(template_source: str) -> Optional[tuple[str, str]]:
     """The think-tag pair a chat template uses, None when it has none."""
     if "[THINK]" in template_source:
         return ("[THINK]", "[/THINK]")
-    if "<think>" in template_source or "</think>" in template_source:
-        return ("<think>", "</think>")
-    return None
+    return ("<think>", "</think>") if "<think>" in template_source or "</think>" in template_source else None

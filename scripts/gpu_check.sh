@@ -5,9 +5,10 @@
 #   SMOKE=1 scripts/gpu_check.sh    # CPU: the same runs on a tiny random model and 2 gloo ranks (checks the script)
 #
 # Each model trains two steps (tests/harnesses.py LengthHarness: reward = reply length, so every step
-# updates) three ways: DDP with the embedded backend; FSDP with the embedded backend (>= 2 GPUs); DDP with
-# vLLM servers on the same GPUs, asleep while the trainer computes (--backend vllm --vllm-sleep; when
-# `make setup-vllm` can install vLLM). From step 2 (warm) it prints seconds by phase (rollout, train,
+# updates) four ways: DDP with the embedded backend, also with --activation-checkpointing; FSDP with the
+# embedded backend (>= 2 GPUs); DDP with vLLM servers on the same GPUs, asleep while the trainer computes
+# (--backend vllm --vllm-sleep --max-model-len 16384, past the trained context; when `make setup-vllm` can
+# install vLLM). From step 2 (warm) it prints seconds by phase (rollout, train,
 # sleep, weight sync), generation and training tokens/s, peak GPU memory of the trainer, model-FLOPs
 # utilization of the training phase (6 x params x tokens/s per GPU against its dense bf16 peak;
 # PEAK_TFLOPS overrides it) and the rollout/trainer mismatch. No model hub is needed: the 1.4B model is
@@ -62,8 +63,11 @@ for size in $SIZES; do
   model=smollm2
   if [ "$size" != embedded ]; then model="$OUT/model-$size"; [ -f "$model/config.json" ] || make_model "$size" "$model"; fi
   run "$size-ddp" "$model" --parallel ddp
+  run "$size-ddp-ckpt" "$model" --parallel ddp --activation-checkpointing  # shares no prefix in training (it crashed)
   [ "$NPROC" -ge 2 ] && run "$size-fsdp" "$model" --parallel fsdp
-  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --vllm-args "${VLLM_ARGS:---gpu-memory-utilization 0.35 --max-model-len 4096}"
+  # past the trained context: trainer and servers scale RoPE alike (YaRN), or prob_corr drops
+  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --max-model-len 16384 \
+      --vllm-args "${VLLM_ARGS:---gpu-memory-utilization 0.35}"
 done
 
 $PY - "$OUT" <<'EOF'

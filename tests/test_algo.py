@@ -125,6 +125,26 @@ def test_ppo_by_hand():
     assert r["dlogp_mean"] == approx(4 * math.log(2) / 6) and r["dlogp_max"] == approx(math.log(2))
 
 
+def test_dual_clip_bounds_a_negative_advantage_tokens_ratio_by_hand():
+    """--clip-ratio-c: for A < 0 the PPO term is min(max(-r A, -clip(r) A), -C A). Ratios 0.5, 2, 5, C = 3:
+    A = -1: max(r, clip(r)) = 0.8 (clipped), 2, 5 -> min with 3: 0.8, 2, 3 (the 3rd dual-clipped: no gradient);
+    A = +1 is untouched: -min(r, clip(r)) = -0.5, -1.28 (clipped), -1.28 (clipped)."""
+    new, old, adv, mask = two_rows([[0.5, 2.0, 5.0]] * 2, [-1.0, 1.0])
+    w = torch.ones(2, dtype=torch.float64)
+    loss, m = policy_loss(new, old, adv, mask, w, "ppo", clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    assert loss.item() == approx(0.8 + 2 + 3 - 0.5 - 1.28 - 1.28)
+    loss.backward()
+    assert new.grad.tolist() == [approx([0.0, 2.0, 0.0]), approx([-0.5, 0.0, 0.0])]  # -A r where the r branch is taken
+    assert reduce_metrics([m])["clip_frac"] == approx(4 / 6)  # 0.8, 5 (dual), 1.28, 1.28
+    unbounded, _ = policy_loss(new, old, adv, mask, w, "ppo", clip_low=0.2, clip_high=0.28, clip_ratio_c=math.inf)
+    assert unbounded.item() == approx(0.8 + 2 + 5 - 0.5 - 1.28 - 1.28)  # inf: off, the old PPO loss
+    # gspo: the sample's ratio exp(mean log-ratio) = (0.5 * 2 * 5) ** (1/3) = 1.71 for A = -1: under C, kept; C = 1.5 caps it
+    seq = 5.0 ** (1 / 3)
+    g, _ = policy_loss(new, old, adv, mask, w, "gspo", clip_low=0.2, clip_high=0.28)
+    g_c, _ = policy_loss(new, old, adv, mask, w, "gspo", clip_low=0.2, clip_high=0.28, clip_ratio_c=1.5)
+    assert (g.item(), g_c.item()) == (approx(3 * seq - 3 * 1.28), approx(3 * 1.5 - 3 * 1.28))
+
+
 def test_gspo_by_hand():
     # row 0: log-ratios 0, 0, 0.3 -> sequence ratio exp(0.1) = 1.10517, inside [0.8, 1.28]
     # row 1: log-ratios 0.9 x3 -> exp(0.9) = 2.4596; A = -1: -min(-2.4596, -1.28) = 2.4596 (not clipped)
@@ -215,6 +235,14 @@ def test_trainer_logprobs_shares_the_prefix_exactly():
     full = torch.log_softmax(net(input_ids=b["tokens"]).logits, -1)[:, :-1].gather(-1, b["tokens"][:, 1:, None])[..., 0]
     assert torch.allclose(grads[0][0][:, 1:], full * b["loss_mask"][:, 1:], atol=1e-12)
     (lp, g), (lp_whole, g_whole) = grads
+    assert torch.allclose(lp, lp_whole, atol=1e-12) and (g - g_whole).abs().max() <= 1e-6 * g_whole.abs().max()
+    # --activation-checkpointing, in training: checkpointed layers return no cache to share (the prefix path crashed
+    # on it): every row runs whole, to the same numbers
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.train().zero_grad()  # no dropout in this config
+    lp = trainer_logprobs(net, b)
+    lp.sum().backward()
+    g = torch.cat([p.grad.flatten() for p in net.parameters()])
     assert torch.allclose(lp, lp_whole, atol=1e-12) and (g - g_whole).abs().max() <= 1e-6 * g_whole.abs().max()
 
 

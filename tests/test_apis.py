@@ -552,6 +552,7 @@ def test_tools_and_tool_choice_read_alike_in_every_apis_shape():
         named = choices["named"]
         wrong = {**named, "function": {"name": "nope"}} if "function" in named else {**named, "name": "nope"}
         for bad_tools, choice, param in ([tools, {"tool_choice": wrong}, "tool_choice"], [tools, {"tool_choice": 5}, "tool_choice"],
+                                         [tools, {"tool_choice": "function"}, "tool_choice"], [tools, {"tool_choice": "any"}, "tool_choice"],
                                          [{"calculator": CALC}, {}, "tools"], [[5], {}, "tools[0]"], [[{"type": "function", "description": "no name"}], {}, "tools[0]"]):
             with pytest.raises(BadRequest) as e:
                 parse(bad_tools, choice)

@@ -201,11 +201,11 @@ class Family:
 
     def sampled(self, messages: list[dict], tools: list[dict], kw: dict) -> str:
         """What the model writes for the reply ``messages[-1]`` (normalized), given the messages before it: the template's
-        own text for that turn (Renderer._turn_text) up to its EOS. Where the template renders the turn apart from its
+        own text for that turn (Renderer._texts) up to its EOS. Where the template renders the turn apart from its
         generation prompt (R1 opens <think> there, Mistral moves the system prompt), the text after what the rendering
         shows of the generation prompt; where it drops the reasoning (DeepSeek, SmolLM3), the model still wrote it."""
         r, reply = self.r, messages[-1]
-        turn = r._turn_text(messages, len(messages), tools, kw)
+        turn = r._texts(messages, len(messages), tools, kw, r.per_message)[0]
         head = r.render_text(messages[:-1], tools, True, kw)
         if turn is None:  # the text after the end of the generation prompt (less the think tag it opens) in the rendering
             full, tail = r.render_text(messages, tools, False, kw), head.rstrip().removesuffix(THINK[0])

@@ -138,7 +138,8 @@ def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(bac
     kept, parent, split = Renderer(tok, keep_history_tokens=True).build_prompt(nxt, tools, [turn])
     assert (parent, split) == (0, None) and kept[: len(ids) + len(resp)] == ids + resp
     # written as the template writes it, the turn is reused as sampled
-    resp = r.encode(r._turn_text(msgs + [reply], 2, tools, {}).removesuffix("\n")[: -len("<|im_end|>")]) + [tok.eos_token_id]
+    turn_text = r._texts(msgs + [reply], 2, tools, {}, r.per_message)[0]
+    resp = r.encode(turn_text.removesuffix("\n")[: -len("<|im_end|>")]) + [tok.eos_token_id]
     turn = Turn(0, msgs, tools, r.parse_reply(r.sampled_text(resp, []), True), ids, resp)
     assert r.build_prompt(nxt, tools, [turn])[1:] == (0, None)
 

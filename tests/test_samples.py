@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_lite.records import Call, read_samples, write_jsonl
+from lightning_lite.records import Call, Sample, read_jsonl, write_jsonl
 from lightning_lite.samples import build_batch_samples, build_samples
 
 
@@ -197,7 +197,7 @@ def test_cli_on_synthetic_calls(tmp_path):
     assert "split: new_thread" in p.stdout and "tokens (one per call)" in p.stdout
     rows = [json.loads(line) for line in open(out)]
     assert all({"rollout_id", "tokens", "loss_mask", "logprobs"} <= set(r) for r in rows)
-    assert [s.tokens for s in read_samples(str(out))] == [[1, 2, 10, 11, 5, 12], [7, 30], [3, 20, 21]]
+    assert [s.tokens for s in read_jsonl(str(out), Sample)] == [[1, 2, 10, 11, 5, 12], [7, 30], [3, 20, 21]]
 
 
 def test_retry_of_a_continued_call_keeps_both():

@@ -3,12 +3,14 @@
 
 - train.py --backend vllm starts a server, trains through it, and the records are token-faithful: the
   trainer's teacher-forced probabilities (fp32) against vLLM's (bf16) correlate at >= 0.99;
-- a weight sync makes the server serve the trainer's weights;
+- a weight sync makes the server serve the trainer's weights, and what it serves is what the trainer scores
+  even for a model whose generation_config.json asks for repetition penalties and min_p;
 - calls in flight during a sync finish, new ones wait (or get 429), none is lost.
 """
 
 import asyncio
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +37,16 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
-    b = VLLMBackend.spawn(resolve("smollm2"), 1, VLLM_PY, SERVE, log_dir=str(tmp_path_factory.mktemp("vllm")))
+    """A server of SmolLM2 whose generation_config.json asks for penalties, min_p and truncation, started with
+    --generation-config auto (vLLM's default, which fills every field a request leaves unset from it, as a
+    user's --vllm-url server may): the backend sends every field, so the calls are sampled as the trainer scores."""
+    src, d = resolve("smollm2"), tmp_path_factory.mktemp("penalized")
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), d / name)
+    os.remove(d / "generation_config.json")
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "repetition_penalty": 1.5,
+                                                          "presence_penalty": 1.0, "frequency_penalty": 1.0, "min_p": 0.3}))
+    b = VLLMBackend.spawn(str(d), 1, VLLM_PY, SERVE + ["--generation-config", "auto"], log_dir=str(tmp_path_factory.mktemp("vllm")))
     yield b
     b.close()
 
@@ -52,11 +63,14 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path):
     """Two steps of the calc agent: train.py starts the server, every call's tokens and logprobs come from
     vLLM, the trainer reproduces them to bf16 noise after each weight sync. --vllm-sleep: the server sleeps
     while the trainer computes and wakes for the sync (on the CPU build sleep frees nothing, but the calls
-    are made in that order)."""
+    are made in that order). --max-model-len 16384, twice what SmolLM2 was trained for: the trainer scales RoPE
+    (YaRN) and so must the server (train.py passes it the same context and rope_parameters), else the
+    logprobs of every position differ."""
     out = str(tmp_path / "run")
     p = subprocess.run([sys.executable, "train.py", "--harness", "calc", "--harness-arg", "max_tokens=24", "--steps", "2", "--batch-size", "2",
                         "--group-size", "4", "--eval-tasks", "0", "--lr", "1e-4", "--warmup-steps", "0", "--backend", "vllm", "--vllm-sleep",
-                        "--vllm-python", VLLM_PY, "--vllm-args", " ".join(SERVE), "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        "--max-model-len", "16384", "--vllm-python", VLLM_PY, "--vllm-args", "--dtype bfloat16", "--out", out],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
     assert len(steps) == 2 and all(r["failed"] == 0 and r["calls"] == 16 for r in steps)
@@ -133,3 +147,26 @@ def test_calls_in_flight_during_a_sync_finish_and_none_is_lost(vllm, model, tok,
         assert requests.post(f"{srv.url}/v1/chat/completions", json=body(1)).status_code == 200
     finally:
         srv.stop()
+
+
+def test_train_py_serves_its_own_weights_from_vllm_url_servers_and_refuses_another_context(vllm, model, tmp_path):
+    """Servers a user started may serve other weights (a previous run's, or the run before a --resume): train.py
+    syncs its own before the first rollout, so step 1's calls are sampled by the weights they are recorded under.
+    A --max-model-len the servers were not started with is refused, with the flags that start them right."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in other.named_parameters():
+            if "mlp" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    vllm.sync_weights(other, version=3)
+    vllm.resume()
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "train.py", "--harness", "tests/harnesses.py:LengthHarness", "--harness-arg", "max_tokens=16", "--steps", "1",
+           "--batch-size", "2", "--group-size", "4", "--eval-tasks", "0", "--backend", "vllm", "--vllm-url", vllm.urls[0], "--out", out]
+    p = subprocess.run(cmd + ["--max-model-len", "16384"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--max-model-len 16384 --hf-overrides" in p.stderr and "yarn" in p.stderr, p.stderr[-2000:]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (row,) = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
+    print(f"step 1 on --vllm-url servers: |dlogp| {row['dlogp_mean']:.4f}, prob_corr {row['prob_corr']:.4f}")
+    assert row["grad_norm"] is not None and row["dlogp_mean"] < 0.1 and row["prob_corr"] >= 0.99, row

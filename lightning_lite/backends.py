@@ -511,8 +511,10 @@ class VLLMBackend(_Gate):
 
 def _sync_dir(model_dir: str) -> str:
     """A new folder for the weight syncs of servers on this machine: in memory (/dev/shm) when it holds the weights
-    twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by default), else on disk."""
-    need = 2 * sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by default), else on disk. A hub name
+    (no folder here) has no size to check."""
+    files = os.listdir(model_dir) if os.path.isdir(model_dir) else []
+    need = 2 * sum(os.path.getsize(os.path.join(model_dir, f)) for f in files if f.endswith(".safetensors"))
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need else None
     return tempfile.mkdtemp(prefix="lightning-lite-weights-", dir=shm)
 

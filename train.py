@@ -14,7 +14,6 @@ In --out: config.json, metrics.jsonl, calls/, rollouts/, checkpoints/, report.ht
 import argparse
 import asyncio
 import concurrent.futures
-import copy
 import dataclasses
 import json
 import math
@@ -31,11 +30,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lightning_lite import algo, parallel
-from lightning_lite.backends import HFBackend, VLLMBackend
+from lightning_lite.backends import HFBackend, VLLMBackend, placement
 from lightning_lite.harness import Endpoint, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
-from lightning_lite.records import SPLIT_REASONS, read_calls, read_jsonl, write_jsonl
+from lightning_lite.records import SPLIT_REASONS, Sample, read_calls, read_jsonl, write_jsonl
 from lightning_lite.report import find_batches, write_report
 from lightning_lite.samples import build_batch_samples
 from lightning_lite.toolcalls import FORMATS
@@ -86,6 +85,11 @@ p.add_argument("--vllm-servers", type=int, default=1, help="vllm: servers to sta
 p.add_argument("--vllm-python", default=".venv-vllm/bin/python" if os.path.exists(".venv-vllm/bin/python") else sys.executable, help="vllm: the Python that has vLLM")
 p.add_argument("--vllm-args", default="", help="vllm: more arguments for the started servers, e.g. '--dtype bfloat16 --max-model-len 4096'")
 p.add_argument("--vllm-sleep", action="store_true", help="vllm, servers on the training GPUs: they free their GPU memory while the trainer computes (sleep level 2; started ones get --enable-sleep-mode)")
+p.add_argument("--vllm-gpus", nargs="+", default=None, metavar="IDS", help="vllm, GPUs: a started server per GPU "
+               "set, e.g. '4,5 6,7' (nvidia-smi's ids; replaces --vllm-servers); default: server k on GPU k (README)")
+p.add_argument("--vllm-gpu-memory", type=float, default=None, metavar="SHARE", help="vllm, GPUs: each started server's "
+               "--gpu-memory-utilization; default 0.3 on the trainer's GPUs (README: GPUs: vLLM), 0.9 on others")
+p.add_argument("--vllm-api-key", metavar="KEY", help="vllm: the API key of the --vllm-url servers (or $VLLM_API_KEY)")
 p.add_argument("--async", dest="async_steps", type=int, nargs="?", const=1, default=0, metavar="N",
                help="the next steps' rollouts run while this step trains, on weights at most N updates old (default 1); the loss's ratio to the recorded logprobs corrects for it")
 p.add_argument("--pause-retry-after", type=float, default=None, help="during a weight sync new calls wait (default), or are answered 429 with this Retry-After")
@@ -93,6 +97,9 @@ p.add_argument("--tool-format", default=None, choices=FORMATS, help="the model f
 p.add_argument("--keep-history-tokens", action="store_true", help="where the chat template renders an earlier turn otherwise than it was "
                "sampled, keep the sampled tokens (one sample per rollout) instead of the template's text (template_mismatch)")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="of the trainer's compute and the "
+               "served model (auto: bf16 on GPUs, fp32 on CPUs); bf16: autocast (FSDP: weights gathered in bf16), with "
+               "fp32 master weights, AdamW state, gradient reductions and checkpoint weights")
 p.add_argument("--tensorboard", action="store_true", help="also log metrics to OUT/tensorboard (needs: pip install tensorboard)")
 p.add_argument("--wandb", metavar="PROJECT", default=None, help="also log metrics to Weights & Biases (needs: pip install wandb; WANDB_MODE=offline without a network)")
 args = p.parse_args()
@@ -108,6 +115,9 @@ rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
 device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device)
 if device.type == "cuda":
     torch.cuda.set_device(device)
+if args.dtype == "auto":  # config.json records what ran
+    args.dtype = "bf16" if device.type == "cuda" else "fp32"
+dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32  # of the trainer's compute and of the served model
 master = rank == 0
 if args.batch_size % world:
     sys.exit(f"--batch-size {args.batch_size} does not divide over {world} ranks: use a multiple of {world} (GRPO groups stay on one rank)")
@@ -164,15 +174,23 @@ if args.resume and os.path.exists(os.path.join(ckpt_root, "latest")):
 elif args.resume:
     log(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
 tok = load_tokenizer(args.model)
-model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len)
-ref_model = load_model(args.model, device, max_model_len=args.max_model_len).eval().requires_grad_(False) if args.kl_coef > 0 else None
-args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings  # what can be served can be trained on
+model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len)  # fp32: the master weights
 fsdp = args.parallel == "fsdp"
+# The reference model and the backend's copy hold the weights as the trainer's forward sees them: FSDP gathers them in
+# --dtype, DDP's autocast casts fp32 weights op by op (bf16 weights under autocast differ from that by |dlogp| 0.03)
+held = dtype if fsdp else torch.float32
+ref_model = load_model(args.model, device, held, args.max_model_len).requires_grad_(False) if args.kl_coef > 0 else None
+args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings  # what can be served can be trained on
 # The embedded backend serves infer_model: the trained module itself (one process, DDP: a weight sync only drops
 # stale KV caches) or, under FSDP (the parameters are shards) and --async (rollouts run while they change), a copy
 # of its own that each sync refreshes. vLLM always has its own.
-infer_model = copy.deepcopy(model).eval() if (fsdp or args.async_steps) and args.backend == "hf" else model
-train_model = parallel.wrap(model, args.parallel, device, world, args.fsdp_offload, args.activation_checkpointing)
+infer_model = model
+if (fsdp or args.async_steps) and args.backend == "hf":
+    infer_model = load_model(resume_dir or args.model, device, held, args.max_model_len)
+train_model = parallel.wrap(model, args.parallel, device, world, args.fsdp_offload, args.activation_checkpointing,
+                            dtype=dtype)
+if ref_model is not None and fsdp:  # sharded like the policy, without an optimizer; its forwards are collectives too
+    parallel.wrap(ref_model, "fsdp", device, world, args.fsdp_offload, dtype=dtype)
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))  # after sharding: over the shards
 
 
@@ -184,8 +202,9 @@ def lr_at(step):  # linear warmup, then constant or cosine down to 10%
 
 
 if resume_dir:
-    # to host memory: the whole AdamW state on every GPU would not fit next to a large model (each rank takes its part)
-    state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    # mapped from the file into host memory, not onto the GPU: every rank of a node shares the one copy the page
+    # cache holds (12 bytes/param: 108 GB for 9B) and takes its part (FSDP) or all of it (DDP)
+    state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), map_location="cpu", mmap=True, weights_only=False)
     parallel.load_optimizer_state(model, opt, state["optimizer"], args.parallel)
     start_step = state["step"]
     log(f"resumed from {resume_dir} at step {start_step}")
@@ -226,7 +245,7 @@ if master:
 
 # ----------------------------------------------------------------------------- backend, proxy, harness
 if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank 0 starts them and syncs their weights
-    backend, urls = None, [args.vllm_url]
+    backend, urls = None, [args.vllm_url, args.vllm_api_key]
     # --max-model-len: the servers get the trainer's context and RoPE scaling (models.load_model: YaRN past the
     # trained length), or every logprob differs
     context = []
@@ -235,16 +254,28 @@ if args.backend == "vllm":  # every rank's proxy sends to the same servers; rank
         context = ["--max-model-len", str(cfg["max_position_embeddings"]), "--hf-overrides", json.dumps(cfg)]
     if master and not args.vllm_url:
         sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []  # the CPU build has none
+        places = None  # the CPU build: no placement
+        if torch.cuda.is_available():  # ids as CUDA_VISIBLE_DEVICES takes them (a server's replaces ours)
+            every = ",".join(map(str, range(torch.cuda.device_count())))
+            seen = os.environ.get("CUDA_VISIBLE_DEVICES", every).split(",")  # rank r trains on seen[r]
+            if not args.vllm_gpus and args.vllm_servers > len(seen):
+                sys.exit(f"--vllm-servers {args.vllm_servers} > {len(seen)} GPUs: place them with --vllm-gpus")
+            trainer = seen[: int(os.environ.get("LOCAL_WORLD_SIZE", world))] if device.type == "cuda" else []
+            sets = args.vllm_gpus or seen[: args.vllm_servers]
+            places = placement(sets, trainer, args.vllm_gpu_memory, args.vllm_args.split())
         backend = VLLMBackend.spawn(resume_dir or resolve(args.model), args.vllm_servers, args.vllm_python,
-                                    context + args.vllm_args.split() + sleep, log_dir=args.out)
-        urls = [backend.urls]
+                                    context + ["--dtype", str(dtype)[6:]] + args.vllm_args.split() + sleep,
+                                    log_dir=args.out, places=places)  # --vllm-args after ours: they may override
+        urls = [backend.urls, backend.api_key]
     if ddp:
-        dist.broadcast_object_list(urls)
-    backend = backend or VLLMBackend(urls[0], os.path.join(os.path.abspath(args.out), "weights"))
+        dist.broadcast_object_list(urls)  # the key too: every rank's proxy sends it
+    backend = backend or VLLMBackend(urls[0], os.path.join(os.path.abspath(args.out), "weights"), api_key=urls[1])
+    backend.dtype = dtype  # the synced weights, as the trainer computes
     if args.vllm_url and context and backend.max_model_len != args.max_model_len:
         sys.exit(f"--max-model-len {args.max_model_len}: start the --vllm-url servers with {shlex.join(context)}, as the trainer")
 else:
-    backend = HFBackend(infer_model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+    backend = HFBackend(infer_model, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
+                        dtype=dtype)
 backend.version = start_step
 proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout, pause_retry_after=args.pause_retry_after,
               tool_format=args.tool_format, keep_history_tokens=args.keep_history_tokens)
@@ -313,6 +344,8 @@ def save(step):
     tmp = d + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     infer_model.save_pretrained(tmp, state_dict=weights)
+    infer_model.config.dtype = dtype  # it wrote the module's: a loader's (a vLLM server's) dtype "auto" takes this one
+    infer_model.config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     torch.save({"optimizer": optim, "step": step, "args": vars(args)}, os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(d, ignore_errors=True)
@@ -346,19 +379,22 @@ def train_on(samples, version):
     mbs = parallel.pad_micro_batches(micro_batches(samples, weights), args.parallel)  # None: a zero-loss step, to join the collectives
     metrics, stale = [], torch.zeros(2, args.async_steps + 1, dtype=torch.float64)  # tokens, sum |dlogp| by age
     bar = tqdm(mbs, desc="train", unit="mb", leave=False, disable=not (master and sys.stderr.isatty()))  # quiet in logs
+    autocast = torch.autocast(device.type, dtype, enabled=dtype != torch.float32)  # the forwards; backward follows
     for i, mb in enumerate(bar):
         with parallel.accumulating(train_model, args.parallel, last=i == len(mbs) - 1):
-            if mb is None:
-                (train_model(input_ids=torch.tensor([[tok.eos_token_id]], device=device)).logits.sum() * 0.0).backward()
-                continue
+            pad = mb is None  # a zero-weight micro-batch through the same forwards: under FSDP each is a collective
+            mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0]) if pad else mb
             b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0)
-            lp = algo.trainer_logprobs(train_model, b, fsdp)
-            with torch.no_grad():
-                ref = algo.trainer_logprobs(ref_model, b) if ref_model is not None else None
+            with autocast:
+                lp = algo.trainer_logprobs(train_model, b, fsdp)
+                with torch.no_grad():
+                    ref = algo.trainer_logprobs(ref_model, b, fsdp) if ref_model is not None else None
             loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], loss=args.loss,
                                        clip_low=args.clip_low, clip_high=args.clip_high, clip_ratio_c=args.clip_ratio_c,
                                        tis_cap=args.tis_cap, kl_coef=args.kl_coef, ref_logprobs=ref)
             (loss * world).backward()  # DDP and FSDP average gradients over ranks; the weights already make the global sum
+            if pad:
+                continue
             metrics.append(m)
             on = b["loss_mask"] > 0
             age = version - b["version"][on]
@@ -372,10 +408,15 @@ def train_on(samples, version):
 
 
 def sync_weights(version):  # the backend serves the trained weights; every rank calls it (a collective)
-    served = parallel.full_state_dict(model, args.parallel) if fsdp else model  # FSDP: a collective, the full weights
+    served = model  # one process, DDP: the module itself (vLLM writes it out; the hf backend serves it or copies it)
+    if fsdp and args.backend == "vllm":  # gathered a tensor at a time into rank 0's host memory
+        served = parallel.full_state_dict(model, "fsdp")
     backend.pause()
     if ddp:  # every rank's calls have finished before anything reloads (vLLM servers are shared)
         dist.barrier()
+    if fsdp and args.backend == "hf":  # each rank's own copy, filled a tensor at a time once its calls are done
+        parallel.copy_weights(model, infer_model)
+        served = infer_model
     backend.sync_weights(served if master or args.backend == "hf" else None, version=version)
     if ddp:
         dist.barrier()
@@ -431,7 +472,6 @@ try:
             model.train()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            opt.zero_grad(set_to_none=True)
             m = train_on(samples, version=step)
             gnorm = parallel.scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             if math.isfinite(gnorm):  # the norm of the reduced gradients: every rank decides alike
@@ -439,6 +479,7 @@ try:
             else:  # one NaN/inf gradient would make every weight NaN
                 skipped = "nonfinite_grad"
                 log(f"step {step + 1}: WARNING: the gradient norm is {gnorm}, skipping the update (a non-finite loss or logprob: see loss, dlogp_max)")
+            opt.zero_grad(set_to_none=True)  # the gradients' memory is free for the rollouts (and woken vLLM servers)
             model.eval()
         else:
             skipped = "no_signal"
@@ -463,6 +504,8 @@ try:
         unlogged, steps_done = row, step + 1  # the update is applied (or skipped): a checkpoint from now is of step + 1
         # 7. weight sync: calls in flight finish on the old weights, new calls wait, then get the new ones
         t0 = time.time()
+        if args.vllm_sleep and device.type == "cuda":
+            torch.cuda.empty_cache()  # what training freed goes back to the GPU before the servers wake
         sync_weights(step + 1)
         row.update(t_sync=round(time.time() - t0, 3), t_step=round(time.time() - t_step, 2))
         if device.type == "cuda":

@@ -160,31 +160,34 @@ def collate(samples: list[Sample], weights: list[float], device=None, dtype=torc
     }
 
 
-def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m: int = 1024) -> torch.Tensor:
     """The tokens that top-k, then top-p sampling may draw: [N, V] logits already divided by the temperature,
     [N] ``top_k`` (<= 0: off) and ``top_p`` (1.0: off) -> [N, V] bool.
 
     top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the most probable of those
     until their renormalized mass reaches top_p (at least one): either way ``x >= (the n-th largest)`` for
-    some n. The sampler (backends.sample_token) calls it too: both agree on the rule by construction.
+    some n. The sampler (backends.sample_token) calls it too: both agree on the rule by construction. The support
+    nearly always lies in the ``m`` largest logits: a top-m costs ~1/40 of sorting a 50k vocabulary.
 
     >>> sampling_support(torch.tensor([[3., 2., 1., 0.]]), torch.tensor([3]), torch.tensor([0.7]))
     tensor([[ True,  True, False, False]])   # top-3 probs .67 .24 .09: mass before the 3rd is .91 >= .7
     """
-    V = x.shape[-1]
+    V, m = x.shape[-1], min(x.shape[-1], m)
     cut_k = (top_k > 0) & (top_k < V)
-    # The support nearly always lies in the 1,024 largest logits: a top-m costs ~1/40 of sorting
-    # a 50k vocabulary. Sort everything only when some row needs more than m tokens.
-    for m in (min(V, 1024), V):
-        sx = x.topk(m, -1).values  # sorted, largest first
-        inside = ~cut_k[:, None] | (sx >= sx.gather(-1, (top_k.clamp(1, m) - 1)[:, None]))  # top-k, ties included
-        lse = torch.where(cut_k, sx.masked_fill(~inside, -math.inf).logsumexp(-1), x.logsumexp(-1))
-        p = (sx - lse[:, None]).exp() * inside  # renormalized over the top-k
-        n_p = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)  # the mass before each kept token < top_p
-        n = torch.where(top_p < 1.0, torch.minimum(inside.sum(-1), n_p), inside.sum(-1))
-        if m == V or bool((n < m).all()):
-            break
-    return (x >= sx.gather(-1, (n - 1)[:, None])) | (n == V)[:, None]
+    sx = x.topk(m, -1).values  # sorted, largest first
+    inside = ~cut_k[:, None] | (sx >= sx.gather(-1, (top_k.clamp(1, m) - 1)[:, None]))  # top-k, ties included
+    lse = torch.where(cut_k, sx.masked_fill(~inside, -math.inf).logsumexp(-1), x.logsumexp(-1))
+    p = (sx - lse[:, None]).exp() * inside  # renormalized over the top-k
+    n_p = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)  # the mass before each kept token < top_p
+    n = torch.where(top_p < 1.0, torch.minimum(inside.sum(-1), n_p), inside.sum(-1))
+    keep = (x >= sx.gather(-1, (n - 1)[:, None])) | (n == V)[:, None]
+    # The m largest settle a row if they hold its top-k (else lse is short) and its top-p cut (n < m).
+    redo = (m < V) & ~((~cut_k | (top_k <= m)) & torch.where(top_p < 1.0, n < m, cut_k))
+    if redo.any():  # only those rows again, with all V (a sort) or, top-k alone, the k largest
+        r = redo.nonzero()[:, 0]
+        pure_k = bool((cut_k[r] & (top_p[r] >= 1.0)).all())
+        keep[r] = sampling_support(x[r], top_k[r], top_p[r], int(top_k[r].max()) if pure_k else V)
+    return keep
 
 
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
@@ -210,11 +213,26 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: to
     return x.gather(-1, tokens[:, None])[:, 0] - lse
 
 
-def trainer_logprobs(net, b: dict, fsdp: bool = False) -> torch.Tensor:
+class _Hidden(torch.nn.Module):
+    """Stands in for the LM head during the model's forward, which then returns the hidden states it gave it."""
+    h = None
+
+    def forward(self, h):
+        self.h = h
+        return h
+
+
+def _head_logprobs(h, head, *args):
+    return sampled_logprobs(h if head is None else head(h), *args)
+
+
+def trainer_logprobs(net, b: dict, fsdp: bool = False, chunk: int = 1024) -> torch.Tensor:
     """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a transformers causal LM,
     maybe in DDP), each under the sampling settings of the call that drew it (``sampled_logprobs``); 0.0 elsewhere.
     Two exact savings for long agent prompts: the rows' common prefix (a GRPO group's prompt) runs once, its KV
     cache shared by all rows (gradients flow through it), and the LM head runs from the first trainable position on.
+    The LM head and the logprobs run ``chunk`` trainable positions at a time, recomputed in backward: memory is one
+    chunk's [chunk, V] logits whatever the sample length, the numbers unchanged.
     """
     tokens, loss_mask = b["tokens"], b["loss_mask"]
     B, T = tokens.shape
@@ -225,16 +243,33 @@ def trainer_logprobs(net, b: dict, fsdp: bool = False) -> torch.Tensor:
     # below 16 the extra call costs more than it saves; under FSDP every forward is a collective (ranks must run as
     # many); checkpointed layers in training (--activation-checkpointing) return no cache for the rows to share
     P = P if P >= 16 and not fsdp and not (raw.training and getattr(raw, "is_gradient_checkpointing", False)) else 0
-    kw = {}
-    if P:
-        cache = raw(input_ids=tokens[:1, :P], use_cache=True, logits_to_keep=1).past_key_values
-        for layer in cache.layers:  # one row's keys and values, seen by every row (expand: no copy)
-            layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
-        kw = dict(past_key_values=cache, position_ids=torch.arange(P, T, device=tokens.device)[None].expand(B, -1))
-    keep = torch.arange(first - 1 - P, T - 1 - P, device=tokens.device)
-    logits = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits  # predicts tokens[:, first:]
+    # The model's forward runs with its LM head swapped for _Hidden (still through DDP's/FSDP's wrapper), and the head
+    # runs per chunk after it (FSDP leaves the root's weights gathered after its forward). A model that changes the
+    # head's output (Gemma2's softcapping, Cohere's logit_scale) is seen in its first call, which runs again with the
+    # head, as every later call does (full logits; the logprobs still in chunks).
+    head = None if getattr(raw, "ll_full_logits", False) else getattr(raw, "get_output_embeddings", lambda: None)()
+    for head in (head, None) if head is not None else (None,):
+        kw = {}
+        if P:
+            cache = raw(input_ids=tokens[:1, :P], use_cache=True, logits_to_keep=1).past_key_values
+            for layer in cache.layers:  # one row's keys and values, seen by every row (expand: no copy)
+                layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
+            kw = dict(past_key_values=cache, position_ids=torch.arange(P, T, device=tokens.device)[None].expand(B, -1))
+        keep = torch.arange(first - 1 - P, T - 1 - P, device=tokens.device)  # predicting tokens[:, first:]
+        if head is not None:
+            raw.set_output_embeddings(hidden := _Hidden())
+        try:
+            out = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits
+        finally:
+            if head is not None:
+                raw.set_output_embeddings(head)
+        if head is None or out is hidden.h:
+            break
+        raw.ll_full_logits = True
     on = loss_mask[:, first:] > 0
-    lp = sampled_logprobs(logits[on], tokens[:, first:][on], *(b[k][:, first:][on] for k in ("temperature", "top_k", "top_p")))
+    args = (out[on], tokens[:, first:][on], *(b[k][:, first:][on] for k in ("temperature", "top_k", "top_p")))
+    lp = torch.cat([torch.utils.checkpoint.checkpoint(_head_logprobs, h, head, *rest, use_reentrant=False)
+                    for h, *rest in zip(*(a.split(chunk) for a in args))])
     return loss_mask.new_zeros(B, T).masked_scatter(loss_mask > 0, lp.to(loss_mask.dtype))
 
 

@@ -109,10 +109,12 @@ def _state_dict(model) -> dict:
 
 
 class HFBackend(_Gate):
-    """Embedded transformers backend with batching and a prefix KV cache."""
+    """Embedded transformers backend with batching and a prefix KV cache. ``dtype`` bf16: every forward runs under
+    bf16 autocast, as the trainer's does (train.py --dtype)."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 32, max_model_len: Optional[int] = None, prefix_cache_tokens: int = 32768):
-        self.model, self.tok = model, tokenizer
+    def __init__(self, model, tokenizer, max_batch_size: int = 32, max_model_len: Optional[int] = None,
+                 prefix_cache_tokens: int = 32768, dtype: torch.dtype = torch.float32):
+        self.model, self.tok, self.dtype = model, tokenizer, dtype
         self.device = next(model.parameters()).device
         if model.config._attn_implementation == "sdpa":  # the same attention, without copying KV heads in decoding
             model.set_attn_implementation("grouped_sdpa")
@@ -144,12 +146,17 @@ class HFBackend(_Gate):
             self._cond.notify_all()
         return await req.future
 
+    def pause(self):
+        """As _Gate's; the prefix KV cache goes too: the weights are about to change (training, a sync), and
+        training gets its memory (up to ``prefix_cache_tokens`` of KV)."""
+        super().pause()
+        self._prefix.clear()
+
     def sync_weights(self, model=None, version: Optional[int] = None):
         """Pause, then serve ``model``'s weights (see _state_dict; the module we serve: only stale caches go)."""
-        self.pause()  # the running batch finishes on the old weights; no other starts
+        self.pause()  # the running batch finishes on the old weights; no other starts; the stale KV goes
         if model is not None and model is not self.model:
             self.model.load_state_dict(_state_dict(model))
-        self._prefix.clear()  # KV computed by the old weights must not be reused
         self.version = self.version + 1 if version is None else version
 
     def close(self):
@@ -172,7 +179,9 @@ class HFBackend(_Gate):
                 self._inflight = True
             t0 = time.time()
             try:
-                self._run()
+                # autocast is per thread: it is entered here, in the thread that runs the model
+                with torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32):
+                    self._run()
             finally:
                 with self._cond:
                     self._inflight = False
@@ -381,12 +390,14 @@ class VLLMBackend(_Gate):
     """vLLM OpenAI servers behind the same surface (README: GPUs: vLLM): token ids in and out of
     ``/v1/completions``; ``sync_weights`` writes safetensors into ``sync_dir`` (a folder the servers can read)
     for every server to reload in place. The servers need ``--logprobs-mode processed_logprobs`` and
-    ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes)."""
+    ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes); ``api_key`` (default $VLLM_API_KEY) goes with every request."""
 
-    def __init__(self, urls: list[str], sync_dir: str, procs: Optional[list] = None):
+    def __init__(self, urls: list[str], sync_dir: str, procs: Optional[list] = None, api_key: Optional[str] = None):
         self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
+        self.api_key = api_key or os.environ.get("VLLM_API_KEY")
+        self.dtype = None  # of the weight-sync file (train.py: --dtype's, half of fp32 in bf16); None: the weights' own
         try:
-            models = [_http(u + "/v1/models", timeout=30)["data"][0] for u in self.urls]
+            models = [_http(u + "/v1/models", timeout=30, key=self.api_key)["data"][0] for u in self.urls]
         except OSError as e:
             raise RuntimeError(f"no vLLM server answers at {' '.join(self.urls)} ({e}): start it (README: GPUs), or leave out --vllm-url") from None
         self.model_name, self.max_model_len = models[0]["id"], min(m["max_model_len"] for m in models)
@@ -394,21 +405,26 @@ class VLLMBackend(_Gate):
         self.stats = Counter(requests=0, prompt_tokens=0, generated_tokens=0)
 
     @classmethod
-    def spawn(cls, model_dir: str, n: int = 1, python: str = "python", args: Optional[list] = None, timeout: float = 900, log_dir: str = "."):
-        """Start ``n`` servers of ``model_dir`` as subprocesses (logs in ``log_dir``/vllm_K.log) and wait until they are healthy."""
+    def spawn(cls, model_dir: str, n: int = 1, python: str = "python", args: Optional[list] = None,
+              timeout: float = 900, log_dir: str = ".", places: Optional[list] = None):
+        """Start ``n`` servers of ``model_dir`` (or one per ``places`` entry, from ``placement``: the environment
+        and arguments that put it on its GPUs) as subprocesses (logs in ``log_dir``/vllm_K.log); wait until healthy."""
+        import secrets
         import socket
         import subprocess
 
-        procs, urls = [], []
+        procs, urls, key = [], [], secrets.token_urlsafe(32)
         # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on vLLM's CPU build, which otherwise reserves 92% of memory (GPU builds ignore it)
-        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        for k in range(n):
+        # The key in VLLM_API_KEY, not --api-key: ps shows command lines to every user, environments only to their own
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": key}
+        for k, (place_env, place_args) in enumerate(places or [({}, [])] * n):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-                   "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *(args or [])]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=open(os.path.join(log_dir, f"vllm_{k}.log"), "w"), stderr=subprocess.STDOUT,
+                   "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *(args or []), *place_args]
+            log = open(os.path.join(log_dir, f"vllm_{k}.log"), "w")
+            procs.append(subprocess.Popen(cmd, env={**env, **place_env}, stdout=log, stderr=subprocess.STDOUT,
                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None))
             urls.append(f"http://127.0.0.1:{port}")
         t0 = time.time()
@@ -425,7 +441,7 @@ class VLLMBackend(_Gate):
                     if time.time() - t0 > timeout:
                         raise TimeoutError(f"vLLM server {k} not healthy after {timeout:.0f} s: see {log_dir}/vllm_{k}.log") from None
                     time.sleep(2)
-        backend = cls(urls, _sync_dir(model_dir), procs=procs)
+        backend = cls(urls, _sync_dir(model_dir), procs=procs, api_key=key)
         atexit.register(backend.close)  # a trainer that fails does not leave servers holding the GPU
         return backend
 
@@ -450,7 +466,7 @@ class VLLMBackend(_Gate):
                     "logprobs": 0, "return_token_ids": True, "stream": on_token is not None}
             ids, lps, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-                async with http.post(url + "/v1/completions", json=body) as r:
+                async with http.post(url + "/v1/completions", json=body, headers=_auth(self.api_key)) as r:
                     if r.status != 200:
                         raise RuntimeError(f"vLLM at {url} answered {r.status}: {(await r.text())[:500]}")
                     async for ch in _choices(r, body["stream"]):
@@ -475,29 +491,33 @@ class VLLMBackend(_Gate):
         next ``sync_weights`` wakes them and loads the new weights."""
         self.pause()
         for u in self.urls:
-            _http(u + "/sleep?level=2", {})
+            _http(u + "/sleep?level=2", {}, key=self.api_key)
         self.sleeping = True
 
     def sync_weights(self, model=None, version: Optional[int] = None):
-        """Every server serves ``model``'s weights (a module or a full state dict; None: only the version moves)."""
+        """Every server serves ``model``'s weights (a module or a full state dict; None: only the version moves).
+        Sleeping servers (level 2: no weights, no KV cache) wake in two steps, after the file is written (the
+        trainer's copies are gone by then): the weights, reloaded, then the KV cache."""
         from safetensors.torch import save_file
 
         self.pause()
-        if self.sleeping:
-            if model is None:
-                raise ValueError("the servers slept at level 2 and dropped their weights: sync_weights needs the model")
-            for u in self.urls:
-                _http(u + "/wake_up", {})
-            self.sleeping = False
+        if self.sleeping and model is None:
+            raise ValueError("the servers slept at level 2 and dropped their weights: sync_weights needs the model")
         if model is not None:
             # tied embeddings share storage: write it once, under its first name (vLLM re-ties it)
             first = {v.data_ptr(): (k, v) for k, v in reversed(_state_dict(model).items())}
-            out = {k: v.detach().to("cpu").contiguous() for k, v in first.values()}
+            out = {k: v.detach().to("cpu", self.dtype or v.dtype).contiguous() for k, v in first.values()}
             os.makedirs(self.sync_dir, exist_ok=True)
             save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
-            for u in self.urls:
-                _http(u + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}})
-                _http(u + "/reset_prefix_cache", {})
+            del first, out
+        for u in self.urls if model is not None else ():
+            if self.sleeping:
+                _http(u + "/wake_up?tags=weights", {}, key=self.api_key)
+            _http(u + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}, key=self.api_key)
+            if self.sleeping:
+                _http(u + "/wake_up?tags=kv_cache", {}, key=self.api_key)
+            _http(u + "/reset_prefix_cache", {}, key=self.api_key)
+        self.sleeping = False
         self.version = self.version + 1 if version is None else version
 
     def close(self):
@@ -507,6 +527,28 @@ class VLLMBackend(_Gate):
             p.wait(timeout=60)
         if self.procs:  # spawn() made the folder
             shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+def placement(gpu_sets: list[str], trainer_gpus: list[str], share: Optional[float] = None, args: list = ()) -> list:
+    """Each started server's (environment, arguments) for ``VLLMBackend.spawn``: one per GPU set, tensor-parallel
+    over it, with ``share`` of each GPU's memory (default 0.3 beside the trainer, 0.9 alone: README: GPUs: vLLM).
+
+    >>> placement(["0", "4,5"], trainer_gpus=["0", "1"])  # the trainer on GPUs 0 and 1
+    [({'CUDA_VISIBLE_DEVICES': '0'}, ['--gpu-memory-utilization', '0.3', '--tensor-parallel-size', '1']),
+     ({'CUDA_VISIBLE_DEVICES': '4,5'}, ['--gpu-memory-utilization', '0.9', '--tensor-parallel-size', '2'])]
+    """
+    ours = ("--tensor-parallel-size", "--gpu-memory-utilization")
+    for a in args:
+        flag = a.split("=")[0].replace("_", "-")
+        if flag == "-tp" or len(flag) > 2 and any(f.startswith(flag) for f in ours):  # argparse takes abbreviations
+            raise ValueError(f"--vllm-args sets {a}: give the GPUs and memory share as --vllm-gpus, --vllm-gpu-memory")
+    places = []
+    for s in gpu_sets:
+        ids = s.split(",")
+        mem = share or (0.3 if set(ids) & set(trainer_gpus) else 0.9)
+        flags = ["--gpu-memory-utilization", str(mem), "--tensor-parallel-size", str(len(ids))]
+        places.append(({"CUDA_VISIBLE_DEVICES": s}, flags))
+    return places
 
 
 def _sync_dir(model_dir: str) -> str:
@@ -527,18 +569,23 @@ def _die_with_parent():
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
-def _http(url: str, body: Optional[dict] = None, timeout: float = 600):
-    """GET (or POST ``body`` as JSON) and parse the answer; errors name the URL and what it said."""
+def _auth(key: Optional[str]) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _http(url: str, body: Optional[dict] = None, timeout: float = 600, key: Optional[str] = None):
+    """GET (or POST ``body`` as JSON, with API ``key``) and parse the answer; errors name the URL and what it said."""
     import urllib.error
     import urllib.request
 
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **_auth(key)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
-        raise RuntimeError(f"{url} answered {e.code}: {e.read()[:500]!r} (the weight-sync routes need VLLM_SERVER_DEV_MODE=1 on the server)") from None
+        why = "wrong or missing API key: --vllm-api-key" if e.code == 401 else "sync routes need VLLM_SERVER_DEV_MODE=1"
+        raise RuntimeError(f"{url} answered {e.code}: {e.read()[:500]!r} ({why})") from None
     return json.loads(raw) if raw.strip() else None
 
 

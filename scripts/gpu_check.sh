@@ -5,14 +5,18 @@
 #   SMOKE=1 scripts/gpu_check.sh    # CPU: the same runs on a tiny random model and 2 gloo ranks (checks the script)
 #
 # Each model trains two steps (tests/harnesses.py LengthHarness: reward = reply length, so every step
-# updates) four ways: DDP with the embedded backend, also with --activation-checkpointing; FSDP with the
-# embedded backend (>= 2 GPUs); DDP with vLLM servers on the same GPUs, asleep while the trainer computes
+# updates) these ways: DDP with the embedded backend (--dtype bf16, the GPU default; also fp32, and with
+# --activation-checkpointing); FSDP with the embedded backend (>= 2 GPUs; also with --kl-coef: a sharded bf16
+# reference model); DDP with vLLM servers on the same GPUs, asleep while the trainer computes
 # (--backend vllm --vllm-sleep --max-model-len 16384, past the trained context; when `make setup-vllm` can
 # install vLLM). From step 2 (warm) it prints seconds by phase (rollout, train,
 # sleep, weight sync), generation and training tokens/s, peak GPU memory of the trainer, model-FLOPs
 # utilization of the training phase (6 x params x tokens/s per GPU against its dense bf16 peak;
 # PEAK_TFLOPS overrides it) and the rollout/trainer mismatch. No model hub is needed: the 1.4B model is
 # randomly initialized (SmolLM2's tokenizer, so its vocabulary is 49,152).
+# Placement (GPUs, with vLLM): one trainer rank on GPU 0 with a vLLM server beside it (default share 0.3, then
+# 0.5), and with >= 2 GPUs servers on GPUs of their own (--vllm-gpus; tensor-parallel over two with >= 3):
+# nvidia-smi's peak memory.used per GPU, sampled during each run, must show each server where asked, with its share.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -65,10 +69,41 @@ for size in $SIZES; do
   run "$size-ddp" "$model" --parallel ddp
   run "$size-ddp-ckpt" "$model" --parallel ddp --activation-checkpointing  # shares no prefix in training (it crashed)
   [ "$NPROC" -ge 2 ] && run "$size-fsdp" "$model" --parallel fsdp
+  [ "$NPROC" -ge 2 ] && run "$size-fsdp-kl" "$model" --parallel fsdp --kl-coef 0.01  # the reference model sharded too
+  run "$size-fp32" "$model" --parallel ddp --dtype fp32  # the GPU default is bf16: fp32 gives |dlogp| ~1e-5
   # past the trained context: trainer and servers scale RoPE alike (YaRN), or prob_corr drops
-  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --max-model-len 16384 \
-      --vllm-args "${VLLM_ARGS:---gpu-memory-utilization 0.35}"
+  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --max-model-len 16384 --vllm-args "${VLLM_ARGS:-}"
 done
+
+place() {  # place NAME EXPECTED ARGS...: one rank on GPU 0; EXPECTED: "gpu=share ..." where the servers must be
+  local name=$1 expected=$2; shift 2
+  rm -rf "$OUT/$name"
+  echo "== $name: expect $expected (GPU 0 also holds the trainer)"
+  (while :; do nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits; sleep 1; done) > "$OUT/$name.smi" &
+  local smi=$!
+  $PY train.py --model smollm2 --harness tests/harnesses.py:LengthHarness --harness-arg max_tokens=32 --steps 1 --eval-tasks 0 \
+      --batch-size 2 --group-size 2 --max-new-tokens 32 --backend vllm --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1 \
+    || { echo "   failed: see $OUT/$name.log"; tail -5 "$OUT/$name.log"; }
+  kill "$smi"
+  $PY - "$OUT/$name.smi" $expected <<'EOF'
+import sys
+peak, total = {}, {}
+for line in open(sys.argv[1]):
+    i, used, tot = (int(x) for x in line.split(","))
+    peak[i], total[i] = max(peak.get(i, 0), used), tot
+share = {i: peak[i] / total[i] for i in sorted(total)}
+want = {int(g): float(s) for g, s in (e.split("=") for e in sys.argv[2:])}
+# a server holds its share from start-up (weights, KV cache), no more; the trainer (GPU 0) adds < 0.1 (135M model)
+bad = [i for i, s in share.items() if not want.get(i, 0) - 0.05 <= s <= want.get(i, 0) + (0.1 if i == 0 else 0.05)]
+print("   peak memory.used / total by GPU:", ", ".join(f"{i}: {s:.2f}" for i, s in share.items()), "MISPLACED" if bad else "ok")
+EOF
+}
+if [ "$VLLM" = 1 ] && [ "$SMOKE" != 1 ]; then
+  place place-beside "0=0.3"
+  place place-beside-0.5 "0=0.5" --vllm-gpu-memory 0.5
+  [ "$NGPU" -ge 2 ] && place place-own "1=0.9" --vllm-gpus 1
+  [ "$NGPU" -ge 3 ] && place place-own-tp2 "1=0.9 2=0.9 0=0.3" --vllm-gpus 1,2 0
+fi
 
 $PY - "$OUT" <<'EOF'
 import json, os, sys

@@ -296,3 +296,110 @@ def test_trainer_logprobs_uses_each_tokens_own_sampling():
         assert lp[0, t].item() == approx(one.item())
     assert lp[0, 1].item() == approx(torch.log_softmax(logits[0, 0] / 0.5, -1)[tokens[0, 1]].item())
     assert lp.dtype == torch.float64 and lp[0, 0] == 0.0
+
+
+def mixed_batch(V, dtype=torch.float32):
+    """Three rows sharing an 18-token prompt (the shared-prefix path runs), 21 trainable tokens under mixed
+    temperature / top-k / top-p settings: greedy, top-k, top-p, both, and a top-k past the 1,024 largest."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, V, (18,), generator=g).tolist()
+    samples = []
+    for i, n in enumerate((7, 5, 9)):
+        T = 18 + n
+        tokens = prompt + torch.randint(0, V, (n,), generator=g).tolist()
+        samples.append(Sample(f"r{i}", tokens, [0] * 18 + [1] * n, [0.0] * T,
+                              temperature=([1.0, 0.7, 1.3, 0.0] * T)[i:i + T],
+                              top_k=([0, 5, 0, min(V - 1, 2000), 3] * T)[i:i + T],
+                              top_p=([1.0, 1.0, 0.9, 0.95, 0.5] * T)[i:i + T]))
+    return collate(samples, [1.0] * 3, dtype=dtype)
+
+
+def logprobs_and_grads(net, f):
+    net.zero_grad(set_to_none=True)
+    lp = f()
+    lp.sum().backward()
+    g = torch.cat([p.grad.flatten() for p in net.parameters()])
+    net.zero_grad(set_to_none=True)
+    return lp.detach(), g
+
+
+def whole_logprobs(net, b):
+    """The computation without chunks: the model's own full logits, every trainable position at once."""
+    on = b["loss_mask"][:, 1:] > 0
+    logits = net(input_ids=b["tokens"]).logits[:, :-1]
+    settings = (b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p"))
+    lp = sampled_logprobs(logits[on], b["tokens"][:, 1:][on], *settings)
+    return torch.zeros_like(b["loss_mask"]).masked_scatter(b["loss_mask"] > 0, lp)
+
+
+def test_trainer_logprobs_in_chunks_is_the_whole_computation(model):
+    """The embedded model (its LM head tied to the embeddings), 3 rows a chunk (7 chunks, the last partial): the
+    logprobs and gradients of the whole computation. fp32: the head's matmul rounds differently for another number
+    of rows (measured: 1e-5 in the logprobs, 7e-5 of the gradient's norm; in fp64 1e-14 and 1e-15)."""
+    b = mixed_batch(model.config.vocab_size)
+    lp, g = logprobs_and_grads(model, lambda: trainer_logprobs(model, b, chunk=3))
+    lp_whole, g_whole = logprobs_and_grads(model, lambda: whole_logprobs(model, b))
+    assert (lp - lp_whole).abs().max() <= 1e-4 and (g - g_whole).norm() <= 1e-3 * g_whole.norm()
+    assert not hasattr(model, "ll_full_logits")  # the chunked head ran: the model returned the hidden states as given
+
+
+class LargestLogits(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most rows of V logits (or their gradients) that one tensor made by any op holds, forward and
+    backward; the head's weight, its gradient and their transposes ([V, H] or [H, V]) left out."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.V, self.H, self.rows = net.config.vocab_size, net.config.hidden_size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.V and t.numel() != self.V * self.H:
+                self.rows = max(self.rows, t.numel() // self.V)
+        return out
+
+
+def test_trainer_logprobs_memory_is_one_chunk_of_logits(model):
+    """21 trainable positions, 3 a chunk: no tensor of logits holds more than 3 rows, in forward or in backward
+    (the model itself would make [3, 9, V] logits, the head running from the first trainable position)."""
+    b = mixed_batch(model.config.vocab_size)
+    with LargestLogits(model) as seen:
+        logprobs_and_grads(model, lambda: trainer_logprobs(model, b, chunk=3))
+    assert seen.rows == 3
+
+
+def test_trainer_logprobs_of_a_model_that_post_processes_its_logits():
+    """A model whose forward changes the head's output (as Gemma2's softcapping or Cohere's logit_scale do) is
+    noticed and runs with its own head, to the same numbers; a plain one (tied head) runs the chunked head.
+    A tiny random Llama in fp64 (fp32 RMSNorm: the shared prefix sums gradients in another order, as above)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Softcapped(LlamaForCausalLM):  # Gemma2's final_logit_softcapping (a scale would pass: W 2h = 2 W h)
+        def forward(self, **kw):
+            out = super().forward(**kw)
+            out.logits = torch.tanh(out.logits / 0.5) * 0.5
+            return out
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True)
+    b = mixed_batch(50, torch.float64)
+    for cls in (LlamaForCausalLM, Softcapped):
+        torch.manual_seed(0)
+        net = cls(cfg).double()
+        lp_whole, g_whole = logprobs_and_grads(net, lambda: whole_logprobs(net, b))
+        for _ in range(2):  # the first call notices the post-processing, the second remembers it
+            lp, g = logprobs_and_grads(net, lambda: trainer_logprobs(net, b, chunk=3))
+            assert torch.allclose(lp, lp_whole, atol=1e-12) and (g - g_whole).abs().max() <= 1e-6 * g_whole.abs().max()
+        assert getattr(net, "ll_full_logits", False) == (cls is Softcapped)
+
+
+def test_sampling_support_past_the_1024_largest_logits_is_that_of_a_whole_sort():
+    """Rows whose cut lies past the 1,024 largest are redone, alone: on all V (top-p) or on the k largest (top-k
+    alone). Near-flat logits, top-k 2,000 then top-p 0.6 keep 1,199 (the top-1,024's mass alone gave 614)."""
+    flat = torch.linspace(0, 0.01, 3000)[None]
+    assert sampling_support(flat, torch.tensor([2000]), torch.tensor([0.6])).sum().item() == 1199
+    x = torch.cat([flat, torch.randn(5, 3000, generator=torch.Generator().manual_seed(0)) * 2])
+    k, p = torch.tensor([2000, 2000, 0, 1500, 5, 0]), torch.tensor([0.6, 1.0, 0.999, 0.9, 0.5, 0.3])
+    keep = sampling_support(x, k, p)
+    assert torch.equal(keep, sampling_support(x, k, p, m=3000))  # m = V: one whole sort
+    assert keep.sum(-1).tolist() == [1199, 2000, 2584, 606, 2, 28]

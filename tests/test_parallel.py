@@ -39,7 +39,8 @@ def make_samples(model):
 
 
 def one_step(mode, rank=0, world=1):
-    """train.py's update on this rank's samples, one sample per micro-batch; returns (full weights, grad norm)."""
+    """train.py's update on this rank's samples, one sample per micro-batch; returns (full weights on rank 0, grad
+    norm, the wrapped module)."""
     from lightning_lite.models import load_model
 
     torch.manual_seed(0)
@@ -62,12 +63,45 @@ def one_step(mode, rank=0, world=1):
             (loss * world).backward()
     gnorm = parallel.scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     opt.step()
-    return {k: v.detach().clone() for k, v in parallel.full_state_dict(model, mode).items()}, gnorm
+    return {k: v.detach().clone() for k, v in parallel.full_state_dict(model, mode).items()}, gnorm, net
+
+
+def gathers_one_tensor_at_a_time(net, rank, weights):
+    """Under FSDP the weight syncs and checkpoints hold no second copy of the model: the full state dict is in
+    rank 0's host memory only, and filling the embedded backend's copy gathers one tensor at a time."""
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    from lightning_lite.models import load_model
+
+    full = parallel.full_state_dict(net, "fsdp")
+    assert (len(full) > 0) == (rank == 0) and all(v.device.type == "cpu" for v in full.values())
+    alive, most, gather = [], [0], DTensor.full_tensor
+
+    def tracked(self, *a, **kw):
+        t = gather(self, *a, **kw)
+        alive.append(weakref.ref(t))
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        return t
+
+    dst = load_model("smollm2", torch.device("cpu"))
+    DTensor.full_tensor = tracked
+    try:
+        parallel.copy_weights(net, dst)
+    finally:
+        DTensor.full_tensor = gather
+    print(f"rank {rank}: {len(alive)} tensors gathered, at most {most[0]} alive at once")
+    assert len(alive) == len(dst.state_dict()) and most[0] <= 2, (len(alive), most[0])
+    got = dst.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in weights.items())  # rank 0's gathered weights (rank 1 has none)
 
 
 def worker(rank, port, out, mode):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    weights, gnorm = one_step(mode, rank, 2)
+    weights, gnorm, net = one_step(mode, rank, 2)
+    if mode == "fsdp":
+        gathers_one_tensor_at_a_time(net, rank, weights)
     if rank == 0:
         torch.save((weights, gnorm), os.path.join(out, f"{mode}.pt"))
     dist.destroy_process_group()
@@ -91,7 +125,7 @@ def test_fsdp_and_ddp_give_the_weights_of_one_process(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): some CPU kernels sum in another order on 2 threads,
     try:  # and Adam turns that fp32 noise into up to ~10% of a step on weights with near-zero gradients (measured)
-        ref, ref_gnorm = one_step("ddp")  # one process, the whole batch
+        ref, ref_gnorm, _ = one_step("ddp")  # one process, the whole batch
     finally:
         torch.set_num_threads(threads)
     step = max((ref[k] - before[k]).abs().max().item() for k in ref)

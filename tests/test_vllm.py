@@ -81,7 +81,10 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path):
             print(f"step {r['step']}: prob_corr {r['prob_corr']:.4f}  mean |dlogp| by staleness {r['dlogp_by_staleness']}  sync {r['t_sync']} s")
             assert r["prob_corr"] >= 0.99 and r["dlogp_by_staleness"].get("0", 0.0) < 0.1, r
     log = open(os.path.join(out, "vllm_0.log")).read()
-    assert log.count("to fall asleep") == 2 and log.count("seconds to wake up") == 2, log[-2000:]
+    # each sync wakes the weights, reloads them, then wakes the KV cache (the peak is the weights, not both)
+    assert log.count("to fall asleep") == 2 and log.count("to wake up tags ['weights']") == 2, log[-2000:]
+    assert log.count("to wake up tags ['kv_cache']") == 2 and log.count("seconds to wake up") == 4, log[-2000:]
+    assert log.index("tags ['weights']") < log.index("tags ['kv_cache']"), log[-2000:]
     # Every call of step 1 (served by the initial weights), update or not, against the trainer's YaRN model
     samples, _ = build_batch_samples(read_calls(os.path.join(out, "calls", "step_0.jsonl")))
     b = collate(samples, [1.0] * len(samples))
@@ -171,7 +174,8 @@ def test_train_py_serves_its_own_weights_from_vllm_url_servers_and_refuses_anoth
     vllm.resume()
     out = str(tmp_path / "run")
     cmd = [sys.executable, "train.py", "--harness", "tests/harnesses.py:LengthHarness", "--harness-arg", "max_tokens=16", "--steps", "1",
-           "--batch-size", "2", "--group-size", "4", "--eval-tasks", "0", "--backend", "vllm", "--vllm-url", vllm.urls[0], "--out", out]
+           "--batch-size", "2", "--group-size", "4", "--eval-tasks", "0", "--backend", "vllm", "--vllm-url", vllm.urls[0],
+           "--vllm-api-key", vllm.api_key, "--out", out]
     p = subprocess.run(cmd + ["--max-model-len", "16384"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "--max-model-len 16384 --hf-overrides" in p.stderr and "yarn" in p.stderr, p.stderr[-2000:]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

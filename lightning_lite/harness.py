@@ -16,11 +16,14 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tqdm import tqdm
+
+from . import sandbox as sandboxes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # examples/ lives next to lightning_lite/
 
@@ -35,28 +38,37 @@ class Task:
 
 @dataclass
 class Endpoint:
-    base_url: str  # "http://127.0.0.1:PORT/rollout/<rollout_id>/v1" (OpenAI-style clients)
+    base_url: str  # "http://127.0.0.1:PORT/rollout/<route>/v1" (OpenAI-style clients)
     api_key: str
     model: str
     rollout_id: str
-    server_url: str  # "http://127.0.0.1:PORT"; Anthropic clients use server_url + "/rollout/<id>"
+    server_url: str  # "http://127.0.0.1:PORT"; Anthropic clients use server_url + "/rollout/<route>"
+    route: str = ""  # "<rollout_id>.<token>" under train.py (the token makes the route this rollout's alone); the id otherwise
+    reward_key: str = ""  # for the X-Reward-Key header of a reward POST: the harness's, never the agent's
+    socket: Optional[str] = None  # the proxy's Unix socket for this rollout alone (sandboxes bridge 127.0.0.1:PORT to it)
 
     @property
     def anthropic_base_url(self) -> str:
-        return f"{self.server_url}/rollout/{self.rollout_id}"
+        return f"{self.server_url}/rollout/{self.route or self.rollout_id}"
 
     @property
     def reward_url(self) -> str:
-        """Where a harness may POST {"reward": x} instead of returning it."""
+        """Where a harness (not its agent) may POST {"reward": x}, with header X-Reward-Key, instead of returning it."""
         return f"{self.server_url}/rollout/{self.rollout_id}/reward"
 
 
 class Harness:
     """Base class of every harness: write ``tasks`` and ``run``, which returns the reward, or None when it POSTed
-    one to ``endpoint.reward_url``. ``timeout`` (seconds), when set, caps one rollout below the runner's limit."""
+    one to ``endpoint.reward_url`` (header ``X-Reward-Key: endpoint.reward_key``). ``timeout`` (seconds), when set,
+    caps one rollout below the runner's limit."""
 
     name = "base"
     timeout: Optional[float] = None
+    # The proxy-side audit (audit.py; README "Sandboxes"): name -> regex over the model's replies and tool calls, and
+    # over the tool results the harness sent back; a match flags the rollout (rollouts/step_K.jsonl, the report).
+    audit: dict[str, str] = {}
+    audit_results: dict[str, str] = {}
+    zero_flagged = False  # True: a flagged rollout (audit, or a route the proxy refused it) gets reward 0
 
     def tasks(self, split: str) -> list[Task]:  # split in {"train", "test"}
         raise NotImplementedError(f"{type(self).__name__} must define tasks(split)")
@@ -68,10 +80,24 @@ class Harness:
 class SubprocessHarness(Harness):
     """A harness that is a program (README: "Harnesses"): write ``command(task, endpoint) -> (argv, env_extra,
     cwd)``, e.g. ``return ["python", "agent.py", task.prompt], {}, None``, and maybe ``reward``. Of the
-    trainer's environment it gets only ``BASE_ENV`` and ``pass_env``: no secret reaches an agent that may print it."""
+    trainer's environment it gets only ``BASE_ENV`` and ``pass_env``: no secret reaches an agent that may print it.
+    It runs in ``sandbox`` (README "Sandboxes"; train.py's ``--sandbox``, default bwrap), which sees the trainer's
+    HOME only where ``ro_binds`` says; ``reward`` runs on the host after the program has exited."""
 
     BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "PYENV_ROOT")
     pass_env: tuple[str, ...] = ()  # more of the trainer's variables the program needs (e.g. "HF_HOME")
+    sandbox: Optional[sandboxes.Sandbox] = None  # None: sandboxes.make("auto") at the first rollout
+    # Read-only in the sandbox (bwrap hides the trainer's HOME; docker sees only its image): the interpreter and the
+    # repo the program runs from, and the harness's own installs.
+    ro_binds: tuple[str, ...] = tuple(dict.fromkeys((sys.base_prefix, sys.prefix, str(REPO_ROOT))))
+    binds: tuple[str, ...] = ()  # more read-write dirs than the cwd
+    hide: tuple[str, ...] = ()  # bwrap: dirs it must not see though the system is visible (its answers, hidden tests)
+    image: Optional[str] = None  # docker's image (a task's own: override sandbox_options)
+    limits: Optional[sandboxes.Limits] = None  # docker's CPU, memory, PID limits
+
+    def sandbox_options(self, task: Task) -> dict:
+        """Per task: what ``Sandbox.wrap`` gets besides the command (a SWE instance's own image, say)."""
+        return dict(binds=self.binds, ro_binds=self.ro_binds, hide=self.hide, image=self.image, limits=self.limits)
 
     def command(self, task: Task, endpoint: Endpoint) -> tuple[list[str], dict, Optional[str]]:
         raise NotImplementedError(f"{type(self).__name__} must define command(task, endpoint)")
@@ -88,17 +114,20 @@ class SubprocessHarness(Harness):
         env = {k: v for k, v in os.environ.items() if k in self.BASE_ENV or k.startswith("LC_") or k in self.pass_env}
         env.update(OPENAI_BASE_URL=endpoint.base_url, OPENAI_API_KEY=endpoint.api_key,
                    OPENAI_MODEL=endpoint.model, ANTHROPIC_BASE_URL=endpoint.anthropic_base_url,
-                   ANTHROPIC_API_KEY=endpoint.api_key, LL_ROLLOUT_ID=endpoint.rollout_id,
-                   LL_TASK_ID=task.id, LL_REWARD_URL=endpoint.reward_url)
+                   ANTHROPIC_API_KEY=endpoint.api_key, LL_ROLLOUT_ID=endpoint.rollout_id, LL_TASK_ID=task.id)
         env.update({k: str(v) for k, v in (env_extra or {}).items()})
         workdir, proc = cwd or tempfile.mkdtemp(prefix=f"ll-{endpoint.rollout_id}-"), None
+        box = self.sandbox = self.sandbox or sandboxes.make("auto")
+        name = f"ll-{endpoint.rollout_id}-{os.getpid()}"  # a container's name: unique on the machine
+        host = box.wrap(argv, env, workdir, socket=endpoint.socket, port=urllib.parse.urlsplit(endpoint.server_url).port,
+                        name=name, **self.sandbox_options(task))
         # Output goes to files, not pipes: a grandchild that escaped the process group and keeps
         # a pipe open would otherwise hold communicate() until the rollout's timeout.
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
                 # start_new_session: its own process group, so killpg reaches its children too
-                proc = await asyncio.create_subprocess_exec(*argv, cwd=workdir, env=env, stdout=out, stderr=err,
-                                                            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+                proc = await asyncio.create_subprocess_exec(*host, cwd=workdir, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                                                            stdout=out, stderr=err, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
                 await proc.wait()
                 out.seek(0), err.seek(0)
                 stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
@@ -106,7 +135,7 @@ class SubprocessHarness(Harness):
                 reward = await asyncio.to_thread(self.reward, task, stdout, proc.returncode, workdir)
                 if reward is None and proc.returncode != 0:
                     tail = " | ".join(stderr.strip().splitlines()[-3:])
-                    raise RuntimeError(f"{argv[0]} exited with code {proc.returncode}: {tail or '(no stderr)'}")
+                    raise RuntimeError(f"{argv[0]} (sandbox {box.name}) exited with code {proc.returncode}: {tail or '(no stderr)'}")
                 return reward
             finally:
                 # Timeout and cancellation land here too: kill the whole group (the
@@ -116,6 +145,7 @@ class SubprocessHarness(Harness):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     await proc.wait()  # at once when it has exited
+                await asyncio.to_thread(box.kill, name)
                 if not cwd:  # the temporary directory it ran in
                     shutil.rmtree(workdir, ignore_errors=True)
 
@@ -195,6 +225,7 @@ class RolloutResult:
     reward: Optional[float]  # None when failed
     error: Optional[str]  # "timeout after 60s", "RuntimeError: ...", "no reward"; None when it worked
     seconds: float
+    flags: list = field(default_factory=list)  # what it tried that it may not: {kind, what, call, where, match} (README "Sandboxes")
 
 
 def fail_rollouts_the_backend_failed(results: list[RolloutResult], calls) -> None:

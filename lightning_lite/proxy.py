@@ -18,6 +18,9 @@ import logging
 import math
 import os
 import re
+import secrets
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -30,6 +33,7 @@ from aiohttp import web
 
 from . import apis
 from .chat import BadRequest, ContentStream, Renderer, Request, Turn, fingerprints
+from .harness import Endpoint
 from .models import eos_ids
 from .records import Call, prepare_append, to_json
 
@@ -52,14 +56,17 @@ class Session:
     reward: Optional[float] = None
     memo: dict[str, dict] = field(default_factory=dict)  # per API: the last request's messages (apis._convert)
     out: Optional[CallsFile] = None  # where its calls go: the file current when it began (set by its first call or a switch)
+    flags: list[dict] = field(default_factory=list)  # what it tried that was refused (README "Sandboxes")
 
 
 class Proxy:
     def __init__(self, backend, tokenizer, model_name: str = "smollm2", out_dir: Optional[str] = None, reuse_tokens: bool = True,
                  max_body_mb: float = 32.0, max_new_tokens: Optional[int] = None, call_timeout: Optional[float] = None,
                  api_key: Optional[str] = None, max_requests: int = 1024, pause_retry_after: Optional[float] = None,
-                 tool_format: Optional[str] = None, keep_history_tokens: bool = False):
-        """Options as proxy.py's flags of the same names (``pause_retry_after``: train.py's); see their help."""
+                 tool_format: Optional[str] = None, keep_history_tokens: bool = False, rollout_tokens: bool = False):
+        """Options as proxy.py's flags of the same names (``pause_retry_after``: train.py's); see their help.
+        ``rollout_tokens`` (train.py): only rollouts opened with :meth:`open_rollout` are served, each under its
+        token, and rewards only with :attr:`reward_key`."""
         self.backend, self.tok = backend, tokenizer
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
         self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
@@ -68,6 +75,10 @@ class Proxy:
         self.model_name, self.reuse_tokens = model_name, reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
+        # rollout id -> its URL token; None: any id is served (proxy.py). The reward key never reaches an agent.
+        self.tokens: Optional[dict[str, str]] = {} if rollout_tokens else None
+        self.reward_key = secrets.token_urlsafe(24) if rollout_tokens else None
+        self.sockets: dict[str, str] = {}  # a rollout's own Unix socket (its sandbox's only way out) -> its id
         self.failures, self.n_failures = deque(maxlen=100), 0  # backend errors (the last 100; all counted): reported, never trained on
         self._out, self._lock = CallsFile(None), threading.Lock()  # set_output runs on the trainer's thread, _record on the loop's
         self._retired: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()  # reset()'s sessions a request still holds
@@ -93,6 +104,14 @@ class Proxy:
                     log.warning(f"{path}: cut off a torn last line ({cut} bytes; its writer was killed mid-line) before appending")
                 open(path, "a").close()  # the file exists from now on, even if no call comes
 
+    def open_rollout(self, rollout_id: str) -> str:
+        """A new rollout's route, ``<id>.<token>``: its base URL is ``/rollout/<id>.<token>/v1``."""
+        self.tokens[rollout_id] = secrets.token_urlsafe(16)
+        return f"{rollout_id}.{self.tokens[rollout_id]}"
+
+    def flags(self, rollout_id: str) -> list[dict]:
+        return getattr(self.sessions.get(rollout_id) or self._retired.get(rollout_id), "flags", [])
+
     def reward(self, rollout_id: str) -> Optional[float]:
         return getattr(self.sessions.get(rollout_id), "reward", None)  # None: no such session, or no reward posted
 
@@ -101,6 +120,7 @@ class Proxy:
         keeps its session (its request holds it; _retired finds it, weakly) and is recorded with it."""
         old, self.sessions = self.sessions, {}
         self._retired.update(dict(old))
+        self.tokens = None if self.tokens is None else {}  # a straggler of a finished rollout gets a 403
 
     # ------------------------------------------------------------------ recording
 
@@ -135,12 +155,38 @@ class Proxy:
 
     # ------------------------------------------------------------------ handlers
 
-    async def _read(self, request: web.Request) -> tuple[str, Any]:
+    def _owner(self, request: web.Request) -> Optional[str]:
+        """The rollout whose own Unix socket the request came through, if any: a sandboxed rollout's only way out."""
+        return self.sockets.get(request.transport.get_extra_info("sockname") if request.transport else None)
+
+    def _refuse(self, request: web.Request, what: str):
+        """403, and a flag on the rollout that sent it, when its socket tells."""
+        if owner := self._owner(request):
+            self.sessions.setdefault(owner, Session()).flags.append(
+                {"kind": "route", "what": f"{what}: {request.method} {request.path}", "call": None, "where": None, "match": None})
+        raise BadRequest(f"{what}: use the base URL this rollout was given", None, "forbidden", 403)
+
+    def _rollout(self, request: web.Request) -> str:
+        """The rollout a request is for: its id, checked against its token when the proxy has tokens."""
         rid = request.match_info.get("rid", "default")
         if not ROLLOUT_ID.match(rid):
             raise BadRequest(f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]", None, "invalid_rollout_id")
+        if self.tokens is None:
+            return rid
+        rid, _, token = rid.rpartition(".")
+        want = self.tokens.get(rid)
+        if want is None or not hmac.compare_digest(token.encode(), want.encode()):
+            self._refuse(request, "not a rollout of this run, or a wrong token")
+        if self._owner(request) not in (None, rid):
+            self._refuse(request, f"rollout {self._owner(request)} used the route of rollout {rid}")
+        return rid
+
+    async def _read(self, request: web.Request) -> tuple[str, Any]:
+        return self._rollout(request), await self._body(request)
+
+    async def _body(self, request: web.Request) -> Any:
         try:
-            return rid, json.loads(await request.read())
+            return json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deeply
             raise BadRequest(f"the request body is not valid JSON ({e})", None, "invalid_json") from None
 
@@ -268,7 +314,14 @@ class Proxy:
         return await _sse_start(request, out.end(answers))
 
     async def post_reward(self, request: web.Request):
-        rid, body = await self._read(request)
+        rid = request.match_info["rid"]
+        if self.tokens is None and not ROLLOUT_ID.match(rid):
+            raise BadRequest(f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]", None, "invalid_rollout_id")
+        if self.reward_key is not None and not hmac.compare_digest(request.headers.get("X-Reward-Key", "").encode(), self.reward_key.encode()):
+            self._refuse(request, "rewards come from the harness (header X-Reward-Key), never from the agent")
+        if self.tokens is not None and rid not in self.tokens:
+            raise BadRequest(f"no rollout {rid[:64]!r} in this run", None, "not_found", 404)
+        body = await self._body(request)
         r = body.get("reward") if isinstance(body, dict) else body
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
             raise BadRequest("send {\"reward\": <number>}", "reward", "invalid_type")
@@ -349,7 +402,7 @@ class BackendError(Exception):
 
 def _error(api: str, status: int, message: str, param=None, code=None, retry_after=None) -> web.Response:
     if api == "anthropic":
-        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                 504: "timeout_error"}.get(status, "api_error" if status >= 500 else "invalid_request_error")
     else:
         kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
@@ -375,10 +428,35 @@ class ProxyServer:
         self.proxy, self.host, self.port = proxy, host, port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
-        self._runner = None
+        self._runner, self._sites, self._socket_dir, self._n_sockets = None, {}, None, 0
+
+    def open_socket(self, rollout_id: str) -> str:
+        """A Unix socket of the proxy that only ``rollout_id`` uses (its sandbox's bridge connects to it), so that
+        whatever comes through it is that rollout's doing. Short paths: a socket path has at most 107 bytes."""
+        self._socket_dir = self._socket_dir or tempfile.mkdtemp(prefix="ll-proxy-")
+        path, self._n_sockets = os.path.join(self._socket_dir, f"{self._n_sockets}.sock"), self._n_sockets + 1
+        site = web.UnixSite(self._runner, path)
+        asyncio.run_coroutine_threadsafe(site.start(), self.loop).result()
+        self._sites[rollout_id], self.proxy.sockets[path] = (site, path), rollout_id
+        return path
+
+    def close_sockets(self, rollout_ids):
+        for rid in rollout_ids:
+            if rid in self._sites:
+                site, path = self._sites.pop(rid)
+                asyncio.run_coroutine_threadsafe(site.stop(), self.loop).result()
+                del self.proxy.sockets[path]
+                os.unlink(path)
 
     def base_url(self, rollout_id: str) -> str:
         return f"{self.url}/rollout/{rollout_id}/v1"
+
+    def endpoint(self, rollout_id: str, model: str, socket: bool = False, api_key: str = "sk-lightning-lite") -> Endpoint:
+        """A new rollout's endpoint: its base URL carries a token only it knows (with ``rollout_tokens``); ``socket``:
+        a Unix socket of its own too, for a sandbox to bridge."""
+        route = self.proxy.open_rollout(rollout_id) if self.proxy.tokens is not None else rollout_id
+        return Endpoint(self.base_url(route), api_key, model, rollout_id, self.url, route, self.proxy.reward_key or "",
+                        self.open_socket(rollout_id) if socket else None)
 
     def start(self) -> "ProxyServer":
         self._thread.start()
@@ -394,8 +472,11 @@ class ProxyServer:
         self.url = f"http://{self.host}:{self.port}"
 
     def stop(self):
+        self.close_sockets(list(self._sites))
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result()
             self._runner = None
+        if self._socket_dir:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)

@@ -47,3 +47,34 @@ def server(backend, tok, tmp_path_factory):
     srv.out = out
     yield srv
     srv.stop()
+
+
+# The sandboxes' programs (@pytest.mark.sandbox tests), which `make test-sandbox` installs and starts: when one
+# is missing the test fails under CI (that target ran, so something is broken) and skips elsewhere.
+def _sandbox_check(argv, what):
+    import subprocess
+
+    try:
+        ok = subprocess.run(argv, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"{what}: run make setup-sandbox")
+        pytest.skip(f"{what}: run make setup-sandbox")
+
+
+@pytest.fixture(scope="session")
+def docker_image():
+    """The local image the docker sandbox runs (scripts/sandbox_setup.sh builds it: no registry is reachable)."""
+    image = "lightning-lite/sandbox:bookworm"
+    _sandbox_check(["docker", "image", "inspect", image], f"no docker, no running dockerd, or no image {image}")
+    return image
+
+
+@pytest.fixture(scope="session")
+def bwrap_ok():
+    """bubblewrap is installed and may create the namespaces the bwrap sandbox uses."""
+    _sandbox_check(["bwrap", "--ro-bind", "/", "/", "--unshare-net", "--unshare-pid", "true"],
+                   "bwrap is missing or cannot create namespaces")
+    return True

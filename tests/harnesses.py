@@ -7,6 +7,7 @@ import zlib
 import openai
 
 from lightning_lite.harness import Harness, SubprocessHarness, Task
+from lightning_lite.sandbox import Sandbox
 
 TOPICS = ["cats", "rain", "bread", "trains", "the sea", "music", "snow", "books"]
 
@@ -59,12 +60,29 @@ class ScriptHarness(SubprocessHarness):
     """A harness that is a separate program talking to the proxy through the environment."""
 
     name = "script"
+    sandbox = Sandbox()  # the host: make test needs no bubblewrap (tests/test_sandbox.py runs programs in it)
 
     def tasks(self, split):
         return [Task(f"{split}-{i}", "Hi") for i in range(4)]
 
     def command(self, task, endpoint):
         return [sys.executable, "-c", SCRIPT], {}, None
+
+
+class AuditedScript(ScriptHarness):
+    """ScriptHarness in train.py's --sandbox, with an audit that flags every rollout (the task's "Hi" is the first
+    call's new prompt text) and zeroes its reward; its agent also tries to POST a reward of its own."""
+
+    name = "audited"
+    sandbox = None
+    audit_results = {"greeting": r"\bHi\b"}
+    zero_flagged = True
+
+    def command(self, task, endpoint):
+        poster = ("\nimport urllib.request\ntry: urllib.request.urlopen(urllib.request.Request(os.environ['OPENAI_BASE_URL']"
+                  ".split('/rollout/')[0] + '/rollout/' + os.environ['LL_ROLLOUT_ID'] + '/reward', b'{\"reward\": 1}'))\n"
+                  "except Exception: pass\n")
+        return [sys.executable, "-c", SCRIPT + poster], {}, None
 
 
 class SamplingHarness(Harness):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from lightning_lite.sandbox import Sandbox
 from examples.swe.tasks import FAMILIES, CodingHarness, make_tasks, score, write_solution, write_workspace
 
 
@@ -72,6 +73,7 @@ class FakeAgent(CodingHarness):
     """Writes the reference fix (or nothing) and leaves a process behind in its own session."""
 
     name = "fake"
+    sandbox = Sandbox()  # the host: the lifecycle, not the sandbox, is tested here
 
     def __init__(self, fix=True):
         super().__init__(n_train=4, n_test=0)
@@ -79,9 +81,9 @@ class FakeAgent(CodingHarness):
 
     def agent(self, task, endpoint, repo, home):
         code = ("import json, os, subprocess, sys\n"
-                "subprocess.Popen(['sleep', '300'], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"  # escapes the group
+                "subprocess.Popen(['sleep', '300.4217'], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"  # escapes the group
                 f"files = json.loads({json.dumps(json.dumps(task.answer['solution'] if self.fix else {}))})\n"
-                "for name, text in files.items(): open(name, 'w').write(text)\n")
+                f"for name, text in files.items(): open(os.path.join({str(repo)!r}, name), 'w').write(text)\n")  # cwd: repo/ and home/
         return [sys.executable, "-c", code], {}
 
 
@@ -96,7 +98,7 @@ def test_rollout_lifecycle_with_a_fake_agent(fix):
     assert [r.reward for r in results] == [float(fix)] * 4, results
     assert not h._roots and not list(Path("/tmp").glob("ll-coding-fake-*"))  # every rollout directory is gone
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "sleep 300" not in ps  # the escaped process was killed too
+    assert "sleep 300.4217" not in ps  # the escaped process was killed too (an odd duration: no other process's)
 
 
 # ---------------------------------------------------------------------------- the real harnesses

@@ -11,6 +11,7 @@ import pytest
 
 from lightning_lite.harness import (Endpoint, Harness, SubprocessHarness, Task,
                                     load_harness, parse_kwargs, run_rollouts)
+from lightning_lite.sandbox import Sandbox
 from openai_stub import StubServer
 
 
@@ -89,15 +90,9 @@ print("agent said", text)
 print(1.0 if text == "4" else 0.0)
 """
 
-POSTER = """
-import json, os, urllib.request
-urllib.request.urlopen(urllib.request.Request(os.environ["LL_REWARD_URL"],
-    data=json.dumps({"reward": 0.75}).encode(), headers={"Content-Type": "application/json"}))
-print("posted, nothing else to say")
-"""
-
-
 class Script(SubprocessHarness):
+    sandbox = Sandbox()  # on the host: these tests are about the runner (tests/test_sandbox.py: the sandboxes)
+
     def __init__(self, code, cwd=None):
         self.code, self.cwd = code, cwd
 
@@ -143,16 +138,6 @@ def test_subprocess_harness_gets_a_scrubbed_environment(monkeypatch):
     assert h.env["OPENAI_BASE_URL"] == endpoint.base_url and h.env["PROMPT"] == "hi" and h.env["LL_ROLLOUT_ID"] == "r"
     assert not set(h.env) - set(SubprocessHarness.BASE_ENV) - {"MY_TOOL_HOME", "PROMPT"} - {k for k in h.env if k.startswith(("LC_", "OPENAI_", "ANTHROPIC_", "LL_"))}
     assert os.path.basename(h.workdir).startswith("ll-r-") and not os.path.exists(h.workdir)  # its own directory, removed
-
-
-def test_subprocess_harness_may_post_its_reward():
-    async def main():
-        async with StubServer(lambda rid, body, n: {"content": "?"}) as stub:
-            results = await run_rollouts(Script(POSTER), [("r7", Task("t", ""))], stub.endpoint,
-                                         posted_reward=stub.rewards.get, progress=False)
-            return results[0]
-
-    assert asyncio.run(main()).reward == 0.75
 
 
 def _alive(pid: int) -> bool:

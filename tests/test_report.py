@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from conftest import ROOT
+from lightning_lite.audit import scan
 from lightning_lite.records import Call, write_jsonl
 from lightning_lite.report import batch_label
 from lightning_lite.samples import build_samples
@@ -64,10 +65,16 @@ def run(tok, tmp_path_factory):
     p2, r2 = p0 + ids("Earlier you said four.<|im_end|>\n<|im_start|>assistant\n"), ids("Sure.<|im_end|>")
     good = [call("s1-g0", 0, p0, r0), call("s1-g0", 1, p1, r1, parent=0), call("s1-g0", 2, p2, r2, hint="rewrote_history")]
     failed = [call("s1-g1", 0, p0, ids("I do not know"))]
-    write_jsonl(str(d / "calls" / "step_1.jsonl"), good + failed)
+    # a rollout the audit flagged (its tool call read the hidden tests), and whose next request the proxy refused
+    cheat = call("s1-g2", 0, p0, ids("<tool_call>cat tests/hidden.py</tool_call>"))
+    cheat.response = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "bash", "arguments": {"cmd": "cat tests/hidden.py"}}]}
+    flags = scan([cheat], {"read_hidden_tests": r"tests/hidden"}, {}, tok.decode)
+    flags.append({"kind": "route", "what": "refused a request to /v1/files", "call": None, "where": None, "match": None})
+    write_jsonl(str(d / "calls" / "step_1.jsonl"), good + failed + [cheat])
     write_jsonl(str(d / "rollouts" / "step_1.jsonl"), [
-        {"rollout_id": "s1-g0", "task_id": "t7", "reward": 1.0, "error": None, "seconds": 1.5, "advantage": 0.7071},
-        {"rollout_id": "s1-g1", "task_id": "t7", "reward": None, "error": ERROR, "seconds": 0.5, "advantage": None}])
+        {"rollout_id": "s1-g0", "task_id": "t7", "reward": 1.0, "error": None, "seconds": 1.5, "advantage": 0.7071, "flags": []},
+        {"rollout_id": "s1-g1", "task_id": "t7", "reward": None, "error": ERROR, "seconds": 0.5, "advantage": None, "flags": []},
+        {"rollout_id": "s1-g2", "task_id": "t7", "reward": 0.0, "error": None, "seconds": 0.5, "advantage": -0.7071, "flags": flags}])
     long_prompt = ids("<|im_start|>user\n" + "count the words " * 300 + "<|im_end|>\n<|im_start|>assistant\n")
     write_jsonl(str(d / "calls" / "eval_2.jsonl"), [call("eval2-r0-0", 0, long_prompt, ids("Nine hundred."))])
 
@@ -137,10 +144,21 @@ def test_page_in_headless_chromium(run):
         assert first.locator(".split-mark").count() == 0
         assert second.locator(".split-mark").inner_text() == "split: rewrote_history"
 
+        # the flagged rollout: marked in the list, counted per batch, each flag with its call and match
+        assert page.inner_text("#flagged-count") == "1 of 3 rollouts flagged (flags: 1 audit, 1 route)"
+        assert page.inner_text('#rollouts tr[data-rollout="s1-g2"] .flag-mark') == "⚑ 2"
+        assert page.locator('#rollouts tr[data-rollout="s1-g0"] .flag-mark').count() == 0
+        page.click('#rollouts tr[data-rollout="s1-g2"]')
+        page.wait_for_selector('#rollout-detail[data-rollout="s1-g2"]')
+        rows = page.locator("#rollout-detail table.flags tr").all_inner_texts()
+        assert [r.split("\t") for r in rows[1:]] == [["audit", "read_hidden_tests", "0", "action", 'bash {"cmd": "cat tests/hidden.py"}'],
+                                                     ["route", "refused a request to /v1/files", "—", "—", ""]]
+
         # an eval without a rollouts/ file: rewards unknown; its long prompt drawn collapsed until expanded
         page.select_option("#batch", label=batch_label("eval", 2))
         page.wait_for_selector('#rollout-detail[data-rollout="eval2-r0-0"]')
         assert "No rollouts/ file" in page.inner_text("#batch-summary")
+        assert page.locator("#flagged-count").count() == 0 and "flagged" not in page.inner_text("#rollout-detail")
         prompt = page.locator('#rollout-detail .sample[data-sample="0"] .tok.ctx')
         assert prompt.count() == 400
         page.click("#rollout-detail .expand")

@@ -8,6 +8,9 @@ SDK's terminal and file editor tools in a fresh copy of the repo, for at most
 embedded model a longer context, and let a sample be that long:
 
     python train.py --harness openhands --max-model-len 16384 --max-seq-len 16384
+
+With ``--harness-arg instances=shipped`` (or a JSONL / dataset name, ``repos_dir``, ``split``, ``test_split``) the
+tasks are SWE-bench-format instances instead (examples/swe/instances.py), graded by their own tests.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class OpenHandsHarness(CodingHarness):
             raise ValueError(f"the OpenHands venv is not installed at {PYTHON}: run {INSTALL}")
         super().__init__(**kw)
         self.max_steps = max_steps
+        # the venv's interpreter lives in its base prefix (pyenv's, under HOME, which bwrap hides)
+        self.ro_binds = (*self.ro_binds, str(Path(os.path.realpath(PYTHON)).parent.parent), str(Path(PYTHON).parent.parent),
+                         str(Path(DRIVER).parent))  # and the venv itself and driver.py, from the hidden repo
 
     def agent(self, task, endpoint, repo, home):
         argv = [PYTHON, DRIVER, endpoint.base_url, endpoint.model, str(repo), str(self.max_steps), task.prompt]

@@ -6,11 +6,15 @@ of the task's repo, against the rollout's base URL, for at most ``step_limit``
 model calls and ``time_limit`` seconds. Then the hidden tests score the repo:
 
     python train.py --harness swe --max-seq-len 8192 --harness-arg step_limit=8
+
+With ``--harness-arg instances=shipped`` (or a JSONL / dataset name, ``repos_dir``, ``split``, ``test_split``) the
+tasks are SWE-bench-format instances instead (instances.py): the repository at base_commit, graded by its tests.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from examples.swe.tasks import CodingHarness
 from lightning_lite.harness import REPO_ROOT
@@ -27,6 +31,9 @@ class SweHarness(CodingHarness):
             raise ValueError(f"mini-swe-agent is not installed at {MINI}: run {INSTALL}")
         super().__init__(**kw)
         self.step_limit, self.time_limit, self.command_timeout = step_limit, time_limit, command_timeout
+        # mini's venv may rest on another Python than the trainer's (install.sh takes python3 from PATH)
+        python = os.path.realpath(Path(MINI).with_name("python3"))
+        self.ro_binds = tuple(dict.fromkeys((*self.ro_binds, str(Path(python).parent.parent), str(Path(MINI).parent.parent))))
 
     def agent(self, task, endpoint, repo, home):
         argv = [MINI, "-m", f"openai/{endpoint.model}", "-t", task.prompt, "-y", "--exit-immediately", "-o", f"{home}/traj.json",

@@ -23,25 +23,33 @@ reference fix 1, and fixing one of two bugs about 0.5.
 Guards: scoring builds a fresh directory from the task's *source files as the
 agent left them* plus the task's own test files (so an edited or deleted test
 is restored, and files the agent added, e.g. a fake ``unittest.py``, are
-ignored), and runs the hidden tests there in a subprocess with a timeout, with
-``python -I``: agent-written code is never imported into the trainer.
+ignored), and runs the hidden tests there with ``python -I`` in the harness's sandbox, with a timeout:
+agent-written code is never imported into the trainer.
+
+SWE-bench-format instances (real repositories, graded by their own tests) are in instances.py; CodingHarness
+runs either kind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import types
+import uuid
 from pathlib import Path
+from typing import Optional
 
-from lightning_lite.harness import Endpoint, SubprocessHarness, Task
+from examples.swe import instances as swe
+from lightning_lite.harness import REPO_ROOT, Endpoint, SubprocessHarness, Task
+from lightning_lite.sandbox import Sandbox
 
 # ---------------------------------------------------------------------------- bug families
 # Each family(rng) returns a dict:
@@ -359,9 +367,10 @@ print(json.dumps({"run": result.testsRun, "f2p_bad": bad.count("FailToPass"), "p
 PYTHON = getattr(sys, "_base_executable", None) or sys.executable
 
 
-def score(task: Task, repo, timeout: float = 30.0, python: str = PYTHON) -> float:
-    """Reward of the workspace ``repo`` as the agent left it (see the module docstring).
-    Runs in a fresh directory and a subprocess; a crash or timeout scores 0."""
+def score(task: Task, repo, timeout: float = 30.0, python: str = PYTHON, box=None, ro_binds=(), image=None) -> float:
+    """Reward of the workspace ``repo`` as the agent left it (see the module docstring). Runs in a fresh
+    directory and a subprocess, in the sandbox ``box`` when given (the interpreter's prefix in ``ro_binds``);
+    a crash or timeout scores 0."""
     a = task.answer
     with tempfile.TemporaryDirectory(prefix="ll-score-") as d:
         for name in a["files"]:  # the sources the agent may fix; nothing else is taken from the workspace
@@ -370,14 +379,14 @@ def score(task: Task, repo, timeout: float = 30.0, python: str = PYTHON) -> floa
                 shutil.copyfile(src, Path(d) / name)
         for name, text in {**a["tests"], "hidden_tests.py": a["hidden"], "run_hidden.py": RUNNER}.items():
             (Path(d) / name).write_text(text)  # the task's own tests: an agent's edit is undone here
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+        rc, out = swe.run_in_sandbox(box or Sandbox(), f"exec {shlex.quote(python)} -I -B run_hidden.py", env, d, image=image,
+                                 ro_binds=ro_binds, timeout=timeout)
         try:
-            p = subprocess.run([python, "-I", "-B", "run_hidden.py"], cwd=d, capture_output=True, text=True, timeout=timeout,
-                               stdin=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"},
-                               start_new_session=True)
-            res = json.loads(p.stdout.strip().splitlines()[-1])
-        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            res = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
             return 0.0  # a hang, a crash, or output the runner did not write
-    if res["run"] != a["f2p"] + a["p2p"] or res["p2p_bad"]:
+    if rc is None or res["run"] != a["f2p"] + a["p2p"] or res["p2p_bad"]:
         return 0.0
     return (a["f2p"] - res["f2p_bad"]) / a["f2p"]
 
@@ -398,13 +407,37 @@ def kill_leftovers(marker: str):
 # ---------------------------------------------------------------------------- the harness base
 
 class CodingHarness(SubprocessHarness):
-    """Coding tasks for an agent program; a subclass writes ``agent(task, endpoint, repo, home)
-    -> (argv, env)``. Each rollout gets a fresh ``repo`` (its cwd) and ``home`` under one private
-    directory, removed afterwards with every process that still carries its marker."""
+    """Coding tasks for an agent program; a subclass writes ``agent(task, endpoint, repo, home) -> (argv, env)``.
+    The tasks are the generated ones above, or with ``instances`` SWE-bench-format instances (a JSONL file,
+    ``"shipped"``, or a ``datasets`` name with its ``split``; examples/swe/instances.py), whose repositories come
+    from ``repos_dir`` or their images. Each rollout gets a fresh ``repo`` (the agent's workspace) and ``home``
+    under one private directory (the program's cwd, all the sandbox lets it write), removed afterwards with every
+    process that still carries its marker."""
 
-    def __init__(self, n_train: int = 64, n_test: int = 16, seed: int = 0, score_timeout: float = 30.0):
-        self._tasks = make_tasks(n_train, n_test, seed)
-        self.score_timeout = score_timeout
+    # In the sandbox: the tests' Python, not the repo (a subclass adds its agent's venv, which may lie inside it):
+    # tasks.py regenerates every task's fix from its seed, and make_instances.py holds the instances' fixes.
+    ro_binds = tuple(dict.fromkeys((sys.base_prefix, os.path.dirname(os.path.dirname(PYTHON)))))
+    hide = (str(REPO_ROOT),)
+
+    def __init__(self, n_train: int = 64, n_test: int = 16, seed: int = 0, score_timeout: Optional[float] = None,
+                 instances: Optional[str] = None, split: str = "test", repos_dir: Optional[str] = None,
+                 test_split: Optional[float] = None, image: Optional[str] = None):
+        self.sources = None
+        if instances is None:
+            self._tasks = make_tasks(n_train, n_test, seed)
+        else:
+            insts = swe.load_instances(instances, split)
+            self._tasks = swe.make_splits(insts, test_split, seed)
+            if repos_dir is None:  # a JSONL's repositories beside it, as make_instances.py writes them
+                jsonl = swe.shipped() if instances == "shipped" else Path(os.path.expanduser(str(instances)))
+                repos_dir = jsonl.parent / "repos" if (jsonl.parent / "repos").is_dir() else None
+            self.sources = swe.Sources(repos_dir)
+            self.hide = (*self.hide, *([str(repos_dir)] if repos_dir else []))  # the repositories' later history
+            for inst in {i["repo"] + i["base_commit"]: i for i in insts}.values():  # fail now, not at each rollout
+                self.sources.local(inst)
+        # a repository's tests take longer than a generated task's
+        self.score_timeout = score_timeout or (30.0 if instances is None else 600.0)
+        self.image = image  # docker's image: an instance's own first, then this, --sandbox-image, DEFAULT_IMAGE
         self._roots: dict[str, Path] = {}  # rollout id -> its directory
 
     def tasks(self, split: str) -> list[Task]:
@@ -415,24 +448,52 @@ class CodingHarness(SubprocessHarness):
     def agent(self, task: Task, endpoint: Endpoint, repo: Path, home: Path) -> tuple[list[str], dict]:
         raise NotImplementedError
 
+    def _image(self, task: Task) -> str:
+        own = task.answer.get("image") if task.meta.get("instance") else None
+        return own or self.image or getattr(self.sandbox, "image", None) or swe.DEFAULT_IMAGE
+
+    def sandbox_options(self, task):
+        return {**super().sandbox_options(task), "image": self._image(task)}
+
+    def _prepare(self, task: Task, rollout_id: str) -> Path:
+        """The rollout's directory: the workspace (the instance's repository at base_commit, or the generated
+        task's files) and a home whose bin/ holds the ``python`` the tests run with."""
+        root = new_rollout_dir(rollout_id)
+        (root / "home" / "bin").mkdir()
+        if task.meta.get("instance"):
+            (root / "repo").rmdir()
+            swe.checkout(self.sources.base(task.answer), root / "repo")
+            python = "/usr/bin/python3"  # the graders' (examples/swe/instances.py TEST_PATH), with pytest
+        else:
+            write_workspace(task, root / "repo")
+            python = PYTHON
+        for name in ("python", "python3"):  # the tests' python first on PATH
+            (root / "home" / "bin" / name).symlink_to(python)
+        return root
+
     def command(self, task, endpoint):
-        root = self._roots[endpoint.rollout_id] = new_rollout_dir(endpoint.rollout_id)
+        root = self._roots[endpoint.rollout_id]
         repo, home = root / "repo", root / "home"
-        write_workspace(task, repo)
-        (home / "bin").mkdir()
-        for name in ("python", "python3"):  # the task's python first on PATH
-            (home / "bin" / name).symlink_to(PYTHON)
         argv, env = self.agent(task, endpoint, repo, home)
+        path = swe.TEST_PATH if task.meta.get("instance") else os.environ.get("PATH", "/usr/bin:/bin")
         env = {"HOME": str(home), "TMPDIR": str(home / "tmp"), "LL_WORKSPACE": str(root), "PYTHONDONTWRITEBYTECODE": "1",
-               "PATH": f"{home / 'bin'}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}", **env}
-        return argv, env, str(repo)
+               "PATH": f"{home / 'bin'}{os.pathsep}{path}", **env}
+        return argv, env, str(root)  # the cwd, bound writable in the sandbox: repo/ and home/
 
     def reward(self, task, stdout, returncode, workdir):
         # A crashed agent (an API error, a bad config) fails the rollout: it is not trained on.
-        return score(task, workdir, self.score_timeout) if returncode == 0 else None
+        if returncode != 0:
+            return None
+        repo = Path(workdir) / "repo"
+        if not task.meta.get("instance"):
+            return score(task, repo, self.score_timeout, box=self.sandbox, ro_binds=self.ro_binds, image=self._image(task))
+        patch = swe.agent_diff(self.sources.base(task.answer), repo)
+        return swe.grade(task.answer, patch, self.sources, self.sandbox, image=self._image(task), limits=self.limits,
+                     name=f"ll-grade-{os.getpid()}-{uuid.uuid4().hex[:12]}", timeout=self.score_timeout).reward
 
     async def run(self, task, endpoint):
-        try:
+        try:  # cloning a repository takes a while: off the event loop
+            self._roots[endpoint.rollout_id] = await asyncio.to_thread(self._prepare, task, endpoint.rollout_id)
             return await super().run(task, endpoint)
         finally:  # also on timeout and cancellation
             root = self._roots.pop(endpoint.rollout_id, None)

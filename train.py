@@ -287,13 +287,14 @@ proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_t
 server = ProxyServer(proxy, host=args.proxy_host).start()
 harness = load_harness(args.harness, **parse_kwargs(args.harness_arg))
 audits = audit.compile_patterns(harness.audit), audit.compile_patterns(harness.audit_results)  # bad ones fail here
-box = None  # a Python harness runs in this process: its tools are its own code, no program to sandbox
+box, escapes = None, {}  # a Python harness runs in this process: its tools are its own code, no program to sandbox
 if isinstance(harness, SubprocessHarness):
     try:
         box = harness.sandbox = harness.sandbox or sandbox.make(args.sandbox, hide=[args.out], image=args.sandbox_image)
     except ValueError as e:
         sys.exit(f"--sandbox {args.sandbox}: {e}")
     log(f"rollouts run in sandbox {box.name}")
+    escapes = audit.escape_patterns(args.out, os.path.expanduser("~"), server.port) if box.name != "none" else {}
 train_tasks, test_tasks = harness.tasks("train"), harness.tasks("test")[: args.eval_tasks]
 log(proxy.renderer.describe())
 log(f"rank 0 proxy at {server.url}; harness {args.harness}: {len(train_tasks)} train / {len(test_tasks)} test tasks")
@@ -316,7 +317,9 @@ def rollouts(jobs, name):
     for c in calls:
         calls_of.setdefault(c.rollout_id, []).append(c)
     for r in results:  # what the proxy refused it (another rollout's route, a reward of its own), what the audit found
-        r.flags = proxy.flags(r.rollout_id) + audit.scan(calls_of.get(r.rollout_id, []), *audits, tok.decode)
+        mine = calls_of.get(r.rollout_id, [])
+        r.flags = (proxy.flags(r.rollout_id) + audit.scan(mine, *audits, tok.decode)
+                   + [{**f, "kind": "escape"} for f in audit.scan(mine, escapes, {}, tok.decode)])
         if r.flags and harness.zero_flagged and r.reward is not None:
             r.reward = 0.0
     proxy.reset()

@@ -119,3 +119,16 @@ def test_compile_patterns_names_the_bad_one():
     assert good["b"].search("tests/x.py") and scan([call(0, ids("tests/x.py"))], {}, good, decode)
     with pytest.raises(ValueError, match=r"'unclosed' = '\(tests' .*missing \), unterminated subpattern"):
         compile_patterns({"ok": "a", "unclosed": "(tests"})
+
+
+def test_escape_patterns_flag_what_a_sandboxed_agent_must_not_name():
+    """train.py's default flags for sandboxed rollouts (kind "escape"): the sandbox makes these fail; the flag says
+    the agent tried. Its own base URL and ordinary paths are not flagged."""
+    from lightning_lite.audit import escape_patterns
+
+    pats = escape_patterns("/work/runs/x", "/root", 8000)
+    hits = lambda text: sorted(n for n, p in pats.items() if p.search(text))  # noqa: E731
+    assert hits("cat /proc/1/environ; ls /work/runs/x/calls") == ["another process", "the run's out dir"]
+    assert hits("cat /root/.cache/huggingface/token") == ["the trainer's HOME"]
+    assert hits("curl localhost:9000/ && curl http://[::1]:22") == ["another local port"]
+    assert hits("curl http://127.0.0.1:8000/rollout/r.t/v1/models; cat /proc/self/status; ls /rootfs /work/runs/xy") == []

@@ -34,7 +34,7 @@ from lightning_lite.backends import HFBackend, VLLMBackend, placement
 from lightning_lite.harness import SubprocessHarness, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
-from lightning_lite.records import SPLIT_REASONS, Sample, read_calls, read_jsonl, write_jsonl
+from lightning_lite.records import SPLIT_REASONS, Sample, common_prefix, read_calls, read_jsonl, write_jsonl
 from lightning_lite.report import find_batches, write_report
 from lightning_lite.samples import build_batch_samples
 from lightning_lite.toolcalls import FORMATS
@@ -68,7 +68,11 @@ p.add_argument("--drop-zero-variance", action="store_true", help="drop groups wh
 p.add_argument("--max-seq-len", type=int, default=None, help="longer samples are cut at a turn boundary, or dropped when their first turn is longer (counted, warned) (default: the served context)")
 p.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one call may generate, whatever the harness asks (many ask nothing)")
 p.add_argument("--max-model-len", type=int, default=None, help="context of the served model (default: the model's); beyond what it was trained for, RoPE is scaled (YaRN)")
-p.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward/backward")
+p.add_argument("--micro-batch-tokens", type=int, default=4096, help="tokens per forward/backward: packed (a shared prefix counts once), or --no-tree padded [B, T]")
+p.add_argument("--no-tree", action="store_true", help="train each sample (a leaf of a rollout's prefix tree) as its own padded row, "
+               "not the micro-batch packed as one tree with each shared prefix once (the same loss and gradient; for comparison)")
+p.add_argument("--attn", default=None, choices=["sdpa", "eager", "flex_attention"], help="the trainer's attention (default: the model's, "
+               "sdpa): a packed tree's mask is [L, L] under sdpa and eager; flex_attention's block mask is O(L^2/128^2), for long rows on GPUs")
 p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help="ddp: weights, grads and AdamW state whole on every rank (~16 B/param); fsdp: all three sharded over the ranks (FSDP2, per decoder layer)")
 p.add_argument("--fsdp-offload", action="store_true", help="fsdp: keep parameters, gradients and optimizer state in CPU memory")
 p.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer's activations in backward: less memory, ~1/3 more compute")
@@ -134,6 +138,8 @@ if args.backend == "vllm" and not args.vllm_url and int(os.environ.get("LOCAL_WO
     sys.exit("--backend vllm starts its servers on rank 0's node, at 127.0.0.1: over several nodes start them yourself and pass --vllm-url")
 if args.vllm_sleep and (args.backend != "vllm" or args.async_steps):
     sys.exit("--vllm-sleep frees the vLLM servers' GPU memory while training: it needs --backend vllm, and no --async (rollouts would run then)")
+if args.attn == "flex_attention" and device.type == "cpu":
+    sys.exit("--attn flex_attention trains on GPUs: torch has no CPU backward for FlexAttention (sdpa, the default, runs a packed tree on CPUs)")
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
 torch.manual_seed(args.seed + rank)
@@ -187,11 +193,17 @@ held = dtype if fsdp else torch.float32
 ref_model = load_model(args.model, device, held, args.max_model_len).requires_grad_(False) if args.kl_coef > 0 else None
 args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings  # what can be served can be trained on
 # The embedded backend serves infer_model: the trained module itself (one process, DDP: a weight sync only drops
-# stale KV caches) or, under FSDP (the parameters are shards) and --async (rollouts run while they change), a copy
-# of its own that each sync refreshes. vLLM always has its own.
+# stale KV caches) or, under FSDP (the parameters are shards), --async (rollouts run while they change) and --attn
+# flex_attention (the trainer's attention: decoding keeps sdpa), a copy of its own that each sync refreshes. vLLM
+# always has its own.
 infer_model = model
-if (fsdp or args.async_steps) and args.backend == "hf":
+if (fsdp or args.async_steps or args.attn == "flex_attention") and args.backend == "hf":
     infer_model = load_model(resume_dir or args.model, device, held, args.max_model_len)
+for net in [m for m in (model, ref_model) if m is not None and args.attn]:
+    net.set_attn_implementation(args.attn)
+if not args.no_tree and (why := algo.tree_unsupported(model.config)):
+    log(f"training each sample as its own row (--no-tree): this model cannot run a packed tree, {why}")
+    args.no_tree = True
 train_model = parallel.wrap(model, args.parallel, device, world, args.fsdp_offload, args.activation_checkpointing,
                             dtype=dtype)
 if ref_model is not None and fsdp:  # sharded like the policy, without an optimizer; its forwards are collectives too
@@ -317,9 +329,8 @@ def rollouts(jobs, name):
     for c in calls:
         calls_of.setdefault(c.rollout_id, []).append(c)
     for r in results:  # what the proxy refused it (another rollout's route, a reward of its own), what the audit found
-        mine = calls_of.get(r.rollout_id, [])
-        r.flags = (proxy.flags(r.rollout_id) + audit.scan(mine, *audits, tok.decode)
-                   + [{**f, "kind": "escape"} for f in audit.scan(mine, escapes, {}, tok.decode)])
+        found = audit.scan(calls_of.get(r.rollout_id, []), {**audits[0], **escapes}, audits[1], tok.decode)
+        r.flags = proxy.flags(r.rollout_id) + [{**f, "kind": "escape"} if f["what"] in escapes else f for f in found]
         if r.flags and harness.zero_flagged and r.reward is not None:
             r.reward = 0.0
     proxy.reset()
@@ -384,14 +395,24 @@ def save(step):
 
 
 def micro_batches(samples, weights, order=None):
-    """Sort by tokens (a group's samples share their prompt: neighbours share prefixes and have similar lengths),
-    or take ``order`` (bench/train_step.py), then cut into micro-batches of --micro-batch-tokens padded tokens."""
-    mbs = []
+    """Sort by tokens (a rollout's leaves and a group's samples side by side: neighbours share prefixes), or take
+    ``order`` (bench/train_step.py), then cut into micro-batches of at most --micro-batch-tokens tokens: packed,
+    each sample adding what follows its common prefix with the one before (exactly the packed row's length when
+    sorted: ``algo.pack``), or, --no-tree, padded [B, T]."""
+    mbs, size, prev = [], 0, []
     for i in sorted(range(len(samples)), key=lambda i: samples[i].tokens) if order is None else order:
-        if mbs and max(len(samples[j].tokens) for j in mbs[-1] + [i]) * (len(mbs[-1]) + 1) <= args.micro_batch_tokens:
+        t = samples[i].tokens
+        if args.no_tree:  # rows: B x the longest
+            grown = max(len(samples[j].tokens) for j in mbs[-1] + [i]) * (len(mbs[-1]) + 1) if mbs else 0
+        else:  # packed: what follows its common prefix with the sample before
+            grown = size + len(t) - common_prefix(prev, t)
+        if mbs and grown <= args.micro_batch_tokens:
             mbs[-1].append(i)
+            size = grown
         else:
             mbs.append([i])
+            size = len(t)
+        prev = t
     return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in mbs]
 
 
@@ -402,17 +423,20 @@ def train_on(samples, version):
     weights = algo.sample_weights(samples, args.norm, algo.global_denominators(samples), args.norm_const)
     mbs = parallel.pad_micro_batches(micro_batches(samples, weights), args.parallel)  # None: a zero-loss step, to join the collectives
     metrics, stale = [], torch.zeros(2, args.async_steps + 1, dtype=torch.float64)  # tokens, sum |dlogp| by age
+    fwd = 0  # tokens through the model (a packed tree: each shared prefix once)
     bar = tqdm(mbs, desc="train", unit="mb", leave=False, disable=not (master and sys.stderr.isatty()))  # quiet in logs
     autocast = torch.autocast(device.type, dtype, enabled=dtype != torch.float32)  # the forwards; backward follows
     for i, mb in enumerate(bar):
         with parallel.accumulating(train_model, args.parallel, last=i == len(mbs) - 1):
             pad = mb is None  # a zero-weight micro-batch through the same forwards: under FSDP each is a collective
             mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0]) if pad else mb
-            b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0)
+            # flex_attention compiles for each new shape: the rows are padded to one
+            b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0, tree=not args.no_tree,
+                             pad_to=args.micro_batch_tokens if model.config._attn_implementation == "flex_attention" else 1)
             with autocast:
-                lp = algo.trainer_logprobs(train_model, b, fsdp)
+                lp = algo.trainer_logprobs(train_model, b)
                 with torch.no_grad():
-                    ref = algo.trainer_logprobs(ref_model, b, fsdp) if ref_model is not None else None
+                    ref = algo.trainer_logprobs(ref_model, b) if ref_model is not None else None
             loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], loss=args.loss,
                                        clip_low=args.clip_low, clip_high=args.clip_high, clip_ratio_c=args.clip_ratio_c,
                                        tis_cap=args.tis_cap, kl_coef=args.kl_coef, ref_logprobs=ref)
@@ -420,14 +444,16 @@ def train_on(samples, version):
             if pad:
                 continue
             metrics.append(m)
+            fwd += b["fwd_tokens"]
             on = b["loss_mask"] > 0
             age = version - b["version"][on]
             if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= args.async_steps:
                 raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {args.async_steps} allows")
             stale[0] += torch.bincount(age, minlength=len(stale[0])).double().cpu()
             stale[1] += torch.bincount(age, (lp - b["old_logprobs"])[on].abs().detach().double(), minlength=len(stale[0])).cpu()
-    n, d = torch.tensor(algo.all_reduce(stale.view(-1).tolist())).view(2, -1).tolist()
-    return {**algo.reduce_metrics(metrics), "staleness": {a: int(k) for a, k in enumerate(n) if k},
+    *counts, fwd = algo.all_reduce(stale.view(-1).tolist() + [fwd])
+    n, d = torch.tensor(counts).view(2, -1).tolist()
+    return {**algo.reduce_metrics(metrics), "fwd_tokens": int(fwd), "staleness": {a: int(k) for a, k in enumerate(n) if k},
             "dlogp_by_staleness": {a: x / k for a, (k, x) in enumerate(zip(n, d)) if k}}
 
 
@@ -514,6 +540,7 @@ try:
         row = {
             "step": step + 1, "reward": per(n["reward"], n_ok), "success": per(n["success"], n_ok),
             **{k: int(n[k]) for k in ("rollouts", "failed", "flagged", "calls", "samples", "trainable_tokens", "truncated")},
+            "fwd_tokens": m.get("fwd_tokens"),
             "dropped": int(n["dropped"]), "merge_ratio": per(n["tokens_unmerged"], n["tokens"]),
             "zero_var_groups": astats.get("zero_variance_groups", 0), "skipped": skipped, "grad_norm": gnorm,
             **{k: m.get(k) for k in ("loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "prob_corr", "dlogp_mean", "dlogp_max",
@@ -537,7 +564,7 @@ try:
         # log: one line per step
         show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)  # noqa: E731  None: not measured
         log(f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | fail {row['failed']} | samples {row['samples']} "
-            f"tok {row['trainable_tokens']} merge {show('merge_ratio', '.2f')}x | loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
+            f"tok {row['trainable_tokens']} fwd {show('fwd_tokens', 'd')} merge {show('merge_ratio', '.2f')}x | loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
             f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) "
             f"sync {row['t_sync']:.2f}s" + (f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}" if worker else ""))
         append_metrics(row)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .records import Sample
+from .records import Sample, common_prefix
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce")
 LOSSES = ("ppo", "gspo", "tis")
@@ -143,11 +143,40 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
 
 # ----------------------------------------------------------------------------- the loss
 
-def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0) -> dict:
-    """Right-pad one micro-batch into [B, T] tensors (``advantages``, ``weights``: [B]), the sampling settings too."""
+def pack(seqs: list[list[int]]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """Lay token sequences out as one prefix tree, each distinct prefix once, depth first: returns (tokens, depth,
+    end, where). ``where[i][t]``: the packed index of ``seqs[i][t]``; ``depth``: its position in its own sequence
+    (the position id); ``end[j]``: one past the last index below j, so j is an ancestor of q, or q, exactly when
+    ``j <= q < end[j]`` (the attention mask). Sorted sequences are laid out depth first by appending each one's
+    tokens after its longest common prefix with the one before.
+
+    >>> pack([[1, 2, 3], [5], [1, 2, 4]])
+    ([1, 2, 3, 4, 5], [0, 1, 2, 2, 0], [4, 4, 3, 4, 5], [[0, 1, 2], [4], [0, 1, 3]])
+    """
+    tokens, depth, end, where, prev = [], [], [], [[]] * len(seqs), None
+    for i in sorted(range(len(seqs)), key=lambda i: seqs[i]):
+        s = seqs[i]
+        path = [] if prev is None else where[prev][:common_prefix(seqs[prev], s)]
+        for t in s[len(path):]:
+            path.append(len(tokens))
+            tokens.append(t)
+            depth.append(len(path) - 1)
+            end.append(0)
+        for j in path:  # the sequences after this one that share j come later: the last one sets end[j]
+            end[j] = path[-1] + 1
+        where[i], prev = path, i
+    return tokens, depth, end, where
+
+
+def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0,
+            tree: bool = True, pad_to: int = 1) -> dict:
+    """One micro-batch as tensors: the samples right-padded to [B, T] (``advantages``, ``weights``: [B]), and what
+    the model runs, ``input_ids`` [R, L]: with ``tree`` the samples ``pack``ed into one row (``depth`` [1, L], ``end``
+    [L]; padded to a multiple of ``pad_to`` with tokens that see only themselves), else the [B, T] rows themselves.
+    ``where`` [B, T]: the flat index into ``input_ids`` of each sample position; ``fwd_tokens``: the real tokens run."""
     T = max(len(s.tokens) for s in samples)
     pad = lambda xs, v: [list(x) + [v] * (T - len(x)) for x in xs]  # noqa: E731
-    return {
+    b = {
         "tokens": torch.tensor(pad([s.tokens for s in samples], pad_id), dtype=torch.long, device=device),
         "loss_mask": torch.tensor(pad([s.loss_mask for s in samples], 0), dtype=dtype, device=device),
         "old_logprobs": torch.tensor(pad([s.logprobs for s in samples], 0.0), dtype=dtype, device=device),
@@ -158,6 +187,60 @@ def collate(samples: list[Sample], weights: list[float], device=None, dtype=torc
         "advantages": torch.tensor([s.advantage for s in samples], dtype=dtype, device=device),
         "weights": torch.tensor(weights, dtype=dtype, device=device),
     }
+    if not tree:
+        B = len(samples)
+        where = torch.arange(B * T, device=device).view(B, T)
+        return {**b, "input_ids": b["tokens"], "where": where, "depth": None, "end": None,
+                "fwd_tokens": sum(len(s.tokens) for s in samples)}
+    tokens, depth, end, where = pack([s.tokens for s in samples])
+    n = len(tokens)
+    extra = -n % pad_to
+    return {**b, "input_ids": torch.tensor([tokens + [pad_id] * extra], device=device),
+            "depth": torch.tensor([depth + [0] * extra], device=device),
+            "end": torch.tensor(end + list(range(n + 1, n + extra + 1)), device=device),
+            "where": torch.tensor(pad(where, 0), device=device), "fwd_tokens": n}
+
+
+def tree_unsupported(config) -> Optional[str]:
+    """Why a model cannot run a packed tree (``tree_mask``), or None: its attention must take a mask (sdpa, eager,
+    flex_attention) and every layer must be attention (full or sliding window; a recurrent layer, as Qwen3.5's
+    linear attention, reads the row in order, not as a tree)."""
+    impl = getattr(config, "_attn_implementation", None)
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        return f"its {sorted(kinds)} layers are not attention over a mask"
+    if impl not in ("sdpa", "grouped_sdpa", "eager", "flex_attention"):
+        return f"its attention ({impl}) takes no arbitrary mask; sdpa, eager and flex_attention do"
+    return None
+
+
+def tree_mask(config, depth: torch.Tensor, end: torch.Tensor):
+    """The attention mask of a packed row (``collate``): q sees kv exactly when kv is q or an ancestor of q, and
+    in a sliding-window layer also ``depth[q] - depth[kv] < sliding_window`` (the window counts positions in q's own
+    sequence, not packed indices). In the form the model's attention takes: [1, 1, L, L] bool (sdpa), additive
+    float (eager) or a FlexAttention BlockMask (O(L^2 / 128^2) memory: the one for long rows on GPUs); a dict by
+    layer type when the model mixes full and sliding layers, as Gemma and gpt-oss do.
+
+    For ``pack([[1, 2, 3], [1, 2, 4]])`` (end [4, 4, 3, 4]) the row of token 4 (index 3) sees indices 0, 1, 3."""
+    if why := tree_unsupported(config):
+        raise ValueError(f"this model cannot train a packed tree: {why}; pass --no-tree")
+    impl, L, window = config._attn_implementation, len(end), getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
+
+    def sees(q, kv, sliding):
+        m = (kv <= q) & (q < end[kv])
+        return m & (depth[0, q] - depth[0, kv] < window) if sliding else m
+
+    def build(sliding):
+        if impl == "flex_attention":  # compiled, it never builds the [L, L] mask; new closures of the same code and
+            from torch.nn.attention.flex_attention import create_block_mask  # shapes: no recompile (flex's either)
+            return torch.compile(create_block_mask)(lambda b, h, q, kv: sees(q, kv, sliding), None, None, L, L, device=end.device)
+        i = torch.arange(L, device=end.device)
+        m = sees(i[:, None], i[None, :], sliding)[None, None]
+        return m if impl != "eager" else torch.zeros(m.shape, device=m.device).masked_fill(~m, -math.inf)
+
+    masks = {k: build(k == "sliding_attention") for k in set(types)}
+    return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
 def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m: int = 1024) -> torch.Tensor:
@@ -226,51 +309,40 @@ def _head_logprobs(h, head, *args):
     return sampled_logprobs(h if head is None else head(h), *args)
 
 
-def trainer_logprobs(net, b: dict, fsdp: bool = False, chunk: int = 1024) -> torch.Tensor:
+def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
     """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a transformers causal LM,
-    maybe in DDP), each under the sampling settings of the call that drew it (``sampled_logprobs``); 0.0 elsewhere.
-    Two exact savings for long agent prompts: the rows' common prefix (a GRPO group's prompt) runs once, its KV
-    cache shared by all rows (gradients flow through it), and the LM head runs from the first trainable position on.
-    The LM head and the logprobs run ``chunk`` trainable positions at a time, recomputed in backward: memory is one
-    chunk's [chunk, V] logits whatever the sample length, the numbers unchanged.
+    maybe in DDP or FSDP), each under the sampling settings of the call that drew it (``sampled_logprobs``); 0.0
+    elsewhere. The model runs ``input_ids``: a packed tree (every shared prefix, a GRPO group's prompt or a rollout's
+    history, computed once: ``tree_mask``, position ids from ``depth``) or the padded rows; the LM head runs only at
+    the positions that predict a trainable token, ``chunk`` of them at a time and recomputed in backward: memory is
+    one chunk's [chunk, V] logits whatever the sample length, the numbers unchanged.
     """
-    tokens, loss_mask = b["tokens"], b["loss_mask"]
-    B, T = tokens.shape
-    first = int(loss_mask.nonzero()[:, 1].min()) if loss_mask.any() else T - 1  # >= 1: token 0 is never sampled
-    same = (tokens == tokens[:1]).all(0)
-    P = min(int(same.long().cumprod(0).sum()), first - 1) if B > 1 else 0
-    raw = getattr(net, "module", net)  # the prefix runs outside DDP's forward; its grads still reach DDP's hooks
-    # below 16 the extra call costs more than it saves; under FSDP every forward is a collective (ranks must run as
-    # many); checkpointed layers in training (--activation-checkpointing) return no cache for the rows to share
-    P = P if P >= 16 and not fsdp and not (raw.training and getattr(raw, "is_gradient_checkpointing", False)) else 0
+    tokens, loss_mask, ids = b["tokens"], b["loss_mask"], b["input_ids"]
+    on = loss_mask[:, 1:] > 0  # token 0 is never sampled: token t is predicted at position t - 1
+    src = b["where"][:, :-1][on]  # the flat index into ids of the position predicting each trainable token
+    keep, col = torch.unique(src % ids.shape[1], return_inverse=True)
+    raw = getattr(net, "module", net)
+    kw = {} if b["end"] is None else dict(position_ids=b["depth"], attention_mask=tree_mask(raw.config, b["depth"], b["end"]))
     # The model's forward runs with its LM head swapped for _Hidden (still through DDP's/FSDP's wrapper), and the head
     # runs per chunk after it (FSDP leaves the root's weights gathered after its forward). A model that changes the
     # head's output (Gemma2's softcapping, Cohere's logit_scale) is seen in its first call, which runs again with the
     # head, as every later call does (full logits; the logprobs still in chunks).
     head = None if getattr(raw, "ll_full_logits", False) else getattr(raw, "get_output_embeddings", lambda: None)()
     for head in (head, None) if head is not None else (None,):
-        kw = {}
-        if P:
-            cache = raw(input_ids=tokens[:1, :P], use_cache=True, logits_to_keep=1).past_key_values
-            for layer in cache.layers:  # one row's keys and values, seen by every row (expand: no copy)
-                layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
-            kw = dict(past_key_values=cache, position_ids=torch.arange(P, T, device=tokens.device)[None].expand(B, -1))
-        keep = torch.arange(first - 1 - P, T - 1 - P, device=tokens.device)  # predicting tokens[:, first:]
         if head is not None:
             raw.set_output_embeddings(hidden := _Hidden())
         try:
-            out = net(input_ids=tokens[:, P:], logits_to_keep=keep, use_cache=bool(kw), **kw).logits
+            out = net(input_ids=ids, logits_to_keep=keep, use_cache=False, **kw).logits
         finally:
             if head is not None:
                 raw.set_output_embeddings(head)
         if head is None or out is hidden.h:
             break
         raw.ll_full_logits = True
-    on = loss_mask[:, first:] > 0
-    args = (out[on], tokens[:, first:][on], *(b[k][:, first:][on] for k in ("temperature", "top_k", "top_p")))
+    args = (out[src // ids.shape[1], col], tokens[:, 1:][on], *(b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p")))
     lp = torch.cat([torch.utils.checkpoint.checkpoint(_head_logprobs, h, head, *rest, use_reentrant=False)
                     for h, *rest in zip(*(a.split(chunk) for a in args))])
-    return loss_mask.new_zeros(B, T).masked_scatter(loss_mask > 0, lp.to(loss_mask.dtype))
+    return loss_mask.new_zeros(loss_mask.shape).masked_scatter(loss_mask > 0, lp.to(loss_mask.dtype))
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -18,7 +18,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from .chat import ROLES, BadRequest, Request, Sampling, common_prefix, parse_arguments
+from .chat import ROLES, BadRequest, Request, Sampling, parse_arguments
+from .records import common_prefix
 
 
 def _convert(items: list, convert: Callable[[Any, int], list[dict]], memo: Optional[dict]) -> list[dict]:

@@ -27,7 +27,7 @@ import os
 import re
 from typing import Callable, Union
 
-from .records import Call, full_prompt
+from .records import Call, common_prefix, full_prompt
 
 CONTEXT = 200  # characters of a flag's "match": the match and what surrounds it
 
@@ -56,18 +56,6 @@ def escape_patterns(out_dir: str, home: str, port: int) -> dict[str, re.Pattern]
         "another process": r"/proc/(?!self\b|thread-self\b)\d+",
         "another local port": rf"(?:127\.0\.0\.1|localhost|\[::1\]):(?!{port}\b)\d+",
     })
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    """How many ids a and b share at their start (binary search on slices: compared in C, not per id)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _around(text: str, m: re.Match) -> str:
@@ -105,7 +93,7 @@ def scan(calls: list[Call], actions: dict[str, Union[str, re.Pattern]], results:
             seen_tails.add(key)
         else:  # rare (splits): skip what any earlier call's prompt + response already held
             prompt = c.prompt_ids if c.prompt_ids is not None else full_prompt(c, by_index)
-            done = max((_common(prompt, full_prompt(e, by_index) + e.response_ids) for e in earlier), default=0)
+            done = max((common_prefix(prompt, full_prompt(e, by_index) + e.response_ids) for e in earlier), default=0)
             new, prompt_len = prompt[done:], len(prompt)
         size[c.index] = prompt_len + len(c.response_ids)
         earlier.append(c)

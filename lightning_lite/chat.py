@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import toolcalls
+from .records import common_prefix
 from .toolcalls import parse_arguments
 
 log = logging.getLogger("lightning_lite.chat")
@@ -126,12 +127,6 @@ def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"
     for m in messages[k:]:
         fps.append(_link(fps[-1], m))
     return fps
-
-
-def common_prefix(a: list, b: list) -> int:
-    """How many leading elements ``a`` and ``b`` share. ``common_prefix([1, 2, 3], [1, 2, 4]) == 2``"""
-    n = min(len(a), len(b))  # the usual case (a request that appends) is one comparison in C
-    return n if a[:n] == b[:n] else next(i for i in range(n) if a[i] != b[i])
 
 
 THINK_BLOCK = re.compile(r"\A\s*(<think>.*?</think>|\[THINK\].*?\[/THINK\])", re.DOTALL)

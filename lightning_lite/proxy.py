@@ -41,6 +41,12 @@ log = logging.getLogger("lightning_lite.proxy")
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
+def _valid(rid: str) -> str:
+    if not ROLLOUT_ID.match(rid):
+        raise BadRequest(f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]", None, "invalid_rollout_id")
+    return rid
+
+
 @dataclass
 class CallsFile:
     """A calls file the proxy records into (path None: none), and each rollout's next call index in it."""
@@ -168,17 +174,15 @@ class Proxy:
 
     def _rollout(self, request: web.Request) -> str:
         """The rollout a request is for: its id, checked against its token when the proxy has tokens."""
-        rid = request.match_info.get("rid", "default")
-        if not ROLLOUT_ID.match(rid):
-            raise BadRequest(f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]", None, "invalid_rollout_id")
+        rid = _valid(request.match_info.get("rid", "default"))
         if self.tokens is None:
             return rid
         rid, _, token = rid.rpartition(".")
         want = self.tokens.get(rid)
         if want is None or not hmac.compare_digest(token.encode(), want.encode()):
             self._refuse(request, "not a rollout of this run, or a wrong token")
-        if self._owner(request) not in (None, rid):
-            self._refuse(request, f"rollout {self._owner(request)} used the route of rollout {rid}")
+        if (owner := self._owner(request)) not in (None, rid):
+            self._refuse(request, f"rollout {owner} used the route of rollout {rid}")
         return rid
 
     async def _read(self, request: web.Request) -> tuple[str, Any]:
@@ -314,9 +318,7 @@ class Proxy:
         return await _sse_start(request, out.end(answers))
 
     async def post_reward(self, request: web.Request):
-        rid = request.match_info["rid"]
-        if self.tokens is None and not ROLLOUT_ID.match(rid):
-            raise BadRequest(f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]", None, "invalid_rollout_id")
+        rid = _valid(request.match_info["rid"])
         if self.reward_key is not None and not hmac.compare_digest(request.headers.get("X-Reward-Key", "").encode(), self.reward_key.encode()):
             self._refuse(request, "rewards come from the harness (header X-Reward-Key), never from the agent")
         if self.tokens is not None and rid not in self.tokens:

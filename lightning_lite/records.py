@@ -124,6 +124,19 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
     return calls
 
 
+def common_prefix(a: list, b: list) -> int:
+    """How many leading elements ``a`` and ``b`` share: ``common_prefix([1, 2, 3], [1, 2, 4]) == 2``. Compared in C,
+    on slices: the shorter length first (one list extending the other, the usual case: one comparison), else a
+    binary search."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
 def full_prompt(call: Call, calls: dict[int, Call]) -> list[int]:
     """The whole prompt ids of ``call``: its parents' prompt + response ids, then its ``prompt_tail``.
     ``calls``: the calls of its rollout by index (``{c.index: c for c in calls_of_the_rollout}``)."""

@@ -25,7 +25,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from .records import RUN_FILE, Call, read_calls, read_jsonl
+from .records import RUN_FILE, Call, common_prefix, read_calls, read_jsonl
 from .samples import build_samples
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.html")
@@ -83,10 +83,9 @@ def share_prefixes(seqs: list[list[int]]) -> list[dict]:
     out = [{"tail": s} for s in seqs]
     order = sorted(range(len(seqs)), key=lambda i: seqs[i])
     for prev, cur in zip(order, order[1:]):
-        a, b = seqs[prev], seqs[cur]
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        n = common_prefix(seqs[prev], seqs[cur])
         if n >= 16:
-            out[cur] = {"base": [prev, n], "tail": b[n:]}
+            out[cur] = {"base": [prev, n], "tail": seqs[cur][n:]}
     return out
 
 

@@ -5,13 +5,13 @@
 #   SMOKE=1 scripts/gpu_check.sh    # CPU: the same runs on a tiny random model and 2 gloo ranks (checks the script)
 #
 # Each model trains two steps (tests/harnesses.py LengthHarness: reward = reply length, so every step
-# updates) these ways: DDP with the embedded backend (--dtype bf16, the GPU default; also fp32, and with
-# --activation-checkpointing); FSDP with the embedded backend (>= 2 GPUs; also with --kl-coef: a sharded bf16
+# updates) these ways: DDP with the embedded backend (--dtype bf16, the GPU default; also fp32, with
+# --activation-checkpointing, --no-tree, and fp32 under --attn flex_attention); FSDP with the embedded backend (>= 2 GPUs; also with --kl-coef: a sharded bf16
 # reference model); DDP with vLLM servers on the same GPUs, asleep while the trainer computes
 # (--backend vllm --vllm-sleep --max-model-len 16384, past the trained context; when `make setup-vllm` can
 # install vLLM). From step 2 (warm) it prints seconds by phase (rollout, train,
 # sleep, weight sync), generation and training tokens/s, peak GPU memory of the trainer, model-FLOPs
-# utilization of the training phase (6 x params x tokens/s per GPU against its dense bf16 peak;
+# utilization of the training phase (6 x params x tokens through the model per second per GPU, against its dense bf16 peak;
 # PEAK_TFLOPS overrides it) and the rollout/trainer mismatch. No model hub is needed: the 1.4B model is
 # randomly initialized (SmolLM2's tokenizer, so its vocabulary is 49,152).
 # Placement (GPUs, with vLLM): one trainer rank on GPU 0 with a vLLM server beside it (default share 0.3, then
@@ -67,7 +67,10 @@ for size in $SIZES; do
   model=smollm2
   if [ "$size" != embedded ]; then model="$OUT/model-$size"; [ -f "$model/config.json" ] || make_model "$size" "$model"; fi
   run "$size-ddp" "$model" --parallel ddp
-  run "$size-ddp-ckpt" "$model" --parallel ddp --activation-checkpointing  # shares no prefix in training (it crashed)
+  run "$size-ddp-ckpt" "$model" --parallel ddp --activation-checkpointing
+  run "$size-ddp-rows" "$model" --parallel ddp --no-tree  # against size-ddp: train s and fwd tokens without tree packing
+  # the packed tree's mask as a FlexAttention block mask (compiled; forward only on CPUs): fp32 |dlogp| ~1e-5 as sdpa's
+  [ "$SMOKE" != 1 ] && run "$size-flex-fp32" "$model" --parallel ddp --dtype fp32 --attn flex_attention
   [ "$NPROC" -ge 2 ] && run "$size-fsdp" "$model" --parallel fsdp
   [ "$NPROC" -ge 2 ] && run "$size-fsdp-kl" "$model" --parallel fsdp --kl-coef 0.01  # the reference model sharded too
   run "$size-fp32" "$model" --parallel ddp --dtype fp32  # the GPU default is bf16: fp32 gives |dlogp| ~1e-5
@@ -113,7 +116,7 @@ name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 peaks = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "A10": 125, "L4": 121}  # dense bf16 TFLOPS
 peak = float(os.environ.get("PEAK_TFLOPS") or next((v for k, v in peaks.items() if k in name), 0)) * 1e12
 print(f"\n{name}; MFU against {peak / 1e12:.0f} TFLOPS per device" if peak else f"\n{name}: no peak FLOPS known, no MFU (set PEAK_TFLOPS)")
-print(f"{'run':18} {'rollout s':>9} {'train s':>8} {'sleep s':>7} {'sync s':>7} {'gen tok/s':>9} {'train tok/s':>11} {'peak GB':>8} {'MFU':>6} {'prob_corr':>9} {'|dlogp|':>8}")
+print(f"{'run':18} {'rollout s':>9} {'train s':>8} {'sleep s':>7} {'sync s':>7} {'gen tok/s':>9} {'train tok/s':>11} {'fwd tok':>8} {'peak GB':>8} {'MFU':>6} {'prob_corr':>9} {'|dlogp|':>8}")
 for run in sorted(d for d in os.listdir(out) if os.path.isfile(os.path.join(out, d, "metrics.jsonl"))):
     rows = [r for r in map(json.loads, open(os.path.join(out, run, "metrics.jsonl"))) if "reward" in r]
     cfg = json.load(open(os.path.join(out, run, "config.json")))
@@ -126,8 +129,9 @@ for run in sorted(d for d in os.listdir(out) if os.path.isfile(os.path.join(out,
     h, L, V, I = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
     kv = c.num_key_value_heads * h // c.num_attention_heads
     params = V * h + L * (2 * h * h + 2 * h * kv + 3 * h * I)  # embeddings (tied) + attention + MLP
-    mfu = f"{r['train_tok_s'] * 6 * params / peak:.1%}" if peak else "-"
+    fwd = r.get("fwd_tokens") or 0  # what the model computed (a packed tree: each shared prefix once), not the samples' tokens
+    mfu = f"{fwd / (r['t_train'] * cfg.get('world_size', 1)) * 6 * params / peak:.1%}" if peak else "-"
     corr = f"{r['prob_corr']:.4f}" if r.get("prob_corr") is not None else "-"
-    print(f"{run:18} {r['t_rollout']:9.1f} {r['t_train']:8.1f} {r.get('t_sleep', 0):7.2f} {r['t_sync']:7.2f} {r['gen_tok_s']:9.0f} {r['train_tok_s']:11.0f} "
+    print(f"{run:18} {r['t_rollout']:9.1f} {r['t_train']:8.1f} {r.get('t_sleep', 0):7.2f} {r['t_sync']:7.2f} {r['gen_tok_s']:9.0f} {r['train_tok_s']:11.0f} {fwd:8d} "
           f"{r.get('peak_mem_gb', 0):8.1f} {mfu:>6} {corr:>9} {r['dlogp_mean']:8.4f}")
 EOF

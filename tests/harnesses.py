@@ -32,6 +32,25 @@ class LengthHarness(Harness):
         return min(1.0, len(r.choices[0].message.content or "") / 80)
 
 
+class BranchingHarness(LengthHarness):
+    """Three seeded calls that make a prefix tree of two leaves: call 2 rewrites call 1's reply in the history (a
+    split, rewrote_history), call 3 extends call 2. Every leaf starts with the task prompt, as does every rollout
+    of the group; reward = the replies' length."""
+
+    name = "branching"
+
+    async def run(self, task, endpoint):
+        msgs, text = [{"role": "user", "content": task.prompt}], ""
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
+            for i, follow_up in enumerate(("Say it shorter.", "And one more.", None)):
+                r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, temperature=1.0,
+                                                    seed=zlib.crc32(f"{endpoint.rollout_id}/{i}".encode()))
+                reply = r.choices[0].message.content or ""
+                text += reply
+                msgs += [{"role": "assistant", "content": f"(in short) {reply[:12]}" if i == 0 else reply}, {"role": "user", "content": follow_up}]
+        return min(1.0, len(text) / 120)
+
+
 class FlakyHarness(LengthHarness):
     """Task 0 raises, task 1 hangs past the timeout, task 2 gives no reward, the rest work."""
 

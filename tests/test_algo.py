@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_lite.algo import (collate, compute_advantages, global_denominators, policy_loss, reduce_metrics,
-                                 sample_weights, sampled_logprobs, sampling_support, trainer_logprobs)
+from lightning_lite.algo import (collate, compute_advantages, global_denominators, pack, policy_loss, reduce_metrics,
+                                 sample_weights, sampled_logprobs, sampling_support, trainer_logprobs, tree_mask,
+                                 tree_unsupported)
 from lightning_lite.records import Sample
 
 approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-9)  # noqa: E731
@@ -207,43 +208,102 @@ def fixed_logits(logits):
 def test_trainer_logprobs_alignment():
     logits = torch.randn(2, 4, 5, dtype=torch.float64)
     tokens = [[1, 2, 3, 4], [0, 0, 1, 1]]
-    b = collate([Sample("a", tokens[0], [0, 0, 1, 1], [0.0] * 4), Sample("b", tokens[1], [0, 1, 1, 0], [0.0] * 4)], [1.0, 1.0], dtype=torch.float64)
+    b = collate([Sample("a", tokens[0], [0, 0, 1, 1], [0.0] * 4), Sample("b", tokens[1], [0, 1, 1, 0], [0.0] * 4)], [1.0, 1.0], dtype=torch.float64,
+                tree=False)  # the stand-in's logits are per row
     lp = trainer_logprobs(fixed_logits(logits), b)
     ref = torch.log_softmax(logits, -1)  # token t is predicted at position t - 1
     assert lp[1, 2] == approx(ref[1, 1, 1].item()) and lp[0, 3] == approx(ref[0, 2, 4].item())
     assert lp[0, :2].tolist() == [0.0, 0.0] and lp[1, 3] == 0.0  # off the loss mask
 
 
-def test_trainer_logprobs_shares_the_prefix_exactly():
-    """Rows with a common prefix of >= 16 tokens run it once and share its KV cache: the logprobs and their
-    gradients are those of running every row whole (a tiny random Llama in fp64; its RMSNorm computes in fp32,
-    so the gradients, summed over the rows in another order, differ by fp32 noise: measured 4e-9 of their size)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_pack_by_hand():
+    tokens, depth, end, where = pack([[1, 2, 3], [5], [1, 2, 4], [1, 2]])
+    assert (tokens, depth, end) == ([1, 2, 3, 4, 5], [0, 1, 2, 2, 0], [4, 4, 3, 4, 5])
+    assert where == [[0, 1, 2], [4], [0, 1, 3], [0, 1]]  # a sample that is a prefix of another adds nothing
+    b = collate([Sample("a", [1, 2, 3], [0, 0, 1], [0.0] * 3), Sample("b", [1, 2, 4], [0, 1, 1], [0.0] * 3)], [1.0, 1.0], pad_to=8)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 0, 0, 0, 0]] and b["fwd_tokens"] == 4  # padded: each pad sees itself
+    cfg = SimpleNamespace(_attn_implementation="sdpa")
+    m = tree_mask(cfg, b["depth"], b["end"])[0, 0].int()
+    assert m[3].tolist() == [1, 1, 0, 1, 0, 0, 0, 0] and m[2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0] and m[6].tolist() == [0] * 6 + [1, 0]
+    assert b["where"].tolist() == [[0, 1, 2], [0, 1, 3]]
+    flat = collate([Sample("a", [1, 2, 3], [0, 0, 1], [0.0] * 3), Sample("b", [1, 2], [0, 1], [0.0] * 2)], [1.0, 1.0], tree=False)
+    assert flat["input_ids"].tolist() == [[1, 2, 3], [1, 2, 0]] and flat["fwd_tokens"] == 5 and flat["end"] is None
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    net = LlamaForCausalLM(cfg).double()
-    prompt = torch.randint(0, 50, (20,)).tolist()
-    samples = [Sample(f"r{i}", prompt + torch.randint(0, 50, (n,)).tolist(), [0] * 20 + [1] * n, [0.0] * (20 + n)) for i, n in enumerate((3, 5, 4))]
-    b = collate(samples, [1.0] * 3, dtype=torch.float64)
-    grads = []
-    for fsdp in (False, True):  # fsdp: no prefix sharing (every forward is a collective there)
-        net.zero_grad()
-        lp = trainer_logprobs(net, b, fsdp=fsdp)
-        lp.sum().backward()
-        grads.append((lp.detach(), torch.cat([p.grad.flatten() for p in net.parameters()])))
-    full = torch.log_softmax(net(input_ids=b["tokens"]).logits, -1)[:, :-1].gather(-1, b["tokens"][:, 1:, None])[..., 0]
-    assert torch.allclose(grads[0][0][:, 1:], full * b["loss_mask"][:, 1:], atol=1e-12)
-    (lp, g), (lp_whole, g_whole) = grads
-    assert torch.allclose(lp, lp_whole, atol=1e-12) and (g - g_whole).abs().max() <= 1e-6 * g_whole.abs().max()
-    # --activation-checkpointing, in training: checkpointed layers return no cache to share (the prefix path crashed
-    # on it): every row runs whole, to the same numbers
+
+def tiny(kind, seed=0):
+    """A tiny random model in fp64: Llama (full attention), Mistral (every layer a sliding window of 5), Gemma2
+    (sliding and full layers, a dict of masks)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    size = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**size)),
+                "mistral": (MistralForCausalLM, MistralConfig(**size, sliding_window=5, head_dim=8)),
+                "gemma2": (Gemma2ForCausalLM, Gemma2Config(**size, sliding_window=5, head_dim=8))}[kind]
+    torch.manual_seed(seed)
+    return cls(cfg).double()
+
+
+def branching_samples(vocab=50):
+    """A rollout that split (a leaf that extends a shared history, one that rewrote it), a second rollout of the
+    same task prompt, a sample that is a prefix-free stranger: 4 samples, 31 to 12 tokens, 101 tokens, 56 distinct
+    prefixes' worth when packed."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    prompt = r(20)
+    turn1 = prompt + r(5)
+    return [Sample("a", turn1 + r(6), [0] * 20 + [1] * 11, [0.0] * 31), Sample("b", prompt + r(9), [0] * 20 + [1] * 9, [0.0] * 29),
+            Sample("c", r(12), [0] * 3 + [1] * 9, [0.0] * 12), Sample("a", turn1 + r(4), [0] * 25 + [1] * 4, [0.0] * 29)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_packed_tree_gives_each_token_its_own_sequences_logprob(kind, attn):
+    """Packed as one tree (each shared prefix once, 56 of 101 tokens), the logprobs and gradients are those of
+    training every sample as its own row: to fp64 for the logprobs; the gradients, summed in another order through
+    RMSNorm's fp32, to 1e-6 of their size (measured 4e-8 to 9e-8). Sliding-window layers count the window in each
+    token's own sequence: with the sequences 2-6x the window, a packed-index window would be far off."""
+    net = tiny(kind)
+    net.set_attn_implementation(attn)
+    out = {}
+    for tree in (False, True):
+        b = collate(branching_samples(), [1.0] * 4, dtype=torch.float64, tree=tree)
+        out[tree] = logprobs_and_grads(net, lambda: trainer_logprobs(net, b)), b["fwd_tokens"]
+    ((lp_rows, g_rows), n_rows), ((lp, g), n) = out[False], out[True]
+    assert (n_rows, n) == (101, 56)
+    assert torch.allclose(lp, lp_rows, atol=1e-7) and (g - g_rows).abs().max() <= 1e-6 * g_rows.abs().max()
+    if kind != "llama":  # the window matters here: the same weights without it give other numbers
+        net.config.sliding_window = None
+        if kind == "gemma2":
+            net.config.layer_types = ["full_attention"] * 2
+        b = collate(branching_samples(), [1.0] * 4, dtype=torch.float64)
+        assert (logprobs_and_grads(net, lambda: trainer_logprobs(net, b))[0] - lp_rows).abs().max() > 1e-3
+
+
+def test_a_packed_tree_under_activation_checkpointing_and_flex_attention():
+    """--activation-checkpointing recomputes the packed forward to the same gradients; FlexAttention's block mask
+    (forward only on a CPU: torch has no CPU backward for it) gives the logprobs of the sdpa rows."""
+    net = tiny("llama")
+    b = collate(branching_samples(), [1.0] * 4, dtype=torch.float64)
+    lp, g = logprobs_and_grads(net, lambda: trainer_logprobs(net, b))
     net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    net.train().zero_grad()  # no dropout in this config
-    lp = trainer_logprobs(net, b)
-    lp.sum().backward()
-    g = torch.cat([p.grad.flatten() for p in net.parameters()])
-    assert torch.allclose(lp, lp_whole, atol=1e-12) and (g - g_whole).abs().max() <= 1e-6 * g_whole.abs().max()
+    net.train()  # no dropout in this config
+    lp_ckpt, g_ckpt = logprobs_and_grads(net, lambda: trainer_logprobs(net, b))
+    assert torch.allclose(lp_ckpt, lp, atol=1e-12) and (g - g_ckpt).abs().max() <= 1e-9 * g.abs().max()
+    net = tiny("llama").float().eval()
+    samples = [Sample(s.rollout_id, s.tokens, s.loss_mask, s.logprobs) for s in branching_samples()]
+    with torch.no_grad():
+        rows = trainer_logprobs(net, collate(samples, [1.0] * 4, tree=False))
+        net.set_attn_implementation("flex_attention")
+        flex = trainer_logprobs(net, collate(samples, [1.0] * 4, pad_to=128))
+    assert (flex - rows).abs().max() <= 1e-5
+
+
+def test_models_that_cannot_run_a_packed_tree_say_why():
+    assert tree_unsupported(SimpleNamespace(_attn_implementation="sdpa", layer_types=["full_attention", "sliding_attention"])) is None
+    assert "linear_attention" in tree_unsupported(SimpleNamespace(_attn_implementation="sdpa", layer_types=["linear_attention", "full_attention"]))
+    assert "flash_attention_2" in tree_unsupported(SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with pytest.raises(ValueError, match="--no-tree"):
+        tree_mask(SimpleNamespace(_attn_implementation="flash_attention_2"), torch.zeros(1, 2, dtype=torch.long), torch.tensor([1, 2]))
 
 
 def test_reduce_metrics_of_a_rank_without_samples():
@@ -289,7 +349,7 @@ def test_trainer_logprobs_uses_each_tokens_own_sampling():
     tokens = torch.randint(0, 11, (1, 5), generator=g)
     sample = Sample("a", tokens[0].tolist(), [0, 1, 1, 1, 1], [0.0] * 5, temperature=[1.0, 0.5, 0.5, 1.0, 1.0], top_k=[0, 0, 0, 3, 0],
                     top_p=[1.0, 1.0, 1.0, 1.0, 0.6])
-    s = collate([sample], [1.0], dtype=torch.float64)
+    s = collate([sample], [1.0], dtype=torch.float64, tree=False)
     lp = trainer_logprobs(fixed_logits(logits), s)
     for t in range(1, 5):  # token t is predicted at position t-1 under the settings of token t
         one = sampled_logprobs(logits[0, t - 1:t], tokens[0, t:t + 1], s["temperature"][0, t:t + 1], s["top_k"][0, t:t + 1], s["top_p"][0, t:t + 1])
@@ -299,7 +359,7 @@ def test_trainer_logprobs_uses_each_tokens_own_sampling():
 
 
 def mixed_batch(V, dtype=torch.float32):
-    """Three rows sharing an 18-token prompt (the shared-prefix path runs), 21 trainable tokens under mixed
+    """Three rows sharing an 18-token prompt (packed once), 21 trainable tokens under mixed
     temperature / top-k / top-p settings: greedy, top-k, top-p, both, and a top-k past the 1,024 largest."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, V, (18,), generator=g).tolist()
@@ -371,7 +431,7 @@ def test_trainer_logprobs_memory_is_one_chunk_of_logits(model):
 def test_trainer_logprobs_of_a_model_that_post_processes_its_logits():
     """A model whose forward changes the head's output (as Gemma2's softcapping or Cohere's logit_scale do) is
     noticed and runs with its own head, to the same numbers; a plain one (tied head) runs the chunked head.
-    A tiny random Llama in fp64 (fp32 RMSNorm: the shared prefix sums gradients in another order, as above)."""
+    A tiny random Llama in fp64 (fp32 RMSNorm: the packed prefix sums gradients in another order, as above)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     class Softcapped(LlamaForCausalLM):  # Gemma2's final_logit_softcapping (a scale would pass: W 2h = 2 W h)

@@ -5,7 +5,8 @@ import copy
 import pytest
 
 from lightning_lite.apis import parse_chat_request
-from lightning_lite.chat import BadRequest, Renderer, Turn, common_prefix, fingerprints
+from lightning_lite.chat import BadRequest, Renderer, Turn, fingerprints
+from lightning_lite.records import common_prefix
 
 # A Qwen2.5-style template that renders tools and tool calls itself.
 NATIVE = (
@@ -38,6 +39,7 @@ def test_fingerprints_reuse_what_a_known_turn_shares_and_include_the_tools():
     edited = [m[0], {"role": "user", "content": "q2"}] + nxt[2:]
     assert fingerprints(edited, tools, t) == fingerprints(edited, tools) and fingerprints(edited, tools, t)[3] != t.fp
     assert (common_prefix([1, 2, 3], [1, 2, 4]), common_prefix([1], [1, 2]), common_prefix([], [1])) == (2, 1, 0)
+    assert [common_prefix(list(range(9)), list(range(k)) + [-1] * (9 - k)) for k in range(10)] == list(range(10))
 
 
 def test_request_parsing_accepts_what_harnesses_send():

@@ -132,7 +132,7 @@ def test_sampling_on_the_gpu_keeps_every_tensor_on_the_logits_device():
 
 
 def test_a_training_micro_batch_runs_on_the_gpu_from_collate_to_backward(fake_cuda_model, tok):
-    """collate -> trainer_logprobs (shared-prefix path: two rows with one prompt) -> policy_loss -> backward, with the
+    """collate -> trainer_logprobs (two rows with one prompt, packed as a tree) -> policy_loss -> backward, with the
     model's parameters on the (fake) GPU; rows sampled under top-k / top-p too. Nothing made on the CPU meets them."""
     prompt = tok.encode("The capital of France is")
     rows = []
@@ -144,7 +144,7 @@ def test_a_training_micro_batch_runs_on_the_gpu_from_collate_to_backward(fake_cu
                            top_k=[k] * (n + 3 * len(prompt)), top_p=[p] * (n + 3 * len(prompt)), advantage=1.0 - 2 * i))
     with FakeCuda():
         b = algo.collate(rows, [0.5, 0.5], device=CUDA)
-        assert all(v.device == CUDA for v in b.values())
+        assert all(v.device == CUDA for v in b.values() if isinstance(v, torch.Tensor))
         lp = algo.trainer_logprobs(fake_cuda_model, b)
         loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], kl_coef=0.1, ref_logprobs=lp.detach())
         loss.backward()

@@ -51,7 +51,7 @@ def make_batch():
             samples.append(Sample(rollout_id=f"r{r}", tokens=tokens, loss_mask=mask, logprobs=[0.0] * T))
     net = tiny(params(1))
     for s in samples:
-        lp = trainer_logprobs(net, collate([s], [1.0], dtype=torch.float64))[0] + 0.3 * torch.randn(len(s.tokens), generator=g, dtype=torch.float64)
+        lp = trainer_logprobs(net, collate([s], [1.0], dtype=torch.float64, tree=False))[0] + 0.3 * torch.randn(len(s.tokens), generator=g, dtype=torch.float64)
         s.logprobs = [x if m else 0.0 for x, m in zip(lp.tolist(), s.loss_mask)]
     rewards = {f"r{r}": x for r, x in enumerate(REWARDS)}
     groups = {f"r{r}": f"t{r // 2}" for r in range(8)}
@@ -66,7 +66,8 @@ def grads(samples, norm, loss, n_micro, world=1, denoms=None):
     metrics = []
     for k in range(n_micro):
         idx = list(range(k, len(samples), n_micro))
-        b = collate([samples[i] for i in idx], [w[i] for i in idx], dtype=torch.float64)
+        # row by row: the stand-in reads each row in order, it takes no tree mask (test_algo packs real models)
+        b = collate([samples[i] for i in idx], [w[i] for i in idx], dtype=torch.float64, tree=False)
         lp = trainer_logprobs(tiny(p), b)  # the function train.py trains with
         kl = {}
         if loss == "ppo+kl":

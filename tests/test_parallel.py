@@ -1,6 +1,6 @@
-"""FSDP2 trains exactly like DDP and like one process: one AdamW step of the embedded model on the same
-global batch gives the same weights, with micro-batching on and a different number of micro-batches per
-rank. Then train.py end to end under --parallel fsdp: sharded training, weight sync to the embedded
+"""FSDP2 trains exactly like DDP and like one process, packed as trees or row by row: one AdamW step of the
+embedded model on the same global batch gives the same weights, with micro-batching on and a different number
+of micro-batches per rank. Then train.py end to end under --parallel fsdp: sharded training, weight sync to the embedded
 backend without a checkpoint, a transformers checkpoint, and --resume with the optimizer state.
 
 The 2-rank half runs this file as a script: ``python tests/test_parallel.py RANK PORT OUT MODE``.
@@ -21,6 +21,7 @@ from lightning_lite.algo import collate, global_denominators, policy_loss, sampl
 from lightning_lite.records import Sample
 
 RANK_OF = [0, 0, 0, 1]  # rank 0 holds three samples, rank 1 one: FSDP must pad rank 1's micro-batches
+SHARED = [0, 10, 0, 6]  # sample i starts with sample i-1's first SHARED[i] tokens: a packed tree shares them
 
 
 def make_samples(model):
@@ -28,7 +29,8 @@ def make_samples(model):
     g = torch.Generator().manual_seed(0)
     samples = []
     for i, T in enumerate((14, 20, 9, 17)):
-        tokens = torch.randint(0, model.config.vocab_size, (T,), generator=g).tolist()
+        tokens = samples[-1].tokens[:SHARED[i]] if SHARED[i] else []
+        tokens += torch.randint(0, model.config.vocab_size, (T - len(tokens),), generator=g).tolist()
         mask = [0] * (T // 2) + [1] * (T - T // 2)
         with torch.no_grad():
             lp = trainer_logprobs(model, collate([Sample(f"r{i}", tokens, mask, [0.0] * T)], [1.0]))[0]
@@ -38,9 +40,9 @@ def make_samples(model):
     return samples
 
 
-def one_step(mode, rank=0, world=1):
-    """train.py's update on this rank's samples, one sample per micro-batch; returns (full weights on rank 0, grad
-    norm, the wrapped module)."""
+def one_step(mode, rank=0, world=1, tree=False):
+    """train.py's update on this rank's samples, two samples per micro-batch (packed as one tree with ``tree``);
+    returns (full weights on rank 0, grad norm, the wrapped module)."""
     from lightning_lite.models import load_model
 
     torch.manual_seed(0)
@@ -51,14 +53,14 @@ def one_step(mode, rank=0, world=1):
     # ~lr/10 on summation-order noise alone (measured: 5e-6 of a 1.1e-4 step, DDP vs one process)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.99), eps=1e-6)
     weights = sample_weights(samples, "token-mean", global_denominators(samples))
-    mbs = parallel.pad_micro_batches([[s] for s in samples], mode)
+    mbs = parallel.pad_micro_batches([samples[i:i + 2] for i in range(0, len(samples), 2)], mode)
     for k, mb in enumerate(mbs):
         with parallel.accumulating(net, mode, last=k == len(mbs) - 1):
             if mb is None:  # train.py's zero-loss step for a rank with fewer micro-batches
                 (net(input_ids=torch.tensor([[1]])).logits.sum() * 0.0).backward()
                 continue
-            b = collate(mb, [weights[samples.index(mb[0])]])
-            lp = trainer_logprobs(net, b, fsdp=mode == "fsdp")
+            b = collate(mb, [weights[samples.index(s)] for s in mb], tree=tree)
+            lp = trainer_logprobs(net, b)
             loss, _ = policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"])
             (loss * world).backward()
     gnorm = parallel.scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
@@ -99,11 +101,12 @@ def gathers_one_tensor_at_a_time(net, rank, weights):
 
 def worker(rank, port, out, mode):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    weights, gnorm, net = one_step(mode, rank, 2)
+    for tree in (False, True):
+        weights, gnorm, net = one_step(mode, rank, 2, tree)
+        if rank == 0:
+            torch.save((weights, gnorm), os.path.join(out, f"{mode}{'-tree' * tree}.pt"))
     if mode == "fsdp":
         gathers_one_tensor_at_a_time(net, rank, weights)
-    if rank == 0:
-        torch.save((weights, gnorm), os.path.join(out, f"{mode}.pt"))
     dist.destroy_process_group()
 
 
@@ -125,12 +128,13 @@ def test_fsdp_and_ddp_give_the_weights_of_one_process(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): some CPU kernels sum in another order on 2 threads,
     try:  # and Adam turns that fp32 noise into up to ~10% of a step on weights with near-zero gradients (measured)
-        ref, ref_gnorm, _ = one_step("ddp")  # one process, the whole batch
+        ref, ref_gnorm, _ = one_step("ddp")  # one process, the whole batch, row by row
+        torch.save(one_step("ddp", tree=True)[:2], tmp_path / "one-tree.pt")
     finally:
         torch.set_num_threads(threads)
     step = max((ref[k] - before[k]).abs().max().item() for k in ref)
     assert step > 5e-5  # the update moved the weights (Adam: ~lr per weight)
-    for mode in ("ddp", "fsdp"):
+    for mode in ("one-tree", "ddp", "ddp-tree", "fsdp", "fsdp-tree"):
         weights, gnorm = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
         assert abs(gnorm - ref_gnorm) <= 1e-4 * ref_gnorm, (mode, gnorm, ref_gnorm)  # a wrong gradient scale shows here (measured: 9e-6)
         diff = max((weights[k] - ref[k]).abs().max().item() for k in ref)
@@ -166,10 +170,11 @@ def test_train_py_under_fsdp_syncs_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["grad_norm"] > 0
 
 
-def test_fsdp_options_that_cannot_work_say_why():
+def test_options_that_cannot_work_say_why():
     from conftest import ROOT
 
-    for args, msg in ((["--parallel", "fsdp"], "start it with torchrun"), (["--parallel", "fsdp", "--fsdp-offload", "--device", "cpu"], "needs --parallel fsdp on GPUs")):
+    for args, msg in ((["--parallel", "fsdp"], "start it with torchrun"), (["--parallel", "fsdp", "--fsdp-offload", "--device", "cpu"], "needs --parallel fsdp on GPUs"),
+                      (["--attn", "flex_attention", "--device", "cpu"], "no CPU backward for FlexAttention")):
         p = subprocess.run([sys.executable, "train.py", "--harness", "calc"] + args, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and msg in p.stderr, p.stderr[-2000:]
 

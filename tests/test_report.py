@@ -56,7 +56,8 @@ def run(tok, tmp_path_factory):
              "t_rollout": 5.0, "t_train": 2.0, "t_sync": 0.1},
             {"step": 2, "reward": 0.625, "success": 0.5, "rollouts": 2, "failed": 1, "loss": 0.02, "grad_norm": 0.25,
              "clip_frac": 0.01, "prob_corr": float("nan"), "dlogp_mean": 0.02, "dlogp_max": 0.3, "ratio_out_frac": 0.0,
-             "t_rollout": 6.0, "t_train": 2.5, "t_sync": 0.1, "splits": {"rewrote_history": 1}},
+             "t_rollout": 6.0, "t_train": 2.5, "t_sync": 0.1, "splits": {"rewrote_history": 1}, "trainable_tokens": 12,
+             "fwd_tokens": 140},
             {"step": 2, "eval_reward": 0.5, "eval_success": 0.5, "eval_tasks": 4, "eval_failed": 0, "eval_s": 3.0}]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # NaN as train.py writes it
 
@@ -117,12 +118,13 @@ def test_page_in_headless_chromium(run):
         page.goto((run["dir"] / "report.html").as_uri())
         page.wait_for_selector("#rollout-detail[data-rollout]")
 
-        # the numbers: config, the last training row (NaN shown as no value), six plots
+        # the numbers: config, the last training row (NaN shown as no value), seven plots
         assert "smollm2" in page.inner_text("#config")
         assert page.inner_text('#latest [data-key="reward"]') == "reward 0.625"
         assert page.inner_text('#latest [data-key="prob_corr"]') == "prob_corr —"
         assert page.inner_text('#latest [data-key="eval_success"]') == "eval_success 0.500"
-        assert page.locator("#plots svg").count() == 6
+        assert page.locator("#plots svg").count() == 7
+        assert page.inner_text('#latest [data-key="fwd_tokens"]') == "fwd_tokens 140"
 
         # calls/step_1 is metrics step 2; its failed rollout says why
         page.select_option("#batch", label=batch_label("step", 1))

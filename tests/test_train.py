@@ -146,7 +146,8 @@ def test_calc_agent_on_the_embedded_model(server):
 @pytest.mark.parametrize("opts", [
     ["--loss", "gspo", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0",
      "--tensorboard", "--wandb", "ll-test"],
-    ["--loss", "tis", "--tis-cap", "1.5", "--norm", "seq-mean-token-mean", "--adv", "reinforce", "--kl-coef", "0.05", "--weight-decay", "0.01"],
+    ["--loss", "tis", "--tis-cap", "1.5", "--norm", "seq-mean-token-mean", "--adv", "reinforce", "--kl-coef", "0.05", "--weight-decay", "0.01",
+     "--attn", "eager"],  # the packed tree's mask as an additive one, for the policy and the reference model
     ["--norm", "seq-mean-token-sum", "--adv", "dr_grpo", "--micro-batch-tokens", "64", "--max-seq-len", "48", "--drop-zero-variance"],
     ["--norm", "seq-mean-token-sum-norm", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3", "--model", "smollm2", "--device", "cpu",
      "--max-new-tokens", "5", "--max-model-len", "16384"],
@@ -181,6 +182,33 @@ def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
         (log,) = glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))  # the offline run's record log
         logged = open(log, "rb").read()
         assert all(json.dumps(r["reward"]).encode() in logged for r in steps) and b"eval_success" in logged
+
+
+def test_tree_packing_trains_exactly_as_separate_rows(tmp_path):
+    """One step on rollouts that split (BranchingHarness: two leaves each, seeded and run one at a time, so both
+    runs get the same calls), in groups that share their prompt, packed as trees (the default) and --no-tree, in
+    several micro-batches: the same loss, grad norm and updated weights, with fewer tokens through the model."""
+    from safetensors.torch import load_file
+
+    from lightning_lite.models import load_model
+
+    res = {}
+    for name, extra in (("tree", []), ("rows", ["--no-tree"])):
+        out = str(tmp_path / name)
+        run([sys.executable, "train.py", "--harness", HARNESSES + ":BranchingHarness", "--steps", "1", "--batch-size", "2", "--group-size", "3",
+             "--eval-tasks", "0", "--max-concurrency", "1", "--micro-batch-tokens", "160", "--lr", "1e-4", "--save-every", "1", "--out", out] + extra)
+        calls = [(c["prompt_ids"], c["response_ids"]) for c in read_jsonl(os.path.join(out, "calls", "step_0.jsonl"))]
+        res[name] = rows(out)[-1], calls, load_file(os.path.join(out, "checkpoints", "step_1", "model.safetensors"))
+    (tree, calls, w), (flat, calls_flat, w_flat) = res["tree"], res["rows"]
+    assert calls == calls_flat and tree["splits"] == {"rewrote_history": 6} and tree["samples"] == 12
+    assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-5, abs=1e-7) and tree["grad_norm"] == pytest.approx(flat["grad_norm"], rel=1e-4)
+    assert tree["fwd_tokens"] < 0.7 * flat["fwd_tokens"], (tree["fwd_tokens"], flat["fwd_tokens"])
+    # Adam's first step moves a weight by about lr whatever its gradient's size, so on the few weights with a gradient
+    # at fp32 noise (another summation order) the two runs differ by up to lr: compare the whole update (measured 2e-4)
+    w0 = load_model("smollm2").state_dict()
+    update = torch.cat([(w[k] - w0[k]).double().flatten() for k in w])
+    diff = torch.cat([(w[k] - w_flat[k]).double().flatten() for k in w])
+    assert update.norm() > 0 and diff.norm() <= 1e-3 * update.norm(), (diff.norm(), update.norm())
 
 
 def test_each_token_is_scored_under_the_sampling_that_drew_it(tmp_path):

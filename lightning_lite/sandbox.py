@@ -49,8 +49,9 @@ class Sandbox:
         """Stop what may outlive the host process once it is killed (a container); nothing here."""
 
     @staticmethod
-    def _bridged(python: str, here: str, socket: Optional[str], port: Optional[int], cmd: list[str]) -> list[str]:
-        return [python, here, socket, str(port), "--", *cmd] if socket else list(cmd)
+    def _bridged(here: str, socket: Optional[str], port: Optional[int], cmd: list[str]) -> list[str]:
+        """``cmd`` under the bridge (this file, at ``here`` inside, run by the sandbox's own python3) when bridged."""
+        return ["python3", here, socket, str(port), "--", *cmd] if socket else list(cmd)
 
 
 class Bwrap(Sandbox):
@@ -85,7 +86,7 @@ class Bwrap(Sandbox):
               "--die-with-parent", "--new-session", "--clearenv", "--chdir", cwd]
         for k, v in env.items():
             a += ["--setenv", k, str(v)]
-        return a + ["--", *self._bridged("python3", HERE, socket, port, cmd)]
+        return a + ["--", *self._bridged(HERE, socket, port, cmd)]
 
 
 class Docker(Sandbox):
@@ -112,7 +113,7 @@ class Docker(Sandbox):
         a += ["--pids-limit", str(limits.pids)] if limits.pids else []
         for k, v in env.items():
             a += ["-e", f"{k}={v}"]
-        return a + [image, *self._bridged("python3", "/ll/sandbox.py", "/ll/proxy.sock" if socket else None, port, cmd)]
+        return a + [image, *self._bridged("/ll/sandbox.py", "/ll/proxy.sock" if socket else None, port, cmd)]
 
     def kill(self, name):
         if name:  # killing the client leaves the container running

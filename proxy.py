@@ -3,11 +3,14 @@
     python proxy.py --model smollm2 --port 8000 --out runs/proxy
 
 Point any harness at http://127.0.0.1:8000/rollout/<rollout_id>/v1 (or plain /v1: rollout "default").
-Every answered call is appended to OUT/calls.jsonl; `python -m lightning_lite.samples OUT/calls.jsonl
---out OUT/samples.jsonl` turns them into training samples. Ctrl-C stops it cleanly.
+Every answered call is appended to OUT/calls.jsonl, and every reward POSTed to /rollout/<id>/reward (a
+rollout's, or one call's with "call") to OUT/rewards.jsonl; `python train.py --from-calls OUT` trains on them,
+`python -m lightning_lite.samples OUT/calls.jsonl --out OUT/samples.jsonl` turns them into training samples.
+Ctrl-C stops it cleanly.
 """
 
 import argparse
+import json
 import logging
 import os
 
@@ -43,6 +46,12 @@ def main():
         p.error(f"--host {a.host} exposes the model beyond this machine: set --api-key (or LL_API_KEY) too")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # which model the calls in OUT are of: train.py --from-calls trains only on its own model's (README)
+    meta = os.path.join(a.out, "proxy.json")
+    if os.path.exists(meta) and (was := json.load(open(meta)).get("model")) != a.model:
+        p.error(f"{a.out} holds calls of model {was!r}, not {a.model!r}: record into another --out")
+    os.makedirs(a.out, exist_ok=True)
+    json.dump({"model": a.model}, open(meta, "w"))
     tok = load_tokenizer(a.model)
     if a.vllm_url:
         backend = VLLMBackend(a.vllm_url, sync_dir=os.path.join(a.out, "weights"))

@@ -24,6 +24,7 @@ import shlex
 import shutil
 import sys
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -31,18 +32,25 @@ from tqdm import tqdm
 
 from lightning_lite import algo, audit, parallel, sandbox
 from lightning_lite.backends import HFBackend, VLLMBackend, placement
-from lightning_lite.harness import SubprocessHarness, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
+from lightning_lite.harness import RolloutResult, SubprocessHarness, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
-from lightning_lite.records import SPLIT_REASONS, Sample, common_prefix, read_calls, read_jsonl, write_jsonl
+from lightning_lite.records import SPLIT_REASONS, UNANSWERED, Sample, common_prefix, read_calls, read_jsonl, read_recorded, write_jsonl
 from lightning_lite.report import find_batches, write_report
 from lightning_lite.samples import build_batch_samples
 from lightning_lite.toolcalls import FORMATS
 
 # ----------------------------------------------------------------------------- config (defaults in one place)
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--harness", default="calc", help="examples/NAME/harness.py, a .py path, or package.module[:Name]")
-p.add_argument("--harness-arg", action="append", default=[], metavar="K=V", help="keyword argument for the harness (repeatable)")
+p.add_argument("--harness", action="append", default=None, metavar="SPEC[:WEIGHT]", help="examples/NAME/harness.py, a .py path, or "
+               "package.module[:Name] (default calc); repeat it to train through several at once, tasks drawn in proportion to WEIGHT (default 1)")
+p.add_argument("--harness-arg", action="append", default=[], metavar="[SPEC:]K=V", help="keyword argument for the harness, or for "
+               "the one --harness SPEC names (repeatable)")
+p.add_argument("--group-across-harnesses", action="store_true", help="several --harness that run the same tasks (by id): each task's "
+               "group holds every harness's rollouts of it (--group-size split by WEIGHT), one advantage group")
+p.add_argument("--from-calls", nargs="+", default=None, metavar="DIR", help="train on calls recorded by proxy.py --out DIR (rewards "
+               "POSTed while it served) or by a train.py run, instead of running a harness (README: Training from recorded calls); "
+               "--harness then only evaluates")
 p.add_argument("--model", default="smollm2", help="'smollm2' (embedded) or a transformers model directory")
 p.add_argument("--out", default="runs/train")
 p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
@@ -55,9 +63,14 @@ p.add_argument("--warmup-steps", type=int, default=2)
 p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"], help="after warmup: constant, or cosine to 10%%")
 p.add_argument("--weight-decay", type=float, default=0.0)
 p.add_argument("--grad-clip", type=float, default=1.0)
-p.add_argument("--loss", default="ppo", choices=algo.LOSSES, help="ppo: clipped token ratio; gspo: clipped sequence ratio; tis: REINFORCE x truncated IS weight")
+p.add_argument("--loss", default="ppo", choices=algo.LOSSES, help="ppo: clipped token ratio; gspo: clipped sequence ratio; tis: REINFORCE "
+               "x truncated IS weight; sft: -logprob of the rollouts with reward >= --sft-min-reward (rejection-sampling fine-tuning)")
+p.add_argument("--sft-min-reward", type=float, default=None, help="--loss sft: train on the rollouts whose reward is at least this "
+               "(default: every rollout, rewarded or not: imitate recorded traces)")
 p.add_argument("--norm", default="rollout-mean", choices=algo.NORMS, help="loss normalization (README: the normalization table)")
-p.add_argument("--adv", default="grpo", choices=algo.ESTIMATORS, help="advantage estimator")
+p.add_argument("--adv", default="grpo", choices=algo.ESTIMATORS, help="advantage estimator (README: the table); grpo-step and returns: "
+               "per call, with per-call rewards")
+p.add_argument("--gamma", type=float, default=1.0, help="--adv returns: the discount per call")
 p.add_argument("--clip-low", type=float, default=None, help="ratio clip below 1 (default: the loss's own: ppo 0.2, gspo 3e-4, the GSPO paper's)")
 p.add_argument("--clip-high", type=float, default=None, help="ratio clip above 1 (default: ppo 0.28, gspo 4e-4)")
 p.add_argument("--clip-ratio-c", type=float, default=3.0, help="ppo, gspo: dual clip, for a negative advantage a ratio above C counts as C (verl's clip_ratio_c; inf: off)")
@@ -115,6 +128,7 @@ args = p.parse_args()
 low, high = algo.CLIP.get(args.loss, (None, None))  # each loss's own clip range unless given (config.json records what ran)
 args.clip_low, args.clip_high = low if args.clip_low is None else args.clip_low, high if args.clip_high is None else args.clip_high
 args.norm_const = args.norm_const or args.max_new_tokens
+max_age = args.steps if args.from_calls else args.async_steps  # the most updates between sampling a token and training it
 
 # ----------------------------------------------------------------------------- distributed setup
 ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -142,6 +156,11 @@ if args.attn == "flex_attention" and device.type == "cpu":
     sys.exit("--attn flex_attention trains on GPUs: torch has no CPU backward for FlexAttention (sdpa, the default, runs a packed tree on CPUs)")
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
+if args.from_calls and args.async_steps:
+    sys.exit("--from-calls trains on calls recorded before: --async (rollouts while training) has none to run")
+args.harness = args.harness or ([] if args.from_calls else ["calc"])  # under --from-calls a harness only evaluates
+if args.group_across_harnesses and (len(args.harness) < 2 or args.from_calls):
+    sys.exit("--group-across-harnesses groups the rollouts of several --harness that run the same tasks: give two or more")
 torch.manual_seed(args.seed + rank)
 random.seed(args.seed + rank)
 os.makedirs(os.path.join(args.out, "calls"), exist_ok=True)
@@ -174,7 +193,8 @@ def run_file(kind, name):  # a step's (or an evaluation's) calls or rollouts: on
 
 
 def save_rollouts(name, results, adv):
-    """One line per rollout: task, reward (null: failed), why it failed, seconds, advantage (null: not trained)."""
+    """One line per rollout: task, harness, reward (null: failed), call rewards, why it failed, seconds, advantage
+    (a number, {call index: number} for a per-call estimator, or null: not trained)."""
     write_jsonl(run_file("rollouts", name), [{**dataclasses.asdict(r), "advantage": adv.get(r.rollout_id)} for r in results])
 
 
@@ -185,6 +205,44 @@ if args.resume and os.path.exists(os.path.join(ckpt_root, "latest")):
 elif args.resume:
     log(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
 tok = load_tokenizer(args.model)
+rec, rec_calls, rec_groups = {}, {}, {}  # --from-calls: rollout id -> its rewards, its calls; group -> its rollouts
+for j, d in enumerate(args.from_calls or ()):
+    try:
+        served, calls, rewards = read_recorded(d)
+    except (OSError, ValueError) as e:
+        sys.exit(f"--from-calls {d}: {e}")
+    if not (served and os.path.abspath(resolve(served)) == os.path.abspath(resolve(args.model))) and args.loss != "sft":
+        sys.exit(f"--from-calls {d}: its calls were sampled by {served or 'a model it does not name (no proxy.json, no config.json)'}, "
+                 f"not --model {args.model}: their logprobs are another policy's. Learn from them with --loss sft (same tokenizer)")
+    if no_lp := [c for c in calls if len(c.response_logprobs) != len(c.response_ids)]:
+        if args.loss != "sft":
+            sys.exit(f"--from-calls {d}: {len(no_lp)} calls have no logprobs to take the ratio to; --loss sft trains on them")
+        for c in no_lp:
+            c.response_logprobs = [0.0] * len(c.response_ids)
+    if any(t >= len(tok) for c in calls for t in c.response_ids):
+        sys.exit(f"--from-calls {d}: token ids beyond this tokenizer's {len(tok)}: recorded with another tokenizer")
+    by_rid = {}
+    for c in calls:
+        by_rid.setdefault(c.rollout_id, []).append(c)
+    for rid, cs in by_rid.items():
+        info = rewards.get(rid) or {"reward": None, "calls": {}, "group": None}
+        if rid not in rewards and not (args.loss == "sft" and args.sft_min_reward is None):
+            continue  # unrewarded: nothing to learn from, but as a trace to imitate
+        key = f"d{j}.{rid}" if len(args.from_calls) > 1 else rid
+        for c in cs:
+            c.rollout_id = key
+        # rewarded per call only: the rollout's reward is 0; unrewarded (sft): None, trained, not counted in reward
+        rec[key] = {"reward": 0.0 if info["reward"] is None and rid in rewards else info["reward"], "calls": info["calls"]}
+        rec_calls[key] = cs
+        rec_groups.setdefault(f"d{j}/{info['group']}" if info["group"] else key, []).append(key)
+if args.from_calls:
+    if not rec:
+        sys.exit(f"--from-calls: no rewarded rollout in {' '.join(args.from_calls)}: POST rewards to /rollout/<id>/reward while "
+                 "proxy.py serves (README: Training from recorded calls), or imitate the traces with --loss sft")
+    if args.loss != "sft" and args.adv in ("grpo", "dr_grpo", "rloo") and all(len(g) == 1 for g in rec_groups.values()):
+        sys.exit(f"--from-calls: every rollout is a group of its own (no \"task\" in the rewards POSTed), so --adv {args.adv} "
+                 "gives each advantage 0: use --adv reinforce (the batch mean as baseline), or POST rewards with a task")
+    log(f"--from-calls: {len(rec)} rollouts ({sum(map(len, rec_calls.values()))} calls) in {len(rec_groups)} groups")
 model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len)  # fp32: the master weights
 fsdp = args.parallel == "fsdp"
 # The reference model and the backend's copy hold the weights as the trainer's forward sees them: FSDP gathers them in
@@ -297,56 +355,127 @@ backend.version = start_step
 proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout, pause_retry_after=args.pause_retry_after,
               tool_format=args.tool_format, keep_history_tokens=args.keep_history_tokens, rollout_tokens=True)
 server = ProxyServer(proxy, host=args.proxy_host).start()
-harness = load_harness(args.harness, **parse_kwargs(args.harness_arg))
-audits = audit.compile_patterns(harness.audit), audit.compile_patterns(harness.audit_results)  # bad ones fail here
-box, escapes = None, {}  # a Python harness runs in this process: its tools are its own code, no program to sandbox
-if isinstance(harness, SubprocessHarness):
+
+
+def harness_spec(spec):  # "search:2" -> ("search", 2.0); "file.py:Class" keeps its class
+    head, _, w = spec.rpartition(":")
     try:
-        box = harness.sandbox = harness.sandbox or sandbox.make(args.sandbox, hide=[args.out], image=args.sandbox_image)
-    except ValueError as e:
-        sys.exit(f"--sandbox {args.sandbox}: {e}")
-    log(f"rollouts run in sandbox {box.name}")
-    escapes = audit.escape_patterns(args.out, os.path.expanduser("~"), server.port) if box.name != "none" else {}
-train_tasks, test_tasks = harness.tasks("train"), harness.tasks("test")[: args.eval_tasks]
+        return (head, float(w)) if head else (spec, 1.0)
+    except ValueError:
+        return spec, 1.0
+
+
+specs = [harness_spec(h) for h in args.harness]
+hs, weights, audits = [], [w for _, w in specs], {}  # the harnesses, their weights, name -> (their audit patterns)
+targets = {item.partition("=")[0].rpartition(":")[0] for item in args.harness_arg} - {"", *(sp for sp, _ in specs)}
+if targets or any(w <= 0 for w in weights):
+    sys.exit(f"--harness-arg {sorted(targets)[0]}:K=V names no --harness" if targets else "a --harness WEIGHT must be > 0")
+for spec, _ in specs:  # "K=V" goes to every harness, "SPEC:K=V" to that one
+    kw = parse_kwargs([k.rpartition(":")[2] + "=" + v for k, _, v in (i.partition("=") for i in args.harness_arg)
+                       if k.rpartition(":")[0] in ("", spec)])
+    h = load_harness(spec, **kw)
+    h.name = h.name if h.name not in audits else f"{h.name}{len(hs)}"  # metrics are kept by name
+    audits[h.name] = audit.compile_patterns(h.audit), audit.compile_patterns(h.audit_results)  # bad ones fail here
+    hs.append(h)
+for h in hs:  # a Python harness runs in this process: its tools are its own code, no program to sandbox
+    if isinstance(h, SubprocessHarness) and h.sandbox is None:
+        try:
+            h.sandbox = sandbox.make(args.sandbox, hide=[args.out], image=args.sandbox_image)
+        except ValueError as e:
+            sys.exit(f"--sandbox {args.sandbox}: {e}")
+        log(f"{h.name}'s rollouts run in sandbox {h.sandbox.name}")
+boxed = {h.name for h in hs if getattr(getattr(h, "sandbox", None), "name", "none") != "none"}  # an escape is looked for in these
+escapes = audit.escape_patterns(args.out, os.path.expanduser("~"), server.port) if boxed else {}
+train_tasks = {h.name: h.tasks("train") for h in hs}
+test_tasks = {h.name: h.tasks("test")[: args.eval_tasks] for h in hs}
+by_id = {h.name: {t.id: t for t in train_tasks[h.name]} for h in hs}
+common = [t for t in train_tasks[hs[0].name] if all(t.id in by_id[h.name] for h in hs)] if hs else []
+if args.group_across_harnesses and not common:
+    sys.exit(f"--group-across-harnesses: harnesses {', '.join(by_id)} share no train task id")
 log(proxy.renderer.describe())
-log(f"rank 0 proxy at {server.url}; harness {args.harness}: {len(train_tasks)} train / {len(test_tasks)} test tasks")
+for h, (spec, w) in zip(hs, specs):
+    log(f"harness {h.name} ({spec}, weight {w:g}): {len(train_tasks[h.name])} train / {len(test_tasks[h.name])} test tasks")
+log(f"rank 0 proxy at {server.url}")
+harness_of = {}  # rollout id -> the harness that runs it
 
 
 def endpoint_for(rid):  # a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
-    return server.endpoint(rid, args.model, socket=box is not None and box.name in ("bwrap", "docker"))
+    return server.endpoint(rid, args.model, socket=getattr(getattr(harness_of[rid], "sandbox", None), "name", None) in ("bwrap", "docker"))
 
 
 def rollouts(jobs, name):
-    """Run jobs through the harness on this rank's proxy; return (results, calls, seconds)."""
+    """Run jobs (rollout id, task, harness) on this rank's proxy; return (results, calls, seconds). Call rewards
+    (POSTed, or returned by run()) are keyed by call index from here on."""
     proxy.set_output(run_file("calls", name))
     t0 = time.time()
-    results = asyncio.run(run_rollouts(harness, jobs, endpoint_for, args.max_concurrency, args.rollout_timeout,
+    harness_of.update({rid: h for rid, _, h in jobs})
+    results = asyncio.run(run_rollouts(None, jobs, endpoint_for, args.max_concurrency, args.rollout_timeout,
                                        posted_reward=proxy.reward, desc=name.replace("_", " "), progress=master))
     proxy.set_output(None)
-    server.close_sockets([rid for rid, _ in jobs])
+    server.close_sockets([rid for rid, *_ in jobs])
     calls = read_calls(run_file("calls", name))  # from disk: the proxy keeps none in memory
     calls_of = {}
     for c in calls:
         calls_of.setdefault(c.rollout_id, []).append(c)
     for r in results:  # what the proxy refused it (another rollout's route, a reward of its own), what the audit found
-        found = audit.scan(calls_of.get(r.rollout_id, []), {**audits[0], **escapes}, audits[1], tok.decode)
-        r.flags = proxy.flags(r.rollout_id) + [{**f, "kind": "escape"} if f["what"] in escapes else f for f in found]
-        if r.flags and harness.zero_flagged and r.reward is not None:
-            r.reward = 0.0
+        h, mine = harness_of.pop(r.rollout_id), [c for c in calls_of.get(r.rollout_id, []) if c.finish_reason not in UNANSWERED]
+        esc = escapes if h.name in boxed else {}
+        found = audit.scan(calls_of.get(r.rollout_id, []), {**audits[h.name][0], **esc}, audits[h.name][1], tok.decode)
+        r.flags = proxy.flags(r.rollout_id) + [{**f, "kind": "escape"} if f["what"] in esc else f for f in found]
+        ids = Counter(c.reply_id for c in mine)  # a call is named by its index, or by its reply's id (one choice)
+        key = {c.index: c.index for c in mine} | {c.reply_id: c.index for c in mine if ids[c.reply_id] == 1}
+        got = {**proxy.call_rewards(r.rollout_id), **r.call_rewards}
+        if r.reward is not None and (bad := [k for k in got if k not in key]):
+            r.reward, r.error = None, f"rewards for calls it does not have: {bad[:3]} (name a call by its index in the rollout or its reply's id)"
+        r.call_rewards = {key[k]: v for k, v in got.items()} if r.reward is not None else {}
+        if r.flags and h.zero_flagged and r.reward is not None:
+            r.reward, r.call_rewards = 0.0, {}
     proxy.reset()
     fail_rollouts_the_backend_failed(results, calls)
     return results, calls, time.time() - t0
 
 
+def share(total, weights):
+    """``total`` split in proportion to ``weights``, largest remainders first: share(4, [3, 1]) == [3, 1]."""
+    raw = [total * w / sum(weights) for w in weights]
+    n = [int(x) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: n[i] - raw[i])[: total - sum(n)]:
+        n[i] += 1
+    return n
+
+
+def draw(items, step, n):
+    """The step's n items of a fixed shuffle per epoch, so --resume sees the same order."""
+    epoch, k = divmod(step, max(1, len(items) // max(1, n)))
+    items = list(items)
+    random.Random(args.seed * 1000 + epoch).shuffle(items)
+    return items[k * n : (k + 1) * n]
+
+
 def step_rollouts(step):
-    """Every task of this rank's share of the step, group_size times: (jobs, results, calls, seconds). The tasks
-    are a fixed shuffle of the train split per epoch, so --resume sees the same order."""
-    epoch, k = divmod(step, max(1, len(train_tasks) // args.batch_size))
-    tasks = list(train_tasks)
-    random.Random(args.seed * 1000 + epoch).shuffle(tasks)
-    tasks = tasks[k * args.batch_size : (k + 1) * args.batch_size][rank::world]
-    jobs = [(f"s{step}-r{rank}-t{i}-g{g}", t) for i, t in enumerate(tasks) for g in range(args.group_size)]
-    return jobs, *rollouts(jobs, f"step_{step}")
+    """This rank's share of the step's tasks, each group_size times (split over the harnesses, or each harness's share
+    of the tasks): ({rollout id: its advantage group}, results, calls, seconds)."""
+    if args.group_across_harnesses:  # one task list; each task's group split over the harnesses by weight
+        picked = [[(h, by_id[h.name][t.id]) for h, n in zip(hs, share(args.group_size, weights)) for _ in range(n)]
+                  for t in draw(common, step, args.batch_size)]
+    else:
+        picked = [[(h, t)] * args.group_size for h, n in zip(hs, share(args.batch_size, weights)) for t in draw(train_tasks[h.name], step, n)]
+    jobs, groups = [], {}
+    for i, group in enumerate(picked[rank::world]):
+        for g, (h, t) in enumerate(group):
+            jobs.append((f"s{step}-r{rank}-t{i}-g{g}", t, h))
+            groups[jobs[-1][0]] = t.id if args.group_across_harnesses else f"{h.name}/{t.id}"
+    return groups, *rollouts(jobs, f"step_{step}")
+
+
+def recorded_step(step):
+    """--from-calls: this rank's share of the step's --batch-size groups of recorded rollouts, as step_rollouts."""
+    t0 = time.time()
+    picked = [(rid, key) for key in draw(list(rec_groups), step, args.batch_size)[rank::world] for rid in rec_groups[key]]
+    results = [RolloutResult(rid, key, rec[rid]["reward"], None, 0.0, harness="recorded", call_rewards=rec[rid]["calls"]) for rid, key in picked]
+    calls = [c for rid, _ in picked for c in rec_calls[rid]]
+    fail_rollouts_the_backend_failed(results, calls)
+    return dict(picked), results, calls, time.time() - t0
 
 
 ahead = {}  # --async: step -> its rollouts, run in step order by one worker thread
@@ -354,17 +483,26 @@ worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
 
 
 def evaluate(step):
-    """Run the test split once (the harness's own sampling settings) and append the result to metrics.jsonl."""
-    if not test_tasks:
+    """Run each harness's test split once (its own sampling settings) and append the result to metrics.jsonl (with
+    several harnesses, each one's too: eval_reward/NAME)."""
+    every = [(h, t) for h in hs for t in test_tasks[h.name]]
+    if not every:
         return
     concurrent.futures.wait(ahead.values())  # --async: the proxy records one run at a time
-    jobs = [(f"eval{step}-r{rank}-{i}", t) for i, t in enumerate(test_tasks[rank::world])]
+    jobs = [(f"eval{step}-r{rank}-{i}", t, h) for i, (h, t) in enumerate(every[rank::world])]
     results, _, secs = rollouts(jobs, f"eval_{step}")
     save_rollouts(f"eval_{step}", results, {})
-    ok = [r.reward for r in results if r.reward is not None]
-    n, total, success, failed = algo.all_reduce([len(results), sum(ok), sum(r >= 1.0 for r in ok), len(results) - len(ok)])
-    ev = {"step": step, "eval_reward": total / max(1, n), "eval_success": success / max(1, n), "eval_tasks": int(n), "eval_failed": int(failed), "eval_s": round(secs, 1)}
-    log(f"eval @ step {step}: reward {ev['eval_reward']:.3f}  success {ev['eval_success']:.3f} over {int(n)} tasks ({secs:.0f}s)")
+    ev = {"step": step}
+    for name in [""] + ([h.name for h in hs] if len(hs) > 1 else []):  # "": all of them
+        mine = [r for r in results if r.harness == name or not name]
+        ok = [r.reward for r in mine if r.reward is not None]
+        n, total, success, failed = algo.all_reduce([len(mine), sum(ok), sum(r >= 1.0 for r in ok), len(mine) - len(ok)])
+        sfx = f"/{name}" if name else ""
+        ev.update({"eval_reward" + sfx: total / max(1, n), "eval_success" + sfx: success / max(1, n)})
+        if not name:
+            ev.update(eval_tasks=int(n), eval_failed=int(failed), eval_s=round(secs, 1))
+    log(f"eval @ step {step}: reward {ev['eval_reward']:.3f}  success {ev['eval_success']:.3f} over {ev['eval_tasks']} tasks ({secs:.0f}s)"
+        + "".join(f" | {h.name} {ev['eval_reward/' + h.name]:.3f}" for h in hs if len(hs) > 1))
     append_metrics(ev)
 
 
@@ -422,7 +560,7 @@ def train_on(samples, version):
     # the denominators are all-reduced before any backward: exact under any split
     weights = algo.sample_weights(samples, args.norm, algo.global_denominators(samples), args.norm_const)
     mbs = parallel.pad_micro_batches(micro_batches(samples, weights), args.parallel)  # None: a zero-loss step, to join the collectives
-    metrics, stale = [], torch.zeros(2, args.async_steps + 1, dtype=torch.float64)  # tokens, sum |dlogp| by age
+    metrics, stale = [], torch.zeros(2, max_age + 1, dtype=torch.float64)  # tokens, sum |dlogp| by age
     fwd = 0  # tokens through the model (a packed tree: each shared prefix once)
     bar = tqdm(mbs, desc="train", unit="mb", leave=False, disable=not (master and sys.stderr.isatty()))  # quiet in logs
     autocast = torch.autocast(device.type, dtype, enabled=dtype != torch.float32)  # the forwards; backward follows
@@ -447,7 +585,7 @@ def train_on(samples, version):
             fwd += b["fwd_tokens"]
             on = b["loss_mask"] > 0
             age = version - b["version"][on]
-            if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= args.async_steps:
+            if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= max_age:
                 raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {args.async_steps} allows")
             stale[0] += torch.bincount(age, minlength=len(stale[0])).double().cpu()
             stale[1] += torch.bincount(age, (lp - b["old_logprobs"])[on].abs().detach().double(), minlength=len(stale[0])).cpu()
@@ -492,21 +630,50 @@ try:
         # more than N updates old (README: --async).
         for s in range(step, min(step + args.async_steps, args.steps - 1) + 1) if worker else ():
             ahead[s] = ahead.get(s) or worker.submit(step_rollouts, s)
-        jobs, results, calls, t_roll = ahead.pop(step).result() if worker else step_rollouts(step)
+        groups, results, calls, t_roll = ahead.pop(step).result() if worker else (recorded_step if args.from_calls else step_rollouts)(step)
         t_wait = time.time() - t_step
-        ok = {r.rollout_id: r.reward for r in results if r.error is None}
-        # 2. samples: merge each rollout's calls (failed rollouts are never trained on)
-        samples, sstats = build_batch_samples([c for c in calls if c.rollout_id in ok], args.max_seq_len)
-        # 3. advantages: GRPO groups are the rollouts of one task, all on this rank
-        rewards, groups = algo.gather_rewards(ok, {rid: t.id for rid, t in jobs if rid in ok})  # all ranks' rollouts
-        adv, astats = algo.compute_advantages(rewards, groups, args.adv, drop_zero_variance=args.drop_zero_variance)
+        ok = {r.rollout_id: r.reward for r in results if r.error is None}  # None: a recorded trace without reward (sft)
+        rewarded = {rid: x for rid, x in ok.items() if x is not None}
+        # 2. samples: merge each rollout's calls (failed rollouts are never trained on), by harness (its own metrics)
+        name_of = {r.rollout_id: r.harness for r in results}
+        calls_of, answered = {}, {}
+        for c in calls:
+            calls_of.setdefault(name_of[c.rollout_id], []).append(c)
+            if c.finish_reason not in UNANSWERED:
+                answered.setdefault(c.rollout_id, []).append(c.index)
+        samples, sstats, per_h = [], Counter(), {}
+        for name, cs in calls_of.items():
+            got, per_h[name] = build_batch_samples([c for c in cs if c.rollout_id in ok], args.max_seq_len)
+            samples += got
+            sstats.update(per_h[name])
+        if args.loss == "sft":  # -logprob under the model's own softmax, whatever the settings that sampled them
+            for s in samples:
+                s.temperature, s.top_k, s.top_p = [1.0] * len(s.tokens), [0] * len(s.tokens), [1.0] * len(s.tokens)
+        if args.from_calls:  # sampled before this run began: by its version 0, `step` updates ago
+            for s in samples:
+                s.version = [0] * len(s.tokens)
+        # 3. advantages: a group is the rollouts of one task (by one harness, or --group-across-harnesses by all), on
+        # this rank; per-call estimators give each call its own. sft: advantage 1 for what it should imitate.
+        if args.loss == "sft":
+            adv, astats = {rid: 1.0 for rid, x in ok.items() if args.sft_min_reward is None or x is not None and x >= args.sft_min_reward}, {}
+        else:
+            got = algo.gather_rewards(rewarded, {rid: groups[rid] for rid in rewarded},  # all ranks' rollouts
+                                      {r.rollout_id: r.call_rewards for r in results if r.rollout_id in rewarded}, answered)
+            adv, astats = algo.compute_advantages(*got[:2], args.adv, drop_zero_variance=args.drop_zero_variance, call_rewards=got[2],
+                                                  calls=got[3], gamma=args.gamma)
         samples = algo.assign_advantages(samples, adv)  # zero-advantage samples stay: they count in the denominators
         save_rollouts(f"step_{step}", results, adv)
-        counts = {"rollouts": len(results), "failed": len(results) - len(ok), "flagged": sum(bool(r.flags) for r in results), "reward": sum(ok.values()),
-                  "success": sum(r >= 1.0 for r in ok.values()), "calls": len(calls), "samples": len(samples),
-                  "signal": sum(s.advantage != 0.0 for s in samples), "gen": sum(len(c.response_ids) for c in calls),
+        counts = {"rollouts": len(results), "failed": len(results) - len(ok), "rewarded": len(rewarded), "flagged": sum(bool(r.flags) for r in results),
+                  "reward": sum(rewarded.values()), "success": sum(x >= 1.0 for x in rewarded.values()), "calls": len(calls), "samples": len(samples),
+                  "signal": sum(any(s.advantages) for s in samples), "gen": sum(len(c.response_ids) for c in calls),
                   **{k: sstats[k] for k in ("tokens", "trainable_tokens", "tokens_unmerged", "truncated", "dropped")},
                   **{"split_" + r: sstats["split_" + r] for r in SPLIT_REASONS}}
+        for h in hs if len(hs) > 1 else ():  # each harness's own, side by side (the same keys on every rank)
+            mine = [x for r in results if r.harness == h.name and (x := r.reward) is not None]
+            counts.update({f"{k}/{h.name}": v for k, v in {
+                "rollouts": sum(r.harness == h.name for r in results), "rewarded": len(mine), "reward": sum(mine), "success": sum(x >= 1.0 for x in mine),
+                "calls": len(calls_of.get(h.name, [])), **{k: per_h.get(h.name, Counter())[k] for k in ("tokens", "tokens_unmerged")},
+                **{"split_" + r: per_h.get(h.name, Counter())["split_" + r] for r in SPLIT_REASONS}}.items()})
         n = dict(zip(counts, algo.all_reduce(list(counts.values()))))  # summed over ranks
         if n["dropped"]:
             log(f"step {step + 1}: {int(n['dropped'])} samples dropped, first turn > --max-seq-len {args.max_seq_len}")
@@ -535,10 +702,9 @@ try:
             skipped = "no_signal"
             log(f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update")
         t_train = time.time() - t0
-        n_ok = n["rollouts"] - n["failed"]
         per = lambda a, b: a / b if b else None  # noqa: E731  None: not measured (a 0 would claim a measurement)
         row = {
-            "step": step + 1, "reward": per(n["reward"], n_ok), "success": per(n["success"], n_ok),
+            "step": step + 1, "reward": per(n["reward"], n["rewarded"]), "success": per(n["success"], n["rewarded"]),
             **{k: int(n[k]) for k in ("rollouts", "failed", "flagged", "calls", "samples", "trainable_tokens", "truncated")},
             "fwd_tokens": m.get("fwd_tokens"),
             "dropped": int(n["dropped"]), "merge_ratio": per(n["tokens_unmerged"], n["tokens"]),
@@ -552,6 +718,11 @@ try:
             "train_tok_s": per(n["tokens"], t_train * world) if m else None,
             "splits": {r: int(n["split_" + r]) for r in SPLIT_REASONS if n["split_" + r]},
         }
+        for h in hs if len(hs) > 1 else ():
+            row.update({f"reward/{h.name}": per(n[f"reward/{h.name}"], n[f"rewarded/{h.name}"]), f"success/{h.name}": per(n[f"success/{h.name}"], n[f"rewarded/{h.name}"]),
+                        f"calls_per_rollout/{h.name}": per(n[f"calls/{h.name}"], n[f"rollouts/{h.name}"]),
+                        f"merge_ratio/{h.name}": per(n[f"tokens_unmerged/{h.name}"], n[f"tokens/{h.name}"]),
+                        f"splits/{h.name}": {r: int(n[f"split_{r}/{h.name}"]) for r in SPLIT_REASONS if n[f"split_{r}/{h.name}"]}})
         unlogged, steps_done = row, step + 1  # the update is applied (or skipped): a checkpoint from now is of step + 1
         # 7. weight sync: calls in flight finish on the old weights, new calls wait, then get the new ones
         t0 = time.time()
@@ -566,7 +737,9 @@ try:
         log(f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | fail {row['failed']} | samples {row['samples']} "
             f"tok {row['trainable_tokens']} fwd {show('fwd_tokens', 'd')} merge {show('merge_ratio', '.2f')}x | loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
             f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) "
-            f"sync {row['t_sync']:.2f}s" + (f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}" if worker else ""))
+            f"sync {row['t_sync']:.2f}s" + (f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}" if worker else "")
+            + (f" | {row['calls']} recorded calls, {step} updates stale" if args.from_calls else "")
+            + "".join(f" | {h.name} {show('reward/' + h.name, '.3f')}" for h in hs if len(hs) > 1))
         append_metrics(row)
         unlogged = None
         if eval_due(step + 1):

@@ -14,17 +14,23 @@ import torch.distributed as dist
 
 from .records import Sample, common_prefix
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce")
-LOSSES = ("ppo", "gspo", "tis")
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce", "grpo-step", "returns")  # the last two: per call (call_rewards)
+LOSSES = ("ppo", "gspo", "tis", "sft")
 CLIP = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}  # default (clip_low, clip_high); GSPO's: its paper's (a sequence ratio moves far less)
 NORMS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "rollout-mean")
 
 
 # ----------------------------------------------------------------------------- advantages
 
+def _std(r: list[float]) -> float:  # with n-1, as GRPO; 0 for fewer than 2
+    m = sum(r) / max(1, len(r))
+    return math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1)) if len(r) > 1 else 0.0
+
+
 def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, str], estimator: str = "grpo",
-                       eps: float = 1e-6, drop_zero_variance: bool = False) -> tuple[dict[str, float], dict]:
-    """One advantage per rollout; return ({rollout_id: advantage}, stats).
+                       eps: float = 1e-6, drop_zero_variance: bool = False, call_rewards: Optional[dict] = None,
+                       calls: Optional[dict] = None, gamma: float = 1.0) -> tuple[dict, dict]:
+    """One advantage per rollout, or per call; return ({rollout_id: advantage or {call index: advantage}}, stats).
 
     ``rewards[rid] is None`` marks a failed rollout: left out before any statistic and missing from the
     result (not trained). A group is the rollouts of one task (``groups[rid]``). For rewards [1, 0, 0]:
@@ -34,12 +40,27 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
         rloo       r - mean of the others = n/(n-1) (r - mean)                  -> [1, -0.5, -0.5]
         reinforce  r - mean over the whole batch (all groups)
 
-    A group whose rewards are all equal (one rollout too) gets 0 from a group baseline, reinforce r - batch
-    mean; it is counted, and ``drop_zero_variance`` drops it unless it has one rollout (README: the table).
-    Under DDP pass all ranks' rewards (``gather_rewards``): the batch mean is global.
+    Per call (``call_rewards[rid]``: {call index: reward}, ``calls[rid]``: the rollout's answered call indices),
+    each call's advantage reaches exactly the tokens it sampled (``assign_advantages``):
+
+        grpo-step  grpo of the rollout rewards + (r_k - m) / (s + eps), m and s (n-1) over every call reward of the
+                   group (0 for a call without one, or fewer than two, all equal). Rewards [1, 0], calls rewarded
+                   {0: 1} and {0: 0, 1: 0}: m 1/3, s 0.577 -> {0: 0.707 + 1.155} and {0: -0.707 - 0.577, 1: -1.284}
+        returns    G_k = r_k + gamma G_k+1 over the rollout's calls in index order, its reward added to the last
+                   call's; A_k = G_k - the group's mean G_0 (a rollout's whole return). gamma 0.5, rewards [1, 0],
+                   {0: 0.2} and {}, two calls each: G {0: 0.7, 1: 1} and {0: 0, 1: 0} -> {0: 0.35, 1: 0.65} and
+                   {0: -0.35, 1: -0.35}. With gamma 1 and no call rewards it is dr_grpo.
+
+    A group whose rewards (and call rewards) are all equal (one rollout too) gets 0 from a group baseline,
+    reinforce r - batch mean; it is counted, and ``drop_zero_variance`` drops it unless it has one rollout
+    (README: the table). Under DDP pass all ranks' rewards (``gather_rewards``): the batch mean is global.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
+    per_call = estimator in ("grpo-step", "returns")
+    if per_call and calls is None:
+        raise ValueError(f"{estimator} gives each call an advantage: pass calls, each rollout's answered call indices")
+    call_rewards = call_rewards or {}
     ok = {rid: float(r) for rid, r in rewards.items() if r is not None}
     bad = [rid for rid, r in ok.items() if not math.isfinite(r)]
     if bad:
@@ -55,8 +76,9 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
                              zero_variance_groups=0, singleton_groups=0, dropped_rollouts=0)
     for rids in by_group.values():
         r = [ok[rid] for rid in rids]
+        steps = [x for rid in rids for x in call_rewards.get(rid, {}).values()] if per_call else []
         n, mean = len(r), sum(r) / len(r)
-        flat = max(r) == min(r)
+        flat = max(r) == min(r) and max(steps, default=0) == min(steps, default=0)
         stats["zero_variance_groups"] += flat
         stats["singleton_groups"] += n == 1
         if flat and drop_zero_variance and n > 1:
@@ -64,34 +86,57 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
             continue
         if estimator == "reinforce":
             a = [x - batch_mean for x in r]
-        elif flat:
+        elif estimator == "returns":
+            a = [{} for _ in rids]
+            for ai, rid, x in zip(a, rids, r):
+                ks, g = sorted(calls.get(rid, ())), 0.0
+                for k in reversed(ks):
+                    g = call_rewards.get(rid, {}).get(k, 0.0) + (x if k == ks[-1] else 0.0) + gamma * g
+                    ai[k] = g
+            base = sum(ai[min(ai)] if ai else 0.0 for ai in a) / n  # the group's mean whole return
+            a = [{k: g - base for k, g in ai.items()} for ai in a]
+        elif max(r) == min(r):
             a = [0.0] * n
-        elif estimator == "grpo":
-            std = math.sqrt(sum((x - mean) ** 2 for x in r) / (n - 1))
-            a = [(x - mean) / (std + eps) for x in r]
         elif estimator == "dr_grpo":
             a = [x - mean for x in r]
-        else:  # rloo
+        elif estimator == "rloo":
             a = [x - (sum(r) - x) / (n - 1) for x in r]
+        else:  # grpo, grpo-step
+            a = [(x - mean) / (_std(r) + eps) for x in r]
+        if estimator == "grpo-step":
+            m, s = sum(steps) / max(1, len(steps)), _std(steps)
+            a = [{k: x + ((call_rewards[rid][k] - m) / (s + eps) if s > 0 and k in call_rewards.get(rid, {}) else 0.0)
+                  for k in calls.get(rid, ())} for rid, x in zip(rids, a)]
         adv.update(zip(rids, a))
     stats["reward_mean"] = batch_mean
     return adv, dict(stats)
 
 
-def gather_rewards(rewards: dict, groups: dict) -> tuple[dict, dict]:
-    """The union of every rank's ``rewards`` and ``groups`` (unchanged without torch.distributed). Collective."""
+def gather_rewards(*dicts: dict) -> tuple[dict, ...]:
+    """The union of every rank's ``dicts`` (rewards, groups, ...), each on its own (unchanged without
+    torch.distributed). Collective."""
     if not (dist.is_available() and dist.is_initialized()):
-        return rewards, groups
+        return dicts
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (rewards, groups))
-    return {k: v for r, _ in out for k, v in r.items()}, {k: v for _, g in out for k, v in g.items()}
+    dist.all_gather_object(out, dicts)
+    return tuple({k: v for rank in out for k, v in rank[i].items()} for i in range(len(dicts)))
 
 
-def assign_advantages(samples: list[Sample], advantages: dict[str, float]) -> list[Sample]:
-    """Set each sample's ``advantage`` to its rollout's; drop those without one (failed, zero-variance dropped)."""
+def assign_advantages(samples: list[Sample], advantages: dict) -> list[Sample]:
+    """Set each sample's per-token ``advantages``: its rollout's advantage, or (``advantages[rid]`` a dict, a per-call
+    estimator) that of the call that sampled the token, whichever sample holds it; drop samples without one (failed,
+    zero-variance dropped). A sample [p p a a p b] (mask 0 0 1 1 0 1, calls a: 0, b: 1) under {0: 0.5, 1: -1}
+    gets [0 0 0.5 0.5 0 -1]."""
     kept = [s for s in samples if s.rollout_id in advantages]
     for s in kept:
-        s.advantage = advantages[s.rollout_id]
+        a = advantages[s.rollout_id]
+        if not isinstance(a, dict):
+            s.advantages = [a if m else 0.0 for m in s.loss_mask]
+        elif len(s.call) != len(s.tokens):
+            raise ValueError(f"sample of rollout {s.rollout_id!r} has no per-token call (Sample.call, which samples.build_samples sets): "
+                             "a per-call advantage cannot find its tokens")
+        else:
+            s.advantages = [a[c] if m else 0.0 for c, m in zip(s.call, s.loss_mask)]
     return kept
 
 
@@ -170,7 +215,7 @@ def pack(seqs: list[list[int]]) -> tuple[list[int], list[int], list[int], list[l
 
 def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0,
             tree: bool = True, pad_to: int = 1) -> dict:
-    """One micro-batch as tensors: the samples right-padded to [B, T] (``advantages``, ``weights``: [B]), and what
+    """One micro-batch as tensors: the samples right-padded to [B, T] (``weights``: [B]), and what
     the model runs, ``input_ids`` [R, L]: with ``tree`` the samples ``pack``ed into one row (``depth`` [1, L], ``end``
     [L]; padded to a multiple of ``pad_to`` with tokens that see only themselves), else the [B, T] rows themselves.
     ``where`` [B, T]: the flat index into ``input_ids`` of each sample position; ``fwd_tokens``: the real tokens run."""
@@ -184,7 +229,7 @@ def collate(samples: list[Sample], weights: list[float], device=None, dtype=torc
         "top_k": torch.tensor(pad([s.top_k for s in samples], 0), dtype=torch.long, device=device),
         "top_p": torch.tensor(pad([s.top_p for s in samples], 1.0), dtype=dtype, device=device),
         "version": torch.tensor(pad([s.version or [0] * len(s.tokens) for s in samples], 0), dtype=torch.long, device=device),
-        "advantages": torch.tensor([s.advantage for s in samples], dtype=dtype, device=device),
+        "advantages": torch.tensor(pad([s.advantages for s in samples], 0.0), dtype=dtype, device=device),
         "weights": torch.tensor(weights, dtype=dtype, device=device),
     }
     if not tree:
@@ -350,12 +395,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 clip_high: Optional[float] = None, tis_cap: float = 2.0, kl_coef: float = 0.0,
                 ref_logprobs: Optional[torch.Tensor] = None, clip_ratio_c: float = 3.0) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``). [B, T]:
-    ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout), ``loss_mask``, ``ref_logprobs``;
-    [B]: ``advantages``, ``weights`` (``sample_weights``). With r = exp(logprobs - old_logprobs), advantage A:
+    ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout), ``loss_mask``, ``ref_logprobs``,
+    ``advantages`` (or [B], one per sample); [B]: ``weights`` (``sample_weights``). With r = exp(logprobs -
+    old_logprobs), advantage A:
 
         ppo   -min(r A, clip(r, 1-clip_low, 1+clip_high) A)          per token; for A < 0 at most -clip_ratio_c A
         gspo  the same with r the sample's exp(mean log-ratio over its trainable tokens), one per sample
         tis   -min(r, tis_cap) A logprobs: REINFORCE, truncated importance weight (no grad)
+        sft   -logprobs: supervised, the advantage unused (train.py keeps the rollouts it should imitate)
 
     plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0.
     """
@@ -364,7 +411,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     low, high = CLIP.get(loss, (None, None))  # a clip bound left None: the loss's own default
     clip_low, clip_high = low if clip_low is None else clip_low, high if clip_high is None else clip_high
     mask = loss_mask.to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype)[:, None]
+    adv = advantages.to(logprobs.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv
     # 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a bug) from overflowing
     log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
     ratio = log_ratio.exp()
@@ -376,9 +424,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         # update; a ratio above clip_ratio_c counts as clip_ratio_c (no gradient). A = -1, r = 5: 5 -> 3.
         tok_loss = torch.where(adv < 0, torch.minimum(tok_loss, -clip_ratio_c * adv), tok_loss).expand_as(mask)
         was_clipped = ((clipped * adv < r * adv) | ((adv < 0) & (r > clip_ratio_c))).expand_as(mask)  # no gradient
-    else:  # tis
+    elif loss == "tis":
         tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
         was_clipped = ratio > tis_cap
+    else:  # sft
+        tok_loss, was_clipped = -logprobs, mask < 0
     if kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs: the reference model's logprobs of the same tokens")

@@ -335,8 +335,8 @@ def error_body(api: str, message: str, type_: str = "invalid_request_error", par
 
 class ChatReply:
     def __init__(self, req: Request, model: str, n_prompt: int, tok=None):
-        self.req, self.n_prompt, self.tok = req, n_prompt, tok  # tok: to write the tokens of ``logprobs``
-        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model or model}
+        self.req, self.n_prompt, self.tok, self.id = req, n_prompt, tok, f"chatcmpl-{uuid.uuid4().hex}"  # tok: to write the tokens of ``logprobs``
+        self.head = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model or model}
 
     @staticmethod
     def _tool_calls(reply) -> list[dict]:
@@ -390,8 +390,8 @@ class CompletionsReply:
     """/v1/completions: ``answers`` are (call, text) pairs; a stream is sent once generated, in word-sized pieces."""
 
     def __init__(self, req: Request, model: str, n_prompt: int, tok=None):
-        self.req, self.n_prompt, self.tok = req, n_prompt, tok
-        self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": req.model or model}
+        self.req, self.n_prompt, self.tok, self.id = req, n_prompt, tok, f"cmpl-{uuid.uuid4().hex}"
+        self.head = {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": req.model or model}
 
     def body(self, answers) -> dict:
         choices = []

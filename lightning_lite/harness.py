@@ -59,8 +59,9 @@ class Endpoint:
 
 class Harness:
     """Base class of every harness: write ``tasks`` and ``run``, which returns the reward, or None when it POSTed
-    one to ``endpoint.reward_url`` (header ``X-Reward-Key: endpoint.reward_key``). ``timeout`` (seconds), when set,
-    caps one rollout below the runner's limit."""
+    one to ``endpoint.reward_url`` (header ``X-Reward-Key: endpoint.reward_key``), or ``{"reward": R, "calls": {k:
+    r_k}}`` to reward calls too (k: the call's index in the rollout, or the id the API gave its reply; README
+    "Training signals beyond one reward per rollout"). ``timeout`` (seconds), when set, caps one rollout below the runner's limit."""
 
     name = "base"
     timeout: Optional[float] = None
@@ -226,6 +227,8 @@ class RolloutResult:
     error: Optional[str]  # "timeout after 60s", "RuntimeError: ...", "no reward"; None when it worked
     seconds: float
     flags: list = field(default_factory=list)  # what it tried that it may not: {kind, what, call, where, match} (README "Sandboxes")
+    harness: str = ""  # the name of the harness that ran it (train.py: several --harness)
+    call_rewards: dict = field(default_factory=dict)  # call (index, or reply id until train.py resolves it) -> reward
 
 
 def fail_rollouts_the_backend_failed(results: list[RolloutResult], calls) -> None:
@@ -237,26 +240,43 @@ def fail_rollouts_the_backend_failed(results: list[RolloutResult], calls) -> Non
             r.reward, r.error = None, "the backend failed one of its calls (finish_reason 'error' in the calls file)"
 
 
-async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]], endpoint_for: Callable[[str], Endpoint],
+def _finite(x) -> bool:  # a bool counts: True is a reward of 1
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def parse_reward(got) -> tuple[Optional[float], dict]:
+    """What ``run()`` returned -> (reward, call rewards): a number, None, or ``{"reward": R, "calls": {k: r_k}}``."""
+    if not isinstance(got, dict):
+        return got, {}
+    calls = got.get("calls", {})
+    if set(got) - {"reward", "calls"} or not isinstance(calls, dict) or not all(_finite(r) for r in calls.values()):
+        raise ValueError(f"run() returned {str(got)[:200]}: want {{'reward': R, 'calls': {{call index or reply id: r}}}}, finite numbers")
+    if any(not isinstance(k, (int, str)) or isinstance(k, bool) for k in calls):
+        raise ValueError(f"call reward keys {list(calls)[:5]}: a call's index in its rollout (int) or its reply's id (str)")
+    return got.get("reward"), {k: float(r) for k, r in calls.items()}
+
+
+async def run_rollouts(harness: Optional[Harness], jobs: list[tuple], endpoint_for: Callable[[str], Endpoint],
                        max_concurrency: int = 8, timeout: float = 300.0,
                        posted_reward: Callable[[str], Optional[float]] = lambda rid: None,
                        desc: str = "rollouts", progress: bool = True) -> list[RolloutResult]:
-    """Run ``jobs`` (rollout id, task) concurrently; one result per job, in order. A rollout that raises, runs past
-    ``timeout`` or ends without a reward (returned or ``posted_reward``) fails: ``reward=None``, an ``error``."""
-    limit = min((t for t in (timeout, harness.timeout) if t), default=None)  # None: no limit
+    """Run ``jobs`` (rollout id, task), or (rollout id, task, harness) to mix harnesses, concurrently; one result per
+    job, in order. A rollout that raises, runs past ``timeout`` or ends without a reward (returned or
+    ``posted_reward``) fails: ``reward=None``, an ``error``."""
     sem = asyncio.Semaphore(max_concurrency)
     bar = tqdm(total=len(jobs), desc=desc, disable=not (progress and sys.stderr.isatty()), file=sys.stderr, dynamic_ncols=True)  # quiet in logs
     rewards, failed = [], []  # of the rollouts done: for the bar's postfix
 
-    async def one(rollout_id: str, task: Task) -> RolloutResult:
+    async def one(rollout_id: str, task: Task, h: Harness) -> RolloutResult:
+        limit = min((t for t in (timeout, h.timeout) if t), default=None)  # None: no limit
         async with sem:
             t0 = time.monotonic()
-            reward, error = None, None
+            reward, error, call_rewards = None, None, {}
             try:
                 # asyncio.timeout (not wait_for) tells our deadline apart from a
                 # TimeoutError raised inside the harness.
                 async with asyncio.timeout(limit) as deadline:
-                    reward = await harness.run(task, endpoint_for(rollout_id))
+                    reward, call_rewards = parse_reward(await h.run(task, endpoint_for(rollout_id)))
             except TimeoutError as e:
                 error = f"timeout after {limit:g}s" if deadline.expired() else f"TimeoutError: {e}"
             except (Exception, SystemExit) as e:  # a crashed harness fails its rollout, not the step
@@ -265,7 +285,7 @@ async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]], endpoint_
                 reward = posted_reward(rollout_id) if reward is None else reward
                 if reward is None:
                     error = "no reward (run() returned None and nothing was POSTed)"
-                elif not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                elif not _finite(reward):
                     error, reward = f"bad reward {reward!r} (want a finite float)", None
             seconds = time.monotonic() - t0
         if error is None:
@@ -278,9 +298,10 @@ async def run_rollouts(harness: Harness, jobs: list[tuple[str, Task]], endpoint_
         bar.update(1)
         # the bar counts rollouts done; the postfix says how many failed and the mean reward so far
         bar.set_postfix(failed=len(failed), reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-")
-        return RolloutResult(rollout_id, task.id, None if error else float(reward), error, seconds)
+        return RolloutResult(rollout_id, task.id, None if error else float(reward), error, seconds, harness=h.name,
+                             call_rewards={} if error else call_rewards)
 
     try:
-        return list(await asyncio.gather(*(one(rid, task) for rid, task in jobs)))
+        return list(await asyncio.gather(*(one(rid, task, (h or [harness])[0]) for rid, task, *h in jobs)))
     finally:
         bar.close()

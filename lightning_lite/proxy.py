@@ -60,6 +60,8 @@ class Session:
     turns: list[Turn] = field(default_factory=list)
     responses: dict[str, list[dict]] = field(default_factory=dict)  # Responses API id -> its conversation
     reward: Optional[float] = None
+    call_rewards: dict[int, float] = field(default_factory=dict)  # call index -> reward (POSTed with "call")
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply id -> its calls (n choices: several)
     memo: dict[str, dict] = field(default_factory=dict)  # per API: the last request's messages (apis._convert)
     out: Optional[CallsFile] = None  # where its calls go: the file current when it began (set by its first call or a switch)
     flags: list[dict] = field(default_factory=list)  # what it tried that was refused (README "Sandboxes")
@@ -89,6 +91,7 @@ class Proxy:
         self._out, self._lock = CallsFile(None), threading.Lock()  # set_output runs on the trainer's thread, _record on the loop's
         self._retired: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()  # reset()'s sessions a request still holds
         self.set_output(os.path.join(out_dir, "calls.jsonl") if out_dir else None)
+        self.rewards_path = os.path.join(out_dir, "rewards.jsonl") if out_dir else None  # rewards POSTed while serving
 
     # ------------------------------------------------------------------ used by the trainer
 
@@ -121,6 +124,9 @@ class Proxy:
     def reward(self, rollout_id: str) -> Optional[float]:
         return getattr(self.sessions.get(rollout_id), "reward", None)  # None: no such session, or no reward posted
 
+    def call_rewards(self, rollout_id: str) -> dict[int, float]:
+        return getattr(self.sessions.get(rollout_id), "call_rewards", {})
+
     def reset(self):
         """Forget the sessions (between training steps; rollout ids are not reused). A call still in flight
         keeps its session (its request holds it; _retired finds it, weakly) and is recorded with it."""
@@ -137,7 +143,8 @@ class Proxy:
             return True
         return False
 
-    def _record(self, rid: str, api: str, prompt_ids, gen, parent, split, sampling, t0, reply=None, choice=0, capped=False) -> Call:
+    def _record(self, rid: str, api: str, prompt_ids, gen, parent, split, sampling, t0, reply=None, choice=0, capped=False,
+                reply_id=None) -> Call:
         s = self.sessions.get(rid) or self._retired.get(rid) or self.sessions.setdefault(rid, Session())
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must see truncation
         tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
@@ -148,9 +155,11 @@ class Proxy:
                 response_ids=gen.response_ids, response_logprobs=gen.logprobs,
                 finish_reason="tool_calls" if tool else gen.finish_reason, choice=choice, capped=capped and gen.finish_reason == "length",
                 parent=parent, split=split, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                created=t0, latency_s=round(time.time() - t0, 4), response=reply,
+                created=t0, latency_s=round(time.time() - t0, 4), response=reply, reply_id=reply_id,
             )
             out.next[rid] = call.index + 1
+            if reply_id:
+                s.replies.setdefault(reply_id, []).append(call.index)
             if out.path:  # a call that extends its parent is written as the ids after the parent's (records.read_calls)
                 n = next(t.size for t in reversed(s.turns) if t.index == parent) if parent is not None else 0
                 line = (to_json(call, prompt_ids=None, prompt_tail=call.prompt_ids[n:]) if n else to_json(call)) + "\n"
@@ -284,7 +293,7 @@ class Proxy:
         answers = []
         for i, gen in enumerate(gens):
             reply = self.renderer.parse_reply(forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop), req.parse_tools, opened)
-            call = self._record(rid, api, prompt_ids, gen, parent, hint, req.sampling, t0, reply, choice=i, capped=capped)
+            call = self._record(rid, api, prompt_ids, gen, parent, hint, req.sampling, t0, reply, choice=i, capped=capped, reply_id=out.id)
             session.turns.append(Turn(call.index, req.messages, req.tools, reply, call.prompt_ids, call.response_ids,
                                       fps, forced, session.turns, parent))
             answers.append((call, reply))
@@ -310,9 +319,10 @@ class Proxy:
         t0, capped = time.time(), self._cap(req)
         session = self.sessions.setdefault(rid, Session())  # held while in flight: a reset leaves it to this call (_record)
         gens = await self._generate(rid, "completions", prompt_ids, req, t0)
-        answers = [(self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i, capped=capped), gen.text) for i, gen in enumerate(gens)]
-        del session  # recorded with it
         out = apis.CompletionsReply(req, self.model_name, len(prompt_ids), self.tok)
+        answers = [(self._record(rid, "completions", prompt_ids, gen, None, None, req.sampling, t0, choice=i, capped=capped,
+                                 reply_id=out.id), gen.text) for i, gen in enumerate(gens)]
+        del session  # recorded with it
         if not req.stream:
             return web.json_response(out.body(answers))
         return await _sse_start(request, out.end(answers))
@@ -324,11 +334,30 @@ class Proxy:
         if self.tokens is not None and rid not in self.tokens:
             raise BadRequest(f"no rollout {rid[:64]!r} in this run", None, "not_found", 404)
         body = await self._body(request)
-        r = body.get("reward") if isinstance(body, dict) else body
+        body = body if isinstance(body, dict) else {"reward": body}
+        r, k, task = body.get("reward"), body.get("call"), body.get("task")
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
-            raise BadRequest("send {\"reward\": <number>}", "reward", "invalid_type")
-        self.sessions.setdefault(rid, Session()).reward = float(r)
-        return web.json_response({"rollout_id": rid, "reward": float(r)})
+            raise BadRequest("send {\"reward\": <number>} (and \"call\": a call's index or reply id, to reward one call)", "reward", "invalid_type")
+        if task is not None and not isinstance(task, str) or set(body) - {"reward", "call", "task"}:
+            raise BadRequest("a reward has the keys reward, call (a call's index or reply id) and task (a string: rollouts of one task "
+                             "form one advantage group under train.py --from-calls)", None, "invalid_value")
+        s = self.sessions.setdefault(rid, Session())
+        if k is not None:  # a call of this rollout: by index (in its calls file) or by the id its reply had
+            n = (s.out or self._out).next.get(rid, 0)
+            ids = [k] if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < n else s.replies.get(k) if isinstance(k, str) else None
+            if not ids or len(ids) > 1:
+                raise BadRequest(f"rollout {rid!r} has no call {k!r}: name it by its index (0..{n - 1}) or by the id of its reply "
+                                 "(a reply of n choices: by index)" + (", ids of replies before a proxy restart by index" if isinstance(k, str) else ""),
+                                 "call", "not_found", 404)
+            k = ids[0]
+            s.call_rewards[k] = float(r)
+        else:
+            s.reward = float(r)
+        line = {"rollout_id": rid, "reward": float(r), **({"call": k} if k is not None else {}), **({"task": task} if task else {}), "time": time.time()}
+        if self.rewards_path:  # proxy.py: the rewards land next to the calls (train.py --from-calls reads both)
+            with self._lock, open(self.rewards_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return web.json_response({k: v for k, v in line.items() if k != "time"})
 
     async def models(self, request: web.Request):
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "lightning-lite", "max_model_len": self.backend.max_model_len}]})

@@ -46,25 +46,28 @@ class Call:
     latency_s: float = 0.0
     response: Optional[dict] = None  # the assistant message the harness received
     prompt_tail: Optional[list[int]] = None  # with prompt_ids None: the prompt ids after the parent's prompt + response
+    reply_id: Optional[str] = None  # the id the API gave its reply (chatcmpl-..., msg_..., resp_...): a reward may name the call by it
 
 
 @dataclass
 class Sample:
     """One training sequence, a leaf of a rollout's prefix tree: ``loss_mask[i] == 1`` exactly where ``tokens[i]``
     was sampled and is trained here, ``logprobs[i]``, ``temperature[i]``, ``top_k[i]``, ``top_p[i]`` its rollout
-    logprob and the settings it was sampled with (0.0, 1.0, 0, 1.0 where the mask is 0)."""
+    logprob and the settings it was sampled with (0.0, 1.0, 0, 1.0 where the mask is 0), ``call[i]`` the call that
+    sampled it: a per-call reward reaches exactly that call's tokens."""
 
     rollout_id: str
     tokens: list[int]
     loss_mask: list[int]
     logprobs: list[float]
-    advantage: float = 0.0
     calls: list[int] = field(default_factory=list)  # indices of the calls merged into it
     split: Optional[str] = None  # why its first call began a new sample (SPLIT_REASONS); None: the rollout's first
     temperature: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
     top_p: list[float] = field(default_factory=list)
     version: list[int] = field(default_factory=list)  # the policy version that sampled each token (0 where the mask is 0)
+    call: list[int] = field(default_factory=list)  # the index of the call that sampled each token (-1 where the mask is 0)
+    advantages: list[float] = field(default_factory=list)  # each token's advantage (algo.assign_advantages; 0.0 where the mask is 0)
 
 
 def to_json(obj: Any, **replace: Any) -> str:
@@ -122,6 +125,43 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
         seen[c.rollout_id, c.index] = c
         calls.append(c)
     return calls
+
+
+def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, dict]]:
+    """What ``run_dir`` recorded, to train on (train.py --from-calls): proxy.py's (calls.jsonl, rewards.jsonl,
+    proxy.json) or a train.py run's (calls/ and rollouts/ of its steps, not its evaluations; config.json). Returns
+    (the model that served them, the calls, {rollout id: {"reward": R or None, "calls": {call index: r}, "group": a
+    task id or None}}), a rollout only when it was rewarded; of two rewards for one rollout or call the last counts.
+    A train.py run's rollouts keep their GRPO groups (the task, in its step); failed ones are left out."""
+    rewards: dict[str, dict] = {}
+    meta = next((os.path.join(run_dir, f) for f in ("proxy.json", "config.json") if os.path.exists(os.path.join(run_dir, f))), None)
+    model = json.load(open(meta)).get("model") if meta else None
+    if os.path.exists(os.path.join(run_dir, "calls.jsonl")):  # proxy.py
+        calls = read_calls(os.path.join(run_dir, "calls.jsonl"))
+        path = os.path.join(run_dir, "rewards.jsonl")
+        for d in read_jsonl(path) if os.path.exists(path) else ():
+            r = rewards.setdefault(d["rollout_id"], {"reward": None, "calls": {}, "group": None})
+            if d.get("call") is None:
+                r["reward"] = d["reward"]
+            else:
+                r["calls"][d["call"]] = d["reward"]
+            r["group"] = d.get("task") or r["group"]
+        return model, calls, rewards
+    calls = []
+    for kind, sub in (("calls", calls), ("rollouts", None)):
+        folder = os.path.join(run_dir, kind)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            if (m := RUN_FILE.fullmatch(name)) and m[1] == "step":
+                if sub is not None:
+                    sub += read_calls(os.path.join(folder, name))
+                    continue
+                for d in read_jsonl(os.path.join(folder, name)):
+                    if d.get("error") is None and d.get("reward") is not None:
+                        rewards[d["rollout_id"]] = {"reward": d["reward"], "calls": {int(k): v for k, v in (d.get("call_rewards") or {}).items()},
+                                                    "group": f"{m[2]}/{d.get('harness') or ''}/{d['task_id']}"}
+    if not calls:
+        raise ValueError(f"{run_dir}: no calls.jsonl (proxy.py --out) and no calls/step_K.jsonl (train.py --out): not a recorded run")
+    return model, calls, rewards
 
 
 def common_prefix(a: list, b: list) -> int:

@@ -97,8 +97,8 @@ def build_batch(files: dict[str, list[str]], max_seq_len: Optional[int]) -> dict
             calls_of[c.rollout_id].append(c)
     infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path)}
     for rid in calls_of:
-        infos.setdefault(rid, {"rollout_id": rid, "task_id": None, "reward": None, "error": None,
-                               "seconds": None, "advantage": None})
+        infos.setdefault(rid, {"rollout_id": rid, "task_id": None, "harness": None, "reward": None, "call_rewards": {},
+                               "error": None, "seconds": None, "advantage": None})
     seqs: list[list[int]] = []
     rollouts = [rollout_view(calls_of.get(rid, []), info, max_seq_len, seqs) for rid, info in infos.items()]
     return {"rollouts": rollouts, "seqs": share_prefixes(seqs), "has_rollouts_file": bool(files["rollouts"])}

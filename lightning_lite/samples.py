@@ -129,7 +129,7 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     samples = []
     for tokens, path in paths:
         n = len(tokens)
-        mask, logprobs, temperature, top_k, top_p, version = [0] * n, [0.0] * n, [1.0] * n, [0] * n, [1.0] * n, [0] * n
+        mask, logprobs, temperature, top_k, top_p, version, call = [0] * n, [0.0] * n, [1.0] * n, [0] * n, [1.0] * n, [0] * n, [-1] * n
         for c in path:
             if c.index in trained:
                 continue
@@ -138,13 +138,13 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
             a = size[c.index] - k
             mask[a:a + k], logprobs[a:a + k] = [1] * k, c.response_logprobs
             temperature[a:a + k], top_k[a:a + k], top_p[a:a + k] = [c.temperature] * k, [c.top_k] * k, [c.top_p] * k
-            version[a:a + k] = [c.model_version] * k
+            version[a:a + k], call[a:a + k] = [c.model_version] * k, [c.index] * k
         if not any(mask):  # everything it sampled is trained in another leaf
             stats["empty"] += 1
             continue
         samples.append(Sample(
             rollout_id=path[-1].rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs, calls=[c.index for c in path],
-            split=split.get(path[0].index), temperature=temperature, top_k=top_k, top_p=top_p, version=version))
+            split=split.get(path[0].index), temperature=temperature, top_k=top_k, top_p=top_p, version=version, call=call))
         stats["samples"] += 1
         stats["trainable_tokens"] += sum(mask)
         stats["tokens"] += n

@@ -4,6 +4,7 @@ import asyncio
 import sys
 import zlib
 
+import aiohttp
 import openai
 
 from lightning_lite.harness import Harness, SubprocessHarness, Task
@@ -49,6 +50,25 @@ class BranchingHarness(LengthHarness):
                 text += reply
                 msgs += [{"role": "assistant", "content": f"(in short) {reply[:12]}" if i == 0 else reply}, {"role": "user", "content": follow_up}]
         return min(1.0, len(text) / 120)
+
+
+class PerCallHarness(LengthHarness):
+    """Two calls, the second extending the first, each rewarded: call 0 by a POST (by index, with the harness's key),
+    call 1 in what run() returns (by the id of its reply); the rollout: the replies' length."""
+
+    name = "percall"
+
+    async def run(self, task, endpoint):
+        msgs, replies = [{"role": "user", "content": task.prompt}], []
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
+            for follow_up in ("Say more.", None):
+                r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, temperature=1.0)
+                replies.append(r.choices[0].message.content or "")
+                msgs += [{"role": "assistant", "content": replies[-1]}, {"role": "user", "content": follow_up}]
+        async with aiohttp.ClientSession() as s:
+            async with s.post(endpoint.reward_url, json={"reward": len(replies[0]) / 40, "call": 0}, headers={"X-Reward-Key": endpoint.reward_key}) as p:
+                p.raise_for_status()
+        return {"reward": min(1.0, len("".join(replies)) / 80), "calls": {r.id: -len(replies[1]) / 40}}
 
 
 class FlakyHarness(LengthHarness):

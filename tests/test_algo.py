@@ -57,13 +57,79 @@ def test_drop_zero_variance_and_errors():
         compute_advantages({"x": float("nan")}, {"x": "g"}, "grpo")
 
 
+def test_per_call_estimators_by_hand():
+    # the docstring's examples. grpo-step, rewards a=1 b=0 (one group): grpo 0.7071 / -0.7071 (mean .5, std sqrt(.5));
+    # call rewards a {0: 1}, b {0: 0, 1: 0}: m 1/3, s sqrt(1/3) -> (1 - 1/3) / s = 1.1547, (0 - 1/3) / s = -0.5774
+    adv, st = compute_advantages({"a": 1.0, "b": 0.0}, {"a": "g", "b": "g"}, "grpo-step",
+                                 call_rewards={"a": {0: 1.0}, "b": {0: 0.0, 1: 0.0}}, calls={"a": [0], "b": [0, 1]})
+    assert adv["a"] == {0: approx(math.sqrt(0.5) + 2 / 3 / math.sqrt(1 / 3))} and adv["a"][0] == approx(1.861807)
+    assert adv["b"] == {0: approx(-math.sqrt(0.5) - 1 / 3 / math.sqrt(1 / 3)), 1: approx(-1.284457)}
+    # a call without a reward gets the rollout's part alone; no call rewards at all: grpo per call
+    adv, _ = compute_advantages({"a": 1.0, "b": 0.0}, {"a": "g", "b": "g"}, "grpo-step", call_rewards={"a": {1: 5.0}}, calls={"a": [0, 1], "b": [0]})
+    assert adv == {"a": {0: approx(math.sqrt(0.5)), 1: approx(math.sqrt(0.5))}, "b": {0: approx(-math.sqrt(0.5))}}  # one call reward: no spread
+    # returns, gamma 0.5: a: G1 = 1 (its reward, on its last call), G0 = 0.2 + 0.5 * 1 = 0.7; b: 0, 0; baseline (0.7 + 0) / 2
+    adv, _ = compute_advantages({"a": 1.0, "b": 0.0}, {"a": "g", "b": "g"}, "returns", call_rewards={"a": {0: 0.2}},
+                                calls={"a": [0, 1], "b": [0, 1]}, gamma=0.5)
+    assert adv == {"a": {0: approx(0.35), 1: approx(0.65)}, "b": {0: approx(-0.35), 1: approx(-0.35)}}
+    # gamma 1 and no call rewards: dr_grpo, on every call
+    dr, _ = compute_advantages(REWARDS, GROUPS, "dr_grpo")
+    calls = {rid: [0, 3] for rid in REWARDS}
+    adv, _ = compute_advantages(REWARDS, GROUPS, "returns", calls=calls)
+    assert adv == {rid: {0: approx(a), 3: approx(a)} for rid, a in dr.items()}
+    # a group flat in rollout rewards but not in call rewards is not zero-variance: not dropped
+    adv, st = compute_advantages({"d": 1.0, "e": 1.0}, {"d": "g", "e": "g"}, "grpo-step", drop_zero_variance=True,
+                                 call_rewards={"d": {0: 1.0}, "e": {0: 0.0}}, calls={"d": [0], "e": [0]})
+    assert adv["d"][0] == approx(1 / math.sqrt(0.5) / 2) and st["zero_variance_groups"] == 0
+    # README's worked example
+    ex = dict(rewards={"a": 1.0, "b": 0.0}, groups={"a": "g", "b": "g"}, call_rewards={"a": {0: 0.2}, "b": {0: 0.0}}, calls={"a": [0, 1], "b": [0, 1]})
+    h = math.sqrt(0.5)
+    assert compute_advantages(estimator="grpo-step", **ex)[0] == {"a": {0: approx(2 * h), 1: approx(h)}, "b": {0: approx(-2 * h), 1: approx(-h)}}
+    assert compute_advantages(estimator="returns", gamma=0.5, **ex)[0] == {"a": {0: approx(0.35), 1: approx(0.65)}, "b": {0: approx(-0.35), 1: approx(-0.35)}}
+    with pytest.raises(ValueError, match="answered call indices"):
+        compute_advantages(REWARDS, GROUPS, "returns")
+
+
+def test_per_call_advantages_reach_exactly_the_tokens_of_their_calls():
+    """Calls 1 and 2 both continue call 0 (two leaves); call 3 starts over (a split). Call 0's tokens are trained once,
+    in the longest leaf, with call 0's advantage; every trainable token has its own call's, prompts 0."""
+    from lightning_lite.algo import assign_advantages
+    from lightning_lite.records import Call
+    from lightning_lite.samples import build_samples
+
+    def call(i, prompt, response):
+        return Call("r", i, "chat", 0, prompt, response, [-0.1] * len(response), "stop")
+
+    calls = [call(0, [1], [10, 11]), call(1, [1, 10, 11, 5], [12]), call(2, [1, 10, 11, 6], [13, 14]), call(3, [2], [15])]
+    samples = build_samples(calls)[0]
+    assert [s.tokens for s in samples] == [[1, 10, 11, 5, 12], [1, 10, 11, 6, 13, 14], [2, 15]]
+    assert [s.call for s in samples] == [[-1, -1, -1, -1, 1], [-1, 0, 0, -1, 2, 2], [-1, 3]]
+    assign_advantages(samples, {"r": {0: 0.5, 1: -1.0, 2: 2.0, 3: 0.25}})
+    assert [s.advantages for s in samples] == [[0, 0, 0, 0, -1.0], [0, 0.5, 0.5, 0, 2.0, 2.0], [0, 0.25]]
+    assign_advantages(samples, {"r": 0.7})  # one advantage per rollout: every trainable token
+    assert [s.advantages for s in samples] == [[0, 0, 0, 0, 0.7], [0, 0.7, 0.7, 0, 0.7, 0.7], [0, 0.7]]
+    # the loss sees each token's own: [B, T] advantages, per token (ppo, ratio 1: -A per token)
+    assign_advantages(samples, {"r": {0: 0.5, 1: -1.0, 2: 2.0, 3: 0.25}})
+    b = collate(samples, [1.0, 1.0, 1.0])
+    loss, _ = policy_loss(b["old_logprobs"], b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"])
+    assert loss.item() == approx(-(-1.0 + 0.5 * 2 + 2.0 * 2 + 0.25))
+
+
+def test_sft_loss_is_the_weighted_negative_logprob():
+    lp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]], requires_grad=True)
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    loss, m = policy_loss(lp, lp.detach() - 1, torch.tensor([0.0, -3.0]), mask, torch.tensor([0.5, 1.0]), loss="sft")
+    assert loss.item() == approx(0.5 * (1 + 2) + 1.0 * 0.5) and m["clipped"] == 0  # the advantage and the ratio play no part
+    loss.backward()
+    assert lp.grad.tolist() == [[0.0, -0.5, -0.5], [0.0, -1.0, 0.0]]
+
+
 # Rollout A: samples of 1 and 2 trainable tokens; rollout B: one sample of 4. With
 # advantage -1 and new == old logprobs (ratio 1), tis's token loss -1 * A * logprob is
 # the logprob itself; we pick them as  a: -1 | -2 -3   b: -4 -5 -6 -7.
 def norm_batch():
     def s(rid, lps):  # one prompt token (mask 0), then the sampled tokens
         return Sample(rollout_id=rid, tokens=list(range(len(lps) + 1)), loss_mask=[0] + [1] * len(lps),
-                      logprobs=[0.0] + lps, advantage=-1.0)
+                      logprobs=[0.0] + lps, advantages=[0.0] + [-1.0] * len(lps))
     return [s("A", [-1.0]), s("A", [-2.0, -3.0]), s("B", [-4.0, -5.0, -6.0, -7.0])]
 
 

@@ -141,7 +141,7 @@ def test_a_training_micro_batch_runs_on_the_gpu_from_collate_to_backward(fake_cu
         n = len(prompt) + len(r)
         rows.append(Sample(rollout_id=f"r{i}", tokens=prompt * 4 + r, loss_mask=[0] * len(prompt) * 4 + [1] * len(r),
                            logprobs=[0.0] * len(prompt) * 4 + [-1.0] * len(r), temperature=[1.0] * (n + 3 * len(prompt)),
-                           top_k=[k] * (n + 3 * len(prompt)), top_p=[p] * (n + 3 * len(prompt)), advantage=1.0 - 2 * i))
+                           top_k=[k] * (n + 3 * len(prompt)), top_p=[p] * (n + 3 * len(prompt)), advantages=[1.0 - 2 * i] * (n + 3 * len(prompt))))
     with FakeCuda():
         b = algo.collate(rows, [0.5, 0.5], device=CUDA)
         assert all(v.device == CUDA for v in b.values() if isinstance(v, torch.Tensor))
@@ -176,7 +176,7 @@ def gloo_as_nccl(monkeypatch, tmp_path):
 def test_every_collective_tensor_is_on_the_training_device_under_nccl(gloo_as_nccl):
     """algo.all_reduce (the denominators, the step's counts) and parallel.pad_micro_batches (FSDP's MAX)."""
     s = Sample(rollout_id="r", tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
-               temperature=[1.0] * 3, top_k=[0] * 3, top_p=[1.0] * 3, advantage=1.0)
+               temperature=[1.0] * 3, top_k=[0] * 3, top_p=[1.0] * 3, advantages=[0.0, 1.0, 1.0])
     with FakeCuda():
         assert algo.global_denominators([s]) == {"tokens": 2, "samples": 1, "rollouts": 1}
         assert parallel.pad_micro_batches([["mb"]], "fsdp") == [["mb"]]

@@ -36,7 +36,7 @@ def make_samples(model):
             lp = trainer_logprobs(model, collate([Sample(f"r{i}", tokens, mask, [0.0] * T)], [1.0]))[0]
         old = (lp - 0.1 * torch.rand(T, generator=g)).tolist()
         samples.append(Sample(rollout_id=f"r{i}", tokens=tokens, loss_mask=mask, logprobs=[x if m else 0.0 for x, m in zip(old, mask)],
-                              advantage=(1.0, -0.5, 0.8, -1.2)[i]))
+                              advantages=[(1.0, -0.5, 0.8, -1.2)[i] * m for m in mask]))
     return samples
 
 

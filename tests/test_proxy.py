@@ -307,6 +307,31 @@ def test_reward_endpoint(server):
     assert r.status_code == 200 and server.proxy.reward("rewarded") == 0.5
 
 
+def test_rewards_for_calls_by_index_or_reply_id_land_next_to_the_calls(server):
+    """A call is rewarded by its index in the rollout or by the id its reply had (chat, Anthropic, Responses,
+    completions ids alike); each accepted reward is a line of rewards.jsonl beside calls.jsonl, the last one counting."""
+    rid, url = f"pc-{uuid.uuid4().hex[:8]}", server.url + "/rollout/{}/reward"
+    c = client(server, rid)
+    first = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    second = c.completions.create(model="m", prompt="Hello", max_tokens=2)
+    post = lambda body: requests.post(url.format(rid), json=body)  # noqa: E731
+    assert post({"reward": 0.25, "call": 0}).json() == {"rollout_id": rid, "reward": 0.25, "call": 0}
+    assert post({"reward": -1, "call": second.id}).json() == {"rollout_id": rid, "reward": -1.0, "call": 1}
+    assert post({"reward": 2, "call": first.id, "task": "t1"}).json()["call"] == 0  # again: the last one counts
+    assert post({"reward": 1}).status_code == 200
+    assert server.proxy.call_rewards(rid) == {0: 2.0, 1: -1.0} and server.proxy.reward(rid) == 1.0
+    assert [c.reply_id for c in calls_of(server, rid)] == [first.id, second.id]
+    lines = [json.loads(x) for x in open(server.out / "rewards.jsonl") if rid in x]
+    assert [(x["reward"], x.get("call"), x.get("task")) for x in lines] == [(0.25, 0, None), (-1.0, 1, None), (2.0, 0, "t1"), (1.0, None, None)]
+    # a call it does not have, a bool, an unknown key: a 4xx that says what to send, nothing recorded
+    for body, status, says in [({"reward": 1, "call": 2}, 404, "has no call 2"), ({"reward": 1, "call": "chatcmpl-x"}, 404, "has no call"),
+                               ({"reward": 1, "call": True}, 404, "has no call"), ({"reward": True}, 400, "reward"),
+                               ({"reward": 1, "turn": 0}, 400, "keys reward, call"), ({"reward": 1, "task": 3}, 400, "task")]:
+        r = post(body)
+        assert r.status_code == status and says in r.json()["error"]["message"], (body, r.text)
+    assert sum(rid in x for x in open(server.out / "rewards.jsonl")) == 4
+
+
 # ---------------------------------------------------------------------------- the CLI
 
 

@@ -39,15 +39,16 @@ def report(run_dir):
 
 @pytest.fixture(scope="module")
 def run(tok, tmp_path_factory):
-    """A 2-step run: evals at steps 0 and 2; calls/step_1 (trained as metrics step 2) holds a
-    rollout whose calls 0 and 1 merge and whose call 2 rewrote the history, and a failed rollout;
-    calls/eval_2 has a long prompt and, like an older run, no rollouts/ file."""
+    """A 2-step run of two harnesses (calc, search): evals at steps 0 and 2; calls/step_1 (trained as metrics
+    step 2) holds a calc rollout whose calls 0 and 1 merge and whose call 2 rewrote the history, a failed search
+    rollout, and a flagged search rollout with a per-call advantage; calls/eval_2 has a long prompt and, like an
+    older run, no rollouts/ file."""
     d = tmp_path_factory.mktemp("run")
 
     def ids(text):
         return tok.encode(text, add_special_tokens=False)
 
-    (d / "config.json").write_text(json.dumps({"harness": "calc", "model": "smollm2", "steps": 2, "batch_size": 1,
+    (d / "config.json").write_text(json.dumps({"harness": ["calc", "search"], "model": "smollm2", "steps": 2, "batch_size": 1,
                                                "group_size": 2, "lr": 1e-5, "max_seq_len": 4096,
                                                "world_size": 1, "start_step": 0}))
     rows = [{"step": 0, "eval_reward": 0.25, "eval_success": 0.25, "eval_tasks": 4, "eval_failed": 0, "eval_s": 3.0},
@@ -59,6 +60,16 @@ def run(tok, tmp_path_factory):
              "t_rollout": 6.0, "t_train": 2.5, "t_sync": 0.1, "splits": {"rewrote_history": 1}, "trainable_tokens": 12,
              "fwd_tokens": 140},
             {"step": 2, "eval_reward": 0.5, "eval_success": 0.5, "eval_tasks": 4, "eval_failed": 0, "eval_s": 3.0}]
+    rows[1]["splits"] = {"new_thread": 1}
+    per_harness = [{"eval_reward/calc": 0.5, "eval_success/calc": 0.5, "eval_reward/search": 0.0, "eval_success/search": 0.0},
+                   {"reward/calc": 0.5, "success/calc": 0.5, "calls_per_rollout/calc": 2.0, "merge_ratio/calc": 1.5, "splits/calc": {},
+                    "reward/search": 0.5, "success/search": 0.5, "calls_per_rollout/search": 1.0, "merge_ratio/search": None,
+                    "splits/search": {"new_thread": 1}},
+                   {"reward/calc": 1.0, "success/calc": 1.0, "calls_per_rollout/calc": 3.0, "merge_ratio/calc": 1.8,
+                    "splits/calc": {"rewrote_history": 1}, "reward/search": 0.0, "success/search": 0.0,
+                    "calls_per_rollout/search": 1.5, "merge_ratio/search": 1.2, "splits/search": {}},
+                   {"eval_reward/calc": 0.75, "eval_success/calc": 0.75, "eval_reward/search": 0.25, "eval_success/search": 0.25}]
+    rows = [{**r, **h} for r, h in zip(rows, per_harness)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # NaN as train.py writes it
 
     p0, r0 = ids("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"), ids("It is 4.<|im_end|>")
@@ -71,11 +82,17 @@ def run(tok, tmp_path_factory):
     cheat.response = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "bash", "arguments": {"cmd": "cat tests/hidden.py"}}]}
     flags = scan([cheat], {"read_hidden_tests": r"tests/hidden"}, {}, tok.decode)
     flags.append({"kind": "route", "what": "refused a request to /v1/files", "call": None, "where": None, "match": None})
-    write_jsonl(str(d / "calls" / "step_1.jsonl"), good + failed + [cheat])
+    p3 = p0 + cheat.response_ids + ids("\n<|im_start|>tool\nassert add(2, 2) == 4<|im_end|>\n<|im_start|>assistant\n")
+    after = call("s1-g2", 1, p3, ids("Done.<|im_end|>"), parent=0)
+    write_jsonl(str(d / "calls" / "step_1.jsonl"), good + failed + [cheat, after])
+    # call rewards as train.py writes them (JSON: string keys); --adv grpo-step gives s1-g2 one advantage per call
     write_jsonl(str(d / "rollouts" / "step_1.jsonl"), [
-        {"rollout_id": "s1-g0", "task_id": "t7", "reward": 1.0, "error": None, "seconds": 1.5, "advantage": 0.7071, "flags": []},
-        {"rollout_id": "s1-g1", "task_id": "t7", "reward": None, "error": ERROR, "seconds": 0.5, "advantage": None, "flags": []},
-        {"rollout_id": "s1-g2", "task_id": "t7", "reward": 0.0, "error": None, "seconds": 0.5, "advantage": -0.7071, "flags": flags}])
+        {"rollout_id": "s1-g0", "task_id": "t7", "harness": "calc", "reward": 1.0, "call_rewards": {"1": 0.25}, "error": None,
+         "seconds": 1.5, "advantage": 0.7071, "flags": []},
+        {"rollout_id": "s1-g1", "task_id": "t7", "harness": "search", "reward": None, "call_rewards": {}, "error": ERROR,
+         "seconds": 0.5, "advantage": None, "flags": []},
+        {"rollout_id": "s1-g2", "task_id": "t7", "harness": "search", "reward": 0.0, "call_rewards": {"0": 0.5}, "error": None,
+         "seconds": 0.5, "advantage": {"0": 0.45, "1": -1.284}, "flags": flags}])
     long_prompt = ids("<|im_start|>user\n" + "count the words " * 300 + "<|im_end|>\n<|im_start|>assistant\n")
     write_jsonl(str(d / "calls" / "eval_2.jsonl"), [call("eval2-r0-0", 0, long_prompt, ids("Nine hundred."))])
 
@@ -101,7 +118,7 @@ def test_a_folder_that_is_no_run_says_what_is_expected(tmp_path):
     assert empty.returncode == 2 and f"{tmp_path} has no metrics.jsonl" in empty.stderr
 
 
-def test_page_in_headless_chromium(run):
+def test_page_in_headless_chromium(run, tmp_path):
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -126,10 +143,19 @@ def test_page_in_headless_chromium(run):
         assert page.locator("#plots svg").count() == 7
         assert page.inner_text('#latest [data-key="fwd_tokens"]') == "fwd_tokens 140"
 
+        # two harnesses: one plot per quantity with a line each, and their split counts summed over the run
+        assert page.locator("#harness-plots svg").count() == 4
+        assert [plot.locator(".legend > span").all_inner_texts() for plot in page.locator("#harness-plots .plot").all()] \
+            == [["calc", "search"]] * 4
+        assert [r.split("\t") for r in page.locator("#harness-splits tr").all_inner_texts()] == \
+            [["harness", "new_thread", "rewrote_history"], ["calc", "0", "1"], ["search", "1", "0"]]
+
         # calls/step_1 is metrics step 2; its failed rollout says why
         page.select_option("#batch", label=batch_label("step", 1))
         page.wait_for_selector('#rollouts tr[data-rollout="s1-g1"]')
         assert ERROR in page.inner_text('#rollouts tr[data-rollout="s1-g1"]')
+        assert "harness" in page.locator("#rollouts th").all_inner_texts()
+        assert page.inner_text('#rollouts tr[data-rollout="s1-g1"] td.harness') == "search"
         assert "reward 0.625" in page.inner_text("#batch-summary")
         page.click('#rollouts tr[data-rollout="s1-g1"]')
         page.wait_for_selector('#rollout-detail[data-rollout="s1-g1"]')
@@ -140,6 +166,9 @@ def test_page_in_headless_chromium(run):
         page.wait_for_selector('#rollout-detail[data-rollout="s1-g0"]')
         detail = page.inner_text("#rollout-detail")
         assert "trained yes, advantage 0.707" in detail and "It is 4." in detail and "Are you sure?" in detail
+        assert "harness calc" in detail
+        calls = page.locator("#rollout-detail table.calls tr").all_inner_texts()  # its call 1's reward; one advantage
+        assert calls[0].split("\t")[-1] == "reward" and calls[2].split("\t")[-1] == "0.250" and calls[1].split("\t")[-1] == "—"
         first, second = (page.locator(f'#rollout-detail .sample[data-sample="{i}"]') for i in (0, 1))
         assert [first.locator(".tok.train").count(), second.locator(".tok.train").count()] == run["trainable"]
         assert first.locator(".call-mark").all_inner_texts() == ["call 0", "call 1"]
@@ -156,14 +185,29 @@ def test_page_in_headless_chromium(run):
         assert [r.split("\t") for r in rows[1:]] == [["audit", "read_hidden_tests", "0", "action", 'bash {"cmd": "cat tests/hidden.py"}'],
                                                      ["route", "refused a request to /v1/files", "—", "—", ""]]
 
+        # its per-call advantage: a range in the list, each call's own (and its reward) in the detail
+        assert page.inner_text('#rollouts tr[data-rollout="s1-g2"] td:nth-child(5)') == "-1.28..0.450"
+        assert "trained yes, advantage per call: 0: 0.450, 1: -1.28" in page.inner_text("#rollout-detail")
+        calls = page.locator("#rollout-detail table.calls tr").all_inner_texts()
+        assert [r.split("\t")[-2:] for r in calls] == [["reward", "advantage"], ["0.500", "0.450"], ["—", "-1.28"]]
+
         # an eval without a rollouts/ file: rewards unknown; its long prompt drawn collapsed until expanded
         page.select_option("#batch", label=batch_label("eval", 2))
         page.wait_for_selector('#rollout-detail[data-rollout="eval2-r0-0"]')
         assert "No rollouts/ file" in page.inner_text("#batch-summary")
+        assert "harness" not in page.locator("#rollouts th").all_inner_texts()
         assert page.locator("#flagged-count").count() == 0 and "flagged" not in page.inner_text("#rollout-detail")
         prompt = page.locator('#rollout-detail .sample[data-sample="0"] .tok.ctx')
         assert prompt.count() == 400
         page.click("#rollout-detail .expand")
         assert prompt.count() == run["long_prompt"]
+
+        # a run of one harness (no /NAME keys): as before, no harness section
+        rows = [json.loads(line) for line in (run["dir"] / "metrics.jsonl").read_text().splitlines()]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "/" not in k}) + "\n" for r in rows))
+        assert report(tmp_path).returncode == 0
+        page.goto((tmp_path / "report.html").as_uri())
+        page.wait_for_selector("#plots svg")
+        assert page.locator("#plots svg").count() == 7 and page.locator("#by-harness").is_hidden()
         browser.close()
     assert errors == []

@@ -355,17 +355,8 @@ backend.version = start_step
 proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_tokens, call_timeout=args.rollout_timeout, pause_retry_after=args.pause_retry_after,
               tool_format=args.tool_format, keep_history_tokens=args.keep_history_tokens, rollout_tokens=True)
 server = ProxyServer(proxy, host=args.proxy_host).start()
-
-
-def harness_spec(spec):  # "search:2" -> ("search", 2.0); "file.py:Class" keeps its class
-    head, _, w = spec.rpartition(":")
-    try:
-        return (head, float(w)) if head else (spec, 1.0)
-    except ValueError:
-        return spec, 1.0
-
-
-specs = [harness_spec(h) for h in args.harness]
+# "search:2" -> ("search", 2.0); "file.py:Class" keeps its class
+specs = [(m[1], float(m[2])) if (m := re.fullmatch(r"(.+):(\d+(?:\.\d+)?)", h)) else (h, 1.0) for h in args.harness]
 hs, weights, audits = [], [w for _, w in specs], {}  # the harnesses, their weights, name -> (their audit patterns)
 targets = {item.partition("=")[0].rpartition(":")[0] for item in args.harness_arg} - {"", *(sp for sp, _ in specs)}
 if targets or any(w <= 0 for w in weights):
@@ -474,6 +465,7 @@ def recorded_step(step):
     picked = [(rid, key) for key in draw(list(rec_groups), step, args.batch_size)[rank::world] for rid in rec_groups[key]]
     results = [RolloutResult(rid, key, rec[rid]["reward"], None, 0.0, harness="recorded", call_rewards=rec[rid]["calls"]) for rid, key in picked]
     calls = [c for rid, _ in picked for c in rec_calls[rid]]
+    write_jsonl(run_file("calls", f"step_{step}"), calls)  # as a harness step's: the report shows them, a later run reads them
     fail_rollouts_the_backend_failed(results, calls)
     return dict(picked), results, calls, time.time() - t0
 
@@ -552,6 +544,29 @@ def micro_batches(samples, weights, order=None):
             size = len(t)
         prev = t
     return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in mbs]
+
+
+def per(a, b):  # None: not measured (a 0 would claim a measurement)
+    return a / b if b else None
+
+
+def tally(results, calls, st):
+    """One step's sums over ``results`` (a rank's, or one harness's of them), their calls and samples.build_samples's
+    ``st``: summed over ranks, ``rates`` makes the metrics row's numbers of them."""
+    rewarded = [r.reward for r in results if r.error is None and r.reward is not None]  # None: an unrewarded trace (sft)
+    return {"rollouts": len(results), "failed": sum(r.error is not None for r in results), "flagged": sum(bool(r.flags) for r in results),
+            "rewarded": len(rewarded), "reward": sum(rewarded), "success": sum(x >= 1.0 for x in rewarded), "calls": len(calls),
+            "gen": sum(len(c.response_ids) for c in calls),
+            **{k: st[k] for k in ("tokens", "trainable_tokens", "tokens_unmerged", "truncated", "dropped")},
+            **{"split_" + r: st["split_" + r] for r in SPLIT_REASONS}}
+
+
+def rates(n, sfx=""):
+    """The row's reward, success, calls per rollout, merge ratio and splits from ``tally``'s sums (keys ending in sfx)."""
+    return {"reward" + sfx: per(n["reward" + sfx], n["rewarded" + sfx]), "success" + sfx: per(n["success" + sfx], n["rewarded" + sfx]),
+            "calls_per_rollout" + sfx: per(n["calls" + sfx], n["rollouts" + sfx]),
+            "merge_ratio" + sfx: per(n["tokens_unmerged" + sfx], n["tokens" + sfx]),
+            "splits" + sfx: {r: int(n[f"split_{r}{sfx}"]) for r in SPLIT_REASONS if n[f"split_{r}{sfx}"]}}
 
 
 def train_on(samples, version):
@@ -633,7 +648,6 @@ try:
         groups, results, calls, t_roll = ahead.pop(step).result() if worker else (recorded_step if args.from_calls else step_rollouts)(step)
         t_wait = time.time() - t_step
         ok = {r.rollout_id: r.reward for r in results if r.error is None}  # None: a recorded trace without reward (sft)
-        rewarded = {rid: x for rid, x in ok.items() if x is not None}
         # 2. samples: merge each rollout's calls (failed rollouts are never trained on), by harness (its own metrics)
         name_of = {r.rollout_id: r.harness for r in results}
         calls_of, answered = {}, {}
@@ -656,24 +670,18 @@ try:
         # this rank; per-call estimators give each call its own. sft: advantage 1 for what it should imitate.
         if args.loss == "sft":
             adv, astats = {rid: 1.0 for rid, x in ok.items() if args.sft_min_reward is None or x is not None and x >= args.sft_min_reward}, {}
-        else:
-            got = algo.gather_rewards(rewarded, {rid: groups[rid] for rid in rewarded},  # all ranks' rollouts
-                                      {r.rollout_id: r.call_rewards for r in results if r.rollout_id in rewarded}, answered)
+        else:  # every rollout in ok has a reward
+            got = algo.gather_rewards(ok, {rid: groups[rid] for rid in ok},  # all ranks' rollouts
+                                      {r.rollout_id: r.call_rewards for r in results if r.rollout_id in ok}, answered)
             adv, astats = algo.compute_advantages(*got[:2], args.adv, drop_zero_variance=args.drop_zero_variance, call_rewards=got[2],
                                                   calls=got[3], gamma=args.gamma)
         samples = algo.assign_advantages(samples, adv)  # zero-advantage samples stay: they count in the denominators
         save_rollouts(f"step_{step}", results, adv)
-        counts = {"rollouts": len(results), "failed": len(results) - len(ok), "rewarded": len(rewarded), "flagged": sum(bool(r.flags) for r in results),
-                  "reward": sum(rewarded.values()), "success": sum(x >= 1.0 for x in rewarded.values()), "calls": len(calls), "samples": len(samples),
-                  "signal": sum(any(s.advantages) for s in samples), "gen": sum(len(c.response_ids) for c in calls),
-                  **{k: sstats[k] for k in ("tokens", "trainable_tokens", "tokens_unmerged", "truncated", "dropped")},
-                  **{"split_" + r: sstats["split_" + r] for r in SPLIT_REASONS}}
+        counts = {**tally(results, calls, sstats), "samples": len(samples), "signal": sum(any(s.advantages) for s in samples),
+                  "trainable_tokens": sum(sum(s.loss_mask) for s in samples), "kept_tokens": sum(len(s.tokens) for s in samples)}
         for h in hs if len(hs) > 1 else ():  # each harness's own, side by side (the same keys on every rank)
-            mine = [x for r in results if r.harness == h.name and (x := r.reward) is not None]
-            counts.update({f"{k}/{h.name}": v for k, v in {
-                "rollouts": sum(r.harness == h.name for r in results), "rewarded": len(mine), "reward": sum(mine), "success": sum(x >= 1.0 for x in mine),
-                "calls": len(calls_of.get(h.name, [])), **{k: per_h.get(h.name, Counter())[k] for k in ("tokens", "tokens_unmerged")},
-                **{"split_" + r: per_h.get(h.name, Counter())["split_" + r] for r in SPLIT_REASONS}}.items()})
+            mine = tally([r for r in results if r.harness == h.name], calls_of.get(h.name, []), per_h.get(h.name, Counter()))
+            counts.update({f"{k}/{h.name}": v for k, v in mine.items()})
         n = dict(zip(counts, algo.all_reduce(list(counts.values()))))  # summed over ranks
         if n["dropped"]:
             log(f"step {step + 1}: {int(n['dropped'])} samples dropped, first turn > --max-seq-len {args.max_seq_len}")
@@ -702,27 +710,20 @@ try:
             skipped = "no_signal"
             log(f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update")
         t_train = time.time() - t0
-        per = lambda a, b: a / b if b else None  # noqa: E731  None: not measured (a 0 would claim a measurement)
         row = {
-            "step": step + 1, "reward": per(n["reward"], n["rewarded"]), "success": per(n["success"], n["rewarded"]),
-            **{k: int(n[k]) for k in ("rollouts", "failed", "flagged", "calls", "samples", "trainable_tokens", "truncated")},
+            "step": step + 1, **rates(n),
+            **{k: int(n[k]) for k in ("rollouts", "failed", "flagged", "calls", "samples", "trainable_tokens", "truncated", "dropped")},
             "fwd_tokens": m.get("fwd_tokens"),
-            "dropped": int(n["dropped"]), "merge_ratio": per(n["tokens_unmerged"], n["tokens"]),
             "zero_var_groups": astats.get("zero_variance_groups", 0), "skipped": skipped, "grad_norm": gnorm,
             **{k: m.get(k) for k in ("loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "prob_corr", "dlogp_mean", "dlogp_max",
                                    "ratio_out_frac")},
             "staleness": m.get("staleness", {}), "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
             "lr": lr_at(step), "t_rollout": round(t_roll, 2), "t_wait": round(t_wait, 2), "t_train": round(t_train, 2),
             "t_sleep": round(t_sleep, 3), "t_sync": None, "t_step": None,  # None: a Ctrl-C came first
-            "gen_tok_s": n["gen"] / max(t_roll, 1e-9) / world,
-            "train_tok_s": per(n["tokens"], t_train * world) if m else None,
-            "splits": {r: int(n["split_" + r]) for r in SPLIT_REASONS if n["split_" + r]},
+            "gen_tok_s": None if args.from_calls else n["gen"] / max(t_roll, 1e-9) / world,  # None: recorded, not generated
+            "train_tok_s": per(n["kept_tokens"], t_train * world) if m else None,
+            **{k: v for h in hs if len(hs) > 1 for k, v in rates(n, "/" + h.name).items()},
         }
-        for h in hs if len(hs) > 1 else ():
-            row.update({f"reward/{h.name}": per(n[f"reward/{h.name}"], n[f"rewarded/{h.name}"]), f"success/{h.name}": per(n[f"success/{h.name}"], n[f"rewarded/{h.name}"]),
-                        f"calls_per_rollout/{h.name}": per(n[f"calls/{h.name}"], n[f"rollouts/{h.name}"]),
-                        f"merge_ratio/{h.name}": per(n[f"tokens_unmerged/{h.name}"], n[f"tokens/{h.name}"]),
-                        f"splits/{h.name}": {r: int(n[f"split_{r}/{h.name}"]) for r in SPLIT_REASONS if n[f"split_{r}/{h.name}"]}})
         unlogged, steps_done = row, step + 1  # the update is applied (or skipped): a checkpoint from now is of step + 1
         # 7. weight sync: calls in flight finish on the old weights, new calls wait, then get the new ones
         t0 = time.time()
@@ -736,7 +737,7 @@ try:
         show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)  # noqa: E731  None: not measured
         log(f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | fail {row['failed']} | samples {row['samples']} "
             f"tok {row['trainable_tokens']} fwd {show('fwd_tokens', 'd')} merge {show('merge_ratio', '.2f')}x | loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
-            f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({row['gen_tok_s']:.0f} tok/s) train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) "
+            f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({show('gen_tok_s', '.0f')} tok/s) train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) "
             f"sync {row['t_sync']:.2f}s" + (f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}" if worker else "")
             + (f" | {row['calls']} recorded calls, {step} updates stale" if args.from_calls else "")
             + "".join(f" | {h.name} {show('reward/' + h.name, '.3f')}" for h in hs if len(hs) > 1))

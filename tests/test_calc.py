@@ -123,6 +123,10 @@ def test_agent_stops_after_max_turns():
     result, requests = run_agent(lambda rid, body, n: {"content": "seven"}, format_reward=0.0)
     assert len(requests) == 2 and (result.reward, result.error) == (0.0, None)
     assert requests[1][2]["messages"][-1]["content"].startswith("That was not a valid calculator call")
+    # call_rewards=True: the calculator call is rewarded on its own (by the id of its reply), the rollout by the answer
+    result, _ = run_agent(lambda rid, body, n: [{"tool_calls": [tool_call("calculator", {"expression": "3+4"})]}, {"content": "ANSWER: 8"}][n],
+                          call_rewards=True)
+    assert (result.reward, result.call_rewards) == (pytest.approx(0.1), {"chatcmpl-1": 1.0})  # the stub numbers its replies from 1
     # tool_first=False: the single-turn agent of before, reward = the answer's score
     result, requests = run_agent(lambda rid, body, n: {"content": "3 + 4 = 7."}, tool_first=False)
     assert len(requests) == 1 and result.reward == 1.0 and requests[0][2]["tool_choice"] == "auto"

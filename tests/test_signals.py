@@ -135,6 +135,7 @@ def test_from_calls_trains_on_what_proxy_py_recorded_with_the_rewards_it_took(re
     assert row["rollouts"] == 6 and row["calls"] == 12 and row["trainable_tokens"] > 0 and row["grad_norm"] > 0
     assert row["dlogp_max"] < 1e-3 and row["staleness"] == {"0": row["trainable_tokens"]}  # the recorded calls are of these weights
     assert "--from-calls: 6 rollouts (12 calls) in 2 groups" in log and "12 recorded calls, 0 updates stale" in log
+    assert len(read_calls(os.path.join(out, "calls", "step_0.jsonl"))) == 12  # as a harness step's: the report shows them
     rolls = {r["rollout_id"]: r for r in read_jsonl(os.path.join(out, "rollouts", "step_0.jsonl"))}
     assert rolls["user1-2"]["reward"] == 0.0 and rolls["user1-2"]["call_rewards"] == {"0": -1.5}
     # task t0: rewards 0, 1, 0 -> grpo -0.577, 1.155, -0.577; first calls rewarded 0.5, -0.5, -1.5 -> (r + 0.5) / 1

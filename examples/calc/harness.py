@@ -12,7 +12,9 @@ Reward: ``tool_reward`` for a valid first calculator call (an expression with an
 operator that the calculator evaluates: a bare number, which the model learned to
 pass when any number counted, earns nothing), plus ``1 - tool_reward`` times the
 answer's score (1.0 for the exact number, ``format_reward`` for a well-formed wrong
-answer, 0.0 otherwise).
+answer, 0.0 otherwise). ``call_rewards=True`` rewards the calls apart instead: the
+first call 1.0 when it is such a calculator call (a per-call reward on its own tokens,
+for ``--adv grpo-step``), the rollout the answer's score alone.
 Sized for a 135M model on a CPU: short prompts, small numbers, few short turns.
 
     python train.py --harness calc --harness-arg difficulty=1
@@ -199,13 +201,14 @@ class CalcHarness(Harness):
 
     def __init__(self, n_train: int = 2000, n_test: int = 200, difficulty: int = 1, seed: int = 0,
                  format_reward: float = 0.1, max_turns: int = 3, max_tokens: int = 64,
-                 temperature: float = 0.7, strict: bool = False, tool_first: bool = True, tool_reward: float = 0.2):
+                 temperature: float = 0.7, strict: bool = False, tool_first: bool = True, tool_reward: float = 0.2,
+                 call_rewards: bool = False):
         if difficulty not in (1, 2, 3):
             raise ValueError(f"calc difficulty must be 1, 2 or 3, not {difficulty!r}")
         self.n = {"train": n_train, "test": n_test}
         self.difficulty, self.seed, self.format_reward = difficulty, seed, format_reward
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
-        self.strict, self.tool_first, self.tool_reward = strict, tool_first, tool_reward
+        self.strict, self.tool_first, self.tool_reward, self.call_rewards = strict, tool_first, tool_reward, call_rewards
         self._tasks: dict[str, list[Task]] = {}
 
     def tasks(self, split: str) -> list[Task]:
@@ -232,12 +235,12 @@ class CalcHarness(Harness):
                                      f"for n_{s}={self.n[s]}; ask for fewer")
         return self._tasks[split]
 
-    async def run(self, task: Task, endpoint: Endpoint) -> float:
+    async def run(self, task: Task, endpoint: Endpoint):
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": task.prompt}]
         # max_retries=0: a failed call fails the rollout visibly instead of being
         # silently re-sampled (a retry would be a second, differently-sampled call).
-        valid_call = False
+        valid_call, first_id = False, None
         async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
                                       max_retries=0) as client:
             for turn in range(self.max_turns):
@@ -248,6 +251,7 @@ class CalcHarness(Harness):
                     tool_choice={"type": "function", "function": {"name": "calculator"}} if first else "auto",
                     max_tokens=self.max_tokens, temperature=self.temperature)
                 message = response.choices[0].message
+                first_id = response.id if first else first_id
                 messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
                 if not message.tool_calls:
                     if not first:
@@ -264,4 +268,6 @@ class CalcHarness(Harness):
         answer = score(message.content or "", task.answer, self.format_reward, self.strict)
         if not self.tool_first:
             return answer
+        if self.call_rewards:  # the call that computed earns on its own tokens; the rollout's reward is the answer's
+            return {"reward": answer, "calls": {first_id: float(valid_call)}}
         return self.tool_reward * valid_call + (1 - self.tool_reward) * answer

@@ -213,7 +213,8 @@ for j, d in enumerate(args.from_calls or ()):
         sys.exit(f"--from-calls {d}: {e}")
     if not (served and os.path.abspath(resolve(served)) == os.path.abspath(resolve(args.model))) and args.loss != "sft":
         sys.exit(f"--from-calls {d}: its calls were sampled by {served or 'a model it does not name (no proxy.json, no config.json)'}, "
-                 f"not --model {args.model}: their logprobs are another policy's. Learn from them with --loss sft (same tokenizer)")
+                 f"not --model {args.model}: their logprobs are another policy's. Learn from them with --loss sft (same tokenizer)"
+                 + ("" if served else f", or, if you know they are {args.model}'s, write {{\"model\": \"{args.model}\"}} to {d}/proxy.json"))
     if no_lp := [c for c in calls if len(c.response_logprobs) != len(c.response_ids)]:
         if args.loss != "sft":
             sys.exit(f"--from-calls {d}: {len(no_lp)} calls have no logprobs to take the ratio to; --loss sft trains on them")

@@ -321,15 +321,21 @@ def test_rewards_for_calls_by_index_or_reply_id_land_next_to_the_calls(server):
     assert post({"reward": 1}).status_code == 200
     assert server.proxy.call_rewards(rid) == {0: 2.0, 1: -1.0} and server.proxy.reward(rid) == 1.0
     assert [c.reply_id for c in calls_of(server, rid)] == [first.id, second.id]
+    import anthropic  # the Responses and Anthropic ids name their calls too
+
+    third = c.responses.create(model="m", input="Hi", max_output_tokens=2)
+    fourth = anthropic.Anthropic(base_url=server.url + f"/rollout/{rid}", api_key="x", max_retries=0).messages.create(
+        model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert [post({"reward": 3, "call": x.id}).json()["call"] for x in (third, fourth)] == [2, 3]
     lines = [json.loads(x) for x in open(server.out / "rewards.jsonl") if rid in x]
-    assert [(x["reward"], x.get("call"), x.get("task")) for x in lines] == [(0.25, 0, None), (-1.0, 1, None), (2.0, 0, "t1"), (1.0, None, None)]
+    assert [(x["reward"], x.get("call"), x.get("task")) for x in lines] == [(0.25, 0, None), (-1.0, 1, None), (2.0, 0, "t1"), (1.0, None, None), (3.0, 2, None), (3.0, 3, None)]
     # a call it does not have, a bool, an unknown key: a 4xx that says what to send, nothing recorded
-    for body, status, says in [({"reward": 1, "call": 2}, 404, "has no call 2"), ({"reward": 1, "call": "chatcmpl-x"}, 404, "has no call"),
+    for body, status, says in [({"reward": 1, "call": 4}, 404, "has no call 4"), ({"reward": 1, "call": "chatcmpl-x"}, 404, "has no call"),
                                ({"reward": 1, "call": True}, 404, "has no call"), ({"reward": True}, 400, "reward"),
                                ({"reward": 1, "turn": 0}, 400, "keys reward, call"), ({"reward": 1, "task": 3}, 400, "task")]:
         r = post(body)
         assert r.status_code == status and says in r.json()["error"]["message"], (body, r.text)
-    assert sum(rid in x for x in open(server.out / "rewards.jsonl")) == 4
+    assert sum(rid in x for x in open(server.out / "rewards.jsonl")) == 6
 
 
 # ---------------------------------------------------------------------------- the CLI

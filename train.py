@@ -277,6 +277,23 @@ def lr_at(step):  # linear warmup, then constant or cosine down to 10%
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)) if args.lr_schedule == "cosine" else 1.0)
 
 
+def share(total, weights):
+    """``total`` split in proportion to ``weights``, largest remainders first: share(4, [3, 1]) == [3, 1]."""
+    raw = [total * w / sum(weights) for w in weights]
+    n = [int(x) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: n[i] - raw[i])[: total - sum(n)]:
+        n[i] += 1
+    return n
+
+
+def draw(items, step, n):
+    """The step's n items of a fixed shuffle per epoch, so --resume sees the same order."""
+    epoch, k = divmod(step, max(1, len(items) // max(1, n)))
+    items = list(items)
+    random.Random(args.seed * 1000 + epoch).shuffle(items)
+    return items[k * n : (k + 1) * n]
+
+
 if resume_dir:
     # mapped from the file into host memory, not onto the GPU: every rank of a node shares the one copy the page
     # cache holds (12 bytes/param: 108 GB for 9B) and takes its part (FSDP) or all of it (DDP)
@@ -384,6 +401,9 @@ by_id = {h.name: {t.id: t for t in train_tasks[h.name]} for h in hs}
 common = [t for t in train_tasks[hs[0].name] if all(t.id in by_id[h.name] for h in hs)] if hs else []
 if args.group_across_harnesses and not common:
     sys.exit(f"--group-across-harnesses: harnesses {', '.join(by_id)} share no train task id")
+if hs and 0 in share(args.group_size if args.group_across_harnesses else args.batch_size, weights):
+    sys.exit(f"{'--group-size' if args.group_across_harnesses else '--batch-size'} is too small to give each of the {len(hs)} harnesses "
+             f"(weights {', '.join(f'{w:g}' for w in weights)}) a {'rollout in every group' if args.group_across_harnesses else 'task a step'}")
 log(proxy.renderer.describe())
 for h, (spec, w) in zip(hs, specs):
     log(f"harness {h.name} ({spec}, weight {w:g}): {len(train_tasks[h.name])} train / {len(test_tasks[h.name])} test tasks")
@@ -425,23 +445,6 @@ def rollouts(jobs, name):
     proxy.reset()
     fail_rollouts_the_backend_failed(results, calls)
     return results, calls, time.time() - t0
-
-
-def share(total, weights):
-    """``total`` split in proportion to ``weights``, largest remainders first: share(4, [3, 1]) == [3, 1]."""
-    raw = [total * w / sum(weights) for w in weights]
-    n = [int(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: n[i] - raw[i])[: total - sum(n)]:
-        n[i] += 1
-    return n
-
-
-def draw(items, step, n):
-    """The step's n items of a fixed shuffle per epoch, so --resume sees the same order."""
-    epoch, k = divmod(step, max(1, len(items) // max(1, n)))
-    items = list(items)
-    random.Random(args.seed * 1000 + epoch).shuffle(items)
-    return items[k * n : (k + 1) * n]
 
 
 def step_rollouts(step):

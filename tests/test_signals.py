@@ -88,9 +88,9 @@ def test_groups_across_harnesses(tmp_path):
     _, apart = recomputed(out, "grpo-step")
     assert any(as_written(apart[r["rollout_id"]]) != pytest.approx(r["advantage"]) for r in rolls)
     # a group too small to hold a rollout of each harness is refused, saying why
-    log = train(["--harness", HARNESSES + ":PerCallHarness", "--harness", HARNESSES + ":LengthHarness:3", "--group-across-harnesses",
+    log = train(["--harness", HARNESSES + ":PerCallHarness", "--harness", HARNESSES + ":LengthHarness:4", "--group-across-harnesses",
                  "--group-size", "2", "--steps", "1", "--out", str(tmp_path / "small")], ok=False)
-    assert "--group-size is too small to give each of the 2 harnesses (weights 1, 3) a rollout in every group" in log
+    assert "--group-size is too small to give each of the 2 harnesses (weights 1, 4) a rollout in every group" in log
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ missing=()
 for pair in bwrap:bubblewrap dockerd:docker.io docker:docker.io mmdebstrap:mmdebstrap git:git; do
   command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
 done
+# bwrap shows the tests of a SWE instance the host's system, and they run as /usr/bin/python3 -m pytest (examples/swe)
+/usr/bin/python3 -c "import pytest" 2>/dev/null || missing+=(python3-pytest)
 if [ ${#missing[@]} -gt 0 ]; then
   pkgs=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
   say "installing $pkgs"
@@ -33,7 +35,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   # shellcheck disable=SC2086
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs
 else
-  say "bubblewrap, docker.io, mmdebstrap, git: installed"
+  say "bubblewrap, docker.io, mmdebstrap, git, python3-pytest: installed"
 fi
 bwrap --ro-bind / / --unshare-net --unshare-pid true \
   || die "bwrap is installed but cannot create namespaces (inside an unprivileged container? check kernel.unprivileged_userns_clone / seccomp)"

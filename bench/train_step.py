@@ -132,8 +132,8 @@ def main():
     for name, calls in workloads.items():
         samples, stats = build_batch_samples(calls)
         for s in samples:
-            a = rng.choice([-1.0, 1.0])
-            s.advantages = [a * m for m in s.loss_mask]
+            sign = rng.choice([-1.0, 1.0])
+            s.advantages = [sign * m for m in s.loss_mask]
         weights = algo.sample_weights(samples, "token-mean", algo.global_denominators(samples))
         step(micro_batches(samples[:1], weights[:1]), True)  # warm-up: first-call allocations
         res = {}

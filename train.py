@@ -35,8 +35,9 @@ from lightning_lite.backends import HFBackend, VLLMBackend, placement
 from lightning_lite.harness import RolloutResult, SubprocessHarness, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
-from lightning_lite.records import SPLIT_REASONS, UNANSWERED, Sample, common_prefix, read_calls, read_jsonl, read_recorded, write_jsonl
-from lightning_lite.report import find_batches, write_report
+from lightning_lite.records import (SPLIT_REASONS, UNANSWERED, Sample, common_prefix, find_batches, read_calls, read_jsonl,
+                                    read_recorded, write_jsonl)
+from lightning_lite.report import write_report
 from lightning_lite.samples import build_batch_samples
 from lightning_lite.toolcalls import FORMATS
 
@@ -393,8 +394,8 @@ for h in hs:  # a Python harness runs in this process: its tools are its own cod
         except ValueError as e:
             sys.exit(f"--sandbox {args.sandbox}: {e}")
         log(f"{h.name}'s rollouts run in sandbox {h.sandbox.name}")
-boxed = {h.name for h in hs if getattr(getattr(h, "sandbox", None), "name", "none") != "none"}  # an escape is looked for in these
-escapes = audit.escape_patterns(args.out, os.path.expanduser("~"), server.port) if boxed else {}
+box = {h.name: getattr(getattr(h, "sandbox", None), "name", "none") for h in hs}  # where each one's rollouts run
+escapes = audit.escape_patterns(args.out, os.path.expanduser("~"), server.port) if set(box.values()) - {"none"} else {}
 train_tasks = {h.name: h.tasks("train") for h in hs}
 test_tasks = {h.name: h.tasks("test")[: args.eval_tasks] for h in hs}
 by_id = {h.name: {t.id: t for t in train_tasks[h.name]} for h in hs}
@@ -412,7 +413,7 @@ harness_of = {}  # rollout id -> the harness that runs it
 
 
 def endpoint_for(rid):  # a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
-    return server.endpoint(rid, args.model, socket=getattr(getattr(harness_of[rid], "sandbox", None), "name", None) in ("bwrap", "docker"))
+    return server.endpoint(rid, args.model, socket=box[harness_of[rid].name] in ("bwrap", "docker"))
 
 
 def rollouts(jobs, name):
@@ -431,7 +432,7 @@ def rollouts(jobs, name):
         calls_of.setdefault(c.rollout_id, []).append(c)
     for r in results:  # what the proxy refused it (another rollout's route, a reward of its own), what the audit found
         h, mine = harness_of.pop(r.rollout_id), [c for c in calls_of.get(r.rollout_id, []) if c.finish_reason not in UNANSWERED]
-        esc = escapes if h.name in boxed else {}
+        esc = escapes if box[h.name] != "none" else {}  # an escape is looked for in sandboxed rollouts
         found = audit.scan(calls_of.get(r.rollout_id, []), {**audits[h.name][0], **esc}, audits[h.name][1], tok.decode)
         r.flags = proxy.flags(r.rollout_id) + [{**f, "kind": "escape"} if f["what"] in esc else f for f in found]
         ids = Counter(c.reply_id for c in mine)  # a call is named by its index, or by its reply's id (one choice)
@@ -561,7 +562,7 @@ def tally(results, calls, st):
     return {"rollouts": len(results), "failed": sum(r.error is not None for r in results), "flagged": sum(bool(r.flags) for r in results),
             "rewarded": len(rewarded), "reward": sum(rewarded), "success": sum(x >= 1.0 for x in rewarded), "calls": len(calls),
             "gen": sum(len(c.response_ids) for c in calls),
-            **{k: st[k] for k in ("tokens", "trainable_tokens", "tokens_unmerged", "truncated", "dropped")},
+            **{k: st[k] for k in ("tokens", "tokens_unmerged", "truncated", "dropped")},
             **{"split_" + r: st["split_" + r] for r in SPLIT_REASONS}}
 
 

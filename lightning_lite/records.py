@@ -10,6 +10,7 @@ import json
 import os
 import re
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
@@ -127,6 +128,18 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
     return calls
 
 
+def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
+    """(kind, K) -> {"calls": files, "rollouts": files} over all ranks, in the order the run
+    made them: eval_K before step_K (both use the policy after K updates; the eval ran first)."""
+    found: dict = defaultdict(lambda: {"calls": [], "rollouts": []})
+    for sub in ("calls", "rollouts"):
+        folder = os.path.join(run_dir, sub)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if m := RUN_FILE.fullmatch(name):
+                found[(m[1], int(m[2]))][sub].append(os.path.join(folder, name))
+    return dict(sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] == "step")))
+
+
 def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, dict]]:
     """What ``run_dir`` recorded, to train on (train.py --from-calls): proxy.py's (calls.jsonl, rewards.jsonl,
     proxy.json) or a train.py run's (calls/ and rollouts/ of its steps, not its evaluations; config.json). Returns
@@ -147,18 +160,13 @@ def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, di
                 r["calls"][d["call"]] = d["reward"]
             r["group"] = d.get("task") or r["group"]
         return model, calls, rewards
-    calls = []
-    for kind, sub in (("calls", calls), ("rollouts", None)):
-        folder = os.path.join(run_dir, kind)
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-            if (m := RUN_FILE.fullmatch(name)) and m[1] == "step":
-                if sub is not None:
-                    sub += read_calls(os.path.join(folder, name))
-                    continue
-                for d in read_jsonl(os.path.join(folder, name)):
-                    if d.get("error") is None and d.get("reward") is not None:
-                        rewards[d["rollout_id"]] = {"reward": d["reward"], "calls": {int(k): v for k, v in (d.get("call_rewards") or {}).items()},
-                                                    "group": f"{m[2]}/{d.get('harness') or ''}/{d['task_id']}"}
+    steps = {k: files for (kind, k), files in find_batches(run_dir).items() if kind == "step"}
+    calls = [c for files in steps.values() for path in files["calls"] for c in read_calls(path)]
+    for step, files in steps.items():
+        for d in (d for path in files["rollouts"] for d in read_jsonl(path)):
+            if d.get("error") is None and d.get("reward") is not None:
+                rewards[d["rollout_id"]] = {"reward": d["reward"], "calls": {int(i): r for i, r in (d.get("call_rewards") or {}).items()},
+                                            "group": f"{step}/{d.get('harness') or ''}/{d['task_id']}"}
     if not calls:
         raise ValueError(f"{run_dir}: no calls.jsonl (proxy.py --out) and no calls/step_K.jsonl (train.py --out): not a recorded run")
     return model, calls, rewards

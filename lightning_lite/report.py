@@ -25,22 +25,10 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from .records import RUN_FILE, Call, common_prefix, read_calls, read_jsonl
+from .records import Call, common_prefix, find_batches, read_calls, read_jsonl
 from .samples import build_samples
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.html")
-
-
-def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
-    """(kind, K) -> {"calls": files, "rollouts": files} over all ranks, in the order the run
-    made them: eval_K before step_K (both use the policy after K updates; the eval ran first)."""
-    found: dict = defaultdict(lambda: {"calls": [], "rollouts": []})
-    for sub in ("calls", "rollouts"):
-        folder = os.path.join(run_dir, sub)
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            if m := RUN_FILE.fullmatch(name):
-                found[(m[1], int(m[2]))][sub].append(os.path.join(folder, name))
-    return dict(sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] == "step")))
 
 
 def batch_label(kind: str, k: int) -> str:

@@ -17,7 +17,7 @@ import requests
 from conftest import ROOT
 
 from lightning_lite import algo
-from lightning_lite.records import read_calls, read_jsonl
+from lightning_lite.records import read_calls, read_jsonl, read_recorded
 
 HARNESSES = os.path.join(ROOT, "tests", "harnesses.py")
 
@@ -70,6 +70,11 @@ def test_per_call_rewards_through_two_harnesses_in_proportion(tmp_path):
     evals = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "eval_reward" in r]
     assert len(evals) == 2 and all("eval_reward/percall" in e and "eval_reward/length" in e and e["eval_tasks"] == 2 for e in evals)
     assert "harness percall" in log and "harness length" in log and " | percall " in log
+    # the run as --from-calls reads it: its step's calls and rewards (not its evaluations'), its groups kept
+    model, calls, rewards = read_recorded(out)
+    assert model == "smollm2" and len(calls) == row["calls"] and len({c.rollout_id for c in calls}) == len(rewards) == 6
+    assert all(rewards[r["rollout_id"]] == {"reward": r["reward"], "calls": {int(k): v for k, v in r["call_rewards"].items()},
+                                            "group": f"0/{r['harness']}/{r['task_id']}"} for r in rolls)
 
 
 def test_groups_across_harnesses(tmp_path):

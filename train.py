@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lightning_lite import algo, audit, parallel, sandbox
+from lightning_lite import algo, audit, grammar, parallel, sandbox
 from lightning_lite.backends import HFBackend, VLLMBackend, placement
 from lightning_lite.harness import RolloutResult, SubprocessHarness, fail_rollouts_the_backend_failed, load_harness, parse_kwargs, run_rollouts
 from lightning_lite.models import load_model, load_tokenizer, resolve
@@ -581,15 +581,17 @@ def train_on(samples, version):
     weights = algo.sample_weights(samples, args.norm, algo.global_denominators(samples), args.norm_const)
     mbs = parallel.pad_micro_batches(micro_batches(samples, weights), args.parallel)  # None: a zero-loss step, to join the collectives
     metrics, stale = [], torch.zeros(2, max_age + 1, dtype=torch.float64)  # tokens, sum |dlogp| by age
-    fwd = 0  # tokens through the model (a packed tree: each shared prefix once)
+    fwd = constrained = forced = 0  # tokens through the model (a packed tree: each shared prefix once); under a grammar, forced by it
     bar = tqdm(mbs, desc="train", unit="mb", leave=False, disable=not (master and sys.stderr.isatty()))  # quiet in logs
     autocast = torch.autocast(device.type, dtype, enabled=dtype != torch.float32)  # the forwards; backward follows
     for i, mb in enumerate(bar):
         with parallel.accumulating(train_model, args.parallel, last=i == len(mbs) - 1):
             pad = mb is None  # a zero-weight micro-batch through the same forwards: under FSDP each is a collective
             mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0]) if pad else mb
+            # the masks a grammar drew tokens under (a forced call's schema), replayed: the trainer scores them under the same
+            masks = [grammar.sample_masks(s, tok, model.config.vocab_size) if s.grammars else None for s in mb[0]]
             # flex_attention compiles for each new shape: the rows are padded to one
-            b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0, tree=not args.no_tree,
+            b = algo.collate(*mb, device=device, pad_id=tok.pad_token_id or 0, tree=not args.no_tree, masks=masks,
                              pad_to=args.micro_batch_tokens if model.config._attn_implementation == "flex_attention" else 1)
             with autocast:
                 lp = algo.trainer_logprobs(train_model, b)
@@ -603,15 +605,18 @@ def train_on(samples, version):
                 continue
             metrics.append(m)
             fwd += b["fwd_tokens"]
+            constrained += sum(len(x[0]) for x in masks if x)
+            forced += sum(grammar.forced(x[1]) for x in masks if x)
             on = b["loss_mask"] > 0
             age = version - b["version"][on]
             if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= max_age:
                 raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {args.async_steps} allows")
             stale[0] += torch.bincount(age, minlength=len(stale[0])).double().cpu()
             stale[1] += torch.bincount(age, (lp - b["old_logprobs"])[on].abs().detach().double(), minlength=len(stale[0])).cpu()
-    *counts, fwd = algo.all_reduce(stale.view(-1).tolist() + [fwd])
+    *counts, fwd, constrained, forced = algo.all_reduce(stale.view(-1).tolist() + [fwd, constrained, forced])
     n, d = torch.tensor(counts).view(2, -1).tolist()
-    return {**algo.reduce_metrics(metrics), "fwd_tokens": int(fwd), "staleness": {a: int(k) for a, k in enumerate(n) if k},
+    return {**algo.reduce_metrics(metrics), "fwd_tokens": int(fwd), "constrained_tokens": int(constrained), "forced_tokens": int(forced),
+            "staleness": {a: int(k) for a, k in enumerate(n) if k},
             "dlogp_by_staleness": {a: x / k for a, (k, x) in enumerate(zip(n, d)) if k}}
 
 
@@ -666,8 +671,8 @@ try:
             samples += got
             sstats.update(per_h[name])
         if args.loss == "sft":  # -logprob under the model's own softmax, whatever the settings that sampled them
-            for s in samples:
-                s.temperature, s.top_k, s.top_p = [1.0] * len(s.tokens), [0] * len(s.tokens), [1.0] * len(s.tokens)
+            for s in samples:  # and without a grammar's mask: the model learns to write what the grammar forced
+                s.temperature, s.top_k, s.top_p, s.grammars = [1.0] * len(s.tokens), [0] * len(s.tokens), [1.0] * len(s.tokens), {}
         if args.from_calls:  # sampled before this run began: by its version 0, `step` updates ago
             for s in samples:
                 s.version = [0] * len(s.tokens)
@@ -718,7 +723,7 @@ try:
         row = {
             "step": step + 1, **rates(n),
             **{k: int(n[k]) for k in ("rollouts", "failed", "flagged", "calls", "samples", "trainable_tokens", "truncated", "dropped")},
-            "fwd_tokens": m.get("fwd_tokens"),
+            "fwd_tokens": m.get("fwd_tokens"), "constrained_tokens": m.get("constrained_tokens"), "forced_tokens": m.get("forced_tokens"),
             "zero_var_groups": astats.get("zero_variance_groups", 0), "skipped": skipped, "grad_norm": gnorm,
             **{k: m.get(k) for k in ("loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "prob_corr", "dlogp_mean", "dlogp_max",
                                    "ratio_out_frac")},

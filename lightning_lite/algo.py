@@ -214,12 +214,19 @@ def pack(seqs: list[list[int]]) -> tuple[list[int], list[int], list[int], list[l
 
 
 def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0,
-            tree: bool = True, pad_to: int = 1) -> dict:
+            tree: bool = True, pad_to: int = 1, masks: Optional[list] = None) -> dict:
     """One micro-batch as tensors: the samples right-padded to [B, T] (``weights``: [B]), and what
     the model runs, ``input_ids`` [R, L]: with ``tree`` the samples ``pack``ed into one row (``depth`` [1, L], ``end``
     [L]; padded to a multiple of ``pad_to`` with tokens that see only themselves), else the [B, T] rows themselves.
-    ``where`` [B, T]: the flat index into ``input_ids`` of each sample position; ``fwd_tokens``: the real tokens run."""
+    ``where`` [B, T]: the flat index into ``input_ids`` of each sample position; ``fwd_tokens``: the real tokens run.
+    ``masks``: per sample None or (positions, [n, W] packed grammar masks: grammar.sample_masks) -> ``allowed`` [M, W],
+    all of them, and ``allowed_at`` [B, T]: each position's row in it, -1 where no grammar constrained the token."""
     T = max(len(s.tokens) for s in samples)
+    allowed_at, rows = torch.full((len(samples), T), -1, dtype=torch.long), []
+    for i, m in enumerate(masks or ()):
+        if m is not None and len(m[0]):
+            allowed_at[i, m[0]] = torch.arange(len(m[0])) + sum(map(len, rows))
+            rows.append(m[1])
     pad = lambda xs, v: [list(x) + [v] * (T - len(x)) for x in xs]  # noqa: E731
     b = {
         "tokens": torch.tensor(pad([s.tokens for s in samples], pad_id), dtype=torch.long, device=device),
@@ -231,6 +238,7 @@ def collate(samples: list[Sample], weights: list[float], device=None, dtype=torc
         "version": torch.tensor(pad([s.version or [0] * len(s.tokens) for s in samples], 0), dtype=torch.long, device=device),
         "advantages": torch.tensor(pad([s.advantages for s in samples], 0.0), dtype=dtype, device=device),
         "weights": torch.tensor(weights, dtype=dtype, device=device),
+        "allowed_at": allowed_at.to(device), "allowed": torch.cat(rows).to(device) if rows else None,
     }
     if not tree:
         B = len(samples)
@@ -318,17 +326,32 @@ def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     return keep
 
 
+def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, W] int32 bitmasks (bit j of word i: token 32 i + j, as llguidance packs them) -> [N, n] bool.
+
+    >>> unpack_bits(torch.tensor([[5]], dtype=torch.int32), 4)
+    tensor([[ True, False,  True, False]])
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :n]
+
+
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
-                     top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+                     top_k: torch.Tensor, top_p: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[N, V] logits, [N] tokens and the settings that sampled each -> [N] logprob of each token under the
     distribution it was drawn from: softmax(logits / T) on the top-k / top-p support (``sampling_support``),
     renormalized; greedy (T = 0) under softmax(logits), as the sampler reports it. The support is recomputed on
     these logits (no gradient through its choice) and always holds the token (DESIGN.md: why recompute).
+    ``allowed`` [N, V] bool: a grammar's masks (grammar.py), applied first, as the sampler applied them; a token
+    the grammar forces (the only one allowed) gets logprob 0, and no gradient.
 
-    For logits [2, 1, 0], token 0, T 1: no truncation -0.408; top_k 2 -> -0.313; top_p 0.5 -> 0.0.
+    For logits [2, 1, 0], token 0, T 1: no truncation -0.408; top_k 2 -> -0.313; top_p 0.5 -> 0.0;
+    allowed [T, F, T] -> -0.127 (softmax over [2, 0]).
     """
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -math.inf)
     greedy = temperature <= 0
     x = logits / torch.where(greedy, 1.0, temperature)[:, None]
     lse = x.logsumexp(-1)
@@ -350,8 +373,13 @@ class _Hidden(torch.nn.Module):
         return h
 
 
-def _head_logprobs(h, head, *args):
-    return sampled_logprobs(h if head is None else head(h), *args)
+def _head_logprobs(h, head, tokens, temperature, top_k, top_p, at, table):
+    logits = h if head is None else head(h)
+    allowed = None
+    if table is not None and bool((at >= 0).any()):  # grammar-constrained tokens: their packed masks (collate)
+        allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+        allowed[at >= 0] = unpack_bits(table[at[at >= 0]], logits.shape[-1])
+    return sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed)
 
 
 def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
@@ -384,8 +412,8 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
         if head is None or out is hidden.h:
             break
         raw.ll_full_logits = True
-    args = (out[src // ids.shape[1], col], tokens[:, 1:][on], *(b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p")))
-    lp = torch.cat([torch.utils.checkpoint.checkpoint(_head_logprobs, h, head, *rest, use_reentrant=False)
+    args = (out[src // ids.shape[1], col], tokens[:, 1:][on], *(b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p", "allowed_at")))
+    lp = torch.cat([torch.utils.checkpoint.checkpoint(_head_logprobs, h, head, *rest, b["allowed"], use_reentrant=False)
                     for h, *rest in zip(*(a.split(chunk) for a in args))])
     return loss_mask.new_zeros(loss_mask.shape).masked_scatter(loss_mask > 0, lp.to(loss_mask.dtype))
 

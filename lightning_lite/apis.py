@@ -157,6 +157,22 @@ def _tools(body: dict) -> dict:
     return {"tools": out, "parse_tools": bool(out) and kind != "none", "force_tool": force}
 
 
+def _response_format(fmt: Any, param: str) -> dict:
+    """A JSON reply asked for -> the Request's ``response_schema``: chat's ``{"type": "json_schema", "json_schema":
+    {"schema"}}``, the Responses API's and Anthropic's ``{"type": "json_schema", "schema"}``, ``{"type": "json_object"}``."""
+    if fmt is None:
+        return {}
+    _expect(isinstance(fmt, dict), f"'{param}' must be an object", param)
+    kind = fmt.get("type")
+    _expect(kind in (None, "text", "json_object", "json_schema"), f"'{param}.type' must be \"text\", \"json_object\" or "
+            "\"json_schema\"", param + ".type")
+    if kind == "json_schema":
+        schema = fmt["json_schema"].get("schema") if isinstance(fmt.get("json_schema"), dict) else fmt.get("schema")
+        _expect(isinstance(schema, dict), f"'{param}' must hold its JSON schema as an object", param)
+        return {"response_schema": schema}
+    return {"response_schema": {"type": "object"}} if kind == "json_object" else {}
+
+
 def _body(body: Any) -> dict:
     _expect(isinstance(body, dict), "the request body must be a JSON object", None, "invalid_request")
     return body
@@ -183,7 +199,8 @@ def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
     template_kwargs = {} if body.get("chat_template_kwargs") is None else body["chat_template_kwargs"]  # {"enable_thinking": false}, ...
     _expect(isinstance(template_kwargs, dict), "'chat_template_kwargs' must be an object", "chat_template_kwargs")
     return Request(messages=_convert(msgs, lambda m, i: [_message(m, i)], memo), **_tools(body),
-                   template_kwargs=template_kwargs, **_openai_settings(body), logprobs=bool(body.get("logprobs")))
+                   **_response_format(body.get("response_format"), "response_format"), template_kwargs=template_kwargs,
+                   **_openai_settings(body), logprobs=bool(body.get("logprobs")))
 
 
 def parse_completions_request(body: Any) -> Request:
@@ -240,7 +257,10 @@ def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
         return out
 
     system = [{"role": "system", "content": _text_of(body["system"], "system")}] if body.get("system") else []
-    return Request(messages=system + _convert(msgs, message, memo), **_tools(body),
+    # structured outputs: output_config.format, or the beta's output_format
+    config = body.get("output_config") if isinstance(body.get("output_config"), dict) else None
+    fmt = _response_format(config.get("format"), "output_config.format") if config else _response_format(body.get("output_format"), "output_format")
+    return Request(messages=system + _convert(msgs, message, memo), **_tools(body), **fmt,
                    **_settings(body, body.get("max_tokens"), body.get("stop_sequences")))
 
 
@@ -294,7 +314,8 @@ def parse_responses_request(body: Any, previous: Callable[[str], list[dict]], me
             history.append(m)
     _expect(history, "'input' must not be empty", "input")
     instructions = [{"role": "system", "content": _text_of(body["instructions"], "instructions")}] if body.get("instructions") else []
-    return Request(messages=instructions + history, **_tools(body),
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    return Request(messages=instructions + history, **_tools(body), **_response_format(text.get("format"), "text.format"),
                    **_settings(body, body.get("max_output_tokens"), None), n_instructions=len(instructions))
 
 

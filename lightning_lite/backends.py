@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from . import grammar
 from .algo import sampling_support
 from .chat import Sampling
 from .models import eos_ids
@@ -47,16 +48,18 @@ class Generation:
     version: int = 0  # the weights version that produced it
 
 
-def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None) -> tuple[int, float]:
+def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None,
+                 allowed: Optional[torch.Tensor] = None) -> tuple[int, float]:
     """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled* distribution:
     softmax(logits / T) on the top-k / top-p support (``algo.sampling_support``, the trainer's rule too),
     renormalized, so the trainer's importance ratio compares like with like. Greedy (T = 0) is not a
-    distribution; it reports the logprob under softmax(logits).
+    distribution; it reports the logprob under softmax(logits). ``allowed`` [V] bool: a grammar's mask
+    (grammar.Matcher), applied first, as vLLM applies it before its sampler.
 
     >>> sample_token(torch.tensor([0.0, 0.0, 10.0]), Sampling(temperature=0))
     (2, -9.08e-05)
     """
-    x = logits.float()
+    x = logits.float() if allowed is None else logits.float().masked_fill(~allowed, float("-inf"))
     if s.temperature > 0:
         x = x / s.temperature
         if s.top_k > 0 or s.top_p < 1.0:
@@ -74,6 +77,7 @@ class _Request:
     future: asyncio.Future  # of the caller's event loop
     generator: Optional[torch.Generator]
     on_token: Optional[Callable[[int], None]]  # called on the request's event loop with each sampled id
+    matcher: Optional[grammar.Matcher] = None  # sampling.grammar's state
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -138,7 +142,8 @@ class HFBackend(_Gate):
         """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled (streaming)."""
         sampling = replace(sampling, max_tokens=_max_new(prompt_ids, sampling, self.max_model_len))
         generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
-        req = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), generator, on_token)
+        matcher = grammar.Matcher(sampling.grammar, self.tok, self.model.config.vocab_size) if sampling.grammar else None
+        req = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), generator, on_token, matcher)
         with self._cond:
             if self._closed:
                 raise RuntimeError("backend is closed")
@@ -254,7 +259,10 @@ class HFBackend(_Gate):
                     return
                 keep = []
                 for j, r in enumerate(batch.rows):
-                    tok, lp = sample_token(batch.last[j], r.sampling, r.generator)
+                    allowed = r.matcher.allowed().to(self.device) if r.matcher else None
+                    tok, lp = sample_token(batch.last[j], r.sampling, r.generator, allowed)
+                    if r.matcher:
+                        r.matcher.consume(tok)
                     r.response_ids.append(tok)
                     r.logprobs.append(lp)
                     if r.on_token:
@@ -389,8 +397,9 @@ def _settle(fut: asyncio.Future, value):
 class VLLMBackend(_Gate):
     """vLLM OpenAI servers behind the same surface (README: GPUs: vLLM): token ids in and out of
     ``/v1/completions``; ``sync_weights`` writes safetensors into ``sync_dir`` (a folder the servers can read)
-    for every server to reload in place. The servers need ``--logprobs-mode processed_logprobs`` and
-    ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes); ``api_key`` (default $VLLM_API_KEY) goes with every request."""
+    for every server to reload in place. The servers need ``--logprobs-mode processed_logprobs``,
+    ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes) and, for grammars (grammar.py), ``--structured-outputs-config
+    '{"backend": "guidance"}'``; ``api_key`` (default $VLLM_API_KEY) goes with every request."""
 
     def __init__(self, urls: list[str], sync_dir: str, procs: Optional[list] = None, api_key: Optional[str] = None):
         self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
@@ -422,7 +431,8 @@ class VLLMBackend(_Gate):
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-                   "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *(args or []), *place_args]
+                   "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+                   "--structured-outputs-config", '{"backend": "guidance"}', *(args or []), *place_args]
             log = open(os.path.join(log_dir, f"vllm_{k}.log"), "w")
             procs.append(subprocess.Popen(cmd, env={**env, **place_env}, stdout=log, stderr=subprocess.STDOUT,
                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None))
@@ -464,11 +474,14 @@ class VLLMBackend(_Gate):
                     "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1, "stop": sampling.stop,
                     "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                     "logprobs": 0, "return_token_ids": True, "stream": on_token is not None}
+            if sampling.grammar:  # the servers' guidance backend (llguidance) masks as grammar.Matcher does; the trainer replays it
+                body["structured_outputs"] = {"grammar": sampling.grammar}
             ids, lps, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
                 async with http.post(url + "/v1/completions", json=body, headers=_auth(self.api_key)) as r:
                     if r.status != 200:
-                        raise RuntimeError(f"vLLM at {url} answered {r.status}: {(await r.text())[:500]}")
+                        hint = " (a grammar: start the servers with --structured-outputs-config '{\"backend\": \"guidance\"}')" if sampling.grammar else ""
+                        raise RuntimeError(f"vLLM at {url} answered {r.status}: {(await r.text())[:500]}{hint}")
                     async for ch in _choices(r, body["stream"]):
                         new = ch.get("token_ids") or []
                         ids += new

@@ -45,6 +45,7 @@ class Sampling:
     top_k: int = 0  # 0: off
     stop: list[str] = field(default_factory=list)
     seed: Optional[int] = None
+    grammar: Optional[str] = None  # what the reply must follow (grammar.py): a forced tool call, a response_format
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Request:
     tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters"}]
     parse_tools: bool = True  # False for tool_choice "none"
     force_tool: Optional[str] = None  # tool_choice "required" -> "", a named function -> its name
+    response_schema: Optional[dict] = None  # response_format: the JSON schema the reply follows
     sampling: Sampling = field(default_factory=Sampling)
     n: int = 1  # choices: each is recorded as its own call
     stream: bool = False
@@ -384,8 +386,11 @@ class Renderer:
         """Does the prompt end inside a reasoning block (Qwen3.5's and DeepSeek-R1's generation prompt opens it)?"""
         return bool(self.think) and self.tok.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip().endswith(self.think[0])
 
-    def forced_prefix(self, force_tool: Optional[str], opened: bool = False) -> str:
-        return "" if force_tool is None else toolcalls.forced(self.format, force_tool, opened, self.think)
+    def forced_prefix(self, force_tool: Optional[str], opened: bool = False, json_reply: bool = False) -> str:
+        """The text the prompt ends with for a forced call, or for a reply that is JSON (``json_reply``), else ""."""
+        if force_tool is not None:
+            return toolcalls.forced(self.format, force_tool, opened, self.think)
+        return toolcalls.forced(self.format, None, opened, self.think) if json_reply else ""
 
     def sampled_text(self, response_ids: list[int], stops: list[str]) -> str:
         """The reply as the parser reads it: special tokens kept (Mistral's [TOOL_CALLS], Llama's <|python_tag|>,

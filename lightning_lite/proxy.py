@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from . import apis
+from . import apis, grammar
 from .chat import BadRequest, ContentStream, Renderer, Request, Turn, fingerprints
 from .harness import Endpoint
 from .models import eos_ids
@@ -81,6 +81,7 @@ class Proxy:
         # the EOS set generation stops on: the backend's (HFBackend), or generation_config's and the tokenizer's
         self.renderer = Renderer(tokenizer, getattr(backend, "eos_ids", None) or eos_ids(tokenizer), tool_format, keep_history_tokens)
         self.model_name, self.reuse_tokens = model_name, reuse_tokens
+        self._compiled: set[str] = set()  # grammars llguidance compiled (_grammar): a harness sends the same ones again
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
         # rollout id -> its URL token; None: any id is served (proxy.py). The reward key never reaches an agent.
@@ -154,7 +155,7 @@ class Proxy:
                 rollout_id=rid, index=out.next.get(rid, 0), api=api, model_version=gen.version, prompt_ids=prompt_ids,
                 response_ids=gen.response_ids, response_logprobs=gen.logprobs,
                 finish_reason="tool_calls" if tool else gen.finish_reason, choice=choice, capped=capped and gen.finish_reason == "length",
-                parent=parent, split=split, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                parent=parent, split=split, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, grammar=sampling.grammar,
                 created=t0, latency_s=round(time.time() - t0, 4), response=reply, reply_id=reply_id,
             )
             out.next[rid] = call.index + 1
@@ -238,6 +239,22 @@ class Proxy:
             raise BadRequest(f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt_ids)}; "
                              "shorten the conversation", "messages", "context_length_exceeded")
 
+    def _grammar(self, req) -> Optional[str]:
+        """What the reply must follow (grammar.py): the forced call's arguments their tool's schema, a response_format's
+        JSON its schema; a schema llguidance cannot compile is a 400 with its message."""
+        if req.force_tool is not None:
+            g, param = grammar.tool_grammar(self.renderer.format, req.tools, req.force_tool, self.tok), "tools"
+        elif req.response_schema is not None:
+            g, param = grammar.json_grammar(req.response_schema), "response_format"
+        else:
+            return None
+        if g not in self._compiled:
+            if err := grammar.check(g, self.tok):
+                # llguidance's first line says what (the rest points into the grammar text, which the client never wrote)
+                raise BadRequest(f"the {param} JSON schema cannot be enforced: {err.strip().splitlines()[0]}", param, "invalid_schema")
+            self._compiled = (self._compiled if len(self._compiled) < 256 else set()) | {g}
+        return g
+
     def _previous(self, session: Session, response_id: str) -> list[dict]:
         if response_id not in session.responses:
             raise BadRequest(f"previous_response_id {response_id[:80]!r} is not a response of this rollout", "previous_response_id", "invalid_value", 404)
@@ -259,7 +276,8 @@ class Proxy:
         fps = fingerprints(req.messages, req.tools, session.turns[-1] if session.turns else None)  # hashes the new messages only
         prompt_ids, parent, hint = self.renderer.build_prompt(req.messages, req.tools, session.turns, self.reuse_tokens, fps, req.template_kwargs)
         opened = self.renderer.opens_reasoning(prompt_ids)  # the generation prompt opened a reasoning block
-        forced = self.renderer.forced_prefix(req.force_tool, opened)
+        forced = self.renderer.forced_prefix(req.force_tool, opened, req.response_schema is not None)
+        req.sampling.grammar = self._grammar(req)
         prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
         self._admit(prompt_ids)
         out = writer(req, self.model_name, len(prompt_ids))

@@ -48,6 +48,7 @@ class Call:
     response: Optional[dict] = None  # the assistant message the harness received
     prompt_tail: Optional[list[int]] = None  # with prompt_ids None: the prompt ids after the parent's prompt + response
     reply_id: Optional[str] = None  # the id the API gave its reply (chatcmpl-..., msg_..., resp_...): a reward may name the call by it
+    grammar: Optional[str] = None  # the grammar its response was sampled under (grammar.py: a forced call, a response_format)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Sample:
     version: list[int] = field(default_factory=list)  # the policy version that sampled each token (0 where the mask is 0)
     call: list[int] = field(default_factory=list)  # the index of the call that sampled each token (-1 where the mask is 0)
     advantages: list[float] = field(default_factory=list)  # each token's advantage (algo.assign_advantages; 0.0 where the mask is 0)
+    grammars: dict = field(default_factory=dict)  # call index -> the grammar its tokens were sampled under (grammar.py), if any
 
 
 def to_json(obj: Any, **replace: Any) -> str:

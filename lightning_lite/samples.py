@@ -130,10 +130,13 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
     for tokens, path in paths:
         n = len(tokens)
         mask, logprobs, temperature, top_k, top_p, version, call = [0] * n, [0.0] * n, [1.0] * n, [0] * n, [1.0] * n, [0] * n, [-1] * n
+        grammars = {}
         for c in path:
             if c.index in trained:
                 continue
             trained.add(c.index)
+            if c.grammar:
+                grammars[c.index] = c.grammar
             k = len(c.response_ids)
             a = size[c.index] - k
             mask[a:a + k], logprobs[a:a + k] = [1] * k, c.response_logprobs
@@ -144,7 +147,8 @@ def build_samples(calls: list[Call], max_seq_len: Optional[int] = None) -> tuple
             continue
         samples.append(Sample(
             rollout_id=path[-1].rollout_id, tokens=tokens, loss_mask=mask, logprobs=logprobs, calls=[c.index for c in path],
-            split=split.get(path[0].index), temperature=temperature, top_k=top_k, top_p=top_p, version=version, call=call))
+            split=split.get(path[0].index), temperature=temperature, top_k=top_k, top_p=top_p, version=version, call=call,
+            grammars=grammars))
         stats["samples"] += 1
         stats["trainable_tokens"] += sum(mask)
         stats["tokens"] += n

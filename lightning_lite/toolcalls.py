@@ -244,11 +244,12 @@ def visible(fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = No
     return reasoning.strip(), (rest[:cut] if cut >= 0 else hold_back(rest, [OPENERS[fmt]])).strip()
 
 
-def forced(fmt: str, name: str, opened: bool = False, think: Optional[tuple[str, str]] = ("<think>", "</think>")) -> str:
+def forced(fmt: str, name: Optional[str], opened: bool = False, think: Optional[tuple[str, str]] = ("<think>", "</think>")) -> str:
     """Text that opens a forced call (tool_choice), at the end of the prompt (not trained: the model did not sample
-    it) and before the sampled text when parsing. ``name`` "" lets the model pick the tool ("required"); with
-    ``opened`` (the prompt opened a think block) it closes the reasoning first."""
-    opening = {
+    it) and before the sampled text when parsing. ``name`` "" lets the model pick the tool ("required"), None opens
+    a reply in JSON (response_format: gpt-oss's final channel); with ``opened`` (the prompt opened a think block) it
+    closes the reasoning first."""
+    opening = ("<|channel|>final<|message|>" if fmt == "harmony" else "") if name is None else {
         "hermes": '<tool_call>\n{"name": "' + (name + '", "arguments": ' if name else ""),
         "qwen3_coder": "<tool_call>\n<function=" + (name + ">\n" if name else ""),
         "llama3": '{"name": "' + (name + '", "parameters": ' if name else ""),

@@ -9,7 +9,7 @@
 # --activation-checkpointing, --no-tree, and fp32 under --attn flex_attention); FSDP with the embedded backend (>= 2 GPUs; also with --kl-coef: a sharded bf16
 # reference model); DDP with vLLM servers on the same GPUs, asleep while the trainer computes
 # (--backend vllm --vllm-sleep --max-model-len 16384, past the trained context; when `make setup-vllm` can
-# install vLLM). From step 2 (warm) it prints seconds by phase (rollout, train,
+# install vLLM); and grammar-constrained calls on both backends (tests/harnesses.py SamplingHarness). From step 2 (warm) it prints seconds by phase (rollout, train,
 # sleep, weight sync), generation and training tokens/s, peak GPU memory of the trainer, model-FLOPs
 # utilization of the training phase (6 x params x tokens through the model per second per GPU, against its dense bf16 peak;
 # PEAK_TFLOPS overrides it) and the rollout/trainer mismatch. No model hub is needed: the 1.4B model is
@@ -53,7 +53,7 @@ run() {  # run NAME MODEL ARGS...: two steps, logs in OUT/NAME.log
   local name=$1 model=$2; shift 2
   rm -rf "$OUT/$name"
   echo "== $name"
-  $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py --model "$model" --harness tests/harnesses.py:LengthHarness \
+  $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py --model "$model" --harness "${HARNESS:-tests/harnesses.py:LengthHarness}" \
       --harness-arg max_tokens=128 --steps 2 --eval-tasks 0 --lr 1e-5 --out "$OUT/$name" $STEP "$@" > "$OUT/$name.log" 2>&1 \
     || { echo "   failed: see $OUT/$name.log"; tail -5 "$OUT/$name.log"; }
 }
@@ -76,6 +76,11 @@ for size in $SIZES; do
   run "$size-fp32" "$model" --parallel ddp --dtype fp32  # the GPU default is bf16: fp32 gives |dlogp| ~1e-5
   # past the trained context: trainer and servers scale RoPE alike (YaRN), or prob_corr drops
   [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --max-model-len 16384 --vllm-args "${VLLM_ARGS:-}"
+  # grammar-constrained calls (a forced tool call, a JSON reply): the trainer replays the masks, fp32 |dlogp| ~1e-5;
+  # on vLLM its guidance backend masks on the GPU: |dlogp| at the bf16 level of $size-vllm, not ~2 (no mask)
+  HARNESS=tests/harnesses.py:SamplingHarness run "$size-grammar-fp32" "$model" --harness-arg "setting='constrained'" --dtype fp32
+  [ "$VLLM" = 1 ] && HARNESS=tests/harnesses.py:SamplingHarness run "$size-vllm-grammar" "$model" --harness-arg "setting='constrained'" \
+      --backend vllm --vllm-args "${VLLM_ARGS:-}"
 done
 
 place() {  # place NAME EXPECTED ARGS...: one rank on GPU 0; EXPECTED: "gpu=share ..." where the servers must be

@@ -133,6 +133,9 @@ class SamplingHarness(Harness):
         top_k   one call at temperature 1.0, top_k 5
         mixed   a two-turn conversation: turn 1 at temperature 0.5, turn 2 at 1.0 (one merged sample)
         all     three tasks: one top_p, one top_k, one mixed
+        constrained  a forced calculator call (its schema's grammar) at temperature 0.7, top_p 0.8, the result,
+                then a reply in JSON (response_format) at temperature 1.0: two grammars, one under top_p, in one
+                merged sample
     """
 
     name = "sampling"
@@ -146,6 +149,8 @@ class SamplingHarness(Harness):
     async def run(self, task, endpoint):
         msgs = [{"role": "user", "content": task.prompt}]
         setting = ("top_p", "top_k", "mixed")[int(task.id.split("-")[1]) % 3] if self.setting == "all" else self.setting
+        if setting == "constrained":
+            return await self.constrained(endpoint)
         turns = {"plain": [dict(temperature=1.0)], "top_p": [dict(temperature=1.0, top_p=0.6)], "top_k": [dict(temperature=1.0, extra_body={"top_k": 5})],
                  "mixed": [dict(temperature=0.5), dict(temperature=1.0)]}[setting]
         text = ""
@@ -158,3 +163,20 @@ class SamplingHarness(Harness):
                 msgs.append({"role": "assistant", "content": reply})
                 text += reply
         return min(1.0, len(text) / (60 * len(turns)))
+
+    async def constrained(self, endpoint):
+        msgs = [{"role": "user", "content": "What is 3 + 4? Use the calculator."}]
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
+            r = await c.chat.completions.create(model=endpoint.model, messages=msgs, tools=[CALC], max_tokens=self.max_tokens,
+                                                tool_choice={"type": "function", "function": {"name": "calculator"}}, temperature=0.7, top_p=0.8)
+            calls = r.choices[0].message.tool_calls or []  # the grammar's call parses, unless max_tokens cut it
+            msgs += [r.choices[0].message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+                     *({"role": "tool", "tool_call_id": t.id, "content": "7"} for t in calls)]
+            r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, temperature=1.0, tools=[CALC],
+                                                response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+        return min(1.0, len(calls[0].function.arguments) / 40) if calls else 0.0
+
+
+CALC = {"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}, "why": {"type": "string"}}, "required": ["answer"]}

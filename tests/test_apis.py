@@ -12,6 +12,8 @@ import torch
 
 from test_proxy import calls_of, client, teacher_forced_call
 
+from lightning_lite import grammar
+from lightning_lite.algo import collate, trainer_logprobs
 from lightning_lite.samples import build_samples
 
 SYSTEM, QUESTION = "Use the calculator tool for arithmetic.", "What is 17*23, then plus 5?"
@@ -123,7 +125,7 @@ def kept(backend, tok, tmp_path_factory):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("api", [Chat, Responses, Messages], ids=["chat", "responses", "anthropic"])
-def test_three_turn_tool_conversation_in_each_api_is_one_sample(kept, model, api, stream):
+def test_three_turn_tool_conversation_in_each_api_is_one_sample(kept, model, tok, api, stream):
     """The same conversation (same seeds, so the same sampled tokens) through each API shape: the proxy
     records prompt ids that extend the previous call's prompt + response ids, and the calls merge into one
     sample whose logprobs the trainer reproduces."""
@@ -138,14 +140,14 @@ def test_three_turn_tool_conversation_in_each_api_is_one_sample(kept, model, api
         assert cur.prompt_ids[: len(prev.prompt_ids) + len(prev.response_ids)] == prev.prompt_ids + prev.response_ids
         assert cur.parent == prev.index and cur.split is None
     for call in calls:  # invariant 1, per call ...
-        assert max(abs(a - b) for a, b in zip(teacher_forced_call(model, call), call.response_logprobs)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(teacher_forced_call(model, call, tok), call.response_logprobs)) < 2e-3
     samples, stats = build_samples(calls)  # ... and on the merged sample
     assert len(samples) == 1 and stats["samples"] == 1
-    s = samples[0]
+    s = samples[0]  # the forced calls' tokens under their grammars' replayed masks, as train.py scores them
+    b = collate(samples, [1.0], masks=[grammar.sample_masks(s, tok, model.config.vocab_size)])
     with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([s.tokens])).logits[0].float(), -1)
-    assert all(abs(lp[i - 1, s.tokens[i]].item() - old) < 2e-3 for i, (m, old) in enumerate(zip(s.loss_mask, s.logprobs)) if m)
-    assert sum(s.loss_mask) == sum(len(c.response_ids) for c in calls)
+        assert (trainer_logprobs(model, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs().max() < 2e-3
+    assert sum(s.loss_mask) == sum(len(c.response_ids) for c in calls) and set(s.grammars) == {0, 1}
 
 
 def test_the_same_conversation_is_one_internal_conversation_in_every_api(tok):

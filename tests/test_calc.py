@@ -114,8 +114,12 @@ def test_agent_survives_malformed_tool_calls():
 
 
 def test_agent_stops_after_max_turns():
-    result, requests = run_agent(lambda rid, body, n: {"tool_calls": [tool_call("calculator", {"expression": "1+1"})]})
+    result, requests = run_agent(lambda rid, body, n: {"tool_calls": [tool_call("calculator", {"expression": "3+4"})]})
     assert len(requests) == 3 and result.reward == pytest.approx(0.2)  # a valid first call, no answer
+    # arithmetic that is not the problem's (other numbers, the answer plus nothing) earns no tool reward
+    for expression in ("1+6", "7+0", "3*4"):
+        result, _ = run_agent(lambda rid, body, n: [{"tool_calls": [tool_call("calculator", {"expression": expression})]}, {"content": "ANSWER: 7"}][n])
+        assert result.reward == pytest.approx(0.8), expression
     # a bare number is not a computation: no tool reward (the trained model learned to pass one, often the answer)
     result, _ = run_agent(lambda rid, body, n: [{"tool_calls": [tool_call("calculator", {"expression": "7"})]}, {"content": "ANSWER: 7"}][n])
     assert result.reward == pytest.approx(0.8)

@@ -82,7 +82,7 @@ def test_gemma_tool_conversation_is_token_exact(gemma):
         want = r.render_text(parse_chat_request({"messages": m, "tools": TOOLS}).messages, [TOOLS[0]["function"]]) + forced
         parent = calls[x.parent] if x.parent is not None else None
         assert tok.decode(x.prompt_ids) == want or (parent and x.prompt_ids[: len(parent.prompt_ids) + len(parent.response_ids)] == parent.prompt_ids + parent.response_ids)
-        assert max(abs(a - b) for a, b in zip(teacher_forced_call(srv.model, x), x.response_logprobs)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(teacher_forced_call(srv.model, x, tok), x.response_logprobs)) < 2e-3
     samples, stats = build_batch_samples(calls)
     assert samples and stats["samples"] >= 1
     assert all(len(s.tokens) == len(s.loss_mask) == len(s.logprobs) for s in samples)
@@ -106,4 +106,4 @@ def test_gemma_sliding_window_layers_past_their_window_in_a_batch(gemma):
     calls = [x for x in read_calls(os.path.join(srv.out, "calls.jsonl"), whole=True) if x.rollout_id in ("gemma-long", "gemma-short")]
     assert len(calls) == 2 and max(len(x.prompt_ids) for x in calls) > 512 + 100
     for x in calls:
-        assert max(abs(a - b) for a, b in zip(teacher_forced_call(srv.model, x), x.response_logprobs)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(teacher_forced_call(srv.model, x, tok), x.response_logprobs)) < 2e-3

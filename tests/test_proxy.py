@@ -38,16 +38,20 @@ def teacher_forced(model, prompt_ids, response_ids, temperature=1.0):
     return [lp[n - 1 + i, t].item() for i, t in enumerate(response_ids)]
 
 
-def teacher_forced_call(model, call):
-    """The trainer's logprobs of a call's response under the call's own sampling (temperature, top-k, top-p)."""
-    from lightning_lite.algo import sampled_logprobs
+def teacher_forced_call(model, call, tok=None):
+    """The trainer's logprobs of a call's response under the call's own sampling (temperature, top-k, top-p and, for a
+    forced call or a JSON reply, its grammar's masks, replayed with ``tok``)."""
+    from lightning_lite import grammar
+    from lightning_lite.algo import sampled_logprobs, unpack_bits
 
     ids = torch.tensor([call.prompt_ids + call.response_ids])
     n, k = len(call.prompt_ids), len(call.response_ids)
     with torch.no_grad():
         logits = model(ids).logits[0, n - 1 : n - 1 + k]
+    V = logits.shape[-1]
+    allowed = unpack_bits(grammar.replay(call.grammar, call.response_ids, tok, V), V) if call.grammar else None
     s = lambda v, dt=torch.float32: torch.full((k,), v, dtype=dt)  # noqa: E731
-    return sampled_logprobs(logits, torch.tensor(call.response_ids), s(call.temperature), s(call.top_k, torch.long), s(call.top_p)).tolist()
+    return sampled_logprobs(logits, torch.tensor(call.response_ids), s(call.temperature), s(call.top_k, torch.long), s(call.top_p), allowed).tolist()
 
 
 # ---------------------------------------------------------------------------- real harness requests

@@ -201,7 +201,9 @@ def test_tree_packing_trains_exactly_as_separate_rows(tmp_path):
         res[name] = rows(out)[-1], calls, load_file(os.path.join(out, "checkpoints", "step_1", "model.safetensors"))
     (tree, calls, w), (flat, calls_flat, w_flat) = res["tree"], res["rows"]
     assert calls == calls_flat and tree["splits"] == {"rewrote_history": 6} and tree["samples"] == 12
-    assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-5, abs=1e-7) and tree["grad_norm"] == pytest.approx(flat["grad_norm"], rel=1e-4)
+    # A first step's loss is ~0 (each group's advantages sum to 0, every ratio is 1): what is left is summation noise,
+    # which another order (or another CPU: -2.2e-7 against 9.3e-8 on one) moves by 1e-7s; the gradient carries the test
+    assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-5, abs=1e-6) and tree["grad_norm"] == pytest.approx(flat["grad_norm"], rel=1e-4)
     assert tree["fwd_tokens"] < 0.7 * flat["fwd_tokens"], (tree["fwd_tokens"], flat["fwd_tokens"])
     # Adam's first step moves a weight by about lr whatever its gradient's size, so on the few weights with a gradient
     # at fp32 noise (another summation order) the two runs differ by up to lr: compare the whole update (measured 2e-4)
@@ -209,6 +211,25 @@ def test_tree_packing_trains_exactly_as_separate_rows(tmp_path):
     update = torch.cat([(w[k] - w0[k]).double().flatten() for k in w])
     diff = torch.cat([(w[k] - w_flat[k]).double().flatten() for k in w])
     assert update.norm() > 0 and diff.norm() <= 1e-3 * update.norm(), (diff.norm(), update.norm())
+
+
+def test_grammar_constrained_calls_are_scored_under_the_mask_that_drew_them(tmp_path):
+    """A forced calculator call (its schema's grammar, temperature 0.7, top_p 0.8), its result and a JSON reply
+    (response_format), merged into one sample and trained for one step: the trainer replays each grammar over the
+    recorded ids and reproduces every logprob to fp32 noise; the tokens the grammar forced are counted (logprob 0
+    on both sides, no gradient). Scored without the masks, the same calls gave |dlogp| mean ~2, max ~16."""
+    out = str(tmp_path / "run")
+    run([sys.executable, "train.py", "--harness", HARNESSES + ":SamplingHarness", "--harness-arg", "setting='constrained'",
+         "--harness-arg", "max_tokens=24", "--steps", "1", "--batch-size", "2", "--group-size", "3", "--eval-tasks", "0", "--out", out])
+    (step,) = rows(out)
+    assert step["failed"] == 0 and step["calls"] == 12 and step["samples"] == 6 and step["grad_norm"] > 0, step
+    assert step["dlogp_mean"] < 1e-4 and step["dlogp_max"] < 1e-3 and step["ratio_out_frac"] == 0.0, step
+    assert 0 < step["forced_tokens"] < step["constrained_tokens"] <= step["trainable_tokens"], step
+    calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
+    assert all(c["grammar"] for c in calls) and {c["finish_reason"] for c in calls if c["index"] == 0} <= {"tool_calls", "length"}
+    for c in calls:  # the JSON replies that were not cut short follow their schema
+        if c["index"] == 1 and c["finish_reason"] == "stop":
+            assert isinstance(json.loads(c["response"]["content"])["answer"], int), c["response"]
 
 
 def test_each_token_is_scored_under_the_sampling_that_drew_it(tmp_path):

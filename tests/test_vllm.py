@@ -23,7 +23,7 @@ import torch
 
 from conftest import ROOT
 
-from lightning_lite.algo import collate, trainer_logprobs
+from lightning_lite.algo import collate, trainer_logprobs, unpack_bits
 from lightning_lite.backends import VLLMBackend
 from lightning_lite.chat import Sampling
 from lightning_lite.models import load_model, resolve
@@ -183,3 +183,46 @@ def test_train_py_serves_its_own_weights_from_vllm_url_servers_and_refuses_anoth
     (row,) = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
     print(f"step 1 on --vllm-url servers: |dlogp| {row['dlogp_mean']:.4f}, prob_corr {row['prob_corr']:.4f}")
     assert row["grad_norm"] is not None and row["dlogp_mean"] < 0.1 and row["prob_corr"] >= 0.99, row
+
+
+def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_masks(vllm, model, tok, tmp_path):
+    """The proxy asks vLLM for the grammar (structured_outputs; started servers use the guidance backend, llguidance,
+    as grammar.py): every forced call parses and follows its schema. vLLM returns no mask, so the trainer replays the
+    grammar: where the replayed mask allows one token, vLLM's processed logprob is 0 (it masked the same way, before its
+    sampler), and the trainer's logprobs under the replayed masks match vLLM's to bf16 noise; without them, by nats."""
+    from lightning_lite import grammar
+
+    srv = ProxyServer(Proxy(vllm, tok, out_dir=str(tmp_path))).start()
+    calc = {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 16}},
+                                                 "required": ["expression"]}}  # bounded: every call fits max_tokens
+    try:
+        import openai
+
+        for i in range(6):
+            c = openai.OpenAI(base_url=f"{srv.url}/rollout/g{i}/v1", api_key="x", max_retries=0)
+            r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"What is {i} + 4?"}], max_tokens=48, seed=i,
+                                          tools=[{"type": "function", "function": calc}], temperature=1.0, stream=i % 2 == 1,
+                                          tool_choice={"type": "function", "function": {"name": "calculator"}} if i % 3 else "required")
+            if i % 2 == 0:
+                (call,) = r.choices[0].message.tool_calls
+                assert call.function.name == "calculator" and set(json.loads(call.function.arguments)) == {"expression"}
+            else:
+                list(r)
+    finally:
+        srv.stop()
+    calls = read_calls(os.path.join(str(tmp_path), "calls.jsonl"), whole=True)
+    assert len(calls) == 6 and all(c.grammar and c.finish_reason == "tool_calls" for c in calls)
+    samples, _ = build_batch_samples(calls)
+    masks = [grammar.sample_masks(s, tok, model.config.vocab_size) for s in samples]
+    forced = torch.cat([(unpack_bits(m[1], model.config.vocab_size).sum(1) == 1) for m in masks])
+    served = torch.tensor([lp for s in samples for lp, on in zip(s.logprobs, s.loss_mask) if on])
+    print(f"{int(forced.sum())} of {len(forced)} tokens forced; vLLM's logprob there: max |lp| {served[forced].abs().max():.1e}")
+    assert forced.any() and served[forced].abs().max() < 1e-3 and (served[~forced] < -1e-3).float().mean() > 0.3
+    with torch.no_grad():
+        gaps = {}
+        for use in (True, False):
+            b = collate(samples, [1.0] * len(samples), masks=masks if use else None)
+            gaps[use] = (trainer_logprobs(model, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs()
+    print(f"|dlogp| vs vLLM (bf16): under the replayed masks mean {gaps[True].mean():.4f} max {gaps[True].max():.3f}; "
+          f"without: mean {gaps[False].mean():.3f} max {gaps[False].max():.2f}")
+    assert gaps[True].mean() < 0.05 and gaps[False].mean() > 10 * gaps[True].mean()

@@ -8,11 +8,11 @@ The agent is plain ``openai`` client code: its first call must call the
 ``calculator`` tool (``tool_choice``), the result is fed back, and it answers
 (at most ``max_turns`` model calls), ending with ``ANSWER: <number>``. So every
 rollout is a multi-turn conversation that merges into one training sample.
-Reward: ``tool_reward`` for a valid first calculator call (an expression with an
-operator that the calculator evaluates: a bare number, which the model learned to
-pass when any number counted, earns nothing), plus ``1 - tool_reward`` times the
-answer's score (1.0 for the exact number, ``format_reward`` for a well-formed wrong
-answer, 0.0 otherwise). ``call_rewards=True`` rewards the calls apart instead: the
+Reward: ``tool_reward`` for a first calculator call that computes the problem's own
+arithmetic (an expression with an operator, on the problem's numbers, whose value is
+the answer: a bare number, which the model learned to pass when any number counted,
+or other arithmetic earns nothing), plus ``1 - tool_reward`` times the answer's score
+(1.0 for the exact number, ``format_reward`` for a well-formed wrong answer, 0.0 otherwise). ``call_rewards=True`` rewards the calls apart instead: the
 first call 1.0 when it is such a calculator call (a per-call reward on its own tokens,
 for ``--adv grpo-step``), the rollout the answer's score alone.
 Sized for a 135M model on a CPU: short prompts, small numbers, few short turns.
@@ -146,17 +146,23 @@ def calculator(arguments: str) -> str:
         return f"error: {e}"
 
 
-def computes(arguments: str) -> bool:
-    """Does a calculator call ask for a computation: an expression with an operator, not a bare number?
-    (Whether it evaluates is the calculator's result.)
+def computes(arguments: str, problem: str, answer: float) -> bool:
+    """Does a calculator call compute the problem's own arithmetic: an expression with an operator, on numbers
+    the problem gives, whose value is the answer? A bare number (often the answer, copied), or a sum of other
+    numbers that happens to give it, is not.
 
-    >>> computes('{"expression": "3+4"}'), computes('{"expression": "7"}'), computes('{"expression": "3+"}')
-    (True, False, False)
+    >>> p = "Tom has 3 apples and buys 4 more. How many apples does Tom have now?"
+    >>> [computes('{"expression": "%s"}' % e, p, 7) for e in ("3+4", "4 + 3", "7", "7+0", "1+6", "3-4")]
+    [True, True, False, False, False, False]
     """
     try:
-        expression = json.loads(arguments or "{}").get("expression")
-        return isinstance(ast.parse(_arith(expression), mode="eval").body, ast.BinOp)
-    except (ValueError, SyntaxError, AttributeError):  # not JSON, not an object, not an expression
+        expression = _arith(json.loads(arguments or "{}").get("expression"))
+        tree = ast.parse(expression, mode="eval").body
+        given = {float(x) for x in NUMBER_RE.findall(problem)}
+        numbers = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
+        return (isinstance(tree, ast.BinOp) and all(float(n) in given for n in numbers)
+                and abs(evaluate(expression) - float(answer)) < 1e-9)
+    except (ValueError, TypeError, SyntaxError, AttributeError, ArithmeticError, RecursionError):  # not a computation
         return False
 
 
@@ -262,7 +268,7 @@ class CalcHarness(Harness):
                 for call in message.tool_calls:
                     result = (calculator(call.function.arguments) if call.function.name == "calculator"
                               else f"error: unknown tool {call.function.name!r}; use calculator")
-                    valid_call |= first and not result.startswith("error") and computes(call.function.arguments)
+                    valid_call |= first and call.function.name == "calculator" and computes(call.function.arguments, task.prompt, task.answer)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         # The answer is whatever the model said last (a turn-limited run may end on a tool call).
         answer = score(message.content or "", task.answer, self.format_reward, self.strict)

@@ -1,0 +1,174 @@
+"""Constrained decoding: a forced tool call (tool_choice a named function or "required") or a JSON ``response_format``
+follows its JSON schema, because each token is drawn under a grammar's mask (llguidance, the library vLLM's
+"guidance" backend uses). The mask is part of the sampling distribution: a token the grammar forces has
+probability 1 there, so the trainer scores the tokens under the same mask, replayed over the recorded ids (a
+grammar's masks depend only on the ids before: the same masks, DESIGN.md "Constrained calls").
+
+    g = tool_grammar("hermes", tools, "calculator", tok)   # what follows toolcalls.forced("hermes", "calculator"):
+        start: " " %json {...its parameters...} "}\\n</tool_call>"
+    m = Matcher(g, tok, n_vocab)       # the sampler: m.allowed() -> [V] bool, m.consume(token)
+    replay(g, response_ids, tok, n_vocab)  # the trainer: [n, ceil(V / 32)] int32, each position's mask, packed
+
+Arguments are written as ``json.dumps`` writes them (", " and ": ", no other whitespace), as chat templates render
+them: the same text the history renders later, and no free whitespace for a small model to wander in; an object
+that lists its properties has no others unless its schema says so (``_closed``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional
+
+import llguidance
+import llguidance.hf
+import torch
+
+from .algo import unpack_bits
+from .records import Sample
+from .toolcalls import DS_CALL_END, DS_END, DS_SEP
+
+JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+# format: (after the tool's name, before its arguments; after the arguments): toolcalls.forced writes up to the name
+CALL = {"hermes": ('", "arguments": ', "}\n</tool_call>"), "llama3": ('", "parameters": ', "}"),
+        "mistral": ('", "arguments": ', "}]"), "granite": ('", "arguments": ', "}]"), "mistral_v11": ("[ARGS]", ""),
+        "deepseek": ("\n```json\n", "\n```" + DS_CALL_END + DS_END), "deepseek_v31": (DS_SEP, DS_CALL_END + DS_END),
+        "harmony": (" <|constrain|>json<|message|>", "<|call|>")}
+_TOKENIZERS: dict = {}  # (id(tokenizer), n_vocab) -> (tokenizer, its llguidance tokenizer, its special tokens' pattern)
+
+
+def _ll(tok, n_vocab: Optional[int] = None):
+    """The llguidance tokenizer of ``tok`` (~1 s to build: once per process), as vLLM builds it: ``n_vocab`` ids (the
+    model's logits; default the tokenizer's), its EOS; and a pattern of the special tokens, which a grammar names by id."""
+    key = (id(tok), n_vocab or len(tok))
+    if key not in _TOKENIZERS:
+        ll = llguidance.hf.from_tokenizer(tok, max(n_vocab or 0, len(tok)))
+        special = {t.content: i for i, t in tok.added_tokens_decoder.items() if ll.is_special_token(i)}
+        pattern = re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True)))) if special else None
+        _TOKENIZERS[key] = (tok, ll, pattern, special)  # tok held: its id stays its own
+    return _TOKENIZERS[key][1:]
+
+
+def _text(s: str, tok) -> str:
+    """Grammar for the literal text ``s``: a special token by id (the model samples it as that token; its text is not
+    text to llguidance), the rest as quoted strings.  '}<|call|>' -> '"}" <[200012]>'."""
+    _, pattern, special = _ll(tok)
+    parts, pos = [], 0
+    for m in pattern.finditer(s) if pattern else ():
+        parts += [json.dumps(s[pos:m.start()], ensure_ascii=False)] if m.start() > pos else []
+        parts.append(f"<[{special[m.group()]}]>")
+        pos = m.end()
+    parts += [json.dumps(s[pos:], ensure_ascii=False)] if pos < len(s) or not parts else []
+    return " ".join(parts)
+
+
+def _closed(schema):
+    """``schema`` with ``additionalProperties: false`` wherever it lists properties and says nothing of others (as
+    OpenAI's strict mode): a small model otherwise fills a call with keys of its own invention."""
+    if isinstance(schema, list):
+        return [_closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if k != "properties" else {n: _closed(x) for n, x in v.items()} if isinstance(v, dict) else v
+           for k, v in schema.items()}
+    return {**out, "additionalProperties": False} if "properties" in out and "additionalProperties" not in out else out
+
+
+def _json(schema) -> str:
+    schema = _closed(schema) if isinstance(schema, dict) and schema else {"type": "object"}
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+
+
+def json_grammar(schema: dict) -> str:
+    """A reply that is one JSON value following ``schema`` (``response_format``), then the end of the turn."""
+    return "start: " + _json(schema)
+
+
+def _coder_params(schema: dict, tok, k: int) -> tuple[str, list[str]]:
+    """Qwen3-Coder's parameters, ``<parameter=A>\\nV\\n</parameter>\\n`` each, in the schema's order (the required ones
+    always): a string value is any text without the closing tag, another one JSON. -> (the rule's body, lexemes)."""
+    props, required, body, lexemes = schema.get("properties") or {}, set(schema.get("required") or []), [], []
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what a property's "$ref" points into
+    for j, (name, sub) in enumerate(props.items()):
+        close = _text("\n</parameter>\n", tok)
+        if isinstance(sub, dict) and sub.get("type") == "string":  # ends at the first closing tag, which it includes
+            lexemes.append(f"STR{k}_{j}: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.)+/")
+            value = f"STR{k}_{j}"
+        else:
+            value = f"{_json({**sub, **defs} if isinstance(sub, dict) else sub)} {close}"
+        item = f"{_text(f'<parameter={name}>' + chr(10), tok)} {value}"
+        body.append(item if name in required else f"({item})?")
+    return " ".join(body) or '""', lexemes
+
+
+def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
+    """The grammar of what the model writes after ``toolcalls.forced(fmt, name)``: one call of the tool ``name`` (of
+    any of ``tools`` when ""), its arguments following the tool's ``parameters`` schema, closed as the template closes
+    a call; then the end of the turn."""
+    rules, lexemes = [], []
+    for k, t in enumerate(x for x in tools if x["name"] == name or not name):
+        schema = t.get("parameters") if isinstance(t.get("parameters"), dict) else {}
+        head = "" if name else t["name"]
+        if fmt == "qwen3_coder":  # <tool_call>\n<function=N>\n PARAMETERS </function>\n</tool_call>
+            params, more = _coder_params(schema, tok, k)
+            lexemes += more
+            rule = f"{_text(head + '>' + chr(10), tok) if head else ''} {params} {_text('</function>' + chr(10) + '</tool_call>', tok)}"
+        else:
+            between, after = CALL[fmt]
+            # named: forced() wrote the name and `between` less a trailing space (the model's token carries it)
+            lead = head + between if head else between[len(between.rstrip(" ")):]
+            rule = " ".join(x for x in (_text(lead, tok) if lead else "", _json(schema), _text(after, tok) if after else "") if x)
+        rules.append(f"call{k}: {rule.strip()}")
+    return "\n".join([f"start: {' | '.join(f'call{k}' for k in range(len(rules)))}", *rules, *lexemes])
+
+
+def check(grammar: str, tok) -> Optional[str]:
+    """None when llguidance compiles ``grammar`` for ``tok``, else its message (a schema it cannot follow)."""
+    err = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar), _ll(tok)[0])
+    return err or None
+
+
+class Matcher:
+    """One reply's grammar state: the tokens it allows next, as [V] bool (V: ``n_vocab``, the model's logits)."""
+
+    def __init__(self, grammar: str, tok, n_vocab: int):
+        self.ll, self.n_vocab = _ll(tok, n_vocab)[0], n_vocab
+        self.m = llguidance.LLMatcher(self.ll, llguidance.grammar_from("lark", grammar), log_level=0)
+        if self.m.is_error():
+            raise ValueError(f"the grammar does not compile: {self.m.get_error()}")
+
+    def packed(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.int32)
+
+    def allowed(self) -> torch.Tensor:
+        return unpack_bits(self.packed()[None], self.n_vocab)[0]
+
+    def consume(self, token: int):
+        if not self.m.consume_token(token):  # the sampler drew from the mask: a bug, never the model's doing
+            raise RuntimeError(f"token {token} is outside the grammar: {self.m.get_error()[:300]}")
+
+
+def replay(grammar: str, ids: list[int], tok, n_vocab: int) -> torch.Tensor:
+    """The packed mask each of ``ids`` was drawn under (the trainer's side of ``Matcher``): [len(ids), W] int32."""
+    m, rows = Matcher(grammar, tok, n_vocab), []
+    for t in ids:
+        rows.append(m.packed())
+        m.consume(t)
+    return torch.stack(rows) if rows else torch.zeros(0, (n_vocab + 31) // 32, dtype=torch.int32)
+
+
+def sample_masks(s: Sample, tok, n_vocab: int) -> Optional[tuple[list[int], torch.Tensor]]:
+    """(positions, [n, W] packed masks) of ``s``'s grammar-constrained trainable tokens, for ``algo.collate``: each
+    constrained call's masks replayed over its response, which the sample holds whole (samples.build_samples); None
+    when it has none."""
+    pos, rows = [], []
+    for k, g in s.grammars.items():
+        at = [i for i, c in enumerate(s.call) if c == int(k)]  # its response: one run of positions
+        rows.append(replay(g, [s.tokens[i] for i in at], tok, n_vocab))
+        pos += at
+    return (pos, torch.cat(rows)) if rows else None
+
+
+def forced(masks: torch.Tensor) -> int:
+    """How many of these packed masks allow a single token: tokens the grammar forced (logprob 0, no gradient)."""
+    return int((torch.bitwise_and(masks[:, :, None] >> torch.arange(32, dtype=torch.int32), 1).sum((1, 2)) == 1).sum())

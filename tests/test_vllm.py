@@ -23,6 +23,7 @@ import torch
 
 from conftest import ROOT
 
+from lightning_lite import grammar
 from lightning_lite.algo import collate, trainer_logprobs, unpack_bits
 from lightning_lite.backends import VLLMBackend
 from lightning_lite.chat import Sampling
@@ -61,21 +62,23 @@ def gap(model, prompt, gen):
     return float((lp - torch.tensor(gen.logprobs)).abs().mean())
 
 
-def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path):
-    """Two steps of the calc agent: train.py starts the server, every call's tokens and logprobs come from
-    vLLM, the trainer reproduces them to bf16 noise after each weight sync. --vllm-sleep: the server sleeps
-    while the trainer computes and wakes for the sync (on the CPU build sleep frees nothing, but the calls
+def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path, tok):
+    """Two steps of a two-call agent (a forced call under its schema's grammar, then a JSON reply: every token under a
+    grammar vLLM applied and the trainer replays; the reward varies, so both steps update): train.py starts the server,
+    every call's tokens and logprobs come from vLLM, the trainer reproduces them to bf16 noise after each weight sync.
+    --vllm-sleep: the server sleeps while the trainer computes and wakes for the sync (on the CPU build sleep frees nothing, but the calls
     are made in that order). --max-model-len 16384, twice what SmolLM2 was trained for: the trainer scales RoPE
     (YaRN) and so must the server (train.py passes it the same context and rope_parameters), else the
     logprobs of every position differ."""
     out = str(tmp_path / "run")
-    p = subprocess.run([sys.executable, "train.py", "--harness", "calc", "--harness-arg", "max_tokens=24", "--steps", "2", "--batch-size", "2",
+    p = subprocess.run([sys.executable, "train.py", "--harness", "tests/harnesses.py:SamplingHarness", "--harness-arg", "setting='constrained'",
+                        "--harness-arg", "max_tokens=24", "--steps", "2", "--batch-size", "2",
                         "--group-size", "4", "--eval-tasks", "0", "--lr", "1e-4", "--warmup-steps", "0", "--backend", "vllm", "--vllm-sleep",
                         "--max-model-len", "16384", "--vllm-python", VLLM_PY, "--vllm-args", "--dtype bfloat16", "--out", out],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
-    assert len(steps) == 2 and all(r["failed"] == 0 and r["calls"] == 16 for r in steps)
+    assert len(steps) == 2 and all(r["failed"] == 0 and r["calls"] == 16 and r["grad_norm"] and r["forced_tokens"] > 0 for r in steps), steps
     for r in steps:
         if r["grad_norm"]:  # null: the update was skipped (no signal)
             print(f"step {r['step']}: prob_corr {r['prob_corr']:.4f}  mean |dlogp| by staleness {r['dlogp_by_staleness']}  sync {r['t_sync']} s")
@@ -87,9 +90,10 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path):
     assert log.index("tags ['weights']") < log.index("tags ['kv_cache']"), log[-2000:]
     # Every call of step 1 (served by the initial weights), update or not, against the trainer's YaRN model
     samples, _ = build_batch_samples(read_calls(os.path.join(out, "calls", "step_0.jsonl")))
-    b = collate(samples, [1.0] * len(samples))
+    yarn = load_model("smollm2", max_model_len=16384)  # the forced calls' tokens under their grammars' replayed masks, as train.py
+    b = collate(samples, [1.0] * len(samples), masks=[grammar.sample_masks(s, tok, yarn.config.vocab_size) if s.grammars else None for s in samples])
     with torch.no_grad():
-        dlogp = float((trainer_logprobs(load_model("smollm2", max_model_len=16384), b) - b["old_logprobs"])[b["loss_mask"] > 0].abs().mean())
+        dlogp = float((trainer_logprobs(yarn, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs().mean())
     print(f"step 1's calls: mean |dlogp| {dlogp:.4f} against the trainer's YaRN model")
     assert dlogp < 0.1  # a server with plain RoPE: 0.23 on such replies
     calls = read_calls(os.path.join(out, "calls", "step_1.jsonl"))
@@ -190,8 +194,6 @@ def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_
     as grammar.py): every forced call parses and follows its schema. vLLM returns no mask, so the trainer replays the
     grammar: where the replayed mask allows one token, vLLM's processed logprob is 0 (it masked the same way, before its
     sampler), and the trainer's logprobs under the replayed masks match vLLM's to bf16 noise; without them, by nats."""
-    from lightning_lite import grammar
-
     srv = ProxyServer(Proxy(vllm, tok, out_dir=str(tmp_path))).start()
     calc = {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 16}},
                                                  "required": ["expression"]}}  # bounded: every call fits max_tokens

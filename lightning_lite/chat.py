@@ -388,9 +388,7 @@ class Renderer:
 
     def forced_prefix(self, force_tool: Optional[str], opened: bool = False, json_reply: bool = False) -> str:
         """The text the prompt ends with for a forced call, or for a reply that is JSON (``json_reply``), else ""."""
-        if force_tool is not None:
-            return toolcalls.forced(self.format, force_tool, opened, self.think)
-        return toolcalls.forced(self.format, None, opened, self.think) if json_reply else ""
+        return toolcalls.forced(self.format, force_tool, opened, self.think) if force_tool is not None or json_reply else ""
 
     def sampled_text(self, response_ids: list[int], stops: list[str]) -> str:
         """The reply as the parser reads it: special tokens kept (Mistral's [TOOL_CALLS], Llama's <|python_tag|>,

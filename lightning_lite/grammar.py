@@ -171,4 +171,4 @@ def sample_masks(s: Sample, tok, n_vocab: int) -> Optional[tuple[list[int], torc
 
 def forced(masks: torch.Tensor) -> int:
     """How many of these packed masks allow a single token: tokens the grammar forced (logprob 0, no gradient)."""
-    return int((torch.bitwise_and(masks[:, :, None] >> torch.arange(32, dtype=torch.int32), 1).sum((1, 2)) == 1).sum())
+    return int((unpack_bits(masks, 32 * masks.shape[1]).sum(1) == 1).sum())

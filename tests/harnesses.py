@@ -174,7 +174,8 @@ class SamplingHarness(Harness):
                      *({"role": "tool", "tool_call_id": t.id, "content": "7"} for t in calls)]
             r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, temperature=1.0, tools=[CALC],
                                                 response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
-        return min(1.0, len(calls[0].function.arguments) / 40) if calls else 0.0
+        # both calls' lengths: a group whose calls were all cut by max_tokens still varies by its replies
+        return min(1.0, (len(calls[0].function.arguments) if calls else 0) / 80 + len(r.choices[0].message.content or "") / 80)
 
 
 CALC = {"type": "function", "function": {"name": "calculator", "parameters": {

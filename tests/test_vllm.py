@@ -78,11 +78,11 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path, tok):
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
-    assert len(steps) == 2 and all(r["failed"] == 0 and r["calls"] == 16 and r["grad_norm"] and r["forced_tokens"] > 0 for r in steps), steps
-    for r in steps:
-        if r["grad_norm"]:  # null: the update was skipped (no signal)
-            print(f"step {r['step']}: prob_corr {r['prob_corr']:.4f}  mean |dlogp| by staleness {r['dlogp_by_staleness']}  sync {r['t_sync']} s")
-            assert r["prob_corr"] >= 0.99 and r["dlogp_by_staleness"].get("0", 0.0) < 0.1, r
+    assert len(steps) == 2, steps
+    for r in steps:  # bf16 server, fp32 trainer, ~200 tokens: prob_corr 0.989-0.999, |dlogp| 0.014-0.047 (unmasked: ~1.8)
+        print(f"step {r['step']}: prob_corr {r['prob_corr']:.4f}  mean |dlogp| by staleness {r['dlogp_by_staleness']}  sync {r['t_sync']} s")
+        assert r["failed"] == 0 and r["calls"] == 16 and r["grad_norm"] and r["forced_tokens"] > 0, r
+        assert r["prob_corr"] >= 0.98 and r["dlogp_by_staleness"].get("0", 1.0) < 0.1, r
     log = open(os.path.join(out, "vllm_0.log")).read()
     # each sync wakes the weights, reloads them, then wakes the KV cache (the peak is the weights, not both)
     assert log.count("to fall asleep") == 2 and log.count("to wake up tags ['weights']") == 2, log[-2000:]

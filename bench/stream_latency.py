@@ -24,14 +24,34 @@ PROMPT = "Tell me a long story about a dragon who learns to bake bread."
 def bodies(n):
     msgs = [{"role": "user", "content": PROMPT}]
     return {
-        "chat": ("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": n, "temperature": 0, "stream": True}, '"delta": {"content": "'),
-        "responses": ("/v1/responses", {"model": "m", "input": PROMPT, "max_output_tokens": n, "temperature": 0, "stream": True}, "output_text.delta"),
-        "anthropic": ("/v1/messages", {"model": "m", "messages": msgs, "max_tokens": n, "temperature": 0, "stream": True}, "text_delta"),
+        "chat": (
+            "/v1/chat/completions",
+            {"model": "m", "messages": msgs, "max_tokens": n, "temperature": 0, "stream": True},
+            '"delta": {"content": "',
+        ),
+        "responses": (
+            "/v1/responses",
+            {
+                "model": "m",
+                "input": PROMPT,
+                "max_output_tokens": n,
+                "temperature": 0,
+                "stream": True,
+            },
+            "output_text.delta",
+        ),
+        "anthropic": (
+            "/v1/messages",
+            {"model": "m", "messages": msgs, "max_tokens": n, "temperature": 0, "stream": True},
+            "text_delta",
+        ),
     }
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
@@ -49,14 +69,18 @@ def main():
         firsts, totals = [], []
         for i in range(a.repeat):
             t0, first = time.time(), None
-            with requests.post(f"{srv.url}/rollout/bench-{api}-{i}{path}", json=body, stream=True) as r:
+            with requests.post(
+                f"{srv.url}/rollout/bench-{api}-{i}{path}", json=body, stream=True
+            ) as r:
                 for line in r.iter_lines():
                     if first is None and marker in line.decode():
                         first = time.time() - t0
             firsts.append(first)
             totals.append(time.time() - t0)
         n = len(read_calls(os.path.join(out, "calls.jsonl"))[-1].response_ids)
-        print(f"{api:<10} {statistics.median(firsts):>18.2f} {statistics.median(totals):>17.2f} {n:>7}")
+        print(
+            f"{api:<10} {statistics.median(firsts):>18.2f} {statistics.median(totals):>17.2f} {n:>7}"
+        )
     srv.stop()
     backend.close()
 

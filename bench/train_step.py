@@ -55,8 +55,23 @@ def from_train_py(names, namespace):
 
 def record(harness, args, out):
     """One train.py step of ``harness``; returns its calls (calls/step_0.jsonl)."""
-    cmd = [sys.executable, "train.py", "--harness", harness, "--steps", "1", "--batch-size", "2", "--group-size", "4",
-           "--eval-tasks", "0", "--out", out, *args]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--harness",
+        harness,
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-tasks",
+        "0",
+        "--out",
+        out,
+        *args,
+    ]
     print(f"recording: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return list(read_calls(os.path.join(out, "calls", "step_0.jsonl")))
@@ -69,27 +84,57 @@ def qwen3_calls(tok, rollouts, turns, rng):
     words = "the file tests config value error function returns list check path line result update module".split()
     text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731  about a token a word
     ids = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    system = ids(f"<|im_start|>system\nYou are a coding agent. Tools: bash, edit. {text(150)}<|im_end|>\n"
-                 f"<|im_start|>user\nFix the failing test. {text(40)}<|im_end|>\n")
+    system = ids(
+        f"<|im_start|>system\nYou are a coding agent. Tools: bash, edit. {text(150)}<|im_end|>\n"
+        f"<|im_start|>user\nFix the failing test. {text(40)}<|im_end|>\n"
+    )
     calls = []
     for r in range(rollouts):
         history = list(system)
         for k in range(turns):
             head = ids("<|im_start|>assistant\n")
-            tool_call = ids(f"<tool_call>{{\"name\": \"bash\", \"arguments\": {{\"cmd\": \"{text(12)}\"}}}}</tool_call><|im_end|>\n")
+            tool_call = ids(
+                f'<tool_call>{{"name": "bash", "arguments": {{"cmd": "{text(12)}"}}}}</tool_call><|im_end|>\n'
+            )
             think = ids(f"<think>{text(80)}</think>")
-            calls.append(Call(rollout_id=f"q{r}", index=k, api="chat", model_version=0, prompt_ids=history + head,
-                              response_ids=think + tool_call, response_logprobs=[-1.0] * (len(think) + len(tool_call)),
-                              finish_reason="tool_calls"))
-            history += head + tool_call + ids(f"<|im_start|>user\n<tool_response>{text(50)}</tool_response><|im_end|>\n")
+            calls.append(
+                Call(
+                    rollout_id=f"q{r}",
+                    index=k,
+                    api="chat",
+                    model_version=0,
+                    prompt_ids=history + head,
+                    response_ids=think + tool_call,
+                    response_logprobs=[-1.0] * (len(think) + len(tool_call)),
+                    finish_reason="tool_calls",
+                )
+            )
+            history += (
+                head
+                + tool_call
+                + ids(f"<|im_start|>user\n<tool_response>{text(50)}</tool_response><|im_end|>\n")
+            )
     return calls
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calc", default=None, help="a calls.jsonl of calc rollouts (default: record one step)")
-    ap.add_argument("--search", default=None, help="a calls.jsonl of search rollouts with compaction (default: record one step)")
-    ap.add_argument("--rollouts", type=int, default=2, help="qwen3: rollouts (one task: they share the system prompt and task)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--calc", default=None, help="a calls.jsonl of calc rollouts (default: record one step)"
+    )
+    ap.add_argument(
+        "--search",
+        default=None,
+        help="a calls.jsonl of search rollouts with compaction (default: record one step)",
+    )
+    ap.add_argument(
+        "--rollouts",
+        type=int,
+        default=2,
+        help="qwen3: rollouts (one task: they share the system prompt and task)",
+    )
     ap.add_argument("--turns", type=int, default=10, help="qwen3: turns per rollout")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="train.py's default")
     ap.add_argument("--repeat", type=int, default=1, help="passes per layout; the fastest counts")
@@ -101,14 +146,39 @@ def main():
     rng = random.Random(a.seed)
     tok = load_tokenizer(a.model)
     with tempfile.TemporaryDirectory() as tmp:
-        calc = read_calls(a.calc) if a.calc else record("calc", ["--harness-arg", "max_tokens=32"], os.path.join(tmp, "calc"))
-        search = read_calls(a.search) if a.search else record("search", [
-            "--harness-arg", "context_budget=1", "--harness-arg", "max_turns=4", "--harness-arg", "max_tokens=24",
-            "--harness-arg", "summary_tokens=24"], os.path.join(tmp, "search"))
-    workloads = {"calc": list(calc), "search": list(search), "qwen3": qwen3_calls(tok, a.rollouts, a.turns, rng)}
+        calc = (
+            read_calls(a.calc)
+            if a.calc
+            else record("calc", ["--harness-arg", "max_tokens=32"], os.path.join(tmp, "calc"))
+        )
+        search = (
+            read_calls(a.search)
+            if a.search
+            else record(
+                "search",
+                [
+                    "--harness-arg",
+                    "context_budget=1",
+                    "--harness-arg",
+                    "max_turns=4",
+                    "--harness-arg",
+                    "max_tokens=24",
+                    "--harness-arg",
+                    "summary_tokens=24",
+                ],
+                os.path.join(tmp, "search"),
+            )
+        )
+    workloads = {
+        "calc": list(calc),
+        "search": list(search),
+        "qwen3": qwen3_calls(tok, a.rollouts, a.turns, rng),
+    }
     torch.manual_seed(a.seed)
     model = load_model(a.model, a.device).train()  # fp32, as train.py loads it
-    ns = {"args": SimpleNamespace(micro_batch_tokens=a.micro_batch_tokens, no_tree=False)}  # the train.py globals it reads
+    ns = {
+        "args": SimpleNamespace(micro_batch_tokens=a.micro_batch_tokens, no_tree=False)
+    }  # the train.py globals it reads
     (micro_batches,) = from_train_py(["micro_batches"], ns)
 
     def step(mbs, tree):
@@ -120,14 +190,18 @@ def main():
         for mb in mbs:
             b = algo.collate(*mb, device=a.device, tree=tree)
             lp = algo.trainer_logprobs(model, b)
-            loss, _ = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"])
+            loss, _ = algo.policy_loss(
+                lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"]
+            )
             loss.backward()
             fwd += b["fwd_tokens"]
         sync()
         return time.perf_counter() - t0, fwd
 
-    head = (f"{'workload':<8} {'rollouts':>8} {'samples':>7} {'trainable':>9} {'fwd tree':>9} {'fwd rows':>9} {'ratio':>6} "
-            f"{'s tree':>7} {'s rows':>7} {'speedup':>7} {'trainable tok/s tree':>20} {'rows':>6}")
+    head = (
+        f"{'workload':<8} {'rollouts':>8} {'samples':>7} {'trainable':>9} {'fwd tree':>9} {'fwd rows':>9} {'ratio':>6} "
+        f"{'s tree':>7} {'s rows':>7} {'speedup':>7} {'trainable tok/s tree':>20} {'rows':>6}"
+    )
     lines = []
     for name, calls in workloads.items():
         samples, stats = build_batch_samples(calls)
@@ -141,12 +215,19 @@ def main():
             ns["args"].no_tree = not tree
             mbs = micro_batches(samples, weights)
             res[tree] = min(step(mbs, tree) for _ in range(a.repeat))
-            print(f"{name}: {'tree' if tree else 'rows'} {len(mbs)} micro-batches, {res[tree][1]} tokens, {res[tree][0]:.1f} s", flush=True)
+            print(
+                f"{name}: {'tree' if tree else 'rows'} {len(mbs)} micro-batches, {res[tree][1]} tokens, {res[tree][0]:.1f} s",
+                flush=True,
+            )
         (t_tree, f_tree), (t_rows, f_rows) = res[True], res[False]
         n = stats["trainable_tokens"]
-        lines.append(f"{name:<8} {stats['rollouts']:>8} {len(samples):>7} {n:>9} {f_tree:>9} {f_rows:>9} {f_rows / f_tree:>5.2f}x "
-                     f"{t_tree:>7.1f} {t_rows:>7.1f} {t_rows / t_tree:>6.2f}x {n / t_tree:>20.0f} {n / t_rows:>6.0f}")
-    print(f"\n{a.model} {a.device} fp32, {torch.get_num_threads()} threads, micro-batches of <= {a.micro_batch_tokens} tokens\n")
+        lines.append(
+            f"{name:<8} {stats['rollouts']:>8} {len(samples):>7} {n:>9} {f_tree:>9} {f_rows:>9} {f_rows / f_tree:>5.2f}x "
+            f"{t_tree:>7.1f} {t_rows:>7.1f} {t_rows / t_tree:>6.2f}x {n / t_tree:>20.0f} {n / t_rows:>6.0f}"
+        )
+    print(
+        f"\n{a.model} {a.device} fp32, {torch.get_num_threads()} threads, micro-batches of <= {a.micro_batch_tokens} tokens\n"
+    )
     print(head)
     print("-" * len(head))
     print("\n".join(lines))

@@ -14,22 +14,46 @@ import torch.distributed as dist
 
 from .records import Sample, common_prefix
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce", "grpo-step", "returns")  # the last two: per call (call_rewards)
+ESTIMATORS = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce",
+    "grpo-step",
+    "returns",
+)  # the last two: per call (call_rewards)
 LOSSES = ("ppo", "gspo", "tis", "sft")
-CLIP = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}  # default (clip_low, clip_high); GSPO's: its paper's (a sequence ratio moves far less)
-NORMS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "rollout-mean")
+CLIP = {
+    "ppo": (0.2, 0.28),
+    "gspo": (3e-4, 4e-4),
+}  # default (clip_low, clip_high); GSPO's: its paper's (a sequence ratio moves far less)
+NORMS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "rollout-mean",
+)
 
 
 # ----------------------------------------------------------------------------- advantages
+
 
 def _std(r: list[float]) -> float:  # with n-1, as GRPO; 0 for fewer than 2
     m = sum(r) / max(1, len(r))
     return math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1)) if len(r) > 1 else 0.0
 
 
-def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, str], estimator: str = "grpo",
-                       eps: float = 1e-6, drop_zero_variance: bool = False, call_rewards: Optional[dict] = None,
-                       calls: Optional[dict] = None, gamma: float = 1.0) -> tuple[dict, dict]:
+def compute_advantages(
+    rewards: dict[str, Optional[float]],
+    groups: dict[str, str],
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+    drop_zero_variance: bool = False,
+    call_rewards: Optional[dict] = None,
+    calls: Optional[dict] = None,
+    gamma: float = 1.0,
+) -> tuple[dict, dict]:
     """One advantage per rollout, or per call; return ({rollout_id: advantage or {call index: advantage}}, stats).
 
     ``rewards[rid] is None`` marks a failed rollout: left out before any statistic and missing from the
@@ -59,12 +83,16 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
         raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
     per_call = estimator in ("grpo-step", "returns")
     if per_call and calls is None:
-        raise ValueError(f"{estimator} gives each call an advantage: pass calls, each rollout's answered call indices")
+        raise ValueError(
+            f"{estimator} gives each call an advantage: pass calls, each rollout's answered call indices"
+        )
     call_rewards = call_rewards or {}
     ok = {rid: float(r) for rid, r in rewards.items() if r is not None}
     bad = [rid for rid, r in ok.items() if not math.isfinite(r)]
     if bad:
-        raise ValueError(f"non-finite reward for rollouts {bad[:5]}; report a failed rollout as None instead")
+        raise ValueError(
+            f"non-finite reward for rollouts {bad[:5]}; report a failed rollout as None instead"
+        )
     missing = [rid for rid in ok if rid not in groups]
     if missing:
         raise ValueError(f"rollouts {missing[:5]} have no group (task id) in `groups`")
@@ -72,8 +100,17 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
     for rid in ok:
         by_group[groups[rid]].append(rid)
     batch_mean = sum(ok.values()) / len(ok) if ok else 0.0
-    adv, stats = {}, Counter(rollouts=len(ok), failed=len(rewards) - len(ok), groups=len(by_group),
-                             zero_variance_groups=0, singleton_groups=0, dropped_rollouts=0)
+    adv, stats = (
+        {},
+        Counter(
+            rollouts=len(ok),
+            failed=len(rewards) - len(ok),
+            groups=len(by_group),
+            zero_variance_groups=0,
+            singleton_groups=0,
+            dropped_rollouts=0,
+        ),
+    )
     for rids in by_group.values():
         r = [ok[rid] for rid in rids]
         steps = [x for rid in rids for x in call_rewards.get(rid, {}).values()] if per_call else []
@@ -91,7 +128,11 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
             for ai, rid, x in zip(a, rids, r):
                 ks, g = sorted(calls.get(rid, ())), 0.0
                 for k in reversed(ks):
-                    g = call_rewards.get(rid, {}).get(k, 0.0) + (x if k == ks[-1] else 0.0) + gamma * g
+                    g = (
+                        call_rewards.get(rid, {}).get(k, 0.0)
+                        + (x if k == ks[-1] else 0.0)
+                        + gamma * g
+                    )
                     ai[k] = g
             base = sum(ai[min(ai)] if ai else 0.0 for ai in a) / n  # the group's mean whole return
             a = [{k: g - base for k, g in ai.items()} for ai in a]
@@ -105,8 +146,18 @@ def compute_advantages(rewards: dict[str, Optional[float]], groups: dict[str, st
             a = [(x - mean) / (_std(r) + eps) for x in r]
         if estimator == "grpo-step":
             m, s = sum(steps) / max(1, len(steps)), _std(steps)
-            a = [{k: x + ((call_rewards[rid][k] - m) / (s + eps) if s > 0 and k in call_rewards.get(rid, {}) else 0.0)
-                  for k in calls.get(rid, ())} for rid, x in zip(rids, a)]
+            a = [
+                {
+                    k: x
+                    + (
+                        (call_rewards[rid][k] - m) / (s + eps)
+                        if s > 0 and k in call_rewards.get(rid, {})
+                        else 0.0
+                    )
+                    for k in calls.get(rid, ())
+                }
+                for rid, x in zip(rids, a)
+            ]
         adv.update(zip(rids, a))
     stats["reward_mean"] = batch_mean
     return adv, dict(stats)
@@ -133,8 +184,10 @@ def assign_advantages(samples: list[Sample], advantages: dict) -> list[Sample]:
         if not isinstance(a, dict):
             s.advantages = [a if m else 0.0 for m in s.loss_mask]
         elif len(s.call) != len(s.tokens):
-            raise ValueError(f"sample of rollout {s.rollout_id!r} has no per-token call (Sample.call, which samples.build_samples sets): "
-                             "a per-call advantage cannot find its tokens")
+            raise ValueError(
+                f"sample of rollout {s.rollout_id!r} has no per-token call (Sample.call, which samples.build_samples sets): "
+                "a per-call advantage cannot find its tokens"
+            )
         else:
             s.advantages = [a[c] if m else 0.0 for c, m in zip(s.call, s.loss_mask)]
     return kept
@@ -142,12 +195,15 @@ def assign_advantages(samples: list[Sample], advantages: dict) -> list[Sample]:
 
 # ----------------------------------------------------------------------------- normalization
 
+
 def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     """Reduce a few floats over ranks (unchanged without torch.distributed). Collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return values
     # NCCL only reduces CUDA tensors; gloo takes CPU ones.
-    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor(
+        values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu"
+    )
     dist.all_reduce(t, op=op)
     return t.tolist()
 
@@ -161,7 +217,9 @@ def global_denominators(samples: list[Sample]) -> dict:
     return {"tokens": int(tokens), "samples": int(nseq), "rollouts": int(nroll)}
 
 
-def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: Optional[float] = None) -> list[float]:
+def sample_weights(
+    samples: list[Sample], norm: str, denoms: dict, norm_const: Optional[float] = None
+) -> list[float]:
     """Each sample's weight per trainable token: the loss is the sum of ``weight * token_loss`` (README: the
     normalization table). N_* from ``global_denominators``; n_s, n_r a sample's, its rollout's trainable tokens:
 
@@ -173,20 +231,25 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const: O
     if norm not in NORMS:
         raise ValueError(f"unknown loss normalization {norm!r}; pick one of {NORMS}")
     if norm == "seq-mean-token-sum-norm" and not (norm_const and norm_const > 0):
-        raise ValueError("seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the most tokens a rollout may generate")
+        raise ValueError(
+            "seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the most tokens a rollout may generate"
+        )
     n = [sum(s.loss_mask) for s in samples]
     per_rollout: Counter = Counter()
     for s, k in zip(samples, n):
         per_rollout[s.rollout_id] += k
-    divisor = {"token-mean": lambda s, k: denoms["tokens"],  # the table above, one line per mode
-               "seq-mean-token-mean": lambda s, k: denoms["samples"] * k,
-               "seq-mean-token-sum": lambda s, k: denoms["samples"],
-               "seq-mean-token-sum-norm": lambda s, k: denoms["samples"] * norm_const,
-               "rollout-mean": lambda s, k: denoms["rollouts"] * per_rollout[s.rollout_id]}[norm]
+    divisor = {
+        "token-mean": lambda s, k: denoms["tokens"],  # the table above, one line per mode
+        "seq-mean-token-mean": lambda s, k: denoms["samples"] * k,
+        "seq-mean-token-sum": lambda s, k: denoms["samples"],
+        "seq-mean-token-sum-norm": lambda s, k: denoms["samples"] * norm_const,
+        "rollout-mean": lambda s, k: denoms["rollouts"] * per_rollout[s.rollout_id],
+    }[norm]
     return [1.0 / divisor(s, k) if k else 0.0 for s, k in zip(samples, n)]
 
 
 # ----------------------------------------------------------------------------- the loss
+
 
 def pack(seqs: list[list[int]]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
     """Lay token sequences out as one prefix tree, each distinct prefix once, depth first: returns (tokens, depth,
@@ -201,20 +264,30 @@ def pack(seqs: list[list[int]]) -> tuple[list[int], list[int], list[int], list[l
     tokens, depth, end, where, prev = [], [], [], [[]] * len(seqs), None
     for i in sorted(range(len(seqs)), key=lambda i: seqs[i]):
         s = seqs[i]
-        path = [] if prev is None else where[prev][:common_prefix(seqs[prev], s)]
-        for t in s[len(path):]:
+        path = [] if prev is None else where[prev][: common_prefix(seqs[prev], s)]
+        for t in s[len(path) :]:
             path.append(len(tokens))
             tokens.append(t)
             depth.append(len(path) - 1)
             end.append(0)
-        for j in path:  # the sequences after this one that share j come later: the last one sets end[j]
+        for (
+            j
+        ) in path:  # the sequences after this one that share j come later: the last one sets end[j]
             end[j] = path[-1] + 1
         where[i], prev = path, i
     return tokens, depth, end, where
 
 
-def collate(samples: list[Sample], weights: list[float], device=None, dtype=torch.float32, pad_id: int = 0,
-            tree: bool = True, pad_to: int = 1, masks: Optional[list] = None) -> dict:
+def collate(
+    samples: list[Sample],
+    weights: list[float],
+    device=None,
+    dtype=torch.float32,
+    pad_id: int = 0,
+    tree: bool = True,
+    pad_to: int = 1,
+    masks: Optional[list] = None,
+) -> dict:
     """One micro-batch as tensors: the samples right-padded to [B, T] (``weights``: [B]), and what
     the model runs, ``input_ids`` [R, L]: with ``tree`` the samples ``pack``ed into one row (``depth`` [1, L], ``end``
     [L]; padded to a multiple of ``pad_to`` with tokens that see only themselves), else the [B, T] rows themselves.
@@ -229,29 +302,54 @@ def collate(samples: list[Sample], weights: list[float], device=None, dtype=torc
             rows.append(m[1])
     pad = lambda xs, v: [list(x) + [v] * (T - len(x)) for x in xs]  # noqa: E731
     b = {
-        "tokens": torch.tensor(pad([s.tokens for s in samples], pad_id), dtype=torch.long, device=device),
-        "loss_mask": torch.tensor(pad([s.loss_mask for s in samples], 0), dtype=dtype, device=device),
-        "old_logprobs": torch.tensor(pad([s.logprobs for s in samples], 0.0), dtype=dtype, device=device),
-        "temperature": torch.tensor(pad([s.temperature for s in samples], 1.0), dtype=dtype, device=device),
+        "tokens": torch.tensor(
+            pad([s.tokens for s in samples], pad_id), dtype=torch.long, device=device
+        ),
+        "loss_mask": torch.tensor(
+            pad([s.loss_mask for s in samples], 0), dtype=dtype, device=device
+        ),
+        "old_logprobs": torch.tensor(
+            pad([s.logprobs for s in samples], 0.0), dtype=dtype, device=device
+        ),
+        "temperature": torch.tensor(
+            pad([s.temperature for s in samples], 1.0), dtype=dtype, device=device
+        ),
         "top_k": torch.tensor(pad([s.top_k for s in samples], 0), dtype=torch.long, device=device),
         "top_p": torch.tensor(pad([s.top_p for s in samples], 1.0), dtype=dtype, device=device),
-        "version": torch.tensor(pad([s.version or [0] * len(s.tokens) for s in samples], 0), dtype=torch.long, device=device),
-        "advantages": torch.tensor(pad([s.advantages for s in samples], 0.0), dtype=dtype, device=device),
+        "version": torch.tensor(
+            pad([s.version or [0] * len(s.tokens) for s in samples], 0),
+            dtype=torch.long,
+            device=device,
+        ),
+        "advantages": torch.tensor(
+            pad([s.advantages for s in samples], 0.0), dtype=dtype, device=device
+        ),
         "weights": torch.tensor(weights, dtype=dtype, device=device),
-        "allowed_at": allowed_at.to(device), "allowed": torch.cat(rows).to(device) if rows else None,
+        "allowed_at": allowed_at.to(device),
+        "allowed": torch.cat(rows).to(device) if rows else None,
     }
     if not tree:
         B = len(samples)
         where = torch.arange(B * T, device=device).view(B, T)
-        return {**b, "input_ids": b["tokens"], "where": where, "depth": None, "end": None,
-                "fwd_tokens": sum(len(s.tokens) for s in samples)}
+        return {
+            **b,
+            "input_ids": b["tokens"],
+            "where": where,
+            "depth": None,
+            "end": None,
+            "fwd_tokens": sum(len(s.tokens) for s in samples),
+        }
     tokens, depth, end, where = pack([s.tokens for s in samples])
     n = len(tokens)
     extra = -n % pad_to
-    return {**b, "input_ids": torch.tensor([tokens + [pad_id] * extra], device=device),
-            "depth": torch.tensor([depth + [0] * extra], device=device),
-            "end": torch.tensor(end + list(range(n + 1, n + extra + 1)), device=device),
-            "where": torch.tensor(pad(where, 0), device=device), "fwd_tokens": n}
+    return {
+        **b,
+        "input_ids": torch.tensor([tokens + [pad_id] * extra], device=device),
+        "depth": torch.tensor([depth + [0] * extra], device=device),
+        "end": torch.tensor(end + list(range(n + 1, n + extra + 1)), device=device),
+        "where": torch.tensor(pad(where, 0), device=device),
+        "fwd_tokens": n,
+    }
 
 
 def tree_unsupported(config) -> Optional[str]:
@@ -259,7 +357,10 @@ def tree_unsupported(config) -> Optional[str]:
     flex_attention) and every layer must be attention (full or sliding window; a recurrent layer, as Qwen3.5's
     linear attention, reads the row in order, not as a tree)."""
     impl = getattr(config, "_attn_implementation", None)
-    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    kinds = set(getattr(config, "layer_types", None) or ()) - {
+        "full_attention",
+        "sliding_attention",
+    }
     if kinds:
         return f"its {sorted(kinds)} layers are not attention over a mask"
     if impl not in ("sdpa", "grouped_sdpa", "eager", "flex_attention"):
@@ -278,25 +379,40 @@ def tree_mask(config, depth: torch.Tensor, end: torch.Tensor):
     if why := tree_unsupported(config):
         raise ValueError(f"this model cannot train a packed tree: {why}; pass --no-tree")
     impl, L, window = config._attn_implementation, len(end), getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if window else "full_attention"
+    ]
 
     def sees(q, kv, sliding):
         m = (kv <= q) & (q < end[kv])
         return m & (depth[0, q] - depth[0, kv] < window) if sliding else m
 
     def build(sliding):
-        if impl == "flex_attention":  # compiled, it never builds the [L, L] mask; new closures of the same code and
-            from torch.nn.attention.flex_attention import create_block_mask  # shapes: no recompile (flex's either)
-            return torch.compile(create_block_mask)(lambda b, h, q, kv: sees(q, kv, sliding), None, None, L, L, device=end.device)
+        if (
+            impl == "flex_attention"
+        ):  # compiled, it never builds the [L, L] mask; new closures of the same code and
+            from torch.nn.attention.flex_attention import (
+                create_block_mask,
+            )  # shapes: no recompile (flex's either)
+
+            return torch.compile(create_block_mask)(
+                lambda b, h, q, kv: sees(q, kv, sliding), None, None, L, L, device=end.device
+            )
         i = torch.arange(L, device=end.device)
         m = sees(i[:, None], i[None, :], sliding)[None, None]
-        return m if impl != "eager" else torch.zeros(m.shape, device=m.device).masked_fill(~m, -math.inf)
+        return (
+            m
+            if impl != "eager"
+            else torch.zeros(m.shape, device=m.device).masked_fill(~m, -math.inf)
+        )
 
     masks = {k: build(k == "sliding_attention") for k in set(types)}
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
-def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m: int = 1024) -> torch.Tensor:
+def sampling_support(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m: int = 1024
+) -> torch.Tensor:
     """The tokens that top-k, then top-p sampling may draw: [N, V] logits already divided by the temperature,
     [N] ``top_k`` (<= 0: off) and ``top_p`` (1.0: off) -> [N, V] bool.
 
@@ -311,10 +427,14 @@ def sampling_support(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     V, m = x.shape[-1], min(x.shape[-1], m)
     cut_k = (top_k > 0) & (top_k < V)
     sx = x.topk(m, -1).values  # sorted, largest first
-    inside = ~cut_k[:, None] | (sx >= sx.gather(-1, (top_k.clamp(1, m) - 1)[:, None]))  # top-k, ties included
+    inside = ~cut_k[:, None] | (
+        sx >= sx.gather(-1, (top_k.clamp(1, m) - 1)[:, None])
+    )  # top-k, ties included
     lse = torch.where(cut_k, sx.masked_fill(~inside, -math.inf).logsumexp(-1), x.logsumexp(-1))
     p = (sx - lse[:, None]).exp() * inside  # renormalized over the top-k
-    n_p = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)  # the mass before each kept token < top_p
+    n_p = (
+        ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)
+    )  # the mass before each kept token < top_p
     n = torch.where(top_p < 1.0, torch.minimum(inside.sum(-1), n_p), inside.sum(-1))
     keep = (x >= sx.gather(-1, (n - 1)[:, None])) | (n == V)[:, None]
     # The m largest settle a row if they hold its top-k (else lse is short) and its top-p cut (n < m).
@@ -336,11 +456,21 @@ def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     widest intermediate is one byte per token: [1024, 152k] is 155 MB, where 32-bit shifts made 620 MB.
     """
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return ((bits.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1).view(torch.bool).flatten(1)[:, :n]
+    return (
+        ((bits.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1)
+        .view(torch.bool)
+        .flatten(1)[:, :n]
+    )
 
 
-def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
-                     top_k: torch.Tensor, top_p: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sampled_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    allowed: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """[N, V] logits, [N] tokens and the settings that sampled each -> [N] logprob of each token under the
     distribution it was drawn from: softmax(logits / T) on the top-k / top-p support (``sampling_support``),
     renormalized; greedy (T = 0) under softmax(logits), as the sampler reports it. The support is recomputed on
@@ -369,6 +499,7 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: to
 
 class _Hidden(torch.nn.Module):
     """Stands in for the LM head during the model's forward, which then returns the hidden states it gave it."""
+
     h = None
 
     def forward(self, h):
@@ -379,7 +510,9 @@ class _Hidden(torch.nn.Module):
 def _head_logprobs(h, head, tokens, temperature, top_k, top_p, at, table):
     logits = h if head is None else head(h)
     allowed = None
-    if table is not None and bool((at >= 0).any()):  # grammar-constrained tokens: their packed masks (collate)
+    if table is not None and bool(
+        (at >= 0).any()
+    ):  # grammar-constrained tokens: their packed masks (collate)
         allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
         allowed[at >= 0] = unpack_bits(table[at[at >= 0]], logits.shape[-1])
     return sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed)
@@ -395,15 +528,27 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
     """
     tokens, loss_mask, ids = b["tokens"], b["loss_mask"], b["input_ids"]
     on = loss_mask[:, 1:] > 0  # token 0 is never sampled: token t is predicted at position t - 1
-    src = b["where"][:, :-1][on]  # the flat index into ids of the position predicting each trainable token
+    src = b["where"][:, :-1][
+        on
+    ]  # the flat index into ids of the position predicting each trainable token
     keep, col = torch.unique(src % ids.shape[1], return_inverse=True)
     raw = getattr(net, "module", net)
-    kw = {} if b["end"] is None else dict(position_ids=b["depth"], attention_mask=tree_mask(raw.config, b["depth"], b["end"]))
+    kw = (
+        {}
+        if b["end"] is None
+        else dict(
+            position_ids=b["depth"], attention_mask=tree_mask(raw.config, b["depth"], b["end"])
+        )
+    )
     # The model's forward runs with its LM head swapped for _Hidden (still through DDP's/FSDP's wrapper), and the head
     # runs per chunk after it (FSDP leaves the root's weights gathered after its forward). A model that changes the
     # head's output (Gemma2's softcapping, Cohere's logit_scale) is seen in its first call, which runs again with the
     # head, as every later call does (full logits; the logprobs still in chunks).
-    head = None if getattr(raw, "ll_full_logits", False) else getattr(raw, "get_output_embeddings", lambda: None)()
+    head = (
+        None
+        if getattr(raw, "ll_full_logits", False)
+        else getattr(raw, "get_output_embeddings", lambda: None)()
+    )
     for head in (head, None) if head is not None else (None,):
         if head is not None:
             raw.set_output_embeddings(hidden := _Hidden())
@@ -415,16 +560,38 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
         if head is None or out is hidden.h:
             break
         raw.ll_full_logits = True
-    args = (out[src // ids.shape[1], col], tokens[:, 1:][on], *(b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p", "allowed_at")))
-    lp = torch.cat([torch.utils.checkpoint.checkpoint(_head_logprobs, h, head, *rest, b["allowed"], use_reentrant=False)
-                    for h, *rest in zip(*(a.split(chunk) for a in args))])
-    return loss_mask.new_zeros(loss_mask.shape).masked_scatter(loss_mask > 0, lp.to(loss_mask.dtype))
+    args = (
+        out[src // ids.shape[1], col],
+        tokens[:, 1:][on],
+        *(b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p", "allowed_at")),
+    )
+    lp = torch.cat(
+        [
+            torch.utils.checkpoint.checkpoint(
+                _head_logprobs, h, head, *rest, b["allowed"], use_reentrant=False
+            )
+            for h, *rest in zip(*(a.split(chunk) for a in args))
+        ]
+    )
+    return loss_mask.new_zeros(loss_mask.shape).masked_scatter(
+        loss_mask > 0, lp.to(loss_mask.dtype)
+    )
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                loss_mask: torch.Tensor, weights: torch.Tensor, loss: str = "ppo", clip_low: Optional[float] = None,
-                clip_high: Optional[float] = None, tis_cap: float = 2.0, kl_coef: float = 0.0,
-                ref_logprobs: Optional[torch.Tensor] = None, clip_ratio_c: float = 3.0) -> tuple[torch.Tensor, dict]:
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    weights: torch.Tensor,
+    loss: str = "ppo",
+    clip_low: Optional[float] = None,
+    clip_high: Optional[float] = None,
+    tis_cap: float = 2.0,
+    kl_coef: float = 0.0,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    clip_ratio_c: float = 3.0,
+) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``). [B, T]:
     ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout), ``loss_mask``, ``ref_logprobs``,
     ``advantages`` (or [B], one per sample); [B]: ``weights`` (``sample_weights``). With r = exp(logprobs -
@@ -440,21 +607,35 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if loss not in LOSSES:
         raise ValueError(f"unknown policy loss {loss!r}; pick one of {LOSSES}")
     low, high = CLIP.get(loss, (None, None))  # a clip bound left None: the loss's own default
-    clip_low, clip_high = low if clip_low is None else clip_low, high if clip_high is None else clip_high
+    clip_low, clip_high = (
+        low if clip_low is None else clip_low,
+        high if clip_high is None else clip_high,
+    )
     mask = loss_mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)
     adv = adv[:, None] if adv.dim() == 1 else adv
     # 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a bug) from overflowing
     log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
     ratio = log_ratio.exp()
-    if loss in ("ppo", "gspo"):  # gspo: the sample's ratio, exp(mean log-ratio over its trainable tokens)
-        r = ratio if loss == "ppo" else (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
+    if loss in (
+        "ppo",
+        "gspo",
+    ):  # gspo: the sample's ratio, exp(mean log-ratio over its trainable tokens)
+        r = (
+            ratio
+            if loss == "ppo"
+            else (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
+        )
         clipped = r.clamp(1 - clip_low, 1 + clip_high)
         tok_loss = -torch.min(r * adv, clipped * adv)
         # Dual clip: for A < 0 the clip leaves r |A| unbounded above, and one stale or mismatched token could set the
         # update; a ratio above clip_ratio_c counts as clip_ratio_c (no gradient). A = -1, r = 5: 5 -> 3.
-        tok_loss = torch.where(adv < 0, torch.minimum(tok_loss, -clip_ratio_c * adv), tok_loss).expand_as(mask)
-        was_clipped = ((clipped * adv < r * adv) | ((adv < 0) & (r > clip_ratio_c))).expand_as(mask)  # no gradient
+        tok_loss = torch.where(
+            adv < 0, torch.minimum(tok_loss, -clip_ratio_c * adv), tok_loss
+        ).expand_as(mask)
+        was_clipped = ((clipped * adv < r * adv) | ((adv < 0) & (r > clip_ratio_c))).expand_as(
+            mask
+        )  # no gradient
     elif loss == "tis":
         tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
         was_clipped = ratio > tis_cap
@@ -462,7 +643,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         tok_loss, was_clipped = -logprobs, mask < 0
     if kl_coef > 0:
         if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs: the reference model's logprobs of the same tokens")
+            raise ValueError(
+                "kl_coef > 0 needs ref_logprobs: the reference model's logprobs of the same tokens"
+            )
         d = (ref_logprobs - logprobs) * mask
         kl = d.exp() - d - 1
         tok_loss = tok_loss + kl_coef * kl
@@ -473,11 +656,18 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         r, p, q = ratio[on].double(), old_logprobs[on].double().exp(), logprobs[on].double().exp()
         dlp = (logprobs - old_logprobs)[on].double().abs()
         metrics = {
-            "loss": total.detach().double(), "tokens": on.sum().double(), "clipped": was_clipped[on].sum().double(),
-            "ratio_sum": r.sum(), "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(), "dlogp_sum": dlp.sum(),
+            "loss": total.detach().double(),
+            "tokens": on.sum().double(),
+            "clipped": was_clipped[on].sum().double(),
+            "ratio_sum": r.sum(),
+            "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(),
+            "dlogp_sum": dlp.sum(),
             "kl_sum": kl[on].double().sum() if kl_coef > 0 else r.sum() * 0,
             # Pearson correlation of rollout vs trainer token probabilities, from sums.
-            "p_sum": p.sum(), "q_sum": q.sum(), "pp_sum": (p * p).sum(), "qq_sum": (q * q).sum(),
+            "p_sum": p.sum(),
+            "q_sum": q.sum(),
+            "pp_sum": (p * p).sum(),
+            "qq_sum": (q * q).sum(),
             "pq_sum": (p * q).sum(),
             "ratio_min": r.min() if r.numel() else r.new_tensor(math.inf),
             "ratio_max": r.max() if r.numel() else r.new_tensor(-math.inf),
@@ -486,28 +676,52 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return total, metrics
 
 
-_SUMS = ("loss", "tokens", "clipped", "ratio_sum", "ratio_out", "dlogp_sum", "kl_sum",
-         "p_sum", "q_sum", "pp_sum", "qq_sum", "pq_sum")
+_SUMS = (
+    "loss",
+    "tokens",
+    "clipped",
+    "ratio_sum",
+    "ratio_out",
+    "dlogp_sum",
+    "kl_sum",
+    "p_sum",
+    "q_sum",
+    "pp_sum",
+    "qq_sum",
+    "pq_sum",
+)
 
 
 def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
     """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank without samples
     passes []) into the global loss, tokens and the metrics the README lists (clip_frac, ratio_*, prob_corr, ...)."""
-    kinds = ((_SUMS, dist.ReduceOp.SUM, torch.sum, 0.0),
-             (("ratio_min",), dist.ReduceOp.MIN, torch.amin, math.inf),
-             (("ratio_max", "dlogp_max"), dist.ReduceOp.MAX, torch.amax, -math.inf))
+    kinds = (
+        (_SUMS, dist.ReduceOp.SUM, torch.sum, 0.0),
+        (("ratio_min",), dist.ReduceOp.MIN, torch.amin, math.inf),
+        (("ratio_max", "dlogp_max"), dist.ReduceOp.MAX, torch.amax, -math.inf),
+    )
     agg = {}
     for keys, op, fn, empty in kinds:
-        rows = [torch.stack([m[k] for k in keys]) for m in metrics] or [torch.tensor([empty] * len(keys))]
-        vals = fn(torch.stack(rows), 0).tolist()  # one device->host copy per kind, not one per number
+        rows = [torch.stack([m[k] for k in keys]) for m in metrics] or [
+            torch.tensor([empty] * len(keys))
+        ]
+        vals = fn(
+            torch.stack(rows), 0
+        ).tolist()  # one device->host copy per kind, not one per number
         agg.update(zip(keys, all_reduce(vals, op)))
     n = max(agg["tokens"], 1.0)
     cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]
     var = (n * agg["pp_sum"] - agg["p_sum"] ** 2) * (n * agg["qq_sum"] - agg["q_sum"] ** 2)
     return {
-        "loss": agg["loss"], "tokens": agg["tokens"], "clip_frac": agg["clipped"] / n,
-        "ratio_mean": agg["ratio_sum"] / n, "ratio_min": agg["ratio_min"], "ratio_max": agg["ratio_max"],
+        "loss": agg["loss"],
+        "tokens": agg["tokens"],
+        "clip_frac": agg["clipped"] / n,
+        "ratio_mean": agg["ratio_sum"] / n,
+        "ratio_min": agg["ratio_min"],
+        "ratio_max": agg["ratio_max"],
         "ratio_out_frac": agg["ratio_out"] / n,
-        "dlogp_mean": agg["dlogp_sum"] / n, "dlogp_max": agg["dlogp_max"], "kl_mean": agg["kl_sum"] / n,
+        "dlogp_mean": agg["dlogp_sum"] / n,
+        "dlogp_max": agg["dlogp_max"],
+        "kl_mean": agg["kl_sum"] / n,
         "prob_corr": cov / math.sqrt(var) if var > 0 else float("nan"),
     }

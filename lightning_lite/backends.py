@@ -48,8 +48,12 @@ class Generation:
     version: int = 0  # the weights version that produced it
 
 
-def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None,
-                 allowed: Optional[torch.Tensor] = None) -> tuple[int, float]:
+def sample_token(
+    logits: torch.Tensor,
+    s: Sampling,
+    generator: Optional[torch.Generator] = None,
+    allowed: Optional[torch.Tensor] = None,
+) -> tuple[int, float]:
     """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled* distribution:
     softmax(logits / T) on the top-k / top-p support (``algo.sampling_support``, the trainer's rule too),
     renormalized, so the trainer's importance ratio compares like with like. Greedy (T = 0) is not a
@@ -63,10 +67,16 @@ def sample_token(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Ge
     if s.temperature > 0:
         x = x / s.temperature
         if s.top_k > 0 or s.top_p < 1.0:
-            keep = sampling_support(x[None], torch.tensor([s.top_k], device=x.device), x.new_tensor([s.top_p]))[0]
+            keep = sampling_support(
+                x[None], torch.tensor([s.top_k], device=x.device), x.new_tensor([s.top_p])
+            )[0]
             x = x.masked_fill(~keep, float("-inf"))
     lp = torch.log_softmax(x, -1)
-    tok = int(torch.multinomial(lp.exp(), 1, generator=generator)) if s.temperature > 0 else int(torch.argmax(lp))
+    tok = (
+        int(torch.multinomial(lp.exp(), 1, generator=generator))
+        if s.temperature > 0
+        else int(torch.argmax(lp))
+    )
     return tok, float(lp[tok])
 
 
@@ -76,7 +86,9 @@ class _Request:
     sampling: Sampling  # max_tokens: at most what the prompt leaves of the context
     future: asyncio.Future  # of the caller's event loop
     generator: Optional[torch.Generator]
-    on_token: Optional[Callable[[int], None]]  # called on the request's event loop with each sampled id
+    on_token: Optional[
+        Callable[[int], None]
+    ]  # called on the request's event loop with each sampled id
     matcher: Optional[grammar.Matcher] = None  # sampling.grammar's state
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -102,8 +114,10 @@ def _max_new(prompt_ids: list[int], sampling: Sampling, max_model_len: int) -> i
     """How many tokens a reply may have: ``max_tokens``, at most what the prompt leaves of the context."""
     room = max_model_len - len(prompt_ids)
     if not prompt_ids or room < 1:
-        raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit the model's context of {max_model_len}: "
-                         f"1 to {max_model_len - 1} tokens fit")
+        raise ValueError(
+            f"a prompt of {len(prompt_ids)} tokens does not fit the model's context of {max_model_len}: "
+            f"1 to {max_model_len - 1} tokens fit"
+        )
     return min(sampling.max_tokens or room, room)
 
 
@@ -116,20 +130,40 @@ class HFBackend(_Gate):
     """Embedded transformers backend with batching and a prefix KV cache. ``dtype`` bf16: every forward runs under
     bf16 autocast, as the trainer's does (train.py --dtype)."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 32, max_model_len: Optional[int] = None,
-                 prefix_cache_tokens: int = 32768, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_batch_size: int = 32,
+        max_model_len: Optional[int] = None,
+        prefix_cache_tokens: int = 32768,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.model, self.tok, self.dtype = model, tokenizer, dtype
         self.device = next(model.parameters()).device
-        if model.config._attn_implementation == "sdpa":  # the same attention, without copying KV heads in decoding
+        if (
+            model.config._attn_implementation == "sdpa"
+        ):  # the same attention, without copying KV heads in decoding
             model.set_attn_implementation("grouped_sdpa")
-        self.max_model_len = int(max_model_len or getattr(model.config, "max_position_embeddings", None) or 4096)
+        self.max_model_len = int(
+            max_model_len or getattr(model.config, "max_position_embeddings", None) or 4096
+        )
         self.max_batch_size = max_batch_size
         self.eos_ids = eos_ids(tokenizer, model.generation_config)
         self.version = 0
-        self.stats = Counter(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0, cancelled=0, batches=0,
-                             busy_s=0.0)
+        self.stats = Counter(
+            requests=0,
+            prompt_tokens=0,
+            cached_tokens=0,
+            generated_tokens=0,
+            cancelled=0,
+            batches=0,
+            busy_s=0.0,
+        )
         self.prefix_cache_tokens = prefix_cache_tokens
-        self._prefix: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []  # least recently used first
+        self._prefix: list[
+            tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]
+        ] = []  # least recently used first
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
         self.paused = self._inflight = self._closed = False
@@ -138,12 +172,33 @@ class HFBackend(_Gate):
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None, rollout_id: str = "") -> Generation:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        on_token: Optional[Callable[[int], None]] = None,
+        rollout_id: str = "",
+    ) -> Generation:
         """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled (streaming)."""
         sampling = replace(sampling, max_tokens=_max_new(prompt_ids, sampling, self.max_model_len))
-        generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
-        matcher = grammar.Matcher(sampling.grammar, self.tok, self.model.config.vocab_size) if sampling.grammar else None
-        req = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), generator, on_token, matcher)
+        generator = (
+            None
+            if sampling.seed is None
+            else torch.Generator(self.device).manual_seed(sampling.seed)
+        )
+        matcher = (
+            grammar.Matcher(sampling.grammar, self.tok, self.model.config.vocab_size)
+            if sampling.grammar
+            else None
+        )
+        req = _Request(
+            list(prompt_ids),
+            sampling,
+            asyncio.get_running_loop().create_future(),
+            generator,
+            on_token,
+            matcher,
+        )
         with self._cond:
             if self._closed:
                 raise RuntimeError("backend is closed")
@@ -179,13 +234,17 @@ class HFBackend(_Gate):
                     self._cond.wait()
                 if self._closed:
                     for r in self._pending:
-                        r.future.get_loop().call_soon_threadsafe(_settle, r.future, RuntimeError("backend closed"))
+                        r.future.get_loop().call_soon_threadsafe(
+                            _settle, r.future, RuntimeError("backend closed")
+                        )
                     return
                 self._inflight = True
             t0 = time.time()
             try:
                 # autocast is per thread: it is entered here, in the thread that runs the model
-                with torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32):
+                with torch.autocast(
+                    self.device.type, self.dtype, enabled=self.dtype != torch.float32
+                ):
                     self._run()
             finally:
                 with self._cond:
@@ -198,7 +257,9 @@ class HFBackend(_Gate):
         with self._cond:
             if self.paused:
                 return []
-            live = [r for r in self._pending if not r.future.cancelled()]  # the others' clients went away
+            live = [
+                r for r in self._pending if not r.future.cancelled()
+            ]  # the others' clients went away
             self.stats["cancelled"] += len(self._pending) - len(live)
             new, self._pending = live[:room], live[room:]
             return new
@@ -224,7 +285,9 @@ class HFBackend(_Gate):
 
     def _prefill(self, r: _Request):
         hit, kv = self._lookup(r.prompt_ids)
-        rest = torch.tensor([r.prompt_ids[hit:]], device=self.device)  # its positions follow the cache's
+        rest = torch.tensor(
+            [r.prompt_ids[hit:]], device=self.device
+        )  # its positions follow the cache's
         cache = DynamicCache(ddp_cache_data=kv)  # kv None: an empty cache
         out = self.model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.stats.update(prompt_tokens=len(r.prompt_ids), cached_tokens=hit)
@@ -234,7 +297,13 @@ class HFBackend(_Gate):
 
     def _finish(self, r: _Request, tok: int) -> Optional[tuple[str, str]]:
         """(finish_reason, text) when ``r``, which just sampled ``tok``, is done; else None."""
-        reason = "stop" if tok in self.eos_ids else "length" if len(r.response_ids) >= r.sampling.max_tokens else None
+        reason = (
+            "stop"
+            if tok in self.eos_ids
+            else "length"
+            if len(r.response_ids) >= r.sampling.max_tokens
+            else None
+        )
         if not (reason or r.sampling.stop):
             return None  # no need to decode
         text = self.tok.decode(r.response_ids, skip_special_tokens=True)
@@ -248,7 +317,10 @@ class HFBackend(_Gate):
         """Decode until no request is left, admitting new requests at every step (continuous batching):
         a row that finishes is answered at once and leaves the batch, so an agent's next turn can join
         while the others still decode."""
-        batch, version = _Batch(self.device), self.version  # no weight sync can happen while a batch runs
+        batch, version = (
+            _Batch(self.device),
+            self.version,
+        )  # no weight sync can happen while a batch runs
         while True:
             new = self._take(self.max_batch_size - len(batch.rows))
             try:
@@ -268,7 +340,9 @@ class HFBackend(_Gate):
                     if r.on_token:
                         r.future.get_loop().call_soon_threadsafe(r.on_token, tok)
                     self.stats["generated_tokens"] += 1
-                    if r.future.cancelled():  # the client went away (the proxy cancels its call): stop generating
+                    if (
+                        r.future.cancelled()
+                    ):  # the client went away (the proxy cancels its call): stop generating
                         self.stats["cancelled"] += 1
                     elif done := self._finish(r, tok):
                         # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
@@ -281,7 +355,9 @@ class HFBackend(_Gate):
                     batch.keep(keep)
                 if batch.rows:
                     batch.step(self.model)
-            except Exception as e:  # a backend failure fails these requests (the proxy reports it), never silently
+            except (
+                Exception
+            ) as e:  # a backend failure fails these requests (the proxy reports it), never silently
                 for r in batch.rows + new:
                     r.future.get_loop().call_soon_threadsafe(_settle, r.future, e)
                 return
@@ -303,14 +379,26 @@ class _Batch:
         if not self.rows:
             for layer in cache.layers:
                 layer.__class__ = _RoomyLayer  # appends in place (see _RoomyLayer)
-            self.cache, self.mask, self.last = cache, logit.new_ones((1, n), dtype=torch.long), logit[None]
+            self.cache, self.mask, self.last = (
+                cache,
+                logit.new_ones((1, n), dtype=torch.long),
+                logit[None],
+            )
         else:  # left-pad the batch or the newcomer to the longer of the two
             L, widen = max(self.mask.shape[1], n), max(n - self.mask.shape[1], 0)
-            for k, layers in ((widen, self.cache.layers), (L - n, cache.layers)):  # k columns of padding on the left
+            for k, layers in (
+                (widen, self.cache.layers),
+                (L - n, cache.layers),
+            ):  # k columns of padding on the left
                 for layer in layers if k > 0 else []:
-                    layer.keys, layer.values = (F.pad(t, (0, 0, k, 0)) for t in (layer.keys, layer.values))
+                    layer.keys, layer.values = (
+                        F.pad(t, (0, 0, k, 0)) for t in (layer.keys, layer.values)
+                    )
             for mine, theirs in zip(self.cache.layers, cache.layers):
-                mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
+                mine.keys, mine.values = (
+                    torch.cat([mine.keys, theirs.keys]),
+                    torch.cat([mine.values, theirs.values]),
+                )
             row_mask = torch.arange(L, device=self.device)[None] >= L - n
             self.mask = torch.cat([F.pad(self.mask, (widen, 0)), row_mask.long()])
             self.last = torch.cat([self.last, logit[None]])
@@ -319,7 +407,10 @@ class _Batch:
     def row_cache(self, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row j's own KV (without padding), copied out of the batch."""
         s = self.mask.shape[1] - int(self.mask[j].sum())
-        return [(l.keys[j : j + 1, :, s:].clone(), l.values[j : j + 1, :, s:].clone()) for l in self.cache.layers]
+        return [
+            (l.keys[j : j + 1, :, s:].clone(), l.values[j : j + 1, :, s:].clone())
+            for l in self.cache.layers
+        ]
 
     def keep(self, keep: list[int]):
         """Keep only rows ``keep``, then drop the columns that are padding for every row left."""
@@ -340,8 +431,13 @@ class _Batch:
         toks = torch.tensor([r.response_ids[-1] for r in self.rows], device=self.device)[:, None]
         pos = self.mask.sum(1, keepdim=True)
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], 1)
-        out = model(input_ids=toks, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
-                    use_cache=True)
+        out = model(
+            input_ids=toks,
+            attention_mask=self.mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.last = out.logits[:, -1]
 
 
@@ -360,12 +456,20 @@ class _RoomyLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         n, m = self.keys.shape[-2], key_states.shape[-2]
         buf = getattr(self, "_buf", None)
-        if buf is None or buf[0].data_ptr() != self.keys.data_ptr() or buf[0].shape[:2] != self.keys.shape[:2] or buf[0].shape[2] < n + m:
-            buf = tuple(t.new_empty(t.shape[0], t.shape[1], n + m + 256, t.shape[3]) for t in (self.keys, self.values))
+        if (
+            buf is None
+            or buf[0].data_ptr() != self.keys.data_ptr()
+            or buf[0].shape[:2] != self.keys.shape[:2]
+            or buf[0].shape[2] < n + m
+        ):
+            buf = tuple(
+                t.new_empty(t.shape[0], t.shape[1], n + m + 256, t.shape[3])
+                for t in (self.keys, self.values)
+            )
             buf[0][:, :, :n], buf[1][:, :, :n] = self.keys, self.values
             self._buf = buf
-        buf[0][:, :, n:n + m], buf[1][:, :, n:n + m] = key_states, value_states
-        self.keys, self.values = buf[0][:, :, :n + m], buf[1][:, :, :n + m]
+        buf[0][:, :, n : n + m], buf[1][:, :, n : n + m] = key_states, value_states
+        self.keys, self.values = buf[0][:, :, : n + m], buf[1][:, :, : n + m]
         return self.keys, self.values
 
 
@@ -375,9 +479,13 @@ def _grouped_sdpa(module, query, key, value, attention_mask, scaling=None, **kwa
     see the same keys under the same mask), which is exactly attention with repeated KV heads."""
     n_rep = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or n_rep == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kwargs
+        )
     B, H, _, D = query.shape
-    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, H // n_rep, n_rep, D), key, value, attn_mask=attention_mask, scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, H // n_rep, n_rep, D), key, value, attn_mask=attention_mask, scale=scaling
+    )
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
 
 
@@ -401,21 +509,48 @@ class VLLMBackend(_Gate):
     ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes) and, for grammars (grammar.py), ``--structured-outputs-config
     '{"backend": "guidance"}'``; ``api_key`` (default $VLLM_API_KEY) goes with every request."""
 
-    def __init__(self, urls: list[str], sync_dir: str, procs: Optional[list] = None, api_key: Optional[str] = None):
+    def __init__(
+        self,
+        urls: list[str],
+        sync_dir: str,
+        procs: Optional[list] = None,
+        api_key: Optional[str] = None,
+    ):
         self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
         self.api_key = api_key or os.environ.get("VLLM_API_KEY")
         self.dtype = None  # of the weight-sync file (train.py: --dtype's, half of fp32 in bf16); None: the weights' own
         try:
-            models = [_http(u + "/v1/models", timeout=30, key=self.api_key)["data"][0] for u in self.urls]
+            models = [
+                _http(u + "/v1/models", timeout=30, key=self.api_key)["data"][0] for u in self.urls
+            ]
         except OSError as e:
-            raise RuntimeError(f"no vLLM server answers at {' '.join(self.urls)} ({e}): start it (README: GPUs), or leave out --vllm-url") from None
-        self.model_name, self.max_model_len = models[0]["id"], min(m["max_model_len"] for m in models)
-        self.version, self.paused, self.sleeping, self._inflight, self._cond = 0, False, False, 0, threading.Condition()
+            raise RuntimeError(
+                f"no vLLM server answers at {' '.join(self.urls)} ({e}): start it (README: GPUs), or leave out --vllm-url"
+            ) from None
+        self.model_name, self.max_model_len = (
+            models[0]["id"],
+            min(m["max_model_len"] for m in models),
+        )
+        self.version, self.paused, self.sleeping, self._inflight, self._cond = (
+            0,
+            False,
+            False,
+            0,
+            threading.Condition(),
+        )
         self.stats = Counter(requests=0, prompt_tokens=0, generated_tokens=0)
 
     @classmethod
-    def spawn(cls, model_dir: str, n: int = 1, python: str = "python", args: Optional[list] = None,
-              timeout: float = 900, log_dir: str = ".", places: Optional[list] = None):
+    def spawn(
+        cls,
+        model_dir: str,
+        n: int = 1,
+        python: str = "python",
+        args: Optional[list] = None,
+        timeout: float = 900,
+        log_dir: str = ".",
+        places: Optional[list] = None,
+    ):
         """Start ``n`` servers of ``model_dir`` (or one per ``places`` entry, from ``placement``: the environment
         and arguments that put it on its GPUs) as subprocesses (logs in ``log_dir``/vllm_K.log); wait until healthy."""
         import secrets
@@ -425,17 +560,45 @@ class VLLMBackend(_Gate):
         procs, urls, key = [], [], secrets.token_urlsafe(32)
         # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on vLLM's CPU build, which otherwise reserves 92% of memory (GPU builds ignore it)
         # The key in VLLM_API_KEY, not --api-key: ps shows command lines to every user, environments only to their own
-        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": key}
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": "4",
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_API_KEY": key,
+        }
         for k, (place_env, place_args) in enumerate(places or [({}, [])] * n):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-                   "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-                   "--structured-outputs-config", '{"backend": "guidance"}', *(args or []), *place_args]
+            cmd = [
+                python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--logprobs-mode",
+                "processed_logprobs",
+                "--generation-config",
+                "vllm",
+                "--structured-outputs-config",
+                '{"backend": "guidance"}',
+                *(args or []),
+                *place_args,
+            ]
             log = open(os.path.join(log_dir, f"vllm_{k}.log"), "w")
-            procs.append(subprocess.Popen(cmd, env={**env, **place_env}, stdout=log, stderr=subprocess.STDOUT,
-                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env={**env, **place_env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                )
+            )
             urls.append(f"http://127.0.0.1:{port}")
         t0 = time.time()
         for k, (p, u) in enumerate(zip(procs, urls)):
@@ -443,19 +606,31 @@ class VLLMBackend(_Gate):
                 if p.poll() is not None:
                     for q in procs:
                         q.kill()
-                    raise RuntimeError(f"vLLM server {k} exited with code {p.returncode}: see {os.path.join(log_dir, f'vllm_{k}.log')}")
+                    raise RuntimeError(
+                        f"vLLM server {k} exited with code {p.returncode}: see {os.path.join(log_dir, f'vllm_{k}.log')}"
+                    )
                 try:
                     _http(u + "/health", timeout=5)
                     break
                 except OSError:
                     if time.time() - t0 > timeout:
-                        raise TimeoutError(f"vLLM server {k} not healthy after {timeout:.0f} s: see {log_dir}/vllm_{k}.log") from None
+                        raise TimeoutError(
+                            f"vLLM server {k} not healthy after {timeout:.0f} s: see {log_dir}/vllm_{k}.log"
+                        ) from None
                     time.sleep(2)
         backend = cls(urls, _sync_dir(model_dir), procs=procs, api_key=key)
-        atexit.register(backend.close)  # a trainer that fails does not leave servers holding the GPU
+        atexit.register(
+            backend.close
+        )  # a trainer that fails does not leave servers holding the GPU
         return backend
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, on_token: Optional[Callable[[int], None]] = None, rollout_id: str = "") -> Generation:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        on_token: Optional[Callable[[int], None]] = None,
+        rollout_id: str = "",
+    ) -> Generation:
         import aiohttp
 
         max_new = _max_new(prompt_ids, sampling, self.max_model_len)
@@ -470,18 +645,39 @@ class VLLMBackend(_Gate):
             url = self.urls[zlib.crc32(rollout_id.encode()) % len(self.urls)]
             # Every sampling field explicit, the penalties and min_p neutral: vLLM fills an unset one from the model's
             # generation_config.json (Qwen2.5's repetition_penalty 1.05), a distribution the trainer never scores.
-            body = {"model": self.model_name, "prompt": list(prompt_ids), "max_tokens": max_new, "seed": sampling.seed,
-                    "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1, "stop": sampling.stop,
-                    "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "logprobs": 0, "return_token_ids": True, "stream": on_token is not None}
+            body = {
+                "model": self.model_name,
+                "prompt": list(prompt_ids),
+                "max_tokens": max_new,
+                "seed": sampling.seed,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k or -1,
+                "stop": sampling.stop,
+                "min_p": 0.0,
+                "repetition_penalty": 1.0,
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "stream": on_token is not None,
+            }
             if sampling.grammar:  # the servers' guidance backend (llguidance) masks as grammar.Matcher does; the trainer replays it
                 body["structured_outputs"] = {"grammar": sampling.grammar}
             ids, lps, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-                async with http.post(url + "/v1/completions", json=body, headers=_auth(self.api_key)) as r:
+                async with http.post(
+                    url + "/v1/completions", json=body, headers=_auth(self.api_key)
+                ) as r:
                     if r.status != 200:
-                        hint = " (a grammar: start the servers with --structured-outputs-config '{\"backend\": \"guidance\"}')" if sampling.grammar else ""
-                        raise RuntimeError(f"vLLM at {url} answered {r.status}: {(await r.text())[:500]}{hint}")
+                        hint = (
+                            ' (a grammar: start the servers with --structured-outputs-config \'{"backend": "guidance"}\')'
+                            if sampling.grammar
+                            else ""
+                        )
+                        raise RuntimeError(
+                            f"vLLM at {url} answered {r.status}: {(await r.text())[:500]}{hint}"
+                        )
                     async for ch in _choices(r, body["stream"]):
                         new = ch.get("token_ids") or []
                         ids += new
@@ -491,7 +687,9 @@ class VLLMBackend(_Gate):
                         for t in new if on_token else []:
                             on_token(t)
             if finish not in ("stop", "length") or len(lps) != len(ids):
-                raise RuntimeError(f"vLLM at {url} ended a reply with finish_reason {finish!r} ({len(ids)} ids, {len(lps)} logprobs)")
+                raise RuntimeError(
+                    f"vLLM at {url} ended a reply with finish_reason {finish!r} ({len(ids)} ids, {len(lps)} logprobs)"
+                )
             self.stats.update(requests=1, prompt_tokens=len(prompt_ids), generated_tokens=len(ids))
             return Generation(ids, lps, finish, "".join(text), version)
         finally:
@@ -515,18 +713,27 @@ class VLLMBackend(_Gate):
 
         self.pause()
         if self.sleeping and model is None:
-            raise ValueError("the servers slept at level 2 and dropped their weights: sync_weights needs the model")
+            raise ValueError(
+                "the servers slept at level 2 and dropped their weights: sync_weights needs the model"
+            )
         if model is not None:
             # tied embeddings share storage: write it once, under its first name (vLLM re-ties it)
             first = {v.data_ptr(): (k, v) for k, v in reversed(_state_dict(model).items())}
-            out = {k: v.detach().to("cpu", self.dtype or v.dtype).contiguous() for k, v in first.values()}
+            out = {
+                k: v.detach().to("cpu", self.dtype or v.dtype).contiguous()
+                for k, v in first.values()
+            }
             os.makedirs(self.sync_dir, exist_ok=True)
             save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
             del first, out
         for u in self.urls if model is not None else ():
             if self.sleeping:
                 _http(u + "/wake_up?tags=weights", {}, key=self.api_key)
-            _http(u + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}, key=self.api_key)
+            _http(
+                u + "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}},
+                key=self.api_key,
+            )
             if self.sleeping:
                 _http(u + "/wake_up?tags=kv_cache", {}, key=self.api_key)
             _http(u + "/reset_prefix_cache", {}, key=self.api_key)
@@ -542,7 +749,9 @@ class VLLMBackend(_Gate):
             shutil.rmtree(self.sync_dir, ignore_errors=True)
 
 
-def placement(gpu_sets: list[str], trainer_gpus: list[str], share: Optional[float] = None, args: list = ()) -> list:
+def placement(
+    gpu_sets: list[str], trainer_gpus: list[str], share: Optional[float] = None, args: list = ()
+) -> list:
     """Each started server's (environment, arguments) for ``VLLMBackend.spawn``: one per GPU set, tensor-parallel
     over it, with ``share`` of each GPU's memory (default 0.3 beside the trainer, 0.9 alone: README: GPUs: vLLM).
 
@@ -553,8 +762,12 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share: Optional[floa
     ours = ("--tensor-parallel-size", "--gpu-memory-utilization")
     for a in args:
         flag = a.split("=")[0].replace("_", "-")
-        if flag == "-tp" or len(flag) > 2 and any(f.startswith(flag) for f in ours):  # argparse takes abbreviations
-            raise ValueError(f"--vllm-args sets {a}: give the GPUs and memory share as --vllm-gpus, --vllm-gpu-memory")
+        if (
+            flag == "-tp" or len(flag) > 2 and any(f.startswith(flag) for f in ours)
+        ):  # argparse takes abbreviations
+            raise ValueError(
+                f"--vllm-args sets {a}: give the GPUs and memory share as --vllm-gpus, --vllm-gpu-memory"
+            )
     places = []
     for s in gpu_sets:
         ids = s.split(",")
@@ -569,8 +782,14 @@ def _sync_dir(model_dir: str) -> str:
     twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by default), else on disk. A hub name
     (no folder here) has no size to check."""
     files = os.listdir(model_dir) if os.path.isdir(model_dir) else []
-    need = 2 * sum(os.path.getsize(os.path.join(model_dir, f)) for f in files if f.endswith(".safetensors"))
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need else None
+    need = 2 * sum(
+        os.path.getsize(os.path.join(model_dir, f)) for f in files if f.endswith(".safetensors")
+    )
+    shm = (
+        "/dev/shm"
+        if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need
+        else None
+    )
     return tempfile.mkdtemp(prefix="lightning-lite-weights-", dir=shm)
 
 
@@ -597,7 +816,11 @@ def _http(url: str, body: Optional[dict] = None, timeout: float = 600, key: Opti
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
-        why = "wrong or missing API key: --vllm-api-key" if e.code == 401 else "sync routes need VLLM_SERVER_DEV_MODE=1"
+        why = (
+            "wrong or missing API key: --vllm-api-key"
+            if e.code == 401
+            else "sync routes need VLLM_SERVER_DEV_MODE=1"
+        )
         raise RuntimeError(f"{url} answered {e.code}: {e.read()[:500]!r} ({why})") from None
     return json.loads(raw) if raw.strip() else None
 

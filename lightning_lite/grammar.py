@@ -30,10 +30,16 @@ from .toolcalls import DS_CALL_END, DS_END, DS_SEP
 
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 # format: (after the tool's name, before its arguments; after the arguments): toolcalls.forced writes up to the name
-CALL = {"hermes": ('", "arguments": ', "}\n</tool_call>"), "llama3": ('", "parameters": ', "}"),
-        "mistral": ('", "arguments": ', "}]"), "granite": ('", "arguments": ', "}]"), "mistral_v11": ("[ARGS]", ""),
-        "deepseek": ("\n```json\n", "\n```" + DS_CALL_END + DS_END), "deepseek_v31": (DS_SEP, DS_CALL_END + DS_END),
-        "harmony": (" <|constrain|>json<|message|>", "<|call|>")}
+CALL = {
+    "hermes": ('", "arguments": ', "}\n</tool_call>"),
+    "llama3": ('", "parameters": ', "}"),
+    "mistral": ('", "arguments": ', "}]"),
+    "granite": ('", "arguments": ', "}]"),
+    "mistral_v11": ("[ARGS]", ""),
+    "deepseek": ("\n```json\n", "\n```" + DS_CALL_END + DS_END),
+    "deepseek_v31": (DS_SEP, DS_CALL_END + DS_END),
+    "harmony": (" <|constrain|>json<|message|>", "<|call|>"),
+}
 _TOKENIZERS: dict = {}  # (id(tokenizer), n_vocab) -> (tokenizer, its llguidance tokenizer, its special tokens' pattern)
 
 
@@ -43,8 +49,14 @@ def _ll(tok, n_vocab: Optional[int] = None):
     key = (id(tok), n_vocab or len(tok))
     if key not in _TOKENIZERS:
         ll = llguidance.hf.from_tokenizer(tok, max(n_vocab or 0, len(tok)))
-        special = {t.content: i for i, t in tok.added_tokens_decoder.items() if ll.is_special_token(i)}
-        pattern = re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True)))) if special else None
+        special = {
+            t.content: i for i, t in tok.added_tokens_decoder.items() if ll.is_special_token(i)
+        }
+        pattern = (
+            re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True))))
+            if special
+            else None
+        )
         _TOKENIZERS[key] = (tok, ll, pattern, special)  # tok held: its id stays its own
     return _TOKENIZERS[key][1:]
 
@@ -55,7 +67,7 @@ def _text(s: str, tok) -> str:
     _, pattern, special = _ll(tok)
     parts, pos = [], 0
     for m in pattern.finditer(s) if pattern else ():
-        parts += [json.dumps(s[pos:m.start()], ensure_ascii=False)] if m.start() > pos else []
+        parts += [json.dumps(s[pos : m.start()], ensure_ascii=False)] if m.start() > pos else []
         parts.append(f"<[{special[m.group()]}]>")
         pos = m.end()
     parts += [json.dumps(s[pos:], ensure_ascii=False)] if pos < len(s) or not parts else []
@@ -69,9 +81,19 @@ def _closed(schema):
         return [_closed(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed(v) if k != "properties" else {n: _closed(x) for n, x in v.items()} if isinstance(v, dict) else v
-           for k, v in schema.items()}
-    return {**out, "additionalProperties": False} if "properties" in out and "additionalProperties" not in out else out
+    out = {
+        k: _closed(v)
+        if k != "properties"
+        else {n: _closed(x) for n, x in v.items()}
+        if isinstance(v, dict)
+        else v
+        for k, v in schema.items()
+    }
+    return (
+        {**out, "additionalProperties": False}
+        if "properties" in out and "additionalProperties" not in out
+        else out
+    )
 
 
 def _json(schema) -> str:
@@ -87,12 +109,23 @@ def json_grammar(schema: dict) -> str:
 def _coder_params(schema: dict, tok, k: int) -> tuple[str, list[str]]:
     """Qwen3-Coder's parameters, ``<parameter=A>\\nV\\n</parameter>\\n`` each, in the schema's order (the required ones
     always): a string value is any text without the closing tag, another one JSON. -> (the rule's body, lexemes)."""
-    props, required, body, lexemes = schema.get("properties") or {}, set(schema.get("required") or []), [], []
-    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what a property's "$ref" points into
+    props, required, body, lexemes = (
+        schema.get("properties") or {},
+        set(schema.get("required") or []),
+        [],
+        [],
+    )
+    defs = {
+        k: schema[k] for k in ("$defs", "definitions") if k in schema
+    }  # what a property's "$ref" points into
     for j, (name, sub) in enumerate(props.items()):
         close = _text("\n</parameter>\n", tok)
-        if isinstance(sub, dict) and sub.get("type") == "string":  # ends at the first closing tag, which it includes
-            lexemes.append(f"STR{k}_{j}: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.)+/")
+        if (
+            isinstance(sub, dict) and sub.get("type") == "string"
+        ):  # ends at the first closing tag, which it includes
+            lexemes.append(
+                f"STR{k}_{j}: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.)+/"
+            )
             value = f"STR{k}_{j}"
         else:
             value = f"{_json({**sub, **defs} if isinstance(sub, dict) else sub)} {close}"
@@ -116,15 +149,27 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
         else:
             between, after = CALL[fmt]
             # named: forced() wrote the name and `between` less a trailing space (the model's token carries it)
-            lead = head + between if head else between[len(between.rstrip(" ")):]
-            rule = " ".join(x for x in (_text(lead, tok) if lead else "", _json(schema), _text(after, tok) if after else "") if x)
+            lead = head + between if head else between[len(between.rstrip(" ")) :]
+            rule = " ".join(
+                x
+                for x in (
+                    _text(lead, tok) if lead else "",
+                    _json(schema),
+                    _text(after, tok) if after else "",
+                )
+                if x
+            )
         rules.append(f"call{k}: {rule.strip()}")
-    return "\n".join([f"start: {' | '.join(f'call{k}' for k in range(len(rules)))}", *rules, *lexemes])
+    return "\n".join(
+        [f"start: {' | '.join(f'call{k}' for k in range(len(rules)))}", *rules, *lexemes]
+    )
 
 
 def check(grammar: str, tok) -> Optional[str]:
     """None when llguidance compiles ``grammar`` for ``tok``, else its message (a schema it cannot follow)."""
-    err = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar), _ll(tok)[0])
+    err = llguidance.LLMatcher.validate_grammar(
+        llguidance.grammar_from("lark", grammar), _ll(tok)[0]
+    )
     return err or None
 
 
@@ -133,7 +178,9 @@ class Matcher:
 
     def __init__(self, grammar: str, tok, n_vocab: int):
         self.ll, self.n_vocab = _ll(tok, n_vocab)[0], n_vocab
-        self.m = llguidance.LLMatcher(self.ll, llguidance.grammar_from("lark", grammar), log_level=0)
+        self.m = llguidance.LLMatcher(
+            self.ll, llguidance.grammar_from("lark", grammar), log_level=0
+        )
         if self.m.is_error():
             raise ValueError(f"the grammar does not compile: {self.m.get_error()}")
 
@@ -144,7 +191,9 @@ class Matcher:
         return unpack_bits(self.packed()[None], self.n_vocab)[0]
 
     def consume(self, token: int):
-        if not self.m.consume_token(token):  # the sampler drew from the mask: a bug, never the model's doing
+        if not self.m.consume_token(
+            token
+        ):  # the sampler drew from the mask: a bug, never the model's doing
             raise RuntimeError(f"token {token} is outside the grammar: {self.m.get_error()[:300]}")
 
 

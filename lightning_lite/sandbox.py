@@ -39,9 +39,21 @@ class Sandbox:
 
     name = "none"
 
-    def wrap(self, cmd: list[str], env: dict, cwd: str, *, binds=(), ro_binds=(), hide=(), socket: Optional[str] = None,
-             port: Optional[int] = None, image: Optional[str] = None, limits: Optional[Limits] = None,
-             name: Optional[str] = None) -> list[str]:
+    def wrap(
+        self,
+        cmd: list[str],
+        env: dict,
+        cwd: str,
+        *,
+        binds=(),
+        ro_binds=(),
+        hide=(),
+        socket: Optional[str] = None,
+        port: Optional[int] = None,
+        image: Optional[str] = None,
+        limits: Optional[Limits] = None,
+        name: Optional[str] = None,
+    ) -> list[str]:
         """The host argv that runs ``cmd`` in ``cwd`` with exactly ``env`` (see the module docstring)."""
         return ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *cmd]
 
@@ -49,7 +61,9 @@ class Sandbox:
         """Stop what may outlive the host process once it is killed (a container); nothing here."""
 
     @staticmethod
-    def _bridged(here: str, socket: Optional[str], port: Optional[int], cmd: list[str]) -> list[str]:
+    def _bridged(
+        here: str, socket: Optional[str], port: Optional[int], cmd: list[str]
+    ) -> list[str]:
         """``cmd`` under the bridge (this file, at ``here`` inside, run by the sandbox's own python3) when bridged."""
         return ["python3", here, socket, str(port), "--", *cmd] if socket else list(cmd)
 
@@ -60,15 +74,35 @@ class Bwrap(Sandbox):
     def __init__(self, hide=()):
         self.hide = [os.path.abspath(p) for p in hide]
 
-    def wrap(self, cmd, env, cwd, *, binds=(), ro_binds=(), hide=(), socket=None, port=None, image=None, limits=None, name=None):
+    def wrap(
+        self,
+        cmd,
+        env,
+        cwd,
+        *,
+        binds=(),
+        ro_binds=(),
+        hide=(),
+        socket=None,
+        port=None,
+        image=None,
+        limits=None,
+        name=None,
+    ):
         a = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         # Order matters: a later mount covers an earlier one. Private dirs first (HOME holds the trainer's
         # tokens and keys; /run the Docker socket), then what the program needs from them read-only (its
         # interpreter, the repo it runs from), then what it must never see (the run's out dir, a harness's
         # answers), then what it needs from inside those (its venv in a hidden repo), then what it may write.
         hidden = [os.path.abspath(d) for d in (*self.hide, *hide)]
-        ro_binds = [*ro_binds, socket, HERE] if socket else ro_binds  # the proxy's socket, the bridge (this file)
-        inside = [d for d in ro_binds if any(os.path.commonpath([os.path.abspath(d), h]) == h for h in hidden)]
+        ro_binds = (
+            [*ro_binds, socket, HERE] if socket else ro_binds
+        )  # the proxy's socket, the bridge (this file)
+        inside = [
+            d
+            for d in ro_binds
+            if any(os.path.commonpath([os.path.abspath(d), h]) == h for h in hidden)
+        ]
         for d in (os.path.expanduser("~"), "/tmp", "/var/tmp", "/run"):
             a += ["--tmpfs", d] if os.path.isdir(d) else []
         for d in ro_binds:
@@ -82,8 +116,18 @@ class Bwrap(Sandbox):
             a += ["--bind", d, d]
         for d in hidden:  # read-only once its mount points exist: a write there fails, as anywhere but its own dirs
             a += ["--remount-ro", d]
-        a += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-              "--die-with-parent", "--new-session", "--clearenv", "--chdir", cwd]
+        a += [
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--chdir",
+            cwd,
+        ]
         for k, v in env.items():
             a += ["--setenv", k, str(v)]
         return a + ["--", *self._bridged(HERE, socket, port, cmd)]
@@ -95,12 +139,41 @@ class Docker(Sandbox):
     def __init__(self, image: Optional[str] = None, cli: str = "docker"):
         self.image, self.cli = image, cli
 
-    def wrap(self, cmd, env, cwd, *, binds=(), ro_binds=(), hide=(), socket=None, port=None, image=None, limits=None, name=None):
+    def wrap(
+        self,
+        cmd,
+        env,
+        cwd,
+        *,
+        binds=(),
+        ro_binds=(),
+        hide=(),
+        socket=None,
+        port=None,
+        image=None,
+        limits=None,
+        name=None,
+    ):
         image = image or self.image
         if not image:
-            raise ValueError("the docker sandbox needs an image: the task's, the harness's `image`, or --sandbox-image")
-        a = [self.cli, "run", "--rm", "-i", "--network", "none", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-             "-w", cwd, *(["--name", name] if name else [])]
+            raise ValueError(
+                "the docker sandbox needs an image: the task's, the harness's `image`, or --sandbox-image"
+            )
+        a = [
+            self.cli,
+            "run",
+            "--rm",
+            "-i",
+            "--network",
+            "none",
+            "--cap-drop",
+            "ALL",
+            "--security-opt",
+            "no-new-privileges",
+            "-w",
+            cwd,
+            *(["--name", name] if name else []),
+        ]
         for d in (cwd, *binds):
             a += ["-v", f"{d}:{d}"]
         for d in filter(os.path.exists, ro_binds):  # docker would create a missing one
@@ -113,7 +186,10 @@ class Docker(Sandbox):
         a += ["--pids-limit", str(limits.pids)] if limits.pids else []
         for k, v in env.items():
             a += ["-e", f"{k}={v}"]
-        return a + [image, *self._bridged("/ll/sandbox.py", "/ll/proxy.sock" if socket else None, port, cmd)]
+        return a + [
+            image,
+            *self._bridged("/ll/sandbox.py", "/ll/proxy.sock" if socket else None, port, cmd),
+        ]
 
     def kill(self, name):
         if name:  # killing the client leaves the container running
@@ -125,17 +201,39 @@ class Template(Sandbox):
 
     def __init__(self, template: str, image: Optional[str] = None, kill: Optional[str] = None):
         if "{argv}" not in template:
-            raise ValueError(f"a sandbox command template needs {{argv}} (where the command goes): {template!r}")
+            raise ValueError(
+                f"a sandbox command template needs {{argv}} (where the command goes): {template!r}"
+            )
         self.template, self.image, self.kill_template = shlex.split(template), image, kill
 
-    def wrap(self, cmd, env, cwd, *, binds=(), ro_binds=(), hide=(), socket=None, port=None, image=None, limits=None, name=None):
+    def wrap(
+        self,
+        cmd,
+        env,
+        cwd,
+        *,
+        binds=(),
+        ro_binds=(),
+        hide=(),
+        socket=None,
+        port=None,
+        image=None,
+        limits=None,
+        name=None,
+    ):
         inner = f"cd {shlex.quote(cwd)} && exec env -i {shlex.join(f'{k}={v}' for k, v in env.items())} {shlex.join(cmd)}"
         fields = {"name": name or "", "image": image or self.image or "", "cwd": cwd}
-        return [x for t in self.template for x in (["sh", "-c", inner] if t == "{argv}" else [t.format(**fields)])]
+        return [
+            x
+            for t in self.template
+            for x in (["sh", "-c", inner] if t == "{argv}" else [t.format(**fields)])
+        ]
 
     def kill(self, name):
         if self.kill_template and name:
-            subprocess.run(shlex.split(self.kill_template.format(name=name)), capture_output=True, timeout=60)
+            subprocess.run(
+                shlex.split(self.kill_template.format(name=name)), capture_output=True, timeout=60
+            )
 
 
 def make(kind: str = "auto", hide=(), image: Optional[str] = None) -> Sandbox:
@@ -147,29 +245,56 @@ def make(kind: str = "auto", hide=(), image: Optional[str] = None) -> Sandbox:
     if kind in ("auto", "bwrap"):
         problem = _bwrap_problem()
         if problem:
-            raise ValueError(f"the bwrap sandbox does not work here: {problem}. Install bubblewrap (apt-get install "
-                             "bubblewrap, or make setup-sandbox), or run rollouts unsandboxed with --sandbox none")
+            raise ValueError(
+                f"the bwrap sandbox does not work here: {problem}. Install bubblewrap (apt-get install "
+                "bubblewrap, or make setup-sandbox), or run rollouts unsandboxed with --sandbox none"
+            )
         return Bwrap(hide)
     if kind in ("docker", "podman"):
         cli = shutil.which(kind)
-        if not cli or subprocess.run([cli, "info"], capture_output=True, timeout=60).returncode != 0:
-            raise ValueError(f"{kind} is not installed or its daemon is not running (`{kind} info` failed): "
-                             "make setup-sandbox installs and starts Docker here")
+        if (
+            not cli
+            or subprocess.run([cli, "info"], capture_output=True, timeout=60).returncode != 0
+        ):
+            raise ValueError(
+                f"{kind} is not installed or its daemon is not running (`{kind} info` failed): "
+                "make setup-sandbox installs and starts Docker here"
+            )
         return Docker(image, cli)
     if "{argv}" in kind:
         return Template(kind, image)
-    raise ValueError(f"unknown sandbox {kind!r}: use auto, bwrap, docker, podman, none or a command template with {{argv}}")
+    raise ValueError(
+        f"unknown sandbox {kind!r}: use auto, bwrap, docker, podman, none or a command template with {{argv}}"
+    )
 
 
 def _bwrap_problem() -> Optional[str]:
     if not shutil.which("bwrap"):
         return "bwrap is not installed"
-    p = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--unshare-net",
-                        "--", "true"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            "bwrap",
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--unshare-pid",
+            "--unshare-net",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return p.stderr.strip() or f"exit code {p.returncode}" if p.returncode else None
 
 
 # ---------------------------------------------------------------------------- the bridge (runs inside)
+
 
 def _pump(src, dst):
     try:
@@ -179,7 +304,9 @@ def _pump(src, dst):
         pass  # the other side went away
     finally:
         try:
-            dst.shutdown(socketlib.SHUT_WR)  # EOF onwards; each side closes when both pumps are done
+            dst.shutdown(
+                socketlib.SHUT_WR
+            )  # EOF onwards; each side closes when both pumps are done
         except OSError:
             pass
 

@@ -24,28 +24,71 @@ import json
 import re
 from typing import Optional
 
-FORMATS = ("hermes", "qwen3_coder", "llama3", "mistral", "mistral_v11", "deepseek", "deepseek_v31", "harmony", "granite")
-SENTINEL = "LLSENTINEL7f3a"  # detect(): the name of the call rendered, with arguments {"llarg": "llval"}
+FORMATS = (
+    "hermes",
+    "qwen3_coder",
+    "llama3",
+    "mistral",
+    "mistral_v11",
+    "deepseek",
+    "deepseek_v31",
+    "harmony",
+    "granite",
+)
+SENTINEL = (
+    "LLSENTINEL7f3a"  # detect(): the name of the call rendered, with arguments {"llarg": "llval"}
+)
 
 PYTHON_TAG = "<|python_tag|>"
-DS_BEGIN, DS_END, DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_BEGIN, DS_END, DS_CALL, DS_CALL_END, DS_SEP = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+)
 # Where a call begins: content streams up to there (llama3 and harmony decide otherwise).
-OPENERS = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>", "mistral": "[TOOL_CALLS]", "mistral_v11": "[TOOL_CALLS]",
-           "deepseek": DS_BEGIN, "deepseek_v31": DS_BEGIN, "granite": "<|tool_call|>"}
-HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+OPENERS = {
+    "hermes": "<tool_call>",
+    "qwen3_coder": "<tool_call>",
+    "mistral": "[TOOL_CALLS]",
+    "mistral_v11": "[TOOL_CALLS]",
+    "deepseek": DS_BEGIN,
+    "deepseek_v31": DS_BEGIN,
+    "granite": "<|tool_call|>",
+}
+HARMONY_MARKERS = (
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|constrain|>",
+    "<|end|>",
+    "<|call|>",
+    "<|return|>",
+)
 
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)  # unclosed at the end still counts
+TOOL_CALL_RE = re.compile(
+    r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL
+)  # unclosed at the end still counts
 FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>)?", re.DOTALL)
 PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 DEEPSEEK_RE = re.compile(re.escape(DS_BEGIN) + r"(.*?)(?:" + re.escape(DS_END) + r"|$)", re.DOTALL)
-FENCED_RE = re.compile(r"\s*(\S+?)\s*```(?:json)?\s*(.*?)\s*(?:```)?\s*", re.DOTALL)  # R1: NAME\n```json\n{...}\n```
+FENCED_RE = re.compile(
+    r"\s*(\S+?)\s*```(?:json)?\s*(.*?)\s*(?:```)?\s*", re.DOTALL
+)  # R1: NAME\n```json\n{...}\n```
 MISTRAL_NAME_RE = re.compile(r"\s*([^\[\]\s{]+)\s*(?:\[CALL_ID\]\s*([^\[\s]+)\s*)?\[ARGS\]")
 _JSON = json.JSONDecoder()
-SPACE, CALL_SEPARATORS = re.compile(r"\s*"), re.compile(r"[\s;]*")  # llama3: calls ;- or space-separated
+SPACE, CALL_SEPARATORS = (
+    re.compile(r"\s*"),
+    re.compile(r"[\s;]*"),
+)  # llama3: calls ;- or space-separated
 
 
 def _call(name: str, args, id: Optional[str] = None) -> dict:
-    call = {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+    call = {
+        "name": name,
+        "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+    }
     return {"id": id, **call} if id else call
 
 
@@ -79,9 +122,14 @@ def _tag_body(body: str) -> Optional[dict]:
     if body.startswith("{"):
         return _from_obj(parse_arguments(body))
     m = FUNCTION_RE.fullmatch(body)
-    if not m or PARAMETER_RE.sub("", m.group(2)).strip():  # anything but parameters inside: not a call
+    if (
+        not m or PARAMETER_RE.sub("", m.group(2)).strip()
+    ):  # anything but parameters inside: not a call
         return None
-    return _call(m.group(1).strip(), {k.strip(): parse_arguments(v) for k, v in PARAMETER_RE.findall(m.group(2))})
+    return _call(
+        m.group(1).strip(),
+        {k.strip(): parse_arguments(v) for k, v in PARAMETER_RE.findall(m.group(2))},
+    )
 
 
 def _deepseek(region: str) -> Optional[list[dict]]:
@@ -91,7 +139,9 @@ def _deepseek(region: str) -> Optional[list[dict]]:
     for part in parts:
         body, _, after = part.partition(DS_CALL_END)
         name, sep, args = body.partition(DS_SEP)
-        if name.strip() == "function" and (fenced := FENCED_RE.fullmatch(args)):  # R1/V3; V3.1 has NAME<sep>{...}
+        if name.strip() == "function" and (
+            fenced := FENCED_RE.fullmatch(args)
+        ):  # R1/V3; V3.1 has NAME<sep>{...}
             name, args = fenced.groups()
         obj = parse_arguments(args)
         if after.strip() or not sep or not isinstance(obj, dict):
@@ -115,15 +165,27 @@ def _mistral(text: str, i: int):
     if not m:
         return _json_calls(text, i)
     got = _json_at(text, m.end())
-    return ([_call(m.group(1), got[0], m.group(2))], got[1]) if got and isinstance(got[0], dict) else None
+    return (
+        ([_call(m.group(1), got[0], m.group(2))], got[1])
+        if got and isinstance(got[0], dict)
+        else None
+    )
 
 
 def _blocks(fmt: str, text: str) -> list[tuple[int, int, list[dict]]]:
     """``(start, end, calls)`` of every call block in ``text`` that parses; the content is the text around them."""
     if fmt in ("hermes", "qwen3_coder"):
-        return [(m.start(), m.end(), [c]) for m in TOOL_CALL_RE.finditer(text) if (c := _tag_body(m.group(1)))]
+        return [
+            (m.start(), m.end(), [c])
+            for m in TOOL_CALL_RE.finditer(text)
+            if (c := _tag_body(m.group(1)))
+        ]
     if fmt in ("deepseek", "deepseek_v31"):
-        return [(m.start(), m.end(), cs) for m in DEEPSEEK_RE.finditer(text) if (cs := _deepseek(m.group(1)))]
+        return [
+            (m.start(), m.end(), cs)
+            for m in DEEPSEEK_RE.finditer(text)
+            if (cs := _deepseek(m.group(1)))
+        ]
     marker, read, out = OPENERS[fmt], (_mistral if fmt.startswith("mistral") else _json_calls), []
     i = text.find(marker)
     while i >= 0:
@@ -142,7 +204,12 @@ def _llama3(text: str) -> tuple[str, list[dict]]:
         if i == len(s):
             return ("", calls) if calls else (text.strip(), [])
         got = _json_at(s, i)
-        call = got and isinstance(got[0], dict) and ("parameters" in got[0] or "arguments" in got[0]) and _from_obj(got[0])
+        call = (
+            got
+            and isinstance(got[0], dict)
+            and ("parameters" in got[0] or "arguments" in got[0])
+            and _from_obj(got[0])
+        )
         if not call:
             return text.strip(), []
         calls.append(call)
@@ -160,7 +227,7 @@ def _think(text: str, think, opened: bool) -> tuple[str, str, bool]:
     if not think or not (opened or text.lstrip().startswith(think[0])):
         return "", text, True
     if not opened:
-        text = text.lstrip()[len(think[0]):]
+        text = text.lstrip()[len(think[0]) :]
     reasoning, close, rest = text.partition(think[1])
     return reasoning, rest, bool(close)
 
@@ -185,7 +252,10 @@ def _harmony(text: str, partial: bool) -> dict:
                 content.append(seg)
             continue
         body = re.split(r"<\|(?:end|call|return)\|>", body)[0]
-        to, channel = re.search(r"to=([^\s<]+)", header), re.search(r"<\|channel\|>\s*([^\s<]+)", header)
+        to, channel = (
+            re.search(r"to=([^\s<]+)", header),
+            re.search(r"<\|channel\|>\s*([^\s<]+)", header),
+        )
         if to:
             if partial:
                 break
@@ -199,7 +269,9 @@ def _harmony(text: str, partial: bool) -> dict:
     return {"content": _join(content), "reasoning": _join(reasoning), "tool_calls": calls}
 
 
-def parse(fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = None, opened: bool = False) -> dict:
+def parse(
+    fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = None, opened: bool = False
+) -> dict:
     """Sampled text -> ``{"content", "reasoning", "tool_calls": [{"id"?, "name", "arguments": JSON str}]}``, content
     and reasoning stripped, "id" only where the model wrote one. A call whose body does not parse stays in the
     content: the harness sees what the model wrote. ``fmt`` None: no calls (tool_choice "none")."""
@@ -222,7 +294,9 @@ def parse(fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = None
     return {"content": content, "reasoning": reasoning.strip(), "tool_calls": calls}
 
 
-def visible(fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = None, opened: bool = False) -> tuple[str, str]:
+def visible(
+    fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = None, opened: bool = False
+) -> tuple[str, str]:
     """(reasoning, content) that may be streamed while ``text`` still grows: each is a prefix of what ``parse``
     gives for any longer text. Held back: a character split across tokens, the start of a marker, trailing
     whitespace, and everything from the first call opening on (a call is sent whole, once parsed)."""
@@ -237,32 +311,50 @@ def visible(fmt: Optional[str], text: str, think: Optional[tuple[str, str]] = No
         return hold_back(reasoning, [think[1]]).strip(), ""
     if fmt == "llama3":  # a reply that starts like JSON may be a call: all of it waits
         s = rest.lstrip()
-        return reasoning.strip(), "" if s.startswith("{") or PYTHON_TAG.startswith(s[: len(PYTHON_TAG)]) else rest.strip()
+        return reasoning.strip(), "" if s.startswith("{") or PYTHON_TAG.startswith(
+            s[: len(PYTHON_TAG)]
+        ) else rest.strip()
     if fmt is None:
         return reasoning.strip(), rest.strip()
     cut = rest.find(OPENERS[fmt])
     return reasoning.strip(), (rest[:cut] if cut >= 0 else hold_back(rest, [OPENERS[fmt]])).strip()
 
 
-def forced(fmt: str, name: Optional[str], opened: bool = False, think: Optional[tuple[str, str]] = ("<think>", "</think>")) -> str:
+def forced(
+    fmt: str,
+    name: Optional[str],
+    opened: bool = False,
+    think: Optional[tuple[str, str]] = ("<think>", "</think>"),
+) -> str:
     """Text that opens a forced call (tool_choice), at the end of the prompt (not trained: the model did not sample
     it) and before the sampled text when parsing. ``name`` "" lets the model pick the tool ("required"), None opens
     a reply in JSON (response_format: gpt-oss's final channel); with ``opened`` (the prompt opened a think block) it
     closes the reasoning first."""
-    opening = ("<|channel|>final<|message|>" if fmt == "harmony" else "") if name is None else {
-        "hermes": '<tool_call>\n{"name": "' + (name + '", "arguments": ' if name else ""),
-        "qwen3_coder": "<tool_call>\n<function=" + (name + ">\n" if name else ""),
-        "llama3": '{"name": "' + (name + '", "parameters": ' if name else ""),
-        "mistral": '[TOOL_CALLS][{"name": "' + (name + '", "arguments": ' if name else ""),
-        "mistral_v11": "[TOOL_CALLS]" + (name + "[ARGS]" if name else ""),
-        "deepseek": DS_BEGIN + DS_CALL + "function" + DS_SEP + (name + "\n```json\n" if name else ""),
-        "deepseek_v31": DS_BEGIN + DS_CALL + (name + DS_SEP if name else ""),
-        "harmony": "<|channel|>commentary to=functions." + (name + " <|constrain|>json<|message|>" if name else ""),
-        "granite": '<|tool_call|>[{"name": "' + (name + '", "arguments": ' if name else ""),
-    }[fmt]
+    opening = (
+        ("<|channel|>final<|message|>" if fmt == "harmony" else "")
+        if name is None
+        else {
+            "hermes": '<tool_call>\n{"name": "' + (name + '", "arguments": ' if name else ""),
+            "qwen3_coder": "<tool_call>\n<function=" + (name + ">\n" if name else ""),
+            "llama3": '{"name": "' + (name + '", "parameters": ' if name else ""),
+            "mistral": '[TOOL_CALLS][{"name": "' + (name + '", "arguments": ' if name else ""),
+            "mistral_v11": "[TOOL_CALLS]" + (name + "[ARGS]" if name else ""),
+            "deepseek": DS_BEGIN
+            + DS_CALL
+            + "function"
+            + DS_SEP
+            + (name + "\n```json\n" if name else ""),
+            "deepseek_v31": DS_BEGIN + DS_CALL + (name + DS_SEP if name else ""),
+            "harmony": "<|channel|>commentary to=functions."
+            + (name + " <|constrain|>json<|message|>" if name else ""),
+            "granite": '<|tool_call|>[{"name": "' + (name + '", "arguments": ' if name else ""),
+        }[fmt]
+    )
     # No space after the last ':': the model's own first token carries it (' {'), as the template writes it; a
     # space here made the 135M model write two, and the template's rendering of the turn then differs.
-    return (think[1] + "\n\n" if opened and think and fmt != "harmony" else "") + opening.rstrip(" ")
+    return (think[1] + "\n\n" if opened and think and fmt != "harmony" else "") + opening.rstrip(
+        " "
+    )
 
 
 def detect(rendered: str) -> Optional[str]:
@@ -272,23 +364,40 @@ def detect(rendered: str) -> Optional[str]:
     i = rendered.find(SENTINEL)
     if i < 0 or "llval" not in rendered[i:]:
         return None
-    before, after = rendered[:i], rendered[i + len(SENTINEL):]
+    before, after = rendered[:i], rendered[i + len(SENTINEL) :]
     if after.startswith(DS_SEP):
         return "deepseek_v31"
-    json_call = re.search(r'\[?\s*\{\s*"name"\s*:\s*"$', before)  # a JSON call: which marker comes before it?
+    json_call = re.search(
+        r'\[?\s*\{\s*"name"\s*:\s*"$', before
+    )  # a JSON call: which marker comes before it?
     if not json_call:
-        markers = (("to=functions.", "harmony"), ("<function=", "qwen3_coder"), (DS_SEP, "deepseek"),
-                   ("[TOOL_CALLS]", "mistral_v11"))
+        markers = (
+            ("to=functions.", "harmony"),
+            ("<function=", "qwen3_coder"),
+            (DS_SEP, "deepseek"),
+            ("[TOOL_CALLS]", "mistral_v11"),
+        )
         return next((fmt for marker, fmt in markers if before.endswith(marker)), None)
     head = before[: json_call.start()].rstrip()
-    markers = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|tool_call|>", "granite"),
-               (PYTHON_TAG, "llama3"), ("<|end_header_id|>", "llama3"))
+    markers = (
+        ("<tool_call>", "hermes"),
+        ("[TOOL_CALLS]", "mistral"),
+        ("<|tool_call|>", "granite"),
+        (PYTHON_TAG, "llama3"),
+        ("<|end_header_id|>", "llama3"),
+    )
     # nothing before the JSON: it starts the rendered reply (llama3)
-    return next((fmt for marker, fmt in markers if head.endswith(marker)), None if head else "llama3")
+    return next(
+        (fmt for marker, fmt in markers if head.endswith(marker)), None if head else "llama3"
+    )
 
 
 def think_tags(template_source: str) -> Optional[tuple[str, str]]:
     """The think-tag pair a chat template uses, None when it has none."""
     if "[THINK]" in template_source:
         return ("[THINK]", "[/THINK]")
-    return ("<think>", "</think>") if "<think>" in template_source or "</think>" in template_source else None
+    return (
+        ("<think>", "</think>")
+        if "<think>" in template_source or "</think>" in template_source
+        else None
+    )

@@ -10,8 +10,12 @@ sys.path.insert(0, ROOT)
 # Requests captured from real harnesses: planning material that lives beside the repo, not in it.
 # Tests that replay them skip with one line when the folder is absent (a plain clone);
 # tests/fixtures/chat_requests.json has the same shapes, written for the project, and always runs.
-HARNESS_REQUESTS = os.environ.get("LL_HARNESS_REQUESTS", os.path.join(os.path.dirname(ROOT), "shared", "harness-requests"))
-NO_CAPTURES = f"no captured harness requests at {HARNESS_REQUESTS} (set LL_HARNESS_REQUESTS to replay them)"
+HARNESS_REQUESTS = os.environ.get(
+    "LL_HARNESS_REQUESTS", os.path.join(os.path.dirname(ROOT), "shared", "harness-requests")
+)
+NO_CAPTURES = (
+    f"no captured harness requests at {HARNESS_REQUESTS} (set LL_HARNESS_REQUESTS to replay them)"
+)
 
 
 @pytest.fixture(scope="session")
@@ -68,13 +72,17 @@ def _sandbox_check(argv, what):
 def docker_image():
     """The local image the docker sandbox runs (scripts/sandbox_setup.sh builds it: no registry is reachable)."""
     image = "lightning-lite/sandbox:bookworm"
-    _sandbox_check(["docker", "image", "inspect", image], f"no docker, no running dockerd, or no image {image}")
+    _sandbox_check(
+        ["docker", "image", "inspect", image], f"no docker, no running dockerd, or no image {image}"
+    )
     return image
 
 
 @pytest.fixture(scope="session")
 def bwrap_ok():
     """bubblewrap is installed and may create the namespaces the bwrap sandbox uses."""
-    _sandbox_check(["bwrap", "--ro-bind", "/", "/", "--unshare-net", "--unshare-pid", "true"],
-                   "bwrap is missing or cannot create namespaces")
+    _sandbox_check(
+        ["bwrap", "--ro-bind", "/", "/", "--unshare-net", "--unshare-pid", "true"],
+        "bwrap is missing or cannot create namespaces",
+    )
     return True

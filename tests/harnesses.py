@@ -27,9 +27,16 @@ class LengthHarness(Harness):
         return [Task(f"{split}-{i}", f"Say something about {t}.") for i, t in enumerate(TOPICS)]
 
     async def run(self, task, endpoint):
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
-            r = await c.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": task.prompt}], max_tokens=self.max_tokens, temperature=1.0,
-                                                **({"seed": zlib.crc32(endpoint.rollout_id.encode())} if self.seeded else {}))
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as c:
+            r = await c.chat.completions.create(
+                model=endpoint.model,
+                messages=[{"role": "user", "content": task.prompt}],
+                max_tokens=self.max_tokens,
+                temperature=1.0,
+                **({"seed": zlib.crc32(endpoint.rollout_id.encode())} if self.seeded else {}),
+            )
         return min(1.0, len(r.choices[0].message.content or "") / 80)
 
 
@@ -42,13 +49,26 @@ class BranchingHarness(LengthHarness):
 
     async def run(self, task, endpoint):
         msgs, text = [{"role": "user", "content": task.prompt}], ""
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as c:
             for i, follow_up in enumerate(("Say it shorter.", "And one more.", None)):
-                r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, temperature=1.0,
-                                                    seed=zlib.crc32(f"{endpoint.rollout_id}/{i}".encode()))
+                r = await c.chat.completions.create(
+                    model=endpoint.model,
+                    messages=msgs,
+                    max_tokens=self.max_tokens,
+                    temperature=1.0,
+                    seed=zlib.crc32(f"{endpoint.rollout_id}/{i}".encode()),
+                )
                 reply = r.choices[0].message.content or ""
                 text += reply
-                msgs += [{"role": "assistant", "content": f"(in short) {reply[:12]}" if i == 0 else reply}, {"role": "user", "content": follow_up}]
+                msgs += [
+                    {
+                        "role": "assistant",
+                        "content": f"(in short) {reply[:12]}" if i == 0 else reply,
+                    },
+                    {"role": "user", "content": follow_up},
+                ]
         return min(1.0, len(text) / 120)
 
 
@@ -60,15 +80,29 @@ class PerCallHarness(LengthHarness):
 
     async def run(self, task, endpoint):
         msgs, replies = [{"role": "user", "content": task.prompt}], []
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as c:
             for follow_up in ("Say more.", None):
-                r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, temperature=1.0)
+                r = await c.chat.completions.create(
+                    model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, temperature=1.0
+                )
                 replies.append(r.choices[0].message.content or "")
-                msgs += [{"role": "assistant", "content": replies[-1]}, {"role": "user", "content": follow_up}]
+                msgs += [
+                    {"role": "assistant", "content": replies[-1]},
+                    {"role": "user", "content": follow_up},
+                ]
         async with aiohttp.ClientSession() as s:
-            async with s.post(endpoint.reward_url, json={"reward": len(replies[0]) / 40, "call": 0}, headers={"X-Reward-Key": endpoint.reward_key}) as p:
+            async with s.post(
+                endpoint.reward_url,
+                json={"reward": len(replies[0]) / 40, "call": 0},
+                headers={"X-Reward-Key": endpoint.reward_key},
+            ) as p:
                 p.raise_for_status()
-        return {"reward": min(1.0, len("".join(replies)) / 80), "calls": {r.id: -len(replies[1]) / 40}}
+        return {
+            "reward": min(1.0, len("".join(replies)) / 80),
+            "calls": {r.id: -len(replies[1]) / 40},
+        }
 
 
 class FlakyHarness(LengthHarness):
@@ -99,7 +133,9 @@ class ScriptHarness(SubprocessHarness):
     """A harness that is a separate program talking to the proxy through the environment."""
 
     name = "script"
-    sandbox = Sandbox()  # the host: make test needs no bubblewrap (tests/test_sandbox.py runs programs in it)
+    sandbox = (
+        Sandbox()
+    )  # the host: make test needs no bubblewrap (tests/test_sandbox.py runs programs in it)
 
     def tasks(self, split):
         return [Task(f"{split}-{i}", "Hi") for i in range(4)]
@@ -118,9 +154,11 @@ class AuditedScript(ScriptHarness):
     zero_flagged = True
 
     def command(self, task, endpoint):
-        poster = ("\nimport urllib.request\ntry: urllib.request.urlopen(urllib.request.Request(os.environ['OPENAI_BASE_URL']"
-                  ".split('/rollout/')[0] + '/rollout/' + os.environ['LL_ROLLOUT_ID'] + '/reward', b'{\"reward\": 1}'))\n"
-                  "except Exception: pass\n")
+        poster = (
+            "\nimport urllib.request\ntry: urllib.request.urlopen(urllib.request.Request(os.environ['OPENAI_BASE_URL']"
+            ".split('/rollout/')[0] + '/rollout/' + os.environ['LL_ROLLOUT_ID'] + '/reward', b'{\"reward\": 1}'))\n"
+            "except Exception: pass\n"
+        )
         return [sys.executable, "-c", SCRIPT + poster], {}, None
 
 
@@ -144,21 +182,36 @@ class SamplingHarness(Harness):
         self.setting, self.max_tokens = setting, max_tokens
 
     def tasks(self, split):
-        return [Task(f"{split}-{i}", f"Write one sentence about {t}.") for i, t in enumerate(TOPICS[:3] if self.setting == "all" else TOPICS)]
+        return [
+            Task(f"{split}-{i}", f"Write one sentence about {t}.")
+            for i, t in enumerate(TOPICS[:3] if self.setting == "all" else TOPICS)
+        ]
 
     async def run(self, task, endpoint):
         msgs = [{"role": "user", "content": task.prompt}]
-        setting = ("top_p", "top_k", "mixed")[int(task.id.split("-")[1]) % 3] if self.setting == "all" else self.setting
+        setting = (
+            ("top_p", "top_k", "mixed")[int(task.id.split("-")[1]) % 3]
+            if self.setting == "all"
+            else self.setting
+        )
         if setting == "constrained":
             return await self.constrained(endpoint)
-        turns = {"plain": [dict(temperature=1.0)], "top_p": [dict(temperature=1.0, top_p=0.6)], "top_k": [dict(temperature=1.0, extra_body={"top_k": 5})],
-                 "mixed": [dict(temperature=0.5), dict(temperature=1.0)]}[setting]
+        turns = {
+            "plain": [dict(temperature=1.0)],
+            "top_p": [dict(temperature=1.0, top_p=0.6)],
+            "top_k": [dict(temperature=1.0, extra_body={"top_k": 5})],
+            "mixed": [dict(temperature=0.5), dict(temperature=1.0)],
+        }[setting]
         text = ""
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as c:
             for i, kw in enumerate(turns):
                 if i:
                     msgs.append({"role": "user", "content": "And one more."})
-                r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, **kw)
+                r = await c.chat.completions.create(
+                    model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, **kw
+                )
                 reply = r.choices[0].message.content or ""
                 msgs.append({"role": "assistant", "content": reply})
                 text += reply
@@ -166,18 +219,59 @@ class SamplingHarness(Harness):
 
     async def constrained(self, endpoint):
         msgs = [{"role": "user", "content": "What is 3 + 4? Use the calculator."}]
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as c:
-            r = await c.chat.completions.create(model=endpoint.model, messages=msgs, tools=[CALC], max_tokens=self.max_tokens,
-                                                tool_choice={"type": "function", "function": {"name": "calculator"}}, temperature=0.7, top_p=0.8)
-            calls = r.choices[0].message.tool_calls or []  # the grammar's call parses, unless max_tokens cut it
-            msgs += [r.choices[0].message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
-                     *({"role": "tool", "tool_call_id": t.id, "content": "7"} for t in calls)]
-            r = await c.chat.completions.create(model=endpoint.model, messages=msgs, max_tokens=self.max_tokens, temperature=1.0, tools=[CALC],
-                                                response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as c:
+            r = await c.chat.completions.create(
+                model=endpoint.model,
+                messages=msgs,
+                tools=[CALC],
+                max_tokens=self.max_tokens,
+                tool_choice={"type": "function", "function": {"name": "calculator"}},
+                temperature=0.7,
+                top_p=0.8,
+            )
+            calls = (
+                r.choices[0].message.tool_calls or []
+            )  # the grammar's call parses, unless max_tokens cut it
+            msgs += [
+                r.choices[0].message.model_dump(
+                    exclude_none=True, include={"role", "content", "tool_calls"}
+                ),
+                *({"role": "tool", "tool_call_id": t.id, "content": "7"} for t in calls),
+            ]
+            r = await c.chat.completions.create(
+                model=endpoint.model,
+                messages=msgs,
+                max_tokens=self.max_tokens,
+                temperature=1.0,
+                tools=[CALC],
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "answer", "schema": ANSWER},
+                },
+            )
         # both calls' lengths: a group whose calls were all cut by max_tokens still varies by its replies
-        return min(1.0, (len(calls[0].function.arguments) if calls else 0) / 80 + len(r.choices[0].message.content or "") / 80)
+        return min(
+            1.0,
+            (len(calls[0].function.arguments) if calls else 0) / 80
+            + len(r.choices[0].message.content or "") / 80,
+        )
 
 
-CALC = {"type": "function", "function": {"name": "calculator", "parameters": {
-    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}, "why": {"type": "string"}}, "required": ["answer"]}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}, "why": {"type": "string"}},
+    "required": ["answer"],
+}

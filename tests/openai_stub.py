@@ -37,14 +37,28 @@ class StubServer:
         rollout_id = request.match_info.get("rid", "default")
         body = await request.json()
         self.requests.append((rollout_id, request.headers.get("Authorization", ""), body))
-        message = {"role": "assistant", "content": None, **self.reply(rollout_id, body, self._count[rollout_id])}
+        message = {
+            "role": "assistant",
+            "content": None,
+            **self.reply(rollout_id, body, self._count[rollout_id]),
+        }
         self._count[rollout_id] += 1
-        return web.json_response({
-            "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": 0,
-            "model": body.get("model", "stub"),
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{len(self.requests)}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body.get("model", "stub"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
 
     async def _reward(self, request: web.Request) -> web.Response:
         self.rewards[request.match_info["rid"]] = float((await request.json())["reward"])
@@ -65,6 +79,13 @@ class StubServer:
     async def __aexit__(self, *exc) -> None:
         await self._runner.cleanup()
 
-    def endpoint(self, rollout_id: str, api_key: str = "sk-test", model: str = "stub-model") -> Endpoint:
-        return Endpoint(base_url=f"{self.url}/rollout/{rollout_id}/v1", api_key=api_key, model=model,
-                        rollout_id=rollout_id, server_url=self.url)
+    def endpoint(
+        self, rollout_id: str, api_key: str = "sk-test", model: str = "stub-model"
+    ) -> Endpoint:
+        return Endpoint(
+            base_url=f"{self.url}/rollout/{rollout_id}/v1",
+            api_key=api_key,
+            model=model,
+            rollout_id=rollout_id,
+            server_url=self.url,
+        )

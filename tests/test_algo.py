@@ -6,9 +6,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_lite.algo import (collate, compute_advantages, global_denominators, pack, policy_loss, reduce_metrics,
-                                 sample_weights, sampled_logprobs, sampling_support, trainer_logprobs, tree_mask,
-                                 tree_unsupported)
+from lightning_lite.algo import (
+    collate,
+    compute_advantages,
+    global_denominators,
+    pack,
+    policy_loss,
+    reduce_metrics,
+    sample_weights,
+    sampled_logprobs,
+    sampling_support,
+    trainer_logprobs,
+    tree_mask,
+    tree_unsupported,
+)
 from lightning_lite.records import Sample
 
 approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-9)  # noqa: E731
@@ -47,7 +58,9 @@ def test_drop_zero_variance_and_errors():
     # g2 (d, e: both 1.0) is dropped; h is a group of 1: all the data there is, never "flat"
     assert sorted(adv) == ["a", "b", "c", "h"] and st["dropped_rollouts"] == 2
     # reinforce with groups of 1 (its use case) keeps every rollout
-    adv, st = compute_advantages({"x": 1.0, "y": 0.0}, {"x": "gx", "y": "gy"}, "reinforce", drop_zero_variance=True)
+    adv, st = compute_advantages(
+        {"x": 1.0, "y": 0.0}, {"x": "gx", "y": "gy"}, "reinforce", drop_zero_variance=True
+    )
     assert adv == {"x": 0.5, "y": -0.5} and st["dropped_rollouts"] == 0
     with pytest.raises(ValueError, match="pick one of"):
         compute_advantages(REWARDS, GROUPS, "ppo")
@@ -60,31 +73,73 @@ def test_drop_zero_variance_and_errors():
 def test_per_call_estimators_by_hand():
     # the docstring's examples. grpo-step, rewards a=1 b=0 (one group): grpo 0.7071 / -0.7071 (mean .5, std sqrt(.5));
     # call rewards a {0: 1}, b {0: 0, 1: 0}: m 1/3, s sqrt(1/3) -> (1 - 1/3) / s = 1.1547, (0 - 1/3) / s = -0.5774
-    adv, st = compute_advantages({"a": 1.0, "b": 0.0}, {"a": "g", "b": "g"}, "grpo-step",
-                                 call_rewards={"a": {0: 1.0}, "b": {0: 0.0, 1: 0.0}}, calls={"a": [0], "b": [0, 1]})
-    assert adv["a"] == {0: approx(math.sqrt(0.5) + 2 / 3 / math.sqrt(1 / 3))} and adv["a"][0] == approx(1.861807)
+    adv, st = compute_advantages(
+        {"a": 1.0, "b": 0.0},
+        {"a": "g", "b": "g"},
+        "grpo-step",
+        call_rewards={"a": {0: 1.0}, "b": {0: 0.0, 1: 0.0}},
+        calls={"a": [0], "b": [0, 1]},
+    )
+    assert adv["a"] == {0: approx(math.sqrt(0.5) + 2 / 3 / math.sqrt(1 / 3))} and adv["a"][
+        0
+    ] == approx(1.861807)
     assert adv["b"] == {0: approx(-math.sqrt(0.5) - 1 / 3 / math.sqrt(1 / 3)), 1: approx(-1.284457)}
     # a call without a reward gets the rollout's part alone; no call rewards at all: grpo per call
-    adv, _ = compute_advantages({"a": 1.0, "b": 0.0}, {"a": "g", "b": "g"}, "grpo-step", call_rewards={"a": {1: 5.0}}, calls={"a": [0, 1], "b": [0]})
-    assert adv == {"a": {0: approx(math.sqrt(0.5)), 1: approx(math.sqrt(0.5))}, "b": {0: approx(-math.sqrt(0.5))}}  # one call reward: no spread
+    adv, _ = compute_advantages(
+        {"a": 1.0, "b": 0.0},
+        {"a": "g", "b": "g"},
+        "grpo-step",
+        call_rewards={"a": {1: 5.0}},
+        calls={"a": [0, 1], "b": [0]},
+    )
+    assert adv == {
+        "a": {0: approx(math.sqrt(0.5)), 1: approx(math.sqrt(0.5))},
+        "b": {0: approx(-math.sqrt(0.5))},
+    }  # one call reward: no spread
     # returns, gamma 0.5: a: G1 = 1 (its reward, on its last call), G0 = 0.2 + 0.5 * 1 = 0.7; b: 0, 0; baseline (0.7 + 0) / 2
-    adv, _ = compute_advantages({"a": 1.0, "b": 0.0}, {"a": "g", "b": "g"}, "returns", call_rewards={"a": {0: 0.2}},
-                                calls={"a": [0, 1], "b": [0, 1]}, gamma=0.5)
-    assert adv == {"a": {0: approx(0.35), 1: approx(0.65)}, "b": {0: approx(-0.35), 1: approx(-0.35)}}
+    adv, _ = compute_advantages(
+        {"a": 1.0, "b": 0.0},
+        {"a": "g", "b": "g"},
+        "returns",
+        call_rewards={"a": {0: 0.2}},
+        calls={"a": [0, 1], "b": [0, 1]},
+        gamma=0.5,
+    )
+    assert adv == {
+        "a": {0: approx(0.35), 1: approx(0.65)},
+        "b": {0: approx(-0.35), 1: approx(-0.35)},
+    }
     # gamma 1 and no call rewards: dr_grpo, on every call
     dr, _ = compute_advantages(REWARDS, GROUPS, "dr_grpo")
     calls = {rid: [0, 3] for rid in REWARDS}
     adv, _ = compute_advantages(REWARDS, GROUPS, "returns", calls=calls)
     assert adv == {rid: {0: approx(a), 3: approx(a)} for rid, a in dr.items()}
     # a group flat in rollout rewards but not in call rewards is not zero-variance: not dropped
-    adv, st = compute_advantages({"d": 1.0, "e": 1.0}, {"d": "g", "e": "g"}, "grpo-step", drop_zero_variance=True,
-                                 call_rewards={"d": {0: 1.0}, "e": {0: 0.0}}, calls={"d": [0], "e": [0]})
+    adv, st = compute_advantages(
+        {"d": 1.0, "e": 1.0},
+        {"d": "g", "e": "g"},
+        "grpo-step",
+        drop_zero_variance=True,
+        call_rewards={"d": {0: 1.0}, "e": {0: 0.0}},
+        calls={"d": [0], "e": [0]},
+    )
     assert adv["d"][0] == approx(1 / math.sqrt(0.5) / 2) and st["zero_variance_groups"] == 0
     # README's worked example
-    ex = dict(rewards={"a": 1.0, "b": 0.0}, groups={"a": "g", "b": "g"}, call_rewards={"a": {0: 0.2}, "b": {0: 0.0}}, calls={"a": [0, 1], "b": [0, 1]})
+    ex = dict(
+        rewards={"a": 1.0, "b": 0.0},
+        groups={"a": "g", "b": "g"},
+        call_rewards={"a": {0: 0.2}, "b": {0: 0.0}},
+        calls={"a": [0, 1], "b": [0, 1]},
+    )
     h = math.sqrt(0.5)
-    assert compute_advantages(estimator="grpo-step", **ex)[0] == {"a": {0: approx(2 * h), 1: approx(h)}, "b": {0: approx(-2 * h), 1: approx(-h)}}
-    assert compute_advantages(estimator="returns", gamma=0.5, **ex)[0] == {"a": {0: approx(0.35), 1: approx(0.65)}, "b": {0: approx(-0.35), 1: approx(-0.35)}}
+    assert compute_advantages(estimator="grpo-step", **ex)[0] == {
+        "a": {0: approx(2 * h), 1: approx(h)},
+        "b": {0: approx(-2 * h), 1: approx(-h)},
+    }
+    assert compute_advantages(estimator="returns", gamma=0.5, **ex)[0] == {
+        "a": {0: approx(0.35), 1: approx(0.65)},
+        "b": {0: approx(-0.35), 1: approx(-0.35)},
+    }
     with pytest.raises(ValueError, match="answered call indices"):
         compute_advantages(REWARDS, GROUPS, "returns")
 
@@ -99,26 +154,45 @@ def test_per_call_advantages_reach_exactly_the_tokens_of_their_calls():
     def call(i, prompt, response):
         return Call("r", i, "chat", 0, prompt, response, [-0.1] * len(response), "stop")
 
-    calls = [call(0, [1], [10, 11]), call(1, [1, 10, 11, 5], [12]), call(2, [1, 10, 11, 6], [13, 14]), call(3, [2], [15])]
+    calls = [
+        call(0, [1], [10, 11]),
+        call(1, [1, 10, 11, 5], [12]),
+        call(2, [1, 10, 11, 6], [13, 14]),
+        call(3, [2], [15]),
+    ]
     samples = build_samples(calls)[0]
     assert [s.tokens for s in samples] == [[1, 10, 11, 5, 12], [1, 10, 11, 6, 13, 14], [2, 15]]
     assert [s.call for s in samples] == [[-1, -1, -1, -1, 1], [-1, 0, 0, -1, 2, 2], [-1, 3]]
     assign_advantages(samples, {"r": {0: 0.5, 1: -1.0, 2: 2.0, 3: 0.25}})
-    assert [s.advantages for s in samples] == [[0, 0, 0, 0, -1.0], [0, 0.5, 0.5, 0, 2.0, 2.0], [0, 0.25]]
+    assert [s.advantages for s in samples] == [
+        [0, 0, 0, 0, -1.0],
+        [0, 0.5, 0.5, 0, 2.0, 2.0],
+        [0, 0.25],
+    ]
     assign_advantages(samples, {"r": 0.7})  # one advantage per rollout: every trainable token
-    assert [s.advantages for s in samples] == [[0, 0, 0, 0, 0.7], [0, 0.7, 0.7, 0, 0.7, 0.7], [0, 0.7]]
+    assert [s.advantages for s in samples] == [
+        [0, 0, 0, 0, 0.7],
+        [0, 0.7, 0.7, 0, 0.7, 0.7],
+        [0, 0.7],
+    ]
     # the loss sees each token's own: [B, T] advantages, per token (ppo, ratio 1: -A per token)
     assign_advantages(samples, {"r": {0: 0.5, 1: -1.0, 2: 2.0, 3: 0.25}})
     b = collate(samples, [1.0, 1.0, 1.0])
-    loss, _ = policy_loss(b["old_logprobs"], b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"])
+    loss, _ = policy_loss(
+        b["old_logprobs"], b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"]
+    )
     assert loss.item() == approx(-(-1.0 + 0.5 * 2 + 2.0 * 2 + 0.25))
 
 
 def test_sft_loss_is_the_weighted_negative_logprob():
     lp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]], requires_grad=True)
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
-    loss, m = policy_loss(lp, lp.detach() - 1, torch.tensor([0.0, -3.0]), mask, torch.tensor([0.5, 1.0]), loss="sft")
-    assert loss.item() == approx(0.5 * (1 + 2) + 1.0 * 0.5) and m["clipped"] == 0  # the advantage and the ratio play no part
+    loss, m = policy_loss(
+        lp, lp.detach() - 1, torch.tensor([0.0, -3.0]), mask, torch.tensor([0.5, 1.0]), loss="sft"
+    )
+    assert (
+        loss.item() == approx(0.5 * (1 + 2) + 1.0 * 0.5) and m["clipped"] == 0
+    )  # the advantage and the ratio play no part
     loss.backward()
     assert lp.grad.tolist() == [[0.0, -0.5, -0.5], [0.0, -1.0, 0.0]]
 
@@ -128,18 +202,27 @@ def test_sft_loss_is_the_weighted_negative_logprob():
 # the logprob itself; we pick them as  a: -1 | -2 -3   b: -4 -5 -6 -7.
 def norm_batch():
     def s(rid, lps):  # one prompt token (mask 0), then the sampled tokens
-        return Sample(rollout_id=rid, tokens=list(range(len(lps) + 1)), loss_mask=[0] + [1] * len(lps),
-                      logprobs=[0.0] + lps, advantages=[0.0] + [-1.0] * len(lps))
+        return Sample(
+            rollout_id=rid,
+            tokens=list(range(len(lps) + 1)),
+            loss_mask=[0] + [1] * len(lps),
+            logprobs=[0.0] + lps,
+            advantages=[0.0] + [-1.0] * len(lps),
+        )
+
     return [s("A", [-1.0]), s("A", [-2.0, -3.0]), s("B", [-4.0, -5.0, -6.0, -7.0])]
 
 
-@pytest.mark.parametrize("norm,const,expected", [
-    ("token-mean", None, -28 / 7),                             # all 7 tokens: -28 / 7 = -4
-    ("seq-mean-token-mean", None, (-1 - 5 / 2 - 22 / 4) / 3),  # (-1 + -2.5 + -5.5) / 3 = -3
-    ("seq-mean-token-sum", None, (-1 - 5 - 22) / 3),           # -28 / 3
-    ("seq-mean-token-sum-norm", 10, -28 / (3 * 10)),           # sums / (3 samples x C=10)
-    ("rollout-mean", None, (-6 / 3 - 22 / 4) / 2),             # A: -6/3 = -2, B: -22/4 = -5.5 -> -3.75
-])
+@pytest.mark.parametrize(
+    "norm,const,expected",
+    [
+        ("token-mean", None, -28 / 7),  # all 7 tokens: -28 / 7 = -4
+        ("seq-mean-token-mean", None, (-1 - 5 / 2 - 22 / 4) / 3),  # (-1 + -2.5 + -5.5) / 3 = -3
+        ("seq-mean-token-sum", None, (-1 - 5 - 22) / 3),  # -28 / 3
+        ("seq-mean-token-sum-norm", 10, -28 / (3 * 10)),  # sums / (3 samples x C=10)
+        ("rollout-mean", None, (-6 / 3 - 22 / 4) / 2),  # A: -6/3 = -2, B: -22/4 = -5.5 -> -3.75
+    ],
+)
 def test_normalization_modes(norm, const, expected):
     samples = norm_batch()
     denoms = global_denominators(samples)  # no torch.distributed: the local counts
@@ -148,8 +231,14 @@ def test_normalization_modes(norm, const, expected):
     total, parts = 0.0, []
     for micro in ([0, 1, 2], [0], [1, 2]):  # the whole batch, then split in two micro-batches
         b = collate([samples[i] for i in micro], [w[i] for i in micro], dtype=torch.float64)
-        loss, m = policy_loss(b["old_logprobs"], b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"],
-                              loss="tis")
+        loss, m = policy_loss(
+            b["old_logprobs"],
+            b["old_logprobs"],
+            b["advantages"],
+            b["loss_mask"],
+            b["weights"],
+            loss="tis",
+        )
         if len(micro) == 3:
             assert loss.item() == approx(expected)
         else:
@@ -165,7 +254,9 @@ def test_weights_by_hand():
     assert sample_weights(samples, "rollout-mean", d) == approx([1 / 6, 1 / 6, 1 / 8])
     with pytest.raises(ValueError, match="pick one of"):
         sample_weights(samples, "mean", d)
-    with pytest.raises(ValueError, match="fixed token budget"):  # no batch-dependent default: that is a length bias
+    with pytest.raises(
+        ValueError, match="fixed token budget"
+    ):  # no batch-dependent default: that is a length bias
         sample_weights(samples, "seq-mean-token-sum-norm", d)
 
 
@@ -188,7 +279,11 @@ def test_ppo_by_hand():
     assert new.grad.tolist() == [approx([-0.5 / 6, -1 / 6, 0.0]), approx([0.0, 1 / 6, 2 / 6])]
     r = reduce_metrics([m])
     assert r["clip_frac"] == approx(2 / 6) and r["tokens"] == 6
-    assert (r["ratio_min"], r["ratio_mean"], r["ratio_max"]) == (approx(0.5), approx(7 / 6), approx(2.0))
+    assert (r["ratio_min"], r["ratio_mean"], r["ratio_max"]) == (
+        approx(0.5),
+        approx(7 / 6),
+        approx(2.0),
+    )
     assert r["dlogp_mean"] == approx(4 * math.log(2) / 6) and r["dlogp_max"] == approx(math.log(2))
 
 
@@ -198,17 +293,26 @@ def test_dual_clip_bounds_a_negative_advantage_tokens_ratio_by_hand():
     A = +1 is untouched: -min(r, clip(r)) = -0.5, -1.28 (clipped), -1.28 (clipped)."""
     new, old, adv, mask = two_rows([[0.5, 2.0, 5.0]] * 2, [-1.0, 1.0])
     w = torch.ones(2, dtype=torch.float64)
-    loss, m = policy_loss(new, old, adv, mask, w, "ppo", clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    loss, m = policy_loss(
+        new, old, adv, mask, w, "ppo", clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0
+    )
     assert loss.item() == approx(0.8 + 2 + 3 - 0.5 - 1.28 - 1.28)
     loss.backward()
-    assert new.grad.tolist() == [approx([0.0, 2.0, 0.0]), approx([-0.5, 0.0, 0.0])]  # -A r where the r branch is taken
+    assert new.grad.tolist() == [
+        approx([0.0, 2.0, 0.0]),
+        approx([-0.5, 0.0, 0.0]),
+    ]  # -A r where the r branch is taken
     assert reduce_metrics([m])["clip_frac"] == approx(4 / 6)  # 0.8, 5 (dual), 1.28, 1.28
-    unbounded, _ = policy_loss(new, old, adv, mask, w, "ppo", clip_low=0.2, clip_high=0.28, clip_ratio_c=math.inf)
+    unbounded, _ = policy_loss(
+        new, old, adv, mask, w, "ppo", clip_low=0.2, clip_high=0.28, clip_ratio_c=math.inf
+    )
     assert unbounded.item() == approx(0.8 + 2 + 5 - 0.5 - 1.28 - 1.28)  # inf: off, the old PPO loss
     # gspo: the sample's ratio exp(mean log-ratio) = (0.5 * 2 * 5) ** (1/3) = 1.71 for A = -1: under C, kept; C = 1.5 caps it
     seq = 5.0 ** (1 / 3)
     g, _ = policy_loss(new, old, adv, mask, w, "gspo", clip_low=0.2, clip_high=0.28)
-    g_c, _ = policy_loss(new, old, adv, mask, w, "gspo", clip_low=0.2, clip_high=0.28, clip_ratio_c=1.5)
+    g_c, _ = policy_loss(
+        new, old, adv, mask, w, "gspo", clip_low=0.2, clip_high=0.28, clip_ratio_c=1.5
+    )
     assert (g.item(), g_c.item()) == (approx(3 * seq - 3 * 1.28), approx(3 * 1.5 - 3 * 1.28))
 
 
@@ -216,7 +320,9 @@ def test_gspo_by_hand():
     # row 0: log-ratios 0, 0, 0.3 -> sequence ratio exp(0.1) = 1.10517, inside [0.8, 1.28]
     # row 1: log-ratios 0.9 x3 -> exp(0.9) = 2.4596; A = -1: -min(-2.4596, -1.28) = 2.4596 (not clipped)
     new, old, adv, mask = two_rows([[1.0, 1.0, math.exp(0.3)], [math.exp(0.9)] * 3], [2.0, -1.0])
-    w = torch.full((2,), 1 / 6, dtype=torch.float64)  # seq-mean-token-mean: 1 / (2 samples x 3 tokens)
+    w = torch.full(
+        (2,), 1 / 6, dtype=torch.float64
+    )  # seq-mean-token-mean: 1 / (2 samples x 3 tokens)
     ppo_clip = dict(clip_low=0.2, clip_high=0.28)
     loss, m = policy_loss(new, old, adv, mask, w, "gspo", **ppo_clip)
     assert loss.item() == approx((-2 * math.exp(0.1) + math.exp(0.9)) / 2)
@@ -227,13 +333,17 @@ def test_gspo_by_hand():
     assert reduce_metrics([m])["clip_frac"] == 0.0
     # A = +1 on row 1 instead: 2.4596 > 1.28 is clipped, the whole sample gets no gradient
     new.grad = None
-    loss, m = policy_loss(new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "gspo", **ppo_clip)
+    loss, m = policy_loss(
+        new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "gspo", **ppo_clip
+    )
     loss.backward()
     assert new.grad[1].tolist() == [0.0] * 3 and reduce_metrics([m])["clip_frac"] == approx(0.5)
     # GSPO's own default range (3e-4, 4e-4): row 0's ratio 1.105 is clipped too, for A > 0
     _, m = policy_loss(new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "gspo")
     assert reduce_metrics([m])["clip_frac"] == 1.0
-    _, m = policy_loss(new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "ppo")  # PPO's (0.2, 0.28): 0.9 inside
+    _, m = policy_loss(
+        new, old, torch.tensor([2.0, 1.0], dtype=torch.float64), mask, w, "ppo"
+    )  # PPO's (0.2, 0.28): 0.9 inside
     assert reduce_metrics([m])["clip_frac"] == approx(4 / 6)
 
 
@@ -244,7 +354,9 @@ def test_tis_by_hand():
     # -min(r, 2) * A * logprob, logprobs log(0.25), log(0.5), log(1.5): weights 0.5, 1, 2 (3 capped)
     assert loss.item() == approx(-2 * (0.5 * math.log(0.25) + math.log(0.5) + 2 * math.log(1.5)))
     loss.backward()
-    assert new.grad[0].tolist() == approx([-1.0, -2.0, -4.0])  # -A min(r, cap), the weight has no grad
+    assert new.grad[0].tolist() == approx(
+        [-1.0, -2.0, -4.0]
+    )  # -A min(r, cap), the weight has no grad
     assert reduce_metrics([m])["clip_frac"] == approx(1 / 6)
 
 
@@ -253,7 +365,9 @@ def test_kl_penalty_and_mismatch_metrics():
     lp = torch.tensor([[-1.0]], dtype=torch.float64)
     one, ref = torch.ones(1, dtype=torch.float64), torch.tensor([[-0.5]], dtype=torch.float64)
     loss, m = policy_loss(lp, lp, one * 0, torch.ones(1, 1), one, kl_coef=0.1, ref_logprobs=ref)
-    assert loss.item() == approx(0.1 * (math.exp(0.5) - 1.5)) and reduce_metrics([m])["kl_mean"] == approx(0.148721)
+    assert loss.item() == approx(0.1 * (math.exp(0.5) - 1.5)) and reduce_metrics([m])[
+        "kl_mean"
+    ] == approx(0.148721)
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(lp, lp, one, torch.ones(1, 1), one, kl_coef=0.1)
     # probabilities 0.2 0.4 0.6 (rollout) vs 0.3 0.5 0.7 (trainer): a shift, Pearson 1
@@ -274,8 +388,15 @@ def fixed_logits(logits):
 def test_trainer_logprobs_alignment():
     logits = torch.randn(2, 4, 5, dtype=torch.float64)
     tokens = [[1, 2, 3, 4], [0, 0, 1, 1]]
-    b = collate([Sample("a", tokens[0], [0, 0, 1, 1], [0.0] * 4), Sample("b", tokens[1], [0, 1, 1, 0], [0.0] * 4)], [1.0, 1.0], dtype=torch.float64,
-                tree=False)  # the stand-in's logits are per row
+    b = collate(
+        [
+            Sample("a", tokens[0], [0, 0, 1, 1], [0.0] * 4),
+            Sample("b", tokens[1], [0, 1, 1, 0], [0.0] * 4),
+        ],
+        [1.0, 1.0],
+        dtype=torch.float64,
+        tree=False,
+    )  # the stand-in's logits are per row
     lp = trainer_logprobs(fixed_logits(logits), b)
     ref = torch.log_softmax(logits, -1)  # token t is predicted at position t - 1
     assert lp[1, 2] == approx(ref[1, 1, 1].item()) and lp[0, 3] == approx(ref[0, 2, 4].item())
@@ -285,26 +406,68 @@ def test_trainer_logprobs_alignment():
 def test_pack_by_hand():
     tokens, depth, end, where = pack([[1, 2, 3], [5], [1, 2, 4], [1, 2]])
     assert (tokens, depth, end) == ([1, 2, 3, 4, 5], [0, 1, 2, 2, 0], [4, 4, 3, 4, 5])
-    assert where == [[0, 1, 2], [4], [0, 1, 3], [0, 1]]  # a sample that is a prefix of another adds nothing
-    b = collate([Sample("a", [1, 2, 3], [0, 0, 1], [0.0] * 3), Sample("b", [1, 2, 4], [0, 1, 1], [0.0] * 3)], [1.0, 1.0], pad_to=8)
-    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 0, 0, 0, 0]] and b["fwd_tokens"] == 4  # padded: each pad sees itself
+    assert where == [
+        [0, 1, 2],
+        [4],
+        [0, 1, 3],
+        [0, 1],
+    ]  # a sample that is a prefix of another adds nothing
+    b = collate(
+        [
+            Sample("a", [1, 2, 3], [0, 0, 1], [0.0] * 3),
+            Sample("b", [1, 2, 4], [0, 1, 1], [0.0] * 3),
+        ],
+        [1.0, 1.0],
+        pad_to=8,
+    )
+    assert (
+        b["input_ids"].tolist() == [[1, 2, 3, 4, 0, 0, 0, 0]] and b["fwd_tokens"] == 4
+    )  # padded: each pad sees itself
     cfg = SimpleNamespace(_attn_implementation="sdpa")
     m = tree_mask(cfg, b["depth"], b["end"])[0, 0].int()
-    assert m[3].tolist() == [1, 1, 0, 1, 0, 0, 0, 0] and m[2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0] and m[6].tolist() == [0] * 6 + [1, 0]
+    assert (
+        m[3].tolist() == [1, 1, 0, 1, 0, 0, 0, 0]
+        and m[2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+        and m[6].tolist() == [0] * 6 + [1, 0]
+    )
     assert b["where"].tolist() == [[0, 1, 2], [0, 1, 3]]
-    flat = collate([Sample("a", [1, 2, 3], [0, 0, 1], [0.0] * 3), Sample("b", [1, 2], [0, 1], [0.0] * 2)], [1.0, 1.0], tree=False)
-    assert flat["input_ids"].tolist() == [[1, 2, 3], [1, 2, 0]] and flat["fwd_tokens"] == 5 and flat["end"] is None
+    flat = collate(
+        [Sample("a", [1, 2, 3], [0, 0, 1], [0.0] * 3), Sample("b", [1, 2], [0, 1], [0.0] * 2)],
+        [1.0, 1.0],
+        tree=False,
+    )
+    assert (
+        flat["input_ids"].tolist() == [[1, 2, 3], [1, 2, 0]]
+        and flat["fwd_tokens"] == 5
+        and flat["end"] is None
+    )
 
 
 def tiny(kind, seed=0):
     """A tiny random model in fp64: Llama (full attention), Mistral (every layer a sliding window of 5), Gemma2
     (sliding and full layers, a dict of masks)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
-    size = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**size)),
-                "mistral": (MistralForCausalLM, MistralConfig(**size, sliding_window=5, head_dim=8)),
-                "gemma2": (Gemma2ForCausalLM, Gemma2Config(**size, sliding_window=5, head_dim=8))}[kind]
+    size = dict(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    cls, cfg = {
+        "llama": (LlamaForCausalLM, LlamaConfig(**size)),
+        "mistral": (MistralForCausalLM, MistralConfig(**size, sliding_window=5, head_dim=8)),
+        "gemma2": (Gemma2ForCausalLM, Gemma2Config(**size, sliding_window=5, head_dim=8)),
+    }[kind]
     torch.manual_seed(seed)
     return cls(cfg).double()
 
@@ -317,8 +480,12 @@ def branching_samples(vocab=50):
     r = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
     prompt = r(20)
     turn1 = prompt + r(5)
-    return [Sample("a", turn1 + r(6), [0] * 20 + [1] * 11, [0.0] * 31), Sample("b", prompt + r(9), [0] * 20 + [1] * 9, [0.0] * 29),
-            Sample("c", r(12), [0] * 3 + [1] * 9, [0.0] * 12), Sample("a", turn1 + r(4), [0] * 25 + [1] * 4, [0.0] * 29)]
+    return [
+        Sample("a", turn1 + r(6), [0] * 20 + [1] * 11, [0.0] * 31),
+        Sample("b", prompt + r(9), [0] * 20 + [1] * 9, [0.0] * 29),
+        Sample("c", r(12), [0] * 3 + [1] * 9, [0.0] * 12),
+        Sample("a", turn1 + r(4), [0] * 25 + [1] * 4, [0.0] * 29),
+    ]
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
@@ -336,13 +503,18 @@ def test_a_packed_tree_gives_each_token_its_own_sequences_logprob(kind, attn):
         out[tree] = logprobs_and_grads(net, lambda: trainer_logprobs(net, b)), b["fwd_tokens"]
     ((lp_rows, g_rows), n_rows), ((lp, g), n) = out[False], out[True]
     assert (n_rows, n) == (101, 56)
-    assert torch.allclose(lp, lp_rows, atol=1e-7) and (g - g_rows).abs().max() <= 1e-6 * g_rows.abs().max()
+    assert (
+        torch.allclose(lp, lp_rows, atol=1e-7)
+        and (g - g_rows).abs().max() <= 1e-6 * g_rows.abs().max()
+    )
     if kind != "llama":  # the window matters here: the same weights without it give other numbers
         net.config.sliding_window = None
         if kind == "gemma2":
             net.config.layer_types = ["full_attention"] * 2
         b = collate(branching_samples(), [1.0] * 4, dtype=torch.float64)
-        assert (logprobs_and_grads(net, lambda: trainer_logprobs(net, b))[0] - lp_rows).abs().max() > 1e-3
+        assert (
+            logprobs_and_grads(net, lambda: trainer_logprobs(net, b))[0] - lp_rows
+        ).abs().max() > 1e-3
 
 
 def test_a_packed_tree_under_activation_checkpointing_and_flex_attention():
@@ -354,7 +526,9 @@ def test_a_packed_tree_under_activation_checkpointing_and_flex_attention():
     net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     net.train()  # no dropout in this config
     lp_ckpt, g_ckpt = logprobs_and_grads(net, lambda: trainer_logprobs(net, b))
-    assert torch.allclose(lp_ckpt, lp, atol=1e-12) and (g - g_ckpt).abs().max() <= 1e-9 * g.abs().max()
+    assert (
+        torch.allclose(lp_ckpt, lp, atol=1e-12) and (g - g_ckpt).abs().max() <= 1e-9 * g.abs().max()
+    )
     net = tiny("llama").float().eval()
     samples = [Sample(s.rollout_id, s.tokens, s.loss_mask, s.logprobs) for s in branching_samples()]
     with torch.no_grad():
@@ -365,30 +539,60 @@ def test_a_packed_tree_under_activation_checkpointing_and_flex_attention():
 
 
 def test_models_that_cannot_run_a_packed_tree_say_why():
-    assert tree_unsupported(SimpleNamespace(_attn_implementation="sdpa", layer_types=["full_attention", "sliding_attention"])) is None
-    assert "linear_attention" in tree_unsupported(SimpleNamespace(_attn_implementation="sdpa", layer_types=["linear_attention", "full_attention"]))
-    assert "flash_attention_2" in tree_unsupported(SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert (
+        tree_unsupported(
+            SimpleNamespace(
+                _attn_implementation="sdpa", layer_types=["full_attention", "sliding_attention"]
+            )
+        )
+        is None
+    )
+    assert "linear_attention" in tree_unsupported(
+        SimpleNamespace(
+            _attn_implementation="sdpa", layer_types=["linear_attention", "full_attention"]
+        )
+    )
+    assert "flash_attention_2" in tree_unsupported(
+        SimpleNamespace(_attn_implementation="flash_attention_2")
+    )
     with pytest.raises(ValueError, match="--no-tree"):
-        tree_mask(SimpleNamespace(_attn_implementation="flash_attention_2"), torch.zeros(1, 2, dtype=torch.long), torch.tensor([1, 2]))
+        tree_mask(
+            SimpleNamespace(_attn_implementation="flash_attention_2"),
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.tensor([1, 2]),
+        )
 
 
 def test_reduce_metrics_of_a_rank_without_samples():
     r = reduce_metrics([])  # such a rank still joins the all-reduce, with neutral values
-    assert r["tokens"] == 0 and r["loss"] == 0 and r["ratio_min"] == math.inf and math.isnan(r["prob_corr"])
+    assert (
+        r["tokens"] == 0
+        and r["loss"] == 0
+        and r["ratio_min"] == math.inf
+        and math.isnan(r["prob_corr"])
+    )
 
 
 def test_sampling_support_by_hand():
     x = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 5)
-    keep = sampling_support(x, torch.tensor([0, 2, 3, 0, 1]), torch.tensor([1.0, 1.0, 0.7, 0.9, 0.1]))
+    keep = sampling_support(
+        x, torch.tensor([0, 2, 3, 0, 1]), torch.tensor([1.0, 1.0, 0.7, 0.9, 0.1])
+    )
     # softmax [.644 .237 .087 .032]; top-3 renormalized [.665 .245 .090]
-    assert keep.tolist() == [[True] * 4,                  # nothing truncated
-                             [True, True, False, False],  # top-2
-                             [True, True, False, False],  # top-3, then top-p .7: the mass before the 3rd is .91
-                             [True, True, True, False],   # top-p .9: the mass before the 4th is .968 >= .9
-                             [True, False, False, False]]
+    assert keep.tolist() == [
+        [True] * 4,  # nothing truncated
+        [True, True, False, False],  # top-2
+        [True, True, False, False],  # top-3, then top-p .7: the mass before the 3rd is .91
+        [True, True, True, False],  # top-p .9: the mass before the 4th is .968 >= .9
+        [True, False, False, False],
+    ]
     # top-p 0 still keeps one token; ties with the k-th logit stay in (as in the sampler)
-    assert sampling_support(torch.tensor([[1.0, 2.0]]), torch.tensor([0]), torch.tensor([0.0])).tolist() == [[False, True]]
-    assert sampling_support(torch.tensor([[2.0, 1.0, 1.0, 0.0]]), torch.tensor([2]), torch.tensor([1.0])).tolist() == [[True, True, True, False]]
+    assert sampling_support(
+        torch.tensor([[1.0, 2.0]]), torch.tensor([0]), torch.tensor([0.0])
+    ).tolist() == [[False, True]]
+    assert sampling_support(
+        torch.tensor([[2.0, 1.0, 1.0, 0.0]]), torch.tensor([2]), torch.tensor([1.0])
+    ).tolist() == [[True, True, True, False]]
 
 
 def test_sampled_logprobs_by_hand():
@@ -398,14 +602,14 @@ def test_sampled_logprobs_by_hand():
     k = torch.tensor([0, 2, 0, 0, 5, 1])
     p = torch.tensor([1.0, 1.0, 0.5, 1.0, 0.5, 1.0])
     lp = sampled_logprobs(logits, tokens, T, k, p)
-    z = math.log(math.e ** 2 + math.e + 1)
-    assert lp[0].item() == approx(2 - z)                                # plain softmax: -0.408
-    assert lp[1].item() == approx(2 - math.log(math.e ** 2 + math.e))   # top-2: -0.313
-    assert lp[2].item() == approx(0.0)                                  # top-p .5 keeps token 0 alone
-    assert lp[3].item() == approx(4 - math.log(math.e ** 4 + math.e ** 2 + 1))  # T = 0.5
-    assert lp[4].item() == approx(1 - z)                                # greedy: softmax(logits), no truncation
+    z = math.log(math.e**2 + math.e + 1)
+    assert lp[0].item() == approx(2 - z)  # plain softmax: -0.408
+    assert lp[1].item() == approx(2 - math.log(math.e**2 + math.e))  # top-2: -0.313
+    assert lp[2].item() == approx(0.0)  # top-p .5 keeps token 0 alone
+    assert lp[3].item() == approx(4 - math.log(math.e**4 + math.e**2 + 1))  # T = 0.5
+    assert lp[4].item() == approx(1 - z)  # greedy: softmax(logits), no truncation
     # top-1 keeps token 0, but token 2 WAS sampled (float noise at the boundary): it stays in the support
-    assert lp[5].item() == approx(0 - math.log(math.e ** 2 + 1))
+    assert lp[5].item() == approx(0 - math.log(math.e**2 + 1))
 
 
 def test_trainer_logprobs_uses_each_tokens_own_sampling():
@@ -413,12 +617,25 @@ def test_trainer_logprobs_uses_each_tokens_own_sampling():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 5, 11, generator=g, dtype=torch.float64)
     tokens = torch.randint(0, 11, (1, 5), generator=g)
-    sample = Sample("a", tokens[0].tolist(), [0, 1, 1, 1, 1], [0.0] * 5, temperature=[1.0, 0.5, 0.5, 1.0, 1.0], top_k=[0, 0, 0, 3, 0],
-                    top_p=[1.0, 1.0, 1.0, 1.0, 0.6])
+    sample = Sample(
+        "a",
+        tokens[0].tolist(),
+        [0, 1, 1, 1, 1],
+        [0.0] * 5,
+        temperature=[1.0, 0.5, 0.5, 1.0, 1.0],
+        top_k=[0, 0, 0, 3, 0],
+        top_p=[1.0, 1.0, 1.0, 1.0, 0.6],
+    )
     s = collate([sample], [1.0], dtype=torch.float64, tree=False)
     lp = trainer_logprobs(fixed_logits(logits), s)
     for t in range(1, 5):  # token t is predicted at position t-1 under the settings of token t
-        one = sampled_logprobs(logits[0, t - 1:t], tokens[0, t:t + 1], s["temperature"][0, t:t + 1], s["top_k"][0, t:t + 1], s["top_p"][0, t:t + 1])
+        one = sampled_logprobs(
+            logits[0, t - 1 : t],
+            tokens[0, t : t + 1],
+            s["temperature"][0, t : t + 1],
+            s["top_k"][0, t : t + 1],
+            s["top_p"][0, t : t + 1],
+        )
         assert lp[0, t].item() == approx(one.item())
     assert lp[0, 1].item() == approx(torch.log_softmax(logits[0, 0] / 0.5, -1)[tokens[0, 1]].item())
     assert lp.dtype == torch.float64 and lp[0, 0] == 0.0
@@ -433,10 +650,17 @@ def mixed_batch(V, dtype=torch.float32):
     for i, n in enumerate((7, 5, 9)):
         T = 18 + n
         tokens = prompt + torch.randint(0, V, (n,), generator=g).tolist()
-        samples.append(Sample(f"r{i}", tokens, [0] * 18 + [1] * n, [0.0] * T,
-                              temperature=([1.0, 0.7, 1.3, 0.0] * T)[i:i + T],
-                              top_k=([0, 5, 0, min(V - 1, 2000), 3] * T)[i:i + T],
-                              top_p=([1.0, 1.0, 0.9, 0.95, 0.5] * T)[i:i + T]))
+        samples.append(
+            Sample(
+                f"r{i}",
+                tokens,
+                [0] * 18 + [1] * n,
+                [0.0] * T,
+                temperature=([1.0, 0.7, 1.3, 0.0] * T)[i : i + T],
+                top_k=([0, 5, 0, min(V - 1, 2000), 3] * T)[i : i + T],
+                top_p=([1.0, 1.0, 0.9, 0.95, 0.5] * T)[i : i + T],
+            )
+        )
     return collate(samples, [1.0] * 3, dtype=dtype)
 
 
@@ -466,7 +690,9 @@ def test_trainer_logprobs_in_chunks_is_the_whole_computation(model):
     lp, g = logprobs_and_grads(model, lambda: trainer_logprobs(model, b, chunk=3))
     lp_whole, g_whole = logprobs_and_grads(model, lambda: whole_logprobs(model, b))
     assert (lp - lp_whole).abs().max() <= 1e-4 and (g - g_whole).norm() <= 1e-3 * g_whole.norm()
-    assert not hasattr(model, "ll_full_logits")  # the chunked head ran: the model returned the hidden states as given
+    assert not hasattr(
+        model, "ll_full_logits"
+    )  # the chunked head ran: the model returned the hidden states as given
 
 
 class LargestLogits(torch.utils._python_dispatch.TorchDispatchMode):
@@ -480,7 +706,12 @@ class LargestLogits(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.V and t.numel() != self.V * self.H:
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim()
+                and t.shape[-1] == self.V
+                and t.numel() != self.V * self.H
+            ):
                 self.rows = max(self.rows, t.numel() // self.V)
         return out
 
@@ -500,14 +731,23 @@ def test_trainer_logprobs_of_a_model_that_post_processes_its_logits():
     A tiny random Llama in fp64 (fp32 RMSNorm: the packed prefix sums gradients in another order, as above)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    class Softcapped(LlamaForCausalLM):  # Gemma2's final_logit_softcapping (a scale would pass: W 2h = 2 W h)
+    class Softcapped(
+        LlamaForCausalLM
+    ):  # Gemma2's final_logit_softcapping (a scale would pass: W 2h = 2 W h)
         def forward(self, **kw):
             out = super().forward(**kw)
             out.logits = torch.tanh(out.logits / 0.5) * 0.5
             return out
 
-    cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     b = mixed_batch(50, torch.float64)
     for cls in (LlamaForCausalLM, Softcapped):
         torch.manual_seed(0)
@@ -515,7 +755,10 @@ def test_trainer_logprobs_of_a_model_that_post_processes_its_logits():
         lp_whole, g_whole = logprobs_and_grads(net, lambda: whole_logprobs(net, b))
         for _ in range(2):  # the first call notices the post-processing, the second remembers it
             lp, g = logprobs_and_grads(net, lambda: trainer_logprobs(net, b, chunk=3))
-            assert torch.allclose(lp, lp_whole, atol=1e-12) and (g - g_whole).abs().max() <= 1e-6 * g_whole.abs().max()
+            assert (
+                torch.allclose(lp, lp_whole, atol=1e-12)
+                and (g - g_whole).abs().max() <= 1e-6 * g_whole.abs().max()
+            )
         assert getattr(net, "ll_full_logits", False) == (cls is Softcapped)
 
 

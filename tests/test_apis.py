@@ -17,8 +17,15 @@ from lightning_lite.algo import collate, trainer_logprobs
 from lightning_lite.samples import build_samples
 
 SYSTEM, QUESTION = "Use the calculator tool for arithmetic.", "What is 17*23, then plus 5?"
-CALC = {"name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}
+CALC = {
+    "name": "calculator",
+    "description": "Evaluate an arithmetic expression.",
+    "parameters": {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    },
+}
 SEEDS = [1, 1, 0]  # sampling seeds for which the model completes both forced calls as valid JSON
 FORCE = [True, True, False]  # the first two turns name the tool (tool_choice), the third is free
 
@@ -27,22 +34,48 @@ class Chat:
     """A harness on chat completions: keeps the messages, sends tool results back."""
 
     def __init__(self, server, rid):
-        self.c, self.msgs = client(server, rid), [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+        self.c, self.msgs = (
+            client(server, rid),
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        )
 
     def turn(self, force, seed, stream):
         choice = {"type": "function", "function": {"name": "calculator"}} if force else "auto"
-        kw = dict(model="smollm2", messages=self.msgs, tools=[{"type": "function", "function": CALC}], tool_choice=choice, max_tokens=32, temperature=1.0, seed=seed)
+        kw = dict(
+            model="smollm2",
+            messages=self.msgs,
+            tools=[{"type": "function", "function": CALC}],
+            tool_choice=choice,
+            max_tokens=32,
+            temperature=1.0,
+            seed=seed,
+        )
         if stream:
             content, calls = "", {}
             for ch in self.c.chat.completions.create(stream=True, **kw):
                 d = ch.choices[0].delta if ch.choices else None
                 content += (d.content or "") if d else ""
                 for tc in (d.tool_calls or []) if d else []:
-                    calls.setdefault(tc.index, {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": ""}})
+                    calls.setdefault(
+                        tc.index,
+                        {
+                            "id": tc.id,
+                            "type": "function",
+                            "function": {"name": tc.function.name, "arguments": ""},
+                        },
+                    )
                     calls[tc.index]["function"]["arguments"] += tc.function.arguments or ""
-            msg = {"role": "assistant", "content": content or None, **({"tool_calls": list(calls.values())} if calls else {})}
+            msg = {
+                "role": "assistant",
+                "content": content or None,
+                **({"tool_calls": list(calls.values())} if calls else {}),
+            }
         else:
-            msg = self.c.chat.completions.create(**kw).choices[0].message.model_dump(exclude_none=True)
+            msg = (
+                self.c.chat.completions.create(**kw)
+                .choices[0]
+                .message.model_dump(exclude_none=True)
+            )
         self.msgs.append(msg)
         for tc in msg.get("tool_calls", []):
             self.msgs.append({"role": "tool", "tool_call_id": tc["id"], "content": "391"})
@@ -58,8 +91,17 @@ class Responses:
         self.c, self.input = client(server, rid), [{"role": "user", "content": QUESTION}]
 
     def turn(self, force, seed, stream):
-        kw = dict(model="smollm2", instructions=SYSTEM, input=self.input, tools=[{"type": "function", **CALC}], max_output_tokens=32, temperature=1.0,
-                  tool_choice={"type": "function", "name": "calculator"} if force else "auto", extra_body={"seed": seed}, store=False)
+        kw = dict(
+            model="smollm2",
+            instructions=SYSTEM,
+            input=self.input,
+            tools=[{"type": "function", **CALC}],
+            max_output_tokens=32,
+            temperature=1.0,
+            tool_choice={"type": "function", "name": "calculator"} if force else "auto",
+            extra_body={"seed": seed},
+            store=False,
+        )
         if stream:
             events = list(self.c.responses.create(stream=True, **kw))
             seqs = [e.sequence_number for e in events]
@@ -67,8 +109,12 @@ class Responses:
             assert events[-1].type in ("response.completed", "response.incomplete")
             r = events[-1].response
             deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-            assert deltas == "".join(c.text for o in r.output if o.type == "message" for c in o.content)
-            args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+            assert deltas == "".join(
+                c.text for o in r.output if o.type == "message" for c in o.content
+            )
+            args = "".join(
+                e.delta for e in events if e.type == "response.function_call_arguments.delta"
+            )
             assert args == "".join(o.arguments for o in r.output if o.type == "function_call")
         else:
             r = self.c.responses.create(**kw)
@@ -76,8 +122,15 @@ class Responses:
         for o in r.output:
             if o.type == "function_call":
                 names.append(o.name)
-                self.input += [{"type": "function_call", "call_id": o.call_id, "name": o.name, "arguments": o.arguments},
-                               {"type": "function_call_output", "call_id": o.call_id, "output": "391"}]
+                self.input += [
+                    {
+                        "type": "function_call",
+                        "call_id": o.call_id,
+                        "name": o.name,
+                        "arguments": o.arguments,
+                    },
+                    {"type": "function_call_output", "call_id": o.call_id, "output": "391"},
+                ]
             else:
                 self.input.append({"role": "assistant", "content": o.content[0].text})
         if not names:
@@ -89,24 +142,54 @@ class Messages:
     """A harness on Anthropic Messages (as Claude Code sends it)."""
 
     def __init__(self, server, rid):
-        self.c = anthropic.Anthropic(base_url=f"{server.url}/rollout/{rid}", api_key="sk-test", max_retries=0)
+        self.c = anthropic.Anthropic(
+            base_url=f"{server.url}/rollout/{rid}", api_key="sk-test", max_retries=0
+        )
         self.msgs = [{"role": "user", "content": QUESTION}]
 
     def turn(self, force, seed, stream):
-        kw = dict(model="smollm2", system=[{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}], messages=self.msgs,
-                  tools=[{"name": CALC["name"], "description": CALC["description"], "input_schema": CALC["parameters"]}], max_tokens=32,
-                  tool_choice={"type": "tool", "name": "calculator"} if force else {"type": "auto"}, extra_body={"seed": seed, "temperature": 1.0})
+        kw = dict(
+            model="smollm2",
+            system=[{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+            messages=self.msgs,
+            tools=[
+                {
+                    "name": CALC["name"],
+                    "description": CALC["description"],
+                    "input_schema": CALC["parameters"],
+                }
+            ],
+            max_tokens=32,
+            tool_choice={"type": "tool", "name": "calculator"} if force else {"type": "auto"},
+            extra_body={"seed": seed, "temperature": 1.0},
+        )
         if stream:
             with self.c.messages.stream(**kw) as s:
                 kinds = [e.type for e in s]
                 m = s.get_final_message()
-            assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+            assert (
+                kinds[0] == "message_start"
+                and kinds[-1] == "message_stop"
+                and "message_delta" in kinds
+            )
         else:
             m = self.c.messages.create(**kw)
-        self.msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]})
+        self.msgs.append(
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]}
+        )
         uses = [b for b in m.content if b.type == "tool_use"]
-        self.msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "391"} for b in uses] or "Go on."})
-        assert m.stop_reason == ("tool_use" if uses else m.stop_reason) and m.usage.output_tokens > 0
+        self.msgs.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": "391"} for b in uses
+                ]
+                or "Go on.",
+            }
+        )
+        assert (
+            m.stop_reason == ("tool_use" if uses else m.stop_reason) and m.usage.output_tokens > 0
+        )
         return [b.name for b in uses]
 
 
@@ -133,52 +216,141 @@ def test_three_turn_tool_conversation_in_each_api_is_one_sample(kept, model, tok
     rid = f"three-turn-{api.__name__}-{'sse' if stream else 'json'}"
     h = api(server, rid)
     names = [h.turn(force, seed, stream) for force, seed in zip(FORCE, SEEDS)]
-    assert names[0] == names[1] == ["calculator"]  # tool_choice names the function: the proxy starts the call, the model fills it in
+    assert (
+        names[0] == names[1] == ["calculator"]
+    )  # tool_choice names the function: the proxy starts the call, the model fills it in
     calls = calls_of(server, rid)
-    assert [c.index for c in calls] == [0, 1, 2] and {c.api for c in calls} == {api.__name__.lower().replace("messages", "anthropic")}
+    assert [c.index for c in calls] == [0, 1, 2] and {c.api for c in calls} == {
+        api.__name__.lower().replace("messages", "anthropic")
+    }
     for prev, cur in zip(calls, calls[1:]):
-        assert cur.prompt_ids[: len(prev.prompt_ids) + len(prev.response_ids)] == prev.prompt_ids + prev.response_ids
+        assert (
+            cur.prompt_ids[: len(prev.prompt_ids) + len(prev.response_ids)]
+            == prev.prompt_ids + prev.response_ids
+        )
         assert cur.parent == prev.index and cur.split is None
     for call in calls:  # invariant 1, per call ...
-        assert max(abs(a - b) for a, b in zip(teacher_forced_call(model, call, tok), call.response_logprobs)) < 2e-3
+        assert (
+            max(
+                abs(a - b)
+                for a, b in zip(teacher_forced_call(model, call, tok), call.response_logprobs)
+            )
+            < 2e-3
+        )
     samples, stats = build_samples(calls)  # ... and on the merged sample
     assert len(samples) == 1 and stats["samples"] == 1
-    s = samples[0]  # the forced calls' tokens under their grammars' replayed masks, as train.py scores them
+    s = samples[
+        0
+    ]  # the forced calls' tokens under their grammars' replayed masks, as train.py scores them
     b = collate(samples, [1.0], masks=[grammar.sample_masks(s, tok, model.config.vocab_size)])
     with torch.no_grad():
-        assert (trainer_logprobs(model, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs().max() < 2e-3
+        assert (trainer_logprobs(model, b) - b["old_logprobs"])[
+            b["loss_mask"] > 0
+        ].abs().max() < 2e-3
     assert sum(s.loss_mask) == sum(len(c.response_ids) for c in calls) and set(s.grammars) == {0, 1}
 
 
 def test_the_same_conversation_is_one_internal_conversation_in_every_api(tok):
     """A tool-using exchange written in each API shape maps to the same messages, hence the same prompt ids."""
-    from lightning_lite.apis import parse_anthropic_request, parse_chat_request, parse_responses_request
+    from lightning_lite.apis import (
+        parse_anthropic_request,
+        parse_chat_request,
+        parse_responses_request,
+    )
     from lightning_lite.chat import Renderer
 
     args = {"expression": "17*23"}
-    chat = parse_chat_request({"messages": [
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": json.dumps(args)}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "391"}], "tools": [{"type": "function", "function": CALC}]})
-    resp = parse_responses_request({"instructions": SYSTEM, "input": [
-        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}, {"type": "reasoning", "id": "rs", "summary": []},
-        {"type": "function_call", "call_id": "c1", "name": "calculator", "arguments": json.dumps(args)},
-        {"type": "function_call_output", "call_id": "c1", "output": "391"}], "tools": [{"type": "function", **CALC}, {"type": "web_search"}]}, lambda _: [])
-    anth = parse_anthropic_request({"system": [{"type": "text", "text": SYSTEM}], "max_tokens": 5, "messages": [
-        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "calculator", "input": args}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [{"type": "text", "text": "391"}]}]}],
-        "tools": [{"name": "calculator", "description": CALC["description"], "input_schema": CALC["parameters"]}]})
-    assert chat.messages == resp.messages == anth.messages and chat.tools == resp.tools == anth.tools
+    chat = parse_chat_request(
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": QUESTION},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "calculator", "arguments": json.dumps(args)},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "391"},
+            ],
+            "tools": [{"type": "function", "function": CALC}],
+        }
+    )
+    resp = parse_responses_request(
+        {
+            "instructions": SYSTEM,
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+                {"type": "reasoning", "id": "rs", "summary": []},
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "calculator",
+                    "arguments": json.dumps(args),
+                },
+                {"type": "function_call_output", "call_id": "c1", "output": "391"},
+            ],
+            "tools": [{"type": "function", **CALC}, {"type": "web_search"}],
+        },
+        lambda _: [],
+    )
+    anth = parse_anthropic_request(
+        {
+            "system": [{"type": "text", "text": SYSTEM}],
+            "max_tokens": 5,
+            "messages": [
+                {"role": "user", "content": QUESTION},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "c1", "name": "calculator", "input": args}
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "c1",
+                            "content": [{"type": "text", "text": "391"}],
+                        }
+                    ],
+                },
+            ],
+            "tools": [
+                {
+                    "name": "calculator",
+                    "description": CALC["description"],
+                    "input_schema": CALC["parameters"],
+                }
+            ],
+        }
+    )
+    assert (
+        chat.messages == resp.messages == anth.messages and chat.tools == resp.tools == anth.tools
+    )
     r = Renderer(tok)
-    assert r.build_prompt(chat.messages, chat.tools, []) == r.build_prompt(anth.messages, anth.tools, [])
+    assert r.build_prompt(chat.messages, chat.tools, []) == r.build_prompt(
+        anth.messages, anth.tools, []
+    )
 
 
 def test_streaming_sends_tokens_as_they_are_sampled(server):
     """Time to the first content delta is a fraction of the whole generation (not sent after it)."""
     c = client(server, "live")
     t0 = time.time()
-    stream = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
-                                       max_tokens=48, temperature=0, stream=True)
+    stream = c.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+    )
     first, text = None, ""
     for ch in stream:
         if ch.choices and ch.choices[0].delta.content:
@@ -195,77 +367,182 @@ def test_streamed_content_never_shows_a_tool_call_or_a_stop_string(server, tok):
 
     r = server.proxy.renderer
     s = ContentStream(r, stops=["STOP"], parse_tools=True)
-    pieces = [s.feed(tok.encode(t))[1] for t in ["  Hello", "  Hello wor", "  Hello world <tool", "  Hello world <tool_call>\n{", "  Hello world ST"]]
-    assert pieces == ["Hello", " wor", "ld", "", ""] and s.sent == "Hello world"  # "<tool" may start a call: held back
+    pieces = [
+        s.feed(tok.encode(t))[1]
+        for t in [
+            "  Hello",
+            "  Hello wor",
+            "  Hello world <tool",
+            "  Hello world <tool_call>\n{",
+            "  Hello world ST",
+        ]
+    ]
+    assert (
+        pieces == ["Hello", " wor", "ld", "", ""] and s.sent == "Hello world"
+    )  # "<tool" may start a call: held back
     s = ContentStream(r, stops=[], parse_tools=False)
     ids = tok.encode("café ☕")
-    assert "".join(s.feed(ids[:k])[1] for k in range(1, len(ids) + 1)) == "café ☕"  # no split UTF-8 character, ever
+    assert (
+        "".join(s.feed(ids[:k])[1] for k in range(1, len(ids) + 1)) == "café ☕"
+    )  # no split UTF-8 character, ever
     assert ContentStream(r, [], True, forced=r.forced_prefix("")).feed(ids) == ("", "")
 
 
 def test_anthropic_count_tokens_errors_and_probe(server):
     base = f"{server.url}/rollout/anth-misc"
     a = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
-    n = a.messages.count_tokens(model="m", system="Be brief.", messages=[{"role": "user", "content": "hi"}]).input_tokens
-    assert n == len(server.proxy.renderer.build_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [], [])[0])
+    n = a.messages.count_tokens(
+        model="m", system="Be brief.", messages=[{"role": "user", "content": "hi"}]
+    ).input_tokens
+    assert n == len(
+        server.proxy.renderer.build_prompt(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [], []
+        )[0]
+    )
     with pytest.raises(anthropic.BadRequestError) as e:
         a.messages.create(model="m", max_tokens=4, messages=[])
-    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert (
+        e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    )
     assert requests.head(base).status_code == 200  # Claude Code probes its base URL first
-    r = requests.post(base + "/v1/messages?beta=true", json={"model": "m", "max_tokens": 3, "thinking": {"type": "adaptive"}, "metadata": {"user_id": "u"},
-                      "context_management": {"edits": []}, "output_config": {"effort": "high"}, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
-                      "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}, {"role": "system", "content": "Be brief."},
-                                   {"role": "assistant", "content": [{"type": "thinking", "thinking": "...", "signature": "s"}, {"type": "text", "text": "Hello"}]},
-                                   {"role": "user", "content": "Bye"}]}, headers={"anthropic-beta": "context-management-2025-06-27"})
+    r = requests.post(
+        base + "/v1/messages?beta=true",
+        json={
+            "model": "m",
+            "max_tokens": 3,
+            "thinking": {"type": "adaptive"},
+            "metadata": {"user_id": "u"},
+            "context_management": {"edits": []},
+            "output_config": {"effort": "high"},
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}
+                    ],
+                },
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "...", "signature": "s"},
+                        {"type": "text", "text": "Hello"},
+                    ],
+                },
+                {"role": "user", "content": "Bye"},
+            ],
+        },
+        headers={"anthropic-beta": "context-management-2025-06-27"},
+    )
     assert r.status_code == 200 and r.json()["type"] == "message"
 
 
 def test_responses_previous_response_id(server):
     c = client(server, "prev-id")
     r1 = c.responses.create(model="m", input="Name a color.", max_output_tokens=4, temperature=0)
-    r2 = c.responses.create(model="m", previous_response_id=r1.id, input=[{"role": "user", "content": "Another one."}], max_output_tokens=4, temperature=0)
+    r2 = c.responses.create(
+        model="m",
+        previous_response_id=r1.id,
+        input=[{"role": "user", "content": "Another one."}],
+        max_output_tokens=4,
+        temperature=0,
+    )
     calls = calls_of(server, "prev-id")
-    assert r2.previous_response_id == r1.id and calls[1].parent == 0  # the stored conversation was extended
+    assert (
+        r2.previous_response_id == r1.id and calls[1].parent == 0
+    )  # the stored conversation was extended
     with pytest.raises(openai.NotFoundError) as e:
-        c.responses.create(model="m", previous_response_id="resp_nope", input="hi", max_output_tokens=2)
+        c.responses.create(
+            model="m", previous_response_id="resp_nope", input="hi", max_output_tokens=2
+        )
     assert "previous_response_id" in e.value.message
     # tool types the model cannot use are ignored, reasoning items too; an image is refused
-    ok = c.responses.create(model="m", input=[{"type": "reasoning", "id": "rs_1", "summary": []}, {"role": "developer", "content": "Be brief."},
-                                              {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
-                            tools=[{"type": "web_search"}, {"type": "namespace", "name": "x", "tools": []}], include=["reasoning.encrypted_content"],
-                            reasoning={"effort": "high"}, store=False, parallel_tool_calls=True, max_output_tokens=3,
-                            temperature=0, extra_body={"client_metadata": {"a": "b"}, "prompt_cache_key": "k"})
+    ok = c.responses.create(
+        model="m",
+        input=[
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        ],
+        tools=[{"type": "web_search"}, {"type": "namespace", "name": "x", "tools": []}],
+        include=["reasoning.encrypted_content"],
+        reasoning={"effort": "high"},
+        store=False,
+        parallel_tool_calls=True,
+        max_output_tokens=3,
+        temperature=0,
+        extra_body={"client_metadata": {"a": "b"}, "prompt_cache_key": "k"},
+    )
     assert ok.status == "incomplete" and ok.usage.output_tokens == 3
     with pytest.raises(openai.BadRequestError):
-        c.responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+        c.responses.create(
+            model="m",
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+        )
 
 
 def test_a_request_that_appends_converts_only_its_new_messages():
     """With a memo kept per conversation, the messages a request shares with the previous one are reused (the
     same objects: no Python work per earlier message), the new ones converted; the result is what parsing
     without a memo gives; an edited message is converted again; a bad request leaves the memo as it was."""
-    from lightning_lite.apis import parse_anthropic_request, parse_chat_request, parse_responses_request
+    from lightning_lite.apis import (
+        parse_anthropic_request,
+        parse_chat_request,
+        parse_responses_request,
+    )
     from lightning_lite.chat import BadRequest
 
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
     shapes = {  # a user turn, an assistant turn with a tool call, its result; the memo sees the first two, then all three
-        "chat": (lambda items, memo: parse_chat_request({"messages": items}, memo),
-                 [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "1"}]),
-        "anthropic": (lambda items, memo: parse_anthropic_request({"messages": items, "max_tokens": 4}, memo),
-                      [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {"x": 1}}]},
-                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "1"}]}]),
-        "responses": (lambda items, memo: parse_responses_request({"input": items}, None, memo),
-                      [{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", "content": "ok"},
-                       {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'}, {"type": "function_call_output", "call_id": "c1", "output": "1"}]),
+        "chat": (
+            lambda items, memo: parse_chat_request({"messages": items}, memo),
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "1"},
+            ],
+        ),
+        "anthropic": (
+            lambda items, memo: parse_anthropic_request({"messages": items, "max_tokens": 4}, memo),
+            [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {"x": 1}}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "1"}],
+                },
+            ],
+        ),
+        "responses": (
+            lambda items, memo: parse_responses_request({"input": items}, None, memo),
+            [
+                {"role": "user", "content": "hi"},
+                {"type": "message", "role": "assistant", "content": "ok"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"},
+            ],
+        ),
     }
     for name, (parse, items) in shapes.items():
         memo = {}
         first = parse(items[:-1], memo).messages
         second = parse(items, memo).messages
-        assert second == parse(items, None).messages and len(second) == 3 and second[2]["role"] == "tool", name
-        assert second[0] is first[0] and (name == "responses" or second[1] is first[1]), name  # reused, not converted again
+        assert (
+            second == parse(items, None).messages
+            and len(second) == 3
+            and second[2]["role"] == "tool"
+        ), name
+        assert second[0] is first[0] and (name == "responses" or second[1] is first[1]), (
+            name
+        )  # reused, not converted again
         edited = [{"role": "user", "content": "hello"}] + items[1:]
-        assert parse(edited, memo).messages == parse(edited, None).messages and memo["items"] is edited, name
+        assert (
+            parse(edited, memo).messages == parse(edited, None).messages and memo["items"] is edited
+        ), name
         with pytest.raises(BadRequest):
             parse(edited + [{"role": "nobody"}], memo)
         assert memo["items"] is edited, name
@@ -280,10 +557,30 @@ def test_tool_calls_sent_back_as_text_are_read_as_tool_calls():
     from lightning_lite.apis import parse_chat_request
 
     text = "Calling tools:\n[{'id': 'call_0', 'type': 'function', 'function': {'name': 'bash', 'arguments': {'command': 'echo hello'}}}]"
-    req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": text}]}]})
-    assert req.messages[1] == {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "name": "bash", "arguments": {"command": "echo hello"}}]}
-    for other in ("Calling tools:\n[1, 2]", "Calling tools: not a list", "I was calling tools: [{'function': {'name': 'x'}}] yesterday"):
-        assert "tool_calls" not in parse_chat_request({"messages": [{"role": "assistant", "content": other}]}).messages[0]
+    req = parse_chat_request(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "text", "text": text}]},
+            ]
+        }
+    )
+    assert req.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_0", "name": "bash", "arguments": {"command": "echo hello"}}],
+    }
+    for other in (
+        "Calling tools:\n[1, 2]",
+        "Calling tools: not a list",
+        "I was calling tools: [{'function': {'name': 'x'}}] yesterday",
+    ):
+        assert (
+            "tool_calls"
+            not in parse_chat_request(
+                {"messages": [{"role": "assistant", "content": other}]}
+            ).messages[0]
+        )
 
 
 def captured(shape_paths):
@@ -296,7 +593,9 @@ def captured(shape_paths):
         return [pytest.param(None, None, id="captured", marks=pytest.mark.skip(reason=NO_CAPTURES))]
     out = []
     for name in sorted(os.listdir(HARNESS_REQUESTS)):
-        for i, line in enumerate(open(os.path.join(HARNESS_REQUESTS, name)) if name.endswith(".jsonl") else []):
+        for i, line in enumerate(
+            open(os.path.join(HARNESS_REQUESTS, name)) if name.endswith(".jsonl") else []
+        ):
             r = json.loads(line)
             if r.get("method") == "POST" and r["path"].split("?")[0] in shape_paths:
                 out.append(pytest.param(r["path"], r["body"], id=f"{name[:-6]}-{i}"))
@@ -304,7 +603,11 @@ def captured(shape_paths):
 
 
 def sse_events(text):
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 @pytest.mark.parametrize("path,body", captured({"/v1/messages", "/v1/responses"}))
@@ -313,22 +616,34 @@ def test_replay_captured_anthropic_and_responses_requests(server, path, body):
     answer in its API's format, or, past the embedded model's 8192 tokens, the context error in that format."""
     anth = path.startswith("/v1/messages")
     body = dict(body, **({"max_tokens": 6} if anth else {"max_output_tokens": 6}))
-    r = requests.post(f"{server.url}/rollout/replay-{abs(hash(path + json.dumps(body)[:200])) % 10**8}{path}", json=body)
+    r = requests.post(
+        f"{server.url}/rollout/replay-{abs(hash(path + json.dumps(body)[:200])) % 10**8}{path}",
+        json=body,
+    )
     if r.status_code == 400:
         err = r.json()
-        assert (err["error"]["type"] if anth else err["error"]["code"]) in ("invalid_request_error", "context_length_exceeded") and "context length" in r.text
+        assert (err["error"]["type"] if anth else err["error"]["code"]) in (
+            "invalid_request_error",
+            "context_length_exceeded",
+        ) and "context length" in r.text
         return
     assert r.status_code == 200, r.text[:500]
     if not body.get("stream"):
         out = r.json()
-        assert out["type" if anth else "object"] == ("message" if anth else "response") and out["usage"]
+        assert (
+            out["type" if anth else "object"] == ("message" if anth else "response")
+            and out["usage"]
+        )
         return
     events = sse_events(r.text)
     kinds = [e["type"] for e in events]
     if anth:
         assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     else:
-        assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+        assert kinds[0] == "response.created" and kinds[-1] in (
+            "response.completed",
+            "response.incomplete",
+        )
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 
@@ -337,18 +652,36 @@ def test_a_client_that_goes_away_stops_its_generation(server):
     is recorded as cancelled."""
     stats = server.proxy.backend.stats
     before = dict(stats)
-    body = {"model": "m", "messages": [{"role": "user", "content": "Write a very long essay about the sea."}], "max_tokens": 2000, "temperature": 1.0}
-    with pytest.raises(requests.exceptions.ReadTimeout):  # not streamed: the client gives up waiting
-        requests.post(f"{server.url}/rollout/gone-False/v1/chat/completions", json=body, timeout=1.5)
-    with requests.post(f"{server.url}/rollout/gone-True/v1/chat/completions", json=dict(body, stream=True), stream=True) as r:
-        next(r.iter_lines())  # streamed: the client reads the first event, then closes the connection
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Write a very long essay about the sea."}],
+        "max_tokens": 2000,
+        "temperature": 1.0,
+    }
+    with pytest.raises(
+        requests.exceptions.ReadTimeout
+    ):  # not streamed: the client gives up waiting
+        requests.post(
+            f"{server.url}/rollout/gone-False/v1/chat/completions", json=body, timeout=1.5
+        )
+    with requests.post(
+        f"{server.url}/rollout/gone-True/v1/chat/completions",
+        json=dict(body, stream=True),
+        stream=True,
+    ) as r:
+        next(
+            r.iter_lines()
+        )  # streamed: the client reads the first event, then closes the connection
     deadline = time.time() + 30
     while stats["cancelled"] - before["cancelled"] < 2 and time.time() < deadline:
         time.sleep(0.2)
     assert stats["cancelled"] - before["cancelled"] == 2
     assert stats["generated_tokens"] - before["generated_tokens"] < 400  # not the 4,000 asked for
     # nothing answered: each recorded as cancelled, with no response (never trained on)
-    assert [(c.finish_reason, c.response_ids) for c in calls_of(server, "gone-False") + calls_of(server, "gone-True")] == [("cancelled", [])] * 2
+    assert [
+        (c.finish_reason, c.response_ids)
+        for c in calls_of(server, "gone-False") + calls_of(server, "gone-True")
+    ] == [("cancelled", [])] * 2
 
 
 def test_a_reply_cut_by_the_proxys_cap_is_answered_as_finished(tok, tmp_path):
@@ -358,19 +691,47 @@ def test_a_reply_cut_by_the_proxys_cap_is_answered_as_finished(tok, tmp_path):
     from lightning_lite.proxy import Proxy, ProxyServer
     from lightning_lite.records import read_calls
 
-    srv = ProxyServer(Proxy(CannedBackend(tok, "Once upon a time"), tok, out_dir=str(tmp_path), max_new_tokens=4)).start()
+    srv = ProxyServer(
+        Proxy(CannedBackend(tok, "Once upon a time"), tok, out_dir=str(tmp_path), max_new_tokens=4)
+    ).start()
     try:
         msgs = [{"role": "user", "content": "Tell me a story."}]
-        assert client(srv, "cap").chat.completions.create(model="m", messages=msgs).choices[0].finish_reason == "stop"
-        assert client(srv, "cap").chat.completions.create(model="m", messages=msgs, max_tokens=4).choices[0].finish_reason == "length"  # its own limit
+        assert (
+            client(srv, "cap")
+            .chat.completions.create(model="m", messages=msgs)
+            .choices[0]
+            .finish_reason
+            == "stop"
+        )
+        assert (
+            client(srv, "cap")
+            .chat.completions.create(model="m", messages=msgs, max_tokens=4)
+            .choices[0]
+            .finish_reason
+            == "length"
+        )  # its own limit
         a = anthropic.Anthropic(base_url=f"{srv.url}/rollout/cap", api_key="x", max_retries=0)
-        assert a.messages.create(model="m", max_tokens=8000, messages=msgs).stop_reason == "end_turn"
-        assert client(srv, "cap").responses.create(model="m", input="Tell me a story.").status == "completed"
-        assert client(srv, "cap").completions.create(model="m", prompt="Once").choices[0].finish_reason == "stop"
+        assert (
+            a.messages.create(model="m", max_tokens=8000, messages=msgs).stop_reason == "end_turn"
+        )
+        assert (
+            client(srv, "cap").responses.create(model="m", input="Tell me a story.").status
+            == "completed"
+        )
+        assert (
+            client(srv, "cap").completions.create(model="m", prompt="Once").choices[0].finish_reason
+            == "stop"
+        )
     finally:
         srv.stop()
     calls = read_calls(str(tmp_path / "calls.jsonl"))
-    assert [(c.finish_reason, c.capped) for c in calls] == [("length", True), ("length", False), ("length", True), ("length", True), ("length", True)]
+    assert [(c.finish_reason, c.capped) for c in calls] == [
+        ("length", True),
+        ("length", False),
+        ("length", True),
+        ("length", True),
+        ("length", True),
+    ]
 
 
 # ----------------------------------------------------------------------------- writers and parsers, no model
@@ -383,7 +744,19 @@ def answered(reply, choices=1, finish="stop"):
     """Fake answers for a writer: (call, reply) pairs with what the writers read of a recorded call."""
     from types import SimpleNamespace
 
-    return [(SimpleNamespace(choice=i, response_ids=[5] * 9, response_logprobs=[-0.5] * 9, capped=False, finish_reason=finish), reply) for i in range(choices)]
+    return [
+        (
+            SimpleNamespace(
+                choice=i,
+                response_ids=[5] * 9,
+                response_logprobs=[-0.5] * 9,
+                capped=False,
+                finish_reason=finish,
+            ),
+            reply,
+        )
+        for i in range(choices)
+    ]
 
 
 def writer(api, req=None):
@@ -391,75 +764,158 @@ def writer(api, req=None):
     from lightning_lite.chat import Request
 
     req = req or Request(tools=[CALC], stream=True, include_usage=True)
-    return {"chat": lambda: ChatReply(req, "m", 11), "anthropic": lambda: AnthropicReply(req, "m", 11), "responses": lambda: ResponsesReply(req, "m", 11)}[api]()
+    return {
+        "chat": lambda: ChatReply(req, "m", 11),
+        "anthropic": lambda: AnthropicReply(req, "m", 11),
+        "responses": lambda: ResponsesReply(req, "m", 11),
+    }[api]()
 
 
 def streamed(w, answers, live_reasoning=(), live_text=()):
     """The bytes of a stream: start, the live reasoning then text deltas, then end() with what they sent."""
-    return w.start() + b"".join(map(w.reasoning, live_reasoning)) + b"".join(map(w.text, live_text)) + w.end(answers, "".join(live_text), "".join(live_reasoning))
+    return (
+        w.start()
+        + b"".join(map(w.reasoning, live_reasoning))
+        + b"".join(map(w.text, live_text))
+        + w.end(answers, "".join(live_text), "".join(live_reasoning))
+    )
 
 
 def sdk_client(api, body: bytes):
     """The API's official client, answered ``body`` (server-sent events) by a fake transport: its stream helpers check the events."""
     import importlib.util
 
-    httpx = importlib.import_module("httpx2" if importlib.util.find_spec("httpx2") else "httpx")  # what these clients are built on
+    httpx = importlib.import_module(
+        "httpx2" if importlib.util.find_spec("httpx2") else "httpx"
+    )  # what these clients are built on
 
-    http = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})))
+    http = httpx.Client(
+        transport=httpx.MockTransport(
+            lambda r: httpx.Response(
+                200, content=body, headers={"content-type": "text/event-stream"}
+            )
+        )
+    )
     if api == "anthropic":
-        return anthropic.Anthropic(base_url="http://fake", api_key="x", http_client=http, max_retries=0)
+        return anthropic.Anthropic(
+            base_url="http://fake", api_key="x", http_client=http, max_retries=0
+        )
     return openai.OpenAI(base_url="http://fake/v1", api_key="x", http_client=http, max_retries=0)
 
 
-LIVE = [((), ()), (("The user wants ", "17*23."), ()), ((THOUGHT[:20], THOUGHT[20:]), ("It is ",))]  # nothing live, part of the reasoning, all of it and part of the text
+LIVE = [
+    ((), ()),
+    (("The user wants ", "17*23."), ()),
+    ((THOUGHT[:20], THOUGHT[20:]), ("It is ",)),
+]  # nothing live, part of the reasoning, all of it and part of the text
 
 
-@pytest.mark.parametrize("live", LIVE, ids=["nothing-live", "reasoning-partly-live", "text-partly-live"])
+@pytest.mark.parametrize(
+    "live", LIVE, ids=["nothing-live", "reasoning-partly-live", "text-partly-live"]
+)
 @pytest.mark.parametrize("calls", [False, True], ids=["text", "text+call"])
 def test_reasoning_goes_out_in_each_apis_own_field_and_the_stream_carries_the_same(live, calls):
     """reasoning_content / a thinking block / a reasoning item, before the text and the calls; the streamed events,
     whatever was sent live, reassemble (by hand, and by the official clients' stream helpers) into the JSON body's."""
-    reply = {"role": "assistant", "content": ANSWER, "reasoning": THOUGHT, **({"tool_calls": [CALL]} if calls else {})}
+    reply = {
+        "role": "assistant",
+        "content": ANSWER,
+        "reasoning": THOUGHT,
+        **({"tool_calls": [CALL]} if calls else {}),
+    }
     answers = answered(reply, finish="tool_calls" if calls else "stop")
     live_reasoning, live_text = live
 
     msg = writer("chat").body(answers)["choices"][0]["message"]
-    assert (msg["content"], msg["reasoning_content"], len(msg.get("tool_calls", []))) == (ANSWER, THOUGHT, int(calls))
-    deltas = [e["choices"][0]["delta"] for e in sse_events(streamed(writer("chat"), answers, live_reasoning, live_text).decode()) if e["choices"]]
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT and "".join(d.get("content", "") for d in deltas) == ANSWER
+    assert (msg["content"], msg["reasoning_content"], len(msg.get("tool_calls", []))) == (
+        ANSWER,
+        THOUGHT,
+        int(calls),
+    )
+    deltas = [
+        e["choices"][0]["delta"]
+        for e in sse_events(streamed(writer("chat"), answers, live_reasoning, live_text).decode())
+        if e["choices"]
+    ]
+    assert (
+        "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT
+        and "".join(d.get("content", "") for d in deltas) == ANSWER
+    )
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
-    assert all("reasoning_content" not in d for d in deltas[first_content:])  # reasoning before content
-    assert [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", [])] == ["calculator"] * calls
+    assert all(
+        "reasoning_content" not in d for d in deltas[first_content:]
+    )  # reasoning before content
+    assert [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", [])] == [
+        "calculator"
+    ] * calls
 
     body = writer("anthropic").body(answers)
-    assert body["content"][0] == {"type": "thinking", "thinking": THOUGHT, "signature": ""} and body["content"][1] == {"type": "text", "text": ANSWER}
+    assert body["content"][0] == {
+        "type": "thinking",
+        "thinking": THOUGHT,
+        "signature": "",
+    } and body["content"][1] == {"type": "text", "text": ANSWER}
     assert [b["type"] for b in body["content"]] == ["thinking", "text"] + ["tool_use"] * calls
     events = sse_events(streamed(writer("anthropic"), answers, live_reasoning, live_text).decode())
     starts = [e for e in events if e["type"] == "content_block_start"]
-    assert [e["index"] for e in starts] == list(range(len(body["content"]))) == [e["index"] for e in events if e["type"] == "content_block_stop"]
-    assert "".join(e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta") == THOUGHT
-    assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == ANSWER
-    with sdk_client("anthropic", streamed(writer("anthropic"), answers, live_reasoning, live_text)).messages.stream(model="m", max_tokens=9, messages=[{"role": "user", "content": "hi"}]) as s:
+    assert (
+        [e["index"] for e in starts]
+        == list(range(len(body["content"])))
+        == [e["index"] for e in events if e["type"] == "content_block_stop"]
+    )
+    assert (
+        "".join(
+            e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta"
+        )
+        == THOUGHT
+    )
+    assert (
+        "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+        == ANSWER
+    )
+    with sdk_client(
+        "anthropic", streamed(writer("anthropic"), answers, live_reasoning, live_text)
+    ).messages.stream(model="m", max_tokens=9, messages=[{"role": "user", "content": "hi"}]) as s:
         final = s.get_final_message()
-    assert [b.model_dump(exclude_none=True) for b in final.content] == body["content"] and final.stop_reason == body["stop_reason"]
+    assert [b.model_dump(exclude_none=True) for b in final.content] == body[
+        "content"
+    ] and final.stop_reason == body["stop_reason"]
 
     body = writer("responses").body(answers)
     reasoning, message = body["output"][:2]
-    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
-    assert reasoning["content"] == [{"type": "reasoning_text", "text": THOUGHT}] and message["content"][0]["text"] == ANSWER
-    assert [o["type"] for o in body["output"]] == ["reasoning", "message"] + ["function_call"] * calls
+    assert (
+        reasoning["type"] == "reasoning"
+        and reasoning["id"].startswith("rs_")
+        and reasoning["summary"] == []
+    )
+    assert (
+        reasoning["content"] == [{"type": "reasoning_text", "text": THOUGHT}]
+        and message["content"][0]["text"] == ANSWER
+    )
+    assert [o["type"] for o in body["output"]] == ["reasoning", "message"] + [
+        "function_call"
+    ] * calls
     raw = streamed(writer("responses"), answers, live_reasoning, live_text)
     events = sse_events(raw.decode())
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == list(range(len(body["output"])))
-    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == THOUGHT
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == list(
+        range(len(body["output"]))
+    )
+    assert (
+        "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        == THOUGHT
+    )
     assert [e["text"] for e in events if e["type"] == "response.reasoning_text.done"] == [THOUGHT]
-    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == ANSWER
+    assert (
+        "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == ANSWER
+    )
     with sdk_client("responses", raw).responses.stream(model="m", input="hi") as s:
         kinds = [e.type for e in s]
         final = s.get_final_response()
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
-    assert [o.model_dump(exclude_none=True)["type"] for o in final.output] == [o["type"] for o in body["output"]]
+    assert [o.model_dump(exclude_none=True)["type"] for o in final.output] == [
+        o["type"] for o in body["output"]
+    ]
     assert final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER
 
 
@@ -470,23 +926,41 @@ def test_a_reply_without_reasoning_has_no_reasoning_field_or_event():
     assert [o["type"] for o in writer("responses").body(answers)["output"]] == ["message"]
     for api in ("chat", "anthropic", "responses"):
         for raw in (streamed(writer(api), answers, (), ("It ",)), streamed(writer(api), answers)):
-            assert not any(k in raw for k in (b"reasoning_content", b'"reasoning"', b"reasoning_text", b"thinking")), api
+            assert not any(
+                k in raw
+                for k in (b"reasoning_content", b'"reasoning"', b"reasoning_text", b"thinking")
+            ), api
 
 
 def test_chat_reasoning_of_every_choice_is_sent_and_only_choice_0_streamed_live():
     from lightning_lite.chat import Request
 
     answers = answered({"role": "assistant", "content": ANSWER, "reasoning": THOUGHT}, choices=2)
-    events = sse_events(streamed(writer("chat", Request(n=2, stream=True)), answers, (THOUGHT[:9],), ("It",)).decode())
+    events = sse_events(
+        streamed(
+            writer("chat", Request(n=2, stream=True)), answers, (THOUGHT[:9],), ("It",)
+        ).decode()
+    )
     for i in (0, 1):
-        deltas = [e["choices"][0]["delta"] for e in events if e["choices"] and e["choices"][0]["index"] == i]
-        assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT and "".join(d.get("content") or "" for d in deltas) == ANSWER
+        deltas = [
+            e["choices"][0]["delta"]
+            for e in events
+            if e["choices"] and e["choices"][0]["index"] == i
+        ]
+        assert (
+            "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT
+            and "".join(d.get("content") or "" for d in deltas) == ANSWER
+        )
 
 
 def test_reasoning_sent_back_is_read_back_in_each_apis_shape():
     """What a client echoes of the reasoning (chat reasoning_content or reasoning, Anthropic thinking blocks, Responses
     reasoning items) becomes the assistant message's "reasoning"; what the proxy wrote comes back as the reply it was."""
-    from lightning_lite.apis import parse_anthropic_request, parse_chat_request, parse_responses_request
+    from lightning_lite.apis import (
+        parse_anthropic_request,
+        parse_chat_request,
+        parse_responses_request,
+    )
 
     user = {"role": "user", "content": QUESTION}
     reply = {"role": "assistant", "content": ANSWER, "reasoning": THOUGHT, "tool_calls": [CALL]}
@@ -495,26 +969,97 @@ def test_reasoning_sent_back_is_read_back_in_each_apis_shape():
 
     msg = writer("chat").body(answered(reply))["choices"][0]["message"]
     assert parse_chat_request({"messages": [user, msg, tool]}).messages == expected
-    renamed = {k if k != "reasoning_content" else "reasoning": v for k, v in msg.items()}  # OpenRouter's name
+    renamed = {
+        k if k != "reasoning_content" else "reasoning": v for k, v in msg.items()
+    }  # OpenRouter's name
     assert parse_chat_request({"messages": [user, renamed, tool]}).messages == expected
-    bare = parse_chat_request({"messages": [user, {"role": "assistant", "content": "x", "reasoning_content": ""}, {**user, "reasoning": "no"}]}).messages
-    assert all("reasoning" not in m for m in bare)  # empty: no key; a user's: not an assistant's reasoning
+    bare = parse_chat_request(
+        {
+            "messages": [
+                user,
+                {"role": "assistant", "content": "x", "reasoning_content": ""},
+                {**user, "reasoning": "no"},
+            ]
+        }
+    ).messages
+    assert all(
+        "reasoning" not in m for m in bare
+    )  # empty: no key; a user's: not an assistant's reasoning
 
     blocks = writer("anthropic").body(answered(reply))["content"]
-    anth = parse_anthropic_request({"max_tokens": 5, "messages": [user, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "xyz"}] + blocks},
-                                                                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_7", "content": "391"}]}]})
-    assert anth.messages == [user, {**reply, "tool_calls": [{**CALL, "id": "toolu_7"}]}, {**tool, "tool_call_id": "toolu_7"}]
-    redacted = parse_anthropic_request({"max_tokens": 5, "messages": [user, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "ok"}]}]})
+    anth = parse_anthropic_request(
+        {
+            "max_tokens": 5,
+            "messages": [
+                user,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "redacted_thinking", "data": "xyz"}] + blocks,
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_7", "content": "391"}
+                    ],
+                },
+            ],
+        }
+    )
+    assert anth.messages == [
+        user,
+        {**reply, "tool_calls": [{**CALL, "id": "toolu_7"}]},
+        {**tool, "tool_call_id": "toolu_7"},
+    ]
+    redacted = parse_anthropic_request(
+        {
+            "max_tokens": 5,
+            "messages": [
+                user,
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "redacted_thinking", "data": "x"},
+                        {"type": "text", "text": "ok"},
+                    ],
+                },
+            ],
+        }
+    )
     assert redacted.messages[1] == {"role": "assistant", "content": "ok"}
 
     output = writer("responses").body(answered(reply))["output"]
     output_tool = {"type": "function_call_output", "call_id": CALL["id"], "output": "391"}
-    assert parse_responses_request({"input": [user] + output + [output_tool]}, lambda _: []).messages == expected
-    summary = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": THOUGHT}], "encrypted_content": "gAAA"}
-    call = {"type": "function_call", "call_id": CALL["id"], "name": "calculator", "arguments": json.dumps(CALL["arguments"])}
-    later = [{"role": "user", "content": "Thanks."}, {"type": "reasoning", "id": "rs_2", "summary": []}, {"role": "assistant", "content": "Bye."}]
-    msgs = parse_responses_request({"input": [user, summary, call, output_tool] + later}, lambda _: []).messages
-    assert msgs == [user, {"role": "assistant", "content": "", "reasoning": THOUGHT, "tool_calls": [CALL]}, tool, later[0], later[2]]
+    assert (
+        parse_responses_request({"input": [user] + output + [output_tool]}, lambda _: []).messages
+        == expected
+    )
+    summary = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [{"type": "summary_text", "text": THOUGHT}],
+        "encrypted_content": "gAAA",
+    }
+    call = {
+        "type": "function_call",
+        "call_id": CALL["id"],
+        "name": "calculator",
+        "arguments": json.dumps(CALL["arguments"]),
+    }
+    later = [
+        {"role": "user", "content": "Thanks."},
+        {"type": "reasoning", "id": "rs_2", "summary": []},
+        {"role": "assistant", "content": "Bye."},
+    ]
+    msgs = parse_responses_request(
+        {"input": [user, summary, call, output_tool] + later}, lambda _: []
+    ).messages
+    assert msgs == [
+        user,
+        {"role": "assistant", "content": "", "reasoning": THOUGHT, "tool_calls": [CALL]},
+        tool,
+        later[0],
+        later[2],
+    ]
 
 
 def test_chat_template_kwargs_reach_the_request_and_a_non_object_is_a_400():
@@ -522,40 +1067,115 @@ def test_chat_template_kwargs_reach_the_request_and_a_non_object_is_a_400():
     from lightning_lite.chat import BadRequest
 
     base = {"messages": [{"role": "user", "content": "hi"}]}
-    assert parse_chat_request({**base, "chat_template_kwargs": {"enable_thinking": False}}).template_kwargs == {"enable_thinking": False}
-    assert parse_chat_request(base).template_kwargs == {} == parse_chat_request({**base, "chat_template_kwargs": None}).template_kwargs
+    assert parse_chat_request(
+        {**base, "chat_template_kwargs": {"enable_thinking": False}}
+    ).template_kwargs == {"enable_thinking": False}
+    assert (
+        parse_chat_request(base).template_kwargs
+        == {}
+        == parse_chat_request({**base, "chat_template_kwargs": None}).template_kwargs
+    )
     for bad in ("enable_thinking=false", ["enable_thinking"], 0):
         with pytest.raises(BadRequest) as e:
             parse_chat_request({**base, "chat_template_kwargs": bad})
-        assert (e.value.status, e.value.param, e.value.code) == (400, "chat_template_kwargs", "invalid_type")
+        assert (e.value.status, e.value.param, e.value.code) == (
+            400,
+            "chat_template_kwargs",
+            "invalid_type",
+        )
 
 
 def test_tools_and_tool_choice_read_alike_in_every_apis_shape():
     """One normalizer: the same function tool, and tool_choice none / auto / required / named, in each API's own shape;
     tools the model cannot call (server tools) are left out; a named tool that is not offered is a 400."""
-    from lightning_lite.apis import parse_anthropic_request, parse_chat_request, parse_responses_request
+    from lightning_lite.apis import (
+        parse_anthropic_request,
+        parse_chat_request,
+        parse_responses_request,
+    )
     from lightning_lite.chat import BadRequest
 
     user = {"role": "user", "content": "hi"}
     shapes = {
-        "chat": (lambda tools, choice: parse_chat_request({"messages": [user], "tools": tools, **choice}),
-                 [{"type": "function", "function": CALC}], {"none": "none", "auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "calculator"}}}),
-        "anthropic": (lambda tools, choice: parse_anthropic_request({"max_tokens": 5, "messages": [user], "tools": tools, **choice}),
-                      [{"name": "calculator", "description": CALC["description"], "input_schema": CALC["parameters"]}, {"type": "web_search_20250305", "name": "web_search"}],
-                      {"none": {"type": "none"}, "auto": {"type": "auto"}, "required": {"type": "any"}, "named": {"type": "tool", "name": "calculator"}}),
-        "responses": (lambda tools, choice: parse_responses_request({"input": "hi", "tools": tools, **choice}, lambda _: []),
-                      [{"type": "function", **CALC}, {"type": "web_search"}, {"type": "namespace", "name": "x", "tools": []}],
-                      {"none": "none", "auto": "auto", "required": "required", "named": {"type": "function", "name": "calculator"}}),
+        "chat": (
+            lambda tools, choice: parse_chat_request(
+                {"messages": [user], "tools": tools, **choice}
+            ),
+            [{"type": "function", "function": CALC}],
+            {
+                "none": "none",
+                "auto": "auto",
+                "required": "required",
+                "named": {"type": "function", "function": {"name": "calculator"}},
+            },
+        ),
+        "anthropic": (
+            lambda tools, choice: parse_anthropic_request(
+                {"max_tokens": 5, "messages": [user], "tools": tools, **choice}
+            ),
+            [
+                {
+                    "name": "calculator",
+                    "description": CALC["description"],
+                    "input_schema": CALC["parameters"],
+                },
+                {"type": "web_search_20250305", "name": "web_search"},
+            ],
+            {
+                "none": {"type": "none"},
+                "auto": {"type": "auto"},
+                "required": {"type": "any"},
+                "named": {"type": "tool", "name": "calculator"},
+            },
+        ),
+        "responses": (
+            lambda tools, choice: parse_responses_request(
+                {"input": "hi", "tools": tools, **choice}, lambda _: []
+            ),
+            [
+                {"type": "function", **CALC},
+                {"type": "web_search"},
+                {"type": "namespace", "name": "x", "tools": []},
+            ],
+            {
+                "none": "none",
+                "auto": "auto",
+                "required": "required",
+                "named": {"type": "function", "name": "calculator"},
+            },
+        ),
     }
     for name, (parse, tools, choices) in shapes.items():
-        got = {k: (r.tools, r.parse_tools, r.force_tool) for k, c in choices.items() for r in [parse(tools, {"tool_choice": c})]}
-        assert got == {"none": ([CALC], False, None), "auto": ([CALC], True, None), "required": ([CALC], True, ""), "named": ([CALC], True, "calculator")}, name
-        assert parse(tools, {}).force_tool is None and parse([], {"tool_choice": choices["required"]}).force_tool is None, name  # no tools: nothing to force
+        got = {
+            k: (r.tools, r.parse_tools, r.force_tool)
+            for k, c in choices.items()
+            for r in [parse(tools, {"tool_choice": c})]
+        }
+        assert got == {
+            "none": ([CALC], False, None),
+            "auto": ([CALC], True, None),
+            "required": ([CALC], True, ""),
+            "named": ([CALC], True, "calculator"),
+        }, name
+        assert (
+            parse(tools, {}).force_tool is None
+            and parse([], {"tool_choice": choices["required"]}).force_tool is None
+        ), name  # no tools: nothing to force
         named = choices["named"]
-        wrong = {**named, "function": {"name": "nope"}} if "function" in named else {**named, "name": "nope"}
-        for bad_tools, choice, param in ([tools, {"tool_choice": wrong}, "tool_choice"], [tools, {"tool_choice": 5}, "tool_choice"],
-                                         [tools, {"tool_choice": "function"}, "tool_choice"], [tools, {"tool_choice": "any"}, "tool_choice"],
-                                         [{"calculator": CALC}, {}, "tools"], [[5], {}, "tools[0]"], [[{"type": "function", "description": "no name"}], {}, "tools[0]"]):
+        wrong = (
+            {**named, "function": {"name": "nope"}}
+            if "function" in named
+            else {**named, "name": "nope"}
+        )
+        for bad_tools, choice, param in (
+            [tools, {"tool_choice": wrong}, "tool_choice"],
+            [tools, {"tool_choice": 5}, "tool_choice"],
+            [tools, {"tool_choice": "function"}, "tool_choice"],
+            [tools, {"tool_choice": "any"}, "tool_choice"],
+            [{"calculator": CALC}, {}, "tools"],
+            [[5], {}, "tools[0]"],
+            [[{"type": "function", "description": "no name"}], {}, "tools[0]"],
+        ):
             with pytest.raises(BadRequest) as e:
                 parse(bad_tools, choice)
             assert e.value.param == param and e.value.status == 400, (name, bad_tools, choice)
@@ -565,21 +1185,42 @@ def test_completions_reply_body_and_stream_agree():
     from lightning_lite.apis import CompletionsReply
     from lightning_lite.chat import Request
 
-    answers = [(call, text) for (call, _), text in zip(answered({}, choices=2, finish="length"), ["Paris, and then", " Lyon"])]
+    answers = [
+        (call, text)
+        for (call, _), text in zip(
+            answered({}, choices=2, finish="length"), ["Paris, and then", " Lyon"]
+        )
+    ]
     w = CompletionsReply(Request(n=2, stream=True, include_usage=True), "m", 4)
     body = w.body(answers)
-    assert [c["text"] for c in body["choices"]] == ["Paris, and then", " Lyon"] and body["usage"] == {"prompt_tokens": 4, "completion_tokens": 18, "total_tokens": 22}
+    assert [c["text"] for c in body["choices"]] == ["Paris, and then", " Lyon"] and body[
+        "usage"
+    ] == {"prompt_tokens": 4, "completion_tokens": 18, "total_tokens": 22}
     events = sse_events(w.end(answers).decode())
-    assert ["".join(e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["index"] == i) for i in (0, 1)] == ["Paris, and then", " Lyon"]
-    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]] == ["length", "length"]
-    assert events[-1]["usage"] == body["usage"] and len(events) > 4  # word-sized pieces, then the usage chunk
-
+    assert [
+        "".join(
+            e["choices"][0]["text"]
+            for e in events
+            if e["choices"] and e["choices"][0]["index"] == i
+        )
+        for i in (0, 1)
+    ] == ["Paris, and then", " Lyon"]
+    assert [
+        e["choices"][0]["finish_reason"]
+        for e in events
+        if e["choices"] and e["choices"][0]["finish_reason"]
+    ] == ["length", "length"]
+    assert (
+        events[-1]["usage"] == body["usage"] and len(events) > 4
+    )  # word-sized pieces, then the usage chunk
 
 
 LIVE_ORDER = [(((THOUGHT[:9],), ()), 2, 1), (((THOUGHT,), (ANSWER[:3],)), 1, 2)]
 
 
-@pytest.mark.parametrize("live,n_thought,n_text", LIVE_ORDER, ids=["reasoning-partly-live", "text-partly-live"])
+@pytest.mark.parametrize(
+    "live,n_thought,n_text", LIVE_ORDER, ids=["reasoning-partly-live", "text-partly-live"]
+)
 def test_stream_events_come_in_each_apis_order(live, n_thought, n_text):
     """Reasoning, text and a call streamed partly live: the exact sequence of events (and their indexes) each API's
     clients expect, pinned (the reassembly checks above would not notice two events swapped)."""
@@ -593,33 +1234,66 @@ def test_stream_events_come_in_each_apis_order(live, n_thought, n_text):
     events = sse_events(streamed(writer("anthropic"), answers, *live).decode())
     kinds = [(e.get("delta") or e.get("content_block") or {}).get("type") for e in events]
     assert [(e["type"], e.get("index"), kind) for e, kind in zip(events, kinds)] == (
-        [("message_start", None, None)] + block(0, "thinking", ["thinking_delta"] * n_thought + ["signature_delta"])
-        + block(1, "text", ["text_delta"] * n_text) + block(2, "tool_use", ["input_json_delta"])
-        + [("message_delta", None, None), ("message_stop", None, None)])
+        [("message_start", None, None)]
+        + block(0, "thinking", ["thinking_delta"] * n_thought + ["signature_delta"])
+        + block(1, "text", ["text_delta"] * n_text)
+        + block(2, "tool_use", ["input_json_delta"])
+        + [("message_delta", None, None), ("message_stop", None, None)]
+    )
 
     def item(i, text, n):
         done = [(f"{text}.done", i), ("content_part.done", i), ("output_item.done", i)]
-        return [("output_item.added", i), ("content_part.added", i)] + [(f"{text}.delta", i)] * n + done
+        return (
+            [("output_item.added", i), ("content_part.added", i)]
+            + [(f"{text}.delta", i)] * n
+            + done
+        )
 
-    call = [("output_item.added", 2), ("function_call_arguments.delta", 2), ("function_call_arguments.done", 2),
-            ("output_item.done", 2)]
+    call = [
+        ("output_item.added", 2),
+        ("function_call_arguments.delta", 2),
+        ("function_call_arguments.done", 2),
+        ("output_item.done", 2),
+    ]
     events = sse_events(streamed(writer("responses"), answers, *live).decode())
     assert [(e["type"].removeprefix("response."), e.get("output_index")) for e in events] == (
-        [("created", None), ("in_progress", None)] + item(0, "reasoning_text", n_thought)
-        + item(1, "output_text", n_text) + call + [("completed", None)])
+        [("created", None), ("in_progress", None)]
+        + item(0, "reasoning_text", n_thought)
+        + item(1, "output_text", n_text)
+        + call
+        + [("completed", None)]
+    )
 
 
 def test_completions_request_and_its_bad_fields():
     from lightning_lite.apis import parse_completions_request
     from lightning_lite.chat import BadRequest
 
-    body = {"prompt": ["Paris"], "n": 2, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0}
+    body = {
+        "prompt": ["Paris"],
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": 0,
+    }
     req = parse_completions_request(body)
-    assert (req.prompt_text, req.prompt_ids, req.n, req.include_usage, req.logprobs) == ("Paris", None, 2, True, True)
+    assert (req.prompt_text, req.prompt_ids, req.n, req.include_usage, req.logprobs) == (
+        "Paris",
+        None,
+        2,
+        True,
+        True,
+    )
     assert parse_completions_request({"prompt": [[1, 2]], "max_tokens": 3}).prompt_ids == [1, 2]
-    for body, param in [({"prompt": "x", "stream_options": 3}, "stream_options"), ({"prompt": []}, "prompt"),
-                        ({"prompt": [True]}, "prompt"), ({"prompt": "x", "echo": True}, "echo"),
-                        ({"prompt": "x", "n": 17}, "n")]:
-        with pytest.raises(BadRequest) as e:  # a 400, not a 500 (a non-object stream_options once was)
+    for body, param in [
+        ({"prompt": "x", "stream_options": 3}, "stream_options"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [True]}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "n": 17}, "n"),
+    ]:
+        with pytest.raises(
+            BadRequest
+        ) as e:  # a 400, not a 500 (a non-object stream_options once was)
             parse_completions_request(body)
         assert e.value.param == param and e.value.status == 400, body

@@ -18,7 +18,9 @@ from lightning_lite.chat import Sampling
 def test_sample_token_logprob_is_that_of_the_truncated_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     # top_k=2 keeps {0.5, 0.3} -> renormalized 0.625 / 0.375
-    seen = {sample_token(logits, Sampling(top_k=2), torch.Generator().manual_seed(s)) for s in range(40)}
+    seen = {
+        sample_token(logits, Sampling(top_k=2), torch.Generator().manual_seed(s)) for s in range(40)
+    }
     assert {t for t, _ in seen} == {0, 1}
     for t, lp in seen:
         assert math.isclose(lp, math.log([0.625, 0.375][t]), rel_tol=1e-5)
@@ -36,15 +38,25 @@ def test_sample_token_logprob_is_that_of_the_truncated_distribution():
 
 
 def _prompt(tok, text):
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_concurrent_requests_are_batched_and_match_teacher_forcing(backend, tok, model):
-    prompts = [tok.encode(_prompt(tok, q)) for q in ["Name a fruit.", "What is 4+4?", "Say a long sentence about cats and dogs."]]
+    prompts = [
+        tok.encode(_prompt(tok, q))
+        for q in ["Name a fruit.", "What is 4+4?", "Say a long sentence about cats and dogs."]
+    ]
     before = dict(backend.stats)
 
     async def go():
-        return await asyncio.gather(*[backend.generate(p, Sampling(max_tokens=6, seed=i, top_k=40)) for i, p in enumerate(prompts)])
+        return await asyncio.gather(
+            *[
+                backend.generate(p, Sampling(max_tokens=6, seed=i, top_k=40))
+                for i, p in enumerate(prompts)
+            ]
+        )
 
     gens = asyncio.run(go())
     assert backend.stats["requests"] - before["requests"] == 3
@@ -68,7 +80,9 @@ def test_prefix_cache_hit_gives_the_same_tokens(backend, tok):
 
     cached = backend.stats["cached_tokens"]
     a, b = asyncio.run(go())
-    assert backend.stats["cached_tokens"] - cached >= len(p) - 1  # the second prefill reused the first's KV
+    assert (
+        backend.stats["cached_tokens"] - cached >= len(p) - 1
+    )  # the second prefill reused the first's KV
     assert a.response_ids == b.response_ids
     assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
 
@@ -90,8 +104,12 @@ def test_prefix_cache_keeps_longest_prefixes_and_evicts_the_least_recently_used(
     n, hit = HFBackend._lookup(c, a + [7])
     assert n == 20 and hit[0][0].shape[2] == 20
     assert HFBackend._lookup(c, a)[0] == 19  # one token is left to prefill
-    assert HFBackend._lookup(c, a[:7] + [0, 1])[0] == 0  # a shared prefix under 8 tokens is not worth it
-    HFBackend._store(c, list(range(200, 210)), kv(10))  # 45 tokens > 40: b, the least recently used, leaves
+    assert (
+        HFBackend._lookup(c, a[:7] + [0, 1])[0] == 0
+    )  # a shared prefix under 8 tokens is not worth it
+    HFBackend._store(
+        c, list(range(200, 210)), kv(10)
+    )  # 45 tokens > 40: b, the least recently used, leaves
     assert [t[0] for t, _ in c._prefix] == [0, 200]
     HFBackend._store(c, list(range(41)), kv(41))  # longer than the whole cache: not kept
     assert [t[0] for t, _ in c._prefix] == [0, 200]
@@ -100,7 +118,11 @@ def test_prefix_cache_keeps_longest_prefixes_and_evicts_the_least_recently_used(
 def test_eos_and_context_limit(backend, tok, model):
     p = tok.encode(_prompt(tok, "What is 2+3?"))  # greedy: "2 + 3 = 5" and EOS
     g = asyncio.run(backend.generate(p, Sampling(max_tokens=30, temperature=0)))
-    assert g.finish_reason == "stop" and g.response_ids[-1] == tok.eos_token_id and "<|im_end|>" not in g.text
+    assert (
+        g.finish_reason == "stop"
+        and g.response_ids[-1] == tok.eos_token_id
+        and "<|im_end|>" not in g.text
+    )
     # a prompt that fills the context leaves room for the rest only
     from lightning_lite.backends import HFBackend
 
@@ -118,7 +140,9 @@ def test_pause_holds_requests_and_sync_weights_bumps_version(backend, tok):
     asyncio.run(backend.generate(p, Sampling(max_tokens=2)))
     assert backend._prefix
     backend.pause()
-    assert not backend._prefix  # the KV cache is gone before training: the weights change, training gets the memory
+    assert (
+        not backend._prefix
+    )  # the KV cache is gone before training: the weights change, training gets the memory
     done = threading.Event()
     result = {}
 
@@ -167,12 +191,22 @@ def test_decoding_reads_kv_heads_in_place_with_the_same_numbers():
 
     g = torch.Generator().manual_seed(0)
     module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
-    q, k, v = torch.randn(2, 9, 1, 16, generator=g), torch.randn(2, 3, 50, 16, generator=g), torch.randn(2, 3, 50, 16, generator=g)
+    q, k, v = (
+        torch.randn(2, 9, 1, 16, generator=g),
+        torch.randn(2, 3, 50, 16, generator=g),
+        torch.randn(2, 3, 50, 16, generator=g),
+    )
     mask = torch.ones(2, 1, 1, 50, dtype=torch.bool)
     mask[1, ..., :7] = False  # a left-padded row
-    ours, theirs = _grouped_sdpa(module, q, k, v, mask, scaling=0.25)[0], sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0]
+    ours, theirs = (
+        _grouped_sdpa(module, q, k, v, mask, scaling=0.25)[0],
+        sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0],
+    )
     assert ours.shape == theirs.shape and torch.allclose(ours, theirs, atol=1e-6)
-    roomy, plain = DynamicCache(ddp_cache_data=[(k.clone(), v.clone())]), DynamicCache(ddp_cache_data=[(k.clone(), v.clone())])
+    roomy, plain = (
+        DynamicCache(ddp_cache_data=[(k.clone(), v.clone())]),
+        DynamicCache(ddp_cache_data=[(k.clone(), v.clone())]),
+    )
     roomy.layers[0].__class__ = _RoomyLayer
     for i in range(300):
         new = torch.randn(roomy.layers[0].keys.shape[0], 3, 1, 16, generator=g)
@@ -193,11 +227,17 @@ def test_weight_syncs_go_through_dev_shm_only_when_it_holds_the_weights(tmp_path
 
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
-    (tmp_path / "model.safetensors").write_bytes(b"0" * 1000)  # 2000 bytes to sync in fp32 from a bf16 file
+    (tmp_path / "model.safetensors").write_bytes(
+        b"0" * 1000
+    )  # 2000 bytes to sync in fp32 from a bf16 file
     usage = collections.namedtuple("usage", "total used free")
     for free, in_memory in ((64 * 2**20, True), (1999, False)):
         monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(free, 0, free))
         d = _sync_dir(str(tmp_path))
-        assert d.startswith("/dev/shm/") == in_memory and os.path.basename(d).startswith("lightning-lite-weights-"), d
+        assert d.startswith("/dev/shm/") == in_memory and os.path.basename(d).startswith(
+            "lightning-lite-weights-"
+        ), d
         os.rmdir(d)
-    os.rmdir(_sync_dir("Qwen/Qwen3-8B"))  # a hub name vLLM downloads itself: no local size, and no crash
+    os.rmdir(
+        _sync_dir("Qwen/Qwen3-8B")
+    )  # a hub name vLLM downloads itself: no local size, and no crash

@@ -18,8 +18,16 @@ NATIVE = (
 
 
 def test_fingerprints_ignore_formatting_not_meaning():
-    a = {"role": "assistant", "content": " hi ", "tool_calls": [{"id": "1", "name": "f", "arguments": '{"x": 1, "y": [1, 2]}'}]}
-    b = {"role": "assistant", "content": "hi", "tool_calls": [{"id": "other", "name": "f", "arguments": '{"y":[1,2],"x":1}'}]}
+    a = {
+        "role": "assistant",
+        "content": " hi ",
+        "tool_calls": [{"id": "1", "name": "f", "arguments": '{"x": 1, "y": [1, 2]}'}],
+    }
+    b = {
+        "role": "assistant",
+        "content": "hi",
+        "tool_calls": [{"id": "other", "name": "f", "arguments": '{"y":[1,2],"x":1}'}],
+    }
     assert fingerprints([a], []) == fingerprints([b], [])
     c = copy.deepcopy(b)
     c["tool_calls"][0]["arguments"] = '{"x": 2, "y": [1, 2]}'
@@ -29,30 +37,86 @@ def test_fingerprints_ignore_formatting_not_meaning():
 def test_fingerprints_reuse_what_a_known_turn_shares_and_include_the_tools():
     """A request that extends a turn hashes only its new messages, with the same result as hashing all of them;
     the echoed reply matches the turn whatever its formatting; other tools or an edited message do not match."""
-    tools, m = [{"name": "f"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
-    t = Turn(0, m, tools, {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "name": "f", "arguments": {"x": 1}}]}, [1], [2])
-    echoed = {"role": "assistant", "content": " ", "tool_calls": [{"id": "b", "name": "f", "arguments": '{"x":1}'}]}
+    tools, m = (
+        [{"name": "f"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+    )
+    t = Turn(
+        0,
+        m,
+        tools,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "a", "name": "f", "arguments": {"x": 1}}],
+        },
+        [1],
+        [2],
+    )
+    echoed = {
+        "role": "assistant",
+        "content": " ",
+        "tool_calls": [{"id": "b", "name": "f", "arguments": '{"x":1}'}],
+    }
     nxt = m + [echoed, {"role": "tool", "content": "1"}]
     fps = fingerprints(nxt, tools, t)
     assert fps == fingerprints(nxt, tools) and fps[:3] == t.fps and fps[3] == t.fp
     assert fingerprints(nxt, [], t)[3] != t.fp  # the tools are part of it
     edited = [m[0], {"role": "user", "content": "q2"}] + nxt[2:]
-    assert fingerprints(edited, tools, t) == fingerprints(edited, tools) and fingerprints(edited, tools, t)[3] != t.fp
-    assert (common_prefix([1, 2, 3], [1, 2, 4]), common_prefix([1], [1, 2]), common_prefix([], [1])) == (2, 1, 0)
-    assert [common_prefix(list(range(9)), list(range(k)) + [-1] * (9 - k)) for k in range(10)] == list(range(10))
+    assert (
+        fingerprints(edited, tools, t) == fingerprints(edited, tools)
+        and fingerprints(edited, tools, t)[3] != t.fp
+    )
+    assert (
+        common_prefix([1, 2, 3], [1, 2, 4]),
+        common_prefix([1], [1, 2]),
+        common_prefix([], [1]),
+    ) == (2, 1, 0)
+    assert [
+        common_prefix(list(range(9)), list(range(k)) + [-1] * (9 - k)) for k in range(10)
+    ] == list(range(10))
 
 
 def test_request_parsing_accepts_what_harnesses_send():
-    req = parse_chat_request({
-        "model": "x", "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}]},
-                                   {"role": "user", "content": "hi"},
-                                   {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-                                   {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "ok"}],
-        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
-        "max_completion_tokens": 7, "reasoning_effort": "high", "prompt_cache_key": "k", "metadata": {}, "user": "u", "stop": "END",
-    })
+    req = parse_chat_request(
+        {
+            "model": "x",
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [
+                        {"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}
+                    ],
+                },
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "ok"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": "required",
+            "max_completion_tokens": 7,
+            "reasoning_effort": "high",
+            "prompt_cache_key": "k",
+            "metadata": {},
+            "user": "u",
+            "stop": "END",
+        }
+    )
     assert [m["role"] for m in req.messages] == ["system", "user", "assistant", "tool"]
-    assert req.messages[0]["content"] == "be brief" and req.messages[2]["tool_calls"][0]["arguments"] == {}
+    assert (
+        req.messages[0]["content"] == "be brief"
+        and req.messages[2]["tool_calls"][0]["arguments"] == {}
+    )
     assert req.sampling.max_tokens == 7 and req.sampling.stop == ["END"] and req.force_tool == ""
     with pytest.raises(BadRequest):
         parse_chat_request({"messages": [{"role": "user", "content": "x"}], "top_p": 2})
@@ -64,26 +128,52 @@ def test_native_tool_template_is_used_as_is(tok):
     r = Renderer(t)
     assert r.native_tools
     tools = [{"name": "calculator", "parameters": {}}]
-    msgs = [{"role": "user", "content": "2+3?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "name": "calculator", "arguments": '{"expression": "2+3"}'}]},
-            {"role": "tool", "tool_call_id": "c", "content": "5"}]
+    msgs = [
+        {"role": "user", "content": "2+3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c", "name": "calculator", "arguments": '{"expression": "2+3"}'}],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "5"},
+    ]
     text = r.render_text(msgs, tools)
-    assert text.startswith("<|im_start|>system\nTOOLS:calculator;")  # the template's own tool rendering
-    assert '<tool_call>calculator({"expression": "2+3"})</tool_call>' in text  # arguments passed as a dict
+    assert text.startswith(
+        "<|im_start|>system\nTOOLS:calculator;"
+    )  # the template's own tool rendering
+    assert (
+        '<tool_call>calculator({"expression": "2+3"})</tool_call>' in text
+    )  # arguments passed as a dict
     assert "<|im_start|>tool\n5" in text and "# Tools" not in text
 
 
 def test_fallback_renders_tools_in_the_system_prompt(tok):
     r = Renderer(tok)
     assert not r.native_tools
-    msgs = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+3?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "name": "calculator", "arguments": {"expression": "2+3"}},
-                                                                 {"id": "b", "name": "calculator", "arguments": {"expression": "1"}}]},
-            {"role": "tool", "tool_call_id": "a", "content": "5"}, {"role": "tool", "tool_call_id": "b", "content": "1"}]
+    msgs = [
+        {"role": "system", "content": "Be exact."},
+        {"role": "user", "content": "2+3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "a", "name": "calculator", "arguments": {"expression": "2+3"}},
+                {"id": "b", "name": "calculator", "arguments": {"expression": "1"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "5"},
+        {"role": "tool", "tool_call_id": "b", "content": "1"},
+    ]
     text = r.render_text(msgs, [{"name": "calculator", "parameters": {}}])
-    assert text.startswith("<|im_start|>system\nBe exact.\n\n# Tools") and '"name": "calculator"' in text
-    assert text.count("<tool_call>\n{\"name\": \"calculator\"") == 2  # the two calls, in the convention
-    assert "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n1\n</tool_response><|im_end|>" in text  # one user turn
+    assert (
+        text.startswith("<|im_start|>system\nBe exact.\n\n# Tools")
+        and '"name": "calculator"' in text
+    )
+    assert text.count('<tool_call>\n{"name": "calculator"') == 2  # the two calls, in the convention
+    assert (
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n1\n</tool_response><|im_end|>"
+        in text
+    )  # one user turn
 
 
 def test_reuse_extends_the_longest_matching_turn(tok):
@@ -95,14 +185,19 @@ def test_reuse_extends_the_longest_matching_turn(tok):
     m1 = m0 + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "bye"}]
     p1, parent, hint = r.build_prompt(m1, [], [t0])
     assert (parent, hint) == (0, None) and p1[: len(p0) + len(resp0)] == p0 + resp0
-    assert tok.decode(p1) == r.render_text(m1, [])  # SmolLM2's template round-trips: same text either way
+    assert tok.decode(p1) == r.render_text(
+        m1, []
+    )  # SmolLM2's template round-trips: same text either way
     # different tools: nothing to extend, and the prompt starts otherwise (the tools come first), a new thread as
     # samples.py would call it from the ids; the same tools: a resent or an edited history
     assert r.build_prompt(m1, [{"name": "f"}], [t0])[1:] == (None, "new_thread")
     assert r.build_prompt(m0, [], [t0])[1:] == (None, "retry")
     edited = m1[:1] + [{"role": "assistant", "content": "Bye!"}] + m1[2:]
     assert r.build_prompt(edited, [], [t0])[1:] == (None, "rewrote_history")
-    assert r.build_prompt([{"role": "user", "content": "title?"}], [], [t0])[1:] == (None, "new_thread")
+    assert r.build_prompt([{"role": "user", "content": "title?"}], [], [t0])[1:] == (
+        None,
+        "new_thread",
+    )
 
 
 def test_a_sessions_turns_hold_each_id_once_and_the_messages_of_the_latest_turn_only(tok):
@@ -110,24 +205,40 @@ def test_a_sessions_turns_hold_each_id_once_and_the_messages_of_the_latest_turn_
     hold the ids of the last prompt + response once (not 50 times), only the latest turn keeps the request's
     messages, and every turn still gives its whole prompt + response. A retry branches off an earlier turn."""
     r = Renderer(tok)
-    msgs, turns, seen = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}], [], []
+    msgs, turns, seen = (
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}],
+        [],
+        [],
+    )
     for i in range(50):
         fps = fingerprints(msgs, [], turns[-1] if turns else None)
         ids, parent, split = r.build_prompt(msgs, [], turns, True, fps)
         assert (parent, split) == ((i - 1, None) if turns else (None, None))
-        reply, resp = {"role": "assistant", "content": f"a{i}"}, r.encode(f"a{i}") + [tok.eos_token_id]
+        reply, resp = (
+            {"role": "assistant", "content": f"a{i}"},
+            r.encode(f"a{i}") + [tok.eos_token_id],
+        )
         turns.append(Turn(i, msgs, [], reply, ids, resp, fps, "", turns, parent))
         seen.append(ids + resp)
         msgs = msgs + [reply, {"role": "user", "content": f"q{i + 1}"}]
     assert sum(len(t.tail) + len(t.response_ids) for t in turns) == len(seen[-1])
     assert [t.tokens() for t in turns] == seen
-    assert all(t.messages is t.fps is t.tools is None for t in turns[:-1]) and turns[-1].messages is not None
-    again = msgs[:-3] + [{"role": "user", "content": "q49, again"}]  # the last question edited: extends turn 48
+    assert (
+        all(t.messages is t.fps is t.tools is None for t in turns[:-1])
+        and turns[-1].messages is not None
+    )
+    again = msgs[:-3] + [
+        {"role": "user", "content": "q49, again"}
+    ]  # the last question edited: extends turn 48
     fps = fingerprints(again, [], turns[-1])
     ids, parent, _ = r.build_prompt(again, [], turns, True, fps)
     reply = {"role": "assistant", "content": "b"}
     turns.append(Turn(50, again, [], reply, ids, [tok.eos_token_id], fps, "", turns, parent))
-    assert parent == 48 and turns[-1].parent is turns[48] and turns[-1].tokens() == ids + [tok.eos_token_id]
+    assert (
+        parent == 48
+        and turns[-1].parent is turns[48]
+        and turns[-1].tokens() == ids + [tok.eos_token_id]
+    )
     assert turns[-2].messages is None and tok.decode(ids) == r.render_text(again, [])
 
 
@@ -142,11 +253,17 @@ def test_turn_close_is_not_glued_on_twice_when_generation_stops_on_another_eos(t
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     m0 = [{"role": "user", "content": "hi"}]
     m1 = m0 + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "bye"}]
-    for eos_ids, keep, doubled in ((None, True, False), (None, False, False), ({other.eos_token_id, im_end}, False, False)):
+    for eos_ids, keep, doubled in (
+        (None, True, False),
+        (None, False, False),
+        ({other.eos_token_id, im_end}, False, False),
+    ):
         r = Renderer(other, eos_ids, keep_history_tokens=keep)
         p0, _, _ = r.build_prompt(m0, [], [])
         resp0 = r.encode("Hello!") + [im_end]  # the model ended its turn with <|im_end|>
-        p1, parent, _ = r.build_prompt(m1, [], [Turn(0, m0, [], {"role": "assistant", "content": "Hello!"}, p0, resp0)])
+        p1, parent, _ = r.build_prompt(
+            m1, [], [Turn(0, m0, [], {"role": "assistant", "content": "Hello!"}, p0, resp0)]
+        )
         assert parent == 0 and ("<|im_end|><|im_end|>" in other.decode(p1)) == doubled
         if not doubled:
             assert other.decode(p1) == r.render_text(m1, [])
@@ -166,11 +283,16 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
     turns fails the probe and is rendered in full, so it still splits where it rewrites."""
     r = Renderer(tok)
     assert r.per_message
-    msgs, turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}], []
+    msgs, turns = (
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}],
+        [],
+    )
     for i in range(30):
         ids, parent, hint = r.build_prompt(msgs, [], turns)
         assert (parent, hint) == ((turns[-1].index, None) if turns else (None, None))
-        assert tok.decode(ids) == r.render_text(msgs, [])  # identical to rendering the whole conversation
+        assert tok.decode(ids) == r.render_text(
+            msgs, []
+        )  # identical to rendering the whole conversation
         reply = {"role": "assistant", "content": f"a{i}"}
         turns.append(Turn(i, msgs, [], reply, ids, r.encode(f"a{i}") + [tok.eos_token_id]))
         msgs = msgs + [reply, {"role": "user", "content": f"q{i + 1}"}]
@@ -182,7 +304,10 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
     p0, _, _ = r.build_prompt(m0, [], [])
     reply = {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"}
     t0 = Turn(0, m0, [], reply, p0, r.encode(reply["content"]) + [tok.eos_token_id])
-    assert r.build_prompt(m0 + [reply, {"role": "user", "content": "bye"}], [], [t0])[1:] == (None, "template_mismatch")
+    assert r.build_prompt(m0 + [reply, {"role": "user", "content": "bye"}], [], [t0])[1:] == (
+        None,
+        "template_mismatch",
+    )
     # rendered in full, three renderings do: before the turn, up to it (shared with the rest's head), everything
     renders, render = [], r.render_text
     r.render_text = lambda *a, **k: renders.append(a) or render(*a, **k)

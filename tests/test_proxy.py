@@ -18,16 +18,36 @@ from conftest import HARNESS_REQUESTS, NO_CAPTURES, ROOT
 
 from lightning_lite.records import read_calls
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
-                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def client(server, rid=None):
-    return openai.OpenAI(base_url=server.base_url(rid) if rid else server.url + "/v1", api_key="sk-test", max_retries=0)
+    return openai.OpenAI(
+        base_url=server.base_url(rid) if rid else server.url + "/v1",
+        api_key="sk-test",
+        max_retries=0,
+    )
 
 
 def calls_of(server, rid):
-    return [c for c in read_calls(os.path.join(server.out, "calls.jsonl"), whole=True) if c.rollout_id == rid]
+    return [
+        c
+        for c in read_calls(os.path.join(server.out, "calls.jsonl"), whole=True)
+        if c.rollout_id == rid
+    ]
 
 
 def teacher_forced(model, prompt_ids, response_ids, temperature=1.0):
@@ -49,9 +69,20 @@ def teacher_forced_call(model, call, tok=None):
     with torch.no_grad():
         logits = model(ids).logits[0, n - 1 : n - 1 + k]
     V = logits.shape[-1]
-    allowed = unpack_bits(grammar.replay(call.grammar, call.response_ids, tok, V), V) if call.grammar else None
+    allowed = (
+        unpack_bits(grammar.replay(call.grammar, call.response_ids, tok, V), V)
+        if call.grammar
+        else None
+    )
     s = lambda v, dt=torch.float32: torch.full((k,), v, dtype=dt)  # noqa: E731
-    return sampled_logprobs(logits, torch.tensor(call.response_ids), s(call.temperature), s(call.top_k, torch.long), s(call.top_p), allowed).tolist()
+    return sampled_logprobs(
+        logits,
+        torch.tensor(call.response_ids),
+        s(call.temperature),
+        s(call.top_k, torch.long),
+        s(call.top_p),
+        allowed,
+    ).tolist()
 
 
 # ---------------------------------------------------------------------------- real harness requests
@@ -59,7 +90,13 @@ def teacher_forced_call(model, call, tok=None):
 
 def harness_chat_requests():
     """The project's own fixtures, and the captured requests of real harnesses when that folder is there."""
-    out = [pytest.param(body, id=f"fixture-{name}") for name, body in json.load(open(os.path.join(ROOT, "tests", "fixtures", "chat_requests.json"))).items() if not name.startswith("_")]
+    out = [
+        pytest.param(body, id=f"fixture-{name}")
+        for name, body in json.load(
+            open(os.path.join(ROOT, "tests", "fixtures", "chat_requests.json"))
+        ).items()
+        if not name.startswith("_")
+    ]
     if not os.path.isdir(HARNESS_REQUESTS):
         return out + [pytest.param(None, id="captured", marks=pytest.mark.skip(reason=NO_CAPTURES))]
     for name in sorted(os.listdir(HARNESS_REQUESTS)):
@@ -78,7 +115,22 @@ def test_replay_harness_request(server, tok, body, stream):
     """Each captured chat request, as its harness sent it (fewer tokens), parses with the openai client."""
     body = dict(body, max_tokens=6, stream=stream)
     body.pop("max_completion_tokens", None)
-    known = {k: body.pop(k) for k in ("model", "messages", "tools", "tool_choice", "stop", "max_tokens", "temperature", "top_p", "stream", "stream_options") if k in body}
+    known = {
+        k: body.pop(k)
+        for k in (
+            "model",
+            "messages",
+            "tools",
+            "tool_choice",
+            "stop",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "stream",
+            "stream_options",
+        )
+        if k in body
+    }
     c = client(server, "replay-" + uuid.uuid4().hex[:8])
     # The embedded model's context is 8192 tokens; some harnesses send more (Qwen Code's system prompt and tools
     # alone are ~19k). Those must get OpenAI's own context error, which the client raises as BadRequestError.
@@ -87,7 +139,9 @@ def test_replay_harness_request(server, tok, body, stream):
 
     req = parse_chat_request(dict(body, **known))
     r = Renderer(tok)
-    n_prompt = len(r.build_prompt(req.messages, req.tools, [])[0]) + len(r.encode(r.forced_prefix(req.force_tool)))
+    n_prompt = len(r.build_prompt(req.messages, req.tools, [])[0]) + len(
+        r.encode(r.forced_prefix(req.force_tool))
+    )
     if n_prompt >= server.proxy.backend.max_model_len:
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**known, extra_body=body)
@@ -95,8 +149,16 @@ def test_replay_harness_request(server, tok, body, stream):
         return
     if stream:
         chunks = list(c.chat.completions.create(**known, extra_body=body))
-        assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls") if chunks[-1].choices else True
-        finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert (
+            chunks and chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+            if chunks[-1].choices
+            else True
+        )
+        finishes = [
+            ch.choices[0].finish_reason
+            for ch in chunks
+            if ch.choices and ch.choices[0].finish_reason
+        ]
         assert len(finishes) == 1
         if known.get("stream_options", {}).get("include_usage"):
             assert chunks[-1].usage.prompt_tokens == n_prompt
@@ -115,15 +177,30 @@ def test_rewritten_history_renders_fresh_and_says_why(server):
     c = client(server, rid)
     msgs = [{"role": "user", "content": "Say hi."}]
     c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
-    msgs += [{"role": "assistant", "content": "something the model never said"}, {"role": "user", "content": "Again."}]
+    msgs += [
+        {"role": "assistant", "content": "something the model never said"},
+        {"role": "user", "content": "Again."},
+    ]
     c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
-    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Unrelated title request"}], max_tokens=4, temperature=0)
-    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Unrelated title request"}], max_tokens=4, temperature=0)
+    c.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Unrelated title request"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    c.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Unrelated title request"}],
+        max_tokens=4,
+        temperature=0,
+    )
     hints = [(x.parent, x.split) for x in calls_of(server, rid)]
     assert hints == [(None, None), (None, "rewrote_history"), (None, "new_thread"), (None, "retry")]
 
 
-def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(backend, tok, tmp_path):
+def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(
+    backend, tok, tmp_path
+):
     """SmolLM2 renders a tool call as pretty JSON; the model wrote it compact. By default the next prompt is the
     template's rendering (what a stock server sends), split as template_mismatch; keep_history_tokens keeps the
     sampled tokens; --no-reuse-tokens renders fresh as well."""
@@ -132,12 +209,16 @@ def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(bac
     msgs, tools = [{"role": "user", "content": "2+3?"}], [{"name": "calculator"}]
     r = Renderer(tok)
     ids, _, _ = r.build_prompt(msgs, tools, [])
-    resp = r.encode('<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>') + [tok.eos_token_id]
+    resp = r.encode(
+        '<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>'
+    ) + [tok.eos_token_id]
     reply = r.parse_reply(r.sampled_text(resp, []), True)
     turn = Turn(0, msgs, tools, reply, ids, resp)
     nxt = msgs + [reply, {"role": "tool", "tool_call_id": "x", "content": "5"}]
     fresh, parent, split = r.build_prompt(nxt, tools, [turn])
-    assert (parent, split) == (None, "template_mismatch") and tok.decode(fresh) == r.render_text(nxt, tools)
+    assert (parent, split) == (None, "template_mismatch") and tok.decode(fresh) == r.render_text(
+        nxt, tools
+    )
     assert r.build_prompt(nxt, tools, [turn], reuse=False)[1:] == (None, "template_mismatch")
     kept, parent, split = Renderer(tok, keep_history_tokens=True).build_prompt(nxt, tools, [turn])
     assert (parent, split) == (0, None) and kept[: len(ids) + len(resp)] == ids + resp
@@ -150,7 +231,9 @@ def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(bac
 
 @pytest.mark.slow
 @pytest.mark.parametrize("keep", [False, True])
-def test_a_thinking_template_on_the_embedded_model_prompts_as_a_stock_server_or_keeps_one_sample(backend, tok, tmp_path, keep):
+def test_a_thinking_template_on_the_embedded_model_prompts_as_a_stock_server_or_keeps_one_sample(
+    backend, tok, tmp_path, keep
+):
     """A Qwen3-shaped template (reasoning in <think>, Hermes calls) swapped into the embedded model; a 3-call tool
     conversation whose client echoes what it got (content, tool calls, reasoning_content). By default every prompt
     is exactly the template's rendering of the conversation; with keep_history_tokens the calls are one sample."""
@@ -161,7 +244,9 @@ def test_a_thinking_template_on_the_embedded_model_prompts_as_a_stock_server_or_
     from lightning_lite.samples import build_batch_samples
 
     t = copy.deepcopy(tok)
-    t.chat_template = open(os.path.join(ROOT, "tests", "fixtures", "templates", "qwen3.jinja")).read()
+    t.chat_template = open(
+        os.path.join(ROOT, "tests", "fixtures", "templates", "qwen3.jinja")
+    ).read()
     srv = ProxyServer(Proxy(backend, t, out_dir=str(tmp_path), keep_history_tokens=keep)).start()
     try:
         c = openai.OpenAI(base_url=srv.base_url("think"), api_key="x", max_retries=0)
@@ -169,14 +254,26 @@ def test_a_thinking_template_on_the_embedded_model_prompts_as_a_stock_server_or_
         force, sent = {"type": "function", "function": {"name": "calculator"}}, []
         for turn in range(3):
             sent.append(copy.deepcopy(msgs))
-            r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice=force if turn < 2 else "auto", max_tokens=16, temperature=0.8, seed=turn)
+            r = c.chat.completions.create(
+                model="m",
+                messages=msgs,
+                tools=TOOLS,
+                tool_choice=force if turn < 2 else "auto",
+                max_tokens=16,
+                temperature=0.8,
+                seed=turn,
+            )
             m = r.choices[0].message
             echo = {"role": "assistant", "content": m.content or ""}
             if getattr(m, "reasoning_content", None):
                 echo["reasoning_content"] = m.reasoning_content
             if m.tool_calls:
-                echo["tool_calls"] = [tc.model_dump(include={"id", "type", "function"}) for tc in m.tool_calls]
-            msgs += [echo] + [{"role": "tool", "tool_call_id": tc.id, "content": "5"} for tc in m.tool_calls or []]
+                echo["tool_calls"] = [
+                    tc.model_dump(include={"id", "type", "function"}) for tc in m.tool_calls
+                ]
+            msgs += [echo] + [
+                {"role": "tool", "tool_call_id": tc.id, "content": "5"} for tc in m.tool_calls or []
+            ]
             if not m.tool_calls:
                 msgs.append({"role": "user", "content": "Thanks."})
     finally:
@@ -192,13 +289,22 @@ def test_a_thinking_template_on_the_embedded_model_prompts_as_a_stock_server_or_
         r = Renderer(t)
         for call, m in zip(calls, sent):
             forced = r.forced_prefix("calculator") if call.index < 2 else ""
-            assert t.decode(call.prompt_ids) == r.render_text(parse_chat_request({"messages": m, "tools": TOOLS}).messages, [TOOLS[0]["function"]]) + forced
+            assert (
+                t.decode(call.prompt_ids)
+                == r.render_text(
+                    parse_chat_request({"messages": m, "tools": TOOLS}).messages,
+                    [TOOLS[0]["function"]],
+                )
+                + forced
+            )
         assert stats["samples"] == 1 + stats["split_template_mismatch"]
 
 
 def test_completions_api_text_and_token_ids(server, tok, model):
     c = client(server, "completions")
-    r = c.completions.create(model="m", prompt="The capital of France is", max_tokens=4, temperature=0)
+    r = c.completions.create(
+        model="m", prompt="The capital of France is", max_tokens=4, temperature=0
+    )
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 4
     ids = tok.encode("1, 2, 3,")
     r = c.completions.create(model="m", prompt=ids, max_tokens=3, temperature=1.0, logprobs=1)
@@ -207,15 +313,30 @@ def test_completions_api_text_and_token_ids(server, tok, model):
     assert r.choices[0].logprobs.token_logprobs == pytest.approx(call.response_logprobs)
     tf = teacher_forced(model, call.prompt_ids, call.response_ids)
     assert max(abs(a - b) for a, b in zip(tf, call.response_logprobs)) < 2e-3
-    text = "".join(ch.choices[0].text for ch in c.completions.create(model="m", prompt="Hello", max_tokens=3, stream=True) if ch.choices)
+    text = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(model="m", prompt="Hello", max_tokens=3, stream=True)
+        if ch.choices
+    )
     assert isinstance(text, str)
 
 
 def test_stop_strings_and_max_tokens(server):
     c = client(server, "stops")
-    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Count from 1 to 20, one number per line."}], max_tokens=40, temperature=0, stop=["\n"])
+    r = c.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Count from 1 to 20, one number per line."}],
+        max_tokens=40,
+        temperature=0,
+        stop=["\n"],
+    )
     assert "\n" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
-    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Write a long story."}], max_completion_tokens=3, temperature=0)
+    r = c.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Write a long story."}],
+        max_completion_tokens=3,
+        temperature=0,
+    )
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
@@ -224,26 +345,47 @@ def test_n_choices_are_recorded_as_sibling_calls(server, tok, model):
     rid = "n-choices"
     c = client(server, rid)
     msgs = [{"role": "user", "content": "Name an animal."}]
-    r = c.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=1.0, top_p=0.8, n=2, seed=3)
-    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == sum(len(x.response_ids) for x in calls_of(server, rid))
-    msgs += [r.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "Another."}]
+    r = c.chat.completions.create(
+        model="m", messages=msgs, max_tokens=6, temperature=1.0, top_p=0.8, n=2, seed=3
+    )
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == sum(
+        len(x.response_ids) for x in calls_of(server, rid)
+    )
+    msgs += [
+        r.choices[1].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "Another."},
+    ]
     c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=1.0)
     calls = calls_of(server, rid)
     assert [(x.index, x.choice) for x in calls] == [(0, 0), (1, 1), (2, 0)]
-    assert calls[0].prompt_ids == calls[1].prompt_ids and calls[0].response_ids != calls[1].response_ids
+    assert (
+        calls[0].prompt_ids == calls[1].prompt_ids
+        and calls[0].response_ids != calls[1].response_ids
+    )
     assert calls[2].parent == 1  # it continues the choice the harness kept
     for x in calls:
-        assert max(abs(a - b) for a, b in zip(teacher_forced_call(model, x), x.response_logprobs)) < 2e-3
+        assert (
+            max(abs(a - b) for a, b in zip(teacher_forced_call(model, x), x.response_logprobs))
+            < 2e-3
+        )
     from lightning_lite.samples import build_samples
 
     samples, st = build_samples(calls)
-    assert [s.calls for s in samples] == [[0], [1, 2]] and not any(v for k, v in st.items() if k.startswith("split_"))
+    assert [s.calls for s in samples] == [[0], [1, 2]] and not any(
+        v for k, v in st.items() if k.startswith("split_")
+    )
     assert sum(sum(s.loss_mask) for s in samples) == sum(len(x.response_ids) for x in calls)
-    chunks = list(client(server, rid + "-sse").chat.completions.create(model="m", messages=msgs[:1], max_tokens=6, n=2, seed=3, stream=True))
+    chunks = list(
+        client(server, rid + "-sse").chat.completions.create(
+            model="m", messages=msgs[:1], max_tokens=6, n=2, seed=3, stream=True
+        )
+    )
     assert sorted({ch.choices[0].index for ch in chunks if ch.choices}) == [0, 1]
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].finish_reason) == 2
     r = c.completions.create(model="m", prompt="1, 2, 3,", max_tokens=3, n=3, seed=1)
-    assert [ch.index for ch in r.choices] == [0, 1, 2] and [x.choice for x in calls_of(server, rid)[-3:]] == [0, 1, 2]
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and [
+        x.choice for x in calls_of(server, rid)[-3:]
+    ] == [0, 1, 2]
 
 
 class CannedBackend:
@@ -264,13 +406,26 @@ class CannedBackend:
 def test_a_cut_reply_that_parses_as_a_tool_call_is_recorded_as_length(tok, tmp_path):
     from lightning_lite.proxy import Proxy, ProxyServer
 
-    srv = ProxyServer(Proxy(CannedBackend(tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}'), tok, out_dir=str(tmp_path))).start()
+    srv = ProxyServer(
+        Proxy(
+            CannedBackend(
+                tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}'
+            ),
+            tok,
+            out_dir=str(tmp_path),
+        )
+    ).start()
     try:
-        r = client(srv, "cut").chat.completions.create(model="m", messages=[{"role": "user", "content": "2+3?"}], tools=TOOLS, max_tokens=20)
+        r = client(srv, "cut").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "2+3?"}], tools=TOOLS, max_tokens=20
+        )
     finally:
         srv.stop()
     # the client gets the call it can run; the record keeps the truth: the cap cut the reply
-    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "calculator"
+    assert (
+        r.choices[0].finish_reason == "tool_calls"
+        and r.choices[0].message.tool_calls[0].function.name == "calculator"
+    )
     assert [c.finish_reason for c in read_calls(str(tmp_path / "calls.jsonl"))] == ["length"]
 
 
@@ -286,7 +441,9 @@ def test_models_health_and_root(server):
 
 def test_openai_client_sees_errors_as_its_own(server):
     with pytest.raises(openai.BadRequestError) as e:
-        client(server).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+        client(server).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=0
+        )
     assert e.value.code == "invalid_value" and "max_tokens" in e.value.message
 
 
@@ -299,9 +456,18 @@ def test_error_types_follow_each_apis_status():
 
     statuses = (400, 401, 404, 405, 413, 429, 502, 504)
     assert [kind("anthropic", s) for s in statuses] == [
-        "invalid_request_error", "authentication_error", "not_found_error", "invalid_request_error", "request_too_large",
-        "rate_limit_error", "api_error", "timeout_error"]
-    assert [kind("openai", s) for s in statuses] == ["invalid_request_error"] * 5 + ["rate_limit_error"] + ["server_error"] * 2
+        "invalid_request_error",
+        "authentication_error",
+        "not_found_error",
+        "invalid_request_error",
+        "request_too_large",
+        "rate_limit_error",
+        "api_error",
+        "timeout_error",
+    ]
+    assert [kind("openai", s) for s in statuses] == ["invalid_request_error"] * 5 + [
+        "rate_limit_error"
+    ] + ["server_error"] * 2
     assert _error("openai", 429, "m", retry_after=2.5).headers["Retry-After"] == "2.5"
     assert "Retry-After" not in _error("anthropic", 502, "m").headers
 
@@ -316,27 +482,52 @@ def test_rewards_for_calls_by_index_or_reply_id_land_next_to_the_calls(server):
     completions ids alike); each accepted reward is a line of rewards.jsonl beside calls.jsonl, the last one counting."""
     rid, url = f"pc-{uuid.uuid4().hex[:8]}", server.url + "/rollout/{}/reward"
     c = client(server, rid)
-    first = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    first = c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
     second = c.completions.create(model="m", prompt="Hello", max_tokens=2)
     post = lambda body: requests.post(url.format(rid), json=body)  # noqa: E731
-    assert post({"reward": 0.25, "call": 0}).json() == {"rollout_id": rid, "reward": 0.25, "call": 0}
-    assert post({"reward": -1, "call": second.id}).json() == {"rollout_id": rid, "reward": -1.0, "call": 1}
-    assert post({"reward": 2, "call": first.id, "task": "t1"}).json()["call"] == 0  # again: the last one counts
+    assert post({"reward": 0.25, "call": 0}).json() == {
+        "rollout_id": rid,
+        "reward": 0.25,
+        "call": 0,
+    }
+    assert post({"reward": -1, "call": second.id}).json() == {
+        "rollout_id": rid,
+        "reward": -1.0,
+        "call": 1,
+    }
+    assert (
+        post({"reward": 2, "call": first.id, "task": "t1"}).json()["call"] == 0
+    )  # again: the last one counts
     assert post({"reward": 1}).status_code == 200
     assert server.proxy.call_rewards(rid) == {0: 2.0, 1: -1.0} and server.proxy.reward(rid) == 1.0
     assert [c.reply_id for c in calls_of(server, rid)] == [first.id, second.id]
     import anthropic  # the Responses and Anthropic ids name their calls too
 
     third = c.responses.create(model="m", input="Hi", max_output_tokens=2)
-    fourth = anthropic.Anthropic(base_url=server.url + f"/rollout/{rid}", api_key="x", max_retries=0).messages.create(
-        model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    fourth = anthropic.Anthropic(
+        base_url=server.url + f"/rollout/{rid}", api_key="x", max_retries=0
+    ).messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert [post({"reward": 3, "call": x.id}).json()["call"] for x in (third, fourth)] == [2, 3]
     lines = [json.loads(x) for x in open(server.out / "rewards.jsonl") if rid in x]
-    assert [(x["reward"], x.get("call"), x.get("task")) for x in lines] == [(0.25, 0, None), (-1.0, 1, None), (2.0, 0, "t1"), (1.0, None, None), (3.0, 2, None), (3.0, 3, None)]
+    assert [(x["reward"], x.get("call"), x.get("task")) for x in lines] == [
+        (0.25, 0, None),
+        (-1.0, 1, None),
+        (2.0, 0, "t1"),
+        (1.0, None, None),
+        (3.0, 2, None),
+        (3.0, 3, None),
+    ]
     # a call it does not have, a bool, an unknown key: a 4xx that says what to send, nothing recorded
-    for body, status, says in [({"reward": 1, "call": 4}, 404, "has no call 4"), ({"reward": 1, "call": "chatcmpl-x"}, 404, "has no call"),
-                               ({"reward": 1, "call": True}, 404, "has no call"), ({"reward": True}, 400, "reward"),
-                               ({"reward": 1, "turn": 0}, 400, "keys reward, call"), ({"reward": 1, "task": 3}, 400, "task")]:
+    for body, status, says in [
+        ({"reward": 1, "call": 4}, 404, "has no call 4"),
+        ({"reward": 1, "call": "chatcmpl-x"}, 404, "has no call"),
+        ({"reward": 1, "call": True}, 404, "has no call"),
+        ({"reward": True}, 400, "reward"),
+        ({"reward": 1, "turn": 0}, 400, "keys reward, call"),
+        ({"reward": 1, "task": 3}, 400, "task"),
+    ]:
         r = post(body)
         assert r.status_code == status and says in r.json()["error"]["message"], (body, r.text)
     assert sum(rid in x for x in open(server.out / "rewards.jsonl")) == 6
@@ -353,10 +544,36 @@ def test_proxy_cli_serves_and_stops_cleanly(tmp_path, sig):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "proxy.py"), "--port", str(port), "--out", str(out), "--max-batch-size", "4", "--max-model-len", "2048", "--max-new-tokens", "40", "--no-reuse-tokens", "--host", "127.0.0.1", "--device", "cpu", "--model", "smollm2"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "proxy.py"),
+            "--port",
+            str(port),
+            "--out",
+            str(out),
+            "--max-batch-size",
+            "4",
+            "--max-model-len",
+            "2048",
+            "--max-new-tokens",
+            "40",
+            "--no-reuse-tokens",
+            "--host",
+            "127.0.0.1",
+            "--device",
+            "cpu",
+            "--model",
+            "smollm2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/rollout/cli/v1", api_key="x", max_retries=0)
+        c = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/rollout/cli/v1", api_key="x", max_retries=0
+        )
         for _ in range(120):
             try:
                 models = c.models.list()
@@ -366,11 +583,30 @@ def test_proxy_cli_serves_and_stops_cleanly(tmp_path, sig):
         assert models.data[0].max_model_len == 2048
         n = 0
         for i in range(2):
-            r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": f"What is {i}+3?"}], max_tokens=50, temperature=0)
+            r = c.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": f"What is {i}+3?"}],
+                max_tokens=50,
+                temperature=0,
+            )
             n += r.usage.completion_tokens
         # a call still generating when the signal comes (it asks for no limit: the cap applies)
-        busy = subprocess.Popen(["curl", "-s", "-m", "60", f"http://127.0.0.1:{port}/v1/chat/completions", "-H", "Content-Type: application/json",
-                                 "-d", json.dumps({"messages": [{"role": "user", "content": "Write a long essay about rivers."}]})], stdout=subprocess.DEVNULL)
+        busy = subprocess.Popen(
+            [
+                "curl",
+                "-s",
+                "-m",
+                "60",
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                json.dumps(
+                    {"messages": [{"role": "user", "content": "Write a long essay about rivers."}]}
+                ),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         time.sleep(1.0)
     finally:
         t0 = time.time()
@@ -380,9 +616,13 @@ def test_proxy_cli_serves_and_stops_cleanly(tmp_path, sig):
     assert p.returncode == 0 and time.time() - t0 < 20, log
     assert "Traceback" not in log and "terminate called" not in log, log
     calls = read_calls(str(out / "calls.jsonl"))
-    assert [c.rollout_id for c in calls[:2]] == ["cli", "cli"] and sum(len(c.response_ids) for c in calls[:2]) == n
+    assert [c.rollout_id for c in calls[:2]] == ["cli", "cli"] and sum(
+        len(c.response_ids) for c in calls[:2]
+    ) == n
     # max_tokens 50 asked, 40 allowed: where the cap cut the reply, the record says so
-    assert all(len(c.response_ids) <= 40 and c.capped == (c.finish_reason == "length") for c in calls)
+    assert all(
+        len(c.response_ids) <= 40 and c.capped == (c.finish_reason == "length") for c in calls
+    )
 
 
 def test_samples_cli_on_calls_recorded_by_the_proxy(server, tmp_path):
@@ -390,14 +630,33 @@ def test_samples_cli_on_calls_recorded_by_the_proxy(server, tmp_path):
     msgs = [{"role": "user", "content": "Name a fruit."}]
     for turn in range(2):
         r = c.chat.completions.create(model="m", messages=msgs, max_tokens=5, temperature=1.0)
-        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Another one."}]
-    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "A side request"}], max_tokens=3)
+        msgs += [
+            r.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "Another one."},
+        ]
+    c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "A side request"}], max_tokens=3
+    )
     out = tmp_path / "samples.jsonl"
-    p = subprocess.run([sys.executable, "-m", "lightning_lite.samples", os.path.join(server.out, "calls.jsonl"), "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_lite.samples",
+            os.path.join(server.out, "calls.jsonl"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert "samples" in p.stdout and "new_thread" in p.stdout
-    mine = [json.loads(line) for line in open(out) if json.loads(line)["rollout_id"] == "for-samples"]
+    mine = [
+        json.loads(line) for line in open(out) if json.loads(line)["rollout_id"] == "for-samples"
+    ]
     calls = calls_of(server, "for-samples")
     assert len(calls) == 3 and len(mine) == 2  # the two turns merged, the side request on its own
     for s in mine:

@@ -21,20 +21,42 @@ from lightning_lite.report import batch_label
 from lightning_lite.samples import build_samples
 
 NO_BROWSER = "chromium or playwright missing: run `make setup-browser`"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ERROR = "RuntimeError: the harness crashed (exit 3)"
 
 
 def call(rid, index, prompt, response, parent=None, hint=None):
-    return Call(rollout_id=rid, index=index, api="chat", model_version=1, prompt_ids=prompt, response_ids=response,
-                response_logprobs=[-0.5] * len(response), finish_reason="stop", parent=parent, split=hint,
-                latency_s=0.25)
+    return Call(
+        rollout_id=rid,
+        index=index,
+        api="chat",
+        model_version=1,
+        prompt_ids=prompt,
+        response_ids=response,
+        response_logprobs=[-0.5] * len(response),
+        finish_reason="stop",
+        parent=parent,
+        split=hint,
+        latency_s=0.25,
+    )
 
 
 def report(run_dir):
-    return subprocess.run([sys.executable, "-m", "lightning_lite.report", str(run_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_lite.report", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,72 +70,240 @@ def run(tok, tmp_path_factory):
     def ids(text):
         return tok.encode(text, add_special_tokens=False)
 
-    (d / "config.json").write_text(json.dumps({"harness": ["calc", "search"], "model": "smollm2", "steps": 2, "batch_size": 1,
-                                               "group_size": 2, "lr": 1e-5, "max_seq_len": 4096,
-                                               "world_size": 1, "start_step": 0}))
-    rows = [{"step": 0, "eval_reward": 0.25, "eval_success": 0.25, "eval_tasks": 4, "eval_failed": 0, "eval_s": 3.0},
-            {"step": 1, "reward": 0.5, "success": 0.5, "rollouts": 2, "failed": 0, "loss": -0.01, "grad_norm": 0.3,
-             "clip_frac": 0.0, "prob_corr": 0.99, "dlogp_mean": 0.01, "dlogp_max": 0.2, "ratio_out_frac": 0.0,
-             "t_rollout": 5.0, "t_train": 2.0, "t_sync": 0.1},
-            {"step": 2, "reward": 0.625, "success": 0.5, "rollouts": 2, "failed": 1, "loss": 0.02, "grad_norm": 0.25,
-             "clip_frac": 0.01, "prob_corr": float("nan"), "dlogp_mean": 0.02, "dlogp_max": 0.3, "ratio_out_frac": 0.0,
-             "t_rollout": 6.0, "t_train": 2.5, "t_sync": 0.1, "splits": {"rewrote_history": 1}, "trainable_tokens": 12,
-             "fwd_tokens": 140},
-            {"step": 2, "eval_reward": 0.5, "eval_success": 0.5, "eval_tasks": 4, "eval_failed": 0, "eval_s": 3.0}]
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "harness": ["calc", "search"],
+                "model": "smollm2",
+                "steps": 2,
+                "batch_size": 1,
+                "group_size": 2,
+                "lr": 1e-5,
+                "max_seq_len": 4096,
+                "world_size": 1,
+                "start_step": 0,
+            }
+        )
+    )
+    rows = [
+        {
+            "step": 0,
+            "eval_reward": 0.25,
+            "eval_success": 0.25,
+            "eval_tasks": 4,
+            "eval_failed": 0,
+            "eval_s": 3.0,
+        },
+        {
+            "step": 1,
+            "reward": 0.5,
+            "success": 0.5,
+            "rollouts": 2,
+            "failed": 0,
+            "loss": -0.01,
+            "grad_norm": 0.3,
+            "clip_frac": 0.0,
+            "prob_corr": 0.99,
+            "dlogp_mean": 0.01,
+            "dlogp_max": 0.2,
+            "ratio_out_frac": 0.0,
+            "t_rollout": 5.0,
+            "t_train": 2.0,
+            "t_sync": 0.1,
+        },
+        {
+            "step": 2,
+            "reward": 0.625,
+            "success": 0.5,
+            "rollouts": 2,
+            "failed": 1,
+            "loss": 0.02,
+            "grad_norm": 0.25,
+            "clip_frac": 0.01,
+            "prob_corr": float("nan"),
+            "dlogp_mean": 0.02,
+            "dlogp_max": 0.3,
+            "ratio_out_frac": 0.0,
+            "t_rollout": 6.0,
+            "t_train": 2.5,
+            "t_sync": 0.1,
+            "splits": {"rewrote_history": 1},
+            "trainable_tokens": 12,
+            "fwd_tokens": 140,
+        },
+        {
+            "step": 2,
+            "eval_reward": 0.5,
+            "eval_success": 0.5,
+            "eval_tasks": 4,
+            "eval_failed": 0,
+            "eval_s": 3.0,
+        },
+    ]
     rows[1]["splits"] = {"new_thread": 1}
-    per_harness = [{"eval_reward/calc": 0.5, "eval_success/calc": 0.5, "eval_reward/search": 0.0, "eval_success/search": 0.0},
-                   {"reward/calc": 0.5, "success/calc": 0.5, "calls_per_rollout/calc": 2.0, "merge_ratio/calc": 1.5, "splits/calc": {},
-                    "reward/search": 0.5, "success/search": 0.5, "calls_per_rollout/search": 1.0, "merge_ratio/search": None,
-                    "splits/search": {"new_thread": 1}},
-                   {"reward/calc": 1.0, "success/calc": 1.0, "calls_per_rollout/calc": 3.0, "merge_ratio/calc": 1.8,
-                    "splits/calc": {"rewrote_history": 1}, "reward/search": 0.0, "success/search": 0.0,
-                    "calls_per_rollout/search": 1.5, "merge_ratio/search": 1.2, "splits/search": {}},
-                   {"eval_reward/calc": 0.75, "eval_success/calc": 0.75, "eval_reward/search": 0.25, "eval_success/search": 0.25}]
+    per_harness = [
+        {
+            "eval_reward/calc": 0.5,
+            "eval_success/calc": 0.5,
+            "eval_reward/search": 0.0,
+            "eval_success/search": 0.0,
+        },
+        {
+            "reward/calc": 0.5,
+            "success/calc": 0.5,
+            "calls_per_rollout/calc": 2.0,
+            "merge_ratio/calc": 1.5,
+            "splits/calc": {},
+            "reward/search": 0.5,
+            "success/search": 0.5,
+            "calls_per_rollout/search": 1.0,
+            "merge_ratio/search": None,
+            "splits/search": {"new_thread": 1},
+        },
+        {
+            "reward/calc": 1.0,
+            "success/calc": 1.0,
+            "calls_per_rollout/calc": 3.0,
+            "merge_ratio/calc": 1.8,
+            "splits/calc": {"rewrote_history": 1},
+            "reward/search": 0.0,
+            "success/search": 0.0,
+            "calls_per_rollout/search": 1.5,
+            "merge_ratio/search": 1.2,
+            "splits/search": {},
+        },
+        {
+            "eval_reward/calc": 0.75,
+            "eval_success/calc": 0.75,
+            "eval_reward/search": 0.25,
+            "eval_success/search": 0.25,
+        },
+    ]
     rows = [{**r, **h} for r, h in zip(rows, per_harness)]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # NaN as train.py writes it
+    (d / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows)
+    )  # NaN as train.py writes it
 
-    p0, r0 = ids("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"), ids("It is 4.<|im_end|>")
-    p1, r1 = p0 + r0 + ids("\n<|im_start|>user\nAre you sure?<|im_end|>\n<|im_start|>assistant\n"), ids("Yes, 4.<|im_end|>")
-    p2, r2 = p0 + ids("Earlier you said four.<|im_end|>\n<|im_start|>assistant\n"), ids("Sure.<|im_end|>")
-    good = [call("s1-g0", 0, p0, r0), call("s1-g0", 1, p1, r1, parent=0), call("s1-g0", 2, p2, r2, hint="rewrote_history")]
+    p0, r0 = (
+        ids("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"),
+        ids("It is 4.<|im_end|>"),
+    )
+    p1, r1 = (
+        p0 + r0 + ids("\n<|im_start|>user\nAre you sure?<|im_end|>\n<|im_start|>assistant\n"),
+        ids("Yes, 4.<|im_end|>"),
+    )
+    p2, r2 = (
+        p0 + ids("Earlier you said four.<|im_end|>\n<|im_start|>assistant\n"),
+        ids("Sure.<|im_end|>"),
+    )
+    good = [
+        call("s1-g0", 0, p0, r0),
+        call("s1-g0", 1, p1, r1, parent=0),
+        call("s1-g0", 2, p2, r2, hint="rewrote_history"),
+    ]
     failed = [call("s1-g1", 0, p0, ids("I do not know"))]
     # a rollout the audit flagged (its tool call read the hidden tests), and whose next request the proxy refused
     cheat = call("s1-g2", 0, p0, ids("<tool_call>cat tests/hidden.py</tool_call>"))
-    cheat.response = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "bash", "arguments": {"cmd": "cat tests/hidden.py"}}]}
+    cheat.response = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "name": "bash", "arguments": {"cmd": "cat tests/hidden.py"}}],
+    }
     flags = scan([cheat], {"read_hidden_tests": r"tests/hidden"}, {}, tok.decode)
-    flags.append({"kind": "route", "what": "refused a request to /v1/files", "call": None, "where": None, "match": None})
-    p3 = p0 + cheat.response_ids + ids("\n<|im_start|>tool\nassert add(2, 2) == 4<|im_end|>\n<|im_start|>assistant\n")
+    flags.append(
+        {
+            "kind": "route",
+            "what": "refused a request to /v1/files",
+            "call": None,
+            "where": None,
+            "match": None,
+        }
+    )
+    p3 = (
+        p0
+        + cheat.response_ids
+        + ids("\n<|im_start|>tool\nassert add(2, 2) == 4<|im_end|>\n<|im_start|>assistant\n")
+    )
     after = call("s1-g2", 1, p3, ids("Done.<|im_end|>"), parent=0)
     write_jsonl(str(d / "calls" / "step_1.jsonl"), good + failed + [cheat, after])
     # call rewards as train.py writes them (JSON: string keys); --adv grpo-step gives s1-g2 one advantage per call
-    write_jsonl(str(d / "rollouts" / "step_1.jsonl"), [
-        {"rollout_id": "s1-g0", "task_id": "t7", "harness": "calc", "reward": 1.0, "call_rewards": {"1": 0.25}, "error": None,
-         "seconds": 1.5, "advantage": 0.7071, "flags": []},
-        {"rollout_id": "s1-g1", "task_id": "t7", "harness": "search", "reward": None, "call_rewards": {}, "error": ERROR,
-         "seconds": 0.5, "advantage": None, "flags": []},
-        {"rollout_id": "s1-g2", "task_id": "t7", "harness": "search", "reward": 0.0, "call_rewards": {"0": 0.5}, "error": None,
-         "seconds": 0.5, "advantage": {"0": 0.45, "1": -1.284}, "flags": flags}])
-    long_prompt = ids("<|im_start|>user\n" + "count the words " * 300 + "<|im_end|>\n<|im_start|>assistant\n")
-    write_jsonl(str(d / "calls" / "eval_2.jsonl"), [call("eval2-r0-0", 0, long_prompt, ids("Nine hundred."))])
+    write_jsonl(
+        str(d / "rollouts" / "step_1.jsonl"),
+        [
+            {
+                "rollout_id": "s1-g0",
+                "task_id": "t7",
+                "harness": "calc",
+                "reward": 1.0,
+                "call_rewards": {"1": 0.25},
+                "error": None,
+                "seconds": 1.5,
+                "advantage": 0.7071,
+                "flags": [],
+            },
+            {
+                "rollout_id": "s1-g1",
+                "task_id": "t7",
+                "harness": "search",
+                "reward": None,
+                "call_rewards": {},
+                "error": ERROR,
+                "seconds": 0.5,
+                "advantage": None,
+                "flags": [],
+            },
+            {
+                "rollout_id": "s1-g2",
+                "task_id": "t7",
+                "harness": "search",
+                "reward": 0.0,
+                "call_rewards": {"0": 0.5},
+                "error": None,
+                "seconds": 0.5,
+                "advantage": {"0": 0.45, "1": -1.284},
+                "flags": flags,
+            },
+        ],
+    )
+    long_prompt = ids(
+        "<|im_start|>user\n" + "count the words " * 300 + "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    write_jsonl(
+        str(d / "calls" / "eval_2.jsonl"),
+        [call("eval2-r0-0", 0, long_prompt, ids("Nine hundred."))],
+    )
 
     result = report(d)
     assert result.returncode == 0, result.stderr
     samples, _ = build_samples(good)
-    return {"dir": d, "stdout": result.stdout, "trainable": [sum(s.loss_mask) for s in samples],
-            "long_prompt": len(long_prompt)}
+    return {
+        "dir": d,
+        "stdout": result.stdout,
+        "trainable": [sum(s.loss_mask) for s in samples],
+        "long_prompt": len(long_prompt),
+    }
 
 
 def test_report_is_one_page_that_needs_no_network(run):
     page = run["dir"] / "report.html"
-    assert run["stdout"].startswith(f"wrote {page} (") and "trajectories of 2 of 2 steps/evals" in run["stdout"]
+    assert (
+        run["stdout"].startswith(f"wrote {page} (")
+        and "trajectories of 2 of 2 steps/evals" in run["stdout"]
+    )
     html = page.read_text()
-    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)  # no script, style or image from elsewhere
+    assert not re.search(
+        r"""(src|href)\s*=\s*["']?(https?:)?//""", html
+    )  # no script, style or image from elsewhere
     assert "/*DATA*/" not in html and page.stat().st_size < 1_000_000
 
 
 def test_a_folder_that_is_no_run_says_what_is_expected(tmp_path):
     missing = report(tmp_path / "nope")
-    assert missing.returncode == 2 and "no such folder" in missing.stderr and "metrics.jsonl" in missing.stderr
+    assert (
+        missing.returncode == 2
+        and "no such folder" in missing.stderr
+        and "metrics.jsonl" in missing.stderr
+    )
     empty = report(tmp_path)
     assert empty.returncode == 2 and f"{tmp_path} has no metrics.jsonl" in empty.stderr
 
@@ -128,7 +318,9 @@ def test_page_in_headless_chromium(run, tmp_path):
         pytest.skip(NO_BROWSER)
     errors = []
     with tempfile.TemporaryDirectory() as profile, sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch_persistent_context(
+            profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS
+        )
         page = browser.new_page()
         page.on("console", lambda m: m.type == "error" and errors.append(m.text))
         page.on("pageerror", lambda e: errors.append(str(e)))
@@ -145,10 +337,15 @@ def test_page_in_headless_chromium(run, tmp_path):
 
         # two harnesses: one plot per quantity with a line each, and their split counts summed over the run
         assert page.locator("#harness-plots svg").count() == 4
-        assert [plot.locator(".legend > span").all_inner_texts() for plot in page.locator("#harness-plots .plot").all()] \
-            == [["calc", "search"]] * 4
-        assert [r.split("\t") for r in page.locator("#harness-splits tr").all_inner_texts()] == \
-            [["harness", "new_thread", "rewrote_history"], ["calc", "0", "1"], ["search", "1", "0"]]
+        assert [
+            plot.locator(".legend > span").all_inner_texts()
+            for plot in page.locator("#harness-plots .plot").all()
+        ] == [["calc", "search"]] * 4
+        assert [r.split("\t") for r in page.locator("#harness-splits tr").all_inner_texts()] == [
+            ["harness", "new_thread", "rewrote_history"],
+            ["calc", "0", "1"],
+            ["search", "1", "0"],
+        ]
 
         # calls/step_1 is metrics step 2; its failed rollout says why
         page.select_option("#batch", label=batch_label("step", 1))
@@ -165,46 +362,78 @@ def test_page_in_headless_chromium(run, tmp_path):
         page.select_option("#rollout", label="s1-g0  reward 1")
         page.wait_for_selector('#rollout-detail[data-rollout="s1-g0"]')
         detail = page.inner_text("#rollout-detail")
-        assert "trained yes, advantage 0.707" in detail and "It is 4." in detail and "Are you sure?" in detail
+        assert (
+            "trained yes, advantage 0.707" in detail
+            and "It is 4." in detail
+            and "Are you sure?" in detail
+        )
         assert "harness calc" in detail
-        calls = page.locator("#rollout-detail table.calls tr").all_inner_texts()  # its call 1's reward; one advantage
-        assert calls[0].split("\t")[-1] == "reward" and calls[2].split("\t")[-1] == "0.250" and calls[1].split("\t")[-1] == "—"
-        first, second = (page.locator(f'#rollout-detail .sample[data-sample="{i}"]') for i in (0, 1))
-        assert [first.locator(".tok.train").count(), second.locator(".tok.train").count()] == run["trainable"]
+        calls = page.locator(
+            "#rollout-detail table.calls tr"
+        ).all_inner_texts()  # its call 1's reward; one advantage
+        assert (
+            calls[0].split("\t")[-1] == "reward"
+            and calls[2].split("\t")[-1] == "0.250"
+            and calls[1].split("\t")[-1] == "—"
+        )
+        first, second = (
+            page.locator(f'#rollout-detail .sample[data-sample="{i}"]') for i in (0, 1)
+        )
+        assert [first.locator(".tok.train").count(), second.locator(".tok.train").count()] == run[
+            "trainable"
+        ]
         assert first.locator(".call-mark").all_inner_texts() == ["call 0", "call 1"]
         assert first.locator(".split-mark").count() == 0
         assert second.locator(".split-mark").inner_text() == "split: rewrote_history"
 
         # the flagged rollout: marked in the list, counted per batch, each flag with its call and match
-        assert page.inner_text("#flagged-count") == "1 of 3 rollouts flagged (flags: 1 audit, 1 route)"
+        assert (
+            page.inner_text("#flagged-count") == "1 of 3 rollouts flagged (flags: 1 audit, 1 route)"
+        )
         assert page.inner_text('#rollouts tr[data-rollout="s1-g2"] .flag-mark') == "⚑ 2"
         assert page.locator('#rollouts tr[data-rollout="s1-g0"] .flag-mark').count() == 0
         page.click('#rollouts tr[data-rollout="s1-g2"]')
         page.wait_for_selector('#rollout-detail[data-rollout="s1-g2"]')
         rows = page.locator("#rollout-detail table.flags tr").all_inner_texts()
-        assert [r.split("\t") for r in rows[1:]] == [["audit", "read_hidden_tests", "0", "action", 'bash {"cmd": "cat tests/hidden.py"}'],
-                                                     ["route", "refused a request to /v1/files", "—", "—", ""]]
+        assert [r.split("\t") for r in rows[1:]] == [
+            ["audit", "read_hidden_tests", "0", "action", 'bash {"cmd": "cat tests/hidden.py"}'],
+            ["route", "refused a request to /v1/files", "—", "—", ""],
+        ]
 
         # its per-call advantage: a range in the list, each call's own (and its reward) in the detail
-        assert page.inner_text('#rollouts tr[data-rollout="s1-g2"] td:nth-child(5)') == "-1.28..0.450"
-        assert "trained yes, advantage per call: 0: 0.450, 1: -1.28" in page.inner_text("#rollout-detail")
+        assert (
+            page.inner_text('#rollouts tr[data-rollout="s1-g2"] td:nth-child(5)') == "-1.28..0.450"
+        )
+        assert "trained yes, advantage per call: 0: 0.450, 1: -1.28" in page.inner_text(
+            "#rollout-detail"
+        )
         calls = page.locator("#rollout-detail table.calls tr").all_inner_texts()
-        assert [r.split("\t")[-2:] for r in calls] == [["reward", "advantage"], ["0.500", "0.450"], ["—", "-1.28"]]
+        assert [r.split("\t")[-2:] for r in calls] == [
+            ["reward", "advantage"],
+            ["0.500", "0.450"],
+            ["—", "-1.28"],
+        ]
 
         # an eval without a rollouts/ file: rewards unknown; its long prompt drawn collapsed until expanded
         page.select_option("#batch", label=batch_label("eval", 2))
         page.wait_for_selector('#rollout-detail[data-rollout="eval2-r0-0"]')
         assert "No rollouts/ file" in page.inner_text("#batch-summary")
         assert "harness" not in page.locator("#rollouts th").all_inner_texts()
-        assert page.locator("#flagged-count").count() == 0 and "flagged" not in page.inner_text("#rollout-detail")
+        assert page.locator("#flagged-count").count() == 0 and "flagged" not in page.inner_text(
+            "#rollout-detail"
+        )
         prompt = page.locator('#rollout-detail .sample[data-sample="0"] .tok.ctx')
         assert prompt.count() == 400
         page.click("#rollout-detail .expand")
         assert prompt.count() == run["long_prompt"]
 
         # a run of one harness (no /NAME keys): as before, no harness section
-        rows = [json.loads(line) for line in (run["dir"] / "metrics.jsonl").read_text().splitlines()]
-        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "/" not in k}) + "\n" for r in rows))
+        rows = [
+            json.loads(line) for line in (run["dir"] / "metrics.jsonl").read_text().splitlines()
+        ]
+        (tmp_path / "metrics.jsonl").write_text(
+            "".join(json.dumps({k: v for k, v in r.items() if "/" not in k}) + "\n" for r in rows)
+        )
         assert report(tmp_path).returncode == 0
         page.goto((tmp_path / "report.html").as_uri())
         page.wait_for_selector("#plots svg")

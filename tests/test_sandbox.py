@@ -15,7 +15,7 @@ from lightning_lite.proxy import Proxy, ProxyServer
 from test_faults import FakeBackend
 
 # The agent: one real call through its base URL, then every escape we can think of; it prints what each gave.
-AGENT = r'''
+AGENT = r"""
 import json, os, socket, sys, urllib.request, urllib.error
 T = json.loads(sys.argv[1])
 out = {}
@@ -48,7 +48,7 @@ attempt("no token", lambda: post(server + "/v1/chat/completions", chat))
 attempt("write system", lambda: open("/usr/pwned", "w").write("x"))
 attempt("docker socket", lambda: socket.socket(socket.AF_UNIX).connect("/run/docker.sock"))
 print(json.dumps({"env": dict(os.environ), "attempts": out}))
-'''
+"""
 
 
 class Escaper(SubprocessHarness):
@@ -57,7 +57,11 @@ class Escaper(SubprocessHarness):
         self.image = "lightning-lite/sandbox:bookworm"
 
     def command(self, task, endpoint):
-        t = {**self.targets, "other": self.targets["dirs"][task.prompt == "a"], "other_id": "a" if task.prompt == "b" else "b"}
+        t = {
+            **self.targets,
+            "other": self.targets["dirs"][task.prompt == "a"],
+            "other_id": "a" if task.prompt == "b" else "b",
+        }
         return ["python3", "-c", AGENT, json.dumps(t)], {}, self.targets["dirs"][task.prompt == "b"]
 
     def reward(self, task, stdout, returncode, workdir):
@@ -85,13 +89,29 @@ def test_escapes_fail_and_the_own_proxy_call_succeeds(box, tok, tmp_path, monkey
         os.mkdir(d)
     listener = socket.create_server(("127.0.0.1", 0))  # something else on the host's loopback
     host_ip = socket.gethostbyname(socket.gethostname())
-    srv = ProxyServer(Proxy(FakeBackend(tok), tok, out_dir=str(out / "calls"), rollout_tokens=True)).start()
+    srv = ProxyServer(
+        Proxy(FakeBackend(tok), tok, out_dir=str(out / "calls"), rollout_tokens=True)
+    ).start()
     try:
-        targets = {"trainer_pid": os.getpid(), "secret": str(home / ".cache/huggingface/token"), "dirs": dirs, "out": str(out),
-                   "port": listener.getsockname()[1], "host_ip": host_ip}
+        targets = {
+            "trainer_pid": os.getpid(),
+            "secret": str(home / ".cache/huggingface/token"),
+            "dirs": dirs,
+            "out": str(out),
+            "port": listener.getsockname()[1],
+            "host_ip": host_ip,
+        }
         h = Escaper(box, targets)
         jobs = [("a", Task("ta", "a")), ("b", Task("tb", "b"))]
-        results = asyncio.run(run_rollouts(h, jobs, lambda rid: srv.endpoint(rid, "m", socket=True), timeout=120, progress=False))
+        results = asyncio.run(
+            run_rollouts(
+                h,
+                jobs,
+                lambda rid: srv.endpoint(rid, "m", socket=True),
+                timeout=120,
+                progress=False,
+            )
+        )
         flags = {rid: srv.proxy.flags(rid) for rid in ("a", "b")}
         srv.close_sockets(["a", "b"])
     finally:
@@ -102,15 +122,23 @@ def test_escapes_fail_and_the_own_proxy_call_succeeds(box, tok, tmp_path, monkey
         seen = h.seen[rid]
         got = seen["attempts"]
         assert got.pop("own call") == "ok: 200", got
-        if box.name == "docker":  # the container's own files, thrown away with it (--rm): a pip install may go there
+        if (
+            box.name == "docker"
+        ):  # the container's own files, thrown away with it (--rm): a pip install may go there
             assert got.pop("write system") == "ok: 1"
         assert all(v.startswith("failed") for v in got.values()), json.dumps(got)
         assert "HF_TOKEN" not in seen["env"] and "hf_planted" not in json.dumps(seen)
         assert not any("REWARD" in k for k in seen["env"])
         whats = " | ".join(f["what"] for f in flags[rid])
         assert [f["kind"] for f in flags[rid]] == ["route"] * 3, flags[rid]
-        assert "rewards come from the harness" in whats and "a wrong token" in whats and "/v1/chat/completions" in whats
-    assert sorted(os.listdir(out)) == ["calls", "metrics.jsonl"] and not any(os.listdir(d) for d in dirs)
+        assert (
+            "rewards come from the harness" in whats
+            and "a wrong token" in whats
+            and "/v1/chat/completions" in whats
+        )
+    assert sorted(os.listdir(out)) == ["calls", "metrics.jsonl"] and not any(
+        os.listdir(d) for d in dirs
+    )
     calls = [json.loads(line) for line in open(out / "calls" / "calls.jsonl")]
     assert sorted(c["rollout_id"] for c in calls) == ["a", "b"]  # only the own calls were recorded
 
@@ -119,26 +147,57 @@ def test_a_token_is_needed_for_every_call_and_the_harness_key_for_rewards(tok, t
     """On the host too (--sandbox none): the proxy serves only the routes it handed out."""
     import requests
 
-    srv = ProxyServer(Proxy(FakeBackend(tok), tok, out_dir=str(tmp_path), rollout_tokens=True)).start()
+    srv = ProxyServer(
+        Proxy(FakeBackend(tok), tok, out_dir=str(tmp_path), rollout_tokens=True)
+    ).start()
     try:
         e = srv.endpoint("r1", "m")
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         assert e.base_url.startswith(srv.url + "/rollout/r1.") and e.route != "r1"
         assert requests.post(e.base_url + "/chat/completions", json=chat).status_code == 200
-        for url in (srv.url + "/rollout/r1/v1/chat/completions", srv.url + "/rollout/r1.guess/v1/chat/completions",
-                    srv.url + "/v1/chat/completions", srv.url + "/rollout/r2.x/v1/chat/completions"):
+        for url in (
+            srv.url + "/rollout/r1/v1/chat/completions",
+            srv.url + "/rollout/r1.guess/v1/chat/completions",
+            srv.url + "/v1/chat/completions",
+            srv.url + "/rollout/r2.x/v1/chat/completions",
+        ):
             r = requests.post(url, json=chat)
             assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", url
-        r = requests.post(e.anthropic_base_url + "/v1/messages", json={**chat, "max_tokens": 4}, headers={"x-api-key": "k"})
+        r = requests.post(
+            e.anthropic_base_url + "/v1/messages",
+            json={**chat, "max_tokens": 4},
+            headers={"x-api-key": "k"},
+        )
         assert r.status_code == 200 and r.json()["type"] == "message"
-        r = requests.post(e.server_url + "/rollout/r1.x/v1/messages", json={**chat, "max_tokens": 4})
-        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"  # the API's own format
+        r = requests.post(
+            e.server_url + "/rollout/r1.x/v1/messages", json={**chat, "max_tokens": 4}
+        )
+        assert (
+            r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        )  # the API's own format
         assert requests.post(e.reward_url, json={"reward": 1}).status_code == 403
-        assert requests.post(e.reward_url, json={"reward": 1}, headers={"X-Reward-Key": "wrong"}).status_code == 403
+        assert (
+            requests.post(
+                e.reward_url, json={"reward": 1}, headers={"X-Reward-Key": "wrong"}
+            ).status_code
+            == 403
+        )
         assert srv.proxy.reward("r1") is None
-        assert requests.post(e.reward_url, json={"reward": 0.5}, headers={"X-Reward-Key": e.reward_key}).status_code == 200
+        assert (
+            requests.post(
+                e.reward_url, json={"reward": 0.5}, headers={"X-Reward-Key": e.reward_key}
+            ).status_code
+            == 200
+        )
         assert srv.proxy.reward("r1") == 0.5
-        assert requests.post(srv.url + "/rollout/nobody/reward", json={"reward": 1}, headers={"X-Reward-Key": e.reward_key}).status_code == 404
+        assert (
+            requests.post(
+                srv.url + "/rollout/nobody/reward",
+                json={"reward": 1},
+                headers={"X-Reward-Key": e.reward_key},
+            ).status_code
+            == 404
+        )
         assert srv.proxy.flags("r1") == []  # over TCP nothing tells who sent a refused request
         srv.proxy.reset()  # the step is over: a straggler of r1 is refused
         assert requests.post(e.base_url + "/chat/completions", json=chat).status_code == 403
@@ -153,8 +212,25 @@ def test_make_says_what_is_wrong():
         sandbox.Docker().wrap(["true"], {}, "/tmp")
     t = sandbox.make("kubectl run {name} -i --rm --image={image} -- {argv}", image="img")
     assert t.wrap(["python3", "a b.py"], {"K": "v w"}, "/w", name="ll-r1") == [
-        "kubectl", "run", "ll-r1", "-i", "--rm", "--image=img", "--", "sh", "-c", "cd /w && exec env -i 'K=v w' python3 'a b.py'"]
-    assert sandbox.Sandbox().wrap([sys.executable, "-c", "pass"], {"A": "1"}, "/tmp") == ["env", "-i", "A=1", sys.executable, "-c", "pass"]
+        "kubectl",
+        "run",
+        "ll-r1",
+        "-i",
+        "--rm",
+        "--image=img",
+        "--",
+        "sh",
+        "-c",
+        "cd /w && exec env -i 'K=v w' python3 'a b.py'",
+    ]
+    assert sandbox.Sandbox().wrap([sys.executable, "-c", "pass"], {"A": "1"}, "/tmp") == [
+        "env",
+        "-i",
+        "A=1",
+        sys.executable,
+        "-c",
+        "pass",
+    ]
 
 
 @pytest.mark.sandbox
@@ -167,18 +243,48 @@ def test_train_step_in_bwrap_records_flags_and_zeroes_flagged_rewards(bwrap_ok, 
     from lightning_lite.records import read_jsonl
 
     out = str(tmp_path / "run")
-    p = subprocess.run([sys.executable, "train.py", "--harness", "tests/harnesses.py:AuditedScript", "--sandbox", "bwrap", "--steps", "1",
-                        "--proxy-host", "localhost",  # base URLs name it; inside, the bridge answers on loopback
-                        "--batch-size", "1", "--group-size", "2", "--eval-tasks", "0", "--out", out],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            "tests/harnesses.py:AuditedScript",
+            "--sandbox",
+            "bwrap",
+            "--steps",
+            "1",
+            "--proxy-host",
+            "localhost",  # base URLs name it; inside, the bridge answers on loopback
+            "--batch-size",
+            "1",
+            "--group-size",
+            "2",
+            "--eval-tasks",
+            "0",
+            "--out",
+            out,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "rollouts run in sandbox bwrap" in p.stdout and "rank 0 proxy at http://localhost:" in p.stdout
+    assert (
+        "rollouts run in sandbox bwrap" in p.stdout
+        and "rank 0 proxy at http://localhost:" in p.stdout
+    )
     rows = list(read_jsonl(os.path.join(out, "rollouts", "step_0.jsonl")))
     assert len(rows) == 2 and all(r["error"] is None and r["reward"] == 0.0 for r in rows), rows
     for r in rows:
         kinds = sorted((f["kind"], f["what"].split(":")[0]) for f in r["flags"])
-        assert kinds == [("audit", "greeting"), ("route", "rewards come from the harness (header X-Reward-Key), never from the agent")], r["flags"]
-    assert [r["flagged"] for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "flagged" in r] == [2]
+        assert kinds == [
+            ("audit", "greeting"),
+            ("route", "rewards come from the harness (header X-Reward-Key), never from the agent"),
+        ], r["flags"]
+    assert [
+        r["flagged"] for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "flagged" in r
+    ] == [2]
     calls = list(read_jsonl(os.path.join(out, "calls", "step_0.jsonl")))
     assert sorted(c["rollout_id"] for c in calls) == sorted(r["rollout_id"] for r in rows)
 
@@ -189,8 +295,15 @@ def test_a_command_template_runs_the_program_with_its_env_and_cwd(tmp_path):
     import subprocess
 
     box = sandbox.make("sh -c 'exec \"$@\"' {name} {argv}")
-    argv = box.wrap(["sh", "-c", "pwd; echo \"$A|$HOME\""], {"A": "x y", "PATH": os.environ["PATH"]}, str(tmp_path), name="ll-r1")
-    out = subprocess.run(argv, capture_output=True, text=True, env={"PATH": os.environ["PATH"], "HOME": "/root"}).stdout.split("\n")
+    argv = box.wrap(
+        ["sh", "-c", 'pwd; echo "$A|$HOME"'],
+        {"A": "x y", "PATH": os.environ["PATH"]},
+        str(tmp_path),
+        name="ll-r1",
+    )
+    out = subprocess.run(
+        argv, capture_output=True, text=True, env={"PATH": os.environ["PATH"], "HOME": "/root"}
+    ).stdout.split("\n")
     assert out[:2] == [str(tmp_path), "x y|"]
 
 
@@ -207,8 +320,20 @@ def test_bwrap_hides_a_dir_but_what_the_harness_needs_inside_it(bwrap_ok, tmp_pa
     work.mkdir()
     os.makedirs("/var/tmp/ll-test-visible", exist_ok=True)  # outside /tmp (private in the sandbox)
     box = sandbox.make("bwrap")
-    cmd = ["python3", "-c", "import os, sys; print([os.path.exists(p) for p in sys.argv[1:]])",
-           str(repo / ".harnesses" / "venv" / "tool"), str(repo / "answers.py"), str(work)]
-    argv = box.wrap(cmd, {"PATH": "/usr/bin:/bin"}, str(work), ro_binds=[str(repo / ".harnesses" / "venv")], hide=[str(repo)])
+    cmd = [
+        "python3",
+        "-c",
+        "import os, sys; print([os.path.exists(p) for p in sys.argv[1:]])",
+        str(repo / ".harnesses" / "venv" / "tool"),
+        str(repo / "answers.py"),
+        str(work),
+    ]
+    argv = box.wrap(
+        cmd,
+        {"PATH": "/usr/bin:/bin"},
+        str(work),
+        ro_binds=[str(repo / ".harnesses" / "venv")],
+        hide=[str(repo)],
+    )
     out = subprocess.run(argv, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
     assert out.stdout.strip() == "[True, False, True]", out.stderr

@@ -11,21 +11,40 @@ from lightning_lite.toolcalls import FORMATS, SENTINEL, detect, forced, parse, t
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "fixtures", "templates")
 THINK = ("<think>", "</think>")
-B, C, S, E, F = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
-BEFORE = "Let me check, café."  # content before the call (non-ASCII: a character split across tokens)
+B, C, S, E, F = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+)
+BEFORE = (
+    "Let me check, café."  # content before the call (non-ASCII: a character split across tokens)
+)
 
 # Per format, written by hand in the family's shape: a reply with content and the call get_weather({"city": "Paris"})
 # (llama3: the whole reply is the call), two calls a({"x": 1}) and b({}), and a call that does not parse.
 ONE = {
-    "hermes": BEFORE + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-    "qwen3_coder": BEFORE + "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    "hermes": BEFORE
+    + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "qwen3_coder": BEFORE
+    + "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
-    "mistral": BEFORE + '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]',
+    "mistral": BEFORE
+    + '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]',
     "mistral_v11": BEFORE + '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
-    "deepseek": BEFORE + B + C + "function" + S + 'get_weather\n```json\n{"city": "Paris"}\n```' + E + F,
+    "deepseek": BEFORE
+    + B
+    + C
+    + "function"
+    + S
+    + 'get_weather\n```json\n{"city": "Paris"}\n```'
+    + E
+    + F,
     "deepseek_v31": BEFORE + B + C + "get_weather" + S + '{"city": "Paris"}' + E + F,
-    "harmony": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary<|message|>" + BEFORE
-               + '<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+    "harmony": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+    + BEFORE
+    + '<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
     "granite": BEFORE + '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
 }
 TWO = {
@@ -34,7 +53,18 @@ TWO = {
     "llama3": '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}',
     "mistral": '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}, "id": "aaaaaaaa1"}, {"name": "b", "arguments": {}, "id": "bbbbbbbb2"}]',
     "mistral_v11": '[TOOL_CALLS]a[CALL_ID]aaaaaaaa1[ARGS]{"x": 1}[TOOL_CALLS]b[CALL_ID]bbbbbbbb2[ARGS]{}',
-    "deepseek": B + C + "function" + S + 'a\n```json\n{"x": 1}\n```' + E + C + "function" + S + "b\n```json\n{}\n```" + E + F,
+    "deepseek": B
+    + C
+    + "function"
+    + S
+    + 'a\n```json\n{"x": 1}\n```'
+    + E
+    + C
+    + "function"
+    + S
+    + "b\n```json\n{}\n```"
+    + E
+    + F,
     "deepseek_v31": B + C + "a" + S + '{"x": 1}' + E + C + "b" + S + "{}" + E + F,
     "harmony": '<|channel|>commentary to=functions.a <|constrain|>json<|message|>{"x": 1}<|call|><|start|>assistant to=functions.b<|channel|>commentary json<|message|>{}',
     "granite": '<|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
@@ -45,25 +75,66 @@ BAD = {
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}',
     "mistral": 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}',
     "mistral_v11": 'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": Paris}',
-    "deepseek": "Let me check." + B + C + "function" + S + 'get_weather\n```json\n{"city": \n```' + E + F,
+    "deepseek": "Let me check."
+    + B
+    + C
+    + "function"
+    + S
+    + 'get_weather\n```json\n{"city": \n```'
+    + E
+    + F,
     "deepseek_v31": "Let me check." + B + C + "get_weather" + S + '{"city"' + E + F,
     "harmony": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": ',
     "granite": 'Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}',
 }
 # What the model writes after forced(fmt, "get_weather") and after forced(fmt, "") (it picks the tool itself).
 CONTINUE = {
-    "hermes": ('{"city": "Paris"}}\n</tool_call>', 'get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
-    "qwen3_coder": ("<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", "get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"),
+    "hermes": (
+        '{"city": "Paris"}}\n</tool_call>',
+        'get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    ),
+    "qwen3_coder": (
+        "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+        "get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    ),
     "llama3": ('{"city": "Paris"}}', 'get_weather", "parameters": {"city": "Paris"}}'),
-    "mistral": ('{"city": "Paris"}, "id": "abcdefghi"}]', 'get_weather", "arguments": {"city": "Paris"}}]'),
+    "mistral": (
+        '{"city": "Paris"}, "id": "abcdefghi"}]',
+        'get_weather", "arguments": {"city": "Paris"}}]',
+    ),
     "mistral_v11": ('{"city": "Paris"}', 'get_weather[ARGS]{"city": "Paris"}'),
-    "deepseek": ('{"city": "Paris"}\n```' + E + F, 'get_weather\n```json\n{"city": "Paris"}\n```' + E + F),
+    "deepseek": (
+        '{"city": "Paris"}\n```' + E + F,
+        'get_weather\n```json\n{"city": "Paris"}\n```' + E + F,
+    ),
     "deepseek_v31": ('{"city": "Paris"}' + E + F, "get_weather" + S + '{"city": "Paris"}' + E + F),
     "harmony": ('{"city": "Paris"}', 'get_weather <|constrain|>json<|message|>{"city": "Paris"}'),
     "granite": ('{"city": "Paris"}}]', 'get_weather", "arguments": {"city": "Paris"}}]'),
 }
-SPECIAL = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
-           "[THINK]", "[/THINK]", B, C, S, E, F, "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|tool_call|>"]
+SPECIAL = [
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<|python_tag|>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "[THINK]",
+    "[/THINK]",
+    B,
+    C,
+    S,
+    E,
+    F,
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|constrain|>",
+    "<|end|>",
+    "<|call|>",
+    "<|tool_call|>",
+]
 
 
 def calls_of(reply: dict) -> list:
@@ -74,7 +145,10 @@ def replies(fmt: str) -> list[tuple[str, dict]]:
     """Every reply text of a format with the parse arguments it needs: the cases above, plus think blocks."""
     out = [(t, {}) for t in (ONE[fmt], TWO[fmt], BAD[fmt])]
     if fmt != "harmony":
-        out += [("<think>\nWeather? 🌤\n</think>\n\n" + ONE[fmt], {"think": THINK}), ("Weather? 🌤\n</think>\n\n" + BAD[fmt], {"think": THINK, "opened": True})]
+        out += [
+            ("<think>\nWeather? 🌤\n</think>\n\n" + ONE[fmt], {"think": THINK}),
+            ("Weather? 🌤\n</think>\n\n" + BAD[fmt], {"think": THINK, "opened": True}),
+        ]
     if fmt.startswith("mistral"):
         out.append(("[THINK]Weather?[/THINK]" + ONE[fmt], {"think": ("[THINK]", "[/THINK]")}))
     return out
@@ -88,22 +162,43 @@ def test_parse_content_one_call_parallel_calls_and_malformed(fmt):
     assert one["reasoning"] == ("Need the weather." if fmt == "harmony" else "")
     assert calls_of(parse(fmt, TWO[fmt])) == [("a", {"x": 1}), ("b", {})]
     bad = parse(fmt, BAD[fmt])
-    assert bad["tool_calls"] == [] and bad["content"] == BAD[fmt].strip()  # the harness sees what the model wrote
+    assert (
+        bad["tool_calls"] == [] and bad["content"] == BAD[fmt].strip()
+    )  # the harness sees what the model wrote
     # ids only where the model wrote them
-    ids = [c.get("id") for c in parse(fmt, ONE[fmt])["tool_calls"] + parse(fmt, TWO[fmt])["tool_calls"]]
-    assert ids == {"mistral": ["abcdefghi", "aaaaaaaa1", "bbbbbbbb2"], "mistral_v11": [None, "aaaaaaaa1", "bbbbbbbb2"]}.get(fmt, [None] * 3)
+    ids = [
+        c.get("id") for c in parse(fmt, ONE[fmt])["tool_calls"] + parse(fmt, TWO[fmt])["tool_calls"]
+    ]
+    assert ids == {
+        "mistral": ["abcdefghi", "aaaaaaaa1", "bbbbbbbb2"],
+        "mistral_v11": [None, "aaaaaaaa1", "bbbbbbbb2"],
+    }.get(fmt, [None] * 3)
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "harmony"])
 def test_think_blocks(fmt):
     r = parse(fmt, "<think>\nWeather? 🌤\n</think>\n\n" + ONE[fmt], THINK)
     assert r["reasoning"] == "Weather? 🌤" and calls_of(r) == [("get_weather", {"city": "Paris"})]
-    r = parse(fmt, "Weather?\n</think>\n\n" + ONE[fmt], THINK, opened=True)  # the prompt opened <think>
+    r = parse(
+        fmt, "Weather?\n</think>\n\n" + ONE[fmt], THINK, opened=True
+    )  # the prompt opened <think>
     assert r["reasoning"] == "Weather?" and calls_of(r) == [("get_weather", {"city": "Paris"})]
-    assert parse(fmt, "<think>\n\n</think>\n\nHello", THINK) == {"content": "Hello", "reasoning": "", "tool_calls": []}  # /no_think
-    assert parse(fmt, "still thinking " + ONE[fmt], THINK, opened=True) == {"content": "", "reasoning": ("still thinking " + ONE[fmt]).strip(), "tool_calls": []}
-    assert parse(fmt, "Hello </think> x", THINK)["content"] == "Hello </think> x"  # a think block counts only at the start
-    assert parse(fmt, "<think>a</think>b", None)["content"] == "<think>a</think>b"  # no think tags: all is content
+    assert parse(fmt, "<think>\n\n</think>\n\nHello", THINK) == {
+        "content": "Hello",
+        "reasoning": "",
+        "tool_calls": [],
+    }  # /no_think
+    assert parse(fmt, "still thinking " + ONE[fmt], THINK, opened=True) == {
+        "content": "",
+        "reasoning": ("still thinking " + ONE[fmt]).strip(),
+        "tool_calls": [],
+    }
+    assert (
+        parse(fmt, "Hello </think> x", THINK)["content"] == "Hello </think> x"
+    )  # a think block counts only at the start
+    assert (
+        parse(fmt, "<think>a</think>b", None)["content"] == "<think>a</think>b"
+    )  # no think tags: all is content
     if fmt.startswith("mistral"):
         r = parse(fmt, "[THINK]Weather?[/THINK]" + ONE[fmt], ("[THINK]", "[/THINK]"))
         assert r["reasoning"] == "Weather?" and r["content"] == BEFORE and len(r["tool_calls"]) == 1
@@ -111,24 +206,48 @@ def test_think_blocks(fmt):
 
 def test_format_details():
     # Qwen3-Coder parameters are text: JSON values where they parse, else strings (inner newlines kept)
-    r = parse("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=n>\n3\n</parameter>\n<parameter=o>\n{\"k\": [1]}\n</parameter>\n"
-              "<parameter=s>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>")
+    r = parse(
+        "qwen3_coder",
+        '<tool_call>\n<function=f>\n<parameter=n>\n3\n</parameter>\n<parameter=o>\n{"k": [1]}\n</parameter>\n'
+        "<parameter=s>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>",
+    )
     assert calls_of(r) == [("f", {"n": 3, "o": {"k": [1]}, "s": "line 1\nline 2"})]
     # Llama 3: only a reply that is all call JSON is a call; <|python_tag|> may open it
     assert parse("llama3", 'Use {"name": "f", "parameters": {}} like this.')["tool_calls"] == []
-    assert calls_of(parse("llama3", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}')) == [("f", {"a": 1})]
-    assert calls_of(parse("llama3", '{"name": "f", "arguments": {}}\n{"name": "g", "parameters": {}}')) == [("f", {}), ("g", {})]
-    assert parse("llama3", '{"name": "Bob", "age": 3}')["tool_calls"] == []  # JSON that is not a call
+    assert calls_of(parse("llama3", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}')) == [
+        ("f", {"a": 1})
+    ]
+    assert calls_of(
+        parse("llama3", '{"name": "f", "arguments": {}}\n{"name": "g", "parameters": {}}')
+    ) == [("f", {}), ("g", {})]
+    assert (
+        parse("llama3", '{"name": "Bob", "age": 3}')["tool_calls"] == []
+    )  # JSON that is not a call
     # harmony: reasoning and final answer; the recipient may sit in the role header; the prompt may not end in <|start|>assistant
-    r = parse("harmony", "<|start|>assistant<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Answer.")
+    r = parse(
+        "harmony",
+        "<|start|>assistant<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Answer.",
+    )
     assert r == {"content": "Answer.", "reasoning": "Think.", "tool_calls": []}
-    assert calls_of(parse("harmony", "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}<|call|>")) == [("f", {})]
+    assert calls_of(
+        parse(
+            "harmony",
+            "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}<|call|>",
+        )
+    ) == [("f", {})]
     assert parse("harmony", "Plain text.")["content"] == "Plain text."
     # mistral: either shape under either name; Nemo also writes one object without the list
-    assert calls_of(parse("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}')) == calls_of(parse("mistral_v11", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')) == [("f", {"a": 1})]
+    assert (
+        calls_of(parse("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}'))
+        == calls_of(parse("mistral_v11", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]'))
+        == [("f", {"a": 1})]
+    )
     # deepseek: both shapes under either name; a region with one broken call stays content whole
     assert calls_of(parse("deepseek", B + C + "f" + S + "{}" + E + F)) == [("f", {})]
-    assert parse("deepseek", B + C + "f" + S + "{}" + E + C + "g" + S + "{" + E + F)["tool_calls"] == []
+    assert (
+        parse("deepseek", B + C + "f" + S + "{}" + E + C + "g" + S + "{" + E + F)["tool_calls"]
+        == []
+    )
     with pytest.raises(ValueError, match="unknown tool-call format"):
         parse("nope", "x")
 
@@ -136,21 +255,41 @@ def test_format_details():
 def test_hermes_keeps_the_earlier_parser_behaviour():
     """What chat.parse_tool_calls did before the formats came: "parameters" too, string arguments kept as written,
     an unclosed block at the end (EOS right after the JSON) counts, broken JSON stays text."""
-    r = parse("hermes", 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>')
-    assert r["content"] == "Let me compute." and r["tool_calls"] == [{"name": "calculator", "arguments": '{"expression": "2+3"}'}]
+    r = parse(
+        "hermes",
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>',
+    )
+    assert r["content"] == "Let me compute." and r["tool_calls"] == [
+        {"name": "calculator", "arguments": '{"expression": "2+3"}'}
+    ]
     assert calls_of(parse("hermes", '<tool_call>{"name": "f", "arguments": {}}')) == [("f", {})]
     text = '<tool_call>{"name": "f", "arguments": {</tool_call>'
     assert parse("hermes", text) == {"content": text, "reasoning": "", "tool_calls": []}
-    r = parse("hermes", 'a <tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call> b <tool_call>{"name": "g", "arguments": "raw"}</tool_call>')
-    assert r["content"] == "a  b" and r["tool_calls"] == [{"name": "f", "arguments": '{"x": 1}'}, {"name": "g", "arguments": "raw"}]
-    assert forced("hermes", "f") == '<tool_call>\n{"name": "f", "arguments":' and forced("hermes", "") == '<tool_call>\n{"name": "'
+    r = parse(
+        "hermes",
+        'a <tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call> b <tool_call>{"name": "g", "arguments": "raw"}</tool_call>',
+    )
+    assert r["content"] == "a  b" and r["tool_calls"] == [
+        {"name": "f", "arguments": '{"x": 1}'},
+        {"name": "g", "arguments": "raw"},
+    ]
+    assert (
+        forced("hermes", "f") == '<tool_call>\n{"name": "f", "arguments":'
+        and forced("hermes", "") == '<tool_call>\n{"name": "'
+    )
 
 
 def test_no_format_splits_only_the_reasoning():
     """fmt None (tool_choice "none"): what looks like a call is content; the reasoning is still split off."""
     text = "<think>\nhm\n</think>\n\n" + ONE["hermes"]
-    assert parse(None, text, THINK) == {"content": ONE["hermes"], "reasoning": "hm", "tool_calls": []}
-    assert visible(None, text[:-3], THINK) == ("hm", ONE["hermes"][:-3]) and visible(None, "<think>\nhm ", THINK) == ("hm", "")
+    assert parse(None, text, THINK) == {
+        "content": ONE["hermes"],
+        "reasoning": "hm",
+        "tool_calls": [],
+    }
+    assert visible(None, text[:-3], THINK) == ("hm", ONE["hermes"][:-3]) and visible(
+        None, "<think>\nhm ", THINK
+    ) == ("hm", "")
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +314,14 @@ def _check_stream(fmt, prefixes, kw):
     finals = [parse(fmt, p, **kw) for p in prefixes]
     shown = [visible(fmt, p, **kw) for p in prefixes]
     for k, (reasoning, content) in enumerate(shown):
-        assert all(f["reasoning"].startswith(reasoning) and f["content"].startswith(content) for f in finals[k:]), (prefixes[k], shown[k])
+        assert all(
+            f["reasoning"].startswith(reasoning) and f["content"].startswith(content)
+            for f in finals[k:]
+        ), (prefixes[k], shown[k])
         if k:
-            assert reasoning.startswith(shown[k - 1][0]) and content.startswith(shown[k - 1][1]), prefixes[k]
+            assert reasoning.startswith(shown[k - 1][0]) and content.startswith(shown[k - 1][1]), (
+                prefixes[k]
+            )
     return shown
 
 
@@ -185,17 +329,29 @@ def _check_stream(fmt, prefixes, kw):
 def test_visible_is_always_a_prefix_of_the_final_parse(fmt, special_tok):
     for text, kw in replies(fmt):
         _check_stream(fmt, [text[:k] for k in range(len(text) + 1)], kw)
-        ids = special_tok.encode(text, add_special_tokens=False)  # token by token: split UTF-8 characters show as '\ufffd'
-        _check_stream(fmt, [special_tok.decode(ids[:k], skip_special_tokens=False) for k in range(len(ids) + 1)], kw)
+        ids = special_tok.encode(
+            text, add_special_tokens=False
+        )  # token by token: split UTF-8 characters show as '\ufffd'
+        _check_stream(
+            fmt,
+            [special_tok.decode(ids[:k], skip_special_tokens=False) for k in range(len(ids) + 1)],
+            kw,
+        )
     # content before a call and reasoning stream before the reply is done
     if fmt != "llama3":
         cut = ONE[fmt].index(BEFORE) + len(BEFORE)
-        assert visible(fmt, ONE[fmt][: cut + 2])[1] == BEFORE and visible(fmt, ONE[fmt])[1] == BEFORE
+        assert (
+            visible(fmt, ONE[fmt][: cut + 2])[1] == BEFORE and visible(fmt, ONE[fmt])[1] == BEFORE
+        )
     else:
-        assert visible(fmt, "Sure, the weather ") == ("", "Sure, the weather") and visible(fmt, ' {"na') == ("", "")
+        assert visible(fmt, "Sure, the weather ") == ("", "Sure, the weather") and visible(
+            fmt, ' {"na'
+        ) == ("", "")
     if fmt != "harmony":
         assert visible(fmt, "<think>\nWeather? 🌤\n</th", THINK) == ("Weather? 🌤", "")
-        assert visible(fmt, "<thi", THINK) == ("", "") and visible(fmt, "Weather?", THINK, opened=True) == ("Weather?", "")
+        assert visible(fmt, "<thi", THINK) == ("", "") and visible(
+            fmt, "Weather?", THINK, opened=True
+        ) == ("Weather?", "")
     else:
         assert visible(fmt, "<|channel|>analysis<|message|>Need the") == ("Need the", "")
 
@@ -204,20 +360,41 @@ def test_visible_is_always_a_prefix_of_the_final_parse(fmt, special_tok):
 def test_forced_call_parses(fmt):
     named, required = CONTINUE[fmt]
     for name, cont in (("get_weather", named), ("", required)):
-        assert calls_of(parse(fmt, forced(fmt, name) + cont)) == [("get_weather", {"city": "Paris"})]
+        assert calls_of(parse(fmt, forced(fmt, name) + cont)) == [
+            ("get_weather", {"city": "Paris"})
+        ]
         if fmt != "harmony":  # the prompt opened <think>: the forced text closes it first
             r = parse(fmt, forced(fmt, name, opened=True) + cont, THINK, opened=True)
             assert r["reasoning"] == "" and calls_of(r) == [("get_weather", {"city": "Paris"})]
-        assert visible(fmt, forced(fmt, name) + cont[:5])[1] == ""  # a forced call streams no content
+        assert (
+            visible(fmt, forced(fmt, name) + cont[:5])[1] == ""
+        )  # a forced call streams no content
 
 
 # fixture template -> (its format, does it render content next to calls, does it keep the last turn's reasoning)
-FIXTURES = {"qwen3": ("hermes", True, True), "qwen3_coder": ("qwen3_coder", True, False), "qwen35": ("qwen3_coder", True, True),
-            "llama3": ("llama3", False, False), "mistral_nemo": ("mistral", False, False), "mistral_small32": ("mistral_v11", True, False),
-            "deepseek_r1": ("deepseek", True, False), "deepseek_v31": ("deepseek_v31", True, False), "gpt_oss": ("harmony", True, True),
-            "granite": ("granite", True, False), "gemma3": (None, True, False)}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+FIXTURES = {
+    "qwen3": ("hermes", True, True),
+    "qwen3_coder": ("qwen3_coder", True, False),
+    "qwen35": ("qwen3_coder", True, True),
+    "llama3": ("llama3", False, False),
+    "mistral_nemo": ("mistral", False, False),
+    "mistral_small32": ("mistral_v11", True, False),
+    "deepseek_r1": ("deepseek", True, False),
+    "deepseek_v31": ("deepseek_v31", True, False),
+    "gpt_oss": ("harmony", True, True),
+    "granite": ("granite", True, False),
+    "gemma3": (None, True, False),
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def template(name: str) -> str:
@@ -226,30 +403,59 @@ def template(name: str) -> str:
 
 
 def render(tok, name, messages, gen=False):
-    return tok.apply_chat_template(messages, tools=TOOLS, chat_template=template(name), tokenize=False, add_generation_prompt=gen)
+    return tok.apply_chat_template(
+        messages,
+        tools=TOOLS,
+        chat_template=template(name),
+        tokenize=False,
+        add_generation_prompt=gen,
+    )
 
 
 def assistant(calls, content="", reasoning=""):
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "thinking": reasoning,
-            "tool_calls": [{"id": id, "type": "function", "function": {"name": n, "arguments": a}} for id, n, a in calls]}
+    return {
+        "role": "assistant",
+        "content": content,
+        "reasoning_content": reasoning,
+        "thinking": reasoning,
+        "tool_calls": [
+            {"id": id, "type": "function", "function": {"name": n, "arguments": a}}
+            for id, n, a in calls
+        ],
+    }
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_detect_fixture_templates(name, tok):
-    rendered = render(tok, name, [{"role": "user", "content": "x"}, assistant([("abcdefghi", SENTINEL, {"llarg": "llval"})])])
+    rendered = render(
+        tok,
+        name,
+        [
+            {"role": "user", "content": "x"},
+            assistant([("abcdefghi", SENTINEL, {"llarg": "llval"})]),
+        ],
+    )
     assert detect(rendered) == FIXTURES[name][0]
     # the rendering after the generation prompt only (how the proxy probes a template) says the same
     prompt = render(tok, name, [{"role": "user", "content": "x"}], gen=True)
     if rendered.startswith(prompt):
-        assert detect(rendered[len(prompt):]) == FIXTURES[name][0]
+        assert detect(rendered[len(prompt) :]) == FIXTURES[name][0]
 
 
 def test_detect_none_and_think_tags(tok):
-    plain = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}], tokenize=False)
+    plain = tok.apply_chat_template(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}],
+        tokenize=False,
+    )
     assert detect(plain) is None  # SmolLM2's own template drops tool calls
     assert detect('Action: {"name": "LLSENTINEL7f3a", "arguments": {"llarg": "llval"}}') is None
     tags = {n: think_tags(template(n)) for n in FIXTURES}
-    assert {n for n, t in tags.items() if t} == {"qwen3", "qwen35", "deepseek_r1", "deepseek_v31"} and tags["qwen3"] == THINK
+    assert {n for n, t in tags.items() if t} == {
+        "qwen3",
+        "qwen35",
+        "deepseek_r1",
+        "deepseek_v31",
+    } and tags["qwen3"] == THINK
     assert think_tags("{{ '[THINK]' + m.thinking + '[/THINK]' }}") == ("[THINK]", "[/THINK]")
 
 
@@ -257,20 +463,41 @@ def test_detect_none_and_think_tags(tok):
 def test_template_rendering_parses_back(name, tok):
     """What each template writes for an assistant turn with calls is what the parser reads back."""
     fmt, keeps_content, keeps_reasoning = FIXTURES[name]
-    calls = [("abcdefgh1", "get_weather", {"city": "Paris", "n": 3}), ("abcdefgh2", "get_weather", {"city": "Oslo", "days": [1, 2]})]
+    calls = [
+        ("abcdefgh1", "get_weather", {"city": "Paris", "n": 3}),
+        ("abcdefgh2", "get_weather", {"city": "Oslo", "days": [1, 2]}),
+    ]
     calls = calls[:1] if fmt == "llama3" else calls
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"}]
-    prompt, full = render(tok, name, msgs, gen=True), render(tok, name, msgs + [assistant(calls, "Checking.", "Two cities.")])
-    k = next(i for i in range(len(prompt) + 1) if i == len(prompt) or i == len(full) or prompt[i] != full[i])
+    prompt, full = (
+        render(tok, name, msgs, gen=True),
+        render(tok, name, msgs + [assistant(calls, "Checking.", "Two cities.")]),
+    )
+    k = next(
+        i
+        for i in range(len(prompt) + 1)
+        if i == len(prompt) or i == len(full) or prompt[i] != full[i]
+    )
     reply = full[k:].rstrip()
-    for close in ("<|im_end|>", "<|eot_id|>", "</s>", "<｜end▁of▁sentence｜>", "<|call|>", "<|end_of_text|>"):
+    for close in (
+        "<|im_end|>",
+        "<|eot_id|>",
+        "</s>",
+        "<｜end▁of▁sentence｜>",
+        "<|call|>",
+        "<|end_of_text|>",
+    ):
         reply = reply.removesuffix(close)
     think = think_tags(template(name))
-    opened = bool(think) and prompt[:k].rstrip().endswith(think[0])  # the generation prompt opened the think block
+    opened = bool(think) and prompt[:k].rstrip().endswith(
+        think[0]
+    )  # the generation prompt opened the think block
     assert opened == (name == "qwen35")
     r = parse(fmt, reply, think, opened)
     assert calls_of(r) == [(n, a) for _, n, a in calls]
-    assert r["content"] == ("Checking." if keeps_content else "") and r["reasoning"] == ("Two cities." if keeps_reasoning else "")
+    assert r["content"] == ("Checking." if keeps_content else "") and r["reasoning"] == (
+        "Two cities." if keeps_reasoning else ""
+    )
 
 
 def test_template_errors_like_the_vendors(tok):
@@ -278,11 +505,27 @@ def test_template_errors_like_the_vendors(tok):
     with pytest.raises(Exception, match="only supports single tool-calls at once"):
         render(tok, "llama3", [{"role": "user", "content": "x"}, two])
     with pytest.raises(Exception, match="alphanumeric strings with length 9"):
-        render(tok, "mistral_nemo", [{"role": "user", "content": "x"}, assistant([("call_1", "f", {})])])
+        render(
+            tok,
+            "mistral_nemo",
+            [{"role": "user", "content": "x"}, assistant([("call_1", "f", {})])],
+        )
     with pytest.raises(Exception, match="Conversation roles must alternate"):
         render(tok, "gemma3", [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
     # Qwen3 keeps reasoning only after the last user message; DeepSeek-R1 drops it from every assistant turn
-    msgs = [{"role": "user", "content": "x"}, assistant([], "a", "old thought"), {"role": "user", "content": "y"}, assistant([], "b", "new thought")]
-    assert "new thought" in render(tok, "qwen3", msgs) and "old thought" not in render(tok, "qwen3", msgs)
-    r1 = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "<think>\nold thought\n</think>\n\na"}]
-    assert "old thought" not in render(tok, "deepseek_r1", r1) and render(tok, "deepseek_r1", r1).endswith("<｜Assistant｜>a<｜end▁of▁sentence｜>")
+    msgs = [
+        {"role": "user", "content": "x"},
+        assistant([], "a", "old thought"),
+        {"role": "user", "content": "y"},
+        assistant([], "b", "new thought"),
+    ]
+    assert "new thought" in render(tok, "qwen3", msgs) and "old thought" not in render(
+        tok, "qwen3", msgs
+    )
+    r1 = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "<think>\nold thought\n</think>\n\na"},
+    ]
+    assert "old thought" not in render(tok, "deepseek_r1", r1) and render(
+        tok, "deepseek_r1", r1
+    ).endswith("<｜Assistant｜>a<｜end▁of▁sentence｜>")

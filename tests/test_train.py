@@ -34,8 +34,31 @@ def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
     answers ~13% right and often in the right format, so most groups of 6 have a reward spread to learn
     from; the multi-turn agent's untrained rewards are nearly all 0)."""
     out = str(tmp_path / "run")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py"]
-    calc = ["--harness", "calc", "--harness-arg", "max_tokens=32", "--harness-arg", "tool_first=False", "--batch-size", "4", "--group-size", "6", "--eval-tasks", "2", "--lr", "5e-5"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "train.py",
+    ]
+    calc = [
+        "--harness",
+        "calc",
+        "--harness-arg",
+        "max_tokens=32",
+        "--harness-arg",
+        "tool_first=False",
+        "--batch-size",
+        "4",
+        "--group-size",
+        "6",
+        "--eval-tasks",
+        "2",
+        "--lr",
+        "5e-5",
+    ]
     run(torchrun + calc + ["--steps", "2", "--save-every", "1", "--out", out])
     steps = [r for r in rows(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -44,26 +67,47 @@ def test_torchrun_two_ranks_on_calc_then_resume(tmp_path, model):
     assert len([r for r in rows(out) if "eval_reward" in r]) == 2  # before and after
     for step in (0, 1):
         for rank in (0, 1):
-            calls = [json.loads(line) for line in open(os.path.join(out, "calls", f"step_{step}.rank{rank}.jsonl"))]
-            assert len({c["rollout_id"] for c in calls}) == 12 and {c["model_version"] for c in calls} == {step}
-            rolls = [json.loads(line) for line in open(os.path.join(out, "rollouts", f"step_{step}.rank{rank}.jsonl"))]
-            assert {r["rollout_id"] for r in rolls} == {c["rollout_id"] for c in calls} and all(r["error"] is None and r["advantage"] is not None for r in rolls)
-    assert len(open(os.path.join(out, "rollouts", "eval_0.rank0.jsonl")).readlines()) == 1  # 2 eval tasks over 2 ranks
+            calls = [
+                json.loads(line)
+                for line in open(os.path.join(out, "calls", f"step_{step}.rank{rank}.jsonl"))
+            ]
+            assert len({c["rollout_id"] for c in calls}) == 12 and {
+                c["model_version"] for c in calls
+            } == {step}
+            rolls = [
+                json.loads(line)
+                for line in open(os.path.join(out, "rollouts", f"step_{step}.rank{rank}.jsonl"))
+            ]
+            assert {r["rollout_id"] for r in rolls} == {c["rollout_id"] for c in calls} and all(
+                r["error"] is None and r["advantage"] is not None for r in rolls
+            )
+    assert (
+        len(open(os.path.join(out, "rollouts", "eval_0.rank0.jsonl")).readlines()) == 1
+    )  # 2 eval tasks over 2 ranks
     assert json.load(open(os.path.join(out, "config.json")))["world_size"] == 2
     assert os.path.exists(os.path.join(out, "report.html"))
     # the checkpoint is a transformers model, and training changed it
     from transformers import AutoModelForCausalLM
 
     ckpt = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoints", "step_2"))
-    changed = [n for (n, a), b in zip(ckpt.named_parameters(), model.parameters()) if not torch.equal(a, b)]
+    changed = [
+        n for (n, a), b in zip(ckpt.named_parameters(), model.parameters()) if not torch.equal(a, b)
+    ]
     assert len(changed) > 10
     # --resume continues at step 2 with the optimizer state and the same data order
-    run(torchrun + calc + ["--steps", "3", "--resume", "--eval-tasks", "0", "--keep-checkpoints", "1", "--out", out])
+    run(
+        torchrun
+        + calc
+        + ["--steps", "3", "--resume", "--eval-tasks", "0", "--keep-checkpoints", "1", "--out", out]
+    )
     steps = [r for r in rows(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert json.load(open(os.path.join(out, "config.json")))["start_step"] == 2
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_3"
-    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_3"]  # --keep-checkpoints 1
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [
+        "latest",
+        "step_3",
+    ]  # --keep-checkpoints 1
 
 
 @pytest.mark.slow  # minutes: a killed run, then --resume
@@ -74,12 +118,34 @@ def test_a_run_killed_between_checkpoints_resumes_without_losing_or_repeating_a_
     import time
 
     out = tmp_path / "run"
-    args = [sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "4", "--save-every", "2", "--batch-size", "2",
-            "--group-size", "2", "--eval-tasks", "0", "--out", str(out)]
+    args = [
+        sys.executable,
+        "train.py",
+        "--harness",
+        HARNESSES + ":LengthHarness",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--eval-tasks",
+        "0",
+        "--out",
+        str(out),
+    ]
     p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
-        while not [r for r in (rows(out) if (out / "metrics.jsonl").exists() else []) if r["step"] == 3] and time.time() < deadline and p.poll() is None:
+        while (
+            not [
+                r for r in (rows(out) if (out / "metrics.jsonl").exists() else []) if r["step"] == 3
+            ]
+            and time.time() < deadline
+            and p.poll() is None
+        ):
             time.sleep(0.2)
         p.send_signal(signal.SIGKILL)
         p.wait(60)
@@ -92,22 +158,73 @@ def test_a_run_killed_between_checkpoints_resumes_without_losing_or_repeating_a_
     run(args + ["--resume"])
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
     calls = read_calls(str(out / "calls" / "step_2.jsonl"))
-    assert len(calls) == 4 and len({c.rollout_id for c in calls}) == 4 and {c.model_version for c in calls} == {2}
-    assert sorted(r["task_id"] for r in map(json.loads, open(out / "rollouts" / "step_2.jsonl"))) == tasks  # the same data
+    assert (
+        len(calls) == 4
+        and len({c.rollout_id for c in calls}) == 4
+        and {c.model_version for c in calls} == {2}
+    )
+    assert (
+        sorted(r["task_id"] for r in map(json.loads, open(out / "rollouts" / "step_2.jsonl")))
+        == tasks
+    )  # the same data
 
 
 def test_failing_rollouts_are_reported_and_training_goes_on(tmp_path):
     out = str(tmp_path / "run")
-    log = run([sys.executable, "train.py", "--harness", HARNESSES + ":FlakyHarness", "--steps", "1", "--batch-size", "6", "--group-size", "2",
-               "--eval-tasks", "0", "--rollout-timeout", "20", "--out", out])
+    log = run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            HARNESSES + ":FlakyHarness",
+            "--steps",
+            "1",
+            "--batch-size",
+            "6",
+            "--group-size",
+            "2",
+            "--eval-tasks",
+            "0",
+            "--rollout-timeout",
+            "20",
+            "--out",
+            out,
+        ]
+    )
     (step,) = rows(out)
-    assert step["rollouts"] == 12 and step["failed"] == 6 and step["samples"] == 6 and step["grad_norm"] > 0
-    assert "the harness crashed on purpose" in log and "timeout after 20" in log and "no reward" in log
+    assert (
+        step["rollouts"] == 12
+        and step["failed"] == 6
+        and step["samples"] == 6
+        and step["grad_norm"] > 0
+    )
+    assert (
+        "the harness crashed on purpose" in log and "timeout after 20" in log and "no reward" in log
+    )
 
 
 def test_batch_must_divide_over_ranks(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
-                        "--harness", "calc", "--batch-size", "3", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "train.py",
+            "--harness",
+            "calc",
+            "--batch-size",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0 and "--batch-size 3 does not divide over 2 ranks" in p.stderr
 
 
@@ -119,7 +236,11 @@ def test_subprocess_harness_calls_land_in_its_rollout(server):
     endpoint_for = lambda rid: Endpoint(server.base_url(rid), "sk-sub", "smollm2", rid, server.url)  # noqa: E731
     results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
     assert all(r.error is None and r.reward is not None for r in results), results
-    assert sorted(c.rollout_id for c in read_calls(os.path.join(server.out, "calls.jsonl")) if c.rollout_id.startswith("sub-")) == ["sub-0", "sub-1"]
+    assert sorted(
+        c.rollout_id
+        for c in read_calls(os.path.join(server.out, "calls.jsonl"))
+        if c.rollout_id.startswith("sub-")
+    ) == ["sub-0", "sub-1"]
 
 
 def test_calc_agent_on_the_embedded_model(server):
@@ -130,7 +251,11 @@ def test_calc_agent_on_the_embedded_model(server):
     endpoint_for = lambda rid: Endpoint(server.base_url(rid), "k", "smollm2", rid, server.url)  # noqa: E731
     results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
     assert all(r.error is None and 0.0 <= r.reward <= 1.0 for r in results), results
-    calls = [c for c in read_calls(os.path.join(server.out, "calls.jsonl")) if c.rollout_id.startswith("calc-")]
+    calls = [
+        c
+        for c in read_calls(os.path.join(server.out, "calls.jsonl"))
+        if c.rollout_id.startswith("calc-")
+    ]
     assert {c.rollout_id for c in calls} == {"calc-0", "calc-1", "calc-2"}
     assert all(c.temperature == 0.7 and len(c.response_ids) <= 16 for c in calls)
     # multi-turn: a forced calculator call, then an answer; each rollout's calls merge into one sample, except where
@@ -139,27 +264,120 @@ def test_calc_agent_on_the_embedded_model(server):
 
     samples, stats = build_batch_samples(calls)
     splits = sum(c.split == "template_mismatch" for c in calls)
-    assert len(calls) >= 6 and len(samples) == stats["samples"] == 3 + splits and stats["split_template_mismatch"] == splits
+    assert (
+        len(calls) >= 6
+        and len(samples) == stats["samples"] == 3 + splits
+        and stats["split_template_mismatch"] == splits
+    )
     assert all(c.split in (None, "template_mismatch") for c in calls)
 
 
-@pytest.mark.parametrize("opts", [
-    ["--loss", "gspo", "--norm", "token-mean", "--adv", "rloo", "--lr-schedule", "cosine", "--warmup-steps", "0",
-     "--tensorboard", "--wandb", "ll-test"],
-    ["--loss", "tis", "--tis-cap", "1.5", "--norm", "seq-mean-token-mean", "--adv", "reinforce", "--kl-coef", "0.05", "--weight-decay", "0.01",
-     "--attn", "eager"],  # the packed tree's mask as an additive one, for the policy and the reference model
-    ["--norm", "seq-mean-token-sum", "--adv", "dr_grpo", "--micro-batch-tokens", "64", "--max-seq-len", "48", "--drop-zero-variance"],
-    ["--norm", "seq-mean-token-sum-norm", "--eval-every", "1", "--grad-clip", "0.5", "--max-batch-size", "2", "--seed", "3", "--model", "smollm2", "--device", "cpu",
-     "--max-new-tokens", "5", "--max-model-len", "16384"],
-], ids=["gspo-token-mean-rloo-cosine", "tis-seq-mean-reinforce-kl", "seq-sum-dr_grpo-microbatch-maxlen", "sum-norm-eval-every"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        [
+            "--loss",
+            "gspo",
+            "--norm",
+            "token-mean",
+            "--adv",
+            "rloo",
+            "--lr-schedule",
+            "cosine",
+            "--warmup-steps",
+            "0",
+            "--tensorboard",
+            "--wandb",
+            "ll-test",
+        ],
+        [
+            "--loss",
+            "tis",
+            "--tis-cap",
+            "1.5",
+            "--norm",
+            "seq-mean-token-mean",
+            "--adv",
+            "reinforce",
+            "--kl-coef",
+            "0.05",
+            "--weight-decay",
+            "0.01",
+            "--attn",
+            "eager",
+        ],  # the packed tree's mask as an additive one, for the policy and the reference model
+        [
+            "--norm",
+            "seq-mean-token-sum",
+            "--adv",
+            "dr_grpo",
+            "--micro-batch-tokens",
+            "64",
+            "--max-seq-len",
+            "48",
+            "--drop-zero-variance",
+        ],
+        [
+            "--norm",
+            "seq-mean-token-sum-norm",
+            "--eval-every",
+            "1",
+            "--grad-clip",
+            "0.5",
+            "--max-batch-size",
+            "2",
+            "--seed",
+            "3",
+            "--model",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "5",
+            "--max-model-len",
+            "16384",
+        ],
+    ],
+    ids=[
+        "gspo-token-mean-rloo-cosine",
+        "tis-seq-mean-reinforce-kl",
+        "seq-sum-dr_grpo-microbatch-maxlen",
+        "sum-norm-eval-every",
+    ],
+)
 def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")  # no network here: wandb writes its run under OUT/wandb
+    monkeypatch.setenv(
+        "WANDB_MODE", "offline"
+    )  # no network here: wandb writes its run under OUT/wandb
     out = str(tmp_path / "run")
-    run([sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "2", "--batch-size", "2", "--group-size", "3",
-         "--eval-tasks", "1", "--lr", "1e-4", "--out", out] + opts)
+    run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            HARNESSES + ":LengthHarness",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--group-size",
+            "3",
+            "--eval-tasks",
+            "1",
+            "--lr",
+            "1e-4",
+            "--out",
+            out,
+        ]
+        + opts
+    )
     steps = [r for r in rows(out) if "reward" in r]
-    assert len(steps) == 2 and all(r["failed"] == 0 and r["samples"] > 0 and r["grad_norm"] > 0 for r in steps)
-    assert abs(steps[0]["dlogp_mean"]) < 1e-3  # same weights on both sides: the trainer reproduces the rollout logprobs
+    assert len(steps) == 2 and all(
+        r["failed"] == 0 and r["samples"] > 0 and r["grad_norm"] > 0 for r in steps
+    )
+    assert (
+        abs(steps[0]["dlogp_mean"]) < 1e-3
+    )  # same weights on both sides: the trainer reproduces the rollout logprobs
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["norm"] == opts[opts.index("--norm") + 1]
     if "gspo" in opts:  # GSPO's own clip range, not PPO's 0.2 / 0.28
@@ -168,20 +386,39 @@ def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
         assert config["norm_const"] == 5
     if "--eval-every" in opts:
         assert [r["step"] for r in rows(out) if "eval_reward" in r] == [0, 1, 2]
-    if "--max-new-tokens" in opts:  # the harness asks for 8 tokens, the trainer allows 5; beyond 8192, RoPE is YaRN-scaled
+    if (
+        "--max-new-tokens" in opts
+    ):  # the harness asks for 8 tokens, the trainer allows 5; beyond 8192, RoPE is YaRN-scaled
         calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
-        assert all(len(c["response_ids"]) <= 5 and c["capped"] == (c["finish_reason"] == "length") for c in calls)
-        assert json.load(open(os.path.join(out, "checkpoints", "step_2", "config.json")))["rope_parameters"]["rope_type"] == "yarn"
-    if "--tensorboard" in opts:  # the same numbers as metrics.jsonl, in TensorBoard and in an offline wandb run
+        assert all(
+            len(c["response_ids"]) <= 5 and c["capped"] == (c["finish_reason"] == "length")
+            for c in calls
+        )
+        assert (
+            json.load(open(os.path.join(out, "checkpoints", "step_2", "config.json")))[
+                "rope_parameters"
+            ]["rope_type"]
+            == "yarn"
+        )
+    if (
+        "--tensorboard" in opts
+    ):  # the same numbers as metrics.jsonl, in TensorBoard and in an offline wandb run
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         tb = EventAccumulator(os.path.join(out, "tensorboard"))
         tb.Reload()
-        assert [(e.step, round(e.value, 5)) for e in tb.Scalars("reward")] == [(r["step"], round(r["reward"], 5)) for r in steps]
+        assert [(e.step, round(e.value, 5)) for e in tb.Scalars("reward")] == [
+            (r["step"], round(r["reward"], 5)) for r in steps
+        ]
         assert [e.step for e in tb.Scalars("eval_success")] == [0, 2]
-        (log,) = glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))  # the offline run's record log
+        (log,) = glob.glob(
+            os.path.join(out, "wandb", "offline-run-*", "run-*.wandb")
+        )  # the offline run's record log
         logged = open(log, "rb").read()
-        assert all(json.dumps(r["reward"]).encode() in logged for r in steps) and b"eval_success" in logged
+        assert (
+            all(json.dumps(r["reward"]).encode() in logged for r in steps)
+            and b"eval_success" in logged
+        )
 
 
 def test_tree_packing_trains_exactly_as_separate_rows(tmp_path):
@@ -195,15 +432,51 @@ def test_tree_packing_trains_exactly_as_separate_rows(tmp_path):
     res = {}
     for name, extra in (("tree", []), ("rows", ["--no-tree"])):
         out = str(tmp_path / name)
-        run([sys.executable, "train.py", "--harness", HARNESSES + ":BranchingHarness", "--steps", "1", "--batch-size", "2", "--group-size", "3",
-             "--eval-tasks", "0", "--max-concurrency", "1", "--micro-batch-tokens", "160", "--lr", "1e-4", "--save-every", "1", "--out", out] + extra)
-        calls = [(c["prompt_ids"], c["response_ids"]) for c in read_jsonl(os.path.join(out, "calls", "step_0.jsonl"))]
-        res[name] = rows(out)[-1], calls, load_file(os.path.join(out, "checkpoints", "step_1", "model.safetensors"))
+        run(
+            [
+                sys.executable,
+                "train.py",
+                "--harness",
+                HARNESSES + ":BranchingHarness",
+                "--steps",
+                "1",
+                "--batch-size",
+                "2",
+                "--group-size",
+                "3",
+                "--eval-tasks",
+                "0",
+                "--max-concurrency",
+                "1",
+                "--micro-batch-tokens",
+                "160",
+                "--lr",
+                "1e-4",
+                "--save-every",
+                "1",
+                "--out",
+                out,
+            ]
+            + extra
+        )
+        calls = [
+            (c["prompt_ids"], c["response_ids"])
+            for c in read_jsonl(os.path.join(out, "calls", "step_0.jsonl"))
+        ]
+        res[name] = (
+            rows(out)[-1],
+            calls,
+            load_file(os.path.join(out, "checkpoints", "step_1", "model.safetensors")),
+        )
     (tree, calls, w), (flat, calls_flat, w_flat) = res["tree"], res["rows"]
-    assert calls == calls_flat and tree["splits"] == {"rewrote_history": 6} and tree["samples"] == 12
+    assert (
+        calls == calls_flat and tree["splits"] == {"rewrote_history": 6} and tree["samples"] == 12
+    )
     # A first step's loss is ~0 (each group's advantages sum to 0, every ratio is 1): what is left is summation noise,
     # which another order (or another CPU: -2.2e-7 against 9.3e-8 on one) moves by 1e-7s; the gradient carries the test
-    assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-5, abs=1e-6) and tree["grad_norm"] == pytest.approx(flat["grad_norm"], rel=1e-4)
+    assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-5, abs=1e-6) and tree[
+        "grad_norm"
+    ] == pytest.approx(flat["grad_norm"], rel=1e-4)
     assert tree["fwd_tokens"] < 0.7 * flat["fwd_tokens"], (tree["fwd_tokens"], flat["fwd_tokens"])
     # Adam's first step moves a weight by about lr whatever its gradient's size, so on the few weights with a gradient
     # at fp32 noise (another summation order) the two runs differ by up to lr: compare the whole update (measured 2e-4)
@@ -219,14 +492,43 @@ def test_grammar_constrained_calls_are_scored_under_the_mask_that_drew_them(tmp_
     recorded ids and reproduces every logprob to fp32 noise; the tokens the grammar forced are counted (logprob 0
     on both sides, no gradient). Scored without the masks, the same calls gave |dlogp| mean ~2, max ~16."""
     out = str(tmp_path / "run")
-    run([sys.executable, "train.py", "--harness", HARNESSES + ":SamplingHarness", "--harness-arg", "setting='constrained'",
-         "--harness-arg", "max_tokens=24", "--steps", "1", "--batch-size", "2", "--group-size", "3", "--eval-tasks", "0", "--out", out])
+    run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            HARNESSES + ":SamplingHarness",
+            "--harness-arg",
+            "setting='constrained'",
+            "--harness-arg",
+            "max_tokens=24",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--group-size",
+            "3",
+            "--eval-tasks",
+            "0",
+            "--out",
+            out,
+        ]
+    )
     (step,) = rows(out)
-    assert step["failed"] == 0 and step["calls"] == 12 and step["samples"] == 6 and step["grad_norm"] > 0, step
-    assert step["dlogp_mean"] < 1e-4 and step["dlogp_max"] < 1e-3 and step["ratio_out_frac"] == 0.0, step
+    assert (
+        step["failed"] == 0
+        and step["calls"] == 12
+        and step["samples"] == 6
+        and step["grad_norm"] > 0
+    ), step
+    assert (
+        step["dlogp_mean"] < 1e-4 and step["dlogp_max"] < 1e-3 and step["ratio_out_frac"] == 0.0
+    ), step
     assert 0 < step["forced_tokens"] < step["constrained_tokens"] <= step["trainable_tokens"], step
     calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
-    assert all(c["grammar"] for c in calls) and {c["finish_reason"] for c in calls if c["index"] == 0} <= {"tool_calls", "length"}
+    assert all(c["grammar"] for c in calls) and {
+        c["finish_reason"] for c in calls if c["index"] == 0
+    } <= {"tool_calls", "length"}
     for c in calls:  # the JSON replies that were not cut short follow their schema
         if c["index"] == 1 and c["finish_reason"] == "stop":
             assert isinstance(json.loads(c["response"]["content"])["answer"], int), c["response"]
@@ -238,15 +540,44 @@ def test_each_token_is_scored_under_the_sampling_that_drew_it(tmp_path):
     noise (plain temperature-1 runs: |dlogp| mean ~1e-5, max ~3e-5). Scoring by temperature alone gave
     mean 0.27-0.39 and max 0.5-2.9 on these settings."""
     out = str(tmp_path / "run")
-    run([sys.executable, "train.py", "--harness", HARNESSES + ":SamplingHarness", "--harness-arg", "setting='all'", "--harness-arg", "max_tokens=8",
-         "--steps", "1", "--batch-size", "3", "--group-size", "3", "--eval-tasks", "0", "--out", out])
+    run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            HARNESSES + ":SamplingHarness",
+            "--harness-arg",
+            "setting='all'",
+            "--harness-arg",
+            "max_tokens=8",
+            "--steps",
+            "1",
+            "--batch-size",
+            "3",
+            "--group-size",
+            "3",
+            "--eval-tasks",
+            "0",
+            "--out",
+            out,
+        ]
+    )
     (step,) = rows(out)
-    assert step["failed"] == 0 and step["calls"] == 12 and step["samples"] == 9  # the two-turn rollouts merged
+    assert (
+        step["failed"] == 0 and step["calls"] == 12 and step["samples"] == 9
+    )  # the two-turn rollouts merged
     assert step["grad_norm"] > 0 and step["trainable_tokens"] > 50
-    assert step["dlogp_mean"] < 1e-4 and step["dlogp_max"] < 1e-3 and step["ratio_out_frac"] == 0.0, step
+    assert (
+        step["dlogp_mean"] < 1e-4 and step["dlogp_max"] < 1e-3 and step["ratio_out_frac"] == 0.0
+    ), step
     assert 1 - 1e-3 < step["ratio_min"] <= step["ratio_mean"] <= step["ratio_max"] < 1 + 1e-3, step
     calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
-    assert {(c["temperature"], c["top_p"], c["top_k"]) for c in calls} == {(1.0, 0.6, 0), (1.0, 1.0, 5), (0.5, 1.0, 0), (1.0, 1.0, 0)}
+    assert {(c["temperature"], c["top_p"], c["top_k"]) for c in calls} == {
+        (1.0, 0.6, 0),
+        (1.0, 1.0, 5),
+        (0.5, 1.0, 0),
+        (1.0, 1.0, 0),
+    }
 
 
 @pytest.mark.slow  # minutes: a 100-step run stopped by SIGINT (the any-phase test below interrupts every phase)
@@ -255,8 +586,28 @@ def test_ctrl_c_saves_a_checkpoint_and_exits(tmp_path):
     import time
 
     out = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", "100", "--batch-size", "2",
-                          "--group-size", "2", "--eval-tasks", "0", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            HARNESSES + ":LengthHarness",
+            "--steps",
+            "100",
+            "--batch-size",
+            "2",
+            "--group-size",
+            "2",
+            "--eval-tasks",
+            "0",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while not (out / "metrics.jsonl").exists() and time.time() < deadline and p.poll() is None:
@@ -268,29 +619,60 @@ def test_ctrl_c_saves_a_checkpoint_and_exits(tmp_path):
     assert p.returncode == 130, log[-3000:]
     assert "saving a checkpoint" in log
     latest = (out / "checkpoints" / "latest").read_text()
-    assert (out / "checkpoints" / latest / "model.safetensors").exists() and int(latest.split("_")[1]) >= 1
+    assert (out / "checkpoints" / latest / "model.safetensors").exists() and int(
+        latest.split("_")[1]
+    ) >= 1
 
 
 @pytest.mark.parametrize("bound", [1, 2])
-def test_async_rollouts_stay_within_the_staleness_bound_and_are_scored_against_what_served_them(tmp_path, bound):
+def test_async_rollouts_stay_within_the_staleness_bound_and_are_scored_against_what_served_them(
+    tmp_path, bound
+):
     """--async N: step s's rollouts start while earlier steps train, so calls are served by older weights,
     never more than N updates old. The trainer (fp32, on the pre-update weights of step s) reproduces the
     recorded logprobs of calls served by the current version exactly and differs from calls served by older
     versions: the recorded logprobs are those of the version that served each call, which the loss's ratio corrects."""
     out = str(tmp_path / "run")
     steps = bound + 2
-    run([sys.executable, "train.py", "--harness", HARNESSES + ":LengthHarness", "--steps", str(steps), "--batch-size", "2", "--group-size", "3",
-         "--eval-tasks", "0", "--lr", "1e-4", "--warmup-steps", "0", "--async", str(bound), "--out", out])
+    run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            HARNESSES + ":LengthHarness",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            "2",
+            "--group-size",
+            "3",
+            "--eval-tasks",
+            "0",
+            "--lr",
+            "1e-4",
+            "--warmup-steps",
+            "0",
+            "--async",
+            str(bound),
+            "--out",
+            out,
+        ]
+    )
     trained = [r for r in rows(out) if "reward" in r]
-    assert [r["step"] for r in trained] == list(range(1, steps + 1)) and all(r["failed"] == 0 for r in trained)
+    assert [r["step"] for r in trained] == list(range(1, steps + 1)) and all(
+        r["failed"] == 0 for r in trained
+    )
     for s in range(steps):
-        versions = {c.model_version for c in read_calls(os.path.join(out, "calls", f"step_{s}.jsonl"))}
+        versions = {
+            c.model_version for c in read_calls(os.path.join(out, "calls", f"step_{s}.jsonl"))
+        }
         assert versions and all(max(0, s - bound) <= v <= s for v in versions), (s, versions)
     ages = {int(a) for r in trained for a in r["staleness"]}
     assert ages <= set(range(bound + 1)) and max(ages) >= 1, ages  # rollouts did overlap training
-    by_age = {int(a): d for r in trained for a, d in r["dlogp_by_staleness"].items() if r["grad_norm"]}
+    by_age = {
+        int(a): d for r in trained for a, d in r["dlogp_by_staleness"].items() if r["grad_norm"]
+    }
     assert by_age.get(0, 0.0) < 1e-4 and all(d > 1e-2 for a, d in by_age.items() if a >= 1), by_age
-
 
 
 # Runs train.py in one process (runpy: the imports are paid once), run after run; a run's "phase" raises a
@@ -394,7 +776,10 @@ json.dump(results, open(os.path.join(root, "results.json"), "w"))
 def run_in_process(tmp_path, common, runs, timeout=900):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    log = run([sys.executable, str(driver), str(tmp_path), json.dumps(common), json.dumps(runs)], timeout=timeout)
+    log = run(
+        [sys.executable, str(driver), str(tmp_path), json.dumps(common), json.dumps(runs)],
+        timeout=timeout,
+    )
     return json.load(open(tmp_path / "results.json")), log
 
 
@@ -414,16 +799,64 @@ def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
     log line), in order, none twice, and every due evaluation once (one cut short, the final one here, runs
     again on resume; one not begun runs first thing). On the way: a resume killed while it rewrites
     metrics.jsonl loses no row, and a resume drops every rank's files of the dropped steps and evaluations."""
-    common = ["--harness", HARNESSES + ":LengthHarness", "--harness-arg", "max_tokens=4", "--harness-arg", "seeded=True", "--steps", "4",
-              "--batch-size", "1", "--group-size", "2", "--eval-tasks", "1", "--eval-every", "3", "--save-every", "2", "--max-concurrency", "1",
-              "--max-new-tokens", "4", "--lr", "1e-4", "--warmup-steps", "0", "--keep-checkpoints", "0"]
+    common = [
+        "--harness",
+        HARNESSES + ":LengthHarness",
+        "--harness-arg",
+        "max_tokens=4",
+        "--harness-arg",
+        "seeded=True",
+        "--steps",
+        "4",
+        "--batch-size",
+        "1",
+        "--group-size",
+        "2",
+        "--eval-tasks",
+        "1",
+        "--eval-every",
+        "3",
+        "--save-every",
+        "2",
+        "--max-concurrency",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--lr",
+        "1e-4",
+        "--warmup-steps",
+        "0",
+        "--keep-checkpoints",
+        "0",
+    ]
     # resuming at step 3, with the rows of steps 1-3 and of evaluation 0 (evaluation 3 not begun)
-    dropped = ["calls/step_3.rank1.jsonl", "rollouts/step_3.rank0.jsonl", "calls/eval_4.rank1.jsonl", "rollouts/eval_3.rank1.jsonl"]
+    dropped = [
+        "calls/step_3.rank1.jsonl",
+        "rollouts/step_3.rank0.jsonl",
+        "calls/eval_4.rank1.jsonl",
+        "rollouts/eval_3.rank1.jsonl",
+    ]
     kept = ["calls/step_2.rank1.jsonl", "rollouts/eval_0.rank1.jsonl"]
-    chain = [("rollouts", 0, "step_0"), ("training", 0, "step_0"), ("sync", 0, "step_1"), ("save-every", 1, "step_2"),
-             ("logging", 2, "step_3"), ("forget", 0, None), ("eval", 3, "step_4"), (None, 0, "step_4")]
-    runs = [{"out": "baseline"}] + [{"out": "chain", "phase": phase, "k": k, "args": ["--resume"] * (i > 0), **({"plant": dropped + kept} if phase == "forget" else {})}
-                                    for i, (phase, k, _) in enumerate(chain)]
+    chain = [
+        ("rollouts", 0, "step_0"),
+        ("training", 0, "step_0"),
+        ("sync", 0, "step_1"),
+        ("save-every", 1, "step_2"),
+        ("logging", 2, "step_3"),
+        ("forget", 0, None),
+        ("eval", 3, "step_4"),
+        (None, 0, "step_4"),
+    ]
+    runs = [{"out": "baseline"}] + [
+        {
+            "out": "chain",
+            "phase": phase,
+            "k": k,
+            "args": ["--resume"] * (i > 0),
+            **({"plant": dropped + kept} if phase == "forget" else {}),
+        }
+        for i, (phase, k, _) in enumerate(chain)
+    ]
     results, log = run_in_process(tmp_path, common, runs)
     assert results[0]["code"] == 0, log[-3000:]
     for (phase, k, latest), r in zip(chain, results[1:]):
@@ -431,18 +864,43 @@ def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
             assert r["code"] == "KeyboardInterrupt" and r["rows"] == r["rows_before"] > 0, r
             assert sorted(r["planted_left"]) == sorted(kept), r
         else:
-            assert r["code"] == (130 if phase else 0) and r["latest"] == latest, (phase, k, r, log[-3000:])
-    base, start, final = (safetensors(tmp_path / d / "checkpoints" / s) for d, s in (("baseline", "step_4"), ("chain", "step_0"), ("chain", "step_4")))
+            assert r["code"] == (130 if phase else 0) and r["latest"] == latest, (
+                phase,
+                k,
+                r,
+                log[-3000:],
+            )
+    base, start, final = (
+        safetensors(tmp_path / d / "checkpoints" / s)
+        for d, s in (("baseline", "step_4"), ("chain", "step_0"), ("chain", "step_4"))
+    )
     update = sum((base[k] - start[k]).abs().sum().item() for k in base)
     diff = sum((final[k] - base[k]).abs().sum().item() for k in base)
-    assert update > 0 and diff <= 1e-3 * update, f"the resumed run's weights differ from the uninterrupted run's by {diff / update:.3f} of the training's change"
+    assert update > 0 and diff <= 1e-3 * update, (
+        f"the resumed run's weights differ from the uninterrupted run's by {diff / update:.3f} of the training's change"
+    )
     kinds = lambda d: [(r["step"], "eval_reward" in r) for r in rows(tmp_path / d)]  # noqa: E731
-    assert kinds("chain") == kinds("baseline") == [(0, True), (1, False), (2, False), (3, False), (3, True), (4, False), (4, True)]
-    for a, b in zip(rows(tmp_path / "chain"), rows(tmp_path / "baseline")):  # the rows written at a Ctrl-C hold their step's numbers
-        assert (a.get("reward"), a.get("eval_reward"), a.get("skipped")) == (b.get("reward"), b.get("eval_reward"), b.get("skipped")), (a, b)
-        assert a.get("grad_norm") == b.get("grad_norm") or abs(a["grad_norm"] - b["grad_norm"]) < 1e-3 * b["grad_norm"], (a, b)
+    assert (
+        kinds("chain")
+        == kinds("baseline")
+        == [(0, True), (1, False), (2, False), (3, False), (3, True), (4, False), (4, True)]
+    )
+    for a, b in zip(
+        rows(tmp_path / "chain"), rows(tmp_path / "baseline")
+    ):  # the rows written at a Ctrl-C hold their step's numbers
+        assert (a.get("reward"), a.get("eval_reward"), a.get("skipped")) == (
+            b.get("reward"),
+            b.get("eval_reward"),
+            b.get("skipped"),
+        ), (a, b)
+        assert (
+            a.get("grad_norm") == b.get("grad_norm")
+            or abs(a["grad_norm"] - b["grad_norm"]) < 1e-3 * b["grad_norm"]
+        ), (a, b)
     steps = [r for r in rows(tmp_path / "chain") if "reward" in r]
-    assert [r["t_sync"] is None for r in steps] == [True, False, False, False], steps  # step 1's written at the Ctrl-C in its sync
+    assert [r["t_sync"] is None for r in steps] == [True, False, False, False], (
+        steps
+    )  # step 1's written at the Ctrl-C in its sync
 
 
 @pytest.mark.slow
@@ -450,15 +908,51 @@ def test_skipped_updates_log_nulls_and_async_ctrl_c_saves_the_trained_weights(tm
     """A step without signal (groups of 1) logs its update's metrics as null (metrics.jsonl, the log line, no
     TensorBoard scalar), never as a measured 0; a NaN loss skips the update with a warning instead of making
     the weights NaN; Ctrl-C under --async checkpoints the trained weights, not the server's copy (a step behind)."""
-    common = ["--harness", HARNESSES + ":LengthHarness", "--harness-arg", "max_tokens=4", "--harness-arg", "seeded=True", "--steps", "1",
-              "--batch-size", "1", "--group-size", "2", "--eval-tasks", "0", "--max-concurrency", "1", "--max-new-tokens", "4", "--lr", "1e-4"]
-    runs = [{"out": "nosignal", "args": ["--group-size", "1", "--tensorboard"]}, {"out": "nan", "phase": "nan-loss"},
-            {"out": "async", "phase": "async-sync", "args": ["--async", "1", "--steps", "2"]}]  # last: its rollouts thread may outlive it
+    common = [
+        "--harness",
+        HARNESSES + ":LengthHarness",
+        "--harness-arg",
+        "max_tokens=4",
+        "--harness-arg",
+        "seeded=True",
+        "--steps",
+        "1",
+        "--batch-size",
+        "1",
+        "--group-size",
+        "2",
+        "--eval-tasks",
+        "0",
+        "--max-concurrency",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--lr",
+        "1e-4",
+    ]
+    runs = [
+        {"out": "nosignal", "args": ["--group-size", "1", "--tensorboard"]},
+        {"out": "nan", "phase": "nan-loss"},
+        {"out": "async", "phase": "async-sync", "args": ["--async", "1", "--steps", "2"]},
+    ]  # last: its rollouts thread may outlive it
     results, log = run_in_process(tmp_path, common, runs)
     assert [r["code"] for r in results] == [0, 0, 130], log[-3000:]
     (row,) = rows(tmp_path / "nosignal")
-    unmeasured = ("loss", "grad_norm", "clip_frac", "prob_corr", "dlogp_mean", "dlogp_max", "ratio_out_frac", "train_tok_s")
-    assert row["skipped"] == "no_signal" and all(row[k] is None for k in unmeasured) and row["reward"] is not None, row
+    unmeasured = (
+        "loss",
+        "grad_norm",
+        "clip_frac",
+        "prob_corr",
+        "dlogp_mean",
+        "dlogp_max",
+        "ratio_out_frac",
+        "train_tok_s",
+    )
+    assert (
+        row["skipped"] == "no_signal"
+        and all(row[k] is None for k in unmeasured)
+        and row["reward"] is not None
+    ), row
     assert "loss - gnorm - clip - |dlogp| -" in log
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -466,10 +960,16 @@ def test_skipped_updates_log_nulls_and_async_ctrl_c_saves_the_trained_weights(tm
     tb.Reload()
     assert "reward" in tb.Tags()["scalars"] and not set(unmeasured) & set(tb.Tags()["scalars"])
     (row,) = rows(tmp_path / "nan")
-    assert row["skipped"] == "nonfinite_grad" and row["grad_norm"] is None and "WARNING: the gradient norm is nan" in log, row
+    assert (
+        row["skipped"] == "nonfinite_grad"
+        and row["grad_norm"] is None
+        and "WARNING: the gradient norm is nan" in log
+    ), row
     start, after = model.state_dict(), safetensors(tmp_path / "nan" / "checkpoints" / "step_1")
     assert all(torch.equal(after[k], start[k]) for k in after)  # no update, no NaN
     at = torch.load(tmp_path / "async" / "at_interrupt.pt")
     assert results[2]["latest"] == "step_1"
     saved = safetensors(tmp_path / "async" / "checkpoints" / "step_1")
-    assert all(torch.equal(saved[k], at["trained"][k]) for k in saved) and not all(torch.equal(saved[k], at["served"][k]) for k in saved)
+    assert all(torch.equal(saved[k], at["trained"][k]) for k in saved) and not all(
+        torch.equal(saved[k], at["served"][k]) for k in saved
+    )

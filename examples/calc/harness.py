@@ -97,9 +97,17 @@ def score(text: str, answer: float, format_reward: float = 0.1, strict: bool = F
 
 # ---------------------------------------------------------------------------- the tool
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def _eval(node):
@@ -121,7 +129,9 @@ def evaluate(expression: str):
 
 
 def _arith(expression) -> str:
-    return str(expression).replace("^", "**").replace("×", "*").replace("x", "*")  # how people write them
+    return (
+        str(expression).replace("^", "**").replace("×", "*").replace("x", "*")
+    )  # how people write them
 
 
 def calculator(arguments: str) -> str:
@@ -160,16 +170,29 @@ def computes(arguments: str, problem: str, answer: float) -> bool:
         tree = ast.parse(expression, mode="eval").body
         given = {float(x) for x in NUMBER_RE.findall(problem)}
         numbers = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
-        return (isinstance(tree, ast.BinOp) and all(float(n) in given for n in numbers)
-                and abs(evaluate(expression) - float(answer)) < 1e-9)
-    except (ValueError, TypeError, SyntaxError, AttributeError, ArithmeticError, RecursionError):  # not a computation
+        return (
+            isinstance(tree, ast.BinOp)
+            and all(float(n) in given for n in numbers)
+            and abs(evaluate(expression) - float(answer)) < 1e-9
+        )
+    except (
+        ValueError,
+        TypeError,
+        SyntaxError,
+        AttributeError,
+        ArithmeticError,
+        RecursionError,
+    ):  # not a computation
         return False
 
 
 # ---------------------------------------------------------------------------- the tasks
 
-FIRST = {"+": "has {a} {item} and buys {b} more", "-": "has {a} {item} and gives {b} away",
-         "*": "buys {a} bags with {b} {item} in each bag"}
+FIRST = {
+    "+": "has {a} {item} and buys {b} more",
+    "-": "has {a} {item} and gives {b} away",
+    "*": "buys {a} bags with {b} {item} in each bag",
+}
 THEN = {"+": "finds {c} more", "-": "gives {c} away"}
 
 
@@ -202,19 +225,36 @@ def make_problem(rng: random.Random, difficulty: int) -> tuple[str, str, int]:
 
 # ---------------------------------------------------------------------------- the harness
 
+
 class CalcHarness(Harness):
     name = "calc"
 
-    def __init__(self, n_train: int = 2000, n_test: int = 200, difficulty: int = 1, seed: int = 0,
-                 format_reward: float = 0.1, max_turns: int = 3, max_tokens: int = 64,
-                 temperature: float = 0.7, strict: bool = False, tool_first: bool = True, tool_reward: float = 0.2,
-                 call_rewards: bool = False):
+    def __init__(
+        self,
+        n_train: int = 2000,
+        n_test: int = 200,
+        difficulty: int = 1,
+        seed: int = 0,
+        format_reward: float = 0.1,
+        max_turns: int = 3,
+        max_tokens: int = 64,
+        temperature: float = 0.7,
+        strict: bool = False,
+        tool_first: bool = True,
+        tool_reward: float = 0.2,
+        call_rewards: bool = False,
+    ):
         if difficulty not in (1, 2, 3):
             raise ValueError(f"calc difficulty must be 1, 2 or 3, not {difficulty!r}")
         self.n = {"train": n_train, "test": n_test}
         self.difficulty, self.seed, self.format_reward = difficulty, seed, format_reward
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
-        self.strict, self.tool_first, self.tool_reward, self.call_rewards = strict, tool_first, tool_reward, call_rewards
+        self.strict, self.tool_first, self.tool_reward, self.call_rewards = (
+            strict,
+            tool_first,
+            tool_reward,
+            call_rewards,
+        )
         self._tasks: dict[str, list[Task]] = {}
 
     def tasks(self, split: str) -> list[Task]:
@@ -234,46 +274,79 @@ class CalcHarness(Harness):
                     if prompt not in seen:
                         seen.add(prompt)
                         i = len(self._tasks[s])
-                        self._tasks[s].append(Task(f"calc-d{self.difficulty}-{s}-{i}", prompt, answer,
-                                                   {"expression": expr, "difficulty": self.difficulty}))
+                        self._tasks[s].append(
+                            Task(
+                                f"calc-d{self.difficulty}-{s}-{i}",
+                                prompt,
+                                answer,
+                                {"expression": expr, "difficulty": self.difficulty},
+                            )
+                        )
                 else:
-                    raise ValueError(f"calc difficulty {self.difficulty} has too few distinct problems "
-                                     f"for n_{s}={self.n[s]}; ask for fewer")
+                    raise ValueError(
+                        f"calc difficulty {self.difficulty} has too few distinct problems "
+                        f"for n_{s}={self.n[s]}; ask for fewer"
+                    )
         return self._tasks[split]
 
     async def run(self, task: Task, endpoint: Endpoint):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": task.prompt}]
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": task.prompt},
+        ]
         # max_retries=0: a failed call fails the rollout visibly instead of being
         # silently re-sampled (a retry would be a second, differently-sampled call).
         valid_call, first_id = False, None
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
-                                      max_retries=0) as client:
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as client:
             for turn in range(self.max_turns):
                 # The first call must use the calculator: the proxy starts the call, the model writes the arguments.
                 first = turn == 0 and self.tool_first
                 response = await client.chat.completions.create(
-                    model=endpoint.model, messages=messages, tools=[CALCULATOR_TOOL],
-                    tool_choice={"type": "function", "function": {"name": "calculator"}} if first else "auto",
-                    max_tokens=self.max_tokens, temperature=self.temperature)
+                    model=endpoint.model,
+                    messages=messages,
+                    tools=[CALCULATOR_TOOL],
+                    tool_choice={"type": "function", "function": {"name": "calculator"}}
+                    if first
+                    else "auto",
+                    max_tokens=self.max_tokens,
+                    temperature=self.temperature,
+                )
                 message = response.choices[0].message
                 first_id = response.id if first else first_id
-                messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+                messages.append(
+                    message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
+                )
                 if not message.tool_calls:
                     if not first:
                         break
                     # The forced call did not parse: say so, as a tool would, and let the model answer.
-                    messages.append({"role": "user", "content": 'That was not a valid calculator call. Answer the problem.'})
+                    messages.append(
+                        {
+                            "role": "user",
+                            "content": "That was not a valid calculator call. Answer the problem.",
+                        }
+                    )
                     continue
                 for call in message.tool_calls:
-                    result = (calculator(call.function.arguments) if call.function.name == "calculator"
-                              else f"error: unknown tool {call.function.name!r}; use calculator")
-                    valid_call |= first and call.function.name == "calculator" and computes(call.function.arguments, task.prompt, task.answer)
+                    result = (
+                        calculator(call.function.arguments)
+                        if call.function.name == "calculator"
+                        else f"error: unknown tool {call.function.name!r}; use calculator"
+                    )
+                    valid_call |= (
+                        first
+                        and call.function.name == "calculator"
+                        and computes(call.function.arguments, task.prompt, task.answer)
+                    )
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         # The answer is whatever the model said last (a turn-limited run may end on a tool call).
         answer = score(message.content or "", task.answer, self.format_reward, self.strict)
         if not self.tool_first:
             return answer
-        if self.call_rewards:  # the call that computed earns on its own tokens; the rollout's reward is the answer's
+        if (
+            self.call_rewards
+        ):  # the call that computed earns on its own tokens; the rollout's reward is the answer's
             return {"reward": answer, "calls": {first_id: float(valid_call)}}
         return self.tool_reward * valid_call + (1 - self.tool_reward) * answer

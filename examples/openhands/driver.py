@@ -15,16 +15,37 @@ from openhands.tools.file_editor import FileEditorTool
 from openhands.tools.terminal import TerminalTool
 from pydantic import SecretStr
 
-base_url, model, workspace, max_steps, task = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+base_url, model, workspace, max_steps, task = (
+    sys.argv[1],
+    sys.argv[2],
+    sys.argv[3],
+    int(sys.argv[4]),
+    sys.argv[5],
+)
 # "openai/<name>": litellm's OpenAI-compatible route (a gpt-5-like name would switch to the Responses API).
 # num_retries=0: a retry would be a second, differently sampled call of the same turn.
 # timeout=None: the SDK's default 300 s per call is too short for a 6.5k-token prompt on a busy CPU;
 # the trainer's --rollout-timeout bounds the whole rollout anyway.
-llm = LLM(model=f"openai/{model}", base_url=base_url, api_key=SecretStr("x"), usage_id="agent", stream=False,
-          num_retries=0, timeout=None)
+llm = LLM(
+    model=f"openai/{model}",
+    base_url=base_url,
+    api_key=SecretStr("x"),
+    usage_id="agent",
+    stream=False,
+    num_retries=0,
+    timeout=None,
+)
 # The subprocess terminal, not tmux: a tmux server is shared and outlives the rollout.
-tools = [Tool(name=TerminalTool.name, params={"terminal_type": "subprocess"}), Tool(name=FileEditorTool.name)]
-conv = Conversation(agent=Agent(llm=llm, tools=tools), workspace=workspace, max_iteration_per_run=max_steps, visualizer=None)
+tools = [
+    Tool(name=TerminalTool.name, params={"terminal_type": "subprocess"}),
+    Tool(name=FileEditorTool.name),
+]
+conv = Conversation(
+    agent=Agent(llm=llm, tools=tools),
+    workspace=workspace,
+    max_iteration_per_run=max_steps,
+    visualizer=None,
+)
 try:
     conv.send_message(task)
     conv.run()

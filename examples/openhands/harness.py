@@ -21,7 +21,9 @@ from pathlib import Path
 from examples.swe.tasks import CodingHarness
 from lightning_lite.harness import REPO_ROOT
 
-PYTHON = os.environ.get("LL_OPENHANDS_PYTHON", str(REPO_ROOT / ".harnesses" / "openhands-venv" / "bin" / "python"))
+PYTHON = os.environ.get(
+    "LL_OPENHANDS_PYTHON", str(REPO_ROOT / ".harnesses" / "openhands-venv" / "bin" / "python")
+)
 DRIVER = str(Path(__file__).with_name("driver.py"))
 INSTALL = "tests/real_harnesses/install.sh openhands"
 
@@ -35,11 +37,28 @@ class OpenHandsHarness(CodingHarness):
         super().__init__(**kw)
         self.max_steps = max_steps
         # the venv's interpreter lives in its base prefix (pyenv's, under HOME, which bwrap hides)
-        self.ro_binds = (*self.ro_binds, str(Path(os.path.realpath(PYTHON)).parent.parent), str(Path(PYTHON).parent.parent),
-                         str(Path(DRIVER).parent))  # and the venv itself and driver.py, from the hidden repo
+        self.ro_binds = (
+            *self.ro_binds,
+            str(Path(os.path.realpath(PYTHON)).parent.parent),
+            str(Path(PYTHON).parent.parent),
+            str(Path(DRIVER).parent),
+        )  # and the venv itself and driver.py, from the hidden repo
 
     def agent(self, task, endpoint, repo, home):
-        argv = [PYTHON, DRIVER, endpoint.base_url, endpoint.model, str(repo), str(self.max_steps), task.prompt]
-        env = {"OPENAI_API_KEY": endpoint.api_key, "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no cost-map download
-               "OPENHANDS_SUPPRESS_BANNER": "1", "NO_COLOR": "1", "TERM": "dumb"}
+        argv = [
+            PYTHON,
+            DRIVER,
+            endpoint.base_url,
+            endpoint.model,
+            str(repo),
+            str(self.max_steps),
+            task.prompt,
+        ]
+        env = {
+            "OPENAI_API_KEY": endpoint.api_key,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no cost-map download
+            "OPENHANDS_SUPPRESS_BANNER": "1",
+            "NO_COLOR": "1",
+            "TERM": "dumb",
+        }
         return argv, env

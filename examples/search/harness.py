@@ -59,8 +59,10 @@ FORMAT_ERROR = 'error: no search call found. Call search with arguments like {"q
 
 FINAL_PROMPT = "No more searches. Reply now with: ANSWER: <answer>"
 
-SUMMARY_PROMPT = ("Summarize the searches above in at most three short sentences: the facts you found "
-                  "that help answer the question, and what is still missing. Do not call a tool.")
+SUMMARY_PROMPT = (
+    "Summarize the searches above in at most three short sentences: the facts you found "
+    "that help answer the question, and what is still missing. Do not call a tool."
+)
 
 # ---------------------------------------------------------------------------- scoring (SQuAD)
 
@@ -107,8 +109,10 @@ def extract_answer(text: str) -> str:
 
 # ---------------------------------------------------------------------------- BM25
 
-STOPWORDS = frozenset("a an and are by did does for from has have in is it its of on or that the to was what "
-                      "where which who whom with".split())
+STOPWORDS = frozenset(
+    "a an and are by did does for from has have in is it its of on or that the to was what "
+    "where which who whom with".split()
+)
 
 
 def tokenize(text: str) -> list[str]:
@@ -137,7 +141,9 @@ class BM25:
             for term, tf in d.items():
                 self.postings[term].append((i, tf))
         n = len(docs)
-        self.idf = {t: math.log(1 + (n - len(p) + 0.5) / (len(p) + 0.5)) for t, p in self.postings.items()}
+        self.idf = {
+            t: math.log(1 + (n - len(p) + 0.5) / (len(p) + 0.5)) for t, p in self.postings.items()
+        }
 
     def scores(self, query: str) -> dict[int, float]:
         """doc index -> score, for the documents that share a term with ``query``."""
@@ -155,23 +161,104 @@ class BM25:
 
 # ---------------------------------------------------------------------------- the world
 
-FIRST = ["Mara", "Leo", "Ines", "Tomas", "Yuki", "Omar", "Greta", "Ravi", "Lena", "Hugo", "Nadia", "Felix",
-         "Ada", "Jonas", "Priya", "Emil", "Sofia", "Kenji", "Alma", "Viktor"]
-LAST = ["Okafor", "Lindqvist", "Moreau", "Tanaka", "Haddad", "Novak", "Ferreira", "Kowalski", "Brennan",
-        "Sato", "Albrecht", "Duarte", "Mbeki", "Halvorsen", "Castell", "Ivanov", "Rossi", "Nakamura", "Quist", "Varga"]
-SYLLABLES = ["vel", "zor", "quan", "bri", "mor", "tal", "kes", "dra", "lum", "fen", "pra", "sil", "tor",
-             "nim", "ral", "cor", "hal", "jun", "wex", "pex", "oro", "ski", "dun", "mab"]
+FIRST = [
+    "Mara",
+    "Leo",
+    "Ines",
+    "Tomas",
+    "Yuki",
+    "Omar",
+    "Greta",
+    "Ravi",
+    "Lena",
+    "Hugo",
+    "Nadia",
+    "Felix",
+    "Ada",
+    "Jonas",
+    "Priya",
+    "Emil",
+    "Sofia",
+    "Kenji",
+    "Alma",
+    "Viktor",
+]
+LAST = [
+    "Okafor",
+    "Lindqvist",
+    "Moreau",
+    "Tanaka",
+    "Haddad",
+    "Novak",
+    "Ferreira",
+    "Kowalski",
+    "Brennan",
+    "Sato",
+    "Albrecht",
+    "Duarte",
+    "Mbeki",
+    "Halvorsen",
+    "Castell",
+    "Ivanov",
+    "Rossi",
+    "Nakamura",
+    "Quist",
+    "Varga",
+]
+SYLLABLES = [
+    "vel",
+    "zor",
+    "quan",
+    "bri",
+    "mor",
+    "tal",
+    "kes",
+    "dra",
+    "lum",
+    "fen",
+    "pra",
+    "sil",
+    "tor",
+    "nim",
+    "ral",
+    "cor",
+    "hal",
+    "jun",
+    "wex",
+    "pex",
+    "oro",
+    "ski",
+    "dun",
+    "mab",
+]
 COMPANY_END = ["corp", "tech", "works", "labs", "ware", "dyne"]
 CITY_END = ["by", "ford", "haven", "mouth", "stad", "ton"]
-KINDS = ["blender", "bicycle", "camera", "drone", "kettle", "lamp", "phone", "scooter", "speaker", "watch"]
+KINDS = [
+    "blender",
+    "bicycle",
+    "camera",
+    "drone",
+    "kettle",
+    "lamp",
+    "phone",
+    "scooter",
+    "speaker",
+    "watch",
+]
 FIELDS = ["chemistry", "music", "law", "physics", "history", "design"]
 
 QUESTIONS = {  # kind -> (template, hops)
-    "maker": ("Which company makes the {product}?", 1),  # only with min_hops=1: a warm-up for tiny models
+    "maker": (
+        "Which company makes the {product}?",
+        1,
+    ),  # only with min_hops=1: a warm-up for tiny models
     "founder_of_maker": ("Who founded the company that makes the {product}?", 2),
     "city_of_maker": ("In which city is the company that makes the {product} based?", 2),
     "birthplace_of_founder": ("In which city was the founder of {company} born?", 2),
-    "birthplace_of_maker_founder": ("In which city was the founder of the company that makes the {product} born?", 3),
+    "birthplace_of_maker_founder": (
+        "In which city was the founder of the company that makes the {product} born?",
+        3,
+    ),
 }
 
 
@@ -182,7 +269,9 @@ def _names(rng: random.Random, n: int, make) -> list[str]:
         if len(seen) == n:
             return list(seen)
         seen.setdefault(make(rng))
-    raise ValueError(f"only {len(seen)} distinct names for {n} wanted: ask for fewer companies (at most 144)")
+    raise ValueError(
+        f"only {len(seen)} distinct names for {n} wanted: ask for fewer companies (at most 144)"
+    )
 
 
 def make_world(seed: int = 0, n_companies: int = 40, products_per_company: int = 3) -> dict:
@@ -195,27 +284,56 @@ def make_world(seed: int = 0, n_companies: int = 40, products_per_company: int =
     rng = random.Random(f"search-world-{seed}")
     cities = _names(rng, 24, lambda r: (r.choice(SYLLABLES) + r.choice(CITY_END)).capitalize())
     people = _names(rng, 2 * n_companies, lambda r: f"{r.choice(FIRST)} {r.choice(LAST)}")
-    companies = _names(rng, n_companies, lambda r: (r.choice(SYLLABLES) + r.choice(COMPANY_END)).capitalize())
-    products = _names(rng, n_companies * products_per_company,
-                      lambda r: f"{(r.choice(SYLLABLES) + r.choice(SYLLABLES)).capitalize()} {r.choice('XZQKV')}{r.randint(2, 9)}")
+    companies = _names(
+        rng, n_companies, lambda r: (r.choice(SYLLABLES) + r.choice(COMPANY_END)).capitalize()
+    )
+    products = _names(
+        rng,
+        n_companies * products_per_company,
+        lambda r: (
+            f"{(r.choice(SYLLABLES) + r.choice(SYLLABLES)).capitalize()} {r.choice('XZQKV')}{r.randint(2, 9)}"
+        ),
+    )
     world = {"docs": [], "products": {}, "companies": {}, "people": {}}
     docs = world["docs"]
     for person in people:
         born = rng.choice(cities)
         world["people"][person] = {"born": born}
-        docs.append({"title": person, "text": f"{person} was born in {born} and studied {rng.choice(FIELDS)}."})
+        docs.append(
+            {
+                "title": person,
+                "text": f"{person} was born in {born} and studied {rng.choice(FIELDS)}.",
+            }
+        )
     founders = rng.sample(people, n_companies)  # the other half founded nothing
     for company, founder in zip(companies, founders):
         city = rng.choice(cities)
         world["companies"][company] = {"founder": founder, "city": city}
-        docs.append({"title": f"{company} founder", "text": f"{company} was founded by {founder} in {rng.randint(1950, 2015)}."})
-        docs.append({"title": f"{company} offices", "text": f"{company} is based in {city}, where it has its main office."})
+        docs.append(
+            {
+                "title": f"{company} founder",
+                "text": f"{company} was founded by {founder} in {rng.randint(1950, 2015)}.",
+            }
+        )
+        docs.append(
+            {
+                "title": f"{company} offices",
+                "text": f"{company} is based in {city}, where it has its main office.",
+            }
+        )
     for i, product in enumerate(products):
         company = companies[i % n_companies]
         world["products"][product] = company
-        docs.append({"title": product, "text": f"The {product} is a {rng.choice(KINDS)} made by {company}."})
+        docs.append(
+            {"title": product, "text": f"The {product} is a {rng.choice(KINDS)} made by {company}."}
+        )
     for city in cities:
-        docs.append({"title": city, "text": f"{city} is a city on the {rng.choice(['north', 'south', 'east', 'west'])} coast."})
+        docs.append(
+            {
+                "title": city,
+                "text": f"{city} is a city on the {rng.choice(['north', 'south', 'east', 'west'])} coast.",
+            }
+        )
     rng.shuffle(docs)  # document order carries no hint
     return world
 
@@ -226,14 +344,31 @@ def make_questions(world: dict, min_hops: int = 2) -> list[dict]:
     out = []
     for product, company in world["products"].items():
         founder, city = world["companies"][company]["founder"], world["companies"][company]["city"]
-        for kind, answer in [("maker", company), ("founder_of_maker", founder), ("city_of_maker", city),
-                             ("birthplace_of_maker_founder", world["people"][founder]["born"])]:
+        for kind, answer in [
+            ("maker", company),
+            ("founder_of_maker", founder),
+            ("city_of_maker", city),
+            ("birthplace_of_maker_founder", world["people"][founder]["born"]),
+        ]:
             template, hops = QUESTIONS[kind]
-            out.append({"kind": kind, "question": template.format(product=product), "answer": answer, "hops": hops})
+            out.append(
+                {
+                    "kind": kind,
+                    "question": template.format(product=product),
+                    "answer": answer,
+                    "hops": hops,
+                }
+            )
     for company, info in world["companies"].items():
         template, hops = QUESTIONS["birthplace_of_founder"]
-        out.append({"kind": "birthplace_of_founder", "question": template.format(company=company),
-                    "answer": world["people"][info["founder"]]["born"], "hops": hops})
+        out.append(
+            {
+                "kind": "birthplace_of_founder",
+                "question": template.format(company=company),
+                "answer": world["people"][info["founder"]]["born"],
+                "hops": hops,
+            }
+        )
     return [q for q in out if q["hops"] >= min_hops]
 
 
@@ -260,26 +395,48 @@ def count_tokens(messages: list[dict], tools: list[dict] = ()) -> int:
     n = sum(len(_ENCODING.encode(json.dumps(t))) for t in tools)
     for m in messages:
         n += 4 + len(_ENCODING.encode(m.get("content") or ""))
-        n += sum(len(_ENCODING.encode(c["function"]["name"] + c["function"]["arguments"])) for c in m.get("tool_calls", ()))
+        n += sum(
+            len(_ENCODING.encode(c["function"]["name"] + c["function"]["arguments"]))
+            for c in m.get("tool_calls", ())
+        )
     return n
 
 
 def last_turn_start(messages: list[dict]) -> int:
     """Index of the last assistant message: the turn that compaction keeps verbatim."""
-    return max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+    return max(
+        (i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages)
+    )
 
 
 # ---------------------------------------------------------------------------- the harness
 
+
 class SearchHarness(Harness):
     name = "search"
 
-    def __init__(self, seed: int = 0, n_companies: int = 60, n_test: int = 100, top_k: int = 3,
-                 max_turns: int = 6, min_searches: int = 2, max_tokens: int = 48, summary_tokens: int = 64,
-                 context_budget: int = 600, temperature: float = 0.7, prefetch: bool = True, min_hops: int = 2):
+    def __init__(
+        self,
+        seed: int = 0,
+        n_companies: int = 60,
+        n_test: int = 100,
+        top_k: int = 3,
+        max_turns: int = 6,
+        min_searches: int = 2,
+        max_tokens: int = 48,
+        summary_tokens: int = 64,
+        context_budget: int = 600,
+        temperature: float = 0.7,
+        prefetch: bool = True,
+        min_hops: int = 2,
+    ):
         self.seed, self.n_test, self.top_k = seed, n_test, top_k
         self.max_turns, self.min_searches, self.max_tokens = max_turns, min_searches, max_tokens
-        self.summary_tokens, self.context_budget, self.temperature = summary_tokens, context_budget, temperature
+        self.summary_tokens, self.context_budget, self.temperature = (
+            summary_tokens,
+            context_budget,
+            temperature,
+        )
         self.prefetch, self.min_hops = prefetch, min_hops
         self.world = make_world(seed, n_companies)
         self.index = BM25([f"{d['title']}. {d['text']}" for d in self.world["docs"]])
@@ -292,9 +449,19 @@ class SearchHarness(Harness):
         if not self._tasks:
             questions = make_questions(self.world, self.min_hops)
             random.Random(f"search-split-{self.seed}").shuffle(questions)
-            for s, part in (("test", questions[: self.n_test]), ("train", questions[self.n_test:])):
-                self._tasks[s] = [Task(f"search-{s}-{i}", q["question"], q["answer"], {"kind": q["kind"], "hops": q["hops"]})
-                                  for i, q in enumerate(part)]
+            for s, part in (
+                ("test", questions[: self.n_test]),
+                ("train", questions[self.n_test :]),
+            ):
+                self._tasks[s] = [
+                    Task(
+                        f"search-{s}-{i}",
+                        q["question"],
+                        q["answer"],
+                        {"kind": q["kind"], "hops": q["hops"]},
+                    )
+                    for i, q in enumerate(part)
+                ]
         return self._tasks[split]
 
     def search(self, arguments: str) -> str:
@@ -312,7 +479,10 @@ class SearchHarness(Harness):
             return 'error: call search with {"query": "Pexo X7"}'
         hits = self.index.search(query, self.top_k)
         docs = self.world["docs"]
-        return "\n".join(f"[{docs[i]['title']}] {docs[i]['text']}" for i, _ in hits) or "no documents found"
+        return (
+            "\n".join(f"[{docs[i]['title']}] {docs[i]['text']}" for i, _ in hits)
+            or "no documents found"
+        )
 
     async def compact(self, client, model: str, messages: list[dict]) -> list[dict]:
         """Replace the turns before the last one by a summary the model writes in a side call.
@@ -324,51 +494,91 @@ class SearchHarness(Harness):
         (split reason ``rewrote_history``).
         """
         r = await client.chat.completions.create(
-            model=model, messages=messages + [{"role": "user", "content": SUMMARY_PROMPT}], tools=[SEARCH_TOOL],
-            tool_choice="none", max_tokens=self.summary_tokens, temperature=self.temperature)
+            model=model,
+            messages=messages + [{"role": "user", "content": SUMMARY_PROMPT}],
+            tools=[SEARCH_TOOL],
+            tool_choice="none",
+            max_tokens=self.summary_tokens,
+            temperature=self.temperature,
+        )
         summary = (r.choices[0].message.content or "").strip() or "(no summary)"
-        recent = messages[last_turn_start(messages):]
-        return messages[:2] + [{"role": "user", "content": f"Summary of your earlier searches: {summary}"}] + recent
+        recent = messages[last_turn_start(messages) :]
+        return (
+            messages[:2]
+            + [{"role": "user", "content": f"Summary of your earlier searches: {summary}"}]
+            + recent
+        )
 
     async def run(self, task: Task, endpoint: Endpoint) -> float:
         question = task.prompt
         if self.prefetch:  # retrieve-then-read, as RAG harnesses do: the first hop is often in here
-            question += "\n\nSearch results for the question:\n" + self.search(json.dumps({"query": task.prompt}))
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+            question += "\n\nSearch results for the question:\n" + self.search(
+                json.dumps({"query": task.prompt})
+            )
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ]
         searches, text = 0, ""
         # max_retries=0: a failed call fails the rollout visibly instead of being re-sampled.
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as client:
             for turn in range(self.max_turns):
                 # Compact when over budget and there is an older turn to fold (the last one stays verbatim).
-                if count_tokens(messages, [SEARCH_TOOL]) > self.context_budget and last_turn_start(messages) > 3:
+                if (
+                    count_tokens(messages, [SEARCH_TOOL]) > self.context_budget
+                    and last_turn_start(messages) > 3
+                ):
                     messages = await self.compact(client, endpoint.model, messages)
                 # The first searches are forced (a 135M model rarely calls a tool unasked: this gives it
                 # evidence to read); the last turn must answer.
                 last = turn == self.max_turns - 1
                 if last:  # appended, not rewritten: the conversation still merges
                     messages.append({"role": "user", "content": FINAL_PROMPT})
-                choice = ("none" if last else {"type": "function", "function": {"name": "search"}}
-                          if searches < self.min_searches else "auto")
+                choice = (
+                    "none"
+                    if last
+                    else {"type": "function", "function": {"name": "search"}}
+                    if searches < self.min_searches
+                    else "auto"
+                )
                 r = await client.chat.completions.create(
-                    model=endpoint.model, messages=messages, tools=[SEARCH_TOOL], tool_choice=choice,
-                    max_tokens=self.max_tokens, temperature=self.temperature)
+                    model=endpoint.model,
+                    messages=messages,
+                    tools=[SEARCH_TOOL],
+                    tool_choice=choice,
+                    max_tokens=self.max_tokens,
+                    temperature=self.temperature,
+                )
                 message = r.choices[0].message
-                messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+                messages.append(
+                    message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
+                )
                 text = message.content or ""
                 if not message.tool_calls and isinstance(choice, dict):
                     # A forced call that did not parse (a small model rarely closes its JSON): search
                     # a query written as text, as harnesses that parse actions from text do, or
                     # report a format error. Either way the conversation only grows, so it still merges.
                     query = QUERY_RE.search(text)
-                    messages.append({"role": "user", "content": self.search(json.dumps({"query": query.group(1)}))
-                                     if query else FORMAT_ERROR})
+                    messages.append(
+                        {
+                            "role": "user",
+                            "content": self.search(json.dumps({"query": query.group(1)}))
+                            if query
+                            else FORMAT_ERROR,
+                        }
+                    )
                     searches += bool(query)
                     continue
                 if not message.tool_calls:
                     break
                 for call in message.tool_calls:
-                    result = (self.search(call.function.arguments) if call.function.name == "search"
-                              else f"error: unknown tool {call.function.name!r}; use search")
+                    result = (
+                        self.search(call.function.arguments)
+                        if call.function.name == "search"
+                        else f"error: unknown tool {call.function.name!r}; use search"
+                    )
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
                     searches += 1
         return f1(extract_answer(text), task.answer)

@@ -26,7 +26,14 @@ def openhands(base_url, task, workdir):
     from pydantic import SecretStr
 
     # A neutral model name: gpt-5-like names switch the SDK to the Responses API.
-    llm = LLM(model="openai/smollm2", base_url=base_url, api_key=SecretStr("x"), usage_id="agent", stream=False, num_retries=0)
+    llm = LLM(
+        model="openai/smollm2",
+        base_url=base_url,
+        api_key=SecretStr("x"),
+        usage_id="agent",
+        stream=False,
+        num_retries=0,
+    )
     agent = Agent(llm=llm, tools=[Tool(name=TerminalTool.name), Tool(name=FileEditorTool.name)])
     conv = Conversation(agent=agent, workspace=workdir, max_iteration_per_run=4, visualizer=None)
     conv.send_message(task)
@@ -35,7 +42,14 @@ def openhands(base_url, task, workdir):
 
 
 def agents(base_url, task, workdir, api):
-    from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # no trace upload to api.openai.com
@@ -46,8 +60,15 @@ def agents(base_url, task, workdir, api):
         return sh(command, workdir)
 
     client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
-    model = (OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)(model="smollm2", openai_client=client)
-    agent = Agent(name="assistant", instructions="You are a helpful assistant with a bash tool.", tools=[bash], model=model)
+    model = (OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)(
+        model="smollm2", openai_client=client
+    )
+    agent = Agent(
+        name="assistant",
+        instructions="You are a helpful assistant with a bash tool.",
+        tools=[bash],
+        model=model,
+    )
     from agents.exceptions import MaxTurnsExceeded
 
     try:
@@ -68,7 +89,9 @@ def smolagents(base_url, task, workdir):
         """
         return sh(command, workdir)
 
-    model = OpenAIServerModel(model_id="smollm2", api_base=base_url, api_key="x", client_kwargs={"max_retries": 0})
+    model = OpenAIServerModel(
+        model_id="smollm2", api_base=base_url, api_key="x", client_kwargs={"max_retries": 0}
+    )
     agent = ToolCallingAgent(tools=[bash], model=model, max_steps=3, verbosity_level=1)
     print("final:", agent.run(task))
 
@@ -90,7 +113,9 @@ def langgraph(base_url, task, workdir):
     try:
         out = graph.invoke({"messages": [("user", task)]}, {"recursion_limit": 8})
         print("final:", out["messages"][-1].content)
-    except GraphRecursionError as e:  # the model did not finish: a task failure, not a protocol error
+    except (
+        GraphRecursionError
+    ) as e:  # the model did not finish: a task failure, not a protocol error
         print("step limit:", e)
 
 
@@ -99,4 +124,6 @@ if __name__ == "__main__":
     if name.startswith("agents-"):
         agents(base_url, task, workdir, name.split("-", 1)[1])
     else:
-        {"openhands": openhands, "smolagents": smolagents, "langgraph": langgraph}[name](base_url, task, workdir)
+        {"openhands": openhands, "smolagents": smolagents, "langgraph": langgraph}[name](
+            base_url, task, workdir
+        )

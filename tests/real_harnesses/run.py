@@ -48,7 +48,12 @@ from scripted import ScriptedBackend  # noqa: E402
 
 TASK = "Run `echo hello` in the shell, then reply Done."
 RID = re.compile(r"^/rollout/([^/]+)(/.*)?$")
-APIS = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "anthropic", "/v1/completions": "completions"}
+APIS = {
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+    "/v1/messages": "anthropic",
+    "/v1/completions": "completions",
+}
 
 
 class LoggingProxy(Proxy):
@@ -62,7 +67,12 @@ class LoggingProxy(Proxy):
         @web.middleware
         async def log_requests(request: web.Request, handler):
             m = RID.match(request.path)
-            entry = {"rid": m.group(1) if m else "default", "method": request.method, "path": (m.group(2) or "/") if m else request.path, "stream": None}
+            entry = {
+                "rid": m.group(1) if m else "default",
+                "method": request.method,
+                "path": (m.group(2) or "/") if m else request.path,
+                "stream": None,
+            }
             self.requests.append(entry)
             if request.method == "POST":
                 try:  # aiohttp caches the body: the handler reads it again
@@ -92,11 +102,15 @@ def make_backend(mode: str, tok, max_model_len: int | None, threads: int):
     from lightning_lite.backends import HFBackend
     from lightning_lite.models import load_model
 
-    model = load_model("smollm2", max_model_len=max_model_len).eval()  # beyond 8192: YaRN-scaled RoPE
+    model = load_model(
+        "smollm2", max_model_len=max_model_len
+    ).eval()  # beyond 8192: YaRN-scaled RoPE
     return HFBackend(model, tok, max_model_len=max_model_len)
 
 
-def run_harness(name: str, root: str, rid: str, task: str, log_path: str, timeout: float) -> tuple[int | None, float]:
+def run_harness(
+    name: str, root: str, rid: str, task: str, log_path: str, timeout: float
+) -> tuple[int | None, float]:
     """Start the harness in its own process group, wait, kill the group; return (exit code or None on timeout, seconds)."""
     tmp = tempfile.mkdtemp(prefix=f"harness-{name}-")
     work, home = os.path.join(tmp, "work"), os.path.join(tmp, "home")
@@ -107,7 +121,15 @@ def run_harness(name: str, root: str, rid: str, task: str, log_path: str, timeou
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(argv) + "\n")
         log.flush()
-        p = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            argv,
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -132,9 +154,13 @@ def last_line(path: str) -> str:
 def evaluate(name, mode, rc, secs, requests, calls, tok, log_path) -> dict:
     """One row of the table: what the harness sent, how its calls merged, pass or fail and why."""
     posts = [r for r in requests if r["method"] == "POST"]
-    apis = sorted({APIS.get(r["path"].split("?")[0], r["path"]) for r in posts}) or [HARNESSES[name] + "?"]
+    apis = sorted({APIS.get(r["path"].split("?")[0], r["path"]) for r in posts}) or [
+        HARNESSES[name] + "?"
+    ]
     streams = {r["stream"] for r in posts if r["stream"] is not None}
-    main = [c for c in calls if "<tools>\n" in tok.decode(c.prompt_ids)]  # the agent's thread: calls that offer tools
+    main = [
+        c for c in calls if "<tools>\n" in tok.decode(c.prompt_ids)
+    ]  # the agent's thread: calls that offer tools
     _, st = build_samples(calls) if calls else (None, Counter())
     main_samples, main_st = build_samples(main) if main else ([], Counter())
     splits = ",".join(f"{k[6:]}={v}" for k, v in sorted(st.items()) if k.startswith("split_") and v)
@@ -157,31 +183,89 @@ def evaluate(name, mode, rc, secs, requests, calls, tok, log_path) -> dict:
     elif mode == "scripted" and len(main) < 2:
         reason = f"main thread has {len(main)} call(s), expected the tool round trip (2)"
     elif mode == "scripted" and len(main_samples) != 1:
-        reason = f"main thread split into {len(main_samples)} samples: " + ",".join(k[6:] for k, v in main_st.items() if k.startswith("split_") and v)
-    return {"harness": name, "mode": mode, "api": "+".join(apis), "stream": {frozenset(): "-", frozenset([True]): "yes", frozenset([False]): "no"}.get(frozenset(streams), "mixed"),
-            "requests": len(requests), "calls": len(calls), "main": len(main), "samples": st["samples"], "main_samples": len(main_samples),
-            "splits": splits or "-", "max_prompt": max((len(c.prompt_ids) for c in calls), default=0), "secs": round(secs, 1),
-            "rc": rc, "ok": not reason, "reason": reason}
+        reason = f"main thread split into {len(main_samples)} samples: " + ",".join(
+            k[6:] for k, v in main_st.items() if k.startswith("split_") and v
+        )
+    return {
+        "harness": name,
+        "mode": mode,
+        "api": "+".join(apis),
+        "stream": {frozenset(): "-", frozenset([True]): "yes", frozenset([False]): "no"}.get(
+            frozenset(streams), "mixed"
+        ),
+        "requests": len(requests),
+        "calls": len(calls),
+        "main": len(main),
+        "samples": st["samples"],
+        "main_samples": len(main_samples),
+        "splits": splits or "-",
+        "max_prompt": max((len(c.prompt_ids) for c in calls), default=0),
+        "secs": round(secs, 1),
+        "rc": rc,
+        "ok": not reason,
+        "reason": reason,
+    }
 
 
 def print_table(rows: list[dict]):
-    cols = [("harness", 16), ("mode", 8), ("api", 10), ("stream", 6), ("requests", 8), ("calls", 5), ("main", 4), ("samples", 7),
-            ("main_samples", 12), ("splits", 16), ("max_prompt", 10), ("secs", 6)]
+    cols = [
+        ("harness", 16),
+        ("mode", 8),
+        ("api", 10),
+        ("stream", 6),
+        ("requests", 8),
+        ("calls", 5),
+        ("main", 4),
+        ("samples", 7),
+        ("main_samples", 12),
+        ("splits", 16),
+        ("max_prompt", 10),
+        ("secs", 6),
+    ]
     print(" ".join(f"{c:<{w}}" for c, w in cols) + " result")
     for r in rows:
-        print(" ".join(f"{str(r[c]):<{w}}" for c, w in cols) + " " + ("PASS" if r["ok"] else "FAIL " + r["reason"]))
+        print(
+            " ".join(f"{str(r[c]):<{w}}" for c, w in cols)
+            + " "
+            + ("PASS" if r["ok"] else "FAIL " + r["reason"])
+        )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="", help=f"comma-separated harnesses (default all): {','.join(HARNESSES)}")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--only", default="", help=f"comma-separated harnesses (default all): {','.join(HARNESSES)}"
+    )
     ap.add_argument("--mode", choices=["scripted", "model", "both"], default="both")
     ap.add_argument("--task", default=TASK)
-    ap.add_argument("--max-model-len", type=int, default=None, help="model mode: context limit (default: the model's, 8192)")
-    ap.add_argument("--max-tokens", type=int, default=128, help="model mode: cap on each answer's length")
-    ap.add_argument("--torch-threads", type=int, default=1, help="model mode: CPU threads for the model (the harness needs CPU too)")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per harness run (default 180 scripted, 900 model)")
-    ap.add_argument("--out", default=os.path.join("runs", "real-harnesses"), help="calls.jsonl, harness logs, results.json")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="model mode: context limit (default: the model's, 8192)",
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=128, help="model mode: cap on each answer's length"
+    )
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="model mode: CPU threads for the model (the harness needs CPU too)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per harness run (default 180 scripted, 900 model)",
+    )
+    ap.add_argument(
+        "--out",
+        default=os.path.join("runs", "real-harnesses"),
+        help="calls.jsonl, harness logs, results.json",
+    )
     a = ap.parse_args(argv)
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(HARNESSES)
     unknown = [n for n in names if n not in HARNESSES]
@@ -198,11 +282,20 @@ def main(argv=None) -> int:
         os.makedirs(out)
         backend = make_backend(mode, tok, a.max_model_len, a.torch_threads)
         # the trainer's per-call cap keeps CPU runs short (harnesses are told the reply is finished)
-        proxy = LoggingProxy(backend, tok, model_name="smollm2", out_dir=out, max_new_tokens=a.max_tokens if mode == "model" else None)
+        proxy = LoggingProxy(
+            backend,
+            tok,
+            model_name="smollm2",
+            out_dir=out,
+            max_new_tokens=a.max_tokens if mode == "model" else None,
+        )
         proxy.requests = []
         server = ProxyServer(proxy, port=0).start()
         timeout = a.timeout or (180 if mode == "scripted" else 900)
-        print(f"== mode {mode}: proxy on {server.url}, context {backend.max_model_len}, calls -> {out}/calls.jsonl", flush=True)
+        print(
+            f"== mode {mode}: proxy on {server.url}, context {backend.max_model_len}, calls -> {out}/calls.jsonl",
+            flush=True,
+        )
         rows, t_mode = [], time.time()
         try:
             for name in names:
@@ -210,10 +303,17 @@ def main(argv=None) -> int:
                 log_path = os.path.join(out, f"{name}.log")
                 rc, secs = run_harness(name, server.url, rid, a.task, log_path, timeout)
                 reqs = [r for r in proxy.requests if r["rid"] == rid]
-                calls = [c for c in read_calls(os.path.join(out, "calls.jsonl"), whole=True) if c.rollout_id == rid]
+                calls = [
+                    c
+                    for c in read_calls(os.path.join(out, "calls.jsonl"), whole=True)
+                    if c.rollout_id == rid
+                ]
                 rows.append(evaluate(name, mode, rc, secs, reqs, calls, tok, log_path))
                 r = rows[-1]
-                print(f"  {name:<16} {'PASS' if r['ok'] else 'FAIL'} {r['secs']:>6}s  {r['calls']} calls  {r['reason']}", flush=True)
+                print(
+                    f"  {name:<16} {'PASS' if r['ok'] else 'FAIL'} {r['secs']:>6}s  {r['calls']} calls  {r['reason']}",
+                    flush=True,
+                )
         finally:
             server.stop()
             backend.close()
@@ -226,7 +326,10 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(all_rows, f, indent=1)
     failed = [f"{r['harness']}/{r['mode']}" for r in all_rows if not r["ok"]]
-    print(f"{len(all_rows) - len(failed)}/{len(all_rows)} passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"{len(all_rows) - len(failed)}/{len(all_rows)} passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -26,8 +26,20 @@ from lightning_lite.backends import Generation
 from lightning_lite.chat import Renderer
 
 # Shell-like tool names of the real harnesses, best first.
-SHELL_TOOLS = ["bash", "Bash", "terminal", "execute_bash", "shell", "exec_command", "run_shell_command",
-               "local_shell", "run_command", "execute_command", "run_terminal_cmd", "exec"]
+SHELL_TOOLS = [
+    "bash",
+    "Bash",
+    "terminal",
+    "execute_bash",
+    "shell",
+    "exec_command",
+    "run_shell_command",
+    "local_shell",
+    "run_command",
+    "execute_command",
+    "run_terminal_cmd",
+    "exec",
+]
 FINISH_TOOLS = ["final_answer", "finish", "submit", "attempt_completion", "task_complete"]
 # Harnesses that want a tool call in every answer finish through the shell (mini-swe-agent).
 FINISH_COMMANDS = ["echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"]
@@ -81,7 +93,13 @@ def fill_arguments(schema: dict, command: str, text: str) -> dict:
 class ScriptedBackend:
     """Backend interface without a model; see the module docstring."""
 
-    def __init__(self, tokenizer, command: str = "echo hello", final: str = "Done.", max_model_len: int = 1 << 20):
+    def __init__(
+        self,
+        tokenizer,
+        command: str = "echo hello",
+        final: str = "Done.",
+        max_model_len: int = 1 << 20,
+    ):
         self.tok = tokenizer
         self.command, self.final = command, final
         self.max_model_len = max_model_len
@@ -91,7 +109,9 @@ class ScriptedBackend:
         r = Renderer(tokenizer)
         # The text that opens an assistant turn (SmolLM2: "<|im_start|>assistant\n").
         user = [{"role": "user", "content": "x"}]
-        self.assistant_open = r.render_text(user, [], True)[len(r.render_text(user, [], False)):].strip()
+        self.assistant_open = r.render_text(user, [], True)[
+            len(r.render_text(user, [], False)) :
+        ].strip()
         self.turn_end = tokenizer.decode([tokenizer.eos_token_id])  # "<|im_end|>"
 
     def answer(self, prompt: str) -> str:
@@ -100,13 +120,25 @@ class ScriptedBackend:
         # A later call: a tool result is back, or an earlier assistant turn ran our command
         # (smolagents sends its calls and results back as text). Injected "Got it" turns do not count.
         history = prompt[: prompt.rfind(self.assistant_open)]
-        assistant_turns = [t.split(self.turn_end)[0] for t in history.split(self.assistant_open)[1:]]
+        assistant_turns = [
+            t.split(self.turn_end)[0] for t in history.split(self.assistant_open)[1:]
+        ]
         later = "<tool_response>" in history or any(self.command in t for t in assistant_turns)
         forced = re.search(r'<tool_call>\n\{"name": "(?:([^"]*)", "arguments": )?$', prompt)
         if forced:  # tool_choice forces a call; the proxy already wrote the start of it
             name = forced.group(1)
-            tool = pick_tool(tools, [name] if name else (FINISH_TOOLS + SHELL_TOOLS if later else SHELL_TOOLS + FINISH_TOOLS)) or tools[0]
-            args = json.dumps(fill_arguments(tool.get("parameters") or {}, self.command, self.final))
+            tool = (
+                pick_tool(
+                    tools,
+                    [name]
+                    if name
+                    else (FINISH_TOOLS + SHELL_TOOLS if later else SHELL_TOOLS + FINISH_TOOLS),
+                )
+                or tools[0]
+            )
+            args = json.dumps(
+                fill_arguments(tool.get("parameters") or {}, self.command, self.final)
+            )
             return (args if name else tool["name"] + '", "arguments": ' + args) + "}\n</tool_call>"
         if not tools:
             return "Hello" if "title" in prompt.lower() else self.final
@@ -118,7 +150,10 @@ class ScriptedBackend:
                 return self.final
         if tool is None:
             return self.final
-        call = {"name": tool["name"], "arguments": fill_arguments(tool.get("parameters") or {}, command, "Run the command")}
+        call = {
+            "name": tool["name"],
+            "arguments": fill_arguments(tool.get("parameters") or {}, command, "Run the command"),
+        }
         return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
 
     async def generate(self, prompt_ids, sampling, **kwargs) -> Generation:

@@ -24,22 +24,11 @@ import llguidance
 import llguidance.hf
 import torch
 
-from .algo import unpack_bits
-from .records import Sample
-from .toolcalls import DS_CALL_END, DS_END, DS_SEP
+from ..algo import unpack_bits
+from ..records import Sample
+from ..toolcalls import format_of
 
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-# format: (after the tool's name, before its arguments; after the arguments): toolcalls.forced writes up to the name
-CALL = {
-    "hermes": ('", "arguments": ', "}\n</tool_call>"),
-    "llama3": ('", "parameters": ', "}"),
-    "mistral": ('", "arguments": ', "}]"),
-    "granite": ('", "arguments": ', "}]"),
-    "mistral_v11": ("[ARGS]", ""),
-    "deepseek": ("\n```json\n", "\n```" + DS_CALL_END + DS_END),
-    "deepseek_v31": (DS_SEP, DS_CALL_END + DS_END),
-    "harmony": (" <|constrain|>json<|message|>", "<|call|>"),
-}
 _TOKENIZERS: dict = {}  # (id(tokenizer), n_vocab) -> (tokenizer, its llguidance tokenizer, its special tokens' pattern)
 
 
@@ -142,12 +131,14 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
     for k, t in enumerate(x for x in tools if x["name"] == name or not name):
         schema = t.get("parameters") if isinstance(t.get("parameters"), dict) else {}
         head = "" if name else t["name"]
-        if fmt == "qwen3_coder":  # <tool_call>\n<function=N>\n PARAMETERS </function>\n</tool_call>
+        # the call's text around its arguments: toolcalls.forced wrote what comes before the name
+        _, between, after = format_of(fmt).call
+        # <tool_call>\n<function=N>\n PARAMETERS </function>\n</tool_call>
+        if fmt == "qwen3_coder":
             params, more = _coder_params(schema, tok, k)
             lexemes += more
-            rule = f"{_text(head + '>' + chr(10), tok) if head else ''} {params} {_text('</function>' + chr(10) + '</tool_call>', tok)}"
+            rule = f"{_text(head + between, tok) if head else ''} {params} {_text(after, tok)}"
         else:
-            between, after = CALL[fmt]
             # named: forced() wrote the name and `between` less a trailing space (the model's token carries it)
             lead = head + between if head else between[len(between.rstrip(" ")) :]
             rule = " ".join(

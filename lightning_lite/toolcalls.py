@@ -1,14 +1,10 @@
-"""Tool calls in sampled text: the Hermes format, and the table every format is looked up in.
-
-The text is what the model sampled (chat.Renderer.sampled_text, after a forced call's opening). Hermes::
+"""Tool calls in sampled text (chat.Renderer.sampled_text): the Hermes format, and the table of formats. Hermes::
 
     parse("hermes", 'Sure.\\n<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>')
     -> {"content": "Sure.", "reasoning": "", "tool_calls": [{"name": "f", "arguments": '{"x": 1}'}]}
 
-Each other family's format (Qwen3-Coder, Llama 3, Mistral, DeepSeek, gpt-oss, Granite) is a :class:`Format` in
-``extras/tool_formats.py``; ``detect`` picks a template's format from how it renders one call. Reasoning: a think-tag
-pair at the start of the reply (``think``: ``<think>``, Magistral's ``[THINK]``); ``opened``: the generation prompt
-opened it, so the text starts inside (Qwen3.5, DeepSeek-R1).
+The other families' formats are in extras/tool_formats.py. Reasoning: a think-tag pair (``think``) at the start
+of the reply; ``opened``: the generation prompt opened it, so the text starts inside (Qwen3.5, DeepSeek-R1).
 """
 
 from __future__ import annotations
@@ -26,8 +22,6 @@ FORMATS = tuple(
 # detect(): the name of the call a template renders, with the arguments {"llarg": "llval"}
 SENTINEL = "LLSENTINEL7f3a"
 
-Blocks = list[tuple[int, int, list[dict]]]
-
 
 @dataclass(frozen=True)
 class Format:
@@ -39,7 +33,7 @@ class Format:
     # Is this the format, given a template's rendering of the SENTINEL call before and after the name?
     detect: Callable[[str, str], bool]
     # (start, end, calls) of each call block of a reply that parses: the content is the text around them.
-    blocks: Optional[Callable[[str], Blocks]] = None
+    blocks: Optional[Callable[[str], list[tuple[int, int, list[dict]]]]] = None
     # Where a call begins: the content streams up to there ...
     opener: str = ""
     # ... or this gives what of a growing reply's content may stream (Llama 3: all of it or nothing).
@@ -54,11 +48,9 @@ class Format:
 
 def make_call(name: str, args, id: Optional[str] = None) -> dict:
     """A parsed call: arguments as a JSON string, "id" only where the model wrote one."""
-    call = {
-        "name": name,
-        "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-    }
-    return {"id": id, **call} if id else call
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    return {"id": id, "name": name, "arguments": args} if id else {"name": name, "arguments": args}
 
 
 def call_from_json(obj) -> Optional[dict]:
@@ -114,15 +106,11 @@ def tag_body(body: str) -> Optional[list[dict]]:
     return [make_call(m.group(1).strip(), params)]
 
 
-def json_call_after(before: str) -> Optional[str]:
-    """For ``detect``: the rendering before a call written as JSON (``[{"name": "``), stripped; None if not JSON."""
-    m = re.search(r'\[?\s*\{\s*"name"\s*:\s*"$', before)
-    return before[: m.start()].rstrip() if m else None
-
-
 HERMES = Format(
     call=('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
-    detect=lambda before, after: (json_call_after(before) or "").endswith("<tool_call>"),
+    detect=lambda before, after: bool(
+        re.search(r'<tool_call>\s*\[?\s*\{\s*"name"\s*:\s*"$', before)
+    ),
     blocks=regex_blocks(TOOL_CALL_RE, tag_body),
     opener="<tool_call>",
 )
@@ -136,12 +124,11 @@ def table() -> dict[str, Format]:
     return {"hermes": HERMES, **others}
 
 
-def format_of(name: str) -> Format:
-    if name == "hermes":
-        return HERMES
-    if name not in FORMATS:
+def format_of(name: Optional[str]) -> Optional[Format]:
+    """The format named ``name``: the one place a format is looked up (None: no calls)."""
+    if name is not None and name not in FORMATS:
         raise ValueError(f"unknown tool-call format {name!r}; use one of {', '.join(FORMATS)}")
-    return table()[name]
+    return HERMES if name == "hermes" else table()[name] if name else None
 
 
 def split_think(text: str, think, opened: bool) -> tuple[str, str, bool]:
@@ -162,7 +149,7 @@ def parse(fmt: Optional[str], text: str, think=None, opened: bool = False) -> di
     """Sampled text -> ``{"content", "reasoning", "tool_calls": [{"id"?, "name", "arguments": JSON str}]}``, content
     and reasoning stripped. A call whose body does not parse stays in the content: the harness sees what the model
     wrote. ``fmt`` None: no calls (tool_choice "none")."""
-    form = format_of(fmt) if fmt is not None else None
+    form = format_of(fmt)
     if form and form.whole:
         return form.whole(text, False)
     reasoning, rest, _ = split_think(text, think, opened)
@@ -179,7 +166,7 @@ def visible(fmt: Optional[str], text: str, think=None, opened: bool = False) -> 
     gives for any longer text. Held back: a character split across tokens, the start of a marker, trailing
     whitespace, and everything from the first call opening on (a call is sent whole, once parsed)."""
     text = text.rstrip("\ufffd")
-    form = format_of(fmt) if fmt is not None else None
+    form = format_of(fmt)
     if form and form.whole:
         partial = form.whole(text, True)
         return partial["reasoning"], partial["content"]
@@ -200,9 +187,9 @@ def visible(fmt: Optional[str], text: str, think=None, opened: bool = False) -> 
 def forced(
     fmt: str, name: Optional[str], opened: bool = False, think=("<think>", "</think>")
 ) -> str:
-    """Text that opens a forced call (tool_choice), at the end of the prompt (not trained: the model did not sample
-    it) and before the sampled text when parsing. ``name`` "" lets the model pick the tool ("required"), None opens
-    a reply in JSON (response_format); with ``opened`` (the prompt opened a think block) it closes that first.
+    """Text that opens a forced call (tool_choice) at the end of the prompt, and before the sampled text when
+    parsing. ``name`` "": the model picks the tool; None: a reply in JSON (response_format); ``opened``: the
+    prompt opened a think block, closed first.
 
     >>> forced("hermes", "f"), forced("hermes", "")
     ('<tool_call>\\n{"name": "f", "arguments":', '<tool_call>\\n{"name": "')
@@ -229,8 +216,5 @@ def think_tags(template_source: str) -> Optional[tuple[str, str]]:
     """The think-tag pair a chat template uses, None when it has none."""
     if "[THINK]" in template_source:
         return ("[THINK]", "[/THINK]")
-    return (
-        ("<think>", "</think>")
-        if "<think>" in template_source or "</think>" in template_source
-        else None
-    )
+    has_think = "<think>" in template_source or "</think>" in template_source
+    return ("<think>", "</think>") if has_think else None

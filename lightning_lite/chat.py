@@ -26,14 +26,9 @@ from .records import common_prefix
 from .toolcalls import parse_arguments
 
 log = logging.getLogger("lightning_lite.chat")
-ROLES = {
-    "system": "system",
-    "developer": "system",
-    "user": "user",
-    "assistant": "assistant",
-    "tool": "tool",
-    "function": "tool",
-}
+# a message's role -> the role it has here
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES |= {"tool": "tool", "function": "tool"}
 
 
 class BadRequest(Exception):
@@ -115,7 +110,7 @@ class ContentStream:
     """
 
     def __init__(
-        self, renderer: "Renderer", stops: list[str], parse_tools: bool, forced="", opened=False
+        self, renderer: Renderer, stops: list[str], parse_tools: bool, forced="", opened=False
     ):
         self.renderer, self.forced, self.opened = renderer, forced, opened
         self.stops = [s for s in stops if s]
@@ -130,10 +125,8 @@ class ContentStream:
         shown = toolcalls.visible(self.format, self.forced + text, r.think, self.opened)
         reasoning, content = (r.specials.sub("", part).strip() for part in shown)
         # only what extends what was sent: never a contradiction
-        new_reasoning = (
-            reasoning.removeprefix(self.reasoning) if reasoning.startswith(self.reasoning) else ""
-        )
-        new_content = content.removeprefix(self.sent) if content.startswith(self.sent) else ""
+        new_reasoning = _after(reasoning, self.reasoning) or ""
+        new_content = _after(content, self.sent) or ""
         self.reasoning, self.sent = self.reasoning + new_reasoning, self.sent + new_content
         return new_reasoning, new_content
 
@@ -163,9 +156,7 @@ def extend_fingerprint(fingerprint: bytes, m: dict) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def fingerprints(
-    messages: list[dict], tools: list[dict], known: Optional["Turn"] = None
-) -> list[bytes]:
+def fingerprints(messages: list[dict], tools: list[dict], known: Optional[Turn] = None):
     """``fps[k]`` identifies ``tools`` and ``messages[:k]`` (by ``message_key``): the earlier turn a request
     extends is found by a dictionary lookup. ``known``: the session's latest turn, whose fingerprints of the
     messages this request shares with it (equal dicts, compared in C) are reused: an append hashes only its new ones.
@@ -231,11 +222,8 @@ class Turn:
 
 # What the probes of a template render: a user message, a tool, and a call of it (arguments {"llarg": "llval"}).
 PROBE_USER = [{"role": "user", "content": "x"}]
-PROBE_TOOL = {
-    "name": toolcalls.SENTINEL,
-    "description": "d",
-    "parameters": {"type": "object", "properties": {"llarg": {"type": "string"}}},
-}
+PROBE_PARAMETERS = {"type": "object", "properties": {"llarg": {"type": "string"}}}
+PROBE_TOOL = {"name": toolcalls.SENTINEL, "description": "d", "parameters": PROBE_PARAMETERS}
 
 
 class Renderer:
@@ -244,30 +232,23 @@ class Renderer:
 
     SENTINEL = toolcalls.SENTINEL
 
-    def __init__(
-        self, tokenizer, eos_ids=None, tool_format: Optional[str] = None, keep_history_tokens=False
-    ):
+    def __init__(self, tokenizer, eos_ids=None, tool_format=None, keep_history_tokens=False):
         """``eos_ids``: every token that ends the model's turn, the set generation stops on (models.eos_ids).
         ``tool_format``: override the detected format. ``keep_history_tokens``: reuse the sampled tokens of an
         echoed turn even where the template renders it differently (see ``build_prompt``)."""
         self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
         templates = tokenizer.chat_template or ""
         if not templates:
-            raise ValueError(
-                "the tokenizer has no chat template; use a chat/instruct model or set tokenizer.chat_template"
-            )
+            message = "the tokenizer has no chat template; use a chat/instruct model or set "
+            raise ValueError(message + "tokenizer.chat_template")
         source = "\n".join(templates.values()) if isinstance(templates, dict) else templates
         self.eos_ids = set(eos_ids or ()) | {t for t in [tokenizer.eos_token_id] if t is not None}
         specials = sorted(filter(None, tokenizer.all_special_tokens), key=len, reverse=True)
         self.specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
         self.think = toolcalls.think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
-        self.format, self.native_tools, self.short_ids, self.merge_roles = (
-            "hermes",
-            False,
-            False,
-            False,
-        )
+        self.format, self.native_tools = "hermes", False
+        self.short_ids = self.merge_roles = False
         self.turn_close = self._probe_turn_close()
         call_text = self._probe_native_call()
         self.format = self._choose_format(call_text, tool_format)
@@ -277,9 +258,8 @@ class Renderer:
     def _probe_turn_close(self) -> str:
         """The text a template writes after an assistant message's content (ChatML: "<|im_end|>\\n")."""
         try:
-            text = self.render_text(
-                PROBE_USER + [{"role": "assistant", "content": self.SENTINEL}], [], False
-            )
+            reply = {"role": "assistant", "content": self.SENTINEL}
+            text = self.render_text(PROBE_USER + [reply], [], False)
         except BadRequest as e:
             raise ValueError(
                 f"the chat template of {getattr(self.tok, 'name_or_path', 'this model')!r} cannot render a plain "
@@ -334,9 +314,8 @@ class Renderer:
         """Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the
         messages after a turn can be rendered without the whole conversation before it. Templates that rewrite
         earlier turns (Qwen3 drops <think> from them) fail this probe and render in full."""
-        probe = [{"role": "system", "content": "s"}] + self._probe_calls(
-            "<think>\nt\n</think>\n\na"
-        )
+        system = [{"role": "system", "content": "s"}]
+        probe = system + self._probe_calls("<think>\nt\n</think>\n\na")
         probe += [
             {"role": "tool", "content": "r2", "tool_call_id": probe[-1]["tool_call_id"]},
             {"role": "assistant", "content": "b"},
@@ -344,9 +323,7 @@ class Renderer:
         ]
         try:
             for k in (3, 6):
-                in_full, alone = (
-                    self._texts(probe, k, [PROBE_TOOL], {}, alone)[1] for alone in (False, True)
-                )
+                in_full, alone = (self._texts(probe, k, [PROBE_TOOL], {}, a)[1] for a in (0, 1))
                 if in_full is None or in_full != alone:
                     return False
             return True
@@ -364,9 +341,7 @@ class Renderer:
         ]
 
     def describe(self) -> str:
-        think = (
-            f"reasoning in {self.think[0]}...{self.think[1]}" if self.think else "no reasoning tags"
-        )
+        think = "reasoning in {}...{}".format(*self.think) if self.think else "no reasoning tags"
         if self.native_tools:
             where = "rendered by the template"
         else:
@@ -391,62 +366,39 @@ class Renderer:
         adjust, out = toolcalls.format_of(self.format).adjust, []
         for m in messages:
             # Mistral: roles must alternate, one system message
-            if (
-                self.merge_roles
-                and out
-                and m["role"] in ("user", "system")
-                and out[-1]["role"] == m["role"]
-            ):
-                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+            if self.merge_roles and m["role"] in ("user", "system") and _same_role(out, m):
+                out[-1] = _merged(out[-1], m)
                 continue
             message = {"role": m["role"], "content": m["content"]}
             # the key Qwen's templates read, and the one gpt-oss's reads
             if m.get("reasoning"):
                 message["reasoning_content"] = message["thinking"] = m["reasoning"]
             if m.get("tool_calls"):
-                message["tool_calls"] = [
-                    {
-                        "id": self._id(t["id"]),
-                        "type": "function",
-                        "function": {
-                            "name": t["name"],
-                            "arguments": parse_arguments(t["arguments"]),
-                        },
-                    }
-                    for t in m["tool_calls"]
-                ]
+                message["tool_calls"] = [self._template_call(t) for t in m["tool_calls"]]
             if m["role"] == "tool":
                 message["tool_call_id"] = self._id(m.get("tool_call_id", ""))
             out.append(adjust(m, message) if adjust else message)
         return out
+
+    def _template_call(self, call: dict) -> dict:
+        return {"id": self._id(call["id"]), "type": "function", "function": _parsed(call)}
 
     def _hermes_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         """No tool support in the template: the Hermes convention written as text. The tools go into the system
         prompt (TOOLS_PROMPT), calls into ``<tool_call>`` tags, results into a user turn's ``<tool_response>`` tags."""
         out: list[dict] = []
         if tools:
-            listed = "\n".join(
-                json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools
-            )
+            listed = "\n".join(_json({"type": "function", "function": t}) for t in tools)
             has_system = bool(messages) and messages[0]["role"] == "system"
             system = messages[0]["content"] + "\n\n" if has_system else ""
             out.append({"role": "system", "content": system + TOOLS_PROMPT.format(tools=listed)})
             messages = messages[1:] if has_system else messages
         for i, m in enumerate(messages):
             if m["role"] == "assistant" and m.get("tool_calls"):
-                calls = [
-                    {"name": t["name"], "arguments": parse_arguments(t["arguments"])}
-                    for t in m["tool_calls"]
-                ]
-                text = "\n".join(
-                    f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls
-                )
-                out.append(
-                    {
-                        "role": "assistant",
-                        "content": (m["content"] + "\n" if m["content"] else "") + text,
-                    }
-                )
+                calls = (f"<tool_call>\n{_json(_parsed(t))}\n</tool_call>" for t in m["tool_calls"])
+                text = "\n".join(calls)
+                content = (m["content"] + "\n" if m["content"] else "") + text
+                out.append({"role": "assistant", "content": content})
             elif m["role"] == "tool":
                 text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
                 # consecutive tool results share one user turn
@@ -455,8 +407,8 @@ class Renderer:
                 else:
                     out.append({"role": "user", "content": text})
             # a template that wants roles to alternate
-            elif self.merge_roles and out and out[-1]["role"] == m["role"]:
-                out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + m["content"]}
+            elif self.merge_roles and _same_role(out, m):
+                out[-1] = _merged(out[-1], m)
             else:
                 out.append({"role": m["role"], "content": m["content"]})
         return out
@@ -464,33 +416,18 @@ class Renderer:
     def render_text(self, messages, tools, add_generation_prompt=True, template_kwargs=None) -> str:
         """The template's text for a conversation. A template that refuses it (Llama's single tool call, roles that
         must alternate, ids of the wrong shape) is the client's error: a BadRequest with the template's message."""
-        listed = (
-            [{"type": "function", "function": t} for t in tools]
-            if self.native_tools and tools
-            else None
-        )
+        kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+        if self.native_tools and tools:
+            kwargs["tools"] = [{"type": "function", "function": t} for t in tools]
         try:
-            return self.tok.apply_chat_template(
-                self._template_messages(messages, tools),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
-                **({"tools": listed} if listed else {}),
-            )
+            messages = self._template_messages(messages, tools)
+            return self.tok.apply_chat_template(messages, tokenize=False, **kwargs)
         # jinja2's TemplateError (raise_exception), and what a template's filters raise on odd input
         except Exception as e:
             message = f"the model's chat template refused this conversation: {e}"
             raise BadRequest(message, "messages", "template_error") from None
 
-    def build_prompt(
-        self,
-        messages: list[dict],
-        tools: list[dict],
-        history: list[Turn],
-        reuse: bool = True,
-        fps: Optional[list[bytes]] = None,
-        template_kwargs: Optional[dict] = None,
-    ) -> tuple[list[int], Optional[int], Optional[str]]:
+    def build_prompt(self, messages, tools, history, reuse=True, fps=None, template_kwargs=None):
         """Prompt ids for ``messages``, reusing the sampled tokens of an earlier turn it extends where the template
         renders that turn as sampled (DESIGN.md "Reuse what was sampled"). Returns ``(prompt_ids, parent, split)``:
         the call whose prompt + response ids it starts with, or why none (None: nothing to extend). ``fps``: the
@@ -518,18 +455,12 @@ class Renderer:
         # samples.py would tell from the ids).
         asked = {t.fp_request for t in history}
         k = next((k for k in range(len(messages), 0, -1) if fps[k] in asked), None)
-        return (
-            ids,
-            None,
-            "new_thread" if k is None else "retry" if k == len(messages) else "rewrote_history",
-        )
+        split = "new_thread" if k is None else "retry" if k == len(messages) else "rewrote_history"
+        return ids, None, split
 
-    def _extend(
-        self, parent: Turn, messages, k: int, tools, kw
-    ) -> tuple[Optional[list[int]], Optional[str]]:
+    def _extend(self, parent: Turn, messages, k: int, tools, kw):
         """(``parent``'s prompt + response ids + the ids of the messages after its reply ``messages[k - 1]``, where
-        the template renders that turn as sampled, else None; the whole conversation's text if rendered on the way).
-        """
+        the template renders that turn as sampled, else None; the whole conversation's text if rendered on the way)."""
         turn, new, full = self._texts(messages, k, tools, kw, self.per_message)
         full = None if self.per_message else full
         # The sampled turn is reused when the template's text for it starts with what was sampled; the rest of
@@ -558,9 +489,7 @@ class Renderer:
             glue = next((glue[len(end) :] for end in ends if glue.startswith(end)), glue)
         return glue
 
-    def _texts(
-        self, messages: list[dict], k: int, tools: list[dict], kw: dict, per_message: bool
-    ) -> tuple[Optional[str], Optional[str], str]:
+    def _texts(self, messages: list[dict], k: int, tools, kw: dict, per_message: bool):
         """Three renderings cut into: the template's text for the assistant turn ``messages[k - 1]``, from after the
         generation prompt to the end of its turn close (what the model must have sampled for the history to render
         as sampled); its text for ``messages[k:]`` + the generation prompt after ``messages[:k]`` (None where it
@@ -615,6 +544,24 @@ class Renderer:
                 for t in parsed["tool_calls"]
             ]
         return message
+
+
+def _same_role(out: list[dict], m: dict) -> bool:
+    return bool(out) and out[-1]["role"] == m["role"]
+
+
+def _merged(previous: dict, m: dict) -> dict:
+    """Two messages in a row of one role as one (a template that wants roles to alternate: Gemma, Mistral)."""
+    return {**previous, "content": previous["content"] + "\n\n" + m["content"]}
+
+
+def _parsed(call: dict) -> dict:
+    """A call's name and arguments, the arguments a dict where they are JSON (as templates take them)."""
+    return {"name": call["name"], "arguments": parse_arguments(call["arguments"])}
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _after(text: str, head: str) -> Optional[str]:

@@ -62,11 +62,7 @@ def call_from_json(obj) -> Optional[dict]:
 
 
 def parse_arguments(args):
-    """Tool-call arguments -> a dict where they are JSON (compact and pretty JSON compare equal), else as given.
-
-    >>> parse_arguments('{"x": 1}'), parse_arguments("ls -l")
-    ({'x': 1}, 'ls -l')
-    """
+    """Tool-call arguments -> a dict where they are JSON (compact and pretty JSON compare equal), else as given."""
     try:
         return json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError:
@@ -77,13 +73,6 @@ def hold_back(text: str, markers) -> str:
     """``text`` without a tail that may be the start of one of ``markers``: hold_back("a <tool", ["<tool_call>"]) -> "a "."""
     n = max([k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])], default=0)
     return text[: len(text) - n]
-
-
-def regex_blocks(pattern: re.Pattern, read: Callable[[str], Optional[list[dict]]]):
-    """A ``Format.blocks``: each match of ``pattern`` whose group 1 ``read`` turns into calls (None: not calls)."""
-    return lambda text: [
-        (m.start(), m.end(), c) for m in pattern.finditer(text) if (c := read(m.group(1)))
-    ]
 
 
 # An unclosed <tool_call> at the end (EOS right after the JSON) still counts.
@@ -100,10 +89,9 @@ def tag_body(body: str) -> Optional[list[dict]]:
         return [call] if call else None
     m = FUNCTION_RE.fullmatch(body)
     # anything but parameters inside: not a call
-    if not m or PARAMETER_RE.sub("", m.group(2)).strip():
-        return None
-    params = {k.strip(): parse_arguments(v) for k, v in PARAMETER_RE.findall(m.group(2))}
-    return [make_call(m.group(1).strip(), params)]
+    if m and not PARAMETER_RE.sub("", m.group(2)).strip():
+        params = {k.strip(): parse_arguments(v) for k, v in PARAMETER_RE.findall(m.group(2))}
+        return [make_call(m.group(1).strip(), params)]
 
 
 HERMES = Format(
@@ -111,7 +99,11 @@ HERMES = Format(
     detect=lambda before, after: bool(
         re.search(r'<tool_call>\s*\[?\s*\{\s*"name"\s*:\s*"$', before)
     ),
-    blocks=regex_blocks(TOOL_CALL_RE, tag_body),
+    blocks=lambda text: [
+        (m.start(), m.end(), calls)
+        for m in TOOL_CALL_RE.finditer(text)
+        if (calls := tag_body(m.group(1)))
+    ],
     opener="<tool_call>",
 )
 

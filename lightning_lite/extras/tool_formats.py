@@ -20,27 +20,13 @@ import json
 import re
 from typing import Optional
 
-from ..toolcalls import (
-    HERMES,
-    Format,
-    call_from_json,
-    hold_back,
-    make_call,
-    parse_arguments,
-    regex_blocks,
-)
+from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
 
 PYTHON_TAG = "<|python_tag|>"
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 HARMONY_MARKERS = (
-    "<|start|>",
-    "<|channel|>",
-    "<|message|>",
-    "<|constrain|>",
-    "<|end|>",
-    "<|call|>",
-    "<|return|>",
+    "<|start|> <|channel|> <|message|> <|constrain|> <|end|> <|call|> <|return|>".split()
 )
 
 DEEPSEEK_RE = re.compile(re.escape(DS_BEGIN) + r"(.*?)(?:" + re.escape(DS_END) + r"|$)", re.DOTALL)
@@ -75,6 +61,13 @@ def json_calls(text: str, i: int):
     return (calls, value[1]) if calls and all(calls) else None
 
 
+def regex_blocks(pattern: re.Pattern, read):
+    """A ``Format.blocks``: each match of ``pattern`` whose group 1 ``read`` turns into calls (None: not calls)."""
+    return lambda text: [
+        (m.start(), m.end(), c) for m in pattern.finditer(text) if (c := read(m.group(1)))
+    ]
+
+
 def marker_blocks(marker: str, read):
     """A ``Format.blocks``: each ``marker`` followed by what ``read(text, i)`` parses into ``(calls, end)``."""
 
@@ -101,11 +94,9 @@ def mistral_calls(text: str, i: int):
     if not m:
         return json_calls(text, i)
     args = json_at(text, m.end())
-    return (
-        ([make_call(m.group(1), args[0], m.group(2))], args[1])
-        if args and isinstance(args[0], dict)
-        else None
-    )
+    if not (args and isinstance(args[0], dict)):
+        return None
+    return [make_call(m.group(1), args[0], m.group(2))], args[1]
 
 
 def deepseek_calls(region: str) -> Optional[list[dict]]:
@@ -133,11 +124,8 @@ def llama3_blocks(text: str):
     while (i := CALL_SEPARATORS.match(rest, i).end()) < len(rest):
         value = json_at(rest, i)
         obj = value[0] if value else None
-        call = (
-            isinstance(obj, dict)
-            and ("parameters" in obj or "arguments" in obj)
-            and call_from_json(obj)
-        )
+        is_call = isinstance(obj, dict) and ("parameters" in obj or "arguments" in obj)
+        call = is_call and call_from_json(obj)
         if not call:
             return []
         calls, i = calls + [call], value[1]

@@ -1,15 +1,14 @@
-"""Tool calls in sampled text (chat.Renderer.sampled_text): the Hermes format, and the table of formats. Hermes::
+"""Tool calls in sampled text (chat.Renderer.sampled_text): the Hermes format, and the one place every format is
+looked up (``format_of``; the other families' are in extras/tool_formats.py). Hermes::
 
     parse("hermes", 'Sure.\\n<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>')
     -> {"content": "Sure.", "reasoning": "", "tool_calls": [{"name": "f", "arguments": '{"x": 1}'}]}
-
-The other families' formats are in extras/tool_formats.py. Reasoning: a think-tag pair (``think``) at the start
-of the reply; ``opened``: the generation prompt opened it, so the text starts inside (Qwen3.5, DeepSeek-R1).
+Reasoning: a think-tag pair (``think``) at the start of the reply; ``opened``: the generation prompt opened it,
+so the text starts inside (Qwen3.5, DeepSeek-R1).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
@@ -34,9 +33,7 @@ class Format:
     detect: Callable[[str, str], bool]
     # (start, end, calls) of each call block of a reply that parses: the content is the text around them.
     blocks: Optional[Callable[[str], list[tuple[int, int, list[dict]]]]] = None
-    # Where a call begins: the content streams up to there ...
-    opener: str = ""
-    # ... or this gives what of a growing reply's content may stream (Llama 3: all of it or nothing).
+    # What of a growing reply's content may stream: up_to(where a call begins), or all of it or nothing (Llama 3).
     stream: Optional[Callable[[str], str]] = None
     # A format that parses the whole reply itself, reasoning included: (text, partial) -> parse()'s dict.
     whole: Optional[Callable[[str, bool], dict]] = None
@@ -50,7 +47,7 @@ def make_call(name: str, args, id: Optional[str] = None) -> dict:
     """A parsed call: arguments as a JSON string, "id" only where the model wrote one."""
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    return {"id": id, "name": name, "arguments": args} if id else {"name": name, "arguments": args}
+    return ({"id": id} if id else {}) | {"name": name, "arguments": args}
 
 
 def call_from_json(obj) -> Optional[dict]:
@@ -75,6 +72,11 @@ def hold_back(text: str, markers) -> str:
     return text[: len(text) - n]
 
 
+def up_to(opener: str) -> Callable[[str], str]:
+    """A ``Format.stream``: the content up to where a call begins, less a tail that may be its start."""
+    return lambda text: text[: text.find(opener)] if opener in text else hold_back(text, [opener])
+
+
 # An unclosed <tool_call> at the end (EOS right after the JSON) still counts.
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>)?", re.DOTALL)
@@ -94,33 +96,31 @@ def tag_body(body: str) -> Optional[list[dict]]:
         return [make_call(m.group(1).strip(), params)]
 
 
+def hermes_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
+    found = ((m, tag_body(m.group(1))) for m in TOOL_CALL_RE.finditer(text))
+    return [(m.start(), m.end(), calls) for m, calls in found if calls]
+
+
+# detect(): a template that writes the call as JSON after <tool_call>
+HERMES_CALL_RE = re.compile(r'<tool_call>\s*\[?\s*\{\s*"name"\s*:\s*"$')
 HERMES = Format(
     call=('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
-    detect=lambda before, after: bool(
-        re.search(r'<tool_call>\s*\[?\s*\{\s*"name"\s*:\s*"$', before)
-    ),
-    blocks=lambda text: [
-        (m.start(), m.end(), calls)
-        for m in TOOL_CALL_RE.finditer(text)
-        if (calls := tag_body(m.group(1)))
-    ],
-    opener="<tool_call>",
+    detect=lambda before, after: bool(HERMES_CALL_RE.search(before)),
+    blocks=hermes_blocks,
+    stream=up_to("<tool_call>"),
 )
 
 
-@functools.cache
-def table() -> dict[str, Format]:
-    """Every format by name: Hermes, then the other families' (extras/tool_formats.py, imported on first use)."""
+def format_of(name: Optional[str]) -> Optional[Format]:
+    """The format named ``name`` (None: no calls): the one place a format is looked up. The other families' are in
+    extras/tool_formats.py, imported when one is first asked for."""
+    if name in (None, "hermes"):
+        return HERMES if name else None
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool-call format {name!r}; use one of {', '.join(FORMATS)}")
     from .extras.tool_formats import FORMATS as others
 
-    return {"hermes": HERMES, **others}
-
-
-def format_of(name: Optional[str]) -> Optional[Format]:
-    """The format named ``name``: the one place a format is looked up (None: no calls)."""
-    if name is not None and name not in FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; use one of {', '.join(FORMATS)}")
-    return HERMES if name == "hermes" else table()[name] if name else None
+    return others[name]
 
 
 def split_think(text: str, think, opened: bool) -> tuple[str, str, bool]:
@@ -168,24 +168,13 @@ def visible(fmt: Optional[str], text: str, think=None, opened: bool = False) -> 
     reasoning, rest, closed = split_think(text, think, opened)
     if not closed:
         return hold_back(reasoning, [think[1]]).strip(), ""
-    if form and form.stream:
-        rest = form.stream(rest)
-    elif form:
-        cut = rest.find(form.opener)
-        rest = rest[:cut] if cut >= 0 else hold_back(rest, [form.opener])
-    return reasoning.strip(), rest.strip()
+    return reasoning.strip(), (form.stream(rest) if form else rest).strip()
 
 
-def forced(
-    fmt: str, name: Optional[str], opened: bool = False, think=("<think>", "</think>")
-) -> str:
+def forced(fmt: str, name: Optional[str], opened=False, think=("<think>", "</think>")) -> str:
     """Text that opens a forced call (tool_choice) at the end of the prompt, and before the sampled text when
     parsing. ``name`` "": the model picks the tool; None: a reply in JSON (response_format); ``opened``: the
-    prompt opened a think block, closed first.
-
-    >>> forced("hermes", "f"), forced("hermes", "")
-    ('<tool_call>\\n{"name": "f", "arguments":', '<tool_call>\\n{"name": "')
-    """
+    prompt opened a think block, closed first. Hermes: '<tool_call>\\n{"name": "f", "arguments":' for "f"."""
     form = format_of(fmt)
     start, before_args, _ = form.call
     opening = form.json_reply if name is None else start + (name + before_args if name else "")
@@ -201,7 +190,7 @@ def detect(rendered: str) -> Optional[str]:
     if i < 0 or "llval" not in rendered[i:]:
         return None
     before, after = rendered[:i], rendered[i + len(SENTINEL) :]
-    return next((name for name, form in table().items() if form.detect(before, after)), None)
+    return next((name for name in FORMATS if format_of(name).detect(before, after)), None)
 
 
 def think_tags(template_source: str) -> Optional[tuple[str, str]]:

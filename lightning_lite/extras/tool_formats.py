@@ -20,11 +20,12 @@ import json
 import re
 from typing import Optional
 
-from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
+from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments, up_to
 
 PYTHON_TAG = "<|python_tag|>"
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_CLOSE = DS_CALL_END + DS_END
 HARMONY_MARKERS = (
     "<|start|> <|channel|> <|message|> <|constrain|> <|end|> <|call|> <|return|>".split()
 )
@@ -159,10 +160,8 @@ def harmony(text: str, partial: bool) -> dict:
                 content.append(segment)
             continue
         body = re.split(r"<\|(?:end|call|return)\|>", body)[0]
-        to, channel = (
-            re.search(r"to=([^\s<]+)", header),
-            re.search(r"<\|channel\|>\s*([^\s<]+)", header),
-        )
+        to = re.search(r"to=([^\s<]+)", header)
+        channel = re.search(r"<\|channel\|>\s*([^\s<]+)", header)
         if to and partial:
             break
         args = parse_arguments(body) if to else None
@@ -179,11 +178,8 @@ def harmony(text: str, partial: bool) -> dict:
 def harmony_message(message: dict, rendered: dict) -> dict:
     """gpt-oss's template refuses content and reasoning both next to a call: they share its one slot, the analysis."""
     if message.get("reasoning") and message.get("tool_calls") and message["content"]:
-        return {
-            **rendered,
-            "content": "",
-            "thinking": message["reasoning"] + "\n\n" + message["content"],
-        }
+        thinking = message["reasoning"] + "\n\n" + message["content"]
+        return {**rendered, "content": "", "thinking": thinking}
     return rendered
 
 
@@ -195,13 +191,14 @@ FORMATS = {
         call=("<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"),
         detect=lambda before, after: before.endswith("<function="),
         blocks=HERMES.blocks,
-        opener="<tool_call>",
+        stream=up_to("<tool_call>"),
     ),
     "llama3": Format(
         call=('{"name": "', '", "parameters": ', "}"),
+        # JSON after <|python_tag|>, after the header, or first in the reply
         detect=lambda before, after: (
-            (head := json_call_after(before)) is not None
-            and (not head or head.endswith((PYTHON_TAG, "<|end_header_id|>")))
+            (head := json_call_after(before)) == ""
+            or (head or "").endswith((PYTHON_TAG, "<|end_header_id|>"))
         ),
         blocks=llama3_blocks,
         stream=llama3_stream,
@@ -210,29 +207,25 @@ FORMATS = {
         call=('[TOOL_CALLS][{"name": "', '", "arguments": ', "}]"),
         detect=json_after("[TOOL_CALLS]"),
         blocks=mistral_blocks,
-        opener="[TOOL_CALLS]",
+        stream=up_to("[TOOL_CALLS]"),
     ),
     "mistral_v11": Format(
         call=("[TOOL_CALLS]", "[ARGS]", ""),
         detect=lambda before, after: before.endswith("[TOOL_CALLS]"),
         blocks=mistral_blocks,
-        opener="[TOOL_CALLS]",
+        stream=up_to("[TOOL_CALLS]"),
     ),
     "deepseek": Format(
-        call=(
-            DS_BEGIN + DS_CALL + "function" + DS_SEP,
-            "\n```json\n",
-            "\n```" + DS_CALL_END + DS_END,
-        ),
+        call=(DS_BEGIN + DS_CALL + "function" + DS_SEP, "\n```json\n", "\n```" + DS_CLOSE),
         detect=lambda before, after: before.endswith(DS_SEP),
         blocks=deepseek_blocks,
-        opener=DS_BEGIN,
+        stream=up_to(DS_BEGIN),
     ),
     "deepseek_v31": Format(
-        call=(DS_BEGIN + DS_CALL, DS_SEP, DS_CALL_END + DS_END),
+        call=(DS_BEGIN + DS_CALL, DS_SEP, DS_CLOSE),
         detect=lambda before, after: after.startswith(DS_SEP),
         blocks=deepseek_blocks,
-        opener=DS_BEGIN,
+        stream=up_to(DS_BEGIN),
     ),
     "harmony": Format(
         call=("<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", "<|call|>"),
@@ -245,6 +238,6 @@ FORMATS = {
         call=('<|tool_call|>[{"name": "', '", "arguments": ', "}]"),
         detect=json_after("<|tool_call|>"),
         blocks=marker_blocks("<|tool_call|>", json_calls),
-        opener="<|tool_call|>",
+        stream=up_to("<|tool_call|>"),
     ),
 }

@@ -109,9 +109,7 @@ class ContentStream:
     >>> s.feed(ids_of("Let me"))  ->  ("", "Let me");   s.feed(ids_of("Let me <tool"))  ->  ("", "")
     """
 
-    def __init__(
-        self, renderer: Renderer, stops: list[str], parse_tools: bool, forced="", opened=False
-    ):
+    def __init__(self, renderer, stops: list[str], parse_tools: bool, forced="", opened=False):
         self.renderer, self.forced, self.opened = renderer, forced, opened
         self.stops = [s for s in stops if s]
         self.format = renderer.format if parse_tools else None
@@ -176,12 +174,10 @@ def fingerprints(messages: list[dict], tools: list[dict], known: Optional[Turn] 
 
 
 class Turn:
-    """What a session remembers of one answered call (DESIGN.md "The ids decide"): its index, the reply the harness
-    received, the ids its prompt adds to the turn it extends (``tail`` after ``parent``'s prompt + response, so each
-    id is held once), its response ids, the forced call opening its prompt ended with (tool_choice), and
-    fingerprints: ``fp_request`` (tools + messages: a retry of this request starts with it) and ``fp`` (the reply
-    too: a request that extends this turn starts with it). Only the session's latest turn keeps ``messages``,
-    ``tools`` and ``fps`` (``fingerprints`` reuses them): appending a turn to ``history`` forgets its predecessor's."""
+    """What a session remembers of one answered call (DESIGN.md "The ids decide"): the reply, the ids its prompt
+    adds to its ``parent``'s prompt + response (``tail``: each id held once), its response ids, the forced opening
+    (tool_choice), ``fp_request`` (what a retry starts with) and ``fp`` (with the reply: what an extension starts
+    with). Only the latest turn keeps ``messages``, ``tools``, ``fps``: a new turn in ``history`` drops them."""
 
     def __init__(
         self,
@@ -245,7 +241,7 @@ class Renderer:
         self.eos_ids = set(eos_ids or ()) | {t for t in [tokenizer.eos_token_id] if t is not None}
         specials = sorted(filter(None, tokenizer.all_special_tokens), key=len, reverse=True)
         self.specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
-        self.think = toolcalls.think_tags(source)
+        self.think = think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
         self.format, self.native_tools = "hermes", False
         self.short_ids = self.merge_roles = False
@@ -539,11 +535,18 @@ class Renderer:
         if parsed["reasoning"]:
             message["reasoning"] = self.specials.sub("", parsed["reasoning"]).strip()
         if parsed["tool_calls"]:
-            message["tool_calls"] = [
-                {"id": t.get("id") or self.new_id(), "name": t["name"], "arguments": t["arguments"]}
-                for t in parsed["tool_calls"]
-            ]
+            # the model's own call ids where it wrote them
+            calls = parsed["tool_calls"]
+            message["tool_calls"] = [t if "id" in t else {"id": self.new_id(), **t} for t in calls]
         return message
+
+
+def think_tags(template_source: str) -> Optional[tuple[str, str]]:
+    """The think-tag pair a chat template uses (``<think>``, Magistral's ``[THINK]``), None when it has none."""
+    if "[THINK]" in template_source:
+        return ("[THINK]", "[/THINK]")
+    has_think = "<think>" in template_source or "</think>" in template_source
+    return ("<think>", "</think>") if has_think else None
 
 
 def _same_role(out: list[dict], m: dict) -> bool:

@@ -3,6 +3,7 @@ looked up (``format_of``; the other families' are in extras/tool_formats.py). He
 
     parse("hermes", 'Sure.\\n<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>')
     -> {"content": "Sure.", "reasoning": "", "tool_calls": [{"name": "f", "arguments": '{"x": 1}'}]}
+
 Reasoning: a think-tag pair (``think``) at the start of the reply; ``opened``: the generation prompt opened it,
 so the text starts inside (Qwen3.5, DeepSeek-R1).
 """
@@ -45,17 +46,15 @@ class Format:
 
 def make_call(name: str, args, id: Optional[str] = None) -> dict:
     """A parsed call: arguments as a JSON string, "id" only where the model wrote one."""
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
-    return ({"id": id} if id else {}) | {"name": name, "arguments": args}
+    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return ({"id": id} if id else {}) | {"name": name, "arguments": arguments}
 
 
 def call_from_json(obj) -> Optional[dict]:
     """``{"name", "arguments" | "parameters", "id"?}`` -> a call; None when it is not one."""
-    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
-        return None
-    args, id = obj.get("arguments", obj.get("parameters", {})), obj.get("id")
-    return make_call(obj["name"], args, id if isinstance(id, str) else None)
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+        id = obj.get("id") if isinstance(obj.get("id"), str) else None
+        return make_call(obj["name"], obj.get("arguments", obj.get("parameters", {})), id)
 
 
 def parse_arguments(args):
@@ -191,11 +190,3 @@ def detect(rendered: str) -> Optional[str]:
         return None
     before, after = rendered[:i], rendered[i + len(SENTINEL) :]
     return next((name for name in FORMATS if format_of(name).detect(before, after)), None)
-
-
-def think_tags(template_source: str) -> Optional[tuple[str, str]]:
-    """The think-tag pair a chat template uses, None when it has none."""
-    if "[THINK]" in template_source:
-        return ("[THINK]", "[/THINK]")
-    has_think = "<think>" in template_source or "</think>" in template_source
-    return ("<think>", "</think>") if has_think else None

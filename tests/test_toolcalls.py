@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from lightning_lite.toolcalls import FORMATS, SENTINEL, detect, forced, parse, think_tags, visible
+from lightning_lite.chat import think_tags
+from lightning_lite.toolcalls import FORMATS, SENTINEL, detect, forced, parse, visible
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "fixtures", "templates")
 THINK = ("<think>", "</think>")

@@ -253,6 +253,13 @@ def test_format_details():
         parse("nope", "x")
 
 
+def test_the_format_names_are_the_formats_in_the_table():
+    """--tool-format's choices (toolcalls.FORMATS) name Hermes and every format of extras/tool_formats.py."""
+    from lightning_lite.extras import tool_formats
+
+    assert FORMATS == ("hermes", *tool_formats.FORMATS)
+
+
 def test_hermes_keeps_the_earlier_parser_behaviour():
     """What chat.parse_tool_calls did before the formats came: "parameters" too, string arguments kept as written,
     an unclosed block at the end (EOS right after the JSON) counts, broken JSON stays text."""

@@ -202,6 +202,7 @@ class Turn:
             self.parent = next(t for t in reversed(history) if t.index == parent)
         self.tail = prompt_ids[self.parent.size :] if self.parent else prompt_ids
         self.size = len(prompt_ids) + len(response_ids)
+        # The turn before forgets its request: fingerprints() reuses only the latest turn's (memory stays linear).
         if history:
             history[-1].messages = history[-1].tools = history[-1].fps = None
 

@@ -11,13 +11,14 @@ toolcalls.py looks a format up in (its one hook). How each family writes one cal
     granite       <|tool_call|>[{"name": N, "arguments": {...}}]                         Granite 3.x
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced and detected.
-A new format: its functions here, its entry in ``FORMATS``, its name in ``toolcalls.FORMATS``.
+qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions here, its entry in ``FORMATS``, its name in ``toolcalls.FORMATS``.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Optional
 
 from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments, up_to
@@ -183,15 +184,24 @@ def harmony_message(message: dict, rendered: dict) -> dict:
     return rendered
 
 
-mistral_blocks = marker_blocks("[TOOL_CALLS]", mistral_calls)
-deepseek_blocks = regex_blocks(DEEPSEEK_RE, deepseek_calls)
-
+MISTRAL = Format(
+    call=('[TOOL_CALLS][{"name": "', '", "arguments": ', "}]"),
+    detect=json_after("[TOOL_CALLS]"),
+    blocks=marker_blocks("[TOOL_CALLS]", mistral_calls),
+    stream=up_to("[TOOL_CALLS]"),
+)
+DEEPSEEK = Format(
+    call=(DS_BEGIN + DS_CALL + "function" + DS_SEP, "\n```json\n", "\n```" + DS_CLOSE),
+    detect=lambda before, after: before.endswith(DS_SEP),
+    blocks=regex_blocks(DEEPSEEK_RE, deepseek_calls),
+    stream=up_to(DS_BEGIN),
+)
+# A format that parses as another does (either of its shapes) differs in how a call is forced and detected.
 FORMATS = {
-    "qwen3_coder": Format(
+    "qwen3_coder": replace(
+        HERMES,
         call=("<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"),
         detect=lambda before, after: before.endswith("<function="),
-        blocks=HERMES.blocks,
-        stream=up_to("<tool_call>"),
     ),
     "llama3": Format(
         call=('{"name": "', '", "parameters": ', "}"),
@@ -203,29 +213,17 @@ FORMATS = {
         blocks=llama3_blocks,
         stream=llama3_stream,
     ),
-    "mistral": Format(
-        call=('[TOOL_CALLS][{"name": "', '", "arguments": ', "}]"),
-        detect=json_after("[TOOL_CALLS]"),
-        blocks=mistral_blocks,
-        stream=up_to("[TOOL_CALLS]"),
-    ),
-    "mistral_v11": Format(
+    "mistral": MISTRAL,
+    "mistral_v11": replace(
+        MISTRAL,
         call=("[TOOL_CALLS]", "[ARGS]", ""),
         detect=lambda before, after: before.endswith("[TOOL_CALLS]"),
-        blocks=mistral_blocks,
-        stream=up_to("[TOOL_CALLS]"),
     ),
-    "deepseek": Format(
-        call=(DS_BEGIN + DS_CALL + "function" + DS_SEP, "\n```json\n", "\n```" + DS_CLOSE),
-        detect=lambda before, after: before.endswith(DS_SEP),
-        blocks=deepseek_blocks,
-        stream=up_to(DS_BEGIN),
-    ),
-    "deepseek_v31": Format(
+    "deepseek": DEEPSEEK,
+    "deepseek_v31": replace(
+        DEEPSEEK,
         call=(DS_BEGIN + DS_CALL, DS_SEP, DS_CLOSE),
         detect=lambda before, after: after.startswith(DS_SEP),
-        blocks=deepseek_blocks,
-        stream=up_to(DS_BEGIN),
     ),
     "harmony": Format(
         call=("<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", "<|call|>"),

@@ -32,6 +32,7 @@ class Format:
     call: tuple[str, str, str]
     # Is this the format, given a template's rendering of the SENTINEL call before and after the name?
     detect: Callable[[str, str], bool]
+    # blocks and stream are needed unless the format parses the whole reply itself (whole).
     # (start, end, calls) of each call block of a reply that parses: the content is the text around them.
     blocks: Optional[Callable[[str], list[tuple[int, int, list[dict]]]]] = None
     # What of a growing reply's content may stream: up_to(where a call begins), or all of it or nothing (Llama 3).

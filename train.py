@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lightning_lite import algo, audit, grammar, parallel, sandbox
+from lightning_lite import algo, audit, parallel, sandbox
+from lightning_lite.extras import grammar
 from lightning_lite.backends import HFBackend, VLLMBackend, placement
 from lightning_lite.harness import (
     RolloutResult,

@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from . import grammar
+from .extras import grammar
 from .algo import sampling_support
 from .chat import Sampling
 from .models import eos_ids

@@ -26,41 +26,31 @@ from .records import common_prefix
 from .toolcalls import parse_arguments
 
 log = logging.getLogger("lightning_lite.chat")
-ROLES = {
-    "system": "system",
-    "developer": "system",
-    "user": "user",
-    "assistant": "assistant",
-    "tool": "tool",
-    "function": "tool",
-}
+# a message's role -> the role it has here
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES |= {"tool": "tool", "function": "tool"}
 
 
 class BadRequest(Exception):
     """A client error: becomes a 4xx with an error body in the API's own format."""
 
-    def __init__(
-        self,
-        message: str,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        status: int = 400,
-    ):
+    def __init__(self, message: str, param=None, code=None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
 
 
 @dataclass
 class Sampling:
-    max_tokens: Optional[int] = None  # None: up to the model's context
+    # None: up to the model's context
+    max_tokens: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    # 0: off
+    top_k: int = 0
     stop: list[str] = field(default_factory=list)
     seed: Optional[int] = None
-    grammar: Optional[str] = (
-        None  # what the reply must follow (grammar.py): a forced tool call, a response_format
-    )
+    # what the reply must follow (extras/grammar.py): a forced tool call, a response_format
+    grammar: Optional[str] = None
 
 
 @dataclass
@@ -70,22 +60,27 @@ class Request:
     tool messages. ``prompt_ids`` is set instead of messages for the completions API."""
 
     messages: list[dict] = field(default_factory=list)
-    tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters"}]
-    parse_tools: bool = True  # False for tool_choice "none"
-    force_tool: Optional[str] = None  # tool_choice "required" -> "", a named function -> its name
-    response_schema: Optional[dict] = None  # response_format: the JSON schema the reply follows
+    # [{"name", "description", "parameters"}]
+    tools: list[dict] = field(default_factory=list)
+    # False for tool_choice "none"
+    parse_tools: bool = True
+    # tool_choice "required" -> "", a named function -> its name
+    force_tool: Optional[str] = None
+    # response_format: the JSON schema the reply follows
+    response_schema: Optional[dict] = None
     sampling: Sampling = field(default_factory=Sampling)
-    n: int = 1  # choices: each is recorded as its own call
+    # choices: each is recorded as its own call
+    n: int = 1
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
     model: str = ""
     prompt_ids: Optional[list[int]] = None
     prompt_text: Optional[str] = None
-    n_instructions: int = 0  # Responses API: leading messages from ``instructions`` (not carried to the next response)
-    template_kwargs: dict = field(
-        default_factory=dict
-    )  # chat_template_kwargs: passed to the chat template (enable_thinking, ...)
+    # Responses API: leading messages from ``instructions`` (not carried to the next response)
+    n_instructions: int = 0
+    # chat_template_kwargs: passed to the chat template (enable_thinking, ...)
+    template_kwargs: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- tool calls in text
@@ -114,45 +109,53 @@ class ContentStream:
     >>> s.feed(ids_of("Let me"))  ->  ("", "Let me");   s.feed(ids_of("Let me <tool"))  ->  ("", "")
     """
 
-    def __init__(
-        self,
-        renderer: "Renderer",
-        stops: list[str],
-        parse_tools: bool,
-        forced: str = "",
-        opened: bool = False,
-    ):
-        self.r, self.stops, self.forced, self.opened = (
-            renderer,
-            [m for m in stops if m],
-            forced,
-            opened,
-        )
+    def __init__(self, renderer, stops: list[str], parse_tools: bool, forced="", opened=False):
+        self.renderer, self.forced, self.opened = renderer, forced, opened
+        self.stops = [s for s in stops if s]
         self.format = renderer.format if parse_tools else None
+        # what was sent so far
         self.reasoning = self.sent = ""
 
     def feed(self, ids: list[int]) -> tuple[str, str]:
         """The new (reasoning, content) to send, given every id sampled so far."""
-        text = toolcalls.hold_back(self.r.sampled_text(ids, self.stops), self.stops)
-        reasoning, content = toolcalls.visible(
-            self.format, self.forced + text, self.r.think, self.opened
-        )
-        reasoning, content = (
-            self.r.specials.sub("", reasoning).strip(),
-            self.r.specials.sub("", content).strip(),
-        )
-        r_delta = (
-            reasoning[len(self.reasoning) :] if reasoning.startswith(self.reasoning) else ""
-        )  # never send a contradiction
-        c_delta = content[len(self.sent) :] if content.startswith(self.sent) else ""
-        self.reasoning, self.sent = self.reasoning + r_delta, self.sent + c_delta
-        return r_delta, c_delta
+        r = self.renderer
+        text = toolcalls.hold_back(r.sampled_text(ids, self.stops), self.stops)
+        shown = toolcalls.visible(self.format, self.forced + text, r.think, self.opened)
+        reasoning, content = (r.specials.sub("", part).strip() for part in shown)
+        # only what extends what was sent: never a contradiction
+        new_reasoning = _after(reasoning, self.reasoning) or ""
+        new_content = _after(content, self.sent) or ""
+        self.reasoning, self.sent = self.reasoning + new_reasoning, self.sent + new_content
+        return new_reasoning, new_content
 
 
-def fingerprints(
-    messages: list[dict], tools: list[dict], known: Optional["Turn"] = None
-) -> list[bytes]:
-    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` after parsing (``_key``): the earlier turn a request
+# ----------------------------------------------------------------------------- finding the turn a request extends
+
+THINK_BLOCK = re.compile(r"\A\s*(<think>.*?</think>|\[THINK\].*?\[/THINK\])", re.DOTALL)
+
+
+def message_key(m: dict) -> str:
+    """What identifies a normalized message: role, stripped content, tool calls by name and parsed arguments
+    (not their ids, nor how the arguments' JSON was formatted, nor reasoning: echoed in its own field, in the
+    content, or dropped, it is the same reply; whether the template renders it as sampled is build_prompt's call)."""
+    content = m.get("content") or ""
+    content = (THINK_BLOCK.sub("", content) if m["role"] == "assistant" else content).strip()
+    # the length keeps content and tool calls apart
+    key = f"{m['role']}\0{len(content)}\0{content}"
+    if m.get("tool_calls"):
+        calls = [[t["name"], parse_arguments(t["arguments"])] for t in m["tool_calls"]]
+        key += "\0" + json.dumps(calls, sort_keys=True)
+    return key
+
+
+def extend_fingerprint(fingerprint: bytes, m: dict) -> bytes:
+    """The fingerprint of a conversation whose fingerprint was ``fingerprint``, extended by the message ``m``."""
+    data = fingerprint + message_key(m).encode(errors="surrogatepass")
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def fingerprints(messages: list[dict], tools: list[dict], known: Optional[Turn] = None):
+    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` (by ``message_key``): the earlier turn a request
     extends is found by a dictionary lookup. ``known``: the session's latest turn, whose fingerprints of the
     messages this request shares with it (equal dicts, compared in C) are reused: an append hashes only its new ones.
 
@@ -163,43 +166,18 @@ def fingerprints(
         k = common_prefix(messages, known.messages)
         fps = known.fps[: k + 1]
     else:
-        k, fps = (
-            0,
-            [hashlib.blake2b(json.dumps(tools, sort_keys=True).encode(), digest_size=16).digest()],
-        )
+        tools_json = json.dumps(tools, sort_keys=True).encode()
+        k, fps = 0, [hashlib.blake2b(tools_json, digest_size=16).digest()]
     for m in messages[k:]:
-        fps.append(_link(fps[-1], m))
+        fps.append(extend_fingerprint(fps[-1], m))
     return fps
 
 
-THINK_BLOCK = re.compile(r"\A\s*(<think>.*?</think>|\[THINK\].*?\[/THINK\])", re.DOTALL)
-
-
-def _key(m: dict) -> str:
-    """What identifies a normalized message: role, stripped content, tool calls by name and parsed arguments
-    (not their ids, nor how the arguments' JSON was formatted, nor reasoning: echoed in its own field, in the
-    content, or dropped, it is the same reply; whether the template renders it as sampled is build_prompt's call)."""
-    content = m.get("content") or ""
-    content = (THINK_BLOCK.sub("", content) if m["role"] == "assistant" else content).strip()
-    key = f"{m['role']}\0{len(content)}\0{content}"  # the length keeps content and tool calls apart
-    if m.get("tool_calls"):
-        key += "\0" + json.dumps(
-            [[t["name"], parse_arguments(t["arguments"])] for t in m["tool_calls"]], sort_keys=True
-        )
-    return key
-
-
-def _link(fp: bytes, m: dict) -> bytes:
-    """The fingerprint of a conversation whose fingerprint was ``fp``, extended by message ``m``."""
-    return hashlib.blake2b(fp + _key(m).encode(errors="surrogatepass"), digest_size=16).digest()
-
-
-# ----------------------------------------------------------------------------- rendering
-
-
 class Turn:
-    """What a session remembers of one answered call (DESIGN.md "The ids decide"): the ids its prompt adds to the
-    turn it extends (``parent``), its response, two fingerprints; messages, tools, ``fps`` only while the latest."""
+    """What a session remembers of one answered call (DESIGN.md "The ids decide"): the reply, the ids its prompt
+    adds to its ``parent``'s prompt + response (``tail``: each id held once), its response ids, the forced opening
+    (tool_choice), ``fp_request`` (what a retry starts with) and ``fp`` (with the reply: what an extension starts
+    with). Only the latest turn keeps ``messages``, ``tools``, ``fps``: a new turn in ``history`` drops them."""
 
     def __init__(
         self,
@@ -214,167 +192,162 @@ class Turn:
         history: Optional[list["Turn"]] = None,
         parent: Optional[int] = None,
     ):
-        """``reply``: the assistant message the harness received; ``fps``: fingerprints(messages, tools) if known;
-        ``forced``: the call opening the prompt ended with (tool_choice); ``history``: the session's turns so far."""
+        """``parent``: the index of the turn in ``history`` whose prompt + response ``prompt_ids`` starts with."""
         self.index, self.reply, self.response_ids, self.forced = index, reply, response_ids, forced
         self.messages, self.tools, self.fps = messages, tools, fps or fingerprints(messages, tools)
-        self.fp_request = self.fps[-1]  # tools + messages: a retry of this request starts with it
-        self.fp = _link(
-            self.fps[-1], reply
-        )  # and the reply: what a request that extends this turn starts with
-        self.parent = (
-            next(t for t in reversed(history) if t.index == parent) if parent is not None else None
-        )
+        self.fp_request = self.fps[-1]
+        self.fp = extend_fingerprint(self.fp_request, reply)
+        self.parent = None
+        if parent is not None:
+            self.parent = next(t for t in reversed(history) if t.index == parent)
         self.tail = prompt_ids[self.parent.size :] if self.parent else prompt_ids
         self.size = len(prompt_ids) + len(response_ids)
-        if history:  # only the latest turn keeps them
+        # The turn before forgets its request: fingerprints() reuses only the latest turn's (memory stays linear).
+        if history:
             history[-1].messages = history[-1].tools = history[-1].fps = None
 
     def tokens(self) -> list[int]:
         """Prompt + response ids, root first: what a call extending this turn starts with (a loop: chains are long)."""
-        parts, t = [], self
-        while t is not None:
-            parts += [t.response_ids, t.tail]
-            t = t.parent
+        parts, turn = [], self
+        while turn is not None:
+            parts += [turn.response_ids, turn.tail]
+            turn = turn.parent
         return [i for part in reversed(parts) for i in part]
+
+
+# ----------------------------------------------------------------------------- rendering
+
+# What the probes of a template render: a user message, a tool, and a call of it (arguments {"llarg": "llval"}).
+PROBE_USER = [{"role": "user", "content": "x"}]
+PROBE_PARAMETERS = {"type": "object", "properties": {"llarg": {"type": "string"}}}
+PROBE_TOOL = {"name": toolcalls.SENTINEL, "description": "d", "parameters": PROBE_PARAMETERS}
 
 
 class Renderer:
     """Chat template + tool-call format of one tokenizer, probed once at start-up by what the template renders
     (DESIGN.md "The template decides the format")."""
 
-    SENTINEL = toolcalls.SENTINEL  # the tool and call rendered; detect() looks for it
+    SENTINEL = toolcalls.SENTINEL
 
-    def __init__(
-        self,
-        tokenizer,
-        eos_ids: Optional[set[int]] = None,
-        tool_format: Optional[str] = None,
-        keep_history_tokens: bool = False,
-    ):
+    def __init__(self, tokenizer, eos_ids=None, tool_format=None, keep_history_tokens=False):
         """``eos_ids``: every token that ends the model's turn, the set generation stops on (models.eos_ids).
         ``tool_format``: override the detected format. ``keep_history_tokens``: reuse the sampled tokens of an
         echoed turn even where the template renders it differently (see ``build_prompt``)."""
         self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
         templates = tokenizer.chat_template or ""
         if not templates:
-            raise ValueError(
-                "the tokenizer has no chat template; use a chat/instruct model or set tokenizer.chat_template"
-            )
+            message = "the tokenizer has no chat template; use a chat/instruct model or set "
+            raise ValueError(message + "tokenizer.chat_template")
         source = "\n".join(templates.values()) if isinstance(templates, dict) else templates
         self.eos_ids = set(eos_ids or ()) | {t for t in [tokenizer.eos_token_id] if t is not None}
-        self.specials = re.compile(
-            "|".join(
-                re.escape(t)
-                for t in sorted(tokenizer.all_special_tokens, key=len, reverse=True)
-                if t
-            )
-            or "(?!)"
-        )
-        self.think = toolcalls.think_tags(source)
-        self.native_tools, self.short_ids, self.merge_roles = False, False, False
-        user = [{"role": "user", "content": "x"}]
-        try:  # The text a template writes after an assistant message's content (e.g. "<|im_end|>\n").
-            probe = self.render_text(
-                user + [{"role": "assistant", "content": self.SENTINEL}], [], False
-            )
+        specials = sorted(filter(None, tokenizer.all_special_tokens), key=len, reverse=True)
+        self.specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
+        self.think = think_tags(source)
+        # The probes, in order: each renders with what the ones before it found.
+        self.format, self.native_tools = "hermes", False
+        self.short_ids = self.merge_roles = False
+        self.turn_close = self._probe_turn_close()
+        call_text = self._probe_native_call()
+        self.format = self._choose_format(call_text, tool_format)
+        self.merge_roles = self._probe_merge_roles()
+        self.per_message = self._probe_per_message()
+
+    def _probe_turn_close(self) -> str:
+        """The text a template writes after an assistant message's content (ChatML: "<|im_end|>\\n")."""
+        try:
+            reply = {"role": "assistant", "content": self.SENTINEL}
+            text = self.render_text(PROBE_USER + [reply], [], False)
         except BadRequest as e:
             raise ValueError(
-                f"the chat template of {getattr(tokenizer, 'name_or_path', 'this model')!r} cannot render a plain "
+                f"the chat template of {getattr(self.tok, 'name_or_path', 'this model')!r} cannot render a plain "
                 f"user/assistant conversation ({e.message}); give the tokenizer a chat template that can"
             ) from None
-        self.turn_close = probe[probe.rindex(self.SENTINEL) + len(self.SENTINEL) :]
-        # Native tools: the tool list and a call both show in what the template renders. Some templates want
-        # call ids of their own shape (Mistral: 9 alphanumerics): then every id is written in that shape.
-        tools = [
-            {
-                "name": self.SENTINEL,
-                "description": "d",
-                "parameters": {"type": "object", "properties": {"llarg": {"type": "string"}}},
-            }
-        ]
-        self.native_tools, call_text = True, None
-        for self.short_ids in (False, True):
+        return text[text.rindex(self.SENTINEL) + len(self.SENTINEL) :]
+
+    def _probe_native_call(self) -> Optional[str]:
+        """The template's text for a call after its generation prompt, where it renders the tool list and the call
+        (``native_tools``), else None. Some templates want call ids of their own shape (Mistral: 9 alphanumerics):
+        then every id is written in that shape (``short_ids``)."""
+        self.native_tools = True
+        for short_ids in (False, True):
+            self.short_ids = short_ids
             try:
-                head = self.render_text(user, tools, True)
-                full = self.render_text(self._probe_calls(), tools, False)
+                head = self.render_text(PROBE_USER, [PROBE_TOOL], True)
+                full = self.render_text(self._probe_calls(), [PROBE_TOOL], False)
             except BadRequest:
                 continue
-            if (
-                self.think and head.rstrip().endswith(self.think[0]) and not full.startswith(head)
-            ):  # DeepSeek-R1: the generation
-                head = head.rstrip()[
-                    : -len(self.think[0])
-                ]  # prompt opens <think>, which history turns do not have
+            # DeepSeek-R1: the generation prompt opens <think>, which history turns do not have
+            if self.think and head.rstrip().endswith(self.think[0]) and not full.startswith(head):
+                head = head.rstrip()[: -len(self.think[0])]
             if self.SENTINEL in head and "llval" in full[len(head) :] and full.startswith(head):
-                call_text = full[len(head) :]
-                break
-        self.native_tools = call_text is not None
-        self.short_ids = self.short_ids and self.native_tools
+                return full[len(head) :]
+        self.native_tools = self.short_ids = False
+        return None
+
+    def _choose_format(self, call_text: Optional[str], tool_format: Optional[str]) -> str:
+        """``tool_format`` if given, else the format the call text is in (Hermes without native tools)."""
         detected = toolcalls.detect(call_text) if call_text else None
         if call_text and not detected and not tool_format:
             log.warning(
-                "the chat template writes tool calls in a format lightning-lite does not know; parsing them as hermes "
-                "(pass --tool-format NAME: %s)",
+                "the chat template writes tool calls in a format lightning-lite does not know; parsing them as "
+                "hermes (pass --tool-format NAME: %s)",
                 ", ".join(toolcalls.FORMATS),
             )
-        self.format = tool_format or detected or "hermes"
-        if self.format not in toolcalls.FORMATS:
-            raise ValueError(
-                f"unknown tool format {self.format!r}: use one of {', '.join(toolcalls.FORMATS)}"
-            )
-        try:  # the Hermes fallback writes tool results as user turns, clients send two user or system messages in a row: a
-            # template that wants roles to alternate (Gemma, Mistral) gets them merged
-            self.render_text(user + user, [], True)
+        fmt = tool_format or detected or "hermes"
+        # an unknown name raises here, at start-up
+        toolcalls.format_of(fmt)
+        return fmt
+
+    def _probe_merge_roles(self) -> bool:
+        """Must two user (or system) messages in a row be merged? The Hermes fallback writes tool results as user
+        turns, clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them."""
+        try:
+            self.render_text(PROBE_USER + PROBE_USER, [], True)
+            return False
         except BadRequest:
-            self.merge_roles = True
-        # Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the
-        # messages after a turn can be rendered without the whole conversation before it. Templates that
-        # rewrite earlier turns (Qwen3 drops <think> from them) fail this probe and render in full.
-        probe = [{"role": "system", "content": "s"}] + self._probe_calls(
-            "<think>\nt\n</think>\n\na"
-        )
+            return True
+
+    def _probe_per_message(self) -> bool:
+        """Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the
+        messages after a turn can be rendered without the whole conversation before it. Templates that rewrite
+        earlier turns (Qwen3 drops <think> from them) fail this probe and render in full."""
+        system = [{"role": "system", "content": "s"}]
+        probe = system + self._probe_calls("<think>\nt\n</think>\n\na")
         probe += [
             {"role": "tool", "content": "r2", "tool_call_id": probe[-1]["tool_call_id"]},
             {"role": "assistant", "content": "b"},
             {"role": "user", "content": "v"},
         ]
         try:
-            deltas = [
-                [self._texts(probe, k, tools, {}, alone)[1] for alone in (False, True)]
-                for k in (3, 6)
-            ]
-            self.per_message = all(full is not None and full == alone for full, alone in deltas)
-        except BadRequest:  # e.g. a template that refuses a system message or two tool results
-            self.per_message = False
+            for k in (3, 6):
+                in_full, alone = (self._texts(probe, k, [PROBE_TOOL], {}, a)[1] for a in (0, 1))
+                if in_full is None or in_full != alone:
+                    return False
+            return True
+        # e.g. a template that refuses a system message or two tool results
+        except BadRequest:
+            return False
 
     def _probe_calls(self, content: str = "") -> list[dict]:
-        call = {
-            "id": "a1b2c3d4e" if self.short_ids else "call_0123456789abcdef01234567",
-            "name": self.SENTINEL,
-            "arguments": {"llarg": "llval"},
-        }
-        return [
-            {"role": "user", "content": "x"},
+        """A user message, an assistant message calling the SENTINEL tool, its result."""
+        id = "a1b2c3d4e" if self.short_ids else "call_0123456789abcdef01234567"
+        call = {"id": id, "name": self.SENTINEL, "arguments": {"llarg": "llval"}}
+        return PROBE_USER + [
             {"role": "assistant", "content": content, "tool_calls": [call]},
-            {"role": "tool", "content": "r", "tool_call_id": call["id"]},
+            {"role": "tool", "content": "r", "tool_call_id": id},
         ]
 
     def describe(self) -> str:
-        think = (
-            f"reasoning in {self.think[0]}...{self.think[1]}" if self.think else "no reasoning tags"
-        )
-        where = (
-            "rendered by the template"
-            if self.native_tools
-            else "written into the system prompt (the template has no tool support)"
-        )
+        think = "reasoning in {}...{}".format(*self.think) if self.think else "no reasoning tags"
+        if self.native_tools:
+            where = "rendered by the template"
+        else:
+            where = "written into the system prompt (the template has no tool support)"
         return f"chat template: tool calls in the {self.format} format, {where}; {think}"
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(
-            text, add_special_tokens=False
-        )  # the template writes BOS etc. itself
+        # the template writes BOS etc. itself
+        return self.tok.encode(text, add_special_tokens=False)
 
     def new_id(self) -> str:
         """A tool-call id for a parsed call, in the shape the template accepts."""
@@ -383,193 +356,95 @@ class Renderer:
     def _id(self, i: str) -> str:
         return _short_id(i) if self.short_ids else i
 
-    def _hf_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+    def _template_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        """The messages as a template with tool support takes them (OpenAI's shape, arguments as a dict)."""
+        if not self.native_tools:
+            return self._hermes_messages(messages, tools)
+        adjust, out = toolcalls.format_of(self.format).adjust, []
+        for m in messages:
+            # Mistral: roles must alternate, one system message
+            if self.merge_roles and m["role"] in ("user", "system") and _same_role(out, m):
+                out[-1] = _merged(out[-1], m)
+                continue
+            message = {"role": m["role"], "content": m["content"]}
+            # the key Qwen's templates read, and the one gpt-oss's reads
+            if m.get("reasoning"):
+                message["reasoning_content"] = message["thinking"] = m["reasoning"]
+            if m.get("tool_calls"):
+                message["tool_calls"] = [self._template_call(t) for t in m["tool_calls"]]
+            if m["role"] == "tool":
+                message["tool_call_id"] = self._id(m.get("tool_call_id", ""))
+            out.append(adjust(m, message) if adjust else message)
+        return out
+
+    def _template_call(self, call: dict) -> dict:
+        return {"id": self._id(call["id"]), "type": "function", "function": _parsed(call)}
+
+    def _hermes_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        """No tool support in the template: the Hermes convention written as text. The tools go into the system
+        prompt (TOOLS_PROMPT), calls into ``<tool_call>`` tags, results into a user turn's ``<tool_response>`` tags."""
         out: list[dict] = []
-        if self.native_tools:
-            for m in messages:
-                if (
-                    self.merge_roles
-                    and out
-                    and m["role"] in ("user", "system")
-                    and out[-1]["role"] == m["role"]
-                ):  # Mistral: roles
-                    out[-1] = {
-                        **out[-1],
-                        "content": out[-1]["content"] + "\n\n" + m["content"],
-                    }  # must alternate, one system
-                    continue
-                h = {"role": m["role"], "content": m["content"]}
-                if m.get("reasoning"):  # the key Qwen's templates read, and the one gpt-oss's reads
-                    h["reasoning_content"] = h["thinking"] = m["reasoning"]
-                    if (
-                        self.format == "harmony" and m.get("tool_calls") and m["content"]
-                    ):  # gpt-oss's template refuses both next
-                        h["content"], h["thinking"] = (
-                            "",
-                            m["reasoning"] + "\n\n" + m["content"],
-                        )  # to a call: its one slot, the analysis
-                if m.get("tool_calls"):
-                    h["tool_calls"] = [
-                        {
-                            "id": self._id(t["id"]),
-                            "type": "function",
-                            "function": {
-                                "name": t["name"],
-                                "arguments": parse_arguments(t["arguments"]),
-                            },
-                        }
-                        for t in m["tool_calls"]
-                    ]
-                if m["role"] == "tool":
-                    h["tool_call_id"] = self._id(m.get("tool_call_id", ""))
-                out.append(h)
-            return out
-        # No tool support in the template: write the Hermes convention as text.
         if tools:
-            block = TOOLS_PROMPT.format(
-                tools="\n".join(
-                    json.dumps({"type": "function", "function": t}, ensure_ascii=False)
-                    for t in tools
-                )
-            )
-            system = (
-                messages[0]["content"] + "\n\n"
-                if messages and messages[0]["role"] == "system"
-                else ""
-            )
-            out.append({"role": "system", "content": system + block})
-            messages = messages[1:] if system else messages
+            listed = "\n".join(_json({"type": "function", "function": t}) for t in tools)
+            has_system = bool(messages) and messages[0]["role"] == "system"
+            system = messages[0]["content"] + "\n\n" if has_system else ""
+            out.append({"role": "system", "content": system + TOOLS_PROMPT.format(tools=listed)})
+            messages = messages[1:] if has_system else messages
         for i, m in enumerate(messages):
             if m["role"] == "assistant" and m.get("tool_calls"):
-                calls = [
-                    {"name": t["name"], "arguments": parse_arguments(t["arguments"])}
-                    for t in m["tool_calls"]
-                ]
-                text = "\n".join(
-                    f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls
-                )
-                out.append(
-                    {
-                        "role": "assistant",
-                        "content": (m["content"] + "\n" if m["content"] else "") + text,
-                    }
-                )
+                calls = (f"<tool_call>\n{_json(_parsed(t))}\n</tool_call>" for t in m["tool_calls"])
+                text = "\n".join(calls)
+                content = (m["content"] + "\n" if m["content"] else "") + text
+                out.append({"role": "assistant", "content": content})
             elif m["role"] == "tool":
                 text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
-                if (
-                    i and messages[i - 1]["role"] == "tool"
-                ):  # consecutive tool results share one user turn
+                # consecutive tool results share one user turn
+                if i and messages[i - 1]["role"] == "tool":
                     out[-1]["content"] += "\n" + text
                 else:
                     out.append({"role": "user", "content": text})
-            elif (
-                self.merge_roles and out and out[-1]["role"] == m["role"]
-            ):  # a template that wants roles to alternate
-                out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + m["content"]}
+            # a template that wants roles to alternate
+            elif self.merge_roles and _same_role(out, m):
+                out[-1] = _merged(out[-1], m)
             else:
                 out.append({"role": m["role"], "content": m["content"]})
         return out
 
-    def render_text(
-        self,
-        messages: list[dict],
-        tools: list[dict],
-        add_generation_prompt: bool = True,
-        template_kwargs: Optional[dict] = None,
-    ) -> str:
+    def render_text(self, messages, tools, add_generation_prompt=True, template_kwargs=None) -> str:
         """The template's text for a conversation. A template that refuses it (Llama's single tool call, roles that
         must alternate, ids of the wrong shape) is the client's error: a BadRequest with the template's message."""
-        kwargs = (
-            {"tools": [{"type": "function", "function": t} for t in tools]}
-            if (self.native_tools and tools)
-            else {}
-        )
+        kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+        if self.native_tools and tools:
+            kwargs["tools"] = [{"type": "function", "function": t} for t in tools]
         try:
-            return self.tok.apply_chat_template(
-                self._hf_messages(messages, tools),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
-                **kwargs,
-            )
-        except Exception as e:  # jinja2's TemplateError (raise_exception), and what a template's filters raise on odd input
-            raise BadRequest(
-                f"the model's chat template refused this conversation: {e}",
-                "messages",
-                "template_error",
-            ) from None
+            messages = self._template_messages(messages, tools)
+            return self.tok.apply_chat_template(messages, tokenize=False, **kwargs)
+        # jinja2's TemplateError (raise_exception), and what a template's filters raise on odd input
+        except Exception as e:
+            message = f"the model's chat template refused this conversation: {e}"
+            raise BadRequest(message, "messages", "template_error") from None
 
-    def build_prompt(
-        self,
-        messages: list[dict],
-        tools: list[dict],
-        history: list[Turn],
-        reuse: bool = True,
-        fps: Optional[list[bytes]] = None,
-        template_kwargs: Optional[dict] = None,
-    ) -> tuple[list[int], Optional[int], Optional[str]]:
+    def build_prompt(self, messages, tools, history, reuse=True, fps=None, template_kwargs=None):
         """Prompt ids for ``messages``, reusing the sampled tokens of an earlier turn it extends where the template
         renders that turn as sampled (DESIGN.md "Reuse what was sampled"). Returns ``(prompt_ids, parent, split)``:
         the call whose prompt + response ids it starts with, or why none (None: nothing to extend). ``fps``: the
         request's fingerprints if known. ``reuse=False``: render fresh (it still merges if that starts with them)."""
         kw = template_kwargs or {}
         fps = fps or fingerprints(messages, tools, history[-1] if history else None)
-        # The longest earlier turn whose messages + reply this request starts with (the latest such turn).
-        by_fp = {t.fp: t for t in history}  # fingerprints include the tools
-        k, best = next(
-            ((k, by_fp[fps[k]]) for k in range(len(messages), 0, -1) if fps[k] in by_fp), (0, None)
-        )
-        text = None  # the whole conversation's rendering, where it was made on the way
-        if best is not None and reuse:
-            turn, new, full = self._texts(messages, k, tools, kw, self.per_message)
-            text = None if self.per_message else full
-            # The sampled turn is reused when the template's text for it starts with what was sampled; the rest
-            # of that text (its turn close, minus an EOS the model sampled) is the glue before the new messages.
-            sampled = best.forced + self.tok.decode(best.response_ids, skip_special_tokens=False)
-            glue = turn[len(sampled) :] if turn is not None and turn.startswith(sampled) else None
-            if (
-                glue is None and self.keep_history_tokens
-            ):  # the template renders it otherwise: keep it anyway
-                glue = self.turn_close  # less the end marker it starts with when the model sampled one (gpt-oss ends a call
-                if (
-                    best.response_ids and best.response_ids[-1] in self.eos_ids
-                ):  # with <|call|>, its close is <|return|>)
-                    glue = next(
-                        (
-                            glue[len(t) :]
-                            for t in map(self.tok.decode, ([e] for e in self.eos_ids))
-                            if glue.startswith(t)
-                        ),
-                        glue,
-                    )
-            if glue is not None:
-                if (
-                    new is None and self.keep_history_tokens
-                ):  # the template rewrites that turn once more follows: render
-                    # what follows it after the turn as sampled, reasoning too (Qwen3 writes an empty think block otherwise)
-                    echoed = {
-                        **messages[k - 1],
-                        **(
-                            {"reasoning": best.reply["reasoning"]}
-                            if best.reply.get("reasoning")
-                            else {}
-                        ),
-                    }
-                    new = self._texts(
-                        messages[: k - 1] + [echoed] + messages[k:], k, tools, kw, True
-                    )[1]
-                if new is not None:
-                    ids = best.tokens()  # one copy of the long part
-                    ids += self.encode(glue + new)
-                    return ids, best.index, None
-        ids = self.encode(text if text is not None else self.render_text(messages, tools, True, kw))
-        if best is not None:
-            prev = best.tokens()
-            return (
-                (ids, best.index, None)
-                if ids[: len(prev)] == prev
-                else (ids, None, "template_mismatch")
-            )
+        # The latest turn whose messages + reply this request starts with, the longest such (fps include the tools).
+        by_fp = {t.fp: t for t in history}
+        k = next((k for k in range(len(messages), 0, -1) if fps[k] in by_fp), 0)
+        parent = by_fp[fps[k]] if k else None
+        full = None
+        if parent is not None and reuse:
+            ids, full = self._extend(parent, messages, k, tools, kw)
+            if ids is not None:
+                return ids, parent.index, None
+        ids = self.encode(full if full is not None else self.render_text(messages, tools, True, kw))
+        if parent is not None:
+            # rendered anew, it still extends the turn where it starts with the turn's ids
+            extends = ids[: parent.size] == parent.tokens()
+            return (ids, parent.index, None) if extends else (ids, None, "template_mismatch")
         if not history:
             return ids, None, None
         # Did it resend an earlier request's messages (or start with them), with another reply than it got? The
@@ -577,15 +452,41 @@ class Renderer:
         # samples.py would tell from the ids).
         asked = {t.fp_request for t in history}
         k = next((k for k in range(len(messages), 0, -1) if fps[k] in asked), None)
-        return (
-            ids,
-            None,
-            "new_thread" if k is None else "retry" if k == len(messages) else "rewrote_history",
-        )
+        split = "new_thread" if k is None else "retry" if k == len(messages) else "rewrote_history"
+        return ids, None, split
 
-    def _texts(
-        self, messages: list[dict], k: int, tools: list[dict], kw: dict, per_message: bool
-    ) -> tuple[Optional[str], Optional[str], str]:
+    def _extend(self, parent: Turn, messages, k: int, tools, kw):
+        """(``parent``'s prompt + response ids + the ids of the messages after its reply ``messages[k - 1]``, where
+        the template renders that turn as sampled, else None; the whole conversation's text if rendered on the way)."""
+        turn, new, full = self._texts(messages, k, tools, kw, self.per_message)
+        full = None if self.per_message else full
+        # The sampled turn is reused when the template's text for it starts with what was sampled; the rest of
+        # that text (its turn close, minus an EOS the model sampled) is the glue before the new messages.
+        sampled = parent.forced + self.tok.decode(parent.response_ids, skip_special_tokens=False)
+        glue = turn[len(sampled) :] if turn is not None and turn.startswith(sampled) else None
+        if glue is None and self.keep_history_tokens:
+            glue = self._kept_turn_glue(parent)
+        # The template rewrites that turn once more follows: render what follows it after the turn as sampled,
+        # reasoning too (Qwen3 writes an empty think block otherwise).
+        if glue is not None and new is None and self.keep_history_tokens:
+            reasoning = parent.reply.get("reasoning")
+            echoed = {**messages[k - 1], **({"reasoning": reasoning} if reasoning else {})}
+            new = self._texts(messages[: k - 1] + [echoed] + messages[k:], k, tools, kw, True)[1]
+        if glue is None or new is None:
+            return None, full
+        return parent.tokens() + self.encode(glue + new), full
+
+    def _kept_turn_glue(self, parent: Turn) -> str:
+        """The text after a turn the template renders otherwise, kept as sampled (``keep_history_tokens``): the
+        template's turn close, less the end marker it starts with when the model sampled one (gpt-oss ends a call
+        with <|call|>, its turn close is <|return|>)."""
+        glue = self.turn_close
+        if parent.response_ids and parent.response_ids[-1] in self.eos_ids:
+            ends = (self.tok.decode([e]) for e in self.eos_ids)
+            glue = next((glue[len(end) :] for end in ends if glue.startswith(end)), glue)
+        return glue
+
+    def _texts(self, messages: list[dict], k: int, tools, kw: dict, per_message: bool):
         """Three renderings cut into: the template's text for the assistant turn ``messages[k - 1]``, from after the
         generation prompt to the end of its turn close (what the model must have sampled for the history to render
         as sampled); its text for ``messages[k:]`` + the generation prompt after ``messages[:k]`` (None where it
@@ -593,60 +494,82 @@ class Renderer:
         stood in for by the system prompt, a user message and message k-1, which render alike, at a flat cost."""
         if per_message:
             system = messages[:1] if messages[0]["role"] == "system" and k > 1 else []
-            ctx = system + [{"role": "user", "content": "x"}, messages[k - 1]]
+            context = system + PROBE_USER + [messages[k - 1]]
         else:
-            ctx = messages[:k]
-        before, head = (
-            self.render_text(ctx[:-1], tools, True, kw),
-            self.render_text(ctx, tools, False, kw),
-        )
-        full = self.render_text(ctx + messages[k:], tools, True, kw)
+            context = messages[:k]
+        before = self.render_text(context[:-1], tools, True, kw)
+        head = self.render_text(context, tools, False, kw)
+        full = self.render_text(context + messages[k:], tools, True, kw)
         return _after(head, before), _after(full, head), full
 
     def opens_reasoning(self, prompt_ids: list[int]) -> bool:
         """Does the prompt end inside a reasoning block (Qwen3.5's and DeepSeek-R1's generation prompt opens it)?"""
-        return bool(self.think) and self.tok.decode(
-            prompt_ids[-8:], skip_special_tokens=False
-        ).rstrip().endswith(self.think[0])
+        end = self.tok.decode(prompt_ids[-8:], skip_special_tokens=False)
+        return bool(self.think) and end.rstrip().endswith(self.think[0])
 
-    def forced_prefix(
-        self, force_tool: Optional[str], opened: bool = False, json_reply: bool = False
-    ) -> str:
+    def forced_prefix(self, force_tool: Optional[str], opened=False, json_reply=False) -> str:
         """The text the prompt ends with for a forced call, or for a reply that is JSON (``json_reply``), else ""."""
-        return (
-            toolcalls.forced(self.format, force_tool, opened, self.think)
-            if force_tool is not None or json_reply
-            else ""
-        )
+        if force_tool is None and not json_reply:
+            return ""
+        return toolcalls.forced(self.format, force_tool, opened, self.think)
 
     def sampled_text(self, response_ids: list[int], stops: list[str]) -> str:
         """The reply as the parser reads it: special tokens kept (Mistral's [TOOL_CALLS], Llama's <|python_tag|>,
         harmony's markers), without the EOS that ended it, cut at the stop string that ended it."""
-        ids = (
-            response_ids[:-1] if response_ids and response_ids[-1] in self.eos_ids else response_ids
-        )
-        text = self.tok.decode(ids, skip_special_tokens=False)
+        if response_ids and response_ids[-1] in self.eos_ids:
+            response_ids = response_ids[:-1]
+        text = self.tok.decode(response_ids, skip_special_tokens=False)
         return text[: min([text.find(s) for s in stops if s in text], default=len(text))]
 
     def parse_reply(self, text: str, parse_tools: bool, opened: bool = False) -> dict:
-        """The assistant message for a sampled text, parsed in the template's format, special tokens dropped."""
-        r = toolcalls.parse(self.format, text, self.think, opened)
-        if not parse_tools and r.get(
-            "tool_calls"
-        ):  # tool_choice "none", or no tools: what looks like a call is text
-            r = toolcalls.parse(None, text, self.think, opened)
-        msg = {"role": "assistant", "content": self.specials.sub("", r["content"]).strip()}
-        if r.get("reasoning"):
-            msg["reasoning"] = self.specials.sub("", r["reasoning"]).strip()
-        if r.get("tool_calls"):
-            msg["tool_calls"] = [
-                {"id": t.get("id") or self.new_id(), "name": t["name"], "arguments": t["arguments"]}
-                for t in r["tool_calls"]
-            ]
-        return msg
+        """The assistant message for a sampled text, parsed in the template's format, special tokens dropped::
+
+        '<think>hm</think>Sure.<tool_call>\\n{"name": "f", "arguments": {}}\\n</tool_call>'  (Qwen3)
+        -> {"role": "assistant", "content": "Sure.", "reasoning": "hm",
+            "tool_calls": [{"id": "call_…", "name": "f", "arguments": "{}"}]}
+        """
+        parsed = toolcalls.parse(self.format, text, self.think, opened)
+        # tool_choice "none", or no tools: what looks like a call is text
+        if not parse_tools and parsed["tool_calls"]:
+            parsed = toolcalls.parse(None, text, self.think, opened)
+        message = {"role": "assistant", "content": self.specials.sub("", parsed["content"]).strip()}
+        if parsed["reasoning"]:
+            message["reasoning"] = self.specials.sub("", parsed["reasoning"]).strip()
+        if parsed["tool_calls"]:
+            # the model's own call ids where it wrote them
+            calls = parsed["tool_calls"]
+            message["tool_calls"] = [t if "id" in t else {"id": self.new_id(), **t} for t in calls]
+        return message
+
+
+def think_tags(template_source: str) -> Optional[tuple[str, str]]:
+    """The think-tag pair a chat template uses (``<think>``, Magistral's ``[THINK]``), None when it has none."""
+    if "[THINK]" in template_source:
+        return ("[THINK]", "[/THINK]")
+    has_think = "<think>" in template_source or "</think>" in template_source
+    return ("<think>", "</think>") if has_think else None
+
+
+def _same_role(out: list[dict], m: dict) -> bool:
+    return bool(out) and out[-1]["role"] == m["role"]
+
+
+def _merged(previous: dict, m: dict) -> dict:
+    """Two messages in a row of one role as one (a template that wants roles to alternate: Gemma, Mistral)."""
+    return {**previous, "content": previous["content"] + "\n\n" + m["content"]}
+
+
+def _parsed(call: dict) -> dict:
+    """A call's name and arguments, the arguments a dict where they are JSON (as templates take them)."""
+    return {"name": call["name"], "arguments": parse_arguments(call["arguments"])}
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _after(text: str, head: str) -> Optional[str]:
+    """What ``text`` adds to ``head``; None when it does not start with it."""
     return text[len(head) :] if text.startswith(head) else None
 
 
@@ -657,7 +580,5 @@ def _short_id(s: str) -> str:
     if len(core := s.removeprefix("toolu_")) == 9 and core.isalnum():
         return core
     n = int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
-    return "".join(
-        "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[(n >> (6 * i)) % 62]
-        for i in range(9)
-    )
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return "".join(alphabet[(n >> (6 * i)) % 62] for i in range(9))

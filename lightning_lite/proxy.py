@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from . import apis, grammar
+from . import apis
+from .extras import grammar
 from .chat import BadRequest, ContentStream, Renderer, Request, Turn, fingerprints
 from .harness import Endpoint
 from .models import eos_ids

@@ -12,7 +12,7 @@ import torch
 
 from test_proxy import calls_of, client, teacher_forced_call
 
-from lightning_lite import grammar
+from lightning_lite.extras import grammar
 from lightning_lite.algo import collate, trainer_logprobs
 from lightning_lite.samples import build_samples
 

@@ -11,7 +11,8 @@ import pytest
 import requests
 import torch
 
-from lightning_lite import grammar, toolcalls
+from lightning_lite import toolcalls
+from lightning_lite.extras import grammar, tool_formats
 from lightning_lite.algo import collate, sampled_logprobs, trainer_logprobs, unpack_bits
 from lightning_lite.records import read_calls
 from lightning_lite.samples import build_batch_samples
@@ -47,22 +48,22 @@ WRITTEN = {
     "mistral": '[TOOL_CALLS][{"name": "calculator", "arguments": ' + ARGS + "}]",
     "granite": '<|tool_call|>[{"name": "calculator", "arguments": ' + ARGS + "}]",
     "mistral_v11": "[TOOL_CALLS]calculator[ARGS]" + ARGS,
-    "deepseek": toolcalls.DS_BEGIN
-    + toolcalls.DS_CALL
+    "deepseek": tool_formats.DS_BEGIN
+    + tool_formats.DS_CALL
     + "function"
-    + toolcalls.DS_SEP
+    + tool_formats.DS_SEP
     + "calculator\n```json\n"
     + ARGS
     + "\n```"
-    + toolcalls.DS_CALL_END
-    + toolcalls.DS_END,
-    "deepseek_v31": toolcalls.DS_BEGIN
-    + toolcalls.DS_CALL
+    + tool_formats.DS_CALL_END
+    + tool_formats.DS_END,
+    "deepseek_v31": tool_formats.DS_BEGIN
+    + tool_formats.DS_CALL
     + "calculator"
-    + toolcalls.DS_SEP
+    + tool_formats.DS_SEP
     + ARGS
-    + toolcalls.DS_CALL_END
-    + toolcalls.DS_END,
+    + tool_formats.DS_CALL_END
+    + tool_formats.DS_END,
     "harmony": "<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>"
     + ARGS
     + "<|call|>",

@@ -61,7 +61,7 @@ def teacher_forced(model, prompt_ids, response_ids, temperature=1.0):
 def teacher_forced_call(model, call, tok=None):
     """The trainer's logprobs of a call's response under the call's own sampling (temperature, top-k, top-p and, for a
     forced call or a JSON reply, its grammar's masks, replayed with ``tok``)."""
-    from lightning_lite import grammar
+    from lightning_lite.extras import grammar
     from lightning_lite.algo import sampled_logprobs, unpack_bits
 
     ids = torch.tensor([call.prompt_ids + call.response_ids])

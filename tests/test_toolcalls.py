@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from lightning_lite.toolcalls import FORMATS, SENTINEL, detect, forced, parse, think_tags, visible
+from lightning_lite.chat import think_tags
+from lightning_lite.toolcalls import FORMATS, SENTINEL, detect, forced, parse, visible
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "fixtures", "templates")
 THINK = ("<think>", "</think>")
@@ -250,6 +251,13 @@ def test_format_details():
     )
     with pytest.raises(ValueError, match="unknown tool-call format"):
         parse("nope", "x")
+
+
+def test_the_format_names_are_the_formats_in_the_table():
+    """--tool-format's choices (toolcalls.FORMATS) name Hermes and every format of extras/tool_formats.py."""
+    from lightning_lite.extras import tool_formats
+
+    assert FORMATS == ("hermes", *tool_formats.FORMATS)
 
 
 def test_hermes_keeps_the_earlier_parser_behaviour():

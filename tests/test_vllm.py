@@ -23,7 +23,7 @@ import torch
 
 from conftest import ROOT
 
-from lightning_lite import grammar
+from lightning_lite.extras import grammar
 from lightning_lite.algo import collate, trainer_logprobs, unpack_bits
 from lightning_lite.backends import VLLMBackend
 from lightning_lite.chat import Sampling

@@ -12,6 +12,10 @@ grammar's masks depend only on the ids before: the same masks, DESIGN.md "Constr
 Arguments are written as ``json.dumps`` writes them (", " and ": ", no other whitespace), as chat templates render
 them: the same text the history renders later, and no free whitespace for a small model to wander in; an object
 that lists its properties has no others unless its schema says so (``_closed``).
+
+How it reaches the core: the proxy puts ``tool_grammar``'s or ``json_grammar``'s text into ``Sampling.grammar``, a
+backend samples under its ``Matcher``, the trainer replays ``sample_masks``; of a tool-call format it reads only
+``Format.call``, the call's text around its arguments (toolcalls.format_of).
 """
 
 from __future__ import annotations
@@ -24,23 +28,13 @@ import llguidance
 import llguidance.hf
 import torch
 
-from .algo import unpack_bits
-from .records import Sample
-from .toolcalls import DS_CALL_END, DS_END, DS_SEP
+from ..algo import unpack_bits
+from ..records import Sample
+from ..toolcalls import format_of
 
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-# format: (after the tool's name, before its arguments; after the arguments): toolcalls.forced writes up to the name
-CALL = {
-    "hermes": ('", "arguments": ', "}\n</tool_call>"),
-    "llama3": ('", "parameters": ', "}"),
-    "mistral": ('", "arguments": ', "}]"),
-    "granite": ('", "arguments": ', "}]"),
-    "mistral_v11": ("[ARGS]", ""),
-    "deepseek": ("\n```json\n", "\n```" + DS_CALL_END + DS_END),
-    "deepseek_v31": (DS_SEP, DS_CALL_END + DS_END),
-    "harmony": (" <|constrain|>json<|message|>", "<|call|>"),
-}
-_TOKENIZERS: dict = {}  # (id(tokenizer), n_vocab) -> (tokenizer, its llguidance tokenizer, its special tokens' pattern)
+# (id(tokenizer), n_vocab) -> (tokenizer, its llguidance tokenizer, its special tokens' pattern, their ids)
+_TOKENIZERS: dict = {}
 
 
 def _ll(tok, n_vocab: Optional[int] = None):
@@ -57,7 +51,8 @@ def _ll(tok, n_vocab: Optional[int] = None):
             if special
             else None
         )
-        _TOKENIZERS[key] = (tok, ll, pattern, special)  # tok held: its id stays its own
+        # tok held: its id stays its own
+        _TOKENIZERS[key] = (tok, ll, pattern, special)
     return _TOKENIZERS[key][1:]
 
 
@@ -109,20 +104,14 @@ def json_grammar(schema: dict) -> str:
 def _coder_params(schema: dict, tok, k: int) -> tuple[str, list[str]]:
     """Qwen3-Coder's parameters, ``<parameter=A>\\nV\\n</parameter>\\n`` each, in the schema's order (the required ones
     always): a string value is any text without the closing tag, another one JSON. -> (the rule's body, lexemes)."""
-    props, required, body, lexemes = (
-        schema.get("properties") or {},
-        set(schema.get("required") or []),
-        [],
-        [],
-    )
-    defs = {
-        k: schema[k] for k in ("$defs", "definitions") if k in schema
-    }  # what a property's "$ref" points into
+    props, required = schema.get("properties") or {}, set(schema.get("required") or [])
+    body, lexemes = [], []
+    # what a property's "$ref" points into
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     for j, (name, sub) in enumerate(props.items()):
         close = _text("\n</parameter>\n", tok)
-        if (
-            isinstance(sub, dict) and sub.get("type") == "string"
-        ):  # ends at the first closing tag, which it includes
+        # a string ends at the first closing tag, which it includes
+        if isinstance(sub, dict) and sub.get("type") == "string":
             lexemes.append(
                 f"STR{k}_{j}: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.)+/"
             )
@@ -142,12 +131,14 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
     for k, t in enumerate(x for x in tools if x["name"] == name or not name):
         schema = t.get("parameters") if isinstance(t.get("parameters"), dict) else {}
         head = "" if name else t["name"]
-        if fmt == "qwen3_coder":  # <tool_call>\n<function=N>\n PARAMETERS </function>\n</tool_call>
+        # the call's text around its arguments: toolcalls.forced wrote what comes before the name
+        _, between, after = format_of(fmt).call
+        # <tool_call>\n<function=N>\n PARAMETERS </function>\n</tool_call>
+        if fmt == "qwen3_coder":
             params, more = _coder_params(schema, tok, k)
             lexemes += more
-            rule = f"{_text(head + '>' + chr(10), tok) if head else ''} {params} {_text('</function>' + chr(10) + '</tool_call>', tok)}"
+            rule = f"{_text(head + between, tok) if head else ''} {params} {_text(after, tok)}"
         else:
-            between, after = CALL[fmt]
             # named: forced() wrote the name and `between` less a trailing space (the model's token carries it)
             lead = head + between if head else between[len(between.rstrip(" ")) :]
             rule = " ".join(
@@ -191,9 +182,8 @@ class Matcher:
         return unpack_bits(self.packed()[None], self.n_vocab)[0]
 
     def consume(self, token: int):
-        if not self.m.consume_token(
-            token
-        ):  # the sampler drew from the mask: a bug, never the model's doing
+        # the sampler drew from the mask: a token outside it is a bug, never the model's doing
+        if not self.m.consume_token(token):
             raise RuntimeError(f"token {token} is outside the grammar: {self.m.get_error()[:300]}")
 
 
@@ -212,7 +202,8 @@ def sample_masks(s: Sample, tok, n_vocab: int) -> Optional[tuple[list[int], torc
     when it has none."""
     pos, rows = [], []
     for k, g in s.grammars.items():
-        at = [i for i, c in enumerate(s.call) if c == int(k)]  # its response: one run of positions
+        # its response: one run of positions
+        at = [i for i, c in enumerate(s.call) if c == int(k)]
         rows.append(replay(g, [s.tokens[i] for i in at], tok, n_vocab))
         pos += at
     return (pos, torch.cat(rows)) if rows else None

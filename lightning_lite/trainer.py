@@ -1,0 +1,186 @@
+"""The trainer's side of a step: the policy (and its reference and served copies), AdamW, and one
+update: samples -> micro-batches -> logprobs -> loss -> backward -> optimizer step.
+
+    learner = Learner(args, tok, device, dtype, world, master, resume_dir, log)
+    metrics, grad_norm, skipped = learner.update(samples, step, has_signal)
+
+``args`` are train.py's flags (README: the training knobs); algo.py holds the math.
+"""
+
+import math
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+from . import algo, parallel
+from .extras import grammar
+from .models import load_model
+from .records import Sample, common_prefix
+
+
+class Learner:
+    def __init__(self, args, tok, device, dtype, world: int, master: bool, resume_dir, log):
+        self.args, self.tok, self.device, self.dtype, self.log = args, tok, device, dtype, log
+        self.world, self.master = world, master
+        fsdp = args.parallel == "fsdp"
+        # fp32: the master weights
+        self.model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len)
+        # The reference and served copies hold the weights as the trainer's forward sees them:
+        # FSDP gathers them in --dtype, DDP's autocast casts fp32 weights op by op.
+        held = dtype if fsdp else torch.float32
+        self.ref_model = None
+        if args.kl_coef > 0:
+            self.ref_model = load_model(args.model, device, held, args.max_model_len)
+            self.ref_model.requires_grad_(False)
+        # The embedded backend serves the trained module itself, unless its parameters are FSDP
+        # shards, change while rollouts run (--async), or use an attention decoding lacks (flex):
+        # then a copy of its own, which each weight sync refreshes. vLLM always has its own.
+        self.served = self.model
+        if args.backend == "hf" and (fsdp or args.async_steps or args.attn == "flex_attention"):
+            self.served = load_model(resume_dir or args.model, device, held, args.max_model_len)
+        for net in [m for m in (self.model, self.ref_model) if m is not None and args.attn]:
+            net.set_attn_implementation(args.attn)
+        if not args.no_tree and (why := algo.tree_unsupported(self.model.config)):
+            log(f"training each sample as its own row (--no-tree): this model cannot run a packed tree, {why}")
+            args.no_tree = True
+        offload, checkpointing = args.fsdp_offload, args.activation_checkpointing
+        self.train_model = parallel.wrap(self.model, args.parallel, device, world, offload, checkpointing, dtype)
+        if self.ref_model is not None and fsdp:
+            # sharded like the policy, without an optimizer: its forwards are collectives too
+            parallel.wrap(self.ref_model, "fsdp", device, world, offload, dtype=dtype)
+        # after sharding: AdamW's state is over the shards
+        params = self.model.parameters()
+        self.opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+        self.start_step = 0
+        if resume_dir:
+            # mapped from the file into host memory, not onto the GPU: the ranks of a node share the
+            # page cache's one copy (12 bytes/param) and each takes its part (FSDP) or all (DDP)
+            path = os.path.join(resume_dir, "trainer_state.pt")
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            parallel.load_optimizer_state(self.model, self.opt, state["optimizer"], args.parallel)
+            self.start_step = state["step"]
+            log(f"resumed from {resume_dir} at step {self.start_step}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup, then constant or cosine down to 10%."""
+        a = self.args
+        if step < a.warmup_steps:
+            return a.lr * (step + 1) / a.warmup_steps
+        t = min(1.0, (step - a.warmup_steps) / max(1, a.steps - a.warmup_steps))
+        return a.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)) if a.lr_schedule == "cosine" else 1.0)
+
+    def update(self, samples: list[Sample], step: int, has_signal: bool):
+        """Loss, backward and AdamW on the step's samples; skipped, saying why, when nothing carries
+        a signal or the gradient is not finite. Returns (metrics, gradient norm, why skipped)."""
+        if not has_signal:
+            self.log(f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update")
+            return {}, None, "no_signal"
+        self.model.train()
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(step)
+        metrics = self.backward(samples, version=step)
+        # the norm of the reduced gradients: every rank decides alike
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+        grad_norm, skipped = parallel.scalar(norm), None
+        if math.isfinite(grad_norm):
+            self.opt.step()
+        else:
+            # one NaN/inf gradient would make every weight NaN
+            skipped = "nonfinite_grad"
+            self.log(f"step {step + 1}: WARNING: the gradient norm is {grad_norm}, skipping the update "
+                     "(a non-finite loss or logprob: see loss, dlogp_max)")
+        # the gradients' memory is free for the rollouts (and woken vLLM servers)
+        self.opt.zero_grad(set_to_none=True)
+        self.model.eval()
+        return metrics, grad_norm, skipped
+
+    def micro_batches(self, samples: list[Sample], weights: list[float]) -> list:
+        """Sorted by tokens (a rollout's leaves and a group's samples side by side: neighbours share
+        prefixes), cut into micro-batches of at most --micro-batch-tokens: packed, each sample adding
+        what follows its common prefix with the one before (exactly ``algo.pack``'s row when
+        sorted), or, --no-tree, padded [B, T]."""
+        limit, batches, size, prev = self.args.micro_batch_tokens, [], 0, []
+        for i in sorted(range(len(samples)), key=lambda i: samples[i].tokens):
+            t = samples[i].tokens
+            if self.args.no_tree:
+                # rows: B x the longest
+                longest = max(len(samples[j].tokens) for j in batches[-1] + [i]) if batches else 0
+                grown = longest * (len(batches[-1]) + 1) if batches else 0
+            else:
+                grown = size + len(t) - common_prefix(prev, t)
+            if batches and grown <= limit:
+                batches[-1].append(i)
+                size = grown
+            else:
+                batches.append([i])
+                size = len(t)
+            prev = t
+        return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in batches]
+
+    def backward(self, samples: list[Sample], version: int) -> dict:
+        """Loss and backward over this rank's micro-batches (gradients summed over ranks by DDP or
+        FSDP). Metrics, with the trained tokens and their mean |trainer - rollout logprob| by
+        staleness (updates since they were sampled)."""
+        a, tok, model = self.args, self.tok, self.model
+        max_age = a.steps if a.from_calls else a.async_steps
+        # the denominators are all-reduced before any backward: exact under any micro-batch split
+        weights = algo.sample_weights(samples, a.norm, algo.global_denominators(samples), a.norm_const)
+        # FSDP: every rank runs as many forwards as the others (None: a zero-weight one)
+        mbs = parallel.pad_micro_batches(self.micro_batches(samples, weights), a.parallel)
+        flex = model.config._attn_implementation == "flex_attention"
+        # [2, age]: tokens and their summed |dlogp| by staleness; fwd, constrained, forced tokens
+        stale, counts, rows = torch.zeros(2, max_age + 1, dtype=torch.float64), torch.zeros(3), []
+        quiet = not (self.master and sys.stderr.isatty())
+        for i, mb in enumerate(tqdm(mbs, desc="train", unit="mb", leave=False, disable=quiet)):
+            pad = mb is None
+            mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0]) if pad else mb
+            # the masks a grammar sampled under (a forced call's schema), replayed: scored under them
+            vocab = model.config.vocab_size
+            masks = [grammar.sample_masks(s, tok, vocab) if s.grammars else None for s in mb[0]]
+            # flex_attention compiles for each new shape: its rows are padded to one
+            b = algo.collate(*mb, device=self.device, pad_id=tok.pad_token_id or 0, tree=not a.no_tree,
+                             masks=masks, pad_to=a.micro_batch_tokens if flex else 1)
+            with parallel.accumulating(self.train_model, a.parallel, last=i == len(mbs) - 1):
+                with torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32):
+                    # [B, T]
+                    logprobs = algo.trainer_logprobs(self.train_model, b)
+                    with torch.no_grad():
+                        ref = algo.trainer_logprobs(self.ref_model, b) if self.ref_model else None
+                loss, m = algo.policy_loss(
+                    logprobs, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"],
+                    loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
+                    tis_cap=a.tis_cap, kl_coef=a.kl_coef, ref_logprobs=ref)
+                # DDP and FSDP average gradients over ranks; the weights already make the global sum
+                (loss * self.world).backward()
+            if pad:
+                continue
+            rows.append(m)
+            constrained = sum(len(x[0]) for x in masks if x)
+            forced = sum(grammar.forced(x[1]) for x in masks if x)
+            counts += torch.tensor([b["fwd_tokens"], constrained, forced])
+            on = b["loss_mask"] > 0
+            # [N]: each trained token's staleness
+            age = version - b["version"][on]
+            if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= max_age:
+                raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {a.async_steps} allows")
+            dlogp = (logprobs - b["old_logprobs"])[on].abs().detach().double()
+            stale[0] += torch.bincount(age, minlength=max_age + 1).double().cpu()
+            stale[1] += torch.bincount(age, dlogp, minlength=max_age + 1).cpu()
+        *by_age, fwd, constrained, forced = algo.all_reduce(stale.view(-1).tolist() + counts.tolist())
+        n, total = torch.tensor(by_age).view(2, -1).tolist()
+        return {**algo.reduce_metrics(rows), "fwd_tokens": int(fwd), "constrained_tokens": int(constrained),
+                "forced_tokens": int(forced), "staleness": {k: int(x) for k, x in enumerate(n) if x},
+                "dlogp_by_staleness": {k: d / x for k, (x, d) in enumerate(zip(n, total)) if x}}
+
+    def save(self, step: int, run, config: dict) -> str | None:
+        """A checkpoint of the trained weights (under --async the served copy is a step behind) and
+        the optimizer state: every rank helps gather them (FSDP), rank 0 writes them."""
+        weights = parallel.full_state_dict(self.model, self.args.parallel)
+        optim = parallel.optimizer_state(self.model, self.opt, self.args.parallel)
+        if not self.master:
+            return None
+        # the served copy is of the plain class: the checkpoint loads anywhere
+        return run.save_checkpoint(step, self.served, self.tok, weights, optim, self.dtype, config,
+                                   self.args.keep_checkpoints)

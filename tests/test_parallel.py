@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_lite import parallel
+from lightning_lite import backends, parallel
 from lightning_lite.algo import (
     collate,
     global_denominators,
@@ -123,7 +123,7 @@ def gathers_one_tensor_at_a_time(net, rank, weights):
     dst = load_model("smollm2", torch.device("cpu"))
     DTensor.full_tensor = tracked
     try:
-        parallel.copy_weights(net, dst)
+        backends.copy_weights(net, dst)
     finally:
         DTensor.full_tensor = gather
     print(f"rank {rank}: {len(alive)} tensors gathered, at most {most[0]} alive at once")

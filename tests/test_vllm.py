@@ -25,7 +25,7 @@ from conftest import ROOT
 
 from lightning_lite.extras import grammar
 from lightning_lite.algo import collate, trainer_logprobs, unpack_bits
-from lightning_lite.backends import VLLMBackend
+from lightning_lite.extras.vllm import VLLMBackend
 from lightning_lite.chat import Sampling
 from lightning_lite.models import load_model, resolve
 from lightning_lite.proxy import Proxy, ProxyServer

@@ -1,15 +1,18 @@
-"""Started vLLM servers: where they run (backends.placement) and the API key they are started with, which the
+"""Started vLLM servers: where they run (extras/vllm.py placement) and the API key they are started with, which the
 backend sends on every request. No vLLM needed: spawn() runs a stand-in `vllm.entrypoints.openai.api_server`
 (FAKE below, put first on PYTHONPATH) that answers only with the right bearer key and records how it was started."""
 
 import asyncio
+import collections
 import json
+import os
+import shutil
 import sys
 
 import pytest
 import torch
 
-from lightning_lite.backends import VLLMBackend, placement
+from lightning_lite.extras.vllm import VLLMBackend, placement
 from lightning_lite.chat import Sampling
 
 FAKE = r"""
@@ -160,3 +163,25 @@ def test_a_backend_without_the_key_is_told_the_key_is_wrong_or_missing(fake_vllm
             VLLMBackend(b.urls, str(tmp_path / "w"), api_key=key)
     monkeypatch.setenv("VLLM_API_KEY", b.api_key)  # the default, as vLLM's own
     assert VLLMBackend(b.urls, str(tmp_path / "w")).model_name == "fake"
+
+
+def test_weight_syncs_go_through_dev_shm_only_when_it_holds_the_weights(tmp_path, monkeypatch):
+    """Docker and Kubernetes give /dev/shm 64 MB by default: a 9B model's weights would fill it mid-write."""
+    from lightning_lite.extras.vllm import _sync_dir
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    (tmp_path / "model.safetensors").write_bytes(
+        b"0" * 1000
+    )  # 2000 bytes to sync in fp32 from a bf16 file
+    usage = collections.namedtuple("usage", "total used free")
+    for free, in_memory in ((64 * 2**20, True), (1999, False)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(free, 0, free))
+        d = _sync_dir(str(tmp_path))
+        assert d.startswith("/dev/shm/") == in_memory and os.path.basename(d).startswith(
+            "lightning-lite-weights-"
+        ), d
+        os.rmdir(d)
+    os.rmdir(
+        _sync_dir("Qwen/Qwen3-8B")
+    )  # a hub name vLLM downloads itself: no local size, and no crash

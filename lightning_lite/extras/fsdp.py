@@ -1,0 +1,69 @@
+"""FSDP2 (``--parallel fsdp``; README: models bigger than one GPU): weights, gradients and AdamW state
+sharded over the ranks, one shard unit per decoder layer. The hook is parallel.py: each of its functions
+hands the fsdp mode to the one of the same name here. The loss is the same as under DDP; every forward and
+backward gathers weights from all ranks (hence parallel.pad_micro_batches), and the parameters are shards
+(DTensors): ``full_state_dict`` and ``optimizer_state`` gather them for vLLM and checkpoints (the embedded
+backend's own copy gathers them one at a time: backends.copy_weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+# whole on rank 0, in host memory: no GPU holds a second copy of the model
+_GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def add_args(parser):
+    """The flags of ``--parallel fsdp``, as an argparse group."""
+    group = parser.add_argument_group("FSDP2 (--parallel fsdp)")
+    group.add_argument(
+        "--fsdp-offload",
+        action="store_true",
+        help="keep parameters, gradients and optimizer state in CPU memory",
+    )
+
+
+def wrap(model, offload: bool = False, dtype: torch.dtype = torch.float32):
+    """Shard ``model`` in place and return it; ``offload`` keeps parameters, gradients and optimizer
+    state in CPU memory. ``dtype`` bf16: the weights are gathered and computed with in bf16; the shards
+    (master weights) and the gradient reductions stay fp32."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = {
+        "mp_policy": precision,
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+    }
+    # transformers decoder models: one shard unit per layer
+    for layer in model.model.layers:
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
+    return model
+
+
+def full_state_dict(model) -> dict:
+    """The whole model's weights (a collective), gathered one tensor at a time into rank 0's host memory;
+    the other ranks get {}."""
+    return get_model_state_dict(model, options=_GATHERED)
+
+
+def optimizer_state(model, opt) -> dict:
+    """The whole optimizer state on rank 0 (a collective)."""
+    return get_optimizer_state_dict(model, opt, options=_GATHERED)
+
+
+def load_optimizer_state(model, opt, state: dict):
+    """Restore ``optimizer_state``'s output: each rank takes its shard of the whole."""
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))

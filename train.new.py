@@ -28,7 +28,7 @@ from lightning_lite import algo, parallel
 from lightning_lite.backends import HFBackend
 from lightning_lite.extras import audit, from_calls, fsdp, harnesses, loggers, sandbox, vllm
 from lightning_lite.harness import fail_rollouts_the_backend_failed, run_rollouts
-from lightning_lite.models import load_tokenizer
+from lightning_lite.models import load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
 from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_rates
@@ -134,8 +134,17 @@ if args.attn == "flex_attention" and not cuda:
              "(sdpa, the default, runs a packed tree on CPUs)")
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
-for extra in (harnesses, from_calls, vllm, fsdp):
-    extra.check(args, ddp, world)
+if args.fsdp_offload and (args.parallel != "fsdp" or not cuda):
+    sys.exit("--fsdp-offload moves FSDP's shards from GPU memory to CPU memory: it needs --parallel "
+             "fsdp on GPUs")
+if args.parallel == "fsdp" and not ddp:
+    sys.exit("--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N (N >= 2); "
+             "one process trains whole")
+if args.vllm_sleep and (args.backend != "vllm" or args.async_steps):
+    sys.exit("--vllm-sleep frees the vLLM servers' GPU memory while training: it needs --backend "
+             "vllm, and no --async (rollouts would run then)")
+for extra in (harnesses, from_calls):
+    extra.check(args)
 torch.manual_seed(args.seed + rank)
 random.seed(args.seed + rank)
 
@@ -165,7 +174,7 @@ metrics = loggers.Loggers(args, config) if master else None
 
 # ----------------------------------------------------------------------------- backend, proxy, harnesses
 if args.backend == "vllm":
-    backend = vllm.start(args, model.config, dtype, resume_dir, world, master, ddp)
+    backend = vllm.start(args, model.config, dtype, resume_dir or resolve(args.model), device)
 else:
     backend = HFBackend(learner.served, tok, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=dtype)
 backend.version = start_step
@@ -278,17 +287,14 @@ def advantages(groups, results, calls):
 
 def sync_weights(version):
     """The backend serves the trained weights (every rank calls it: a collective). Calls in flight
-    finish on the old weights, new calls wait, then get the new ones."""
-    if args.backend == "vllm":
-        return vllm.sync(backend, model, args, version, master, ddp)
+    finish on the old weights, new calls wait, then get the new ones. vLLM gets them whole (FSDP:
+    gathered into rank 0's host memory); the embedded backend gets the module (it serves it, or
+    copies it into its own copy, FSDP's shards gathered one at a time)."""
+    served = parallel.full_state_dict(model, args.parallel) if args.backend == "vllm" else model
     backend.pause()
+    # every rank's calls have finished before anything reloads (vLLM servers are shared)
     if ddp:
         dist.barrier()
-    served = model
-    if args.parallel == "fsdp":
-        # the shards gathered into each rank's own copy a tensor at a time, once its calls are done
-        parallel.copy_weights(model, learner.served)
-        served = learner.served
     backend.sync_weights(served, version=version)
     if ddp:
         dist.barrier()

@@ -20,7 +20,7 @@ def add_args(parser):
                        "over every --harness (--group-size split by WEIGHT)")
 
 
-def check(args, ddp, world):
+def check(args):
     if args.group_across_harnesses and (len(args.harness) < 2 or args.from_calls):
         sys.exit("--group-across-harnesses groups the rollouts of several --harness that run the "
                  "same tasks: give two or more")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from lightning_lite.audit import compile_patterns, scan
+from lightning_lite.extras.audit import compile_patterns, scan
 from lightning_lite.records import Call, read_calls, write_jsonl
 
 
@@ -184,7 +184,7 @@ def test_compile_patterns_names_the_bad_one():
 def test_escape_patterns_flag_what_a_sandboxed_agent_must_not_name():
     """train.py's default flags for sandboxed rollouts (kind "escape"): the sandbox makes these fail; the flag says
     the agent tried. Its own base URL and ordinary paths are not flagged."""
-    from lightning_lite.audit import escape_patterns
+    from lightning_lite.extras.audit import escape_patterns
 
     pats = escape_patterns("/work/runs/x", "/root", 8000)
     hits = lambda text: sorted(n for n, p in pats.items() if p.search(text))  # noqa: E731

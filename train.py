@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lightning_lite import algo, audit, grammar, parallel, sandbox
+from lightning_lite import algo, grammar, parallel
 from lightning_lite.backends import HFBackend, VLLMBackend, placement
+from lightning_lite.extras import audit, sandbox
 from lightning_lite.harness import (
     RolloutResult,
-    SubprocessHarness,
     fail_rollouts_the_backend_failed,
     load_harness,
     parse_kwargs,
@@ -783,11 +783,8 @@ specs = [
     (m[1], float(m[2])) if (m := re.fullmatch(r"(.+):(\d+(?:\.\d+)?)", h)) else (h, 1.0)
     for h in args.harness
 ]
-hs, weights, audits = (
-    [],
-    [w for _, w in specs],
-    {},
-)  # the harnesses, their weights, name -> (their audit patterns)
+# the harnesses and their weights
+hs, weights = [], [w for _, w in specs]
 targets = {item.partition("=")[0].rpartition(":")[0] for item in args.harness_arg} - {
     "",
     *(sp for sp, _ in specs),
@@ -807,29 +804,12 @@ for spec, _ in specs:  # "K=V" goes to every harness, "SPEC:K=V" to that one
         ]
     )
     h = load_harness(spec, **kw)
-    h.name = h.name if h.name not in audits else f"{h.name}{len(hs)}"  # metrics are kept by name
-    audits[h.name] = (
-        audit.compile_patterns(h.audit),
-        audit.compile_patterns(h.audit_results),
-    )  # bad ones fail here
+    # metrics are kept by name
+    h.name = h.name if h.name not in {g.name for g in hs} else f"{h.name}{len(hs)}"
     hs.append(h)
-for (
-    h
-) in hs:  # a Python harness runs in this process: its tools are its own code, no program to sandbox
-    if isinstance(h, SubprocessHarness) and h.sandbox is None:
-        try:
-            h.sandbox = sandbox.make(args.sandbox, hide=[args.out], image=args.sandbox_image)
-        except ValueError as e:
-            sys.exit(f"--sandbox {args.sandbox}: {e}")
-        log(f"{h.name}'s rollouts run in sandbox {h.sandbox.name}")
-box = {
-    h.name: getattr(getattr(h, "sandbox", None), "name", "none") for h in hs
-}  # where each one's rollouts run
-escapes = (
-    audit.escape_patterns(args.out, os.path.expanduser("~"), server.port)
-    if set(box.values()) - {"none"}
-    else {}
-)
+# where each harness's rollouts run, and what is flagged on them (bad audit patterns fail here)
+sandbox_of = sandbox.setup(hs, args.sandbox, args.sandbox_image, args.out, log)
+auditor = audit.Auditor(hs, sandbox_of, args.out, server.port)
 train_tasks = {h.name: h.tasks("train") for h in hs}
 test_tasks = {h.name: h.tasks("test")[: args.eval_tasks] for h in hs}
 by_id = {h.name: {t.id: t for t in train_tasks[h.name]} for h in hs}
@@ -852,10 +832,11 @@ log(f"rank 0 proxy at {server.url}")
 harness_of = {}  # rollout id -> the harness that runs it
 
 
-def endpoint_for(
-    rid,
-):  # a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
-    return server.endpoint(rid, args.model, socket=box[harness_of[rid].name] in ("bwrap", "docker"))
+# a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
+def endpoint_for(rid):
+    return server.endpoint(
+        rid, args.model, socket=sandbox_of[harness_of[rid].name] in sandbox.BRIDGED
+    )
 
 
 def rollouts(jobs, name):
@@ -866,7 +847,6 @@ def rollouts(jobs, name):
     harness_of.update({rid: h for rid, _, h in jobs})
     results = asyncio.run(
         run_rollouts(
-            None,
             jobs,
             endpoint_for,
             args.max_concurrency,
@@ -882,23 +862,9 @@ def rollouts(jobs, name):
     calls_of = {}
     for c in calls:
         calls_of.setdefault(c.rollout_id, []).append(c)
-    for r in results:  # what the proxy refused it (another rollout's route, a reward of its own), what the audit found
-        h, mine = (
-            harness_of.pop(r.rollout_id),
-            [c for c in calls_of.get(r.rollout_id, []) if c.finish_reason not in UNANSWERED],
-        )
-        esc = (
-            escapes if box[h.name] != "none" else {}
-        )  # an escape is looked for in sandboxed rollouts
-        found = audit.scan(
-            calls_of.get(r.rollout_id, []),
-            {**audits[h.name][0], **esc},
-            audits[h.name][1],
-            tok.decode,
-        )
-        r.flags = proxy.flags(r.rollout_id) + [
-            {**f, "kind": "escape"} if f["what"] in esc else f for f in found
-        ]
+    for r in results:
+        harness_of.pop(r.rollout_id)
+        mine = [c for c in calls_of.get(r.rollout_id, []) if c.finish_reason not in UNANSWERED]
         ids = Counter(
             c.reply_id for c in mine
         )  # a call is named by its index, or by its reply's id (one choice)
@@ -912,8 +878,8 @@ def rollouts(jobs, name):
                 f"rewards for calls it does not have: {bad[:3]} (name a call by its index in the rollout or its reply's id)",
             )
         r.call_rewards = {key[k]: v for k, v in got.items()} if r.reward is not None else {}
-        if r.flags and h.zero_flagged and r.reward is not None:
-            r.reward, r.call_rewards = 0.0, {}
+    # what the proxy refused a rollout (another rollout's route, a reward of its own), what the audit found
+    auditor.flag(results, calls_of, proxy.flags, tok.decode)
     proxy.reset()
     fail_rollouts_the_backend_failed(results, calls)
     return results, calls, time.time() - t0

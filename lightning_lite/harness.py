@@ -99,6 +99,7 @@ class SubprocessHarness(Harness):
     BASE_ENV = tuple("PATH HOME USER LOGNAME SHELL LANG LANGUAGE TERM TZ TMPDIR PYENV_ROOT".split())
     # more of the trainer's variables the program needs (e.g. "HF_HOME")
     pass_env: tuple[str, ...] = ()
+    # where it runs (see above); None: bwrap, chosen at its first rollout
     sandbox = None
     # What the sandbox gets besides the command (see sandbox_options). Read-only: the interpreter and the repo the
     # program runs from (bwrap hides the trainer's HOME; docker sees only its image), the harness's own installs.

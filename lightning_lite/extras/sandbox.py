@@ -77,6 +77,8 @@ def _bridged(bridge: str, socket: Optional[str], port: Optional[int], cmd: list[
 
 
 class Bwrap(Sandbox):
+    """bubblewrap: the system read-only, the trainer's HOME, /tmp and /run private, no network, no other process."""
+
     name = "bwrap"
     # its own namespaces: no network but loopback, no other process, a new session (no terminal to inject into)
     UNSHARE = "--unshare-pid --unshare-net --unshare-ipc --unshare-uts --unshare-cgroup-try".split()
@@ -117,6 +119,8 @@ class Bwrap(Sandbox):
 
 
 class Docker(Sandbox):
+    """A container of ``image`` (docker or podman): only its image, the binds, and no network at all."""
+
     name = "docker"
     # no network, no capabilities, no setuid gains; removed when it exits
     OPTIONS = "run --rm -i --network none --cap-drop ALL --security-opt no-new-privileges".split()

@@ -4,7 +4,7 @@
     python bench/sandbox_startup.py --sandboxes bwrap --runs 50 --concurrency 1,2,8
     python bench/sandbox_startup.py --image lightning-lite/sandbox:bookworm   # docker's image (make setup-sandbox builds it)
 
-What is timed (lightning_lite.sandbox.make(NAME).wrap(...), exec'd as the runner does, with env {"PATH": ...},
+What is timed (lightning_lite.extras.sandbox.make(NAME).wrap(...), exec'd as the runner does, with env {"PATH": ...},
 in a fresh temporary cwd):
 
   exit      ``python3 -c pass`` from the start of the host command to its exit: set-up, interpreter start, tear-down
@@ -64,7 +64,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_lite import sandbox  # noqa: E402
+from lightning_lite.extras import sandbox  # noqa: E402
 
 # Runs inside: ask 127.0.0.1:PORT/ID until an HTTP answer comes back (a connection the bridge accepts but cannot
 # pass on is closed at once: retry), for at most 30 s.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the sandboxes of lightning_lite/sandbox.py need, on Debian bookworm, as root (make setup-sandbox):
+# What the sandboxes of lightning_lite/extras/sandbox.py need, on Debian bookworm, as root (make setup-sandbox):
 #
 #   1. bubblewrap, docker.io, mmdebstrap, git from apt (only those missing);
 #   2. dockerd, when `docker info` fails: no bridge and no iptables rules, so no container network exists at

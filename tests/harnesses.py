@@ -8,7 +8,7 @@ import aiohttp
 import openai
 
 from lightning_lite.harness import Harness, SubprocessHarness, Task
-from lightning_lite.sandbox import Sandbox
+from lightning_lite.extras.sandbox import Sandbox
 
 TOPICS = ["cats", "rain", "bread", "trains", "the sea", "music", "snow", "books"]
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from lightning_lite.audit import compile_patterns, scan
+from lightning_lite.extras.audit import compile_patterns, scan
 from lightning_lite.records import Call, read_calls, write_jsonl
 
 
@@ -184,7 +184,7 @@ def test_compile_patterns_names_the_bad_one():
 def test_escape_patterns_flag_what_a_sandboxed_agent_must_not_name():
     """train.py's default flags for sandboxed rollouts (kind "escape"): the sandbox makes these fail; the flag says
     the agent tried. Its own base URL and ordinary paths are not flagged."""
-    from lightning_lite.audit import escape_patterns
+    from lightning_lite.extras.audit import escape_patterns
 
     pats = escape_patterns("/work/runs/x", "/root", 8000)
     hits = lambda text: sorted(n for n, p in pats.items() if p.search(text))  # noqa: E731
@@ -200,3 +200,42 @@ def test_escape_patterns_flag_what_a_sandboxed_agent_must_not_name():
         )
         == []
     )
+
+
+def test_auditor_flags_escapes_in_sandboxed_rollouts_and_zeroes_flagged_rewards():
+    """train.py's flagging: the proxy's flags first, then the audit's; escapes only where a sandbox runs the
+    rollouts (kind "escape"); a zero_flagged harness's flagged rollout gets reward 0 and no call rewards, a failed
+    one stays failed, an unflagged one keeps its reward."""
+    from types import SimpleNamespace
+
+    from lightning_lite.extras.audit import Auditor
+    from lightning_lite.harness import RolloutResult
+
+    boxed = SimpleNamespace(name="boxed", audit={}, audit_results={}, zero_flagged=True)
+    host = SimpleNamespace(
+        name="host", audit={"reads": "cat "}, audit_results={}, zero_flagged=False
+    )
+    auditor = Auditor([boxed, host], {"boxed": "bwrap", "host": "none"}, "/work/runs/x", 8000)
+    cmd = bash("cat /work/runs/x/metrics.jsonl")
+    calls_of = {rid: [call(0, ids(TASK), "", [cmd])] for rid in ("a", "b", "c", "d")}
+    results = [
+        RolloutResult("a", "t", 1.0, None, 1.0, harness="boxed", call_rewards={0: 1.0}),
+        RolloutResult("b", "t", None, "timeout after 1s", 1.0, harness="boxed"),
+        RolloutResult("c", "t", 1.0, None, 1.0, harness="host", call_rewards={0: 1.0}),
+        RolloutResult("d", "t", 1.0, None, 1.0, harness="boxed"),
+    ]
+    calls_of["d"] = [call(0, ids(TASK), "done")]
+    refused = {"kind": "route", "what": "another rollout's route"}
+    auditor.flag(results, calls_of, lambda rid: [refused] if rid == "a" else [], decode)
+    a, b, c, d = results
+    assert [f["kind"] for f in a.flags] == ["route", "escape"] and a.flags[1][
+        "what"
+    ] == "the run's out dir"
+    assert (a.reward, a.call_rewards) == (0.0, {})
+    assert [f["kind"] for f in b.flags] == ["escape"] and (b.reward, b.error) == (
+        None,
+        "timeout after 1s",
+    )
+    assert [(f["kind"], f["what"]) for f in c.flags] == [("audit", "reads")]
+    assert (c.reward, c.call_rewards) == (1.0, {0: 1.0})
+    assert d.flags == [] and d.reward == 1.0

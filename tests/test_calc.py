@@ -93,8 +93,7 @@ def run_agent(
     async def main():
         async with StubServer(reply) as stub:
             results = await run_rollouts(
-                load_harness("calc", **kwargs),
-                [("r1", task)],
+                [("r1", task, load_harness("calc", **kwargs))],
                 stub.endpoint,
                 timeout=10,
                 progress=False,

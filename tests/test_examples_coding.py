@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from lightning_lite.sandbox import Sandbox
+from lightning_lite.extras.sandbox import Sandbox
 from examples.swe.tasks import (
     FAMILIES,
     CodingHarness,
@@ -105,11 +105,11 @@ def test_rollout_lifecycle_with_a_fake_agent(fix):
     from lightning_lite.harness import Endpoint, run_rollouts
 
     h = FakeAgent(fix)
-    jobs = [(f"fake-{i}", t) for i, t in enumerate(h.tasks("train"))]
+    jobs = [(f"fake-{i}", t, h) for i, t in enumerate(h.tasks("train"))]
     endpoint_for = lambda rid: Endpoint(
         "http://127.0.0.1:9/v1", "k", "m", rid, "http://127.0.0.1:9"
     )  # noqa: E731
-    results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=60, progress=False))
+    results = asyncio.run(run_rollouts(jobs, endpoint_for, timeout=60, progress=False))
     assert [r.reward for r in results] == [float(fix)] * 4, results
     assert not h._roots and not list(
         Path("/tmp").glob("ll-coding-fake-*")

@@ -154,7 +154,7 @@ def run_search(reply, task, **kwargs):
         async with StubServer(reply) as stub:
             h = load_harness("search", **kwargs)
             (result,) = await run_rollouts(
-                h, [("r1", task)], stub.endpoint, timeout=10, progress=False
+                [("r1", task, h)], stub.endpoint, timeout=10, progress=False
             )
             return result, [body for _, _, body in stub.requests]
 
@@ -321,7 +321,7 @@ def test_instruct_agent_is_one_call():
     async def main():
         async with StubServer(lambda rid, body, n: {"content": "Cats purr."}) as stub:
             (r,) = await run_rollouts(
-                instruct, [("r1", task)], stub.endpoint, timeout=10, progress=False
+                [("r1", task, instruct)], stub.endpoint, timeout=10, progress=False
             )
             return r, stub.requests
 

@@ -18,7 +18,7 @@ from lightning_lite.harness import (
     parse_kwargs,
     run_rollouts,
 )
-from lightning_lite.sandbox import Sandbox
+from lightning_lite.extras.sandbox import Sandbox
 from openai_stub import StubServer
 
 
@@ -51,11 +51,10 @@ class Scripted(Harness):
 
 def test_failing_rollouts_are_reported_and_the_step_goes_on(capsys):
     harness = Scripted()
-    jobs = [(f"r{i}", t) for i, t in enumerate(harness.tasks("train"))]
+    jobs = [(f"r{i}", t, harness) for i, t in enumerate(harness.tasks("train"))]
     t0 = time.monotonic()
     results = asyncio.run(
         run_rollouts(
-            harness,
             jobs,
             fake_endpoint,
             timeout=0.5,
@@ -65,7 +64,7 @@ def test_failing_rollouts_are_reported_and_the_step_goes_on(capsys):
     assert time.monotonic() - t0 < 3  # the hanging rollout was cut at 0.5 s
     by_task = {r.task_id: r for r in results}
     assert [r.rollout_id for r in results] == [
-        rid for rid, _ in jobs
+        rid for rid, *_ in jobs
     ]  # one result per job, in order
     assert (by_task["t-ok"].reward, by_task["t-ok"].error) == (1.0, None)
     assert (by_task["t-posted"].reward, by_task["t-posted"].error) == (0.25, None)
@@ -95,10 +94,8 @@ def test_concurrency_is_bounded():
             Slow.running -= 1
             return 0.5
 
-    jobs = [(f"r{i}", Task(f"t{i}", "")) for i in range(9)]
-    results = asyncio.run(
-        run_rollouts(Slow(), jobs, fake_endpoint, max_concurrency=3, progress=False)
-    )
+    jobs = [(f"r{i}", Task(f"t{i}", ""), Slow()) for i in range(9)]
+    results = asyncio.run(run_rollouts(jobs, fake_endpoint, max_concurrency=3, progress=False))
     assert Slow.peak == 3 and all(r.reward == 0.5 for r in results)
 
 
@@ -132,11 +129,10 @@ class Script(SubprocessHarness):
 def test_subprocess_harness_gets_its_own_base_url_and_key():
     async def main():
         async with StubServer(lambda rid, body, n: {"content": "4"}) as stub:
-            jobs = [("roll-a", Task("t0", "2+2?")), ("roll-b", Task("t1", "2+2?"))]
+            script = Script(AGENT)
+            jobs = [("roll-a", Task("t0", "2+2?"), script), ("roll-b", Task("t1", "2+2?"), script)]
             endpoint_for = lambda rid: stub.endpoint(rid, api_key=f"key-{rid}")
-            return stub, await run_rollouts(
-                Script(AGENT), jobs, endpoint_for, timeout=20, progress=False
-            )
+            return stub, await run_rollouts(jobs, endpoint_for, timeout=20, progress=False)
 
     stub, results = asyncio.run(main())
     assert [(r.rollout_id, r.reward, r.error) for r in results] == [
@@ -172,7 +168,7 @@ def test_subprocess_harness_gets_a_scrubbed_environment(monkeypatch):
     endpoint = Endpoint("http://127.0.0.1:9/rollout/r/v1", "k", "m", "r", "http://127.0.0.1:9")
     assert (
         asyncio.run(
-            run_rollouts(h, [("r", Task("t", "hi"))], lambda rid: endpoint, progress=False)
+            run_rollouts([("r", Task("t", "hi"), h)], lambda rid: endpoint, progress=False)
         )[0].reward
         == 1.0
     )
@@ -215,8 +211,7 @@ def test_subprocess_timeout_kills_the_whole_process_group(tmp_path):
     """)
     results = asyncio.run(
         run_rollouts(
-            Script(code, cwd=str(tmp_path)),
-            [("r0", Task("t", ""))],
+            [("r0", Task("t", ""), Script(code, cwd=str(tmp_path)))],
             fake_endpoint,
             timeout=1.5,
             progress=False,
@@ -248,8 +243,7 @@ def test_a_grandchild_that_escapes_the_group_does_not_hold_the_rollout(tmp_path)
     t0 = time.monotonic()
     result = asyncio.run(
         run_rollouts(
-            Script(code, cwd=str(tmp_path)),
-            [("r0", Task("t", ""))],
+            [("r0", Task("t", ""), Script(code, cwd=str(tmp_path)))],
             fake_endpoint,
             timeout=30,
             progress=False,
@@ -262,7 +256,7 @@ def test_a_grandchild_that_escapes_the_group_does_not_hold_the_rollout(tmp_path)
 def test_subprocess_crash_reports_exit_code_and_stderr():
     code = "import sys; sys.stderr.write('Traceback...\\nValueError: bad task\\n'); sys.exit(3)"
     result = asyncio.run(
-        run_rollouts(Script(code), [("r0", Task("t", ""))], fake_endpoint, progress=False)
+        run_rollouts([("r0", Task("t", ""), Script(code))], fake_endpoint, progress=False)
     )[0]
     assert result.reward is None
     assert "exited with code 3" in result.error and "ValueError: bad task" in result.error
@@ -278,7 +272,7 @@ def test_subprocess_default_workdir_is_fresh_and_removed():
 
     harness = Keep(code)
     assert (
-        asyncio.run(run_rollouts(harness, [("r0", Task("t", ""))], fake_endpoint, progress=False))[
+        asyncio.run(run_rollouts([("r0", Task("t", ""), harness)], fake_endpoint, progress=False))[
             0
         ].reward
         == 0.5

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from conftest import ROOT
-from lightning_lite.audit import scan
+from lightning_lite.extras.audit import scan
 from lightning_lite.records import Call, write_jsonl
 from lightning_lite.report import batch_label
 from lightning_lite.samples import build_samples

@@ -1,4 +1,4 @@
-"""The sandboxes (lightning_lite/sandbox.py) with a real proxy: from inside, every escape attempt fails while the
+"""The sandboxes (lightning_lite/extras/sandbox.py) with a real proxy: from inside, every escape attempt fails while the
 rollout's own proxy call succeeds, and what the proxy refused is flagged on the rollout that tried it."""
 
 import asyncio
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lightning_lite import sandbox
+from lightning_lite.extras import sandbox
 from lightning_lite.harness import SubprocessHarness, Task, run_rollouts
 from lightning_lite.proxy import Proxy, ProxyServer
 from test_faults import FakeBackend
@@ -102,10 +102,9 @@ def test_escapes_fail_and_the_own_proxy_call_succeeds(box, tok, tmp_path, monkey
             "host_ip": host_ip,
         }
         h = Escaper(box, targets)
-        jobs = [("a", Task("ta", "a")), ("b", Task("tb", "b"))]
+        jobs = [("a", Task("ta", "a"), h), ("b", Task("tb", "b"), h)]
         results = asyncio.run(
             run_rollouts(
-                h,
                 jobs,
                 lambda rid: srv.endpoint(rid, "m", socket=True),
                 timeout=120,

@@ -22,7 +22,7 @@ from examples.swe import instances as swe
 from examples.swe import make_instances
 from examples.swe.tasks import CodingHarness
 from lightning_lite.harness import Endpoint, run_rollouts
-from lightning_lite.sandbox import Sandbox, make
+from lightning_lite.extras.sandbox import Sandbox, make
 
 needs_pytest = pytest.mark.skipif(
     subprocess.run(["/usr/bin/python3", "-c", "import pytest"], capture_output=True).returncode
@@ -450,11 +450,11 @@ def test_rollouts_through_the_harness(built, fix):
     path, insts, sources = built
     h = FakeAgent(fix, instances=str(path))
     h.sources = sources  # the module's cache
-    jobs = [(f"fake-swe-{i}", t) for i, t in enumerate(h.tasks("train"))]
+    jobs = [(f"fake-swe-{i}", t, h) for i, t in enumerate(h.tasks("train"))]
     endpoint_for = lambda rid: Endpoint(
         "http://127.0.0.1:9/v1", "k", "m", rid, "http://127.0.0.1:9"
     )  # noqa: E731
-    results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
+    results = asyncio.run(run_rollouts(jobs, endpoint_for, timeout=120, progress=False))
     assert [(r.reward, r.error) for r in results] == [(float(fix), None)] * len(insts), results
     assert (
         not h._roots

@@ -232,9 +232,9 @@ def test_subprocess_harness_calls_land_in_its_rollout(server):
     from lightning_lite.harness import Endpoint, load_harness, run_rollouts
 
     h = load_harness(HARNESSES + ":ScriptHarness")
-    jobs = [(f"sub-{i}", t) for i, t in enumerate(h.tasks("train")[:2])]
+    jobs = [(f"sub-{i}", t, h) for i, t in enumerate(h.tasks("train")[:2])]
     endpoint_for = lambda rid: Endpoint(server.base_url(rid), "sk-sub", "smollm2", rid, server.url)  # noqa: E731
-    results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
+    results = asyncio.run(run_rollouts(jobs, endpoint_for, timeout=120, progress=False))
     assert all(r.error is None and r.reward is not None for r in results), results
     assert sorted(
         c.rollout_id
@@ -247,9 +247,9 @@ def test_calc_agent_on_the_embedded_model(server):
     from lightning_lite.harness import Endpoint, load_harness, run_rollouts
 
     h = load_harness("calc", max_tokens=16)
-    jobs = [(f"calc-{i}", t) for i, t in enumerate(h.tasks("test")[:3])]
+    jobs = [(f"calc-{i}", t, h) for i, t in enumerate(h.tasks("test")[:3])]
     endpoint_for = lambda rid: Endpoint(server.base_url(rid), "k", "smollm2", rid, server.url)  # noqa: E731
-    results = asyncio.run(run_rollouts(h, jobs, endpoint_for, timeout=120, progress=False))
+    results = asyncio.run(run_rollouts(jobs, endpoint_for, timeout=120, progress=False))
     assert all(r.error is None and 0.0 <= r.reward <= 1.0 for r in results), results
     calls = [
         c

@@ -510,7 +510,7 @@ def parse_summary(output: str, ids: list[str]) -> Optional[dict]:
 def run_in_sandbox(
     box, cmd: str, env: dict, cwd, *, image=None, limits=None, name=None, ro_binds=(), timeout=600.0
 ):
-    """``sh -c cmd`` in the sandbox ``box`` (a lightning_lite.sandbox Sandbox), stdout and stderr together;
+    """``sh -c cmd`` in the sandbox ``box`` (a lightning_lite.extras.sandbox Sandbox), stdout and stderr together;
     (exit code, output), or (None, output so far) after ``timeout``. Then its process group is killed and the
     sandbox's leftovers (a container) with it."""
     name = (
@@ -556,7 +556,7 @@ def grade(
     timeout: float = 600.0,
 ) -> Grade:
     """The instance's reward for ``patch`` (the agent's change, bytes or text), in a fresh clone of the base
-    commit, the tests run in ``box`` (a lightning_lite.sandbox Sandbox) within ``timeout`` seconds."""
+    commit, the tests run in ``box`` (a lightning_lite.extras.sandbox Sandbox) within ``timeout`` seconds."""
     patch = patch.encode() if isinstance(patch, str) else patch
     ids = inst["FAIL_TO_PASS"] + inst["PASS_TO_PASS"]
     if len(patch) > MAX_PATCH:
@@ -711,7 +711,7 @@ def check_with(insts: list[dict], sources: Sources, box) -> list[str]:
 
 def check(path=None, sandbox_kind: str = "none", repos_dir=None) -> list[str]:
     """check_with for a JSONL (default: the shipped instances), its repositories beside it unless ``repos_dir``."""
-    from lightning_lite import sandbox
+    from lightning_lite.extras import sandbox
 
     path = Path(path or shipped())
     box = sandbox.make(sandbox_kind, image=DEFAULT_IMAGE)

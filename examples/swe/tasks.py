@@ -49,7 +49,7 @@ from typing import Optional
 
 from examples.swe import instances as swe
 from lightning_lite.harness import REPO_ROOT, Endpoint, SubprocessHarness, Task
-from lightning_lite.sandbox import Sandbox
+from lightning_lite.extras.sandbox import Sandbox
 
 # ---------------------------------------------------------------------------- bug families
 # Each family(rng) returns a dict:

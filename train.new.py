@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning_lite import algo, parallel
 from lightning_lite.backends import HFBackend
 from lightning_lite.extras import audit, from_calls, fsdp, harnesses, loggers, sandbox, vllm
-from lightning_lite.harness import fail_rollouts_the_backend_failed, run_rollouts
+from lightning_lite.harness import fail_rollouts_the_backend_failed, resolve_call_rewards, run_rollouts
 from lightning_lite.models import load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
@@ -183,8 +183,9 @@ proxy = Proxy(backend, tok, model_name=args.model, max_new_tokens=args.max_new_t
               keep_history_tokens=args.keep_history_tokens, rollout_tokens=True)
 server = ProxyServer(proxy, host=args.proxy_host).start()
 tasks = harnesses.Tasks(args, log)
-boxes = sandbox.setup(tasks.harnesses, args, log)
-auditor = audit.Auditor(tasks.harnesses, boxes, args.out, server.port, tok.decode)
+# where each harness's rollouts run, and what is flagged on them (bad audit patterns fail here)
+sandbox_of = sandbox.setup(tasks.harnesses, args.sandbox, args.sandbox_image, args.out, log)
+auditor = audit.Auditor(tasks.harnesses, sandbox_of, args.out, server.port)
 log(proxy.renderer.describe())
 log(f"rank 0 proxy at {server.url}")
 
@@ -199,7 +200,7 @@ def rollouts(jobs, name):
 
     def endpoint_for(rid):
         # a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
-        return server.endpoint(rid, args.model, socket=boxes[harness_of[rid].name] in ("bwrap", "docker"))
+        return server.endpoint(rid, args.model, socket=sandbox_of[harness_of[rid].name] in sandbox.BRIDGED)
 
     results = asyncio.run(run_rollouts(jobs=jobs, endpoint_for=endpoint_for, max_concurrency=args.max_concurrency,
                                        timeout=args.rollout_timeout, posted_reward=proxy.reward,
@@ -207,8 +208,12 @@ def rollouts(jobs, name):
     proxy.set_output(None)
     server.close_sockets([rid for rid, *_ in jobs])
     calls = read_calls(run.file("calls", name))
-    resolve_call_rewards(results, calls, proxy.call_rewards)
-    auditor.review(results, calls, proxy.flags, harness_of)
+    calls_of = {}
+    for c in calls:
+        calls_of.setdefault(c.rollout_id, []).append(c)
+    resolve_call_rewards(results, calls_of, proxy.call_rewards)
+    # what the proxy refused a rollout (another's route, a reward of its own), what the audit found
+    auditor.flag(results, calls_of, proxy.flags, tok.decode)
     proxy.reset()
     fail_rollouts_the_backend_failed(results, calls)
     return results, calls, time.time() - t0

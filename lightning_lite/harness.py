@@ -16,11 +16,14 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tqdm import tqdm
+
+from .records import UNANSWERED
 
 # examples/ lives next to lightning_lite/
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -395,3 +398,20 @@ async def _reward_or_error(harness, task, rollout_id, endpoint_for, timeout, pos
     if not _finite(reward):
         return None, f"bad reward {reward!r} (want a finite float)", {}
     return float(reward), None, call_rewards
+
+
+def resolve_call_rewards(results: list[RolloutResult], calls_of: dict, posted) -> None:
+    """Each rollout's call rewards (``posted(rollout_id)``: POSTed to the proxy, then those ``run()``
+    returned) keyed by call index: a call is named by its index or by its reply's id (a reply of
+    one choice). A reward for a call the rollout does not have fails the rollout."""
+    for r in results:
+        mine = [c for c in calls_of.get(r.rollout_id, []) if c.finish_reason not in UNANSWERED]
+        ids = Counter(c.reply_id for c in mine)
+        index_of = {c.index: c.index for c in mine}
+        index_of |= {c.reply_id: c.index for c in mine if ids[c.reply_id] == 1}
+        rewards = {**posted(r.rollout_id), **r.call_rewards}
+        if r.reward is not None and (bad := [k for k in rewards if k not in index_of]):
+            r.reward = None
+            r.error = (f"rewards for calls it does not have: {bad[:3]} (name a call by its index in the "
+                       "rollout or its reply's id)")
+        r.call_rewards = {index_of[k]: v for k, v in rewards.items()} if r.reward is not None else {}

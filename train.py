@@ -372,13 +372,8 @@ p.add_argument(
     help="also log metrics to Weights & Biases (needs: pip install wandb; WANDB_MODE=offline without a network)",
 )
 args = p.parse_args()
-low, high = algo.CLIP.get(
-    args.loss, (None, None)
-)  # each loss's own clip range unless given (config.json records what ran)
-args.clip_low, args.clip_high = (
-    low if args.clip_low is None else args.clip_low,
-    high if args.clip_high is None else args.clip_high,
-)
+# each loss's own clip range unless given (config.json records what ran)
+args.clip_low, args.clip_high = algo.clip_range(args.loss, args.clip_low, args.clip_high)
 args.norm_const = args.norm_const or args.max_new_tokens
 max_age = (
     args.steps if args.from_calls else args.async_steps

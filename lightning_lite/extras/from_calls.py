@@ -93,11 +93,11 @@ class Recorded:
         }
         results = [
             RolloutResult(
-                rid,
-                group,
-                self.rewards[rid]["reward"],
-                None,
-                0.0,
+                rollout_id=rid,
+                task_id=group,
+                reward=self.rewards[rid]["reward"],
+                error=None,
+                seconds=0.0,
                 harness="recorded",
                 call_rewards=self.rewards[rid]["calls"],
             )

@@ -71,9 +71,10 @@ def rollout_view(
         "samples": [],
         "samples_error": None,
     }
+    # a malformed record: show the rollout, say why it has no samples
     try:
         samples = build_samples(calls, max_seq_len)[0]
-    except ValueError as e:  # a malformed record: show the rollout, say why it has no samples
+    except ValueError as e:
         samples, view["samples_error"] = [], str(e)
     for s in samples:
         view["samples"].append(
@@ -99,11 +100,9 @@ def share_prefixes(seqs: list[list[int]]) -> list[dict]:
 def build_batch(files: dict[str, list[str]], max_seq_len: Optional[int]) -> dict:
     """One batch's rollouts (from rollouts/ when the run wrote it, else from the calls alone)."""
     calls_of: dict[str, list[Call]] = defaultdict(list)
-    for path in files["calls"]:
-        for c in read_calls(
-            path, whole=True
-        ):  # whole prompts: the page draws where each call's prompt ends
-            calls_of[c.rollout_id].append(c)
+    # whole prompts: the page draws where each call's prompt ends
+    for c in (c for path in files["calls"] for c in read_calls(path, whole=True)):
+        calls_of[c.rollout_id].append(c)
     infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path)}
     for rid in calls_of:
         infos.setdefault(
@@ -137,7 +136,8 @@ def token_texts(model: Optional[str], ids: set[int]) -> Optional[dict[int, str]]
         from ..models import load_tokenizer
 
         tok = load_tokenizer(model or "smollm2")
-    except Exception as e:  # a hub name without a network, a missing package, ...
+    # a hub name without a network, a missing package, ...
+    except Exception as e:
         print(
             f"report: cannot load the tokenizer of {model!r} ({type(e).__name__}: {e}); showing token ids",
             file=sys.stderr,
@@ -161,12 +161,10 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
         if os.path.isfile(config_path)
         else {}
     )
-    metrics = [
-        {
-            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()
-        }  # JSON has no NaN
-        for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    ]
+    # JSON has no NaN
+    finite = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = [{k: finite(v) for k, v in row.items()} for row in rows]
     found = find_batches(run_dir)
     kept = spread(list(found), max_batches)
     batches, ids = [], set()
@@ -219,15 +217,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         default=20,
         help="keep trajectories of at most this many steps/evals, evenly spaced (0: all); default 20",
     )
-    a = ap.parse_args(argv)
-    if not os.path.isfile(os.path.join(a.run_dir, "metrics.jsonl")):
+    args = ap.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.run_dir, "metrics.jsonl")):
         ap.error(
-            f"{a.run_dir}"
-            + (" has no metrics.jsonl" if os.path.isdir(a.run_dir) else ": no such folder")
+            f"{args.run_dir}"
+            + (" has no metrics.jsonl" if os.path.isdir(args.run_dir) else ": no such folder")
             + "; pass the --out folder of a train.py run "
             "(config.json, metrics.jsonl, calls/step_K.jsonl, rollouts/step_K.jsonl)"
         )
-    path, n, total = write_report(a.run_dir, a.max_batches)
+    path, n, total = write_report(args.run_dir, args.max_batches)
     kept = f"trajectories of {n} of {total} steps/evals" + (
         " (--max-batches 0 keeps all)" if n < total else ""
     )

@@ -37,8 +37,8 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / max(1, len(xs))
 
 
+# With n-1, as GRPO; 0 for fewer than 2.
 def _std(xs: list[float]) -> float:
-    """With n-1, as GRPO; 0 for fewer than 2."""
     m = _mean(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
 
@@ -111,8 +111,8 @@ def compute_advantages(
     return advantages, dict(stats)
 
 
+# The rewards of the rollouts that did not fail, after checking the arguments.
 def _checked_rewards(rewards, groups, estimator, calls) -> dict[str, float]:
-    """The rewards of the rollouts that did not fail, after checking the arguments."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
     if estimator in ("grpo-step", "returns") and calls is None:
@@ -129,8 +129,8 @@ def _checked_rewards(rewards, groups, estimator, calls) -> dict[str, float]:
     return ok
 
 
+# One advantage per rollout of a group with rewards ``r`` (the table of ``compute_advantages``).
 def _group_advantages(r: list[float], estimator: str, batch_mean: float, eps: float) -> list[float]:
-    """One advantage per rollout of a group with rewards ``r`` (the table of ``compute_advantages``)."""
     n, mean = len(r), _mean(r)
     if estimator == "reinforce":
         return [x - batch_mean for x in r]
@@ -270,9 +270,8 @@ def pack(seqs: list[list[int]]) -> tuple[list[int], list[int], list[int], list[l
     """
     tokens, depth, end, where, prev = [], [], [], [[]] * len(seqs), None
     for i in sorted(range(len(seqs)), key=lambda i: seqs[i]):
-        s = seqs[i]
-        path = [] if prev is None else where[prev][: common_prefix(seqs[prev], s)]
-        for t in s[len(path) :]:
+        path = [] if prev is None else where[prev][: common_prefix(seqs[prev], seqs[i])]
+        for t in seqs[i][len(path) :]:
             path.append(len(tokens))
             tokens.append(t)
             depth.append(len(path) - 1)
@@ -476,9 +475,8 @@ def sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed=None) ->
     return x.gather(-1, tokens[:, None])[:, 0] - lse
 
 
+# Stands in for the LM head during the model's forward, which then returns the hidden states it gave it.
 class _Hidden(torch.nn.Module):
-    """Stands in for the LM head during the model's forward, which then returns the hidden states it gave it."""
-
     h = None
 
     def forward(self, h):
@@ -486,8 +484,8 @@ class _Hidden(torch.nn.Module):
         return h
 
 
+# [n, H] hidden states (or [n, V] logits when ``head`` is None) -> [n] logprobs of ``tokens``.
 def _head_logprobs(h, head, tokens, temperature, top_k, top_p, at, table):
-    """[n, H] hidden states (or [n, V] logits when ``head`` is None) -> [n] logprobs of ``tokens``."""
     logits = h if head is None else head(h)
     allowed = None
     # grammar-constrained tokens: their rows of the packed masks (collate's allowed_at, allowed)
@@ -629,8 +627,8 @@ def policy_loss(
     return total, _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl)
 
 
+# ppo and gspo: [B, T] token losses and whether each was clipped; ``clip``: (clip_low, clip_high).
 def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
-    """ppo and gspo: [B, T] token losses and whether each was clipped; ``clip``: (clip_low, clip_high)."""
     # ppo: the token's ratio [B, T]; gspo: the sample's [B, 1], exp(mean log-ratio over its trainable tokens)
     r = ratio
     if loss == "gspo":
@@ -644,9 +642,9 @@ def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
     return tok_loss.expand_as(mask), was_clipped.expand_as(mask)
 
 
+# The sums (and extremes) over the trainable tokens that ``reduce_metrics`` combines.
 @torch.no_grad()
 def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -> dict:
-    """The sums (and extremes) over the trainable tokens that ``reduce_metrics`` combines."""
     on = mask > 0
     r, p, q = ratio[on].double(), old_logprobs[on].double().exp(), logprobs[on].double().exp()
     dlp = (logprobs - old_logprobs)[on].double().abs()

@@ -83,11 +83,10 @@ def _check(c: Call) -> None:
         )
 
 
+# One rollout's calls as a prefix tree. Each call holds only its ids after the call it extends (``tail``; a
+# root: its whole prompt), so a call's prompt + response ids are the segments up its path, never copied:
+# root tail, root response, ..., its tail, its response.
 class _Tree:
-    """One rollout's calls as a prefix tree. Each call holds only its ids after the call it extends (``tail``; a
-    root: its whole prompt), so a call's prompt + response ids are the segments up its path, never copied:
-    root tail, root response, ..., its tail, its response."""
-
     def __init__(self, by_index: dict[int, Call]):
         self.by_index = by_index
         # index -> the call, while in the tree (a retried attempt leaves it)
@@ -107,9 +106,9 @@ class _Tree:
             yield self.by_index[i]
             i = self.up[i]
 
+    # Whether ``ids`` start with call i's prompt + response ids (``prompt_only``: its prompt ids). Compared
+    # segment by segment from the end of call i's ids back to its root's first, slices of ``ids`` only.
     def starts_with(self, ids: list[int], i: int, prompt_only: bool = False) -> bool:
-        """Whether ``ids`` start with call i's prompt + response ids (``prompt_only``: its prompt ids). Compared
-        segment by segment from the end of call i's ids back to its root's first, slices of ``ids`` only."""
         segments = (seg for c in self.lineage(i) for seg in (c.response_ids, self.tail[c.index]))
         end = self.size[i]
         if prompt_only:
@@ -122,17 +121,17 @@ class _Tree:
             end -= len(seg)
         return True
 
+    # Whether the earlier call ``e`` had the same prompt as ``c``: with ``ids`` (c's prompt), compared to
+    # e's; without (c hangs under the parent the proxy recorded), the same parent and the same tail.
     def same_prompt(self, e: Call, c: Call, ids: Optional[list[int]]) -> bool:
-        """Whether the earlier call ``e`` had the same prompt as ``c``: with ``ids`` (c's prompt), compared to
-        e's; without (c hangs under the parent the proxy recorded), the same parent and the same tail."""
         if ids is None:
             return self.up[e.index] == c.parent and self.tail[e.index] == self.tail[c.index]
         prompt_len = self.size[e.index] - len(e.response_ids)
         return prompt_len == len(ids) and self.starts_with(ids, e.index, prompt_only=True)
 
+    # Hang call ``c``: under its recorded parent, else under the longest call its prompt extends, else as a
+    # new root (a split, counted by reason); an earlier attempt at the same prompt leaves the tree.
     def add(self, c: Call, stats: Counter) -> None:
-        """Hang call ``c``: under its recorded parent, else under the longest call its prompt extends, else as a
-        new root (a split, counted by reason); an earlier attempt at the same prompt leaves the tree."""
         ids = None
         if c.parent in self.kept:
             # the proxy built this prompt on that call's: nothing to compare
@@ -177,9 +176,9 @@ class _Tree:
             return "rewrote_history"
         return "new_thread"
 
+    # (tokens, its calls root first) of each leaf, cut to ``max_seq_len``; the longest first (ties: the
+    # smaller token ids).
     def leaf_paths(self, max_seq_len: Optional[int], stats: Counter) -> list[tuple]:
-        """(tokens, its calls root first) of each leaf, cut to ``max_seq_len``; the longest first (ties: the
-        smaller token ids)."""
         children = {self.up[i] for i in self.kept}
         paths = []
         for leaf in (i for i in self.kept if i not in children):
@@ -199,9 +198,9 @@ class _Tree:
         return paths
 
 
+# The sample of one leaf: its calls' responses trainable, but those ``trained`` in a longer leaf already
+# (added to it); None when nothing is left to train.
 def _sample(tokens: list[int], path: list[Call], tree: _Tree, trained: set) -> Optional[Sample]:
-    """The sample of one leaf: its calls' responses trainable, but those ``trained`` in a longer leaf already
-    (added to it); None when nothing is left to train."""
     n = len(tokens)
     sample = Sample(
         rollout_id=path[-1].rollout_id,

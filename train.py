@@ -33,7 +33,6 @@ from tqdm import tqdm
 from lightning_lite import algo, audit, grammar, parallel, sandbox
 from lightning_lite.backends import HFBackend
 from lightning_lite.harness import (
-    RolloutResult,
     SubprocessHarness,
     fail_rollouts_the_backend_failed,
     load_harness,
@@ -50,10 +49,10 @@ from lightning_lite.records import (
     find_batches,
     read_calls,
     read_jsonl,
-    read_recorded,
     write_jsonl,
 )
-from lightning_lite.report import write_report
+from lightning_lite.extras import from_calls
+from lightning_lite.extras.report import write_report
 from lightning_lite.samples import build_batch_samples
 from lightning_lite.toolcalls import FORMATS
 
@@ -372,13 +371,8 @@ p.add_argument(
     help="also log metrics to Weights & Biases (needs: pip install wandb; WANDB_MODE=offline without a network)",
 )
 args = p.parse_args()
-low, high = algo.CLIP.get(
-    args.loss, (None, None)
-)  # each loss's own clip range unless given (config.json records what ran)
-args.clip_low, args.clip_high = (
-    low if args.clip_low is None else args.clip_low,
-    high if args.clip_high is None else args.clip_high,
-)
+# each loss's own clip range unless given (config.json records what ran)
+args.clip_low, args.clip_high = algo.clip_range(args.loss, args.clip_low, args.clip_high)
 args.norm_const = args.norm_const or args.max_new_tokens
 max_age = (
     args.steps if args.from_calls else args.async_steps
@@ -487,75 +481,14 @@ if args.resume and os.path.exists(os.path.join(ckpt_root, "latest")):
 elif args.resume:
     log(f"--resume: no checkpoint in {ckpt_root}, starting from step 0")
 tok = load_tokenizer(args.model)
-rec, rec_calls, rec_groups = (
-    {},
-    {},
-    {},
-)  # --from-calls: rollout id -> its rewards, its calls; group -> its rollouts
-for j, d in enumerate(args.from_calls or ()):
-    try:
-        served, calls, rewards = read_recorded(d)
-    except (OSError, ValueError) as e:
-        sys.exit(f"--from-calls {d}: {e}")
-    if (
-        not (served and os.path.abspath(resolve(served)) == os.path.abspath(resolve(args.model)))
-        and args.loss != "sft"
-    ):
-        sys.exit(
-            f"--from-calls {d}: its calls were sampled by {served or 'a model it does not name (no proxy.json, no config.json)'}, "
-            f"not --model {args.model}: their logprobs are another policy's. Learn from them with --loss sft (same tokenizer)"
-            + (
-                ""
-                if served
-                else f', or, if you know they are {args.model}\'s, write {{"model": "{args.model}"}} to {d}/proxy.json'
-            )
-        )
-    if no_lp := [c for c in calls if len(c.response_logprobs) != len(c.response_ids)]:
-        if args.loss != "sft":
-            sys.exit(
-                f"--from-calls {d}: {len(no_lp)} calls have no logprobs to take the ratio to; --loss sft trains on them"
-            )
-        for c in no_lp:
-            c.response_logprobs = [0.0] * len(c.response_ids)
-    if any(t >= len(tok) for c in calls for t in c.response_ids):
-        sys.exit(
-            f"--from-calls {d}: token ids beyond this tokenizer's {len(tok)}: recorded with another tokenizer"
-        )
-    by_rid = {}
-    for c in calls:
-        by_rid.setdefault(c.rollout_id, []).append(c)
-    for rid, cs in by_rid.items():
-        info = rewards.get(rid) or {"reward": None, "calls": {}, "group": None}
-        if rid not in rewards and not (args.loss == "sft" and args.sft_min_reward is None):
-            continue  # unrewarded: nothing to learn from, but as a trace to imitate
-        key = f"d{j}.{rid}" if len(args.from_calls) > 1 else rid
-        for c in cs:
-            c.rollout_id = key
-        # rewarded per call only: the rollout's reward is 0; unrewarded (sft): None, trained, not counted in reward
-        rec[key] = {
-            "reward": 0.0 if info["reward"] is None and rid in rewards else info["reward"],
-            "calls": info["calls"],
-        }
-        rec_calls[key] = cs
-        rec_groups.setdefault(f"d{j}/{info['group']}" if info["group"] else key, []).append(key)
-if args.from_calls:
-    if not rec:
-        sys.exit(
-            f"--from-calls: no rewarded rollout in {' '.join(args.from_calls)}: POST rewards to /rollout/<id>/reward while "
-            "proxy.py serves (README: Training from recorded calls), or imitate the traces with --loss sft"
-        )
-    if (
-        args.loss != "sft"
-        and args.adv in ("grpo", "dr_grpo", "rloo")
-        and all(len(g) == 1 for g in rec_groups.values())
-    ):
-        sys.exit(
-            f'--from-calls: every rollout is a group of its own (no "task" in the rewards POSTed), so --adv {args.adv} '
-            "gives each advantage 0: use --adv reinforce (the batch mean as baseline), or POST rewards with a task"
-        )
-    log(
-        f"--from-calls: {len(rec)} rollouts ({sum(map(len, rec_calls.values()))} calls) in {len(rec_groups)} groups"
+# --from-calls: the recorded rollouts to train on, read and checked once (extras/from_calls.py)
+recorded = (
+    from_calls.load(
+        args.from_calls, args.model, len(tok), args.loss, args.adv, args.sft_min_reward, log
     )
+    if args.from_calls
+    else None
+)
 model = load_model(
     resume_dir or args.model, device, max_model_len=args.max_model_len
 )  # fp32: the master weights
@@ -885,29 +818,10 @@ def step_rollouts(step):
 def recorded_step(step):
     """--from-calls: this rank's share of the step's --batch-size groups of recorded rollouts, as step_rollouts."""
     t0 = time.time()
-    picked = [
-        (rid, key)
-        for key in draw(list(rec_groups), step, args.batch_size)[rank::world]
-        for rid in rec_groups[key]
-    ]
-    results = [
-        RolloutResult(
-            rid,
-            key,
-            rec[rid]["reward"],
-            None,
-            0.0,
-            harness="recorded",
-            call_rewards=rec[rid]["calls"],
-        )
-        for rid, key in picked
-    ]
-    calls = [c for rid, _ in picked for c in rec_calls[rid]]
-    write_jsonl(
-        run_file("calls", f"step_{step}"), calls
-    )  # as a harness step's: the report shows them, a later run reads them
-    fail_rollouts_the_backend_failed(results, calls)
-    return dict(picked), results, calls, time.time() - t0
+    groups, results, calls = recorded.step(step, rank, world, args.batch_size, draw)
+    # as a harness step's: the report shows them, a later run reads them
+    write_jsonl(run_file("calls", f"step_{step}"), calls)
+    return groups, results, calls, time.time() - t0
 
 
 ahead = {}  # --async: step -> its rollouts, run in step order by one worker thread

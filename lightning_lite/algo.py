@@ -1,47 +1,46 @@
 """Advantages and the policy-gradient loss, exact under DDP and gradient accumulation: a sum of ``weight * token_loss``
 with weights from counts over the whole global batch (``global_denominators``). train.py's step is the order of this
 file. A rank without samples must still call the collectives and backward a zero loss, or the others wait.
+
+The path to read first: --adv grpo, --loss ppo, --norm rollout-mean; the other choices are each a line or a branch.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from .records import Sample, common_prefix
 
-ESTIMATORS = (
-    "grpo",
-    "dr_grpo",
-    "rloo",
-    "reinforce",
-    "grpo-step",
-    "returns",
-)  # the last two: per call (call_rewards)
+# grpo-step and returns give each call its own advantage (from call_rewards), the others one per rollout
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce", "grpo-step", "returns")
 LOSSES = ("ppo", "gspo", "tis", "sft")
-CLIP = {
-    "ppo": (0.2, 0.28),
-    "gspo": (3e-4, 4e-4),
-}  # default (clip_low, clip_high); GSPO's: its paper's (a sequence ratio moves far less)
-NORMS = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "rollout-mean",
-)
+# The one place for the default (clip_low, clip_high) of each clipped loss (clip_range); GSPO's is its paper's (a
+# sequence ratio moves far less than a token's)
+CLIP = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+NORMS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+NORMS += ("rollout-mean",)
+# A rollout's advantage: one number (grpo, dr_grpo, rloo, reinforce), or {call index: number} for a per-call
+# estimator (grpo-step, returns); assign_advantages turns either into one advantage per token.
+Advantage = Union[float, dict[int, float]]
 
 
 # ----------------------------------------------------------------------------- advantages
 
 
-def _std(r: list[float]) -> float:  # with n-1, as GRPO; 0 for fewer than 2
-    m = sum(r) / max(1, len(r))
-    return math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1)) if len(r) > 1 else 0.0
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / max(1, len(xs))
+
+
+# With n-1, as GRPO; 0 for fewer than 2.
+def _std(xs: list[float]) -> float:
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
 
 
 def compute_advantages(
@@ -53,7 +52,7 @@ def compute_advantages(
     call_rewards: Optional[dict] = None,
     calls: Optional[dict] = None,
     gamma: float = 1.0,
-) -> tuple[dict, dict]:
+) -> tuple[dict[str, Advantage], dict]:
     """One advantage per rollout, or per call; return ({rollout_id: advantage or {call index: advantage}}, stats).
 
     ``rewards[rid] is None`` marks a failed rollout: left out before any statistic and missing from the
@@ -79,88 +78,95 @@ def compute_advantages(
     reinforce r - batch mean; it is counted, and ``drop_zero_variance`` drops it unless it has one rollout
     (README: the table). Under DDP pass all ranks' rewards (``gather_rewards``): the batch mean is global.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
-    per_call = estimator in ("grpo-step", "returns")
-    if per_call and calls is None:
-        raise ValueError(
-            f"{estimator} gives each call an advantage: pass calls, each rollout's answered call indices"
-        )
+    # 1. the rollouts that did not fail, each in its group
+    ok = _checked_rewards(rewards, groups, estimator, calls)
     call_rewards = call_rewards or {}
-    ok = {rid: float(r) for rid, r in rewards.items() if r is not None}
-    bad = [rid for rid, r in ok.items() if not math.isfinite(r)]
-    if bad:
-        raise ValueError(
-            f"non-finite reward for rollouts {bad[:5]}; report a failed rollout as None instead"
-        )
-    missing = [rid for rid in ok if rid not in groups]
-    if missing:
-        raise ValueError(f"rollouts {missing[:5]} have no group (task id) in `groups`")
+    per_call = estimator in ("grpo-step", "returns")
     by_group: dict[str, list[str]] = defaultdict(list)
     for rid in ok:
         by_group[groups[rid]].append(rid)
-    batch_mean = sum(ok.values()) / len(ok) if ok else 0.0
-    adv, stats = (
-        {},
-        Counter(
-            rollouts=len(ok),
-            failed=len(rewards) - len(ok),
-            groups=len(by_group),
-            zero_variance_groups=0,
-            singleton_groups=0,
-            dropped_rollouts=0,
-        ),
-    )
+    batch_mean = _mean(list(ok.values())) if ok else 0.0
+    stats = Counter(rollouts=len(ok), failed=len(rewards) - len(ok), groups=len(by_group))
+    stats.update(zero_variance_groups=0, singleton_groups=0, dropped_rollouts=0)
+    # 2. each group on its own: count it, maybe drop it, then its rollouts' advantages
+    advantages = {}
     for rids in by_group.values():
         r = [ok[rid] for rid in rids]
-        steps = [x for rid in rids for x in call_rewards.get(rid, {}).values()] if per_call else []
-        n, mean = len(r), sum(r) / len(r)
-        flat = max(r) == min(r) and max(steps, default=0) == min(steps, default=0)
+        group_calls = {rid: call_rewards.get(rid, {}) for rid in rids}
+        step_rewards = [x for rid in rids for x in group_calls[rid].values()] if per_call else []
+        flat = max(r) == min(r) and max(step_rewards, default=0) == min(step_rewards, default=0)
         stats["zero_variance_groups"] += flat
-        stats["singleton_groups"] += n == 1
-        if flat and drop_zero_variance and n > 1:
-            stats["dropped_rollouts"] += n
+        stats["singleton_groups"] += len(r) == 1
+        if flat and drop_zero_variance and len(r) > 1:
+            stats["dropped_rollouts"] += len(r)
             continue
-        if estimator == "reinforce":
-            a = [x - batch_mean for x in r]
-        elif estimator == "returns":
-            a = [{} for _ in rids]
-            for ai, rid, x in zip(a, rids, r):
-                ks, g = sorted(calls.get(rid, ())), 0.0
-                for k in reversed(ks):
-                    g = (
-                        call_rewards.get(rid, {}).get(k, 0.0)
-                        + (x if k == ks[-1] else 0.0)
-                        + gamma * g
-                    )
-                    ai[k] = g
-            base = sum(ai[min(ai)] if ai else 0.0 for ai in a) / n  # the group's mean whole return
-            a = [{k: g - base for k, g in ai.items()} for ai in a]
-        elif max(r) == min(r):
-            a = [0.0] * n
-        elif estimator == "dr_grpo":
-            a = [x - mean for x in r]
-        elif estimator == "rloo":
-            a = [x - (sum(r) - x) / (n - 1) for x in r]
-        else:  # grpo, grpo-step
-            a = [(x - mean) / (_std(r) + eps) for x in r]
+        if estimator == "returns":
+            group_adv = _returns(r, rids, calls, group_calls, gamma)
+        else:
+            group_adv = _group_advantages(r, estimator, batch_mean, eps)
         if estimator == "grpo-step":
-            m, s = sum(steps) / max(1, len(steps)), _std(steps)
-            a = [
-                {
-                    k: x
-                    + (
-                        (call_rewards[rid][k] - m) / (s + eps)
-                        if s > 0 and k in call_rewards.get(rid, {})
-                        else 0.0
-                    )
-                    for k in calls.get(rid, ())
-                }
-                for rid, x in zip(rids, a)
-            ]
-        adv.update(zip(rids, a))
+            group_adv = _plus_call_rewards(group_adv, rids, calls, group_calls, step_rewards, eps)
+        advantages.update(zip(rids, group_adv))
     stats["reward_mean"] = batch_mean
-    return adv, dict(stats)
+    return advantages, dict(stats)
+
+
+# The rewards of the rollouts that did not fail, after checking the arguments.
+def _checked_rewards(rewards, groups, estimator, calls) -> dict[str, float]:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
+    if estimator in ("grpo-step", "returns") and calls is None:
+        raise ValueError(
+            f"{estimator} gives each call an advantage: pass calls, each rollout's answered call indices"
+        )
+    ok = {rid: float(r) for rid, r in rewards.items() if r is not None}
+    if bad := [rid for rid, r in ok.items() if not math.isfinite(r)]:
+        raise ValueError(
+            f"non-finite reward for rollouts {bad[:5]}; report a failed rollout as None instead"
+        )
+    if missing := [rid for rid in ok if rid not in groups]:
+        raise ValueError(f"rollouts {missing[:5]} have no group (task id) in `groups`")
+    return ok
+
+
+# One advantage per rollout of a group with rewards ``r`` (the table of ``compute_advantages``).
+def _group_advantages(r: list[float], estimator: str, batch_mean: float, eps: float) -> list[float]:
+    n, mean = len(r), _mean(r)
+    if estimator == "reinforce":
+        return [x - batch_mean for x in r]
+    if max(r) == min(r):
+        return [0.0] * n
+    if estimator == "dr_grpo":
+        return [x - mean for x in r]
+    if estimator == "rloo":
+        return [x - (sum(r) - x) / (n - 1) for x in r]
+    # grpo, grpo-step
+    return [(x - mean) / (_std(r) + eps) for x in r]
+
+
+def _plus_call_rewards(adv, rids, calls, call_rewards, step_rewards, eps) -> list[dict[int, float]]:
+    """``grpo-step``: each call's advantage is its rollout's + its own reward normalized over every call reward of
+    the group (``step_rewards``); 0 for a call without one."""
+    m, s = _mean(step_rewards), _std(step_rewards)
+
+    def own(rid, k):
+        return (call_rewards[rid][k] - m) / (s + eps) if s > 0 and k in call_rewards[rid] else 0.0
+
+    return [{k: a + own(rid, k) for k in calls.get(rid, ())} for rid, a in zip(rids, adv)]
+
+
+def _returns(r, rids, calls, call_rewards, gamma) -> list[dict[int, float]]:
+    """``returns``: each call's return G_k minus the group's mean whole return (G_0); a rollout's reward is added to
+    its last call's."""
+    returns = []
+    for reward, rid in zip(r, rids):
+        ks, g, ret = sorted(calls.get(rid, ())), 0.0, {}
+        for k in reversed(ks):
+            g = call_rewards[rid].get(k, 0.0) + (reward if k == ks[-1] else 0.0) + gamma * g
+            ret[k] = g
+        returns.append(ret)
+    baseline = sum(ret[min(ret)] if ret else 0.0 for ret in returns) / len(r)
+    return [{k: g - baseline for k, g in ret.items()} for ret in returns]
 
 
 def gather_rewards(*dicts: dict) -> tuple[dict, ...]:
@@ -173,23 +179,23 @@ def gather_rewards(*dicts: dict) -> tuple[dict, ...]:
     return tuple({k: v for rank in out for k, v in rank[i].items()} for i in range(len(dicts)))
 
 
-def assign_advantages(samples: list[Sample], advantages: dict) -> list[Sample]:
+def assign_advantages(samples: list[Sample], advantages: dict[str, Advantage]) -> list[Sample]:
     """Set each sample's per-token ``advantages``: its rollout's advantage, or (``advantages[rid]`` a dict, a per-call
     estimator) that of the call that sampled the token, whichever sample holds it; drop samples without one (failed,
     zero-variance dropped). A sample [p p a a p b] (mask 0 0 1 1 0 1, calls a: 0, b: 1) under {0: 0.5, 1: -1}
     gets [0 0 0.5 0.5 0 -1]."""
     kept = [s for s in samples if s.rollout_id in advantages]
     for s in kept:
-        a = advantages[s.rollout_id]
-        if not isinstance(a, dict):
-            s.advantages = [a if m else 0.0 for m in s.loss_mask]
-        elif len(s.call) != len(s.tokens):
+        adv = advantages[s.rollout_id]
+        if not isinstance(adv, dict):
+            s.advantages = [adv if m else 0.0 for m in s.loss_mask]
+            continue
+        if len(s.call) != len(s.tokens):
             raise ValueError(
-                f"sample of rollout {s.rollout_id!r} has no per-token call (Sample.call, which samples.build_samples sets): "
-                "a per-call advantage cannot find its tokens"
+                f"sample of rollout {s.rollout_id!r} has no per-token call (Sample.call, which "
+                "samples.build_samples sets): a per-call advantage cannot find its tokens"
             )
-        else:
-            s.advantages = [a[c] if m else 0.0 for c, m in zip(s.call, s.loss_mask)]
+        s.advantages = [adv[c] if m else 0.0 for c, m in zip(s.call, s.loss_mask)]
     return kept
 
 
@@ -201,9 +207,8 @@ def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()):
         return values
     # NCCL only reduces CUDA tensors; gloo takes CPU ones.
-    t = torch.tensor(
-        values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu"
-    )
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
 
@@ -232,14 +237,16 @@ def sample_weights(
         raise ValueError(f"unknown loss normalization {norm!r}; pick one of {NORMS}")
     if norm == "seq-mean-token-sum-norm" and not (norm_const and norm_const > 0):
         raise ValueError(
-            "seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the most tokens a rollout may generate"
+            "seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the most tokens a "
+            "rollout may generate"
         )
     n = [sum(s.loss_mask) for s in samples]
     per_rollout: Counter = Counter()
     for s, k in zip(samples, n):
         per_rollout[s.rollout_id] += k
+    # the table above, one line per mode
     divisor = {
-        "token-mean": lambda s, k: denoms["tokens"],  # the table above, one line per mode
+        "token-mean": lambda s, k: denoms["tokens"],
         "seq-mean-token-mean": lambda s, k: denoms["samples"] * k,
         "seq-mean-token-sum": lambda s, k: denoms["samples"],
         "seq-mean-token-sum-norm": lambda s, k: denoms["samples"] * norm_const,
@@ -263,16 +270,14 @@ def pack(seqs: list[list[int]]) -> tuple[list[int], list[int], list[int], list[l
     """
     tokens, depth, end, where, prev = [], [], [], [[]] * len(seqs), None
     for i in sorted(range(len(seqs)), key=lambda i: seqs[i]):
-        s = seqs[i]
-        path = [] if prev is None else where[prev][: common_prefix(seqs[prev], s)]
-        for t in s[len(path) :]:
+        path = [] if prev is None else where[prev][: common_prefix(seqs[prev], seqs[i])]
+        for t in seqs[i][len(path) :]:
             path.append(len(tokens))
             tokens.append(t)
             depth.append(len(path) - 1)
             end.append(0)
-        for (
-            j
-        ) in path:  # the sequences after this one that share j come later: the last one sets end[j]
+        # the sequences after this one that share j come later: the last one sets end[j]
+        for j in path:
             end[j] = path[-1] + 1
         where[i], prev = path, i
     return tokens, depth, end, where
@@ -294,51 +299,39 @@ def collate(
     ``where`` [B, T]: the flat index into ``input_ids`` of each sample position; ``fwd_tokens``: the real tokens run.
     ``masks``: per sample None or (positions, [n, W] packed grammar masks: grammar.sample_masks) -> ``allowed`` [M, W],
     all of them, and ``allowed_at`` [B, T]: each position's row in it, -1 where no grammar constrained the token."""
-    T = max(len(s.tokens) for s in samples)
-    allowed_at, rows = torch.full((len(samples), T), -1, dtype=torch.long), []
+    B, T = len(samples), max(len(s.tokens) for s in samples)
+    # the grammar masks: allowed [M, W] stacked, allowed_at [B, T] each position's row (-1: none)
+    allowed_at, rows = torch.full((B, T), -1, dtype=torch.long), []
     for i, m in enumerate(masks or ()):
         if m is not None and len(m[0]):
             allowed_at[i, m[0]] = torch.arange(len(m[0])) + sum(map(len, rows))
             rows.append(m[1])
-    pad = lambda xs, v: [list(x) + [v] * (T - len(x)) for x in xs]  # noqa: E731
+
+    def padded(values, fill, type_=dtype):  # [B, T]
+        lists = [list(x) + [fill] * (T - len(x)) for x in values]
+        return torch.tensor(lists, dtype=type_, device=device)
+
     b = {
-        "tokens": torch.tensor(
-            pad([s.tokens for s in samples], pad_id), dtype=torch.long, device=device
-        ),
-        "loss_mask": torch.tensor(
-            pad([s.loss_mask for s in samples], 0), dtype=dtype, device=device
-        ),
-        "old_logprobs": torch.tensor(
-            pad([s.logprobs for s in samples], 0.0), dtype=dtype, device=device
-        ),
-        "temperature": torch.tensor(
-            pad([s.temperature for s in samples], 1.0), dtype=dtype, device=device
-        ),
-        "top_k": torch.tensor(pad([s.top_k for s in samples], 0), dtype=torch.long, device=device),
-        "top_p": torch.tensor(pad([s.top_p for s in samples], 1.0), dtype=dtype, device=device),
-        "version": torch.tensor(
-            pad([s.version or [0] * len(s.tokens) for s in samples], 0),
-            dtype=torch.long,
-            device=device,
-        ),
-        "advantages": torch.tensor(
-            pad([s.advantages for s in samples], 0.0), dtype=dtype, device=device
-        ),
+        "tokens": padded([s.tokens for s in samples], pad_id, torch.long),
+        "loss_mask": padded([s.loss_mask for s in samples], 0),
+        "old_logprobs": padded([s.logprobs for s in samples], 0.0),
+        "temperature": padded([s.temperature for s in samples], 1.0),
+        "top_k": padded([s.top_k for s in samples], 0, torch.long),
+        "top_p": padded([s.top_p for s in samples], 1.0),
+        "version": padded([s.version or [0] * len(s.tokens) for s in samples], 0, torch.long),
+        "advantages": padded([s.advantages for s in samples], 0.0),
+        # [B]
         "weights": torch.tensor(weights, dtype=dtype, device=device),
         "allowed_at": allowed_at.to(device),
         "allowed": torch.cat(rows).to(device) if rows else None,
     }
+    # without tree the model runs the padded rows themselves: input_ids [B, T], (i, t) at flat index i T + t
+    b["input_ids"], b["depth"], b["end"] = b["tokens"], None, None
+    b["where"] = torch.arange(B * T, device=device).view(B, T)
+    b["fwd_tokens"] = sum(len(s.tokens) for s in samples)
     if not tree:
-        B = len(samples)
-        where = torch.arange(B * T, device=device).view(B, T)
-        return {
-            **b,
-            "input_ids": b["tokens"],
-            "where": where,
-            "depth": None,
-            "end": None,
-            "fwd_tokens": sum(len(s.tokens) for s in samples),
-        }
+        return b
+    # one packed row [1, L], L = n + extra: `extra` pad tokens, each its own root (end = itself + 1)
     tokens, depth, end, where = pack([s.tokens for s in samples])
     n = len(tokens)
     extra = -n % pad_to
@@ -347,7 +340,7 @@ def collate(
         "input_ids": torch.tensor([tokens + [pad_id] * extra], device=device),
         "depth": torch.tensor([depth + [0] * extra], device=device),
         "end": torch.tensor(end + list(range(n + 1, n + extra + 1)), device=device),
-        "where": torch.tensor(pad(where, 0), device=device),
+        "where": padded(where, 0, None),
         "fwd_tokens": n,
     }
 
@@ -357,10 +350,8 @@ def tree_unsupported(config) -> Optional[str]:
     flex_attention) and every layer must be attention (full or sliding window; a recurrent layer, as Qwen3.5's
     linear attention, reads the row in order, not as a tree)."""
     impl = getattr(config, "_attn_implementation", None)
-    kinds = set(getattr(config, "layer_types", None) or ()) - {
-        "full_attention",
-        "sliding_attention",
-    }
+    attention = {"full_attention", "sliding_attention"}
+    kinds = set(getattr(config, "layer_types", None) or ()) - attention
     if kinds:
         return f"its {sorted(kinds)} layers are not attention over a mask"
     if impl not in ("sdpa", "grouped_sdpa", "eager", "flex_attention"):
@@ -379,67 +370,63 @@ def tree_mask(config, depth: torch.Tensor, end: torch.Tensor):
     if why := tree_unsupported(config):
         raise ValueError(f"this model cannot train a packed tree: {why}; pass --no-tree")
     impl, L, window = config._attn_implementation, len(end), getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or [
-        "sliding_attention" if window else "full_attention"
-    ]
+    default = "sliding_attention" if window else "full_attention"
+    types = getattr(config, "layer_types", None) or [default]
 
+    # q sees kv: kv is q or an ancestor of q (pack's end), within the window in a sliding layer
     def sees(q, kv, sliding):
         m = (kv <= q) & (q < end[kv])
         return m & (depth[0, q] - depth[0, kv] < window) if sliding else m
 
     def build(sliding):
-        if (
-            impl == "flex_attention"
-        ):  # compiled, it never builds the [L, L] mask; new closures of the same code and
-            from torch.nn.attention.flex_attention import (
-                create_block_mask,
-            )  # shapes: no recompile (flex's either)
+        # FlexAttention: compiled, it never builds the [L, L] mask; new closures of the same code and shapes do not
+        # recompile (flex's either)
+        if impl == "flex_attention":
+            from torch.nn.attention.flex_attention import create_block_mask
 
             return torch.compile(create_block_mask)(
                 lambda b, h, q, kv: sees(q, kv, sliding), None, None, L, L, device=end.device
             )
+        # [1, 1, L, L] bool (sdpa), or additive float (eager)
         i = torch.arange(L, device=end.device)
         m = sees(i[:, None], i[None, :], sliding)[None, None]
-        return (
-            m
-            if impl != "eager"
-            else torch.zeros(m.shape, device=m.device).masked_fill(~m, -math.inf)
-        )
+        if impl != "eager":
+            return m
+        return torch.zeros(m.shape, device=m.device).masked_fill(~m, -math.inf)
 
     masks = {k: build(k == "sliding_attention") for k in set(types)}
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
-def sampling_support(
-    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m: int = 1024
-) -> torch.Tensor:
+def sampling_support(x, top_k, top_p, m: int = 1024) -> torch.Tensor:
     """The tokens that top-k, then top-p sampling may draw: [N, V] logits already divided by the temperature,
     [N] ``top_k`` (<= 0: off) and ``top_p`` (1.0: off) -> [N, V] bool.
 
     top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the most probable of those
     until their renormalized mass reaches top_p (at least one): either way ``x >= (the n-th largest)`` for
-    some n. The sampler (backends.sample_token) calls it too: both agree on the rule by construction. The support
-    nearly always lies in the ``m`` largest logits: a top-m costs ~1/40 of sorting a 50k vocabulary.
+    some n. The sampler (backends.sample_token) calls it too: both agree on the rule by construction.
 
     >>> sampling_support(torch.tensor([[3., 2., 1., 0.]]), torch.tensor([3]), torch.tensor([0.7]))
     tensor([[ True,  True, False, False]])   # top-3 probs .67 .24 .09: mass before the 3rd is .91 >= .7
     """
     V, m = x.shape[-1], min(x.shape[-1], m)
     cut_k = (top_k > 0) & (top_k < V)
-    sx = x.topk(m, -1).values  # sorted, largest first
-    inside = ~cut_k[:, None] | (
-        sx >= sx.gather(-1, (top_k.clamp(1, m) - 1)[:, None])
-    )  # top-k, ties included
+    # [N, m] the m largest logits, sorted, largest first. The support nearly always lies in them: a top-m costs
+    # ~1/40 of sorting a 50k vocabulary.
+    sx = x.topk(m, -1).values
+    # [N, m] the top-k among the m largest, ties included; their logsumexp (all V without a top-k)
+    inside = ~cut_k[:, None] | (sx >= sx.gather(-1, (top_k.clamp(1, m) - 1)[:, None]))
     lse = torch.where(cut_k, sx.masked_fill(~inside, -math.inf).logsumexp(-1), x.logsumexp(-1))
-    p = (sx - lse[:, None]).exp() * inside  # renormalized over the top-k
-    n_p = (
-        ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)
-    )  # the mass before each kept token < top_p
+    # [N, m] probabilities renormalized over the top-k; top-p keeps those whose mass before them is < top_p
+    p = (sx - lse[:, None]).exp() * inside
+    n_p = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)
+    # [N] how many of the largest are kept; keep [N, V]: x at least the n-th largest
     n = torch.where(top_p < 1.0, torch.minimum(inside.sum(-1), n_p), inside.sum(-1))
     keep = (x >= sx.gather(-1, (n - 1)[:, None])) | (n == V)[:, None]
     # The m largest settle a row if they hold its top-k (else lse is short) and its top-p cut (n < m).
     redo = (m < V) & ~((~cut_k | (top_k <= m)) & torch.where(top_p < 1.0, n < m, cut_k))
-    if redo.any():  # only those rows again, with all V (a sort) or, top-k alone, the k largest
+    # only those rows again, with all V (a sort) or, top-k alone, the k largest
+    if redo.any():
         r = redo.nonzero()[:, 0]
         pure_k = bool((cut_k[r] & (top_p[r] >= 1.0)).all())
         keep[r] = sampling_support(x[r], top_k[r], top_p[r], int(top_k[r].max()) if pure_k else V)
@@ -451,31 +438,19 @@ def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
 
     >>> unpack_bits(torch.tensor([[5]], dtype=torch.int32), 4)
     tensor([[ True, False,  True, False]])
-
-    Unpacked by byte (little-endian, as every platform torch runs on: bit b of byte m is token 8 m + b), so the
-    widest intermediate is one byte per token: [1024, 152k] is 155 MB, where 32-bit shifts made 620 MB.
     """
+    # Unpacked by byte (little-endian, as every platform torch runs on: bit b of byte m is token 8 m + b), so the
+    # widest intermediate is one byte per token: [1024, 152k] is 155 MB, where 32-bit shifts made 620 MB.
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return (
-        ((bits.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1)
-        .view(torch.bool)
-        .flatten(1)[:, :n]
-    )
+    # [N, 4 W, 1] bytes -> [N, 4 W, 8] bits -> [N, 32 W] -> the first n
+    as_bytes = bits.contiguous().view(torch.uint8)[:, :, None]
+    return ((as_bytes >> shifts) & 1).view(torch.bool).flatten(1)[:, :n]
 
 
-def sampled_logprobs(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    allowed: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed=None) -> torch.Tensor:
     """[N, V] logits, [N] tokens and the settings that sampled each -> [N] logprob of each token under the
     distribution it was drawn from: softmax(logits / T) on the top-k / top-p support (``sampling_support``),
-    renormalized; greedy (T = 0) under softmax(logits), as the sampler reports it. The support is recomputed on
-    these logits (no gradient through its choice) and always holds the token (DESIGN.md: why recompute).
-    ``allowed`` [N, V] bool: a grammar's masks (grammar.py), applied first, as the sampler applied them; a token
+    renormalized; greedy (T = 0) under softmax(logits), as the sampler reports it. ``allowed`` [N, V] bool: a grammar's masks (grammar.py), applied first, as the sampler applied them; a token
     the grammar forces (the only one allowed) gets logprob 0, and no gradient.
 
     For logits [2, 1, 0], token 0, T 1: no truncation -0.408; top_k 2 -> -0.313; top_p 0.5 -> 0.0;
@@ -485,9 +460,12 @@ def sampled_logprobs(
         logits = logits.float()
     if allowed is not None:
         logits = logits.masked_fill(~allowed, -math.inf)
+    # x [N, V]: logits / T (greedy: T 1); lse [N]: the log-normalizer over all V
     greedy = temperature <= 0
     x = logits / torch.where(greedy, 1.0, temperature)[:, None]
     lse = x.logsumexp(-1)
+    # The rows sampled under top-k / top-p: normalized over their support alone, recomputed on these logits (no
+    # gradient through its choice) and always holding the token (DESIGN.md: why recompute).
     cut = (~greedy & ((top_k > 0) | (top_p < 1.0))).nonzero()[:, 0]
     if len(cut):
         with torch.no_grad():
@@ -497,9 +475,8 @@ def sampled_logprobs(
     return x.gather(-1, tokens[:, None])[:, 0] - lse
 
 
+# Stands in for the LM head during the model's forward, which then returns the hidden states it gave it.
 class _Hidden(torch.nn.Module):
-    """Stands in for the LM head during the model's forward, which then returns the hidden states it gave it."""
-
     h = None
 
     def forward(self, h):
@@ -507,75 +484,85 @@ class _Hidden(torch.nn.Module):
         return h
 
 
+# [n, H] hidden states (or [n, V] logits when ``head`` is None) -> [n] logprobs of ``tokens``.
 def _head_logprobs(h, head, tokens, temperature, top_k, top_p, at, table):
     logits = h if head is None else head(h)
     allowed = None
-    if table is not None and bool(
-        (at >= 0).any()
-    ):  # grammar-constrained tokens: their packed masks (collate)
+    # grammar-constrained tokens: their rows of the packed masks (collate's allowed_at, allowed)
+    if table is not None and bool((at >= 0).any()):
         allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
         allowed[at >= 0] = unpack_bits(table[at[at >= 0]], logits.shape[-1])
     return sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed)
 
 
+def _forward_without_head(net, raw, head, **inputs) -> Optional[torch.Tensor]:
+    """``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model gave it,
+    or None when the model changes the head's output (Gemma2's softcapping, Cohere's logit_scale)."""
+    raw.set_output_embeddings(hidden := _Hidden())
+    try:
+        out = net(**inputs).logits
+    finally:
+        raw.set_output_embeddings(head)
+    return out if out is hidden.h else None
+
+
 def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
     """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a transformers causal LM,
     maybe in DDP or FSDP), each under the sampling settings of the call that drew it (``sampled_logprobs``); 0.0
-    elsewhere. The model runs ``input_ids``: a packed tree (every shared prefix, a GRPO group's prompt or a rollout's
-    history, computed once: ``tree_mask``, position ids from ``depth``) or the padded rows; the LM head runs only at
-    the positions that predict a trainable token, ``chunk`` of them at a time and recomputed in backward: memory is
-    one chunk's [chunk, V] logits whatever the sample length, the numbers unchanged.
+    elsewhere. The model runs a packed tree (every shared prefix, a GRPO group's prompt or a rollout's history,
+    computed once) or the padded rows; memory is one chunk's [chunk, V] logits whatever the sample length.
     """
     tokens, loss_mask, ids = b["tokens"], b["loss_mask"], b["input_ids"]
-    on = loss_mask[:, 1:] > 0  # token 0 is never sampled: token t is predicted at position t - 1
-    src = b["where"][:, :-1][
-        on
-    ]  # the flat index into ids of the position predicting each trainable token
-    keep, col = torch.unique(src % ids.shape[1], return_inverse=True)
+    L = ids.shape[1]
+    # The LM head runs only at the positions that predict a trainable token, `chunk` of them at a time and
+    # recomputed in backward: the numbers unchanged.
+    # 1. Which positions to run the head at. Token t is predicted at position t - 1 (token 0 never is): on [B, T-1];
+    #    src [N]: the flat index into ids [R, L] of the position predicting each of the N trainable tokens. keep [K]:
+    #    the distinct columns among them, sorted; col [N]: each one's index into keep.
+    on = loss_mask[:, 1:] > 0
+    src = b["where"][:, :-1][on]
+    keep, col = torch.unique(src % L, return_inverse=True)
     raw = getattr(net, "module", net)
-    kw = (
-        {}
-        if b["end"] is None
-        else dict(
-            position_ids=b["depth"], attention_mask=tree_mask(raw.config, b["depth"], b["end"])
-        )
-    )
-    # The model's forward runs with its LM head swapped for _Hidden (still through DDP's/FSDP's wrapper), and the head
-    # runs per chunk after it (FSDP leaves the root's weights gathered after its forward). A model that changes the
-    # head's output (Gemma2's softcapping, Cohere's logit_scale) is seen in its first call, which runs again with the
-    # head, as every later call does (full logits; the logprobs still in chunks).
-    head = (
-        None
-        if getattr(raw, "ll_full_logits", False)
-        else getattr(raw, "get_output_embeddings", lambda: None)()
-    )
-    for head in (head, None) if head is not None else (None,):
+    tree = {}
+    if b["end"] is not None:
+        mask = tree_mask(raw.config, b["depth"], b["end"])
+        tree = dict(position_ids=b["depth"], attention_mask=mask)
+    inputs = dict(input_ids=ids, logits_to_keep=keep, use_cache=False, **tree)
+    # 2. The forward, through DDP's or FSDP's wrapper, its head swapped out: out [R, K, H] hidden states, the head
+    #    run per chunk below (FSDP leaves the root's weights gathered after its forward). A model found to change
+    #    its head's output is marked (ll_full_logits) and from then on runs whole: out [R, K, V] logits.
+    full_logits = getattr(raw, "ll_full_logits", False)
+    head = None if full_logits else getattr(raw, "get_output_embeddings", lambda: None)()
+    out = _forward_without_head(net, raw, head, **inputs) if head is not None else None
+    if out is None:
         if head is not None:
-            raw.set_output_embeddings(hidden := _Hidden())
-        try:
-            out = net(input_ids=ids, logits_to_keep=keep, use_cache=False, **kw).logits
-        finally:
-            if head is not None:
-                raw.set_output_embeddings(head)
-        if head is None or out is hidden.h:
-            break
-        raw.ll_full_logits = True
-    args = (
-        out[src // ids.shape[1], col],
+            # remembered on the model: later calls skip the trial forward
+            raw.ll_full_logits = True
+        head, out = None, net(**inputs).logits
+    # 3. Per trainable token ([N] each): its hidden state (or logits), token, settings and grammar row; the head and
+    #    the logprobs in chunks of `chunk` tokens, recomputed in backward (checkpoint).
+    per_token = (
+        out[src // L, col],
         tokens[:, 1:][on],
         *(b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p", "allowed_at")),
     )
-    lp = torch.cat(
-        [
-            torch.utils.checkpoint.checkpoint(
-                _head_logprobs, h, head, *rest, b["allowed"], use_reentrant=False
-            )
-            for h, *rest in zip(*(a.split(chunk) for a in args))
-        ]
-    )
-    return loss_mask.new_zeros(loss_mask.shape).masked_scatter(
-        loss_mask > 0, lp.to(loss_mask.dtype)
-    )
+    logprobs = [
+        checkpoint(_head_logprobs, h, head, *rest, b["allowed"], use_reentrant=False)
+        for h, *rest in zip(*(x.split(chunk) for x in per_token))
+    ]
+    # 4. Back to [B, T]: the N logprobs at the trainable positions, 0.0 elsewhere
+    lp = torch.cat(logprobs).to(loss_mask.dtype)
+    return loss_mask.new_zeros(loss_mask.shape).masked_scatter(loss_mask > 0, lp)
+
+
+def clip_range(
+    loss: str, clip_low: Optional[float] = None, clip_high: Optional[float] = None
+) -> tuple[Optional[float], Optional[float]]:
+    """The clip range a loss runs with: each bound given, or the loss's default (``CLIP``; None for a loss that does
+    not clip). The one place the default is resolved: ``policy_loss`` and train.py (its config.json) both call it:
+    ``clip_range("gspo", clip_high=1e-3) == (3e-4, 1e-3)``."""
+    low, high = CLIP.get(loss, (None, None))
+    return (low if clip_low is None else clip_low, high if clip_high is None else clip_high)
 
 
 def policy_loss(
@@ -602,94 +589,88 @@ def policy_loss(
         tis   -min(r, tis_cap) A logprobs: REINFORCE, truncated importance weight (no grad)
         sft   -logprobs: supervised, the advantage unused (train.py keeps the rollouts it should imitate)
 
-    plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0.
+    plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0. A clip bound left None
+    is the loss's default (``clip_range``).
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown policy loss {loss!r}; pick one of {LOSSES}")
-    low, high = CLIP.get(loss, (None, None))  # a clip bound left None: the loss's own default
-    clip_low, clip_high = (
-        low if clip_low is None else clip_low,
-        high if clip_high is None else clip_high,
-    )
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(
+            "kl_coef > 0 needs ref_logprobs: the reference model's logprobs of its tokens"
+        )
+    # [B, T] mask and advantages (a [B] advantage: one per sample, [B, 1])
     mask = loss_mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)
     adv = adv[:, None] if adv.dim() == 1 else adv
-    # 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a bug) from overflowing
+    # [B, T] log-ratio: 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a bug) from
+    # overflowing
     log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
     ratio = log_ratio.exp()
-    if loss in (
-        "ppo",
-        "gspo",
-    ):  # gspo: the sample's ratio, exp(mean log-ratio over its trainable tokens)
-        r = (
-            ratio
-            if loss == "ppo"
-            else (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
-        )
-        clipped = r.clamp(1 - clip_low, 1 + clip_high)
-        tok_loss = -torch.min(r * adv, clipped * adv)
-        # Dual clip: for A < 0 the clip leaves r |A| unbounded above, and one stale or mismatched token could set the
-        # update; a ratio above clip_ratio_c counts as clip_ratio_c (no gradient). A = -1, r = 5: 5 -> 3.
-        tok_loss = torch.where(
-            adv < 0, torch.minimum(tok_loss, -clip_ratio_c * adv), tok_loss
-        ).expand_as(mask)
-        was_clipped = ((clipped * adv < r * adv) | ((adv < 0) & (r > clip_ratio_c))).expand_as(
-            mask
-        )  # no gradient
+    # 1. each token's loss [B, T], and whether it was clipped (no gradient)
+    if loss in ("ppo", "gspo"):
+        clip = clip_range(loss, clip_low, clip_high)
+        tok_loss, was_clipped = _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c)
     elif loss == "tis":
         tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
         was_clipped = ratio > tis_cap
-    else:  # sft
+    else:
         tok_loss, was_clipped = -logprobs, mask < 0
+    # 2. the KL penalty, k3 estimator [B, T]
+    kl = None
     if kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError(
-                "kl_coef > 0 needs ref_logprobs: the reference model's logprobs of the same tokens"
-            )
         d = (ref_logprobs - logprobs) * mask
         kl = d.exp() - d - 1
         tok_loss = tok_loss + kl_coef * kl
+    # 3. agg_loss: the sum of weight * token loss over the trainable tokens, each sample's weight [B] being
+    #    1 / its denominator over the global batch (sample_weights): no division here, none per micro-batch
     total = (tok_loss * weights.to(logprobs.dtype)[:, None] * mask).sum()
-
-    with torch.no_grad():
-        on = mask > 0
-        r, p, q = ratio[on].double(), old_logprobs[on].double().exp(), logprobs[on].double().exp()
-        dlp = (logprobs - old_logprobs)[on].double().abs()
-        metrics = {
-            "loss": total.detach().double(),
-            "tokens": on.sum().double(),
-            "clipped": was_clipped[on].sum().double(),
-            "ratio_sum": r.sum(),
-            "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(),
-            "dlogp_sum": dlp.sum(),
-            "kl_sum": kl[on].double().sum() if kl_coef > 0 else r.sum() * 0,
-            # Pearson correlation of rollout vs trainer token probabilities, from sums.
-            "p_sum": p.sum(),
-            "q_sum": q.sum(),
-            "pp_sum": (p * p).sum(),
-            "qq_sum": (q * q).sum(),
-            "pq_sum": (p * q).sum(),
-            "ratio_min": r.min() if r.numel() else r.new_tensor(math.inf),
-            "ratio_max": r.max() if r.numel() else r.new_tensor(-math.inf),
-            "dlogp_max": dlp.max() if r.numel() else r.new_tensor(-math.inf),
-        }
-    return total, metrics
+    return total, _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl)
 
 
-_SUMS = (
-    "loss",
-    "tokens",
-    "clipped",
-    "ratio_sum",
-    "ratio_out",
-    "dlogp_sum",
-    "kl_sum",
-    "p_sum",
-    "q_sum",
-    "pp_sum",
-    "qq_sum",
-    "pq_sum",
-)
+# ppo and gspo: [B, T] token losses and whether each was clipped; ``clip``: (clip_low, clip_high).
+def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
+    # ppo: the token's ratio [B, T]; gspo: the sample's [B, 1], exp(mean log-ratio over its trainable tokens)
+    r = ratio
+    if loss == "gspo":
+        r = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
+    clipped = r.clamp(1 - clip[0], 1 + clip[1])
+    tok_loss = -torch.min(r * adv, clipped * adv)
+    # Dual clip: for A < 0 the clip leaves r |A| unbounded above, and one stale or mismatched token could set the
+    # update; a ratio above clip_ratio_c counts as clip_ratio_c (no gradient). A = -1, r = 5: 5 -> 3.
+    tok_loss = torch.where(adv < 0, torch.minimum(tok_loss, -clip_ratio_c * adv), tok_loss)
+    was_clipped = (clipped * adv < r * adv) | ((adv < 0) & (r > clip_ratio_c))
+    return tok_loss.expand_as(mask), was_clipped.expand_as(mask)
+
+
+# The sums (and extremes) over the trainable tokens that ``reduce_metrics`` combines.
+@torch.no_grad()
+def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -> dict:
+    on = mask > 0
+    r, p, q = ratio[on].double(), old_logprobs[on].double().exp(), logprobs[on].double().exp()
+    dlp = (logprobs - old_logprobs)[on].double().abs()
+    return {
+        "loss": total.detach().double(),
+        "tokens": on.sum().double(),
+        "clipped": was_clipped[on].sum().double(),
+        "ratio_sum": r.sum(),
+        "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(),
+        "dlogp_sum": dlp.sum(),
+        "kl_sum": kl[on].double().sum() if kl is not None else r.sum() * 0,
+        # Pearson correlation of rollout vs trainer token probabilities, from sums.
+        "p_sum": p.sum(),
+        "q_sum": q.sum(),
+        "pp_sum": (p * p).sum(),
+        "qq_sum": (q * q).sum(),
+        "pq_sum": (p * q).sum(),
+        "ratio_min": r.min() if r.numel() else r.new_tensor(math.inf),
+        "ratio_max": r.max() if r.numel() else r.new_tensor(-math.inf),
+        "dlogp_max": dlp.max() if r.numel() else r.new_tensor(-math.inf),
+    }
+
+
+# policy_loss's metrics that add up over micro-batches and ranks
+_SUMS = ("loss", "tokens", "clipped", "ratio_sum", "ratio_out", "dlogp_sum", "kl_sum")
+_SUMS += ("p_sum", "q_sum", "pp_sum", "qq_sum", "pq_sum")
 
 
 def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
@@ -702,12 +683,10 @@ def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
     )
     agg = {}
     for keys, op, fn, empty in kinds:
-        rows = [torch.stack([m[k] for k in keys]) for m in metrics] or [
-            torch.tensor([empty] * len(keys))
-        ]
-        vals = fn(
-            torch.stack(rows), 0
-        ).tolist()  # one device->host copy per kind, not one per number
+        rows = [torch.stack([m[k] for k in keys]) for m in metrics]
+        rows = rows or [torch.tensor([empty] * len(keys))]
+        # one device->host copy per kind, not one per number
+        vals = fn(torch.stack(rows), 0).tolist()
         agg.update(zip(keys, all_reduce(vals, op)))
     n = max(agg["tokens"], 1.0)
     cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]

@@ -30,41 +30,36 @@ class Call:
 
     rollout_id: str
     index: int
-    api: str  # "chat" | "completions" | "responses" | "anthropic"
+    # "chat" | "completions" | "responses" | "anthropic"
+    api: str
     model_version: int
-    prompt_ids: Optional[list[int]]  # None: the call extends its parent (prompt_tail)
+    # None: the call extends its parent (prompt_tail)
+    prompt_ids: Optional[list[int]]
     response_ids: list[int]
     response_logprobs: list[float]
-    finish_reason: (
-        str  # "stop" | "length" | "tool_calls"; unanswered (never trained): "error" | "cancelled"
-    )
-    choice: int = (
-        0  # the n choices of one request are n calls with consecutive indices, choice 0..n-1
-    )
-    capped: bool = (
-        False  # the proxy's per-call cap (--max-new-tokens), not the request, cut the reply
-    )
-    parent: Optional[int] = (
-        None  # the call whose prompt_ids + response_ids the proxy built this prompt on
-    )
-    split: Optional[str] = (
-        None  # why it extends no earlier call (SPLIT_REASONS); None: nothing to extend
-    )
+    # "stop" | "length" | "tool_calls"; unanswered (never trained): "error" | "cancelled"
+    finish_reason: str
+    # the n choices of one request are n calls with consecutive indices, choice 0..n-1
+    choice: int = 0
+    # the proxy's per-call cap (--max-new-tokens), not the request, cut the reply
+    capped: bool = False
+    # the call whose prompt_ids + response_ids the proxy built this prompt on
+    parent: Optional[int] = None
+    # why it extends no earlier call (SPLIT_REASONS); None: nothing to extend
+    split: Optional[str] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     created: float = 0.0
     latency_s: float = 0.0
-    response: Optional[dict] = None  # the assistant message the harness received
-    prompt_tail: Optional[list[int]] = (
-        None  # with prompt_ids None: the prompt ids after the parent's prompt + response
-    )
-    reply_id: Optional[str] = (
-        None  # the id the API gave its reply (chatcmpl-..., msg_..., resp_...): a reward may name the call by it
-    )
-    grammar: Optional[str] = (
-        None  # the grammar its response was sampled under (grammar.py: a forced call, a response_format)
-    )
+    # the assistant message the harness received
+    response: Optional[dict] = None
+    # with prompt_ids None: the prompt ids after the parent's prompt + response
+    prompt_tail: Optional[list[int]] = None
+    # the id the API gave its reply (chatcmpl-..., msg_..., resp_...): a reward may name the call by it
+    reply_id: Optional[str] = None
+    # the grammar its response was sampled under (grammar.py: a forced call, a response_format)
+    grammar: Optional[str] = None
 
 
 @dataclass
@@ -78,25 +73,21 @@ class Sample:
     tokens: list[int]
     loss_mask: list[int]
     logprobs: list[float]
-    calls: list[int] = field(default_factory=list)  # indices of the calls merged into it
-    split: Optional[str] = (
-        None  # why its first call began a new sample (SPLIT_REASONS); None: the rollout's first
-    )
+    # indices of the calls merged into it
+    calls: list[int] = field(default_factory=list)
+    # why its first call began a new sample (SPLIT_REASONS); None: the rollout's first
+    split: Optional[str] = None
     temperature: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
     top_p: list[float] = field(default_factory=list)
-    version: list[int] = field(
-        default_factory=list
-    )  # the policy version that sampled each token (0 where the mask is 0)
-    call: list[int] = field(
-        default_factory=list
-    )  # the index of the call that sampled each token (-1 where the mask is 0)
-    advantages: list[float] = field(
-        default_factory=list
-    )  # each token's advantage (algo.assign_advantages; 0.0 where the mask is 0)
-    grammars: dict = field(
-        default_factory=dict
-    )  # call index -> the grammar its tokens were sampled under (grammar.py), if any
+    # the policy version that sampled each token (0 where the mask is 0)
+    version: list[int] = field(default_factory=list)
+    # the index of the call that sampled each token (-1 where the mask is 0)
+    call: list[int] = field(default_factory=list)
+    # each token's advantage (algo.assign_advantages; 0.0 where the mask is 0)
+    advantages: list[float] = field(default_factory=list)
+    # call index -> the grammar its tokens were sampled under (grammar.py), if any
+    grammars: dict = field(default_factory=dict)
 
 
 def to_json(obj: Any, **replace: Any) -> str:
@@ -149,8 +140,6 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
     ``prompt_tail`` (n turns of L tokens hold L ids, not n * L / 2). ``whole``: every call with its whole prompt."""
     calls, seen = [], {}
     for d in read_jsonl(path):
-        if "split_hint" in d:  # files written before it was named split
-            d["split"] = d.pop("split_hint")
         c = from_dict(Call, d)
         if c.prompt_ids is None:
             p = seen.get((c.rollout_id, c.parent))
@@ -180,50 +169,6 @@ def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
             if m := RUN_FILE.fullmatch(name):
                 found[(m[1], int(m[2]))][sub].append(os.path.join(folder, name))
     return dict(sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] == "step")))
-
-
-def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, dict]]:
-    """What ``run_dir`` recorded, to train on (train.py --from-calls): proxy.py's (calls.jsonl, rewards.jsonl,
-    proxy.json) or a train.py run's (calls/ and rollouts/ of its steps, not its evaluations; config.json). Returns
-    (the model that served them, the calls, {rollout id: {"reward": R or None, "calls": {call index: r}, "group": a
-    task id or None}}), a rollout only when it was rewarded; of two rewards for one rollout or call the last counts.
-    A train.py run's rollouts keep their GRPO groups (the task, in its step); failed ones are left out."""
-    rewards: dict[str, dict] = {}
-    meta = next(
-        (
-            os.path.join(run_dir, f)
-            for f in ("proxy.json", "config.json")
-            if os.path.exists(os.path.join(run_dir, f))
-        ),
-        None,
-    )
-    model = json.load(open(meta)).get("model") if meta else None
-    if os.path.exists(os.path.join(run_dir, "calls.jsonl")):  # proxy.py
-        calls = read_calls(os.path.join(run_dir, "calls.jsonl"))
-        path = os.path.join(run_dir, "rewards.jsonl")
-        for d in read_jsonl(path) if os.path.exists(path) else ():
-            r = rewards.setdefault(d["rollout_id"], {"reward": None, "calls": {}, "group": None})
-            if d.get("call") is None:
-                r["reward"] = d["reward"]
-            else:
-                r["calls"][d["call"]] = d["reward"]
-            r["group"] = d.get("task") or r["group"]
-        return model, calls, rewards
-    steps = {k: files for (kind, k), files in find_batches(run_dir).items() if kind == "step"}
-    calls = [c for files in steps.values() for path in files["calls"] for c in read_calls(path)]
-    for step, files in steps.items():
-        for d in (d for path in files["rollouts"] for d in read_jsonl(path)):
-            if d.get("error") is None and d.get("reward") is not None:
-                rewards[d["rollout_id"]] = {
-                    "reward": d["reward"],
-                    "calls": {int(i): r for i, r in (d.get("call_rewards") or {}).items()},
-                    "group": f"{step}/{d.get('harness') or ''}/{d['task_id']}",
-                }
-    if not calls:
-        raise ValueError(
-            f"{run_dir}: no calls.jsonl (proxy.py --out) and no calls/step_K.jsonl (train.py --out): not a recorded run"
-        )
-    return model, calls, rewards
 
 
 def common_prefix(a: list, b: list) -> int:

@@ -39,174 +39,194 @@ def build_samples(
     or dropped when even its first call does not fit (counted: ``truncated``, ``dropped``); the tokens cut off
     are trained nowhere (unless another leaf holds them).
     """
-    # a failed or cancelled call: nothing to train
-    stats = Counter(
-        rollouts=1, calls=len(calls), unanswered=sum(c.finish_reason in UNANSWERED for c in calls)
-    )
+    # 1. the answered calls in index order (a failed or cancelled call: nothing to train)
+    unanswered = sum(c.finish_reason in UNANSWERED for c in calls)
+    stats = Counter(rollouts=1, calls=len(calls), unanswered=unanswered)
     calls = sorted((c for c in calls if c.finish_reason not in UNANSWERED), key=lambda c: c.index)
-    by_index = {c.index: c for c in calls}
-    if len(by_index) < len(calls):
+    tree = _Tree({c.index: c for c in calls})
+    if len(tree.by_index) < len(calls):
         i = next(a.index for a, b in zip(calls, calls[1:]) if a.index == b.index)
         raise ValueError(
             f"rollout {calls[0].rollout_id!r}: call index {i} twice; pass each rollout's calls once, from one "
             "calls file (a proxy restarted on a file before calls were numbered after those on disk reuses indices)"
         )
-    # The tree: each call as the ids after the call it extends (a root: its whole prompt). A call's
-    # prompt + response ids are the segments up its path, built as one list for the samples only.
-    kept: dict[int, Call] = {}  # index -> call still in the tree (retried attempts leave it)
-    up: dict[int, Optional[int]] = {}  # index -> the call it extends (None: a root)
-    tail: dict[int, list[int]] = {}  # index -> its prompt ids after up's prompt + response ids
-    size: dict[Optional[int], int] = {
-        None: 0
-    }  # index -> len(prompt + response); None: above the roots
-    split: dict[
-        int, str
-    ] = {}  # index -> why this call began a new tree instead of extending one (SPLIT_REASONS)
+    # 2. each call hung in the prefix tree
+    for c in calls:
+        _check(c)
+        stats["sampled_tokens"] += len(c.response_ids)
+        tree.add(c, stats)
+    stats["tokens_unmerged"] = sum(tree.size[i] for i in tree.kept)
+    # 3. one sample per leaf, each sampled token trained in one of them
+    samples, trained = [], set()
+    for tokens, path in tree.leaf_paths(max_seq_len, stats):
+        sample = _sample(tokens, path, tree, trained)
+        if sample is None:
+            stats["empty"] += 1
+            continue
+        samples.append(sample)
+        stats.update(samples=1, trainable_tokens=sum(sample.loss_mask), tokens=len(tokens))
+    samples.sort(key=lambda s: s.calls[-1])  # in call order
+    return samples, stats
 
-    def lineage(i):  # call i, the call it extends, ..., its root
+
+def _check(c: Call) -> None:
+    if not (c.prompt_ids or c.parent is not None and c.prompt_tail is not None):
+        raise ValueError(
+            f"rollout {c.rollout_id!r} call {c.index}: no prompt ids (empty prompt_ids, no parent + "
+            "prompt_tail); the first sampled token would have no context to be trained from. "
+            "Is the proxy recording prompt ids?"
+        )
+    if len(c.response_logprobs) != len(c.response_ids):
+        raise ValueError(
+            f"rollout {c.rollout_id!r} call {c.index}: {len(c.response_ids)} response ids but "
+            f"{len(c.response_logprobs)} logprobs; every sampled token needs its rollout logprob."
+        )
+
+
+# One rollout's calls as a prefix tree. Each call holds only its ids after the call it extends (``tail``; a
+# root: its whole prompt), so a call's prompt + response ids are the segments up its path, never copied:
+# root tail, root response, ..., its tail, its response.
+class _Tree:
+    def __init__(self, by_index: dict[int, Call]):
+        self.by_index = by_index
+        # index -> the call, while in the tree (a retried attempt leaves it)
+        self.kept: dict[int, Call] = {}
+        # index -> the call it extends (None: a root)
+        self.up: dict[int, Optional[int]] = {}
+        # index -> its prompt ids after up's prompt + response ids
+        self.tail: dict[int, list[int]] = {}
+        # index -> len(prompt + response); None: above the roots
+        self.size: dict[Optional[int], int] = {None: 0}
+        # index -> why this call began a new tree instead of extending one (SPLIT_REASONS)
+        self.split: dict[int, str] = {}
+
+    # call i, the call it extends, ..., its root
+    def lineage(self, i: Optional[int]):
         while i is not None:
-            yield by_index[i]
-            i = up[i]
+            yield self.by_index[i]
+            i = self.up[i]
 
-    def starts(ids, i, prompt_only=False):  # does ids start with call i's prompt (+ response) ids?
-        segs = (
-            seg for c in lineage(i) for seg in (c.response_ids, tail[c.index])
-        )  # the last segment first
-        end = size[i]
+    # Whether ``ids`` start with call i's prompt + response ids (``prompt_only``: its prompt ids). Compared
+    # segment by segment from the end of call i's ids back to its root's first, slices of ``ids`` only.
+    def starts_with(self, ids: list[int], i: int, prompt_only: bool = False) -> bool:
+        segments = (seg for c in self.lineage(i) for seg in (c.response_ids, self.tail[c.index]))
+        end = self.size[i]
         if prompt_only:
-            end -= len(next(segs))
+            end -= len(next(segments))
         if len(ids) < end:
             return False
-        for seg in segs:
+        for seg in segments:
             if ids[end - len(seg) : end] != seg:
                 return False
             end -= len(seg)
         return True
 
-    for c in calls:
-        if not (c.prompt_ids or c.parent is not None and c.prompt_tail is not None):
-            raise ValueError(
-                f"rollout {c.rollout_id!r} call {c.index}: no prompt ids (empty prompt_ids, no parent + "
-                "prompt_tail); the first sampled token would have no context to be trained from. "
-                "Is the proxy recording prompt ids?"
-            )
-        if len(c.response_logprobs) != len(c.response_ids):
-            raise ValueError(
-                f"rollout {c.rollout_id!r} call {c.index}: {len(c.response_ids)} response ids but "
-                f"{len(c.response_logprobs)} logprobs; every sampled token needs its rollout logprob."
-            )
-        stats["sampled_tokens"] += len(c.response_ids)
-        claimed = c.parent in kept  # the proxy built this prompt on that call's: nothing to compare
-        if claimed:
-            up[c.index] = c.parent
-            tail[c.index] = (
-                c.prompt_tail if c.prompt_ids is None else c.prompt_ids[size[c.parent] :]
-            )
-            same = lambda e: up[e.index] == c.parent and tail[e.index] == tail[c.index]  # noqa: E731
-        else:  # placed by its ids (its claimed parent, if any, left the tree as a retried attempt)
-            ids = c.prompt_ids if c.prompt_ids is not None else full_prompt(c, by_index)
-            same = lambda e: (
-                size[e.index] - len(e.response_ids) == len(ids) and starts(ids, e.index, True)
-            )  # noqa: E731
-        # A retry: the same prompt ids again, from an earlier request (the n choices of one
-        # request, indices index-choice .. index, are siblings, not retries). The earlier attempt
-        # is dropped unless something already continued from it (then the harness used it: both
-        # stay, as branches). Checked before extension, as that prompt also extends its parent.
-        retried = [e for e in kept.values() if e.index < c.index - c.choice and same(e)]
+    # Whether the earlier call ``e`` had the same prompt as ``c``: with ``ids`` (c's prompt), compared to
+    # e's; without (c hangs under the parent the proxy recorded), the same parent and the same tail.
+    def same_prompt(self, e: Call, c: Call, ids: Optional[list[int]]) -> bool:
+        if ids is None:
+            return self.up[e.index] == c.parent and self.tail[e.index] == self.tail[c.index]
+        prompt_len = self.size[e.index] - len(e.response_ids)
+        return prompt_len == len(ids) and self.starts_with(ids, e.index, prompt_only=True)
+
+    # Hang call ``c``: under its recorded parent, else under the longest call its prompt extends, else as a
+    # new root (a split, counted by reason); an earlier attempt at the same prompt leaves the tree.
+    def add(self, c: Call, stats: Counter) -> None:
+        ids = None
+        if c.parent in self.kept:
+            # the proxy built this prompt on that call's: nothing to compare
+            self.up[c.index] = c.parent
+            new_ids = c.prompt_tail if c.prompt_ids is None else c.prompt_ids[self.size[c.parent] :]
+            self.tail[c.index] = new_ids
+        else:
+            # placed by its ids (its claimed parent, if any, left the tree as a retried attempt)
+            ids = c.prompt_ids if c.prompt_ids is not None else full_prompt(c, self.by_index)
+        # A retry: the same prompt ids again, from an earlier request (the n choices of one request, indices
+        # index - choice .. index, are siblings, not retries). The earlier attempt is dropped unless something
+        # already continued from it (then the harness used it: both stay, as branches). Checked before extension,
+        # as that prompt also extends its parent.
+        first_of_request = c.index - c.choice
+        earlier = [e for e in self.kept.values() if e.index < first_of_request]
+        retried = [e for e in earlier if self.same_prompt(e, c, ids)]
         stats["split_retry"] += bool(retried)
         for e in retried:
-            if e.index not in (up[i] for i in kept):
-                del kept[e.index]
-        if not claimed:
+            if not any(self.up[i] == e.index for i in self.kept):
+                del self.kept[e.index]
+        if ids is not None:
             # Longest candidate first: in an append-only chat the previous call matches at once.
-            ext = next((i for i in sorted(kept, key=lambda i: -size[i]) if starts(ids, i)), None)
-            up[c.index], tail[c.index] = ext, ids[size[ext] :]
+            longest_first = sorted(self.kept, key=lambda i: -self.size[i])
+            extends = next((i for i in longest_first if self.starts_with(ids, i)), None)
+            self.up[c.index], self.tail[c.index] = extends, ids[self.size[extends] :]
             # The first root of a rollout is not a split, nor is choice 1.. of a request (a sibling).
-            if ext is None and (retried or kept and c.choice == 0):
-                split[c.index] = (
-                    "retry"
-                    if retried
-                    else c.split
-                    if c.split in SPLIT_REASONS
-                    else "rewrote_history"
-                    if any(starts(ids, i, True) for i in kept)
-                    else "new_thread"
-                )
-                stats["split_" + split[c.index]] += not retried  # a retry is counted above
-        kept[c.index] = c
-        size[c.index] = size[up[c.index]] + len(tail[c.index]) + len(c.response_ids)
+            if extends is None and (retried or self.kept and c.choice == 0):
+                self.split[c.index] = self.split_reason(c, ids, retried)
+                # a retry is counted above
+                stats["split_" + self.split[c.index]] += not retried
+        self.kept[c.index] = c
+        self.size[c.index] = (
+            self.size[self.up[c.index]] + len(self.tail[c.index]) + len(c.response_ids)
+        )
 
-    stats["tokens_unmerged"] = sum(size[i] for i in kept)
-    children = {up[i] for i in kept}
-    paths = []  # (tokens, root -> leaf calls) of each leaf, cut to max_seq_len
-    for leaf in (i for i in kept if i not in children):
-        path = list(lineage(leaf))[::-1]
-        if max_seq_len is not None and size[leaf] > max_seq_len:
-            # Cut at the end of a call's response: a turn boundary, never mid-response.
-            path = [c for c in path if size[c.index] <= max_seq_len]
-            stats["truncated" if path else "dropped"] += 1
-            if not path:
-                continue
-        paths.append(
-            ([t for c in path for seg in (tail[c.index], c.response_ids) for t in seg], path)
-        )
-    # A sampled token on several leaves' paths is trained once, in the longest leaf (ties: the
-    # smaller token ids): a rule that does not depend on which branch the harness sent first,
-    # so per-sample normalizations (seq-mean-token-mean) weigh it the same in every run.
-    paths.sort(key=lambda p: (-len(p[0]), p[0]))
-    trained: set[int] = set()  # calls whose response is already trained in a longer leaf
-    samples = []
-    for tokens, path in paths:
-        n = len(tokens)
-        mask, logprobs, temperature, top_k, top_p, version, call = (
-            [0] * n,
-            [0.0] * n,
-            [1.0] * n,
-            [0] * n,
-            [1.0] * n,
-            [0] * n,
-            [-1] * n,
-        )
-        grammars = {}
-        for c in path:
-            if c.index in trained:
-                continue
-            trained.add(c.index)
-            if c.grammar:
-                grammars[c.index] = c.grammar
-            k = len(c.response_ids)
-            a = size[c.index] - k
-            mask[a : a + k], logprobs[a : a + k] = [1] * k, c.response_logprobs
-            temperature[a : a + k], top_k[a : a + k], top_p[a : a + k] = (
-                [c.temperature] * k,
-                [c.top_k] * k,
-                [c.top_p] * k,
-            )
-            version[a : a + k], call[a : a + k] = [c.model_version] * k, [c.index] * k
-        if not any(mask):  # everything it sampled is trained in another leaf
-            stats["empty"] += 1
-            continue
-        samples.append(
-            Sample(
-                rollout_id=path[-1].rollout_id,
-                tokens=tokens,
-                loss_mask=mask,
-                logprobs=logprobs,
-                calls=[c.index for c in path],
-                split=split.get(path[0].index),
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                version=version,
-                call=call,
-                grammars=grammars,
-            )
-        )
-        stats["samples"] += 1
-        stats["trainable_tokens"] += sum(mask)
-        stats["tokens"] += n
-    samples.sort(key=lambda s: s.calls[-1])  # in call order
-    return samples, stats
+    def split_reason(self, c: Call, ids: list[int], retried: list[Call]) -> str:
+        if retried:
+            return "retry"
+        if c.split in SPLIT_REASONS:
+            return c.split
+        if any(self.starts_with(ids, i, prompt_only=True) for i in self.kept):
+            return "rewrote_history"
+        return "new_thread"
+
+    # (tokens, its calls root first) of each leaf, cut to ``max_seq_len``; the longest first (ties: the
+    # smaller token ids).
+    def leaf_paths(self, max_seq_len: Optional[int], stats: Counter) -> list[tuple]:
+        children = {self.up[i] for i in self.kept}
+        paths = []
+        for leaf in (i for i in self.kept if i not in children):
+            path = list(self.lineage(leaf))[::-1]
+            if max_seq_len is not None and self.size[leaf] > max_seq_len:
+                # Cut at the end of a call's response: a turn boundary, never mid-response.
+                path = [c for c in path if self.size[c.index] <= max_seq_len]
+                stats["truncated" if path else "dropped"] += 1
+                if not path:
+                    continue
+            tokens = [t for c in path for seg in (self.tail[c.index], c.response_ids) for t in seg]
+            paths.append((tokens, path))
+        # A sampled token on several leaves' paths is trained once, in the longest leaf (ties: the smaller token
+        # ids): a rule that does not depend on which branch the harness sent first, so per-sample normalizations
+        # (seq-mean-token-mean) weigh it the same in every run.
+        paths.sort(key=lambda p: (-len(p[0]), p[0]))
+        return paths
+
+
+# The sample of one leaf: its calls' responses trainable, but those ``trained`` in a longer leaf already
+# (added to it); None when nothing is left to train.
+def _sample(tokens: list[int], path: list[Call], tree: _Tree, trained: set) -> Optional[Sample]:
+    n = len(tokens)
+    sample = Sample(
+        rollout_id=path[-1].rollout_id,
+        tokens=tokens,
+        loss_mask=[0] * n,
+        logprobs=[0.0] * n,
+        calls=[c.index for c in path],
+        split=tree.split.get(path[0].index),
+        temperature=[1.0] * n,
+        top_k=[0] * n,
+        top_p=[1.0] * n,
+        version=[0] * n,
+        call=[-1] * n,
+    )
+    for c in (c for c in path if c.index not in trained):
+        trained.add(c.index)
+        # the call's response: the last k of its prompt + response ids
+        k = len(c.response_ids)
+        at = slice(tree.size[c.index] - k, tree.size[c.index])
+        sample.loss_mask[at], sample.logprobs[at] = [1] * k, c.response_logprobs
+        sample.temperature[at], sample.top_k[at] = [c.temperature] * k, [c.top_k] * k
+        sample.top_p[at], sample.version[at] = [c.top_p] * k, [c.model_version] * k
+        sample.call[at] = [c.index] * k
+        if c.grammar:
+            sample.grammars[c.index] = c.grammar
+    return sample if any(sample.loss_mask) else None
 
 
 def build_batch_samples(
@@ -217,16 +237,16 @@ def build_batch_samples(
     for c in calls:
         by_rollout[c.rollout_id].append(c)
     samples, stats = [], Counter()
-    for s, st in (
-        build_samples(rollout_calls, max_seq_len) for rollout_calls in by_rollout.values()
-    ):
-        samples += s
-        stats.update(st)
+    for rollout_calls in by_rollout.values():
+        rollout_samples, rollout_stats = build_samples(rollout_calls, max_seq_len)
+        samples += rollout_samples
+        stats.update(rollout_stats)
     return samples, stats
 
 
 def format_stats(stats: Counter) -> str:
     merged, unanswered = stats["tokens"], stats["unanswered"]
+    split_rows = [(f"split: {r}", "split_" + r, "") for r in SPLIT_REASONS]
     rows = [
         ("rollouts", "rollouts", ""),
         (
@@ -242,7 +262,7 @@ def format_stats(stats: Counter) -> str:
             "tokens_unmerged",
             f"{stats['tokens_unmerged'] / merged:.2f}x the merged count" if merged else "",
         ),
-        *((f"split: {r}", "split_" + r, "") for r in SPLIT_REASONS),
+        *split_rows,
         ("truncated (max-seq-len)", "truncated", "cut at a turn boundary"),
         ("dropped (max-seq-len)", "dropped", "first turn too long"),
         ("empty", "empty", "no token left to train"),

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT
 from lightning_lite.extras.audit import scan
 from lightning_lite.records import Call, write_jsonl
-from lightning_lite.report import batch_label
+from lightning_lite.extras.report import batch_label
 from lightning_lite.samples import build_samples
 
 NO_BROWSER = "chromium or playwright missing: run `make setup-browser`"

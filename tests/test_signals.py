@@ -17,7 +17,8 @@ import requests
 from conftest import ROOT
 
 from lightning_lite import algo
-from lightning_lite.records import read_calls, read_jsonl, read_recorded
+from lightning_lite.extras.from_calls import read_recorded
+from lightning_lite.records import read_calls, read_jsonl
 
 HARNESSES = os.path.join(ROOT, "tests", "harnesses.py")
 

@@ -34,12 +34,16 @@ class RunDir:
 
     def file(self, kind: str, name: str) -> str:
         """A step's (or an evaluation's) calls or rollouts: one file per rank under DDP."""
-        return os.path.join(self.out, kind, f"{name}.rank{self.rank}.jsonl" if self.ddp else f"{name}.jsonl")
+        return os.path.join(
+            self.out, kind, f"{name}.rank{self.rank}.jsonl" if self.ddp else f"{name}.jsonl"
+        )
 
     def save_rollouts(self, name: str, results: list, advantages: dict):
         """One line per rollout: the harness's RolloutResult and its advantage (a number, {call
         index: number} for a per-call estimator, or null: not trained)."""
-        rows = [{**dataclasses.asdict(r), "advantage": advantages.get(r.rollout_id)} for r in results]
+        rows = [
+            {**dataclasses.asdict(r), "advantage": advantages.get(r.rollout_id)} for r in results
+        ]
         records.write_jsonl(self.file("rollouts", name), rows)
 
     def append_metrics(self, row: dict, loggers=None):
@@ -47,7 +51,9 @@ class RunDir:
         the loggers. The file is written last: a row in it has been logged everywhere."""
         if self.rank:
             return
-        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        row = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
+        }
         if loggers:
             loggers.log(row)
         with open(self.metrics_path, "a") as f:
@@ -107,9 +113,31 @@ class RunDir:
 
 # ---------------------------------------------------------------------- a step's numbers
 # the metrics row's counts (summed over ranks) and what the loss reports (algo.policy_loss)
-COUNTED = ("rollouts", "failed", "flagged", "calls", "samples", "trainable_tokens", "truncated", "dropped")
-LOSS_METRICS = ("fwd_tokens", "constrained_tokens", "forced_tokens", "loss", "clip_frac", "ratio_mean",
-                "ratio_min", "ratio_max", "prob_corr", "dlogp_mean", "dlogp_max", "ratio_out_frac")
+COUNTED = (
+    "rollouts",
+    "failed",
+    "flagged",
+    "calls",
+    "samples",
+    "trainable_tokens",
+    "truncated",
+    "dropped",
+)
+LOSS_METRICS = (
+    "fwd_tokens",
+    "constrained_tokens",
+    "forced_tokens",
+    "loss",
+    "clip_frac",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "prob_corr",
+    "dlogp_mean",
+    "dlogp_max",
+    "ratio_out_frac",
+)
+
 
 def per(a, b):
     """a / b, or None where b is 0: not measured (a 0 would claim a measurement)."""
@@ -121,25 +149,37 @@ def counts(results, calls, merge_stats: Counter) -> dict:
     merge statistics: summed over ranks, ``step_rates`` makes the row's numbers of them."""
     # None: an unrewarded trace (sft)
     rewarded = [r.reward for r in results if r.error is None and r.reward is not None]
-    return {"rollouts": len(results), "failed": sum(r.error is not None for r in results),
-            "flagged": sum(bool(r.flags) for r in results), "rewarded": len(rewarded),
-            "reward": sum(rewarded), "success": sum(x >= 1.0 for x in rewarded), "calls": len(calls),
-            "gen": sum(len(c.response_ids) for c in calls),
-            **{k: merge_stats[k] for k in ("tokens", "tokens_unmerged", "truncated", "dropped")},
-            **{"split_" + r: merge_stats["split_" + r] for r in SPLIT_REASONS}}
+    return {
+        "rollouts": len(results),
+        "failed": sum(r.error is not None for r in results),
+        "flagged": sum(bool(r.flags) for r in results),
+        "rewarded": len(rewarded),
+        "reward": sum(rewarded),
+        "success": sum(x >= 1.0 for x in rewarded),
+        "calls": len(calls),
+        "gen": sum(len(c.response_ids) for c in calls),
+        **{k: merge_stats[k] for k in ("tokens", "tokens_unmerged", "truncated", "dropped")},
+        **{"split_" + r: merge_stats["split_" + r] for r in SPLIT_REASONS},
+    }
 
 
 def step_counts(results, calls, samples, merge_stats: dict, names: list, all_reduce) -> dict:
     """The step's sums over every rank: all of it, and each harness's (keys ending in /NAME) when
     there are several."""
-    n = {**counts(results, calls, sum(merge_stats.values(), Counter())), "samples": len(samples),
-         "signal": sum(any(s.advantages) for s in samples),
-         "trainable_tokens": sum(sum(s.loss_mask) for s in samples),
-         "kept_tokens": sum(len(s.tokens) for s in samples)}
+    n = {
+        **counts(results, calls, sum(merge_stats.values(), Counter())),
+        "samples": len(samples),
+        "signal": sum(any(s.advantages) for s in samples),
+        "trainable_tokens": sum(sum(s.loss_mask) for s in samples),
+        "kept_tokens": sum(len(s.tokens) for s in samples),
+    }
     for name in names if len(names) > 1 else ():
         mine = {r.rollout_id for r in results if r.harness == name}
-        sums = counts([r for r in results if r.rollout_id in mine], [c for c in calls if c.rollout_id in mine],
-                      merge_stats.get(name, Counter()))
+        sums = counts(
+            [r for r in results if r.rollout_id in mine],
+            [c for c in calls if c.rollout_id in mine],
+            merge_stats.get(name, Counter()),
+        )
         n.update({f"{k}/{name}": v for k, v in sums.items()})
     return dict(zip(n, all_reduce(list(n.values()))))
 
@@ -148,11 +188,15 @@ def step_rates(n: dict, names: list) -> dict:
     """The row's reward, success, calls per rollout, merge ratio and split counts from the sums."""
     row = {}
     for sfx in [""] + [f"/{name}" for name in names if len(names) > 1]:
-        row.update({
-            "reward" + sfx: per(n["reward" + sfx], n["rewarded" + sfx]),
-            "success" + sfx: per(n["success" + sfx], n["rewarded" + sfx]),
-            "calls_per_rollout" + sfx: per(n["calls" + sfx], n["rollouts" + sfx]),
-            "merge_ratio" + sfx: per(n["tokens_unmerged" + sfx], n["tokens" + sfx]),
-            "splits" + sfx: {r: int(n[f"split_{r}{sfx}"]) for r in SPLIT_REASONS if n[f"split_{r}{sfx}"]},
-        })
+        row.update(
+            {
+                "reward" + sfx: per(n["reward" + sfx], n["rewarded" + sfx]),
+                "success" + sfx: per(n["success" + sfx], n["rewarded" + sfx]),
+                "calls_per_rollout" + sfx: per(n["calls" + sfx], n["rollouts" + sfx]),
+                "merge_ratio" + sfx: per(n["tokens_unmerged" + sfx], n["tokens" + sfx]),
+                "splits" + sfx: {
+                    r: int(n[f"split_{r}{sfx}"]) for r in SPLIT_REASONS if n[f"split_{r}{sfx}"]
+                },
+            }
+        )
     return row

@@ -43,16 +43,22 @@ class Learner:
         for net in [m for m in (self.model, self.ref_model) if m is not None and args.attn]:
             net.set_attn_implementation(args.attn)
         if not args.no_tree and (why := algo.tree_unsupported(self.model.config)):
-            log(f"training each sample as its own row (--no-tree): this model cannot run a packed tree, {why}")
+            log(
+                f"training each sample as its own row (--no-tree): this model cannot run a packed tree, {why}"
+            )
             args.no_tree = True
         offload, checkpointing = args.fsdp_offload, args.activation_checkpointing
-        self.train_model = parallel.wrap(self.model, args.parallel, device, world, offload, checkpointing, dtype)
+        self.train_model = parallel.wrap(
+            self.model, args.parallel, device, world, offload, checkpointing, dtype
+        )
         if self.ref_model is not None and fsdp:
             # sharded like the policy, without an optimizer: its forwards are collectives too
             parallel.wrap(self.ref_model, "fsdp", device, world, offload, dtype=dtype)
         # after sharding: AdamW's state is over the shards
         params = self.model.parameters()
-        self.opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+        self.opt = torch.optim.AdamW(
+            params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99)
+        )
         self.start_step = 0
         if resume_dir:
             # mapped from the file into host memory, not onto the GPU: the ranks of a node share the
@@ -69,13 +75,17 @@ class Learner:
         if step < a.warmup_steps:
             return a.lr * (step + 1) / a.warmup_steps
         t = min(1.0, (step - a.warmup_steps) / max(1, a.steps - a.warmup_steps))
-        return a.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)) if a.lr_schedule == "cosine" else 1.0)
+        return a.lr * (
+            0.1 + 0.45 * (1 + math.cos(math.pi * t)) if a.lr_schedule == "cosine" else 1.0
+        )
 
     def update(self, samples: list[Sample], step: int, has_signal: bool):
         """Loss, backward and AdamW on the step's samples; skipped, saying why, when nothing carries
         a signal or the gradient is not finite. Returns (metrics, gradient norm, why skipped)."""
         if not has_signal:
-            self.log(f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update")
+            self.log(
+                f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update"
+            )
             return {}, None, "no_signal"
         self.model.train()
         for g in self.opt.param_groups:
@@ -89,8 +99,10 @@ class Learner:
         else:
             # one NaN/inf gradient would make every weight NaN
             skipped = "nonfinite_grad"
-            self.log(f"step {step + 1}: WARNING: the gradient norm is {grad_norm}, skipping the update "
-                     "(a non-finite loss or logprob: see loss, dlogp_max)")
+            self.log(
+                f"step {step + 1}: WARNING: the gradient norm is {grad_norm}, skipping the update "
+                "(a non-finite loss or logprob: see loss, dlogp_max)"
+            )
         # the gradients' memory is free for the rollouts (and woken vLLM servers)
         self.opt.zero_grad(set_to_none=True)
         self.model.eval()
@@ -126,7 +138,9 @@ class Learner:
         a, tok, model = self.args, self.tok, self.model
         max_age = a.steps if a.from_calls else a.async_steps
         # the denominators are all-reduced before any backward: exact under any micro-batch split
-        weights = algo.sample_weights(samples, a.norm, algo.global_denominators(samples), a.norm_const)
+        weights = algo.sample_weights(
+            samples, a.norm, algo.global_denominators(samples), a.norm_const
+        )
         # FSDP: every rank runs as many forwards as the others (None: a zero-weight one)
         mbs = parallel.pad_micro_batches(self.micro_batches(samples, weights), a.parallel)
         flex = model.config._attn_implementation == "flex_attention"
@@ -140,18 +154,36 @@ class Learner:
             vocab = model.config.vocab_size
             masks = [grammar.sample_masks(s, tok, vocab) if s.grammars else None for s in mb[0]]
             # flex_attention compiles for each new shape: its rows are padded to one
-            b = algo.collate(*mb, device=self.device, pad_id=tok.pad_token_id or 0, tree=not a.no_tree,
-                             masks=masks, pad_to=a.micro_batch_tokens if flex else 1)
+            b = algo.collate(
+                *mb,
+                device=self.device,
+                pad_id=tok.pad_token_id or 0,
+                tree=not a.no_tree,
+                masks=masks,
+                pad_to=a.micro_batch_tokens if flex else 1,
+            )
             with parallel.accumulating(self.train_model, a.parallel, last=i == len(mbs) - 1):
-                with torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32):
+                with torch.autocast(
+                    self.device.type, self.dtype, enabled=self.dtype != torch.float32
+                ):
                     # [B, T]
                     logprobs = algo.trainer_logprobs(self.train_model, b)
                     with torch.no_grad():
                         ref = algo.trainer_logprobs(self.ref_model, b) if self.ref_model else None
                 loss, m = algo.policy_loss(
-                    logprobs, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"],
-                    loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
-                    tis_cap=a.tis_cap, kl_coef=a.kl_coef, ref_logprobs=ref)
+                    logprobs,
+                    b["old_logprobs"],
+                    b["advantages"],
+                    b["loss_mask"],
+                    b["weights"],
+                    loss=a.loss,
+                    clip_low=a.clip_low,
+                    clip_high=a.clip_high,
+                    clip_ratio_c=a.clip_ratio_c,
+                    tis_cap=a.tis_cap,
+                    kl_coef=a.kl_coef,
+                    ref_logprobs=ref,
+                )
                 # DDP and FSDP average gradients over ranks; the weights already make the global sum
                 (loss * self.world).backward()
             if pad:
@@ -164,15 +196,24 @@ class Learner:
             # [N]: each trained token's staleness
             age = version - b["version"][on]
             if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= max_age:
-                raise RuntimeError(f"a token sampled {int(age.max())} updates ago, more than --async {a.async_steps} allows")
+                raise RuntimeError(
+                    f"a token sampled {int(age.max())} updates ago, more than --async {a.async_steps} allows"
+                )
             dlogp = (logprobs - b["old_logprobs"])[on].abs().detach().double()
             stale[0] += torch.bincount(age, minlength=max_age + 1).double().cpu()
             stale[1] += torch.bincount(age, dlogp, minlength=max_age + 1).cpu()
-        *by_age, fwd, constrained, forced = algo.all_reduce(stale.view(-1).tolist() + counts.tolist())
+        *by_age, fwd, constrained, forced = algo.all_reduce(
+            stale.view(-1).tolist() + counts.tolist()
+        )
         n, total = torch.tensor(by_age).view(2, -1).tolist()
-        return {**algo.reduce_metrics(rows), "fwd_tokens": int(fwd), "constrained_tokens": int(constrained),
-                "forced_tokens": int(forced), "staleness": {k: int(x) for k, x in enumerate(n) if x},
-                "dlogp_by_staleness": {k: d / x for k, (x, d) in enumerate(zip(n, total)) if x}}
+        return {
+            **algo.reduce_metrics(rows),
+            "fwd_tokens": int(fwd),
+            "constrained_tokens": int(constrained),
+            "forced_tokens": int(forced),
+            "staleness": {k: int(x) for k, x in enumerate(n) if x},
+            "dlogp_by_staleness": {k: d / x for k, (x, d) in enumerate(zip(n, total)) if x},
+        }
 
     def save(self, step: int, run, config: dict) -> str | None:
         """A checkpoint of the trained weights (under --async the served copy is a step behind) and
@@ -182,5 +223,13 @@ class Learner:
         if not self.master:
             return None
         # the served copy is of the plain class: the checkpoint loads anywhere
-        return run.save_checkpoint(step, self.served, self.tok, weights, optim, self.dtype, config,
-                                   self.args.keep_checkpoints)
+        return run.save_checkpoint(
+            step,
+            self.served,
+            self.tok,
+            weights,
+            optim,
+            self.dtype,
+            config,
+            self.args.keep_checkpoints,
+        )

@@ -16,14 +16,19 @@ from ..harness import load_harness, parse_kwargs
 
 def add_args(parser):
     group = parser.add_argument_group("several harnesses")
-    group.add_argument("--group-across-harnesses", action="store_true", help="one group a task id "
-                       "over every --harness (--group-size split by WEIGHT)")
+    group.add_argument(
+        "--group-across-harnesses",
+        action="store_true",
+        help="one group a task id over every --harness (--group-size split by WEIGHT)",
+    )
 
 
 def check(args):
     if args.group_across_harnesses and (len(args.harness) < 2 or args.from_calls):
-        sys.exit("--group-across-harnesses groups the rollouts of several --harness that run the "
-                 "same tasks: give two or more")
+        sys.exit(
+            "--group-across-harnesses groups the rollouts of several --harness that run the "
+            "same tasks: give two or more"
+        )
 
 
 def share(total: int, weights: list[float]) -> list[int]:
@@ -35,20 +40,14 @@ def share(total: int, weights: list[float]) -> list[int]:
     return n
 
 
-def draw(items: list, step: int, n: int, seed: int) -> list:
-    """The step's n items of a fixed shuffle per epoch, so --resume sees the same order."""
-    epoch, k = divmod(step, max(1, len(items) // max(1, n)))
-    items = list(items)
-    random.Random(seed * 1000 + epoch).shuffle(items)
-    return items[k * n : (k + 1) * n]
-
-
 class Tasks:
     def __init__(self, args, log):
         self.args = args
         # "search:2" -> ("search", 2.0); "file.py:Class" keeps its class
-        specs = [(m[1], float(m[2])) if (m := re.fullmatch(r"(.+):(\d+(?:\.\d+)?)", h)) else (h, 1.0)
-                 for h in args.harness]
+        specs = [
+            (m[1], float(m[2])) if (m := re.fullmatch(r"(.+):(\d+(?:\.\d+)?)", h)) else (h, 1.0)
+            for h in args.harness
+        ]
         self.weights = [w for _, w in specs]
         named = {item.partition("=")[0].rpartition(":")[0] for item in args.harness_arg}
         unknown = named - {"", *(spec for spec, _ in specs)}
@@ -59,7 +58,9 @@ class Tasks:
         self.harnesses = []
         for spec, _ in specs:
             # "K=V" goes to every harness, "SPEC:K=V" to that one
-            items = [(k.rpartition(":"), v) for k, _, v in (i.partition("=") for i in args.harness_arg)]
+            items = [
+                (k.rpartition(":"), v) for k, _, v in (i.partition("=") for i in args.harness_arg)
+            ]
             kwargs = parse_kwargs([f"{key[2]}={v}" for key, v in items if key[0] in ("", spec)])
             h = load_harness(spec, **kwargs)
             # metrics are kept by name
@@ -73,15 +74,23 @@ class Tasks:
         self.common = [t for t in first if all(t.id in ids for ids in self.by_id.values())]
         across = args.group_across_harnesses
         if across and not self.common:
-            sys.exit(f"--group-across-harnesses: harnesses {', '.join(self.by_id)} share no train task id")
-        if self.harnesses and 0 in share(args.group_size if across else args.batch_size, self.weights):
+            sys.exit(
+                f"--group-across-harnesses: harnesses {', '.join(self.by_id)} share no train task id"
+            )
+        if self.harnesses and 0 in share(
+            args.group_size if across else args.batch_size, self.weights
+        ):
             what = "a rollout in every group" if across else "a task a step"
             weights = ", ".join(f"{w:g}" for w in self.weights)
-            sys.exit(f"{'--group-size' if across else '--batch-size'} is too small to give each of the "
-                     f"{len(self.harnesses)} harnesses (weights {weights}) {what}")
+            sys.exit(
+                f"{'--group-size' if across else '--batch-size'} is too small to give each of the "
+                f"{len(self.harnesses)} harnesses (weights {weights}) {what}"
+            )
         for h, (spec, w) in zip(self.harnesses, specs):
-            log(f"harness {h.name} ({spec}, weight {w:g}): {len(self.train[h.name])} train / "
-                f"{len(self.test[h.name])} test tasks")
+            log(
+                f"harness {h.name} ({spec}, weight {w:g}): {len(self.train[h.name])} train / "
+                f"{len(self.test[h.name])} test tasks"
+            )
 
     def names(self) -> list[str]:
         return [h.name for h in self.harnesses]
@@ -92,11 +101,27 @@ class Tasks:
         if a.group_across_harnesses:
             # one task list; each task's group split over the harnesses by weight
             split = share(a.group_size, self.weights)
-            return [[(h, self.by_id[h.name][t.id], t.id) for h, n in zip(self.harnesses, split) for _ in range(n)]
-                    for t in draw(self.common, step, a.batch_size, a.seed)]
+            return [
+                [
+                    (h, self.by_id[h.name][t.id], t.id)
+                    for h, n in zip(self.harnesses, split)
+                    for _ in range(n)
+                ]
+                for t in self.draw(self.common, step, a.batch_size)
+            ]
         split = share(a.batch_size, self.weights)
-        return [[(h, t, f"{h.name}/{t.id}")] * a.group_size for h, n in zip(self.harnesses, split)
-                for t in draw(self.train[h.name], step, n, a.seed)]
+        return [
+            [(h, t, f"{h.name}/{t.id}")] * a.group_size
+            for h, n in zip(self.harnesses, split)
+            for t in self.draw(self.train[h.name], step, n)
+        ]
+
+    def draw(self, items: list, step: int, n: int) -> list:
+        """The step's n items of a fixed shuffle per epoch, so --resume sees the same order."""
+        epoch, k = divmod(step, max(1, len(items) // max(1, n)))
+        items = list(items)
+        random.Random(self.args.seed * 1000 + epoch).shuffle(items)
+        return items[k * n : (k + 1) * n]
 
     def test_jobs(self) -> list[tuple]:
         return [(h, t) for h in self.harnesses for t in self.test[h.name]]
@@ -110,7 +135,12 @@ class Tasks:
             sums = [len(mine), sum(ok), sum(r >= 1.0 for r in ok), len(mine) - len(ok)]
             n, total, success, failed = algo.all_reduce(sums)
             suffix = f"/{name}" if name else ""
-            row.update({"eval_reward" + suffix: total / max(1, n), "eval_success" + suffix: success / max(1, n)})
+            row.update(
+                {
+                    "eval_reward" + suffix: total / max(1, n),
+                    "eval_success" + suffix: success / max(1, n),
+                }
+            )
             if not name:
                 row.update(eval_tasks=int(n), eval_failed=int(failed), eval_s=round(seconds, 1))
         return row

@@ -11,7 +11,9 @@ import sys
 def add_args(parser):
     group = parser.add_argument_group("loggers")
     group.add_argument("--tensorboard", action="store_true", help="also to OUT/tensorboard")
-    group.add_argument("--wandb", metavar="PROJECT", help="also to W&B (WANDB_MODE=offline: no network)")
+    group.add_argument(
+        "--wandb", metavar="PROJECT", help="also to W&B (WANDB_MODE=offline: no network)"
+    )
 
 
 class Loggers:
@@ -29,7 +31,9 @@ class Loggers:
                 name = os.path.basename(os.path.abspath(args.out))
                 self.wandb = wandb.init(project=args.wandb, config=config, dir=args.out, name=name)
         except ImportError as e:
-            sys.exit(f"--tensorboard / --wandb need their package ({e}): pip install tensorboard / wandb")
+            sys.exit(
+                f"--tensorboard / --wandb need their package ({e}): pip install tensorboard / wandb"
+            )
 
     def log(self, row: dict):
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}

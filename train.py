@@ -154,26 +154,8 @@ if args.attn == "flex_attention" and not cuda:
     )
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
-if args.fsdp_offload and (args.parallel != "fsdp" or not cuda):
-    sys.exit(
-        "--fsdp-offload moves FSDP's shards from GPU memory to CPU memory: it needs --parallel "
-        "fsdp on GPUs"
-    )
-if args.parallel == "fsdp" and not ddp:
-    sys.exit(
-        "--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N (N >= 2); "
-        "one process trains whole"
-    )
-if args.vllm_sleep and (args.backend != "vllm" or args.async_steps):
-    sys.exit(
-        "--vllm-sleep frees the vLLM servers' GPU memory while training: it needs --backend "
-        "vllm, and no --async (rollouts would run then)"
-    )
-if args.from_calls and args.async_steps:
-    sys.exit(
-        "--from-calls trains on calls recorded before: --async (rollouts while training) has none to run"
-    )
-harnesses.check(args)
+for extra in (harnesses, from_calls, vllm, fsdp):
+    extra.check(args, ddp, cuda)
 torch.manual_seed(args.seed + rank)
 random.seed(args.seed + rank)
 

@@ -15,6 +15,14 @@ from ..harness import RolloutResult, fail_rollouts_the_backend_failed
 from ..records import Call, find_batches, read_calls, read_jsonl
 
 
+def check(args, ddp: bool, cuda: bool):
+    if args.from_calls and args.async_steps:
+        sys.exit(
+            "--from-calls trains on calls recorded before: --async (rollouts while training) has "
+            "none to run"
+        )
+
+
 def add_args(parser) -> None:
     group = parser.add_argument_group(
         "training from recorded calls (lightning_lite/extras/from_calls.py)"

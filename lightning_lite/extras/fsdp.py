@@ -8,6 +8,8 @@ backend's own copy gathers them one at a time: backends.copy_weights).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -18,6 +20,19 @@ from torch.distributed.checkpoint.state_dict import (
 
 # whole on rank 0, in host memory: no GPU holds a second copy of the model
 _GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def check(args, ddp: bool, cuda: bool):
+    if args.fsdp_offload and (args.parallel != "fsdp" or not cuda):
+        sys.exit(
+            "--fsdp-offload moves FSDP's shards from GPU memory to CPU memory: it needs "
+            "--parallel fsdp on GPUs"
+        )
+    if args.parallel == "fsdp" and not ddp:
+        sys.exit(
+            "--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N "
+            "(N >= 2); one process trains whole"
+        )
 
 
 def add_args(parser):

@@ -23,7 +23,7 @@ def add_args(parser):
     )
 
 
-def check(args):
+def check(args, ddp: bool, cuda: bool):
     if args.group_across_harnesses and (len(args.harness) < 2 or args.from_calls):
         sys.exit(
             "--group-across-harnesses groups the rollouts of several --harness that run the "

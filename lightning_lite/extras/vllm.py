@@ -30,6 +30,14 @@ from ..backends import Generation, PauseGate, max_reply_tokens, served_state_dic
 from ..chat import Sampling
 
 
+def check(args, ddp: bool, cuda: bool):
+    if args.vllm_sleep and (args.backend != "vllm" or args.async_steps):
+        sys.exit(
+            "--vllm-sleep frees the vLLM servers' GPU memory while training: it needs --backend "
+            "vllm, and no --async (rollouts would run then)"
+        )
+
+
 def add_args(parser):
     """The flags of ``--backend vllm``, as an argparse group."""
     group = parser.add_argument_group("vLLM servers (--backend vllm)")

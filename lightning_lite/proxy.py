@@ -15,15 +15,12 @@ import asyncio
 import dataclasses
 import functools
 import hmac
-import itertools
 import json
 import logging
 import math
 import os
 import re
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 from collections import deque
@@ -176,11 +173,9 @@ class Proxy:
             if path:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 self._out.next, cut = prepare_append(path)
+                # its writer was killed mid-line
                 if cut:
-                    log.warning(
-                        f"{path}: cut off a torn last line ({cut} bytes; its writer was killed "
-                        "mid-line) before appending"
-                    )
+                    log.warning(f"{path}: cut off a torn last line ({cut} bytes) before appending")
                 # the file exists from now on, even if no call comes
                 open(path, "a").close()
 
@@ -250,8 +245,8 @@ class Proxy:
         # the generation prompt opened a reasoning block
         exchange.opened = self.renderer.opens_reasoning(ids)
         exchange.forced = self.constrain(req, exchange.opened)
-        exchange.prompt_ids = (
-            ids + self.renderer.encode(exchange.forced) if exchange.forced else ids
+        exchange.prompt_ids = ids + (
+            self.renderer.encode(exchange.forced) if exchange.forced else []
         )
         self.admit(exchange.prompt_ids)
 
@@ -424,10 +419,10 @@ class Proxy:
                 capped=exchange.capped and gen.finish_reason == "length",
                 parent=exchange.parent,
                 split=exchange.split,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                grammar=sampling.grammar,
+                **{
+                    key: getattr(sampling, key)
+                    for key in ("temperature", "top_p", "top_k", "grammar")
+                },
                 created=exchange.created,
                 latency_s=round(time.time() - exchange.created, 4),
                 response=reply,
@@ -438,17 +433,12 @@ class Proxy:
                 session.replies.setdefault(reply_id, []).append(call.index)
             if out.path:
                 # a call that extends its parent is written as the ids after the parent's (records.read_calls)
-                parent = exchange.parent
-                n = (
-                    0
-                    if parent is None
-                    else next(t.size for t in reversed(session.turns) if t.index == parent)
-                )
-                line = (
-                    to_json(call, prompt_ids=None, prompt_tail=call.prompt_ids[n:])
-                    if n
-                    else to_json(call)
-                )
+                parent = next((t for t in session.turns if t.index == exchange.parent), None)
+                line = to_json(call)
+                if parent is not None:
+                    line = to_json(
+                        call, prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :]
+                    )
                 # opened per call: a call still in flight when its session's file was switched goes there too
                 with open(out.path, "a") as f:
                     f.write(line + "\n")
@@ -457,10 +447,9 @@ class Proxy:
     # ------------------------------------------------------------------ rollout isolation
 
     def _owner(self, request: web.Request) -> Optional[str]:
-        """The rollout whose own Unix socket the request came through, if any: a sandboxed rollout's only way out."""
-        return self.sockets.get(
-            request.transport.get_extra_info("sockname") if request.transport else None
-        )
+        """The rollout whose own Unix socket the request came through, if any (extras/sockets.py)."""
+        transport = request.transport
+        return self.sockets.get(transport.get_extra_info("sockname") if transport else None)
 
     def refuse(self, request: web.Request, what: str):
         """403, and a flag on the rollout that sent it, when its socket tells."""
@@ -488,23 +477,17 @@ class Proxy:
 
     async def post_reward(self, request: web.Request):
         rollout_id = _valid(request.match_info["rid"])
-        key = request.headers.get("X-Reward-Key", "")
-        if self.reward_key is not None and not hmac.compare_digest(
-            key.encode(), self.reward_key.encode()
-        ):
-            self.refuse(
-                request, "rewards come from the harness (header X-Reward-Key), never from the agent"
-            )
+        key = request.headers.get("X-Reward-Key", "").encode()
+        if self.reward_key is not None and not hmac.compare_digest(key, self.reward_key.encode()):
+            what = "rewards come from the harness (header X-Reward-Key), never from the agent"
+            self.refuse(request, what)
         if self.tokens is not None and rollout_id not in self.tokens:
             raise BadRequest(f"no rollout {rollout_id[:64]!r} in this run", None, "not_found", 404)
         body = await self.body(request)
         body = body if isinstance(body, dict) else {"reward": body}
         reward, call, task = body.get("reward"), body.get("call"), body.get("task")
-        if (
-            not isinstance(reward, (int, float))
-            or isinstance(reward, bool)
-            or not math.isfinite(reward)
-        ):
+        is_number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
+        if not is_number or not math.isfinite(reward):
             raise BadRequest(
                 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward one call)',
                 "reward",
@@ -544,14 +527,12 @@ class Proxy:
         else:
             indices = session.replies.get(call) if isinstance(call, str) else None
         if not indices or len(indices) > 1:
+            restart = (
+                ", ids of replies before a proxy restart by index" if isinstance(call, str) else ""
+            )
             raise BadRequest(
                 f"rollout {rollout_id!r} has no call {call!r}: name it by its index (0..{n - 1}) or by the "
-                "id of its reply (a reply of n choices: by index)"
-                + (
-                    ", ids of replies before a proxy restart by index"
-                    if isinstance(call, str)
-                    else ""
-                ),
+                f"id of its reply (a reply of n choices: by index){restart}",
                 "call",
                 "not_found",
                 404,
@@ -569,14 +550,9 @@ class Proxy:
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request):
+        status = {"status": "ok", "model": self.model_name, "version": self.backend.version}
         return web.json_response(
-            {
-                "status": "ok",
-                "model": self.model_name,
-                "version": self.backend.version,
-                "backend_failures": self.n_failures,
-                **self.backend.stats,
-            }
+            {**status, "backend_failures": self.n_failures, **self.backend.stats}
         )
 
     # ------------------------------------------------------------------ app
@@ -587,11 +563,8 @@ class Proxy:
         error body in the API's own format, and the server keeps serving."""
         api = "anthropic" if "/v1/messages" in request.path else "openai"
         auth = request.headers.get("Authorization", "")
-        key = (
-            auth[7:].strip()
-            if auth[:7].lower() == "bearer "
-            else request.headers.get("x-api-key", "")
-        )
+        bearer = auth[:7].lower() == "bearer "
+        key = auth[7:].strip() if bearer else request.headers.get("x-api-key", "")
         if self.api_key and not hmac.compare_digest(key.encode(), self.api_key.encode()):
             message = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
             return _error(api, 401, message, code="invalid_api_key")
@@ -661,35 +634,16 @@ def _valid(rollout_id: str) -> str:
     return rollout_id
 
 
-ANTHROPIC_ERRORS = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    504: "timeout_error",
-}
-
-
-def _error(
-    api: str, status: int, message: str, param=None, code=None, retry_after=None
-) -> web.Response:
+def _error(api: str, status: int, message: str, param=None, code=None, retry_after=None):
+    """An error response in the API's own format (Anthropic's error types, or OpenAI's)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     if api == "anthropic":
-        kind = ANTHROPIC_ERRORS.get(
-            status, "api_error" if status >= 500 else "invalid_request_error"
-        )
-    else:
-        kind = (
-            "rate_limit_error"
-            if status == 429
-            else "server_error"
-            if status >= 500
-            else "invalid_request_error"
-        )
+        kind = anthropic.error_type(status)
+    elif status == 429:
+        kind = "rate_limit_error"
+    body = apis.error_body(api, message, kind, param, code)
     headers = {"Retry-After": f"{retry_after:g}"} if retry_after else None
-    return web.json_response(
-        apis.error_body(api, message, kind, param, code), status=status, headers=headers
-    )
+    return web.json_response(body, status=status, headers=headers)
 
 
 async def sse_start(request: web.Request, first: bytes) -> web.StreamResponse:
@@ -713,73 +667,54 @@ class ProxyServer:
         self.proxy, self.host, self.port = proxy, host, port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
-        self._runner, self._socket_dir, self._socket_names = None, None, itertools.count()
-        # rollout id -> (its Unix site, its socket's path)
-        self._sites: dict[str, tuple[web.UnixSite, str]] = {}
+        # unix_sockets: the sandboxed rollouts' own Unix sockets (extras/sockets.py), once one is asked for
+        self.runner, self.unix_sockets = None, None
 
-    def _run(self, coroutine):
+    def run(self, coroutine):
+        """Run ``coroutine`` on the proxy's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
-    def open_socket(self, rollout_id: str) -> str:
-        """A Unix socket of the proxy that only ``rollout_id`` uses (its sandbox's bridge connects to it), so that
-        whatever comes through it is that rollout's doing. Short paths: a socket path has at most 107 bytes."""
-        self._socket_dir = self._socket_dir or tempfile.mkdtemp(prefix="ll-proxy-")
-        path = os.path.join(self._socket_dir, f"{next(self._socket_names)}.sock")
-        site = web.UnixSite(self._runner, path)
-        self._run(site.start())
-        self._sites[rollout_id], self.proxy.sockets[path] = (site, path), rollout_id
-        return path
-
     def close_sockets(self, rollout_ids):
-        for rollout_id in rollout_ids:
-            if rollout_id in self._sites:
-                site, path = self._sites.pop(rollout_id)
-                self._run(site.stop())
-                del self.proxy.sockets[path]
-                os.unlink(path)
+        if self.unix_sockets:
+            self.unix_sockets.close(rollout_ids)
 
     def base_url(self, rollout_id: str) -> str:
         return f"{self.url}/rollout/{rollout_id}/v1"
 
-    def endpoint(
-        self, rollout_id: str, model: str, socket: bool = False, api_key: str = "sk-lightning-lite"
-    ):
+    def endpoint(self, rollout_id: str, model: str, socket=False, api_key="sk-lightning-lite"):
         """A new rollout's endpoint: its base URL carries a token only it knows (with ``rollout_tokens``);
         ``socket``: a Unix socket of its own too, for a sandbox to bridge."""
         proxy = self.proxy
         route = proxy.open_rollout(rollout_id) if proxy.tokens is not None else rollout_id
-        socket_path = self.open_socket(rollout_id) if socket else None
-        return Endpoint(
-            self.base_url(route),
-            api_key,
-            model,
-            rollout_id,
-            self.url,
-            route,
-            proxy.reward_key or "",
-            socket_path,
-        )
+        socket_path = None
+        if socket:
+            from .extras.sockets import RolloutSockets
+
+            self.unix_sockets = self.unix_sockets or RolloutSockets(self)
+            socket_path = self.unix_sockets.open(rollout_id)
+        reward_key = proxy.reward_key or ""
+        url = self.base_url(route)
+        return Endpoint(url, api_key, model, rollout_id, self.url, route, reward_key, socket_path)
 
     def start(self) -> "ProxyServer":
         self._thread.start()
-        self._run(self._start())
+        self.run(self._start())
         return self
 
     async def _start(self):
         # handler_cancellation: a client that leaves cancels its call
-        self._runner = web.AppRunner(self.proxy.app(), access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        self.runner = web.AppRunner(self.proxy.app(), access_log=None, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{self.port}"
 
     def stop(self):
-        self.close_sockets(list(self._sites))
-        if self._runner is not None:
-            self._run(self._runner.cleanup())
-            self._runner = None
-        if self._socket_dir:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if self.unix_sockets:
+            self.unix_sockets.close_all()
+        if self.runner is not None:
+            self.run(self.runner.cleanup())
+            self.runner = None
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)

@@ -50,87 +50,78 @@ def open_responses(body: Any, memo: dict, proxy):
 
 def _part_texts(parts: Any) -> str:
     """The texts of a list of parts ({"type", "text"}), joined by newlines; anything else: ""."""
-    return (
-        "\n".join(
-            p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-        if isinstance(parts, list)
-        else ""
+    if not isinstance(parts, list):
+        return ""
+    return "\n".join(
+        p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
     )
+
+
+def _to_messages(item: Any, i: int) -> list[dict]:
+    """One input item -> a message, or a tool call (no "role": joined to its turn by the caller)."""
+    where = f"input[{i}]"
+    expect(isinstance(item, dict), f"'{where}' must be an object", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        roles = ("user", "assistant", "system", "developer")
+        expect(role in roles, f"unknown role {role!r} in {where}", where + ".role")
+        return [{"role": ROLES[role], "content": text_of(item.get("content"), where + ".content")}]
+    if kind == "function_call":
+        expect(
+            isinstance(item.get("name"), str), f"'{where}.name' must be a string", where + ".name"
+        )
+        arguments = parse_arguments(item.get("arguments", "{}"))
+        return [{"id": str(item.get("call_id", "")), "name": item["name"], "arguments": arguments}]
+    if kind == "function_call_output":
+        output = text_of(item.get("output"), where + ".output")
+        return [{"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": output}]
+    # its reasoning_text parts, else its summary; encrypted only: nothing to read
+    if kind == "reasoning":
+        text = _part_texts(item.get("content")) or _part_texts(item.get("summary"))
+        return [{"role": "assistant", "content": "", "reasoning": text}] if text else []
+    # item references and calls of tools the model cannot use: ignored
+    return []
 
 
 def parse_responses_request(
     body: Any, previous: Callable[[str], list[dict]], memo: Optional[dict] = None
 ) -> Request:
-    """Validate a /v1/responses body. ``previous(id)``: the conversation (input + output) of this rollout's response."""
+    """Validate a /v1/responses body. ``previous(id)``: the conversation (input + output) of this
+    rollout's response."""
     body = json_object(body)
-    history = []
-    if body.get("previous_response_id") is not None:
-        expect(
-            isinstance(body["previous_response_id"], str),
-            "'previous_response_id' must be a string",
-            "previous_response_id",
-        )
-        history = list(previous(body["previous_response_id"]))
+    history, previous_id = [], body.get("previous_response_id")
+    if previous_id is not None:
+        param = "previous_response_id"
+        expect(isinstance(previous_id, str), f"'{param}' must be a string", param)
+        history = list(previous(previous_id))
     items = body.get("input", [])
     items = [{"role": "user", "content": items}] if isinstance(items, str) else items
     expect(isinstance(items, list), "'input' must be a string or a list of items", "input")
-
-    def item(it: Any, i: int) -> list[dict]:  # a message, or a tool call (no "role": joined below)
-        p = f"input[{i}]"
-        expect(isinstance(it, dict), f"'{p}' must be an object", p)
-        kind = it.get("type", "message")
-        if kind == "message":
-            role = it.get("role")
-            expect(
-                role in ("user", "assistant", "system", "developer"),
-                f"unknown role {role!r} in {p}",
-                p + ".role",
-            )
-            return [{"role": ROLES[role], "content": text_of(it.get("content"), p + ".content")}]
-        if kind == "function_call":
-            expect(isinstance(it.get("name"), str), f"'{p}.name' must be a string", p + ".name")
-            return [
-                {
-                    "id": str(it.get("call_id", "")),
-                    "name": it["name"],
-                    "arguments": parse_arguments(it.get("arguments", "{}")),
-                }
-            ]
-        if kind == "function_call_output":
-            output = text_of(it.get("output"), p + ".output")
-            return [{"role": "tool", "tool_call_id": str(it.get("call_id", "")), "content": output}]
-        if (
-            kind == "reasoning"
-        ):  # its reasoning_text parts, else its summary; encrypted only: nothing to read
-            text = _part_texts(it.get("content")) or _part_texts(it.get("summary"))
-            return [{"role": "assistant", "content": "", "reasoning": text}] if text else []
-        return []  # item references and calls of tools the model cannot use: ignored
-
-    for m in convert(
-        items, item, memo
-    ):  # one assistant turn: its reasoning, its message, its calls (new dicts: memo's are shared)
+    # one assistant turn: its reasoning, its message, its calls (new dicts: memo's are shared)
+    for m in convert(items, _to_messages, memo):
         last = history[-1] if history and history[-1]["role"] == "assistant" else None
-        if "role" not in m and last is not None:  # a call joins the turn before it
+        # a call joins the turn before it
+        if "role" not in m and last is not None:
             history[-1] = {**last, "tool_calls": last.get("tool_calls", []) + [m]}
         elif "role" not in m:
             history.append({"role": "assistant", "content": "", "tool_calls": [m]})
+        # the message after a reasoning item
         elif (
             m["role"] == "assistant"
             and last is not None
             and last.keys() == {"role", "content", "reasoning"}
             and not last["content"]
         ):
-            history[-1] = {
-                **m,
-                "reasoning": "\n".join(r for r in (last["reasoning"], m.get("reasoning")) if r),
-            }  # the message after a reasoning item
+            reasoning = "\n".join(r for r in (last["reasoning"], m.get("reasoning")) if r)
+            history[-1] = {**m, "reasoning": reasoning}
         else:
             history.append(m)
     expect(history, "'input' must not be empty", "input")
+    instructions = body.get("instructions")
     instructions = (
-        [{"role": "system", "content": text_of(body["instructions"], "instructions")}]
-        if body.get("instructions")
+        [{"role": "system", "content": text_of(instructions, "instructions")}]
+        if instructions
         else []
     )
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
@@ -155,11 +146,8 @@ class ResponsesReply:
         """``conversations``: response id -> its conversation, where this one's is kept once answered."""
         self.req, self.n_prompt, self.seq, self.model = req, n_prompt, 0, req.model or model
         self.id, self.msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
-        self.created, self.previous_id, self.conversations = (
-            int(time.time()),
-            previous_id,
-            conversations,
-        )
+        self.created, self.previous_id = int(time.time()), previous_id
+        self.conversations = conversations
         # the reasoning item, and its text streamed so far
         self.rs_id, self.thought = f"rs_{uuid.uuid4().hex}", ""
         # the stream's open item ("reasoning" or "message", or None) and its output index (else the next one's)
@@ -254,33 +242,42 @@ class ResponsesReply:
         self.seq += 1
         return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
 
+    def _at(self, item_id: str) -> dict:
+        return dict(item_id=item_id, output_index=self.index, content_index=0)
+
     def start(self) -> bytes:
-        r = self._response("in_progress", [])
-        return self._event("response.created", response=r) + self._event(
-            "response.in_progress", response=r
-        )
+        response = self._response("in_progress", [])
+        created = self._event("response.created", response=response)
+        return created + self._event("response.in_progress", response=response)
+
+    def _begin(self, kind: str, item: dict, part: dict) -> bytes:
+        """Unless an item of this kind is open: end the reasoning if open, then add the item and its part."""
+        if self.open == kind:
+            return b""
+        out = self._done(self._reasoning_item(self.thought)) if self.open == "reasoning" else b""
+        self.open = kind
+        out += self._event("response.output_item.added", output_index=self.index, item=item)
+        return out + self._event("response.content_part.added", **self._at(item["id"]), part=part)
 
     def reasoning(self, delta: str) -> bytes:
-        out, at = b"", dict(item_id=self.rs_id, output_index=self.index, content_index=0)
-        if self.open != "reasoning":
-            self.open = "reasoning"
-            out = self._event(
-                "response.output_item.added",
-                output_index=self.index,
-                item={"type": "reasoning", "id": self.rs_id, "summary": [], "content": []},
-            )
-            out += self._event(
-                "response.content_part.added", **at, part={"type": "reasoning_text", "text": ""}
-            )
+        item = {"type": "reasoning", "id": self.rs_id, "summary": [], "content": []}
+        out = self._begin("reasoning", item, {"type": "reasoning_text", "text": ""})
         self.thought += delta
-        return out + self._event("response.reasoning_text.delta", **at, delta=delta)
+        return out + self._event(
+            "response.reasoning_text.delta", **self._at(self.rs_id), delta=delta
+        )
+
+    def text(self, delta: str) -> bytes:
+        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant"}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        out = self._begin("message", {**item, "content": []}, part)
+        at = self._at(self.msg_id)
+        return out + self._event("response.output_text.delta", **at, delta=delta, logprobs=[])
 
     def _done(self, item: dict) -> bytes:
-        """The events that end the open item (the reasoning or the message): its text, its content part, itself."""
-        part, at = (
-            item["content"][0],
-            dict(item_id=item["id"], output_index=self.index, content_index=0),
-        )
+        """The events that end the open item (the reasoning or the message): its text, its content part,
+        itself."""
+        part, at = item["content"][0], self._at(item["id"])
         logprobs = {"logprobs": []} if item["type"] == "message" else {}
         out = self._event(f"response.{part['type']}.done", **at, text=part["text"], **logprobs)
         out += self._event("response.content_part.done", **at, part=part)
@@ -289,72 +286,25 @@ class ResponsesReply:
             "response.output_item.done", output_index=self.index - 1, item=item
         )
 
-    def text(self, delta: str) -> bytes:
-        out = self._done(self._reasoning_item(self.thought)) if self.open == "reasoning" else b""
-        if self.open != "message":
-            self.open = "message"
-            out += self._event(
-                "response.output_item.added",
-                output_index=self.index,
-                item={
-                    "type": "message",
-                    "id": self.msg_id,
-                    "status": "in_progress",
-                    "role": "assistant",
-                    "content": [],
-                },
-            )
-            out += self._event(
-                "response.content_part.added",
-                item_id=self.msg_id,
-                output_index=self.index,
-                content_index=0,
-                part={"type": "output_text", "text": "", "annotations": []},
-            )
-        return out + self._event(
-            "response.output_text.delta",
-            item_id=self.msg_id,
-            output_index=self.index,
-            content_index=0,
-            delta=delta,
-            logprobs=[],
-        )
-
     def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
         response, out = self.body(answers), []
         # from the first item not ended yet (the reasoning ends once the text begins)
         for i, item in enumerate(response["output"][self.index :], self.index):
             if item["type"] == "function_call":
+                at, arguments = dict(item_id=item["id"], output_index=i), item["arguments"]
+                added = {**item, "arguments": "", "status": "in_progress"}
+                out.append(self._event("response.output_item.added", output_index=i, item=added))
                 out.append(
-                    self._event(
-                        "response.output_item.added",
-                        output_index=i,
-                        item={**item, "arguments": "", "status": "in_progress"},
-                    )
+                    self._event("response.function_call_arguments.delta", **at, delta=arguments)
                 )
                 out.append(
-                    self._event(
-                        "response.function_call_arguments.delta",
-                        item_id=item["id"],
-                        output_index=i,
-                        delta=item["arguments"],
-                    )
-                )
-                out.append(
-                    self._event(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=i,
-                        arguments=item["arguments"],
-                    )
+                    self._event("response.function_call_arguments.done", **at, arguments=arguments)
                 )
                 out.append(self._event("response.output_item.done", output_index=i, item=item))
-            else:  # the reasoning or the message: what was not streamed yet, then its end
-                send, done = (
-                    (self.reasoning, sent_reasoning)
-                    if item["type"] == "reasoning"
-                    else (self.text, sent)
-                )
+            # the reasoning or the message: what was not streamed yet, then its end
+            else:
+                reasoning = item["type"] == "reasoning"
+                send, done = (self.reasoning, sent_reasoning) if reasoning else (self.text, sent)
                 unsent = rest(item["content"][0]["text"], done)
                 out.append(send(unsent) if unsent or self.open != item["type"] else b"")
                 out.append(self._done(item))

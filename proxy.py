@@ -98,8 +98,9 @@ def main():
         flush=True,
     )
     try:
-        # handler_cancellation: a client that leaves cancels its call; shutdown_timeout: on SIGTERM/SIGINT,
-        # calls still generating get 2 s to finish, then are cancelled (every answered call is on disk)
+        # handler_cancellation: a client that leaves cancels its call; shutdown_timeout: on
+        # SIGTERM/SIGINT, calls still generating get 2 s to finish, then are cancelled (every
+        # answered call is on disk already)
         web.run_app(
             proxy.app(),
             host=args.host,

@@ -286,7 +286,7 @@ def open_chat(body: Any, memo: dict, proxy):
     return req, lambda n_prompt: ChatReply(req, proxy.model_name, n_prompt, proxy.tok)
 
 
-# ----------------------------------------------------------------------------- replies and stream events, shared
+# ---------------------------------------------------------------- replies and stream events, shared
 
 
 def sse(obj: dict, event: Optional[str] = None) -> bytes:

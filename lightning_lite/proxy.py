@@ -56,14 +56,14 @@ class Session:
 
     # its answered calls, for token reuse (chat.Renderer.build_prompt)
     turns: list[Turn] = field(default_factory=list)
-    # per API: what apis.convert keeps of the last request (the Responses API: its earlier responses too)
+    # per API: what apis.convert keeps of the last request (Responses: its earlier responses too)
     memo: dict[str, dict] = field(default_factory=dict)
     reward: Optional[float] = None
     # call index -> reward (POSTed with "call")
     call_rewards: dict[int, float] = field(default_factory=dict)
     # reply id -> its calls (n choices: several)
     replies: dict[str, list[int]] = field(default_factory=dict)
-    # where its calls go: the file current when it began (set by its first call, a switch or a reset)
+    # where its calls go: the file current when it began (set by its first call, a switch, a reset)
     out: Optional[CallsFile] = None
     # what it tried that was refused (README "Sandboxes")
     flags: list[dict] = field(default_factory=list)
@@ -80,12 +80,13 @@ class Exchange:
     # the per-call cap lowered (or set) what the request asked for
     capped: bool = False
     prompt_ids: list[int] = field(default_factory=list)
-    # the call whose prompt + response ids the prompt starts with; or why none (chat.Renderer.build_prompt)
+    # the call whose prompt + response ids the prompt starts with, or why none (build_prompt)
     parent: Optional[int] = None
     split: Optional[str] = None
     # fingerprints of the request's messages (chat.fingerprints)
     fps: Optional[list[bytes]] = None
-    # the text the reply is forced to begin with (a forced tool call, a JSON reply); the prompt opened reasoning
+    # the text the reply is forced to begin with (a forced call, a JSON reply); did the prompt open
+    # a reasoning block
     forced: str = ""
     opened: bool = False
     created: float = field(default_factory=time.time)
@@ -101,7 +102,8 @@ def conversation(api: str, open_api):
     return handler
 
 
-# POST routes, under "/" and "/rollout/<id>": path -> handler(proxy, request). Every line but the first is an extra's.
+# POST routes, under "/" and "/rollout/<id>": path -> handler(proxy, request). All but the first
+# are the extras'.
 ROUTES = {
     "/v1/chat/completions": conversation("chat", apis.open_chat),
     # ?beta=true too
@@ -136,14 +138,14 @@ class Proxy:
         self.backend, self.tok, self.model_name = backend, tokenizer, model_name
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
         self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
-        # the EOS set generation stops on: the backend's (HFBackend), or generation_config's and the tokenizer's
+        # the EOS set generation stops on: the backend's (HFBackend), else models.eos_ids
         stop_ids = getattr(backend, "eos_ids", None) or eos_ids(tokenizer)
         self.renderer = Renderer(tokenizer, stop_ids, tool_format, keep_history_tokens)
         # False: render every prompt fresh (a bench comparison: proxy.py --no-reuse-tokens)
         self.reuse_tokens = reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
-        # rollout id -> its URL token; None: any id is served (proxy.py). The reward key never reaches an agent.
+        # rollout id -> its URL token; None: any id is served (proxy.py). No agent sees reward_key.
         self.tokens: Optional[dict[str, str]] = {} if rollout_tokens else None
         self.reward_key = secrets.token_urlsafe(24) if rollout_tokens else None
         # a rollout's own Unix socket (its sandbox's only way out) -> its id
@@ -338,7 +340,7 @@ class Proxy:
             rules = grammar.tool_grammar(self.renderer.format, req.tools, req.force_tool, self.tok)
         else:
             param, rules = "response_format", grammar.json_grammar(req.response_schema)
-        # llguidance's first line says what (the rest points into the grammar, which the client never wrote)
+        # llguidance's first line says what (the rest points into a grammar the client never wrote)
         if error := grammar.check(rules, self.tok):
             message = f"the {param} JSON schema cannot be enforced: {error.strip().splitlines()[0]}"
             raise BadRequest(message, param, "invalid_schema")
@@ -376,8 +378,9 @@ class Proxy:
         try:
             return await asyncio.wait_for(asyncio.gather(*generations), self.call_timeout)
         except (asyncio.CancelledError, Exception) as e:
-            # No answer: the client went away (its generation is cancelled with it) or the backend failed. The
-            # calls are recorded as "cancelled" or "error", with an empty response: never trained on.
+            # No answer: the client went away (its generation is cancelled with it) or the backend
+            # failed. The calls are recorded as "cancelled" or "error", with an empty response:
+            # never trained on.
             cancelled = isinstance(e, asyncio.CancelledError)
             finish = "cancelled" if cancelled else "error"
             empty = SimpleNamespace(
@@ -402,7 +405,8 @@ class Proxy:
     def record(self, exchange: Exchange, gen, choice: int, reply=None, reply_id=None) -> Call:
         """Append the call to its session's calls file, numbered on after the rollout's calls already there."""
         session, rollout_id, sampling = exchange.session, exchange.rollout_id, exchange.req.sampling
-        # "length" stays "length" even when the cut reply parses as a tool call: the trainer must see truncation
+        # "length" stays "length" even when the cut reply parses as a tool call: the trainer must
+        # see the truncation
         tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
         with self._lock:
             out = session.out = session.out or self._out
@@ -432,14 +436,14 @@ class Proxy:
             if reply_id:
                 session.replies.setdefault(reply_id, []).append(call.index)
             if out.path:
-                # a call that extends its parent is written as the ids after the parent's (records.read_calls)
+                # a call extending its parent is written as the ids after the parent's (read_calls)
                 parent = next((t for t in session.turns if t.index == exchange.parent), None)
                 line = to_json(call)
                 if parent is not None:
                     line = to_json(
                         call, prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :]
                     )
-                # opened per call: a call still in flight when its session's file was switched goes there too
+                # opened per call: a call in flight when its session's file was switched goes there
                 with open(out.path, "a") as f:
                     f.write(line + "\n")
         return call
@@ -667,7 +671,7 @@ class ProxyServer:
         self.proxy, self.host, self.port = proxy, host, port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
-        # unix_sockets: the sandboxed rollouts' own Unix sockets (extras/sockets.py), once one is asked for
+        # unix_sockets: sandboxed rollouts' own Unix sockets (extras/sockets.py), once one is asked
         self.runner, self.unix_sockets = None, None
 
     def run(self, coroutine):

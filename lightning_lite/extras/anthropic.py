@@ -179,7 +179,7 @@ class AnthropicReply:
     def _close(self) -> bytes:
         if self.open is None:
             return b""
-        # a thinking block ends with its signature: none here (nothing to verify it against when it comes back)
+        # a thinking block ends with its signature: none here (nothing to verify it against later)
         signature = {"type": "signature_delta", "signature": ""}
         out = self._block_delta(signature) if self.open == "thinking" else b""
         self.open, self.index = None, self.index + 1

@@ -150,7 +150,7 @@ class ResponsesReply:
         self.conversations = conversations
         # the reasoning item, and its text streamed so far
         self.rs_id, self.thought = f"rs_{uuid.uuid4().hex}", ""
-        # the stream's open item ("reasoning" or "message", or None) and its output index (else the next one's)
+        # the open item ("reasoning", "message" or None), its output index (else the next one's)
         self.open, self.index = None, 0
 
     def _reasoning_item(self, text: str) -> dict:

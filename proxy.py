@@ -24,125 +24,88 @@ from lightning_lite.proxy import Proxy
 from lightning_lite.toolcalls import FORMATS
 
 
-def main():
-    p = argparse.ArgumentParser(
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--model",
-        default="smollm2",
-        help="'smollm2' (embedded, no download) or a transformers model directory",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="bind address (default loopback only; any other needs --api-key)",
-    )
-    p.add_argument(
+    add = parser.add_argument
+    add("--model", default="smollm2", help="'smollm2' (embedded) or a transformers model directory")
+    add("--host", default="127.0.0.1", help="bind address; any but loopback needs --api-key")
+    add(
         "--api-key",
         default=os.environ.get("LL_API_KEY"),
-        help="key every request must carry (Bearer or x-api-key; default: $LL_API_KEY)",
+        help="key every request must carry (default: $LL_API_KEY)",
     )
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--out", default="runs/proxy", help="calls are appended to OUT/calls.jsonl")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context limit (default: the model's); beyond what it was trained for, RoPE is scaled (YaRN)",
+    add("--port", type=int, default=8000)
+    add("--out", default="runs/proxy", help="calls are appended to OUT/calls.jsonl")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--max-batch-size", type=int, default=32, help="requests decoded together")
+    add("--max-model-len", type=int, help="context limit (default: the model's; beyond: YaRN)")
+    add(
+        "--max-new-tokens", type=int, help="the most tokens one call may generate (default: no cap)"
     )
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="the most tokens one call may generate, whatever the request asks (default: no cap)",
-    )
-    p.add_argument(
-        "--call-timeout",
-        type=float,
-        default=None,
-        help="seconds the model gets per call before the client gets a 504 (default: none)",
-    )
-    p.add_argument(
-        "--max-requests",
-        type=int,
-        default=1024,
-        help="requests handled at once; more get 429 with Retry-After",
-    )
-    p.add_argument(
-        "--vllm-url",
-        nargs="+",
-        default=None,
-        metavar="URL",
-        help="serve from these vLLM servers (same model as --model, for its tokenizer) instead of the embedded backend",
-    )
-    p.add_argument(
-        "--no-reuse-tokens",
-        action="store_true",
-        help="render every prompt fresh instead of reusing sampled tokens (for comparison)",
-    )
-    p.add_argument(
-        "--tool-format",
-        default=None,
-        choices=FORMATS,
-        help="the model family's tool-call format (default: detected from the chat template)",
-    )
-    p.add_argument(
+    add("--call-timeout", type=float, help="seconds per call before the client gets a 504")
+    add("--max-requests", type=int, default=1024, help="requests handled at once; more get 429")
+    add("--vllm-url", nargs="+", metavar="URL", help="serve from these vLLM servers (same model)")
+    add("--no-reuse-tokens", action="store_true", help="render every prompt fresh (a bench only)")
+    add("--tool-format", choices=FORMATS, help="tool-call format (default: the template's)")
+    add(
         "--keep-history-tokens",
         action="store_true",
-        help="where the chat template renders an earlier turn otherwise than it was sampled "
-        "(reasoning stripped, calls re-serialized), keep the sampled tokens (one sample per rollout) instead of the template's rendering",
+        help="reuse sampled turns the template renders otherwise (one sample per rollout)",
     )
-    a = p.parse_args()
-    if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
-        p.error(
-            f"--host {a.host} exposes the model beyond this machine: set --api-key (or LL_API_KEY) too"
+    args = parser.parse_args()
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        parser.error(
+            f"--host {args.host} exposes the model beyond this machine: set --api-key (or LL_API_KEY) too"
         )
+    # which model the calls in OUT are of: train.py --from-calls trains only on its own model's
+    meta = os.path.join(args.out, "proxy.json")
+    if os.path.exists(meta) and (was := json.load(open(meta)).get("model")) != args.model:
+        parser.error(
+            f"{args.out} holds calls of model {was!r}, not {args.model!r}: record into another --out"
+        )
+    return args
 
+
+def main():
+    args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # which model the calls in OUT are of: train.py --from-calls trains only on its own model's (README)
-    meta = os.path.join(a.out, "proxy.json")
-    if os.path.exists(meta) and (was := json.load(open(meta)).get("model")) != a.model:
-        p.error(f"{a.out} holds calls of model {was!r}, not {a.model!r}: record into another --out")
-    os.makedirs(a.out, exist_ok=True)
-    json.dump({"model": a.model}, open(meta, "w"))
-    tok = load_tokenizer(a.model)
-    if a.vllm_url:
-        backend = VLLMBackend(a.vllm_url, sync_dir=os.path.join(a.out, "weights"))
+    os.makedirs(args.out, exist_ok=True)
+    json.dump({"model": args.model}, open(os.path.join(args.out, "proxy.json"), "w"))
+    tok = load_tokenizer(args.model)
+    if args.vllm_url:
+        backend = VLLMBackend(args.vllm_url, sync_dir=os.path.join(args.out, "weights"))
     else:
-        backend = HFBackend(
-            load_model(a.model, a.device, max_model_len=a.max_model_len).eval(),
-            tok,
-            max_batch_size=a.max_batch_size,
-            max_model_len=a.max_model_len,
-        )
+        model = load_model(args.model, args.device, max_model_len=args.max_model_len).eval()
+        backend = HFBackend(model, tok, args.max_batch_size, max_model_len=args.max_model_len)
     proxy = Proxy(
         backend,
         tok,
-        model_name=a.model,
-        out_dir=a.out,
-        reuse_tokens=not a.no_reuse_tokens,
-        max_new_tokens=a.max_new_tokens,
-        call_timeout=a.call_timeout,
-        api_key=a.api_key,
-        max_requests=a.max_requests,
-        tool_format=a.tool_format,
-        keep_history_tokens=a.keep_history_tokens,
+        model_name=args.model,
+        out_dir=args.out,
+        reuse_tokens=not args.no_reuse_tokens,
+        max_new_tokens=args.max_new_tokens,
+        call_timeout=args.call_timeout,
+        api_key=args.api_key,
+        max_requests=args.max_requests,
+        tool_format=args.tool_format,
+        keep_history_tokens=args.keep_history_tokens,
     )
     print(proxy.renderer.describe(), flush=True)
+    url = f"http://{args.host}:{args.port}"
     print(
-        f"serving {a.model} on http://{a.host}:{a.port}/v1 (per rollout: /rollout/<id>/v1); recording to {a.out}/calls.jsonl",
+        f"serving {args.model} on {url}/v1 (per rollout: /rollout/<id>/v1); recording to {args.out}/calls.jsonl",
         flush=True,
     )
     try:
-        # handler_cancellation: a client that leaves cancels its call; shutdown_timeout: on SIGTERM/SIGINT, calls
-        # still generating get 2 s to finish, then are cancelled (every answered call is already on disk)
+        # handler_cancellation: a client that leaves cancels its call; shutdown_timeout: on
+        # SIGTERM/SIGINT, calls still generating get 2 s to finish, then are cancelled (every
+        # answered call is on disk already)
         web.run_app(
             proxy.app(),
-            host=a.host,
-            port=a.port,
+            host=args.host,
+            port=args.port,
             print=None,
             access_log=None,
             handler_cancellation=True,
@@ -150,7 +113,7 @@ def main():
         )
     finally:
         backend.close()
-        print(f"stopped; calls are in {a.out}/calls.jsonl", flush=True)
+        print(f"stopped; calls are in {args.out}/calls.jsonl", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""The proxy: an OpenAI- and Anthropic-compatible HTTP endpoint that serves the policy and records every call
-(its routes and records: README "Serving and recording"). Each request is validated and normalized (apis.py;
-bad input: a 4xx in the API's format), its prompt ids built reusing the tokens an earlier call of the rollout
-sampled (chat.Renderer), its response ids + logprobs generated, its :class:`Call` appended to ``calls.jsonl``
-*before* the answer is sent (JSON, or server-sent events streamed as the tokens are sampled).
+"""The proxy: an OpenAI-compatible HTTP endpoint that serves the policy and records every call (its routes and
+records: README "Serving and recording"). One call, in :meth:`Proxy.converse`: the request is parsed (apis.py;
+bad input: a 4xx in the API's format) -> its prompt ids built, reusing the tokens an earlier call of the rollout
+sampled (chat.Renderer) -> its response ids + logprobs generated (streamed as server-sent events as the tokens
+are sampled, when asked) -> its :class:`Call` appended to ``calls.jsonl`` -> the reply sent.
 
-The trainer drives it in-process (``ProxyServer``); ``python proxy.py`` serves it on its own.
+The routes are the table ``ROUTES``: chat completions is the core's; Anthropic Messages, the Responses API and
+/v1/completions are one line each, served by ``extras/``. The trainer drives the proxy in-process
+(``ProxyServer``); ``python proxy.py`` serves it on its own.
 """
 
 from __future__ import annotations
@@ -19,11 +21,8 @@ import math
 import os
 import re
 import secrets
-import shutil
-import tempfile
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -32,24 +31,14 @@ from typing import Any, Optional
 from aiohttp import web
 
 from . import apis
-from .extras import grammar
 from .chat import BadRequest, ContentStream, Renderer, Request, Turn, fingerprints
+from .extras import anthropic, completions, responses
 from .harness import Endpoint
 from .models import eos_ids
 from .records import Call, prepare_append, to_json
 
 log = logging.getLogger("lightning_lite.proxy")
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-
-
-def _valid(rid: str) -> str:
-    if not ROLLOUT_ID.match(rid):
-        raise BadRequest(
-            f"invalid rollout id {rid[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]",
-            None,
-            "invalid_rollout_id",
-        )
-    return rid
 
 
 @dataclass
@@ -62,26 +51,67 @@ class CallsFile:
 
 @dataclass
 class Session:
+    """What the proxy keeps of one rollout until the trainer's :meth:`Proxy.reset`. A call in flight holds its
+    session and is recorded with it, also after a reset."""
+
+    # its answered calls, for token reuse (chat.Renderer.build_prompt)
     turns: list[Turn] = field(default_factory=list)
-    responses: dict[str, list[dict]] = field(
-        default_factory=dict
-    )  # Responses API id -> its conversation
+    # per API: what apis.convert keeps of the last request (Responses: its earlier responses too)
+    memo: dict[str, dict] = field(default_factory=dict)
     reward: Optional[float] = None
-    call_rewards: dict[int, float] = field(
-        default_factory=dict
-    )  # call index -> reward (POSTed with "call")
-    replies: dict[str, list[int]] = field(
-        default_factory=dict
-    )  # reply id -> its calls (n choices: several)
-    memo: dict[str, dict] = field(
-        default_factory=dict
-    )  # per API: the last request's messages (apis._convert)
-    out: Optional[CallsFile] = (
-        None  # where its calls go: the file current when it began (set by its first call or a switch)
-    )
-    flags: list[dict] = field(
-        default_factory=list
-    )  # what it tried that was refused (README "Sandboxes")
+    # call index -> reward (POSTed with "call")
+    call_rewards: dict[int, float] = field(default_factory=dict)
+    # reply id -> its calls (n choices: several)
+    replies: dict[str, list[int]] = field(default_factory=dict)
+    # where its calls go: the file current when it began (set by its first call, a switch, a reset)
+    out: Optional[CallsFile] = None
+    # what it tried that was refused (README "Sandboxes")
+    flags: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Exchange:
+    """One request in flight: whose it is, what it asked, the prompt built for it."""
+
+    rollout_id: str
+    session: Session
+    api: str
+    req: Request
+    # the per-call cap lowered (or set) what the request asked for
+    capped: bool = False
+    prompt_ids: list[int] = field(default_factory=list)
+    # the call whose prompt + response ids the prompt starts with, or why none (build_prompt)
+    parent: Optional[int] = None
+    split: Optional[str] = None
+    # fingerprints of the request's messages (chat.fingerprints)
+    fps: Optional[list[bytes]] = None
+    # the text the reply is forced to begin with (a forced call, a JSON reply); did the prompt open
+    # a reasoning block
+    forced: str = ""
+    opened: bool = False
+    created: float = field(default_factory=time.time)
+
+
+def conversation(api: str, open_api):
+    """A route served by :meth:`Proxy.converse`. ``open_api(body, memo, proxy) -> (Request, new_writer)``:
+    ``memo`` is the rollout's dict for this API, ``new_writer(n_prompt)`` the reply writer (apis.py)."""
+
+    async def handler(proxy: Proxy, request: web.Request):
+        return await proxy.converse(request, api, open_api)
+
+    return handler
+
+
+# POST routes, under "/" and "/rollout/<id>": path -> handler(proxy, request). All but the first
+# are the extras'.
+ROUTES = {
+    "/v1/chat/completions": conversation("chat", apis.open_chat),
+    # ?beta=true too
+    "/v1/messages": conversation("anthropic", anthropic.open_messages),
+    "/v1/messages/count_tokens": anthropic.count_tokens,
+    "/v1/responses": conversation("responses", responses.open_responses),
+    "/v1/completions": completions.complete,
+}
 
 
 class Proxy:
@@ -105,43 +135,28 @@ class Proxy:
         """Options as proxy.py's flags of the same names (``pause_retry_after``: train.py's); see their help.
         ``rollout_tokens`` (train.py): only rollouts opened with :meth:`open_rollout` are served, each under its
         token, and rewards only with :attr:`reward_key`."""
-        self.backend, self.tok = backend, tokenizer
+        self.backend, self.tok, self.model_name = backend, tokenizer, model_name
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
         self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
-        # the EOS set generation stops on: the backend's (HFBackend), or generation_config's and the tokenizer's
-        self.renderer = Renderer(
-            tokenizer,
-            getattr(backend, "eos_ids", None) or eos_ids(tokenizer),
-            tool_format,
-            keep_history_tokens,
-        )
-        self.model_name, self.reuse_tokens = model_name, reuse_tokens
-        self._compiled: set[str] = (
-            set()
-        )  # grammars llguidance compiled (_grammar): a harness sends the same ones again
+        # the EOS set generation stops on: the backend's (HFBackend), else models.eos_ids
+        stop_ids = getattr(backend, "eos_ids", None) or eos_ids(tokenizer)
+        self.renderer = Renderer(tokenizer, stop_ids, tool_format, keep_history_tokens)
+        # False: render every prompt fresh (a bench comparison: proxy.py --no-reuse-tokens)
+        self.reuse_tokens = reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
-        # rollout id -> its URL token; None: any id is served (proxy.py). The reward key never reaches an agent.
+        # rollout id -> its URL token; None: any id is served (proxy.py). No agent sees reward_key.
         self.tokens: Optional[dict[str, str]] = {} if rollout_tokens else None
         self.reward_key = secrets.token_urlsafe(24) if rollout_tokens else None
-        self.sockets: dict[
-            str, str
-        ] = {}  # a rollout's own Unix socket (its sandbox's only way out) -> its id
-        self.failures, self.n_failures = (
-            deque(maxlen=100),
-            0,
-        )  # backend errors (the last 100; all counted): reported, never trained on
-        self._out, self._lock = (
-            CallsFile(None),
-            threading.Lock(),
-        )  # set_output runs on the trainer's thread, _record on the loop's
-        self._retired: weakref.WeakValueDictionary[str, Session] = (
-            weakref.WeakValueDictionary()
-        )  # reset()'s sessions a request still holds
+        # a rollout's own Unix socket (its sandbox's only way out) -> its id
+        self.sockets: dict[str, str] = {}
+        # backend errors (the last 100; all counted): reported, never trained on
+        self.failures, self.n_failures = deque(maxlen=100), 0
+        # set_output runs on the trainer's thread, record on the loop's
+        self._out, self._lock = CallsFile(None), threading.Lock()
         self.set_output(os.path.join(out_dir, "calls.jsonl") if out_dir else None)
-        self.rewards_path = (
-            os.path.join(out_dir, "rewards.jsonl") if out_dir else None
-        )  # rewards POSTed while serving
+        # rewards POSTed while serving
+        self.rewards_path = os.path.join(out_dir, "rewards.jsonl") if out_dir else None
 
     # ------------------------------------------------------------------ used by the trainer
 
@@ -150,20 +165,30 @@ class Proxy:
         in flight after the switch, go to the file current when it began; in a file with calls they number on."""
         with self._lock:
             old = self._out
-            for s in list(self.sessions.values()) + list(self._retired.values()):
-                s.out = s.out or old
-            if old.path:  # each call was written (closed) as recorded; a crashed machine loses none of them now
+            for session in self.sessions.values():
+                session.out = session.out or old
+            # each call was written (closed) as recorded; a crashed machine loses none of them now
+            if old.path:
                 with open(old.path, "a") as f:
                     os.fsync(f.fileno())
             self._out = CallsFile(path)
             if path:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 self._out.next, cut = prepare_append(path)
+                # its writer was killed mid-line
                 if cut:
-                    log.warning(
-                        f"{path}: cut off a torn last line ({cut} bytes; its writer was killed mid-line) before appending"
-                    )
-                open(path, "a").close()  # the file exists from now on, even if no call comes
+                    log.warning(f"{path}: cut off a torn last line ({cut} bytes) before appending")
+                # the file exists from now on, even if no call comes
+                open(path, "a").close()
+
+    def reset(self):
+        """Forget the sessions (between training steps; rollout ids are not reused). A call still in flight holds
+        its session, recorded into the file current when it began; a straggler's next call gets a 403."""
+        with self._lock:
+            for session in self.sessions.values():
+                session.out = session.out or self._out
+            self.sessions = {}
+        self.tokens = None if self.tokens is None else {}
 
     def open_rollout(self, rollout_id: str) -> str:
         """A new rollout's route, ``<id>.<token>``: its base URL is ``/rollout/<id>.<token>/v1``."""
@@ -171,427 +196,302 @@ class Proxy:
         return f"{rollout_id}.{self.tokens[rollout_id]}"
 
     def flags(self, rollout_id: str) -> list[dict]:
-        return getattr(self.sessions.get(rollout_id) or self._retired.get(rollout_id), "flags", [])
+        return getattr(self.sessions.get(rollout_id), "flags", [])
 
     def reward(self, rollout_id: str) -> Optional[float]:
-        return getattr(
-            self.sessions.get(rollout_id), "reward", None
-        )  # None: no such session, or no reward posted
+        """The reward POSTed for the rollout; None: no such session, or no reward posted."""
+        return getattr(self.sessions.get(rollout_id), "reward", None)
 
     def call_rewards(self, rollout_id: str) -> dict[int, float]:
         return getattr(self.sessions.get(rollout_id), "call_rewards", {})
 
-    def reset(self):
-        """Forget the sessions (between training steps; rollout ids are not reused). A call still in flight
-        keeps its session (its request holds it; _retired finds it, weakly) and is recorded with it."""
-        old, self.sessions = self.sessions, {}
-        self._retired.update(dict(old))
-        self.tokens = (
-            None if self.tokens is None else {}
-        )  # a straggler of a finished rollout gets a 403
+    # ------------------------------------------------------------------ one call
 
-    # ------------------------------------------------------------------ recording
+    async def converse(self, request: web.Request, api: str, open_api):
+        """One chat-shaped call (chat completions, Anthropic Messages, Responses):
+        parse -> build the prompt -> generate (streaming) -> record -> reply."""
+        rollout_id, body = await self.read(request)
+        session = self.sessions.setdefault(rollout_id, Session())
+        req, new_writer = open_api(body, session.memo.setdefault(api, {}), self)
+        exchange = Exchange(rollout_id, session, api, req, capped=self.cap(req))
+        self.build_prompt(exchange)
+        writer = new_writer(len(exchange.prompt_ids))
+        stream = await sse_start(request, writer.start()) if req.stream else None
+        try:
+            generations, visible = await self.generate_streaming(exchange, writer, stream)
+        except BackendError as e:
+            if stream is None:
+                raise
+            # the stream has begun: the error goes in it
+            await stream.write(writer.error(str(e)))
+            return stream
+        except ConnectionResetError:
+            # the client left mid-stream; its generation was cancelled
+            return stream
+        answers = [self.answer(exchange, gen, i, writer.id) for i, gen in enumerate(generations)]
+        if stream is None:
+            return web.json_response(writer.body(answers))
+        # what was not streamed live
+        await stream.write(writer.end(answers, visible.sent, visible.reasoning))
+        return stream
 
-    def _cap(self, req: Request) -> bool:
+    def build_prompt(self, exchange: Exchange):
+        """The prompt ids: the conversation rendered, reusing the sampled tokens of the turn it extends, then
+        the text a forced tool call or JSON reply begins with."""
+        req, turns = exchange.req, exchange.session.turns
+        # hashes only the messages new since the latest turn
+        exchange.fps = fingerprints(req.messages, req.tools, turns[-1] if turns else None)
+        ids, exchange.parent, exchange.split = self.renderer.build_prompt(
+            req.messages, req.tools, turns, self.reuse_tokens, exchange.fps, req.template_kwargs
+        )
+        # the generation prompt opened a reasoning block
+        exchange.opened = self.renderer.opens_reasoning(ids)
+        exchange.forced = self.constrain(req, exchange.opened)
+        exchange.prompt_ids = ids + (
+            self.renderer.encode(exchange.forced) if exchange.forced else []
+        )
+        self.admit(exchange.prompt_ids)
+
+    async def generate_streaming(self, exchange: Exchange, writer, stream):
+        """The generations, and what of the reply the stream sent: with a stream of one choice, the reply's
+        visible reasoning and text are written as they are sampled."""
+        req = exchange.req
+        visible = ContentStream(
+            self.renderer, req.sampling.stop, req.parse_tools, exchange.forced, exchange.opened
+        )
+        if stream is None or req.n > 1:
+            return await self.generate(exchange), visible
+        sampled: asyncio.Queue = asyncio.Queue()
+
+        async def generate():
+            try:
+                return await self.generate(exchange, on_token=sampled.put_nowait)
+            finally:
+                # after every id (the backend hands them to this loop in order)
+                sampled.put_nowait(None)
+
+        task, ids = asyncio.ensure_future(generate()), []
+        try:
+            while (token := await sampled.get()) is not None:
+                ids.append(token)
+                reasoning, content = visible.feed(ids)
+                if reasoning:
+                    await stream.write(writer.reasoning(reasoning))
+                if content:
+                    await stream.write(writer.text(content))
+        finally:
+            # a no-op when it is done; the client went away otherwise
+            task.cancel()
+        return await task, visible
+
+    def answer(self, exchange: Exchange, gen, choice: int, reply_id: str) -> tuple[Call, dict]:
+        """One generation parsed into its reply, recorded, and kept as the session's latest turn."""
+        req, session = exchange.req, exchange.session
+        text = exchange.forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop)
+        reply = self.renderer.parse_reply(text, req.parse_tools, exchange.opened)
+        call = self.record(exchange, gen, choice, reply, reply_id)
+        turn = Turn(
+            call.index,
+            req.messages,
+            req.tools,
+            reply,
+            call.prompt_ids,
+            call.response_ids,
+            fps=exchange.fps,
+            forced=exchange.forced,
+            history=session.turns,
+            parent=exchange.parent,
+        )
+        session.turns.append(turn)
+        return call, reply
+
+    # ------------------------------------------------------------------ steps the extras share
+
+    async def read(self, request: web.Request) -> tuple[str, Any]:
+        """The rollout the request is for (checked against its token) and its JSON body."""
+        return self.rollout(request), await self.body(request)
+
+    async def body(self, request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        # RecursionError: nested too deeply
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            message = f"the request body is not valid JSON ({e})"
+            raise BadRequest(message, None, "invalid_json") from None
+
+    def cap(self, req: Request) -> bool:
         """Apply the per-call cap; True when it lowered (or set) what the request asked for."""
-        if self.max_new_tokens and (
-            req.sampling.max_tokens is None or req.sampling.max_tokens > self.max_new_tokens
-        ):
+        asked = req.sampling.max_tokens
+        if self.max_new_tokens and (asked is None or asked > self.max_new_tokens):
             req.sampling.max_tokens = self.max_new_tokens
             return True
         return False
 
-    def _record(
-        self,
-        rid: str,
-        api: str,
-        prompt_ids,
-        gen,
-        parent,
-        split,
-        sampling,
-        t0,
-        reply=None,
-        choice=0,
-        capped=False,
-        reply_id=None,
-    ) -> Call:
-        s = (
-            self.sessions.get(rid)
-            or self._retired.get(rid)
-            or self.sessions.setdefault(rid, Session())
-        )
-        # "length" stays "length" even when the cut reply parses as a tool call: the trainer must see truncation
-        tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
-        with self._lock:
-            out = s.out = s.out or self._out
-            call = Call(  # numbered on after the rollout's calls already in the file
-                rollout_id=rid,
-                index=out.next.get(rid, 0),
-                api=api,
-                model_version=gen.version,
-                prompt_ids=prompt_ids,
-                response_ids=gen.response_ids,
-                response_logprobs=gen.logprobs,
-                finish_reason="tool_calls" if tool else gen.finish_reason,
-                choice=choice,
-                capped=capped and gen.finish_reason == "length",
-                parent=parent,
-                split=split,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                grammar=sampling.grammar,
-                created=t0,
-                latency_s=round(time.time() - t0, 4),
-                response=reply,
-                reply_id=reply_id,
-            )
-            out.next[rid] = call.index + 1
-            if reply_id:
-                s.replies.setdefault(reply_id, []).append(call.index)
-            if out.path:  # a call that extends its parent is written as the ids after the parent's (records.read_calls)
-                n = (
-                    next(t.size for t in reversed(s.turns) if t.index == parent)
-                    if parent is not None
-                    else 0
-                )
-                line = (
-                    to_json(call, prompt_ids=None, prompt_tail=call.prompt_ids[n:])
-                    if n
-                    else to_json(call)
-                ) + "\n"
-                # Opened per call, so a call still in flight when its session's file was switched goes there too.
-                with open(out.path, "a") as f:
-                    f.write(line)
-        return call
+    def constrain(self, req: Request, opened: bool) -> str:
+        """Constrained decoding (grammar.py), only where a request asks for it: the forced call's arguments
+        follow their tool's schema, a response_format's JSON its schema (a schema llguidance cannot compile is a
+        400 with its message). Sets the request's grammar; returns the text its reply is forced to begin with."""
+        if req.force_tool is None and req.response_schema is None:
+            return ""
+        from .extras import grammar
 
-    # ------------------------------------------------------------------ handlers
+        if req.force_tool is not None:
+            param = "tools"
+            rules = grammar.tool_grammar(self.renderer.format, req.tools, req.force_tool, self.tok)
+        else:
+            param, rules = "response_format", grammar.json_grammar(req.response_schema)
+        # llguidance's first line says what (the rest points into a grammar the client never wrote)
+        if error := grammar.check(rules, self.tok):
+            message = f"the {param} JSON schema cannot be enforced: {error.strip().splitlines()[0]}"
+            raise BadRequest(message, param, "invalid_schema")
+        req.sampling.grammar = rules
+        return self.renderer.forced_prefix(req.force_tool, opened, req.response_schema is not None)
 
-    def _owner(self, request: web.Request) -> Optional[str]:
-        """The rollout whose own Unix socket the request came through, if any: a sandboxed rollout's only way out."""
-        return self.sockets.get(
-            request.transport.get_extra_info("sockname") if request.transport else None
-        )
-
-    def _refuse(self, request: web.Request, what: str):
-        """403, and a flag on the rollout that sent it, when its socket tells."""
-        if owner := self._owner(request):
-            self.sessions.setdefault(owner, Session()).flags.append(
-                {
-                    "kind": "route",
-                    "what": f"{what}: {request.method} {request.path}",
-                    "call": None,
-                    "where": None,
-                    "match": None,
-                }
-            )
-        raise BadRequest(f"{what}: use the base URL this rollout was given", None, "forbidden", 403)
-
-    def _rollout(self, request: web.Request) -> str:
-        """The rollout a request is for: its id, checked against its token when the proxy has tokens."""
-        rid = _valid(request.match_info.get("rid", "default"))
-        if self.tokens is None:
-            return rid
-        rid, _, token = rid.rpartition(".")
-        want = self.tokens.get(rid)
-        if want is None or not hmac.compare_digest(token.encode(), want.encode()):
-            self._refuse(request, "not a rollout of this run, or a wrong token")
-        if (owner := self._owner(request)) not in (None, rid):
-            self._refuse(request, f"rollout {owner} used the route of rollout {rid}")
-        return rid
-
-    async def _read(self, request: web.Request) -> tuple[str, Any]:
-        return self._rollout(request), await self._body(request)
-
-    async def _body(self, request: web.Request) -> Any:
-        try:
-            return json.loads(await request.read())
-        except (
-            json.JSONDecodeError,
-            UnicodeDecodeError,
-            RecursionError,
-        ) as e:  # RecursionError: nested too deeply
-            raise BadRequest(
-                f"the request body is not valid JSON ({e})", None, "invalid_json"
-            ) from None
-
-    async def _generate(
-        self, rid: str, api: str, prompt_ids: list[int], req: Request, t0: float, on_token=None
-    ) -> list:
-        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set). A backend
-        that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is recorded as ``error``."""
-        seeded = lambda i: (
-            req.sampling
-            if req.sampling.seed is None
-            else dataclasses.replace(req.sampling, seed=req.sampling.seed + i)
-        )  # noqa: E731
-        try:
-            return await asyncio.wait_for(
-                asyncio.gather(
-                    *(
-                        self.backend.generate(
-                            prompt_ids, seeded(i), on_token=on_token, rollout_id=rid
-                        )
-                        for i in range(req.n)
-                    )
-                ),
-                self.call_timeout,
-            )
-        except (asyncio.CancelledError, Exception) as e:
-            # No answer: the client went away (its generation is cancelled with it) or the backend failed. The
-            # calls are recorded as "cancelled" or "error", with an empty response: never trained on.
-            cancelled = isinstance(e, asyncio.CancelledError)
-            gone = SimpleNamespace(
-                response_ids=[],
-                logprobs=[],
-                finish_reason="cancelled" if cancelled else "error",
-                version=self.backend.version,
-            )
-            for i in range(req.n):
-                self._record(rid, api, prompt_ids, gone, None, None, req.sampling, t0, choice=i)
-            if cancelled:
-                raise
-            # the backend failed: report it loudly, answer 502/504
-            timeout = isinstance(e, TimeoutError)
-            msg = (
-                f"the backend did not answer within {self.call_timeout:g} s"
-                if timeout
-                else f"backend error: {type(e).__name__}: {e}"
-            )
-            log.error(msg, exc_info=not timeout)
-            self.n_failures += 1
-            self.failures.append({"time": time.time(), "rollout_id": rid, "error": msg})
-            raise BackendError(msg, 504 if timeout else 502) from e
-
-    def _admit(self, prompt_ids: list[int]):
+    def admit(self, prompt_ids: list[int]):
         """May this prompt be served now? Not during a weight sync when calls are told to come back later (429),
         never when it does not fit the model's context (400)."""
         if self.pause_retry_after is not None and self.backend.paused:
-            raise BackendError(
-                "the policy's weights are being updated; retry shortly", 429, self.pause_retry_after
-            )
+            message = "the policy's weights are being updated; retry shortly"
+            raise BackendError(message, 429, self.pause_retry_after)
         limit = self.backend.max_model_len
         if len(prompt_ids) >= limit:
             raise BadRequest(
-                f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt_ids)}; "
-                "shorten the conversation",
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{len(prompt_ids)}; shorten the conversation",
                 "messages",
                 "context_length_exceeded",
             )
 
-    def _grammar(self, req) -> Optional[str]:
-        """What the reply must follow (grammar.py): the forced call's arguments their tool's schema, a response_format's
-        JSON its schema; a schema llguidance cannot compile is a 400 with its message."""
-        if req.force_tool is not None:
-            g, param = (
-                grammar.tool_grammar(self.renderer.format, req.tools, req.force_tool, self.tok),
-                "tools",
-            )
-        elif req.response_schema is not None:
-            g, param = grammar.json_grammar(req.response_schema), "response_format"
-        else:
-            return None
-        if g not in self._compiled:
-            if err := grammar.check(g, self.tok):
-                # llguidance's first line says what (the rest points into the grammar text, which the client never wrote)
-                raise BadRequest(
-                    f"the {param} JSON schema cannot be enforced: {err.strip().splitlines()[0]}",
-                    param,
-                    "invalid_schema",
-                )
-            self._compiled = (self._compiled if len(self._compiled) < 256 else set()) | {g}
-        return g
-
-    def _previous(self, session: Session, response_id: str) -> list[dict]:
-        if response_id not in session.responses:
-            raise BadRequest(
-                f"previous_response_id {response_id[:80]!r} is not a response of this rollout",
-                "previous_response_id",
-                "invalid_value",
-                404,
-            )
-        return session.responses[response_id]
-
-    async def converse(self, request: web.Request, api: str):
-        """chat completions, Anthropic messages and Responses: one conversation, one path."""
-        rid, body = await self._read(request)
-        session = self.sessions.setdefault(rid, Session())
-        memo = session.memo.setdefault(api, {})  # converts only the messages a request appends
-        if api == "chat":  # the request, and the writer of its answer
-            req, writer = (
-                apis.parse_chat_request(body, memo),
-                functools.partial(apis.ChatReply, tok=self.tok),
-            )
-        elif api == "anthropic":
-            req, writer = apis.parse_anthropic_request(body, memo), apis.AnthropicReply
-        else:
-            req = apis.parse_responses_request(body, lambda rsp: self._previous(session, rsp), memo)
-            writer = functools.partial(
-                apis.ResponsesReply, previous_id=body.get("previous_response_id")
-            )
-        t0, capped = time.time(), self._cap(req)
-        fps = fingerprints(
-            req.messages, req.tools, session.turns[-1] if session.turns else None
-        )  # hashes the new messages only
-        prompt_ids, parent, hint = self.renderer.build_prompt(
-            req.messages, req.tools, session.turns, self.reuse_tokens, fps, req.template_kwargs
-        )
-        opened = self.renderer.opens_reasoning(
-            prompt_ids
-        )  # the generation prompt opened a reasoning block
-        forced = self.renderer.forced_prefix(
-            req.force_tool, opened, req.response_schema is not None
-        )
-        req.sampling.grammar = self._grammar(req)
-        prompt_ids = prompt_ids + self.renderer.encode(forced) if forced else prompt_ids
-        self._admit(prompt_ids)
-        out = writer(req, self.model_name, len(prompt_ids))
-        resp, stream = (
-            None,
-            ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened),
-        )
-        if req.stream:
-            resp = await _sse_start(request, out.start())
-        try:
-            queue: asyncio.Queue = asyncio.Queue()
-            on_token = (
-                queue.put_nowait if req.stream and req.n == 1 else None
-            )  # one choice streams live
-            task = asyncio.ensure_future(
-                self._generate(rid, api, prompt_ids, req, t0, on_token=on_token)
-            )
-            task.add_done_callback(
-                lambda _: queue.put_nowait(None)
-            )  # after every id: same loop, in order
-            ids = []
-            try:
-                while (t := await queue.get()) is not None:
-                    ids.append(t)
-                    reasoning, content = stream.feed(ids)
-                    if reasoning:
-                        await resp.write(out.reasoning(reasoning))
-                    if content:
-                        await resp.write(out.text(content))
-            finally:
-                task.cancel()  # a no-op when it is done; the client went away otherwise
-            gens = await task
-        except BackendError as e:
-            if resp is None:
-                raise
-            await resp.write(out.error(str(e)))  # the stream has begun: the error goes in it
-            return resp
-        except (
-            ConnectionResetError
-        ):  # the client left mid-stream; its generation was cancelled above
-            return resp
-        answers = []
-        for i, gen in enumerate(gens):
-            reply = self.renderer.parse_reply(
-                forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop),
-                req.parse_tools,
-                opened,
-            )
-            call = self._record(
-                rid,
-                api,
-                prompt_ids,
-                gen,
-                parent,
-                hint,
-                req.sampling,
-                t0,
-                reply,
-                choice=i,
-                capped=capped,
-                reply_id=out.id,
-            )
-            session.turns.append(
-                Turn(
-                    call.index,
-                    req.messages,
-                    req.tools,
-                    reply,
-                    call.prompt_ids,
-                    call.response_ids,
-                    fps,
-                    forced,
-                    session.turns,
-                    parent,
-                )
-            )
-            answers.append((call, reply))
-        if (
-            api == "responses"
-        ):  # for previous_response_id; a new request's instructions replace these
-            session.responses[out.id] = req.messages[req.n_instructions :] + [answers[0][1]]
-        if resp is None:
-            return web.json_response(out.body(answers))
-        await resp.write(
-            out.end(answers, stream.sent, stream.reasoning)
-        )  # what was not streamed live
-        return resp
-
-    async def count_tokens(self, request: web.Request):
-        req = apis.parse_anthropic_request((await self._read(request))[1])
-        return web.json_response(
-            {"input_tokens": len(self.renderer.build_prompt(req.messages, req.tools, [])[0])}
-        )
-
-    async def completions(self, request: web.Request):
-        rid, body = await self._read(request)
-        req = apis.parse_completions_request(body)
-        prompt_ids = (
-            req.prompt_ids if req.prompt_ids is not None else self.tok.encode(req.prompt_text)
-        )
-        vocab = len(self.tok)
-        if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
-        self._admit(prompt_ids)
-        t0, capped = time.time(), self._cap(req)
-        session = self.sessions.setdefault(
-            rid, Session()
-        )  # held while in flight: a reset leaves it to this call (_record)
-        gens = await self._generate(rid, "completions", prompt_ids, req, t0)
-        out = apis.CompletionsReply(req, self.model_name, len(prompt_ids), self.tok)
-        answers = [
-            (
-                self._record(
-                    rid,
-                    "completions",
-                    prompt_ids,
-                    gen,
-                    None,
-                    None,
-                    req.sampling,
-                    t0,
-                    choice=i,
-                    capped=capped,
-                    reply_id=out.id,
-                ),
-                gen.text,
-            )
-            for i, gen in enumerate(gens)
+    async def generate(self, exchange: Exchange, on_token=None) -> list:
+        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set). A backend
+        that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is recorded as ``error``."""
+        req, rollout_id = exchange.req, exchange.rollout_id
+        seed = req.sampling.seed
+        samplings = [
+            req.sampling if seed is None else dataclasses.replace(req.sampling, seed=seed + i)
+            for i in range(req.n)
         ]
-        del session  # recorded with it
-        if not req.stream:
-            return web.json_response(out.body(answers))
-        return await _sse_start(request, out.end(answers))
+        generations = [
+            self.backend.generate(exchange.prompt_ids, s, on_token=on_token, rollout_id=rollout_id)
+            for s in samplings
+        ]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*generations), self.call_timeout)
+        except (asyncio.CancelledError, Exception) as e:
+            # No answer: the client went away (its generation is cancelled with it) or the backend
+            # failed. The calls are recorded as "cancelled" or "error", with an empty response:
+            # never trained on.
+            cancelled = isinstance(e, asyncio.CancelledError)
+            finish = "cancelled" if cancelled else "error"
+            empty = SimpleNamespace(
+                response_ids=[], logprobs=[], finish_reason=finish, version=self.backend.version
+            )
+            unanswered = dataclasses.replace(exchange, parent=None, split=None, capped=False)
+            for i in range(req.n):
+                self.record(unanswered, empty, i)
+            if cancelled:
+                raise
+            # the backend failed: report it loudly, answer 502/504
+            timeout = isinstance(e, TimeoutError)
+            if timeout:
+                message = f"the backend did not answer within {self.call_timeout:g} s"
+            else:
+                message = f"backend error: {type(e).__name__}: {e}"
+            log.error(message, exc_info=not timeout)
+            self.n_failures += 1
+            self.failures.append({"time": time.time(), "rollout_id": rollout_id, "error": message})
+            raise BackendError(message, 504 if timeout else 502) from e
+
+    def record(self, exchange: Exchange, gen, choice: int, reply=None, reply_id=None) -> Call:
+        """Append the call to its session's calls file, numbered on after the rollout's calls already there."""
+        session, rollout_id, sampling = exchange.session, exchange.rollout_id, exchange.req.sampling
+        # "length" stays "length" even when the cut reply parses as a tool call: the trainer must
+        # see the truncation
+        tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
+        with self._lock:
+            out = session.out = session.out or self._out
+            call = Call(
+                rollout_id=rollout_id,
+                index=out.next.get(rollout_id, 0),
+                api=exchange.api,
+                model_version=gen.version,
+                prompt_ids=exchange.prompt_ids,
+                response_ids=gen.response_ids,
+                response_logprobs=gen.logprobs,
+                finish_reason="tool_calls" if tool else gen.finish_reason,
+                choice=choice,
+                capped=exchange.capped and gen.finish_reason == "length",
+                parent=exchange.parent,
+                split=exchange.split,
+                **{
+                    key: getattr(sampling, key)
+                    for key in ("temperature", "top_p", "top_k", "grammar")
+                },
+                created=exchange.created,
+                latency_s=round(time.time() - exchange.created, 4),
+                response=reply,
+                reply_id=reply_id,
+            )
+            out.next[rollout_id] = call.index + 1
+            if reply_id:
+                session.replies.setdefault(reply_id, []).append(call.index)
+            if out.path:
+                # a call extending its parent is written as the ids after the parent's (read_calls)
+                parent = next((t for t in session.turns if t.index == exchange.parent), None)
+                line = to_json(call)
+                if parent is not None:
+                    line = to_json(
+                        call, prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :]
+                    )
+                # opened per call: a call in flight when its session's file was switched goes there
+                with open(out.path, "a") as f:
+                    f.write(line + "\n")
+        return call
+
+    # ------------------------------------------------------------------ rollout isolation
+
+    def _owner(self, request: web.Request) -> Optional[str]:
+        """The rollout whose own Unix socket the request came through, if any (extras/sockets.py)."""
+        transport = request.transport
+        return self.sockets.get(transport.get_extra_info("sockname") if transport else None)
+
+    def refuse(self, request: web.Request, what: str):
+        """403, and a flag on the rollout that sent it, when its socket tells."""
+        if owner := self._owner(request):
+            flag = {"kind": "route", "what": f"{what}: {request.method} {request.path}"}
+            self.sessions.setdefault(owner, Session()).flags.append(
+                {**flag, "call": None, "where": None, "match": None}
+            )
+        raise BadRequest(f"{what}: use the base URL this rollout was given", None, "forbidden", 403)
+
+    def rollout(self, request: web.Request) -> str:
+        """The rollout a request is for: its id, checked against its token when the proxy has tokens."""
+        rollout_id = _valid(request.match_info.get("rid", "default"))
+        if self.tokens is None:
+            return rollout_id
+        rollout_id, _, token = rollout_id.rpartition(".")
+        expected = self.tokens.get(rollout_id)
+        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
+            self.refuse(request, "not a rollout of this run, or a wrong token")
+        if (owner := self._owner(request)) not in (None, rollout_id):
+            self.refuse(request, f"rollout {owner} used the route of rollout {rollout_id}")
+        return rollout_id
+
+    # ------------------------------------------------------------------ the other routes
 
     async def post_reward(self, request: web.Request):
-        rid = _valid(request.match_info["rid"])
-        if self.reward_key is not None and not hmac.compare_digest(
-            request.headers.get("X-Reward-Key", "").encode(), self.reward_key.encode()
-        ):
-            self._refuse(
-                request, "rewards come from the harness (header X-Reward-Key), never from the agent"
-            )
-        if self.tokens is not None and rid not in self.tokens:
-            raise BadRequest(f"no rollout {rid[:64]!r} in this run", None, "not_found", 404)
-        body = await self._body(request)
+        rollout_id = _valid(request.match_info["rid"])
+        key = request.headers.get("X-Reward-Key", "").encode()
+        if self.reward_key is not None and not hmac.compare_digest(key, self.reward_key.encode()):
+            what = "rewards come from the harness (header X-Reward-Key), never from the agent"
+            self.refuse(request, what)
+        if self.tokens is not None and rollout_id not in self.tokens:
+            raise BadRequest(f"no rollout {rollout_id[:64]!r} in this run", None, "not_found", 404)
+        body = await self.body(request)
         body = body if isinstance(body, dict) else {"reward": body}
-        r, k, task = body.get("reward"), body.get("call"), body.get("task")
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
+        reward, call, task = body.get("reward"), body.get("call"), body.get("task")
+        is_number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
+        if not is_number or not math.isfinite(reward):
             raise BadRequest(
                 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward one call)',
                 "reward",
@@ -599,79 +499,64 @@ class Proxy:
             )
         if task is not None and not isinstance(task, str) or set(body) - {"reward", "call", "task"}:
             raise BadRequest(
-                "a reward has the keys reward, call (a call's index or reply id) and task (a string: rollouts of one task "
-                "form one advantage group under train.py --from-calls)",
+                "a reward has the keys reward, call (a call's index or reply id) and task (a string: rollouts "
+                "of one task form one advantage group under train.py --from-calls)",
                 None,
                 "invalid_value",
             )
-        s = self.sessions.setdefault(rid, Session())
-        if (
-            k is not None
-        ):  # a call of this rollout: by index (in its calls file) or by the id its reply had
-            n = (s.out or self._out).next.get(rid, 0)
-            ids = (
-                [k]
-                if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < n
-                else s.replies.get(k)
-                if isinstance(k, str)
-                else None
-            )
-            if not ids or len(ids) > 1:
-                raise BadRequest(
-                    f"rollout {rid!r} has no call {k!r}: name it by its index (0..{n - 1}) or by the id of its reply "
-                    "(a reply of n choices: by index)"
-                    + (
-                        ", ids of replies before a proxy restart by index"
-                        if isinstance(k, str)
-                        else ""
-                    ),
-                    "call",
-                    "not_found",
-                    404,
-                )
-            k = ids[0]
-            s.call_rewards[k] = float(r)
+        session = self.sessions.setdefault(rollout_id, Session())
+        if call is not None:
+            call = self._rewarded_call(session, rollout_id, call)
+            session.call_rewards[call] = float(reward)
         else:
-            s.reward = float(r)
+            session.reward = float(reward)
         line = {
-            "rollout_id": rid,
-            "reward": float(r),
-            **({"call": k} if k is not None else {}),
+            "rollout_id": rollout_id,
+            "reward": float(reward),
+            **({"call": call} if call is not None else {}),
             **({"task": task} if task else {}),
             "time": time.time(),
         }
-        if (
-            self.rewards_path
-        ):  # proxy.py: the rewards land next to the calls (train.py --from-calls reads both)
+        # proxy.py: the rewards land next to the calls (train.py --from-calls reads both)
+        if self.rewards_path:
             with self._lock, open(self.rewards_path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         return web.json_response({k: v for k, v in line.items() if k != "time"})
 
+    def _rewarded_call(self, session: Session, rollout_id: str, call: Any) -> int:
+        """A call of this rollout, named by its index (in its calls file) or by the id its reply had."""
+        n = (session.out or self._out).next.get(rollout_id, 0)
+        if isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n:
+            indices = [call]
+        else:
+            indices = session.replies.get(call) if isinstance(call, str) else None
+        if not indices or len(indices) > 1:
+            restart = (
+                ", ids of replies before a proxy restart by index" if isinstance(call, str) else ""
+            )
+            raise BadRequest(
+                f"rollout {rollout_id!r} has no call {call!r}: name it by its index (0..{n - 1}) or by the "
+                f"id of its reply (a reply of n choices: by index){restart}",
+                "call",
+                "not_found",
+                404,
+            )
+        return indices[0]
+
     async def models(self, request: web.Request):
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "lightning-lite",
-                        "max_model_len": self.backend.max_model_len,
-                    }
-                ],
-            }
-        )
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "lightning-lite",
+            "max_model_len": self.backend.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request):
+        status = {"status": "ok", "model": self.model_name, "version": self.backend.version}
         return web.json_response(
-            {
-                "status": "ok",
-                "model": self.model_name,
-                "version": self.backend.version,
-                "backend_failures": self.n_failures,
-                **self.backend.stats,
-            }
+            {**status, "backend_failures": self.n_failures, **self.backend.stats}
         )
 
     # ------------------------------------------------------------------ app
@@ -682,17 +567,14 @@ class Proxy:
         error body in the API's own format, and the server keeps serving."""
         api = "anthropic" if "/v1/messages" in request.path else "openai"
         auth = request.headers.get("Authorization", "")
-        key = (
-            auth[7:].strip()
-            if auth[:7].lower() == "bearer "
-            else request.headers.get("x-api-key", "")
-        )
+        bearer = auth[:7].lower() == "bearer "
+        key = auth[7:].strip() if bearer else request.headers.get("x-api-key", "")
         if self.api_key and not hmac.compare_digest(key.encode(), self.api_key.encode()):
-            msg = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-            return _error(api, 401, msg, code="invalid_api_key")
+            message = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+            return _error(api, 401, message, code="invalid_api_key")
         if self.active >= self.max_requests:
-            msg = f"the proxy is handling {self.active} requests (its limit); retry shortly"
-            return _error(api, 429, msg, code="too_many_requests", retry_after=1)
+            message = f"the proxy is handling {self.active} requests (its limit); retry shortly"
+            return _error(api, 429, message, code="too_many_requests", retry_after=1)
         self.active += 1
         try:
             return await handler(request)
@@ -704,7 +586,7 @@ class Proxy:
             if e.status < 400:
                 raise
             where = f"{request.method} {request.path}"
-            msg, code = {
+            message, code = {
                 404: (
                     f"no route {where}; see GET /v1/models and the README for the routes",
                     "not_found",
@@ -715,27 +597,17 @@ class Proxy:
                 ),
                 413: (f"request body too large (limit {self.max_body} bytes)", "request_too_large"),
             }.get(e.status, (e.reason, None))
-            return _error(api, e.status, msg, code=code)
+            return _error(api, e.status, message, code=code)
         finally:
             self.active -= 1
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[self._guard])
         for prefix in ("", "/rollout/{rid}"):
-            app.router.add_post(
-                prefix + "/v1/chat/completions", functools.partial(self.converse, api="chat")
-            )
-            app.router.add_post(
-                prefix + "/v1/messages", functools.partial(self.converse, api="anthropic")
-            )  # ?beta=true too
-            app.router.add_post(prefix + "/v1/messages/count_tokens", self.count_tokens)
-            app.router.add_post(
-                prefix + "/v1/responses", functools.partial(self.converse, api="responses")
-            )
-            app.router.add_post(prefix + "/v1/completions", self.completions)
-            app.router.add_get(
-                prefix or "/", self.health
-            )  # GET and HEAD: harnesses probe their base URL (Claude Code)
+            for path, handler in ROUTES.items():
+                app.router.add_post(prefix + path, functools.partial(handler, self))
+            # GET and HEAD: harnesses probe their base URL (Claude Code)
+            app.router.add_get(prefix or "/", self.health)
             app.router.add_get(prefix + "/v1/models", self.models)
             app.router.add_get(prefix + "/health", self.health)
         app.router.add_post("/rollout/{rid}/reward", self.post_reward)
@@ -743,7 +615,8 @@ class Proxy:
         return app
 
     async def _cleanup(self, app):
-        self.set_output(None)  # the last calls file is fsync'd
+        # the last calls file is fsync'd
+        self.set_output(None)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -758,34 +631,27 @@ class BackendError(Exception):
         self.status, self.retry_after = status, retry_after
 
 
-def _error(
-    api: str, status: int, message: str, param=None, code=None, retry_after=None
-) -> web.Response:
+def _valid(rollout_id: str) -> str:
+    if not ROLLOUT_ID.match(rollout_id):
+        message = f"invalid rollout id {rollout_id[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]"
+        raise BadRequest(message, None, "invalid_rollout_id")
+    return rollout_id
+
+
+def _error(api: str, status: int, message: str, param=None, code=None, retry_after=None):
+    """An error response in the API's own format (Anthropic's error types, or OpenAI's)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     if api == "anthropic":
-        kind = {
-            401: "authentication_error",
-            403: "permission_error",
-            404: "not_found_error",
-            413: "request_too_large",
-            429: "rate_limit_error",
-            504: "timeout_error",
-        }.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    else:
-        kind = (
-            "rate_limit_error"
-            if status == 429
-            else "server_error"
-            if status >= 500
-            else "invalid_request_error"
-        )
-    return web.json_response(
-        apis.error_body(api, message, kind, param, code),
-        status=status,
-        headers={"Retry-After": f"{retry_after:g}"} if retry_after else None,
-    )
+        kind = anthropic.error_type(status)
+    elif status == 429:
+        kind = "rate_limit_error"
+    body = apis.error_body(api, message, kind, param, code)
+    headers = {"Retry-After": f"{retry_after:g}"} if retry_after else None
+    return web.json_response(body, status=status, headers=headers)
 
 
-async def _sse_start(request: web.Request, first: bytes) -> web.StreamResponse:
+async def sse_start(request: web.Request, first: bytes) -> web.StreamResponse:
+    """A begun stream of server-sent events, ``first`` sent."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -805,70 +671,54 @@ class ProxyServer:
         self.proxy, self.host, self.port = proxy, host, port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
-        self._runner, self._sites, self._socket_dir, self._n_sockets = None, {}, None, 0
+        # unix_sockets: sandboxed rollouts' own Unix sockets (extras/sockets.py), once one is asked
+        self.runner, self.unix_sockets = None, None
 
-    def open_socket(self, rollout_id: str) -> str:
-        """A Unix socket of the proxy that only ``rollout_id`` uses (its sandbox's bridge connects to it), so that
-        whatever comes through it is that rollout's doing. Short paths: a socket path has at most 107 bytes."""
-        self._socket_dir = self._socket_dir or tempfile.mkdtemp(prefix="ll-proxy-")
-        path, self._n_sockets = (
-            os.path.join(self._socket_dir, f"{self._n_sockets}.sock"),
-            self._n_sockets + 1,
-        )
-        site = web.UnixSite(self._runner, path)
-        asyncio.run_coroutine_threadsafe(site.start(), self.loop).result()
-        self._sites[rollout_id], self.proxy.sockets[path] = (site, path), rollout_id
-        return path
+    def run(self, coroutine):
+        """Run ``coroutine`` on the proxy's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def close_sockets(self, rollout_ids):
-        for rid in rollout_ids:
-            if rid in self._sites:
-                site, path = self._sites.pop(rid)
-                asyncio.run_coroutine_threadsafe(site.stop(), self.loop).result()
-                del self.proxy.sockets[path]
-                os.unlink(path)
+        if self.unix_sockets:
+            self.unix_sockets.close(rollout_ids)
 
     def base_url(self, rollout_id: str) -> str:
         return f"{self.url}/rollout/{rollout_id}/v1"
 
-    def endpoint(
-        self, rollout_id: str, model: str, socket: bool = False, api_key: str = "sk-lightning-lite"
-    ) -> Endpoint:
-        """A new rollout's endpoint: its base URL carries a token only it knows (with ``rollout_tokens``); ``socket``:
-        a Unix socket of its own too, for a sandbox to bridge."""
-        route = self.proxy.open_rollout(rollout_id) if self.proxy.tokens is not None else rollout_id
-        return Endpoint(
-            self.base_url(route),
-            api_key,
-            model,
-            rollout_id,
-            self.url,
-            route,
-            self.proxy.reward_key or "",
-            self.open_socket(rollout_id) if socket else None,
-        )
+    def endpoint(self, rollout_id: str, model: str, socket=False, api_key="sk-lightning-lite"):
+        """A new rollout's endpoint: its base URL carries a token only it knows (with ``rollout_tokens``);
+        ``socket``: a Unix socket of its own too, for a sandbox to bridge."""
+        proxy = self.proxy
+        route = proxy.open_rollout(rollout_id) if proxy.tokens is not None else rollout_id
+        socket_path = None
+        if socket:
+            from .extras.sockets import RolloutSockets
+
+            self.unix_sockets = self.unix_sockets or RolloutSockets(self)
+            socket_path = self.unix_sockets.open(rollout_id)
+        reward_key = proxy.reward_key or ""
+        url = self.base_url(route)
+        return Endpoint(url, api_key, model, rollout_id, self.url, route, reward_key, socket_path)
 
     def start(self) -> "ProxyServer":
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
+        self.run(self._start())
         return self
 
     async def _start(self):
-        self._runner = web.AppRunner(
-            self.proxy.app(), access_log=None, handler_cancellation=True
-        )  # a client that leaves cancels its call
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        # handler_cancellation: a client that leaves cancels its call
+        self.runner = web.AppRunner(self.proxy.app(), access_log=None, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{self.port}"
 
     def stop(self):
-        self.close_sockets(list(self._sites))
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result()
-            self._runner = None
-        if self._socket_dir:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if self.unix_sockets:
+            self.unix_sockets.close_all()
+        if self.runner is not None:
+            self.run(self.runner.cleanup())
+            self.runner = None
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)

@@ -252,11 +252,9 @@ def test_three_turn_tool_conversation_in_each_api_is_one_sample(kept, model, tok
 
 def test_the_same_conversation_is_one_internal_conversation_in_every_api(tok):
     """A tool-using exchange written in each API shape maps to the same messages, hence the same prompt ids."""
-    from lightning_lite.apis import (
-        parse_anthropic_request,
-        parse_chat_request,
-        parse_responses_request,
-    )
+    from lightning_lite.apis import parse_chat_request
+    from lightning_lite.extras.anthropic import parse_anthropic_request
+    from lightning_lite.extras.responses import parse_responses_request
     from lightning_lite.chat import Renderer
 
     args = {"expression": "17*23"}
@@ -486,11 +484,9 @@ def test_a_request_that_appends_converts_only_its_new_messages():
     """With a memo kept per conversation, the messages a request shares with the previous one are reused (the
     same objects: no Python work per earlier message), the new ones converted; the result is what parsing
     without a memo gives; an edited message is converted again; a bad request leaves the memo as it was."""
-    from lightning_lite.apis import (
-        parse_anthropic_request,
-        parse_chat_request,
-        parse_responses_request,
-    )
+    from lightning_lite.apis import parse_chat_request
+    from lightning_lite.extras.anthropic import parse_anthropic_request
+    from lightning_lite.extras.responses import parse_responses_request
     from lightning_lite.chat import BadRequest
 
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
@@ -760,7 +756,9 @@ def answered(reply, choices=1, finish="stop"):
 
 
 def writer(api, req=None):
-    from lightning_lite.apis import AnthropicReply, ChatReply, ResponsesReply
+    from lightning_lite.apis import ChatReply
+    from lightning_lite.extras.anthropic import AnthropicReply
+    from lightning_lite.extras.responses import ResponsesReply
     from lightning_lite.chat import Request
 
     req = req or Request(tools=[CALC], stream=True, include_usage=True)
@@ -956,11 +954,9 @@ def test_chat_reasoning_of_every_choice_is_sent_and_only_choice_0_streamed_live(
 def test_reasoning_sent_back_is_read_back_in_each_apis_shape():
     """What a client echoes of the reasoning (chat reasoning_content or reasoning, Anthropic thinking blocks, Responses
     reasoning items) becomes the assistant message's "reasoning"; what the proxy wrote comes back as the reply it was."""
-    from lightning_lite.apis import (
-        parse_anthropic_request,
-        parse_chat_request,
-        parse_responses_request,
-    )
+    from lightning_lite.apis import parse_chat_request
+    from lightning_lite.extras.anthropic import parse_anthropic_request
+    from lightning_lite.extras.responses import parse_responses_request
 
     user = {"role": "user", "content": QUESTION}
     reply = {"role": "assistant", "content": ANSWER, "reasoning": THOUGHT, "tool_calls": [CALL]}
@@ -1088,11 +1084,9 @@ def test_chat_template_kwargs_reach_the_request_and_a_non_object_is_a_400():
 def test_tools_and_tool_choice_read_alike_in_every_apis_shape():
     """One normalizer: the same function tool, and tool_choice none / auto / required / named, in each API's own shape;
     tools the model cannot call (server tools) are left out; a named tool that is not offered is a 400."""
-    from lightning_lite.apis import (
-        parse_anthropic_request,
-        parse_chat_request,
-        parse_responses_request,
-    )
+    from lightning_lite.apis import parse_chat_request
+    from lightning_lite.extras.anthropic import parse_anthropic_request
+    from lightning_lite.extras.responses import parse_responses_request
     from lightning_lite.chat import BadRequest
 
     user = {"role": "user", "content": "hi"}
@@ -1182,7 +1176,7 @@ def test_tools_and_tool_choice_read_alike_in_every_apis_shape():
 
 
 def test_completions_reply_body_and_stream_agree():
-    from lightning_lite.apis import CompletionsReply
+    from lightning_lite.extras.completions import CompletionsReply
     from lightning_lite.chat import Request
 
     answers = [
@@ -1266,7 +1260,7 @@ def test_stream_events_come_in_each_apis_order(live, n_thought, n_text):
 
 
 def test_completions_request_and_its_bad_fields():
-    from lightning_lite.apis import parse_completions_request
+    from lightning_lite.extras.completions import parse_completions_request
     from lightning_lite.chat import BadRequest
 
     body = {

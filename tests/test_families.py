@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from lightning_lite import apis
+from lightning_lite.extras import anthropic, responses
 from lightning_lite.backends import Generation
 from lightning_lite.chat import Renderer, _short_id
 from lightning_lite.proxy import Proxy, ProxyServer
@@ -543,7 +544,7 @@ class Anthropic:
         }
 
     def request(self, body):
-        return apis.parse_anthropic_request(body)
+        return anthropic.parse_anthropic_request(body)
 
     def reply(self, j):
         blocks = j["content"]
@@ -586,7 +587,7 @@ class Responses:
         return {"model": "m", "instructions": SYSTEM, "input": wire, "tools": self.TOOLS}
 
     def request(self, body):
-        return apis.parse_responses_request(body, lambda _: [])
+        return responses.parse_responses_request(body, lambda _: [])
 
     def reply(self, j):
         items = j["output"]

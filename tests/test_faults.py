@@ -702,7 +702,8 @@ def test_a_call_in_flight_across_a_reset_is_recorded_with_its_session_in_its_own
     assert [(c.rollout_id, c.index) for c in read_calls(second)] == [("s1", 0)]
     samples, stats = build_batch_samples(got)
     assert len(samples) == 2 and stats["trainable_tokens"] == stats["sampled_tokens"]
-    assert not proxy._retired  # the sessions of finished calls are not kept
+    # the sessions of finished calls are not kept: only the new step's
+    assert set(proxy.sessions) == {"s1"}
 
 
 def test_backend_failures_are_counted_and_only_the_last_hundred_kept(fake):

@@ -1,0 +1,219 @@
+"""Anthropic Messages (``/v1/messages``, what Claude Code sends; README "Serving and recording") and its
+``/v1/messages/count_tokens``. Its hooks: the lines ``"/v1/messages"`` and ``"/v1/messages/count_tokens"`` of
+proxy.ROUTES; a request becomes the same :class:`~chat.Request` as a chat completion's and takes the same path
+(``Proxy.converse``); errors take Anthropic's shape (proxy._error)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Optional
+
+from aiohttp import web
+
+from ..apis import (
+    client_finish,
+    convert,
+    error_body,
+    expect,
+    messages_of,
+    response_format,
+    rest,
+    settings,
+    sse,
+    text_of,
+    tools_of,
+)
+from ..chat import BadRequest, Request, parse_arguments
+
+
+def open_messages(body: Any, memo: dict, proxy):
+    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's length."""
+    req = parse_anthropic_request(body, memo)
+    return req, lambda n_prompt: AnthropicReply(req, proxy.model_name, n_prompt)
+
+
+async def count_tokens(proxy, request: web.Request):
+    """``{"input_tokens": n}``: the length of the prompt the request would get, rendered fresh."""
+    req = parse_anthropic_request((await proxy.read(request))[1])
+    prompt_ids = proxy.renderer.build_prompt(req.messages, req.tools, [])[0]
+    return web.json_response({"input_tokens": len(prompt_ids)})
+
+
+def error_type(status: int) -> str:
+    """The type of Anthropic's error body for an HTTP status (proxy._error)."""
+    types = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+    types |= {413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error"}
+    return types.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def _to_messages(m: Any, i: int) -> list[dict]:
+    """One Anthropic message -> one tool message per tool_result block, then the turn's text and calls."""
+    where, out = f"messages[{i}]", []
+    expect(isinstance(m, dict), f"'{where}' must be an object", where)
+    role = m.get("role")
+    if role not in ("user", "assistant", "system"):
+        message = f"unknown role {role!r} in {where}; expected user, assistant or system"
+        raise BadRequest(message, where + ".role", "invalid_value")
+    texts, calls, thoughts, content = [], [], [], m.get("content")
+    text_only = content is None or isinstance(content, str)
+    blocks = [{"type": "text", "text": content or ""}] if text_only else content
+    expect(
+        isinstance(blocks, list) and all(isinstance(b, dict) for b in blocks),
+        f"'{where}.content' must be a string or a list of content blocks",
+        where + ".content",
+    )
+    for j, block in enumerate(blocks):
+        kind, at = block.get("type"), f"{where}.content[{j}]"
+        if kind == "text":
+            texts.append(text_of([block], at))
+        elif kind == "tool_use" and role == "assistant":
+            expect(
+                isinstance(block.get("name"), str), f"'{at}.name' must be a string", at + ".name"
+            )
+            arguments = block.get("input") or {}
+            calls.append(
+                {"id": str(block.get("id", "")), "name": block["name"], "arguments": arguments}
+            )
+        # results come first in a user turn: one tool message each
+        elif kind == "tool_result":
+            result = text_of(block.get("content"), at + ".content")
+            call_id = str(block.get("tool_use_id", ""))
+            out.append({"role": "tool", "tool_call_id": call_id, "content": result})
+        elif kind == "thinking" and isinstance(block.get("thinking"), str) and block["thinking"]:
+            thoughts.append(block["thinking"])
+        elif kind in ("image", "document"):
+            message = f"content block type '{kind}' is not supported: this model reads text only"
+            raise BadRequest(message, at + ".type", "unsupported_content")
+        # redacted_thinking (encrypted), server tool blocks: nothing this model can use
+    if role == "assistant":
+        turn = {"role": "assistant", "content": "\n".join(texts)}
+        turn.update({"reasoning": "\n".join(thoughts)} if thoughts else {})
+        out.append({**turn, **({"tool_calls": calls} if calls else {})})
+    elif texts:
+        out.append({"role": role, "content": "\n".join(texts)})
+    return out
+
+
+def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
+    """Validate a /v1/messages body (README: what Claude Code sends)."""
+    body, messages = messages_of(body)
+    system = body.get("system")
+    system = [{"role": "system", "content": text_of(system, "system")}] if system else []
+    # structured outputs: output_config.format, or the beta's output_format
+    config = body.get("output_config") if isinstance(body.get("output_config"), dict) else None
+    if config:
+        fmt = response_format(config.get("format"), "output_config.format")
+    else:
+        fmt = response_format(body.get("output_format"), "output_format")
+    return Request(
+        messages=system + convert(messages, _to_messages, memo),
+        **tools_of(body),
+        **fmt,
+        **settings(body, body.get("max_tokens"), body.get("stop_sequences")),
+    )
+
+
+class AnthropicReply:
+    STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+    def __init__(self, req: Request, model: str, n_prompt: int):
+        self.req, self.n_prompt = req, n_prompt
+        # the stream's open block's type (or None) and its index (else the next one's)
+        self.open, self.index = None, 0
+        self.id, self.model = f"msg_{uuid.uuid4().hex[:24]}", req.model or model
+
+    def _message(self, content: list, stop_reason, output_tokens: int) -> dict:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.n_prompt, "output_tokens": output_tokens},
+        }
+
+    def body(self, answers) -> dict:
+        ((call, reply),) = answers
+        content = []
+        if reply.get("reasoning"):
+            content.append({"type": "thinking", "thinking": reply["reasoning"], "signature": ""})
+        if reply["content"] or not reply.get("tool_calls"):
+            content.append({"type": "text", "text": reply["content"]})
+        for tool_call in reply.get("tool_calls", []):
+            # arguments that are not a JSON object: no input
+            arguments = parse_arguments(tool_call["arguments"])
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": "toolu_" + tool_call["id"].removeprefix("call_"),
+                    "name": tool_call["name"],
+                    "input": arguments if isinstance(arguments, dict) else {},
+                }
+            )
+        return self._message(content, self.STOP[client_finish(call, reply)], len(call.response_ids))
+
+    def start(self) -> bytes:
+        return sse(
+            {"type": "message_start", "message": self._message([], None, 0)}, "message_start"
+        )
+
+    def _block_delta(self, delta: dict) -> bytes:
+        event = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return sse(event, "content_block_delta")
+
+    def _delta(self, kind: str, delta: str) -> bytes:
+        """``delta`` in the open block of this kind ("thinking" or "text"), closing the other and starting
+        this one first."""
+        block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+        out = b"" if self.open == kind else self._start(block)
+        return out + self._block_delta({"type": kind + "_delta", kind: delta})
+
+    def _start(self, block: dict) -> bytes:
+        out, self.open = self._close(), block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return out + sse(start, "content_block_start")
+
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        # a thinking block ends with its signature: none here (nothing to verify it against later)
+        signature = {"type": "signature_delta", "signature": ""}
+        out = self._block_delta(signature) if self.open == "thinking" else b""
+        self.open, self.index = None, self.index + 1
+        return out + sse(
+            {"type": "content_block_stop", "index": self.index - 1}, "content_block_stop"
+        )
+
+    def reasoning(self, delta: str) -> bytes:
+        return self._delta("thinking", delta)
+
+    def text(self, delta: str) -> bytes:
+        return self._delta("text", delta)
+
+    def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
+        message, out = self.body(answers), []
+        # from the first block not closed yet (the thinking closes once the text begins)
+        for block in message["content"][self.index :]:
+            kind = block["type"]
+            if kind in ("thinking", "text"):
+                unsent = rest(block[kind], sent_reasoning if kind == "thinking" else sent)
+                out.append(self._delta(kind, unsent) if unsent or self.open != kind else b"")
+            # a tool_use, sent whole: closed by the next block, or the end
+            else:
+                out.append(self._start({**block, "input": {}}))
+                arguments = json.dumps(block["input"])
+                out.append(
+                    self._block_delta({"type": "input_json_delta", "partial_json": arguments})
+                )
+        out.append(self._close())
+        stop = {"stop_reason": message["stop_reason"], "stop_sequence": None}
+        usage = {"output_tokens": message["usage"]["output_tokens"]}
+        out.append(sse({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta"))
+        out.append(sse({"type": "message_stop"}, "message_stop"))
+        return b"".join(out)
+
+    def error(self, message: str) -> bytes:
+        return sse(error_body("anthropic", message, "api_error"), "error")

@@ -1,0 +1,315 @@
+"""The OpenAI Responses API (``/v1/responses``, what Codex sends; README "Serving and recording"). Its hook: the
+line ``"/v1/responses"`` of proxy.ROUTES; a request becomes the same :class:`~chat.Request` as a chat
+completion's and takes the same path (``Proxy.converse``). ``previous_response_id`` names an earlier response of
+the same rollout: its conversation (input + output) is kept in the rollout's memo for this API."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+from ..apis import (
+    client_finish,
+    convert,
+    expect,
+    json_object,
+    response_format,
+    rest,
+    settings,
+    sse,
+    text_of,
+    tools_of,
+)
+from ..chat import ROLES, BadRequest, Request, parse_arguments
+
+
+def open_responses(body: Any, memo: dict, proxy):
+    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's length. The
+    writer keeps the answered conversation under its response id (``memo["responses"]``), for a request that
+    continues it."""
+    conversations = memo.setdefault("responses", {})
+
+    def previous(response_id: str) -> list[dict]:
+        if response_id not in conversations:
+            raise BadRequest(
+                f"previous_response_id {response_id[:80]!r} is not a response of this rollout",
+                "previous_response_id",
+                "invalid_value",
+                404,
+            )
+        return conversations[response_id]
+
+    req = parse_responses_request(body, previous, memo)
+    previous_id = body.get("previous_response_id")
+    return req, lambda n_prompt: ResponsesReply(
+        req, proxy.model_name, n_prompt, previous_id, conversations
+    )
+
+
+def _part_texts(parts: Any) -> str:
+    """The texts of a list of parts ({"type", "text"}), joined by newlines; anything else: ""."""
+    if not isinstance(parts, list):
+        return ""
+    return "\n".join(
+        p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+    )
+
+
+def _to_messages(item: Any, i: int) -> list[dict]:
+    """One input item -> a message, or a tool call (no "role": joined to its turn by the caller)."""
+    where = f"input[{i}]"
+    expect(isinstance(item, dict), f"'{where}' must be an object", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        roles = ("user", "assistant", "system", "developer")
+        expect(role in roles, f"unknown role {role!r} in {where}", where + ".role")
+        return [{"role": ROLES[role], "content": text_of(item.get("content"), where + ".content")}]
+    if kind == "function_call":
+        expect(
+            isinstance(item.get("name"), str), f"'{where}.name' must be a string", where + ".name"
+        )
+        arguments = parse_arguments(item.get("arguments", "{}"))
+        return [{"id": str(item.get("call_id", "")), "name": item["name"], "arguments": arguments}]
+    if kind == "function_call_output":
+        output = text_of(item.get("output"), where + ".output")
+        return [{"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": output}]
+    # its reasoning_text parts, else its summary; encrypted only: nothing to read
+    if kind == "reasoning":
+        text = _part_texts(item.get("content")) or _part_texts(item.get("summary"))
+        return [{"role": "assistant", "content": "", "reasoning": text}] if text else []
+    # item references and calls of tools the model cannot use: ignored
+    return []
+
+
+def parse_responses_request(
+    body: Any, previous: Callable[[str], list[dict]], memo: Optional[dict] = None
+) -> Request:
+    """Validate a /v1/responses body. ``previous(id)``: the conversation (input + output) of this
+    rollout's response."""
+    body = json_object(body)
+    history, previous_id = [], body.get("previous_response_id")
+    if previous_id is not None:
+        param = "previous_response_id"
+        expect(isinstance(previous_id, str), f"'{param}' must be a string", param)
+        history = list(previous(previous_id))
+    items = body.get("input", [])
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+    expect(isinstance(items, list), "'input' must be a string or a list of items", "input")
+    # one assistant turn: its reasoning, its message, its calls (new dicts: memo's are shared)
+    for m in convert(items, _to_messages, memo):
+        last = history[-1] if history and history[-1]["role"] == "assistant" else None
+        # a call joins the turn before it
+        if "role" not in m and last is not None:
+            history[-1] = {**last, "tool_calls": last.get("tool_calls", []) + [m]}
+        elif "role" not in m:
+            history.append({"role": "assistant", "content": "", "tool_calls": [m]})
+        # the message after a reasoning item
+        elif (
+            m["role"] == "assistant"
+            and last is not None
+            and last.keys() == {"role", "content", "reasoning"}
+            and not last["content"]
+        ):
+            reasoning = "\n".join(r for r in (last["reasoning"], m.get("reasoning")) if r)
+            history[-1] = {**m, "reasoning": reasoning}
+        else:
+            history.append(m)
+    expect(history, "'input' must not be empty", "input")
+    instructions = body.get("instructions")
+    instructions = (
+        [{"role": "system", "content": text_of(instructions, "instructions")}]
+        if instructions
+        else []
+    )
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    return Request(
+        messages=instructions + history,
+        **tools_of(body),
+        **response_format(text.get("format"), "text.format"),
+        **settings(body, body.get("max_output_tokens"), None),
+        n_instructions=len(instructions),
+    )
+
+
+class ResponsesReply:
+    def __init__(
+        self,
+        req: Request,
+        model: str,
+        n_prompt: int,
+        previous_id: Optional[str] = None,
+        conversations: Optional[dict] = None,
+    ):
+        """``conversations``: response id -> its conversation, where this one's is kept once answered."""
+        self.req, self.n_prompt, self.seq, self.model = req, n_prompt, 0, req.model or model
+        self.id, self.msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.created, self.previous_id = int(time.time()), previous_id
+        self.conversations = conversations
+        # the reasoning item, and its text streamed so far
+        self.rs_id, self.thought = f"rs_{uuid.uuid4().hex}", ""
+        # the open item ("reasoning", "message" or None), its output index (else the next one's)
+        self.open, self.index = None, 0
+
+    def _reasoning_item(self, text: str) -> dict:
+        return {
+            "type": "reasoning",
+            "id": self.rs_id,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
+
+    def _output(self, reply) -> list[dict]:
+        out = [self._reasoning_item(reply["reasoning"])] if reply.get("reasoning") else []
+        if reply["content"] or not reply.get("tool_calls"):
+            out.append(
+                {
+                    "type": "message",
+                    "id": self.msg_id,
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "output_text",
+                            "text": reply["content"],
+                            "annotations": [],
+                            "logprobs": [],
+                        }
+                    ],
+                }
+            )
+        out += [
+            {
+                "type": "function_call",
+                "id": "fc_" + tc["id"].removeprefix("call_"),
+                "call_id": tc["id"],
+                "name": tc["name"],
+                "arguments": tc["arguments"]
+                if isinstance(tc["arguments"], str)
+                else json.dumps(tc["arguments"]),
+                "status": "completed",
+            }
+            for tc in reply.get("tool_calls", [])
+        ]
+        return out
+
+    def _response(self, status: str, output: list, call=None) -> dict:
+        n_out = len(call.response_ids) if call else 0
+        s = self.req.sampling
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": None,
+            "previous_response_id": self.previous_id,
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [{"type": "function", **t} for t in self.req.tools],
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_output_tokens": s.max_tokens,
+            "store": True,
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "metadata": {},
+            "usage": {
+                "input_tokens": self.n_prompt,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": n_out,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.n_prompt + n_out,
+            },
+        }
+
+    def body(self, answers) -> dict:
+        ((call, reply),) = answers
+        if self.conversations is not None:
+            # for previous_response_id; a new request's instructions replace these
+            self.conversations[self.id] = self.req.messages[self.req.n_instructions :] + [reply]
+        status = "incomplete" if client_finish(call, reply) == "length" else "completed"
+        return self._response(status, self._output(reply), call)
+
+    def _event(self, kind: str, **fields) -> bytes:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
+
+    def _at(self, item_id: str) -> dict:
+        return dict(item_id=item_id, output_index=self.index, content_index=0)
+
+    def start(self) -> bytes:
+        response = self._response("in_progress", [])
+        created = self._event("response.created", response=response)
+        return created + self._event("response.in_progress", response=response)
+
+    def _begin(self, kind: str, item: dict, part: dict) -> bytes:
+        """Unless an item of this kind is open: end the reasoning if open, then add the item and its part."""
+        if self.open == kind:
+            return b""
+        out = self._done(self._reasoning_item(self.thought)) if self.open == "reasoning" else b""
+        self.open = kind
+        out += self._event("response.output_item.added", output_index=self.index, item=item)
+        return out + self._event("response.content_part.added", **self._at(item["id"]), part=part)
+
+    def reasoning(self, delta: str) -> bytes:
+        item = {"type": "reasoning", "id": self.rs_id, "summary": [], "content": []}
+        out = self._begin("reasoning", item, {"type": "reasoning_text", "text": ""})
+        self.thought += delta
+        return out + self._event(
+            "response.reasoning_text.delta", **self._at(self.rs_id), delta=delta
+        )
+
+    def text(self, delta: str) -> bytes:
+        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant"}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        out = self._begin("message", {**item, "content": []}, part)
+        at = self._at(self.msg_id)
+        return out + self._event("response.output_text.delta", **at, delta=delta, logprobs=[])
+
+    def _done(self, item: dict) -> bytes:
+        """The events that end the open item (the reasoning or the message): its text, its content part,
+        itself."""
+        part, at = item["content"][0], self._at(item["id"])
+        logprobs = {"logprobs": []} if item["type"] == "message" else {}
+        out = self._event(f"response.{part['type']}.done", **at, text=part["text"], **logprobs)
+        out += self._event("response.content_part.done", **at, part=part)
+        self.open, self.index = None, self.index + 1
+        return out + self._event(
+            "response.output_item.done", output_index=self.index - 1, item=item
+        )
+
+    def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
+        response, out = self.body(answers), []
+        # from the first item not ended yet (the reasoning ends once the text begins)
+        for i, item in enumerate(response["output"][self.index :], self.index):
+            if item["type"] == "function_call":
+                at, arguments = dict(item_id=item["id"], output_index=i), item["arguments"]
+                added = {**item, "arguments": "", "status": "in_progress"}
+                out.append(self._event("response.output_item.added", output_index=i, item=added))
+                out.append(
+                    self._event("response.function_call_arguments.delta", **at, delta=arguments)
+                )
+                out.append(
+                    self._event("response.function_call_arguments.done", **at, arguments=arguments)
+                )
+                out.append(self._event("response.output_item.done", output_index=i, item=item))
+            # the reasoning or the message: what was not streamed yet, then its end
+            else:
+                reasoning = item["type"] == "reasoning"
+                send, done = (self.reasoning, sent_reasoning) if reasoning else (self.text, sent)
+                unsent = rest(item["content"][0]["text"], done)
+                out.append(send(unsent) if unsent or self.open != item["type"] else b"")
+                out.append(self._done(item))
+        out.append(self._event(f"response.{response['status']}", response=response))
+        return b"".join(out)
+
+    def error(self, message: str) -> bytes:
+        return self._event("error", code="server_error", message=message, param=None)

@@ -113,30 +113,11 @@ class RunDir:
 
 # ---------------------------------------------------------------------- a step's numbers
 # the metrics row's counts (summed over ranks) and what the loss reports (algo.policy_loss)
-COUNTED = (
-    "rollouts",
-    "failed",
-    "flagged",
-    "calls",
-    "samples",
-    "trainable_tokens",
-    "truncated",
-    "dropped",
-)
+COUNTED = "rollouts failed flagged calls samples trainable_tokens truncated dropped".split()
 LOSS_METRICS = (
-    "fwd_tokens",
-    "constrained_tokens",
-    "forced_tokens",
-    "loss",
-    "clip_frac",
-    "ratio_mean",
-    "ratio_min",
-    "ratio_max",
-    "prob_corr",
-    "dlogp_mean",
-    "dlogp_max",
-    "ratio_out_frac",
-)
+    "fwd_tokens constrained_tokens forced_tokens loss clip_frac ratio_mean ratio_min ratio_max "
+    "prob_corr dlogp_mean dlogp_max ratio_out_frac"
+).split()
 
 
 def per(a, b):

@@ -369,6 +369,37 @@ def save(step):
 
 
 # ----------------------------------------------------------------------------- the loop
+def log_step(row, step):
+    """The step's line (README: reading a log line); '-' is not measured."""
+    show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)
+    log(
+        f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | "
+        f"fail {row['failed']} | samples {row['samples']} tok {row['trainable_tokens']} "
+        f"fwd {show('fwd_tokens', 'd')} merge {show('merge_ratio', '.2f')}x | "
+        f"loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
+        f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({show('gen_tok_s', '.0f')} tok/s) "
+        f"train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) sync {row['t_sync']:.2f}s"
+        + (
+            f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}"
+            if worker
+            else ""
+        )
+        + (f" | {row['calls']} recorded calls, {step} updates stale" if recorded else "")
+        + tasks.by_harness(row, "reward")
+    )
+
+
+def make_room_for_training():
+    """No generation while the weights change (--async: the backend serves its own copy), and vLLM
+    servers on the training GPUs free their memory (--vllm-sleep). Returns the seconds it took."""
+    t0 = time.time()
+    if not worker:
+        backend.pause()
+    if args.backend == "vllm" and args.vllm_sleep and master:
+        backend.sleep()
+    return time.time() - t0
+
+
 def eval_due(k):
     return k in (0, args.steps) or (args.eval_every > 0 and k % args.eval_every == 0)
 
@@ -424,14 +455,9 @@ try:
             log(
                 f"step {step + 1}: {int(n['dropped'])} samples dropped, first turn > --max-seq-len {args.max_seq_len}"
             )
-        # 4-6. loss and backward, optimizer step; no generation meanwhile (--async: the backend
-        # serves its own copy), and vLLM servers on the training GPUs free their memory (--vllm-sleep)
+        # 4-6. loss and backward, optimizer step
+        t_sleep = make_room_for_training()
         t0 = time.time()
-        if not worker:
-            backend.pause()
-        if args.backend == "vllm" and args.vllm_sleep and master:
-            backend.sleep()
-        t0, t_sleep = time.time(), time.time() - t0
         has_signal = n["signal"] > 0 or (n["samples"] > 0 and args.kl_coef > 0)
         m, gnorm, skipped = learner.update(samples, step, has_signal)
         t_train = time.time() - t0
@@ -467,23 +493,8 @@ try:
         row.update(t_sync=round(time.time() - t0, 3), t_step=round(time.time() - t_step, 2))
         if cuda:
             row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        # 8. log: one line per step (README: reading a log line)
-        show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)
-        log(
-            f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | "
-            f"fail {row['failed']} | samples {row['samples']} tok {row['trainable_tokens']} "
-            f"fwd {show('fwd_tokens', 'd')} merge {show('merge_ratio', '.2f')}x | "
-            f"loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
-            f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({show('gen_tok_s', '.0f')} tok/s) "
-            f"train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) sync {row['t_sync']:.2f}s"
-            + (
-                f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}"
-                if worker
-                else ""
-            )
-            + (f" | {row['calls']} recorded calls, {step} updates stale" if recorded else "")
-            + tasks.by_harness(row, "reward")
-        )
+        # 8. log: one line a step (README: reading a log line), one metrics row
+        log_step(row, step)
         run.append_metrics(row, metrics)
         unlogged = None
         if eval_due(step + 1):

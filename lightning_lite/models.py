@@ -1,7 +1,5 @@
-"""Load the policy model and its tokenizer (an embedded model by name: extras/embedded.py).
-
-    python -m lightning_lite.models --prepare     # convert the embedded model once (make venv does it)
-"""
+"""Load the policy model and its tokenizer (an embedded model by name: extras/embedded.py;
+``python -m lightning_lite.models --prepare`` converts it once, as make venv does)."""
 
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ def setup(harnesses, kind: str, image: Optional[str], out_dir: str, log) -> dict
     ``log`` where it runs; exit with the reason when ``kind`` does not work here. Returns {harness name: the
     sandbox its rollouts run in}, e.g. ``{"calc": "none", "swe": "bwrap"}``: a Python harness runs in this
     process (its tools are its own code: no program to sandbox)."""
-    from lightning_lite.harness import SubprocessHarness
+    from lightning_lite.extras.programs import SubprocessHarness
 
     for harness in harnesses:
         if isinstance(harness, SubprocessHarness) and harness.sandbox is None:

@@ -243,7 +243,9 @@ class Renderer:
         self.turn_close = self._probe_turn_close()
         call_text = self._probe_native_call()
         self.format = self._choose_format(call_text, tool_format)
-        self.merge_roles = self._probe_merge_roles()
+        # Must two user (or system) messages in a row be merged? The Hermes fallback writes tool results as user
+        # turns, clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them.
+        self.merge_roles = self._rendered(PROBE_USER + PROBE_USER, [], True) is None
         self.per_message = self._probe_per_message()
 
     def _probe_turn_close(self) -> str:
@@ -265,10 +267,9 @@ class Renderer:
         self.native_tools = True
         for short_ids in (False, True):
             self.short_ids = short_ids
-            try:
-                head = self.render_text(PROBE_USER, [PROBE_TOOL], True)
-                full = self.render_text(self._probe_calls(), [PROBE_TOOL], False)
-            except BadRequest:
+            head = self._rendered(PROBE_USER, [PROBE_TOOL], True)
+            full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
+            if head is None or full is None:
                 continue
             # DeepSeek-R1: the generation prompt opens <think>, which history turns do not have
             if self.think and head.rstrip().endswith(self.think[0]) and not full.startswith(head):
@@ -292,14 +293,12 @@ class Renderer:
         toolcalls.format_of(fmt)
         return fmt
 
-    def _probe_merge_roles(self) -> bool:
-        """Must two user (or system) messages in a row be merged? The Hermes fallback writes tool results as user
-        turns, clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them."""
+    def _rendered(self, messages, tools, add_generation_prompt) -> Optional[str]:
+        """The template's text for a probe, None where the template refuses it."""
         try:
-            self.render_text(PROBE_USER + PROBE_USER, [], True)
-            return False
+            return self.render_text(messages, tools, add_generation_prompt)
         except BadRequest:
-            return True
+            return None
 
     def _probe_per_message(self) -> bool:
         """Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the

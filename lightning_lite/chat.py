@@ -175,36 +175,30 @@ def fingerprints(messages: list[dict], tools: list[dict], known: Optional[Turn] 
 
 class Turn:
     """What a session remembers of one answered call (DESIGN.md "The ids decide"): the reply, the ids its prompt
-    adds to its ``parent``'s prompt + response (``tail``: each id held once), its response ids, the forced opening
-    (tool_choice), ``fp_request`` (what a retry starts with) and ``fp`` (with the reply: what an extension starts
-    with). Only the latest turn keeps ``messages``, ``tools``, ``fps``: a new turn in ``history`` drops them."""
+    adds to its ``parent`` turn's prompt + response (``tail``: each id held once), its response ids, the forced
+    opening (tool_choice), ``fp_request`` (what a retry starts with) and ``fp`` (with the reply: what an extension
+    starts with). Only the latest turn keeps ``messages``, ``tools``, ``fps``: the caller drops them from the turn
+    before when it adds one (fingerprints() reuses only the latest turn's, so memory stays linear)."""
 
     def __init__(
         self,
-        index: int,
-        messages: list[dict],
-        tools: list[dict],
-        reply: dict,
-        prompt_ids: list[int],
-        response_ids: list[int],
-        fps: Optional[list[bytes]] = None,
-        forced: str = "",
-        history: Optional[list["Turn"]] = None,
-        parent: Optional[int] = None,
+        index,
+        messages,
+        tools,
+        reply,
+        prompt_ids,
+        response_ids,
+        fps=None,
+        forced="",
+        parent=None,
     ):
-        """``parent``: the index of the turn in ``history`` whose prompt + response ``prompt_ids`` starts with."""
         self.index, self.reply, self.response_ids, self.forced = index, reply, response_ids, forced
         self.messages, self.tools, self.fps = messages, tools, fps or fingerprints(messages, tools)
         self.fp_request = self.fps[-1]
         self.fp = extend_fingerprint(self.fp_request, reply)
-        self.parent = None
-        if parent is not None:
-            self.parent = next(t for t in reversed(history) if t.index == parent)
-        self.tail = prompt_ids[self.parent.size :] if self.parent else prompt_ids
+        self.parent = parent
+        self.tail = prompt_ids[parent.size :] if parent else prompt_ids
         self.size = len(prompt_ids) + len(response_ids)
-        # The turn before forgets its request: fingerprints() reuses only the latest turn's (memory stays linear).
-        if history:
-            history[-1].messages = history[-1].tools = history[-1].fps = None
 
     def tokens(self) -> list[int]:
         """Prompt + response ids, root first: what a call extending this turn starts with (a loop: chains are long)."""
@@ -249,7 +243,9 @@ class Renderer:
         self.turn_close = self._probe_turn_close()
         call_text = self._probe_native_call()
         self.format = self._choose_format(call_text, tool_format)
-        self.merge_roles = self._probe_merge_roles()
+        # Must two user (or system) messages in a row be merged? The Hermes fallback writes tool results as user
+        # turns, clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them.
+        self.merge_roles = self._rendered(PROBE_USER + PROBE_USER, [], True) is None
         self.per_message = self._probe_per_message()
 
     def _probe_turn_close(self) -> str:
@@ -271,10 +267,9 @@ class Renderer:
         self.native_tools = True
         for short_ids in (False, True):
             self.short_ids = short_ids
-            try:
-                head = self.render_text(PROBE_USER, [PROBE_TOOL], True)
-                full = self.render_text(self._probe_calls(), [PROBE_TOOL], False)
-            except BadRequest:
+            head = self._rendered(PROBE_USER, [PROBE_TOOL], True)
+            full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
+            if head is None or full is None:
                 continue
             # DeepSeek-R1: the generation prompt opens <think>, which history turns do not have
             if self.think and head.rstrip().endswith(self.think[0]) and not full.startswith(head):
@@ -298,14 +293,12 @@ class Renderer:
         toolcalls.format_of(fmt)
         return fmt
 
-    def _probe_merge_roles(self) -> bool:
-        """Must two user (or system) messages in a row be merged? The Hermes fallback writes tool results as user
-        turns, clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them."""
+    def _rendered(self, messages, tools, add_generation_prompt) -> Optional[str]:
+        """The template's text for a probe, None where the template refuses it."""
         try:
-            self.render_text(PROBE_USER + PROBE_USER, [], True)
-            return False
+            return self.render_text(messages, tools, add_generation_prompt)
         except BadRequest:
-            return True
+            return None
 
     def _probe_per_message(self) -> bool:
         """Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the
@@ -351,7 +344,7 @@ class Renderer:
 
     def new_id(self) -> str:
         """A tool-call id for a parsed call, in the shape the template accepts."""
-        return _short_id(uuid.uuid4().hex) if self.short_ids else "call_" + uuid.uuid4().hex[:24]
+        return self._id("call_" + uuid.uuid4().hex[:24])
 
     def _id(self, i: str) -> str:
         return _short_id(i) if self.short_ids else i
@@ -509,9 +502,8 @@ class Renderer:
 
     def forced_prefix(self, force_tool: Optional[str], opened=False, json_reply=False) -> str:
         """The text the prompt ends with for a forced call, or for a reply that is JSON (``json_reply``), else ""."""
-        if force_tool is None and not json_reply:
-            return ""
-        return toolcalls.forced(self.format, force_tool, opened, self.think)
+        forced = force_tool is not None or json_reply
+        return toolcalls.forced(self.format, force_tool, opened, self.think) if forced else ""
 
     def sampled_text(self, response_ids: list[int], stops: list[str]) -> str:
         """The reply as the parser reads it: special tokens kept (Mistral's [TOOL_CALLS], Llama's <|python_tag|>,

@@ -299,9 +299,11 @@ class Proxy:
             call.response_ids,
             fps=exchange.fps,
             forced=exchange.forced,
-            history=session.turns,
-            parent=exchange.parent,
+            parent=next((t for t in reversed(session.turns) if t.index == exchange.parent), None),
         )
+        # the turn before forgets its request: fingerprints() reuses only the latest turn's
+        if session.turns:
+            session.turns[-1].messages = session.turns[-1].tools = session.turns[-1].fps = None
         session.turns.append(turn)
         return call, reply
 

@@ -218,7 +218,10 @@ def test_a_sessions_turns_hold_each_id_once_and_the_messages_of_the_latest_turn_
             {"role": "assistant", "content": f"a{i}"},
             r.encode(f"a{i}") + [tok.eos_token_id],
         )
-        turns.append(Turn(i, msgs, [], reply, ids, resp, fps, "", turns, parent))
+        # as proxy.answer does: the turn before forgets its request, the new one links its parent turn
+        if turns:
+            turns[-1].messages = turns[-1].tools = turns[-1].fps = None
+        turns.append(Turn(i, msgs, [], reply, ids, resp, fps, "", turns[parent] if i else None))
         seen.append(ids + resp)
         msgs = msgs + [reply, {"role": "user", "content": f"q{i + 1}"}]
     assert sum(len(t.tail) + len(t.response_ids) for t in turns) == len(seen[-1])
@@ -233,7 +236,8 @@ def test_a_sessions_turns_hold_each_id_once_and_the_messages_of_the_latest_turn_
     fps = fingerprints(again, [], turns[-1])
     ids, parent, _ = r.build_prompt(again, [], turns, True, fps)
     reply = {"role": "assistant", "content": "b"}
-    turns.append(Turn(50, again, [], reply, ids, [tok.eos_token_id], fps, "", turns, parent))
+    turns[-1].messages = turns[-1].tools = turns[-1].fps = None
+    turns.append(Turn(50, again, [], reply, ids, [tok.eos_token_id], fps, "", turns[parent]))
     assert (
         parent == 48
         and turns[-1].parent is turns[48]

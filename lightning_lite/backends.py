@@ -68,13 +68,11 @@ def sample_token(
         x = x / s.temperature
         if s.top_k > 0 or s.top_p < 1.0:
             top_k, top_p = torch.tensor([s.top_k], device=x.device), x.new_tensor([s.top_p])
-            keep = sampling_support(x[None], top_k, top_p)[0]
-            x = x.masked_fill(~keep, float("-inf"))
+            x = x.masked_fill(~sampling_support(x[None], top_k, top_p)[0], float("-inf"))
     logprobs = torch.log_softmax(x, -1)
-    if s.temperature > 0:
-        token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
-    else:
-        token = int(torch.argmax(logprobs))
+    if s.temperature <= 0:
+        return int(logprobs.argmax()), float(logprobs.max())
+    token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
     return token, float(logprobs[token])
 
 
@@ -112,6 +110,10 @@ def served_state_dict(model) -> dict:
     return model if isinstance(model, dict) else getattr(model, "module", model).state_dict()
 
 
+# each layer's (keys, values), [1, H_kv, n, D] each: the KV cache of n tokens
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 @torch.no_grad()
 def copy_weights(model, dst):
     """Load ``model``'s weights (a module or a state dict) into ``dst``, a plain copy of it. FSDP's shards
@@ -130,10 +132,10 @@ class _Request:
     sampling: Sampling
     # of the caller's event loop
     future: asyncio.Future
-    generator: Optional[torch.Generator]
     # called on the request's event loop with each sampled id
     on_token: Optional[Callable[[int], None]]
-    # sampling.grammar's state
+    # sampling.seed's generator; sampling.grammar's state
+    generator: Optional[torch.Generator] = None
     matcher: Optional[grammar.Matcher] = None
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -160,21 +162,14 @@ class HFBackend(PauseGate):
             model.set_attn_implementation("grouped_sdpa")
         default_len = getattr(model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or default_len)
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.prefix_cache_tokens = max_batch_size, prefix_cache_tokens
         self.eos_ids = eos_ids(tokenizer, model.generation_config)
         self.version = 0
-        self.stats = Counter(
-            requests=0,
-            prompt_tokens=0,
-            cached_tokens=0,
-            generated_tokens=0,
-            cancelled=0,
-            batches=0,
-            busy_s=0.0,
-        )
-        self.prefix_cache_tokens = prefix_cache_tokens
-        # (token ids, their KV per layer), the least recently used first
-        self._prefix: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        # served since the start (GET /status); busy_s: seconds spent decoding
+        counts = "requests prompt_tokens cached_tokens generated_tokens cancelled batches".split()
+        self.stats = Counter(dict.fromkeys(counts, 0), busy_s=0.0)
+        # (token ids, their KV), the least recently used first
+        self._prefix: list[tuple[list[int], KV]] = []
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
         self.paused = self._inflight = self._closed = False
@@ -194,15 +189,13 @@ class HFBackend(PauseGate):
         (streaming). ``rollout_id``: unused here (vLLM routes by it)."""
         max_tokens = max_reply_tokens(prompt_ids, sampling, self.max_model_len)
         sampling = replace(sampling, max_tokens=max_tokens)
-        generator = None
+        future = asyncio.get_running_loop().create_future()
+        request = _Request(list(prompt_ids), sampling, future, on_token)
         if sampling.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(sampling.seed)
-        matcher = None
+            request.generator = torch.Generator(self.device).manual_seed(sampling.seed)
         if sampling.grammar:
             vocab_size = self.model.config.vocab_size
-            matcher = grammar.Matcher(sampling.grammar, self.tokenizer, vocab_size)
-        future = asyncio.get_running_loop().create_future()
-        request = _Request(list(prompt_ids), sampling, future, generator, on_token, matcher)
+            request.matcher = grammar.Matcher(sampling.grammar, self.tokenizer, vocab_size)
         with self._cond:
             if self._closed:
                 raise RuntimeError("backend is closed")
@@ -236,8 +229,7 @@ class HFBackend(PauseGate):
     def _worker(self):
         while True:
             with self._cond:
-                while not self._closed and (self.paused or not self._pending):
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._closed or (not self.paused and self._pending))
                 if self._closed:
                     for request in self._pending:
                         _answer(request.future, RuntimeError("backend closed"))
@@ -265,14 +257,12 @@ class HFBackend(PauseGate):
         while True:
             new = self._take(self.max_batch_size - len(batch.rows))
             try:
-                self.stats["requests"] += len(new)
                 # prefill each on its own (after a cached prefix), then join the batch
                 for request in new:
                     batch.add(request, *self._prefill(request))
                 if not batch.rows:
                     return
-                rows = range(len(batch.rows))
-                keep = [j for j in rows if not self._sample_next(batch, j, version)]
+                keep = [j for j in range(len(batch.rows)) if self._sample_next(batch, j, version)]
                 if len(keep) < len(batch.rows):
                     batch.keep(keep)
                 if batch.rows:
@@ -292,6 +282,7 @@ class HFBackend(PauseGate):
             live = [r for r in self._pending if not r.future.cancelled()]
             self.stats["cancelled"] += len(self._pending) - len(live)
             new, self._pending = live[:room], live[room:]
+            self.stats["requests"] += len(new)
             return new
 
     def _prefill(self, request: _Request) -> tuple[DynamicCache, torch.Tensor]:
@@ -303,12 +294,11 @@ class HFBackend(PauseGate):
         out = self.model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.stats.update(prompt_tokens=len(request.prompt_ids), cached_tokens=hit)
         # Requests that arrive together often share a prompt (a GRPO group): the next one reuses this one.
-        layers = out.past_key_values.layers
-        self._store(list(request.prompt_ids), [(layer.keys, layer.values) for layer in layers])
-        return out.past_key_values, out.logits[0, -1]
+        self._store(request.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
+        return cache, out.logits[0, -1]
 
     def _sample_next(self, batch: _Batch, j: int, version: int) -> bool:
-        """Sample row j's next token; True when its request is over (answered, or its client gone)."""
+        """Sample row j's next token; False when its request is over (answered, or its client gone)."""
         request = batch.rows[j]
         allowed = request.matcher.allowed().to(self.device) if request.matcher else None
         token, logprob = sample_token(batch.last[j], request.sampling, request.generator, allowed)
@@ -322,23 +312,19 @@ class HFBackend(PauseGate):
         # the client went away (the proxy cancels its call): stop generating
         if request.future.cancelled():
             self.stats["cancelled"] += 1
-            return True
+            return False
         done = self._finish(request, token)
         if done:
             # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
             self._store(request.prompt_ids + request.response_ids[:-1], batch.row_cache(j))
-            _answer(
-                request.future, Generation(request.response_ids, request.logprobs, *done, version)
-            )
-        return done is not None
+            generation = Generation(request.response_ids, request.logprobs, *done, version)
+            _answer(request.future, generation)
+        return done is None
 
     def _finish(self, request: _Request, token: int) -> Optional[tuple[str, str]]:
         """(finish_reason, text) when ``request``, which just sampled ``token``, is done; else None."""
-        reason = None
-        if token in self.eos_ids:
-            reason = "stop"
-        elif len(request.response_ids) >= request.sampling.max_tokens:
-            reason = "length"
+        full = len(request.response_ids) >= request.sampling.max_tokens
+        reason = "stop" if token in self.eos_ids else "length" if full else None
         # no stop string to look for: no need to decode
         if not (reason or request.sampling.stop):
             return None
@@ -350,19 +336,18 @@ class HFBackend(PauseGate):
 
     # ------------------------------------------------------------------ the prefix cache
 
-    def _lookup(self, ids: list[int]) -> tuple[int, Optional[list]]:
+    def _lookup(self, ids: list[int]) -> tuple[int, Optional[KV]]:
         """Longest cached prefix of ``ids``, of 8 tokens or more (leaving at least one token to prefill):
         its length and its KV, each layer's keys and values [1, H_kv, n, D]."""
         common = [len(os.path.commonprefix([tokens, ids[:-1]])) for tokens, _ in self._prefix]
         n = max(common, default=0)
         if n < 8:
             return 0, None
-        entry = self._prefix.pop(common.index(n))
-        # now the most recently used
-        self._prefix.append(entry)
+        # to the end: now the most recently used
+        self._prefix.append(entry := self._prefix.pop(common.index(n)))
         return n, [(keys[:, :, :n], values[:, :, :n]) for keys, values in entry[1]]
 
-    def _store(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    def _store(self, ids: list[int], kv: KV):
         """Remember the KV of ``ids``; entries that are a prefix of it become redundant and leave."""
         if len(ids) > self.prefix_cache_tokens:
             return
@@ -375,45 +360,36 @@ class HFBackend(PauseGate):
 
 class _Batch:
     """The requests decoding together, their KV caches left-padded to one length T so that every row's
-    next token goes into the same column: each layer's keys and values are [B, H_kv, T, D]. ``mask``
-    [B, T] hides the padding: row j's own cache is its last ``mask[j].sum()`` columns, which is also the
-    position of its next token. ``last`` [B, V]: each row's latest logits."""
+    next token goes into the same column: each layer's keys and values are [B, H_kv, T, D]. Row j's own
+    cache is its last ``lengths[j]`` columns, and ``lengths[j]`` is also the position of its next token.
+    ``last`` [B, V]: each row's latest logits."""
 
     def __init__(self, device):
         self.device = device
-        self.rows: list[_Request] = []
-        self.cache = self.mask = self.last = None
+        self.rows, self.lengths = [], []
+        self.cache = self.last = None
 
     def add(self, request: _Request, cache: DynamicCache, logits: torch.Tensor):
         """Join a prefilled request: its own cache [1, H_kv, n, D] and the logits after its prompt [V]."""
-        n = cache.get_seq_length()
         self.rows.append(request)
+        self.lengths.append(cache.get_seq_length())
         if len(self.rows) == 1:
             # appends in place (see _RoomyLayer)
             for layer in cache.layers:
                 layer.__class__ = _RoomyLayer
             self.cache, self.last = cache, logits[None]
-            self.mask = logits.new_ones((1, n), dtype=torch.long)
             return
-        # left-pad the batch or the newcomer to the longer of the two: T columns
-        T = max(self.mask.shape[1], n)
-        pad_batch, pad_new = T - self.mask.shape[1], T - n
-        for layers, pad in ((self.cache.layers, pad_batch), (cache.layers, pad_new)):
-            for layer in layers if pad > 0 else []:
-                layer.keys = F.pad(layer.keys, (0, 0, pad, 0))
-                layer.values = F.pad(layer.values, (0, 0, pad, 0))
+        # left-pad the batch or the newcomer to the longer of the two, T columns:
         # [B, H_kv, T, D] + [1, H_kv, T, D] -> [B + 1, H_kv, T, D]
+        T = max(self.cache.get_seq_length(), self.lengths[-1])
         for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([mine.keys, theirs.keys])
-            mine.values = torch.cat([mine.values, theirs.values])
-        # [1, T]: 0 on the newcomer's padding
-        new_row = (torch.arange(T, device=self.device) >= pad_new).long()[None]
-        self.mask = torch.cat([F.pad(self.mask, (pad_batch, 0)), new_row])
+            mine.keys = torch.cat([_left_pad(mine.keys, T), _left_pad(theirs.keys, T)])
+            mine.values = torch.cat([_left_pad(mine.values, T), _left_pad(theirs.values, T)])
         self.last = torch.cat([self.last, logits[None]])
 
-    def row_cache(self, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Row j's own KV [1, H_kv, n, D] per layer (without padding), copied out of the batch."""
-        start = self.mask.shape[1] - int(self.mask[j].sum())
+    def row_cache(self, j: int) -> KV:
+        """Row j's own KV (without padding), copied out of the batch."""
+        start = self.cache.get_seq_length() - self.lengths[j]
         return [
             (layer.keys[j : j + 1, :, start:].clone(), layer.values[j : j + 1, :, start:].clone())
             for layer in self.cache.layers
@@ -421,35 +397,39 @@ class _Batch:
 
     def keep(self, keep: list[int]):
         """Keep only rows ``keep``, then drop the columns that are padding for every row left."""
-        self.rows = [self.rows[j] for j in keep]
+        self.rows, self.lengths = [self.rows[j] for j in keep], [self.lengths[j] for j in keep]
         # the batch is over (add() starts a new one)
         if not self.rows:
             return
         index = torch.tensor(keep, device=self.device)
         self.cache.batch_select_indices(index)
-        self.mask, self.last = self.mask[index], self.last[index]
-        trim = self.mask.shape[1] - int(self.mask.sum(1).max())
-        if trim > 0:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
-            self.mask = self.mask[:, trim:]
+        self.last = self.last[index]
+        trim = self.cache.get_seq_length() - max(self.lengths)
+        for layer in self.cache.layers if trim > 0 else []:
+            layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
 
     def step(self, model):
         """Feed each row its latest sampled token; the logits for the next one land in ``last``."""
         # [B, 1] each: the token, its position (the row's own length)
-        tokens = torch.tensor([r.response_ids[-1] for r in self.rows], device=self.device)[:, None]
-        positions = self.mask.sum(1, keepdim=True)
-        # [B, T + 1]
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], 1)
-        out = model(
+        tokens = torch.tensor([[r.response_ids[-1]] for r in self.rows], device=self.device)
+        positions = torch.tensor(self.lengths, device=self.device)[:, None]
+        self.lengths = [n + 1 for n in self.lengths]
+        # [B, T + 1]: 1 on each row's own columns, the last ``lengths[j]``
+        T = self.cache.get_seq_length() + 1
+        mask = (torch.arange(T, device=self.device) >= T - 1 - positions).long()
+        # [B, V]
+        self.last = model(
             input_ids=tokens,
-            attention_mask=self.mask,
+            attention_mask=mask,
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-        )
-        # [B, V]
-        self.last = out.logits[:, -1]
+        ).logits[:, -1]
+
+
+def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, H_kv, n, D] -> [B, H_kv, T, D], zeros in the first T - n columns (the mask hides them)."""
+    return F.pad(x, (0, 0, T - x.shape[2], 0)) if x.shape[2] < T else x
 
 
 # ---------------------------------------------------------------------------- decoding at agent-length contexts
@@ -468,38 +448,26 @@ class _RoomyLayer(DynamicLayer):
         # [B, H_kv, n, D] cached, [B, H_kv, m, D] new
         n, m = self.keys.shape[-2], key_states.shape[-2]
         buf = getattr(self, "_buf", None)
-        if (
-            buf is None
-            or buf[0].data_ptr() != self.keys.data_ptr()
-            or buf[0].shape[:2] != self.keys.shape[:2]
-            or buf[0].shape[2] < n + m
-        ):
-            buf = tuple(
-                t.new_empty(t.shape[0], t.shape[1], n + m + 256, t.shape[3])
-                for t in (self.keys, self.values)
-            )
-            buf[0][:, :, :n], buf[1][:, :, :n] = self.keys, self.values
-            self._buf = buf
+        # the first update, no room left, or .keys replaced (a new tensor: padded, trimmed, rows selected)
+        if buf is None or buf[0].shape[2] < n + m or buf[0].data_ptr() != self.keys.data_ptr():
+            # a copy with room for m + 256 more columns
+            self._buf = buf = tuple(F.pad(t, (0, 0, 0, m + 256)) for t in (self.keys, self.values))
         buf[0][:, :, n : n + m], buf[1][:, :, n : n + m] = key_states, value_states
         self.keys, self.values = buf[0][:, :, : n + m], buf[1][:, :, : n + m]
         return self.keys, self.values
 
 
-def _grouped_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
     """transformers' SDPA, except that a decode step (one query token per row) reads each KV head once:
     the query heads that share a KV head are laid out as that head's query positions (all rows' positions
     see the same keys under the same mask), which is exactly attention with repeated KV heads."""
     n_rep = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or n_rep == 1:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, **kwargs
-        )
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
     # query [B, H, 1, D] -> [B, H_kv, n_rep, D]; key and value [B, H_kv, T, D]
     B, H, _, D = query.shape
     grouped = query.reshape(B, H // n_rep, n_rep, D)
-    out = F.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=attention_mask, scale=scaling
-    )
+    out = F.scaled_dot_product_attention(grouped, key, value, mask, scale=scaling)
     # -> [B, 1, H, D], as transformers' attention returns it
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
 

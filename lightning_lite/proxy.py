@@ -2,17 +2,13 @@
 records: README "Serving and recording"). One call, in :meth:`Proxy.converse`: the request is parsed (apis.py;
 bad input: a 4xx in the API's format) -> its prompt ids built, reusing the tokens an earlier call of the rollout
 sampled (chat.Renderer) -> its response ids + logprobs generated (streamed as server-sent events as the tokens
-are sampled, when asked) -> its :class:`Call` appended to ``calls.jsonl`` -> the reply sent.
-
-The routes are the table ``ROUTES``: chat completions is the core's; Anthropic Messages, the Responses API and
-/v1/completions are one line each, served by ``extras/``. The trainer drives the proxy in-process
-(``ProxyServer``); ``python proxy.py`` serves it on its own.
+are sampled, when asked) -> its :class:`Call` appended to ``calls.jsonl`` -> the reply sent. The routes are the
+table ``ROUTES``; the trainer drives the proxy in-process (``ProxyServer``), ``python proxy.py`` on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import hmac
 import json
@@ -23,7 +19,7 @@ import re
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -51,8 +47,7 @@ class CallsFile:
 
 @dataclass
 class Session:
-    """What the proxy keeps of one rollout until the trainer's :meth:`Proxy.reset`. A call in flight holds its
-    session and is recorded with it, also after a reset."""
+    """What the proxy keeps of one rollout until :meth:`Proxy.reset` (a call in flight keeps its session)."""
 
     # its answered calls, for token reuse (chat.Renderer.build_prompt)
     turns: list[Turn] = field(default_factory=list)
@@ -130,9 +125,8 @@ class Proxy:
         keep_history_tokens: bool = False,
         rollout_tokens: bool = False,
     ):
-        """Options as proxy.py's flags of the same names (``pause_retry_after``: train.py's); see their help.
-        ``rollout_tokens`` (train.py): only rollouts opened with :meth:`open_rollout` are served, each under its
-        token, and rewards only with the harness's key (extras/isolation.py)."""
+        """Options as proxy.py's flags of the same names, see their help; train.py's: ``pause_retry_after``,
+        ``rollout_tokens`` (each rollout served under a token of its own: extras/isolation.py)."""
         self.backend, self.tok, self.model_name = backend, tokenizer, model_name
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
         self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
@@ -158,12 +152,11 @@ class Proxy:
         """Append calls to ``path`` from now on (train.py switches files every step). A session's calls, also one
         in flight after the switch, go to the file current when it began; in a file with calls they number on."""
         with self._lock:
-            old = self._out
             for session in self.sessions.values():
-                session.out = session.out or old
+                session.out = session.out or self._out
             # each call was written (closed) as recorded; a crashed machine loses none of them now
-            if old.path:
-                with open(old.path, "a") as f:
+            if self._out.path:
+                with open(self._out.path, "a") as f:
                     os.fsync(f.fileno())
             self._out = CallsFile(path)
             if path:
@@ -190,7 +183,6 @@ class Proxy:
         return self.isolation.open_rollout(rollout_id)
 
     def flags(self, rollout_id: str) -> list[dict]:
-        """What the rollout tried that was refused (with ``rollout_tokens``; README "Sandboxes")."""
         return self.isolation.flags.get(rollout_id, []) if self.isolation else []
 
     def reward(self, rollout_id: str) -> Optional[float]:
@@ -242,18 +234,15 @@ class Proxy:
         # the generation prompt opened a reasoning block
         exchange.opened = self.renderer.opens_reasoning(ids)
         exchange.forced = self.constrain(req, exchange.opened)
-        exchange.prompt_ids = ids + (
-            self.renderer.encode(exchange.forced) if exchange.forced else []
-        )
+        forced_ids = self.renderer.encode(exchange.forced) if exchange.forced else []
+        exchange.prompt_ids = ids + forced_ids
         self.admit(exchange.prompt_ids)
 
     async def generate_streaming(self, exchange: Exchange, writer, stream):
         """The generations, and what of the reply the stream sent: with a stream of one choice, the reply's
         visible reasoning and text are written as they are sampled."""
-        req = exchange.req
-        visible = ContentStream(
-            self.renderer, req.sampling.stop, req.parse_tools, exchange.forced, exchange.opened
-        )
+        req, forced, opened = exchange.req, exchange.forced, exchange.opened
+        visible = ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
         if stream is None or req.n > 1:
             return await self.generate(exchange), visible
         sampled: asyncio.Queue = asyncio.Queue()
@@ -293,14 +282,14 @@ class Proxy:
 
     # ------------------------------------------------------------------ steps the extras share
 
-    async def read(self, request: web.Request) -> tuple[str, Any]:
-        """The rollout the request is for (checked against its token) and its JSON body."""
-        return self.rollout(request), await self.body(request)
-
-    def rollout(self, request: web.Request, reward: bool = False) -> str:
-        """The rollout a request is for: its id, admitted by extras/isolation.py under ``rollout_tokens``."""
-        rollout_id = _valid(request.match_info.get("rid", "default"))
-        return self.isolation.admit(request, rollout_id, reward) if self.isolation else rollout_id
+    async def read(self, request: web.Request, reward: bool = False) -> tuple[str, Any]:
+        """The rollout the request is for (admitted by extras/isolation.py under rollout_tokens), its body."""
+        rollout_id = request.match_info.get("rid", "default")
+        message = f"invalid rollout id {rollout_id[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]"
+        apis.expect(ROLLOUT_ID.match(rollout_id), message, None, "invalid_rollout_id")
+        if self.isolation:
+            rollout_id = self.isolation.admit(request, rollout_id, reward)
+        return rollout_id, await self.body(request)
 
     async def body(self, request: web.Request) -> Any:
         try:
@@ -312,11 +301,10 @@ class Proxy:
 
     def cap(self, req: Request) -> bool:
         """Apply the per-call cap; True when it lowered (or set) what the request asked for."""
-        asked = req.sampling.max_tokens
-        if self.max_new_tokens and (asked is None or asked > self.max_new_tokens):
-            req.sampling.max_tokens = self.max_new_tokens
-            return True
-        return False
+        asked, cap = req.sampling.max_tokens, self.max_new_tokens
+        capped = bool(cap and (asked is None or asked > cap))
+        req.sampling.max_tokens = cap if capped else asked
+        return capped
 
     def constrain(self, req: Request, opened: bool) -> str:
         """Constrained decoding (grammar.py), only where a request asks for it: the forced call's arguments
@@ -346,10 +334,8 @@ class Proxy:
             raise BackendError(message, 429, self.pause_retry_after)
         limit = self.backend.max_model_len
         if len(prompt_ids) >= limit:
-            message = (
-                f"this model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(prompt_ids)}; shorten the conversation"
-            )
+            message = f"this model's maximum context length is {limit} tokens, but the prompt has "
+            message += f"{len(prompt_ids)}; shorten the conversation"
             raise BadRequest(message, "messages", "context_length_exceeded")
 
     async def generate(self, exchange: Exchange, on_token=None) -> list:
@@ -357,7 +343,7 @@ class Proxy:
         that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is recorded as ``error``."""
         req, rollout_id, seed = exchange.req, exchange.rollout_id, exchange.req.sampling.seed
         samplings = [
-            req.sampling if seed is None else dataclasses.replace(req.sampling, seed=seed + i)
+            req.sampling if seed is None else replace(req.sampling, seed=seed + i)
             for i in range(req.n)
         ]
         generations = [
@@ -375,7 +361,7 @@ class Proxy:
             empty = SimpleNamespace(
                 response_ids=[], logprobs=[], finish_reason=finish, version=self.backend.version
             )
-            unanswered = dataclasses.replace(exchange, parent=None, split=None, capped=False)
+            unanswered = replace(exchange, parent=None, split=None, capped=False)
             for i in range(req.n):
                 self.record(unanswered, empty, i)
             if cancelled:
@@ -396,29 +382,26 @@ class Proxy:
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must
         # see the truncation
         tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
-        sampled = {
-            key: getattr(sampling, key) for key in ("temperature", "top_p", "top_k", "grammar")
-        }
+        # fields as the exchange and the request's sampling have them
+        asked = {f: getattr(exchange, f) for f in ("api", "prompt_ids", "parent", "split")}
+        sampled = {f: getattr(sampling, f) for f in ("temperature", "top_p", "top_k", "grammar")}
         with self._lock:
             out = session.out = session.out or self._out
             call = Call(
                 rollout_id=rollout_id,
                 index=out.next.get(rollout_id, 0),
-                api=exchange.api,
                 model_version=gen.version,
-                prompt_ids=exchange.prompt_ids,
                 response_ids=gen.response_ids,
                 response_logprobs=gen.logprobs,
                 finish_reason="tool_calls" if tool else gen.finish_reason,
                 choice=choice,
                 capped=exchange.capped and gen.finish_reason == "length",
-                parent=exchange.parent,
-                split=exchange.split,
-                **sampled,
                 created=exchange.created,
                 latency_s=round(time.time() - exchange.created, 4),
                 response=reply,
                 reply_id=reply_id,
+                **asked,
+                **sampled,
             )
             out.next[rollout_id] = call.index + 1
             if reply_id:
@@ -441,23 +424,19 @@ class Proxy:
     async def post_reward(self, request: web.Request):
         """``{"reward": x}``: the rollout's reward, or with ``"call"`` one call's (its index or its reply's
         id); ``"task"`` groups rollouts under train.py --from-calls. A bare number is ``{"reward": x}``."""
-        rollout_id = self.rollout(request, reward=True)
-        body = await self.body(request)
+        rollout_id, body = await self.read(request, reward=True)
         body = body if isinstance(body, dict) else {"reward": body}
         reward, call, task = body.get("reward"), body.get("call"), body.get("task")
         is_number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
         message = 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward one call)'
         apis.expect(is_number and math.isfinite(reward), message, "reward", "invalid_type")
-        keys_ok = (task is None or isinstance(task, str)) and set(body) <= {
-            "reward",
-            "call",
-            "task",
-        }
+        task_ok = task is None or isinstance(task, str)
         message = (
             "a reward has the keys reward, call (a call's index or reply id) and task (a string: rollouts "
             "of one task form one advantage group under train.py --from-calls)"
         )
-        apis.expect(keys_ok, message, None, "invalid_value")
+        # its code: "invalid_value"
+        apis.expect(task_ok and set(body) <= {"reward", "call", "task"}, message, None)
         line = {"rollout_id": rollout_id, "reward": float(reward)}
         session = self.sessions.setdefault(rollout_id, Session())
         if call is None:
@@ -482,10 +461,8 @@ class Proxy:
         if indices and len(indices) == 1:
             return indices[0]
         restart = ", ids of replies before a proxy restart by index" if by_id else ""
-        message = (
-            f"rollout {rollout_id!r} has no call {call!r}: name it by its index (0..{n - 1}) or by the "
-            f"id of its reply (a reply of n choices: by index){restart}"
-        )
+        message = f"rollout {rollout_id!r} has no call {call!r}: name it by its index (0..{n - 1}) "
+        message += f"or by the id of its reply (a reply of n choices: by index){restart}"
         raise BadRequest(message, "call", "not_found", 404)
 
     async def models(self, request: web.Request):
@@ -564,13 +541,6 @@ class BackendError(Exception):
     def __init__(self, message: str, status: int = 502, retry_after: Optional[float] = None):
         super().__init__(message)
         self.status, self.retry_after = status, retry_after
-
-
-def _valid(rollout_id: str) -> str:
-    if not ROLLOUT_ID.match(rollout_id):
-        message = f"invalid rollout id {rollout_id[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]"
-        raise BadRequest(message, None, "invalid_rollout_id")
-    return rollout_id
 
 
 def _error(api: str, status: int, message: str, param=None, code=None, retry_after=None):

@@ -5,7 +5,7 @@ the proxy through a Unix socket of its own (its sandbox's bridge, sandbox.py, co
 to it), so whatever comes through it is that rollout's doing: what the proxy refuses it is flagged on it.
 
 Its hook: ``Proxy(rollout_tokens=True)`` keeps an :class:`Isolation` as ``proxy.isolation``, which admits
-every request (``Proxy.rollout``) and opens each rollout's route (``ProxyServer.endpoint``);
+every request (``Proxy.read``) and opens each rollout's route (``ProxyServer.endpoint``);
 ``ProxyServer.endpoint(socket=True)`` opens a rollout's socket through :class:`RolloutSockets`."""
 
 from __future__ import annotations

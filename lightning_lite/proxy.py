@@ -2,17 +2,13 @@
 records: README "Serving and recording"). One call, in :meth:`Proxy.converse`: the request is parsed (apis.py;
 bad input: a 4xx in the API's format) -> its prompt ids built, reusing the tokens an earlier call of the rollout
 sampled (chat.Renderer) -> its response ids + logprobs generated (streamed as server-sent events as the tokens
-are sampled, when asked) -> its :class:`Call` appended to ``calls.jsonl`` -> the reply sent.
-
-The routes are the table ``ROUTES``: chat completions is the core's; Anthropic Messages, the Responses API and
-/v1/completions are one line each, served by ``extras/``. The trainer drives the proxy in-process
-(``ProxyServer``); ``python proxy.py`` serves it on its own.
+are sampled, when asked) -> its :class:`Call` appended to ``calls.jsonl`` -> the reply sent. The routes are the
+table ``ROUTES``; the trainer drives the proxy in-process (``ProxyServer``), ``python proxy.py`` on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import hmac
 import json
@@ -20,11 +16,10 @@ import logging
 import math
 import os
 import re
-import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -33,6 +28,7 @@ from aiohttp import web
 from . import apis
 from .chat import BadRequest, ContentStream, Renderer, Request, Turn, fingerprints
 from .extras import anthropic, completions, responses
+from .extras.isolation import Isolation, RolloutSockets
 from .harness import Endpoint
 from .models import eos_ids
 from .records import Call, prepare_append, to_json
@@ -51,8 +47,7 @@ class CallsFile:
 
 @dataclass
 class Session:
-    """What the proxy keeps of one rollout until the trainer's :meth:`Proxy.reset`. A call in flight holds its
-    session and is recorded with it, also after a reset."""
+    """What the proxy keeps of one rollout until :meth:`Proxy.reset` (a call in flight keeps its session)."""
 
     # its answered calls, for token reuse (chat.Renderer.build_prompt)
     turns: list[Turn] = field(default_factory=list)
@@ -65,8 +60,6 @@ class Session:
     replies: dict[str, list[int]] = field(default_factory=dict)
     # where its calls go: the file current when it began (set by its first call, a switch, a reset)
     out: Optional[CallsFile] = None
-    # what it tried that was refused (README "Sandboxes")
-    flags: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -132,24 +125,19 @@ class Proxy:
         keep_history_tokens: bool = False,
         rollout_tokens: bool = False,
     ):
-        """Options as proxy.py's flags of the same names (``pause_retry_after``: train.py's); see their help.
-        ``rollout_tokens`` (train.py): only rollouts opened with :meth:`open_rollout` are served, each under its
-        token, and rewards only with :attr:`reward_key`."""
+        """Options as proxy.py's flags of the same names, see their help; train.py's: ``pause_retry_after``,
+        ``rollout_tokens`` (each rollout served under a token of its own: extras/isolation.py)."""
         self.backend, self.tok, self.model_name = backend, tokenizer, model_name
         self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
         self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
         # the EOS set generation stops on: the backend's (HFBackend), else models.eos_ids
         stop_ids = getattr(backend, "eos_ids", None) or eos_ids(tokenizer)
         self.renderer = Renderer(tokenizer, stop_ids, tool_format, keep_history_tokens)
-        # False: render every prompt fresh (a bench comparison: proxy.py --no-reuse-tokens)
-        self.reuse_tokens = reuse_tokens
-        self.max_body = int(max_body_mb * 2**20)
+        # reuse_tokens False: render every prompt fresh (a bench comparison: proxy.py --no-reuse-tokens)
+        self.reuse_tokens, self.max_body = reuse_tokens, int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
-        # rollout id -> its URL token; None: any id is served (proxy.py). No agent sees reward_key.
-        self.tokens: Optional[dict[str, str]] = {} if rollout_tokens else None
-        self.reward_key = secrets.token_urlsafe(24) if rollout_tokens else None
-        # a rollout's own Unix socket (its sandbox's only way out) -> its id
-        self.sockets: dict[str, str] = {}
+        # None: any rollout id is served, and rewards from anyone (proxy.py)
+        self.isolation = Isolation() if rollout_tokens else None
         # backend errors (the last 100; all counted): reported, never trained on
         self.failures, self.n_failures = deque(maxlen=100), 0
         # set_output runs on the trainer's thread, record on the loop's
@@ -164,12 +152,11 @@ class Proxy:
         """Append calls to ``path`` from now on (train.py switches files every step). A session's calls, also one
         in flight after the switch, go to the file current when it began; in a file with calls they number on."""
         with self._lock:
-            old = self._out
             for session in self.sessions.values():
-                session.out = session.out or old
+                session.out = session.out or self._out
             # each call was written (closed) as recorded; a crashed machine loses none of them now
-            if old.path:
-                with open(old.path, "a") as f:
+            if self._out.path:
+                with open(self._out.path, "a") as f:
                     os.fsync(f.fileno())
             self._out = CallsFile(path)
             if path:
@@ -188,15 +175,15 @@ class Proxy:
             for session in self.sessions.values():
                 session.out = session.out or self._out
             self.sessions = {}
-        self.tokens = None if self.tokens is None else {}
+        if self.isolation:
+            self.isolation.reset()
 
     def open_rollout(self, rollout_id: str) -> str:
-        """A new rollout's route, ``<id>.<token>``: its base URL is ``/rollout/<id>.<token>/v1``."""
-        self.tokens[rollout_id] = secrets.token_urlsafe(16)
-        return f"{rollout_id}.{self.tokens[rollout_id]}"
+        """A new rollout's route, ``<id>.<token>`` (with ``rollout_tokens``)."""
+        return self.isolation.open_rollout(rollout_id)
 
     def flags(self, rollout_id: str) -> list[dict]:
-        return getattr(self.sessions.get(rollout_id), "flags", [])
+        return self.isolation.flags.get(rollout_id, []) if self.isolation else []
 
     def reward(self, rollout_id: str) -> Optional[float]:
         """The reward POSTed for the rollout; None: no such session, or no reward posted."""
@@ -247,18 +234,15 @@ class Proxy:
         # the generation prompt opened a reasoning block
         exchange.opened = self.renderer.opens_reasoning(ids)
         exchange.forced = self.constrain(req, exchange.opened)
-        exchange.prompt_ids = ids + (
-            self.renderer.encode(exchange.forced) if exchange.forced else []
-        )
+        forced_ids = self.renderer.encode(exchange.forced) if exchange.forced else []
+        exchange.prompt_ids = ids + forced_ids
         self.admit(exchange.prompt_ids)
 
     async def generate_streaming(self, exchange: Exchange, writer, stream):
         """The generations, and what of the reply the stream sent: with a stream of one choice, the reply's
         visible reasoning and text are written as they are sampled."""
-        req = exchange.req
-        visible = ContentStream(
-            self.renderer, req.sampling.stop, req.parse_tools, exchange.forced, exchange.opened
-        )
+        req, forced, opened = exchange.req, exchange.forced, exchange.opened
+        visible = ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
         if stream is None or req.n > 1:
             return await self.generate(exchange), visible
         sampled: asyncio.Queue = asyncio.Queue()
@@ -286,32 +270,33 @@ class Proxy:
 
     def answer(self, exchange: Exchange, gen, choice: int, reply_id: str) -> tuple[Call, dict]:
         """One generation parsed into its reply, recorded, and kept as the session's latest turn."""
-        req, session = exchange.req, exchange.session
+        req, turns = exchange.req, exchange.session.turns
         text = exchange.forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop)
         reply = self.renderer.parse_reply(text, req.parse_tools, exchange.opened)
         call = self.record(exchange, gen, choice, reply, reply_id)
-        turn = Turn(
-            call.index,
-            req.messages,
-            req.tools,
-            reply,
-            call.prompt_ids,
-            call.response_ids,
-            fps=exchange.fps,
-            forced=exchange.forced,
-            parent=next((t for t in reversed(session.turns) if t.index == exchange.parent), None),
+        # the turn: its request, its reply and ids, how its prompt was built (on the turn it extends)
+        parent = next((t for t in reversed(turns) if t.index == exchange.parent), None)
+        ids, built = (
+            (call.prompt_ids, call.response_ids),
+            dict(fps=exchange.fps, forced=exchange.forced),
         )
+        turn = Turn(call.index, req.messages, req.tools, reply, *ids, parent=parent, **built)
         # the turn before forgets its request: fingerprints() reuses only the latest turn's
-        if session.turns:
-            session.turns[-1].messages = session.turns[-1].tools = session.turns[-1].fps = None
-        session.turns.append(turn)
+        if turns:
+            turns[-1].messages = turns[-1].tools = turns[-1].fps = None
+        turns.append(turn)
         return call, reply
 
     # ------------------------------------------------------------------ steps the extras share
 
-    async def read(self, request: web.Request) -> tuple[str, Any]:
-        """The rollout the request is for (checked against its token) and its JSON body."""
-        return self.rollout(request), await self.body(request)
+    async def read(self, request: web.Request, reward: bool = False) -> tuple[str, Any]:
+        """The rollout the request is for (admitted by extras/isolation.py under rollout_tokens), its body."""
+        rollout_id = request.match_info.get("rid", "default")
+        message = f"invalid rollout id {rollout_id[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]"
+        apis.expect(ROLLOUT_ID.match(rollout_id), message, None, "invalid_rollout_id")
+        if self.isolation:
+            rollout_id = self.isolation.admit(request, rollout_id, reward)
+        return rollout_id, await self.body(request)
 
     async def body(self, request: web.Request) -> Any:
         try:
@@ -323,11 +308,10 @@ class Proxy:
 
     def cap(self, req: Request) -> bool:
         """Apply the per-call cap; True when it lowered (or set) what the request asked for."""
-        asked = req.sampling.max_tokens
-        if self.max_new_tokens and (asked is None or asked > self.max_new_tokens):
-            req.sampling.max_tokens = self.max_new_tokens
-            return True
-        return False
+        asked, cap = req.sampling.max_tokens, self.max_new_tokens
+        capped = bool(cap and (asked is None or asked > cap))
+        req.sampling.max_tokens = cap if capped else asked
+        return capped
 
     def constrain(self, req: Request, opened: bool) -> str:
         """Constrained decoding (grammar.py), only where a request asks for it: the forced call's arguments
@@ -357,20 +341,16 @@ class Proxy:
             raise BackendError(message, 429, self.pause_retry_after)
         limit = self.backend.max_model_len
         if len(prompt_ids) >= limit:
-            raise BadRequest(
-                f"this model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(prompt_ids)}; shorten the conversation",
-                "messages",
-                "context_length_exceeded",
-            )
+            message = f"this model's maximum context length is {limit} tokens, but the prompt has "
+            message += f"{len(prompt_ids)}; shorten the conversation"
+            raise BadRequest(message, "messages", "context_length_exceeded")
 
     async def generate(self, exchange: Exchange, on_token=None) -> list:
         """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set). A backend
         that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is recorded as ``error``."""
-        req, rollout_id = exchange.req, exchange.rollout_id
-        seed = req.sampling.seed
+        req, rollout_id, seed = exchange.req, exchange.rollout_id, exchange.req.sampling.seed
         samplings = [
-            req.sampling if seed is None else dataclasses.replace(req.sampling, seed=seed + i)
+            req.sampling if seed is None else replace(req.sampling, seed=seed + i)
             for i in range(req.n)
         ]
         generations = [
@@ -388,17 +368,16 @@ class Proxy:
             empty = SimpleNamespace(
                 response_ids=[], logprobs=[], finish_reason=finish, version=self.backend.version
             )
-            unanswered = dataclasses.replace(exchange, parent=None, split=None, capped=False)
+            unanswered = replace(exchange, parent=None, split=None, capped=False)
             for i in range(req.n):
                 self.record(unanswered, empty, i)
             if cancelled:
                 raise
             # the backend failed: report it loudly, answer 502/504
             timeout = isinstance(e, TimeoutError)
+            message = f"backend error: {type(e).__name__}: {e}"
             if timeout:
                 message = f"the backend did not answer within {self.call_timeout:g} s"
-            else:
-                message = f"backend error: {type(e).__name__}: {e}"
             log.error(message, exc_info=not timeout)
             self.n_failures += 1
             self.failures.append({"time": time.time(), "rollout_id": rollout_id, "error": message})
@@ -410,29 +389,26 @@ class Proxy:
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must
         # see the truncation
         tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
+        # fields as the exchange and the request's sampling have them
+        asked = {f: getattr(exchange, f) for f in ("api", "prompt_ids", "parent", "split")}
+        sampled = {f: getattr(sampling, f) for f in ("temperature", "top_p", "top_k", "grammar")}
         with self._lock:
             out = session.out = session.out or self._out
             call = Call(
                 rollout_id=rollout_id,
                 index=out.next.get(rollout_id, 0),
-                api=exchange.api,
                 model_version=gen.version,
-                prompt_ids=exchange.prompt_ids,
                 response_ids=gen.response_ids,
                 response_logprobs=gen.logprobs,
                 finish_reason="tool_calls" if tool else gen.finish_reason,
                 choice=choice,
                 capped=exchange.capped and gen.finish_reason == "length",
-                parent=exchange.parent,
-                split=exchange.split,
-                **{
-                    key: getattr(sampling, key)
-                    for key in ("temperature", "top_p", "top_k", "grammar")
-                },
                 created=exchange.created,
                 latency_s=round(time.time() - exchange.created, 4),
                 response=reply,
                 reply_id=reply_id,
+                **asked,
+                **sampled,
             )
             out.next[rollout_id] = call.index + 1
             if reply_id:
@@ -450,109 +426,55 @@ class Proxy:
                     f.write(line + "\n")
         return call
 
-    # ------------------------------------------------------------------ rollout isolation
-
-    def _owner(self, request: web.Request) -> Optional[str]:
-        """The rollout whose own Unix socket the request came through, if any (extras/sockets.py)."""
-        transport = request.transport
-        return self.sockets.get(transport.get_extra_info("sockname") if transport else None)
-
-    def refuse(self, request: web.Request, what: str):
-        """403, and a flag on the rollout that sent it, when its socket tells."""
-        if owner := self._owner(request):
-            flag = {"kind": "route", "what": f"{what}: {request.method} {request.path}"}
-            self.sessions.setdefault(owner, Session()).flags.append(
-                {**flag, "call": None, "where": None, "match": None}
-            )
-        raise BadRequest(f"{what}: use the base URL this rollout was given", None, "forbidden", 403)
-
-    def rollout(self, request: web.Request) -> str:
-        """The rollout a request is for: its id, checked against its token when the proxy has tokens."""
-        rollout_id = _valid(request.match_info.get("rid", "default"))
-        if self.tokens is None:
-            return rollout_id
-        rollout_id, _, token = rollout_id.rpartition(".")
-        expected = self.tokens.get(rollout_id)
-        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
-            self.refuse(request, "not a rollout of this run, or a wrong token")
-        if (owner := self._owner(request)) not in (None, rollout_id):
-            self.refuse(request, f"rollout {owner} used the route of rollout {rollout_id}")
-        return rollout_id
-
     # ------------------------------------------------------------------ the other routes
 
     async def post_reward(self, request: web.Request):
-        rollout_id = _valid(request.match_info["rid"])
-        key = request.headers.get("X-Reward-Key", "").encode()
-        if self.reward_key is not None and not hmac.compare_digest(key, self.reward_key.encode()):
-            what = "rewards come from the harness (header X-Reward-Key), never from the agent"
-            self.refuse(request, what)
-        if self.tokens is not None and rollout_id not in self.tokens:
-            raise BadRequest(f"no rollout {rollout_id[:64]!r} in this run", None, "not_found", 404)
-        body = await self.body(request)
+        """``{"reward": x}``: the rollout's reward, or with ``"call"`` one call's (its index or its reply's
+        id); ``"task"`` groups rollouts under train.py --from-calls. A bare number is ``{"reward": x}``."""
+        rollout_id, body = await self.read(request, reward=True)
         body = body if isinstance(body, dict) else {"reward": body}
         reward, call, task = body.get("reward"), body.get("call"), body.get("task")
         is_number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
-        if not is_number or not math.isfinite(reward):
-            raise BadRequest(
-                'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward one call)',
-                "reward",
-                "invalid_type",
-            )
-        if task is not None and not isinstance(task, str) or set(body) - {"reward", "call", "task"}:
-            raise BadRequest(
-                "a reward has the keys reward, call (a call's index or reply id) and task (a string: rollouts "
-                "of one task form one advantage group under train.py --from-calls)",
-                None,
-                "invalid_value",
-            )
+        message = 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward one call)'
+        apis.expect(is_number and math.isfinite(reward), message, "reward", "invalid_type")
+        task_ok = task is None or isinstance(task, str)
+        message = (
+            "a reward has the keys reward, call (a call's index or reply id) and task (a string: rollouts "
+            "of one task form one advantage group under train.py --from-calls)"
+        )
+        # its code: "invalid_value"
+        apis.expect(task_ok and set(body) <= {"reward", "call", "task"}, message, None)
+        line = {"rollout_id": rollout_id, "reward": float(reward)}
         session = self.sessions.setdefault(rollout_id, Session())
-        if call is not None:
-            call = self._rewarded_call(session, rollout_id, call)
-            session.call_rewards[call] = float(reward)
+        if call is None:
+            session.reward = line["reward"]
         else:
-            session.reward = float(reward)
-        line = {
-            "rollout_id": rollout_id,
-            "reward": float(reward),
-            **({"call": call} if call is not None else {}),
-            **({"task": task} if task else {}),
-            "time": time.time(),
-        }
+            line["call"] = self._rewarded_call(session, rollout_id, call)
+            session.call_rewards[line["call"]] = line["reward"]
+        if task:
+            line["task"] = task
         # proxy.py: the rewards land next to the calls (train.py --from-calls reads both)
         if self.rewards_path:
             with self._lock, open(self.rewards_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        return web.json_response({k: v for k, v in line.items() if k != "time"})
+                f.write(json.dumps({**line, "time": time.time()}) + "\n")
+        return web.json_response(line)
 
     def _rewarded_call(self, session: Session, rollout_id: str, call: Any) -> int:
         """A call of this rollout, named by its index (in its calls file) or by the id its reply had."""
         n = (session.out or self._out).next.get(rollout_id, 0)
-        if isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n:
-            indices = [call]
-        else:
-            indices = session.replies.get(call) if isinstance(call, str) else None
-        if not indices or len(indices) > 1:
-            restart = (
-                ", ids of replies before a proxy restart by index" if isinstance(call, str) else ""
-            )
-            raise BadRequest(
-                f"rollout {rollout_id!r} has no call {call!r}: name it by its index (0..{n - 1}) or by the "
-                f"id of its reply (a reply of n choices: by index){restart}",
-                "call",
-                "not_found",
-                404,
-            )
-        return indices[0]
+        is_index = isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n
+        by_id = isinstance(call, str)
+        indices = [call] if is_index else session.replies.get(call) if by_id else None
+        if indices and len(indices) == 1:
+            return indices[0]
+        restart = ", ids of replies before a proxy restart by index" if by_id else ""
+        message = f"rollout {rollout_id!r} has no call {call!r}: name it by its index (0..{n - 1}) "
+        message += f"or by the id of its reply (a reply of n choices: by index){restart}"
+        raise BadRequest(message, "call", "not_found", 404)
 
     async def models(self, request: web.Request):
-        model = {
-            "id": self.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "lightning-lite",
-            "max_model_len": self.backend.max_model_len,
-        }
+        model = dict(id=self.model_name, object="model", created=0, owned_by="lightning-lite")
+        model["max_model_len"] = self.backend.max_model_len
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request):
@@ -588,18 +510,13 @@ class Proxy:
             if e.status < 400:
                 raise
             where = f"{request.method} {request.path}"
-            message, code = {
-                404: (
-                    f"no route {where}; see GET /v1/models and the README for the routes",
-                    "not_found",
-                ),
-                405: (
-                    f"method {request.method} is not allowed on {request.path}",
-                    "method_not_allowed",
-                ),
-                413: (f"request body too large (limit {self.max_body} bytes)", "request_too_large"),
-            }.get(e.status, (e.reason, None))
-            return _error(api, e.status, message, code=code)
+            messages = {
+                404: f"no route {where}; see GET /v1/models and the README for the routes",
+                405: f"method {request.method} is not allowed on {request.path}",
+                413: f"request body too large (limit {self.max_body} bytes)",
+            }
+            codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+            return _error(api, e.status, messages.get(e.status, e.reason), code=codes.get(e.status))
         finally:
             self.active -= 1
 
@@ -633,13 +550,6 @@ class BackendError(Exception):
         self.status, self.retry_after = status, retry_after
 
 
-def _valid(rollout_id: str) -> str:
-    if not ROLLOUT_ID.match(rollout_id):
-        message = f"invalid rollout id {rollout_id[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]"
-        raise BadRequest(message, None, "invalid_rollout_id")
-    return rollout_id
-
-
 def _error(api: str, status: int, message: str, param=None, code=None, retry_after=None):
     """An error response in the API's own format (Anthropic's error types, or OpenAI's)."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
@@ -654,9 +564,8 @@ def _error(api: str, status: int, message: str, param=None, code=None, retry_aft
 
 async def sse_start(request: web.Request, first: bytes) -> web.StreamResponse:
     """A begun stream of server-sent events, ``first`` sent."""
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    resp = web.StreamResponse(headers=headers)
     await resp.prepare(request)
     await resp.write(first)
     return resp
@@ -673,7 +582,7 @@ class ProxyServer:
         self.proxy, self.host, self.port = proxy, host, port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
-        # unix_sockets: sandboxed rollouts' own Unix sockets (extras/sockets.py), once one is asked
+        # unix_sockets: sandboxed rollouts' own Unix sockets (extras/isolation.py), once one is asked
         self.runner, self.unix_sockets = None, None
 
     def run(self, coroutine):
@@ -688,17 +597,14 @@ class ProxyServer:
         return f"{self.url}/rollout/{rollout_id}/v1"
 
     def endpoint(self, rollout_id: str, model: str, socket=False, api_key="sk-lightning-lite"):
-        """A new rollout's endpoint: its base URL carries a token only it knows (with ``rollout_tokens``);
-        ``socket``: a Unix socket of its own too, for a sandbox to bridge."""
-        proxy = self.proxy
-        route = proxy.open_rollout(rollout_id) if proxy.tokens is not None else rollout_id
-        socket_path = None
+        """A new rollout's endpoint: with ``rollout_tokens``, its base URL carries a token only it knows and
+        its harness gets the reward key; ``socket``: a Unix socket of its own too, for a sandbox to bridge."""
+        isolation, socket_path = self.proxy.isolation, None
+        route = isolation.open_rollout(rollout_id) if isolation else rollout_id
         if socket:
-            from .extras.sockets import RolloutSockets
-
             self.unix_sockets = self.unix_sockets or RolloutSockets(self)
             socket_path = self.unix_sockets.open(rollout_id)
-        reward_key = proxy.reward_key or ""
+        reward_key = isolation.reward_key if isolation else ""
         url = self.base_url(route)
         return Endpoint(url, api_key, model, rollout_id, self.url, route, reward_key, socket_path)
 

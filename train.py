@@ -128,8 +128,6 @@ args = parser.parse_args()
 args.clip_low, args.clip_high = algo.clip_range(args.loss, args.clip_low, args.clip_high)
 args.norm_const = args.norm_const or args.max_new_tokens
 args.harness = args.harness or ([] if args.from_calls else ["calc"])
-# the most updates between sampling a token and training it
-max_age = args.steps if args.from_calls else args.async_steps
 
 ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
 if ddp:

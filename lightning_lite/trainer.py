@@ -136,6 +136,7 @@ class Learner:
         FSDP). Metrics, with the trained tokens and their mean |trainer - rollout logprob| by
         staleness (updates since they were sampled)."""
         a, tok, model = self.args, self.tok, self.model
+        # the most updates between sampling a token and training it
         max_age = a.steps if a.from_calls else a.async_steps
         # the denominators are all-reduced before any backward: exact under any micro-batch split
         weights = algo.sample_weights(

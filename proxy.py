@@ -31,29 +31,19 @@ def parse_args() -> argparse.Namespace:
     add = parser.add_argument
     add("--model", default="smollm2", help="'smollm2' (embedded) or a transformers model directory")
     add("--host", default="127.0.0.1", help="bind address; any but loopback needs --api-key")
-    add(
-        "--api-key",
-        default=os.environ.get("LL_API_KEY"),
-        help="key every request must carry (default: $LL_API_KEY)",
-    )
+    add("--api-key", default=os.environ.get("LL_API_KEY"), help="clients must send it; $LL_API_KEY")
     add("--port", type=int, default=8000)
     add("--out", default="runs/proxy", help="calls are appended to OUT/calls.jsonl")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--max-batch-size", type=int, default=32, help="requests decoded together")
     add("--max-model-len", type=int, help="context limit (default: the model's; beyond: YaRN)")
-    add(
-        "--max-new-tokens", type=int, help="the most tokens one call may generate (default: no cap)"
-    )
+    add("--max-new-tokens", type=int, help="the most tokens a call generates (default: no cap)")
     add("--call-timeout", type=float, help="seconds per call before the client gets a 504")
     add("--max-requests", type=int, default=1024, help="requests handled at once; more get 429")
     add("--vllm-url", nargs="+", metavar="URL", help="serve from these vLLM servers (same model)")
     add("--no-reuse-tokens", action="store_true", help="render every prompt fresh (a bench only)")
     add("--tool-format", choices=FORMATS, help="tool-call format (default: the template's)")
-    add(
-        "--keep-history-tokens",
-        action="store_true",
-        help="reuse sampled turns the template renders otherwise (one sample per rollout)",
-    )
+    add("--keep-history-tokens", action="store_true", help="reuse turns the template re-renders")
     args = parser.parse_args()
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         parser.error(
@@ -94,23 +84,14 @@ def main():
     )
     print(proxy.renderer.describe(), flush=True)
     url = f"http://{args.host}:{args.port}"
-    print(
-        f"serving {args.model} on {url}/v1 (per rollout: /rollout/<id>/v1); recording to {args.out}/calls.jsonl",
-        flush=True,
-    )
+    where = f"{url}/v1 (per rollout: /rollout/<id>/v1); recording to {args.out}/calls.jsonl"
+    print(f"serving {args.model} on {where}", flush=True)
     try:
         # handler_cancellation: a client that leaves cancels its call; shutdown_timeout: on
         # SIGTERM/SIGINT, calls still generating get 2 s to finish, then are cancelled (every
         # answered call is on disk already)
-        web.run_app(
-            proxy.app(),
-            host=args.host,
-            port=args.port,
-            print=None,
-            access_log=None,
-            handler_cancellation=True,
-            shutdown_timeout=2,
-        )
+        options = dict(print=None, access_log=None, handler_cancellation=True, shutdown_timeout=2)
+        web.run_app(proxy.app(), host=args.host, port=args.port, **options)
     finally:
         backend.close()
         print(f"stopped; calls are in {args.out}/calls.jsonl", flush=True)

@@ -43,19 +43,18 @@ from lightning_lite.toolcalls import FORMATS
 # ----------------------------------------------------------------------------- flags
 # what the longer help texts say (README: the training knobs; docs/ for each extra's)
 HARNESS_HELP = "examples/NAME/harness.py, a .py file or module[:Name]; repeat it, with WEIGHTs"
-ARG_HELP = "a keyword argument for the harness (or for the one SPEC names); repeatable"
+ARG_HELP = "a keyword argument for the harness ([SPEC:]K=V: for the one SPEC names); repeatable"
 DTYPE_HELP = "auto: bf16 on GPUs; bf16 autocasts over fp32 master weights and AdamW state"
 HISTORY_HELP = "keep sampled tokens where the template renders a turn otherwise"
 LOSS_HELP = "ppo: clipped token ratio; gspo: sequence ratio; tis: truncated IS; sft: imitate"
+ASYNC_HELP = "this many next steps' rollouts run while one trains (no value: 1)"
 PARALLEL_HELP = "ddp: all whole on every rank; fsdp: weights, grads, AdamW state sharded"
 parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
 )
 group = parser.add_argument_group("run")
 group.add_argument("--harness", action="append", metavar="SPEC[:WEIGHT]", help=HARNESS_HELP)
-group.add_argument(
-    "--harness-arg", action="append", default=[], metavar="[SPEC:]K=V", help=ARG_HELP
-)
+group.add_argument("--harness-arg", action="append", default=[], metavar="K=V", help=ARG_HELP)
 group.add_argument("--model", default="smollm2", help="'smollm2' (embedded) or a model directory")
 group.add_argument("--out", default="runs/train", help="the run directory")
 group.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --out")
@@ -79,18 +78,9 @@ group.add_argument("--pause-retry-after", type=float, help="weight sync: 429 wit
 group.add_argument("--tool-format", choices=FORMATS, help="default: detected from the template")
 group.add_argument("--keep-history-tokens", action="store_true", help=HISTORY_HELP)
 group.add_argument(
-    "--async",
-    dest="async_steps",
-    type=int,
-    nargs="?",
-    const=1,
-    default=0,
-    metavar="N",
-    help="the next N steps' rollouts run while this one trains",
+    "--async", dest="async_steps", type=int, nargs="?", const=1, default=0, help=ASYNC_HELP
 )
-group.add_argument(
-    "--eval-every", type=int, default=0, help="evaluate every N steps, and first/last"
-)
+group.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps, first, last")
 group.add_argument("--eval-tasks", type=int, default=100, help="test tasks an evaluation (0: none)")
 group = parser.add_argument_group("algorithm (README: the tables)")
 group.add_argument("--adv", default="grpo", choices=algo.ESTIMATORS, help="advantage estimator")
@@ -189,13 +179,7 @@ metrics = loggers.Loggers(args, config) if master else None
 if args.backend == "vllm":
     backend = vllm.start(args, model.config, dtype, resume_dir or resolve(args.model), device)
 else:
-    backend = HFBackend(
-        learner.served,
-        tok,
-        max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
-        dtype=dtype,
-    )
+    backend = HFBackend(learner.served, tok, args.max_batch_size, args.max_model_len, dtype=dtype)
 backend.version = start_step
 proxy = Proxy(
     backend,
@@ -227,9 +211,8 @@ def rollouts(jobs, name):
 
     def endpoint_for(rid):
         # a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
-        return server.endpoint(
-            rid, args.model, socket=sandbox_of[harness_of[rid].name] in sandbox.BRIDGED
-        )
+        bridged = sandbox_of[harness_of[rid].name] in sandbox.BRIDGED
+        return server.endpoint(rid, args.model, socket=bridged)
 
     results = asyncio.run(
         run_rollouts(
@@ -274,11 +257,9 @@ def step_rollouts(step):
 
 
 ahead = {}  # --async: step -> its rollouts, run in step order by one worker thread
-worker = (
-    concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
-    if args.async_steps
-    else None
-)
+worker = None
+if args.async_steps:
+    worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
 
 
 def evaluate(step):
@@ -334,15 +315,8 @@ def advantages(groups, results, calls):
     rewards, group_of, call_rewards, answered = algo.gather_rewards(
         finished, {rid: groups[rid] for rid in finished}, call_rewards, answered
     )
-    return algo.compute_advantages(
-        rewards,
-        group_of,
-        args.adv,
-        drop_zero_variance=args.drop_zero_variance,
-        call_rewards=call_rewards,
-        calls=answered,
-        gamma=args.gamma,
-    )
+    kw = dict(drop_zero_variance=args.drop_zero_variance, call_rewards=call_rewards, calls=answered)
+    return algo.compute_advantages(rewards, group_of, args.adv, gamma=args.gamma, **kw)
 
 
 def sync_weights(version):
@@ -370,6 +344,9 @@ def save(step):
 def log_step(row, step):
     """The step's line (README: reading a log line); '-' is not measured."""
     show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)
+    waited = (
+        f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}" if worker else ""
+    )
     log(
         f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | "
         f"fail {row['failed']} | samples {row['samples']} tok {row['trainable_tokens']} "
@@ -377,11 +354,7 @@ def log_step(row, step):
         f"loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
         f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({show('gen_tok_s', '.0f')} tok/s) "
         f"train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) sync {row['t_sync']:.2f}s"
-        + (
-            f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}"
-            if worker
-            else ""
-        )
+        + waited
         + (f" | {row['calls']} recorded calls, {step} updates stale" if recorded else "")
         + tasks.by_harness(row, "reward")
     )
@@ -451,7 +424,7 @@ try:
         n = step_counts(results, calls, samples, merge_stats, tasks.names(), algo.all_reduce)
         if n["dropped"]:
             log(
-                f"step {step + 1}: {int(n['dropped'])} samples dropped, first turn > --max-seq-len {args.max_seq_len}"
+                f"step {step + 1}: {int(n['dropped'])} samples dropped: a first turn > --max-seq-len"
             )
         # 4-6. loss and backward, optimizer step
         t_sleep = make_room_for_training()

@@ -51,25 +51,24 @@ def expect(cond: bool, message: str, param: Optional[str], code: Optional[str] =
         raise BadRequest(message, param, code)
 
 
+def must_be(cond: bool, param: str, what: str):
+    """A 400 "'param' must be what" (code invalid_type) unless ``cond``."""
+    expect(cond, f"'{param}' must be {what}", param)
+
+
 def text_of(content: Any, param: str) -> str:
     """Content as a string or a list of parts -> one string (text parts joined by newlines)."""
     if content is None or isinstance(content, str):
         return content or ""
-    expect(
-        isinstance(content, list), f"'{param}' must be a string or a list of content parts", param
-    )
+    must_be(isinstance(content, list), param, "a string or a list of content parts")
     texts = []
     for i, part in enumerate(content):
         where = f"{param}[{i}]"
         part = {"type": "text", "text": part} if isinstance(part, str) else part
-        expect(isinstance(part, dict), f"'{where}' must be an object", where)
+        must_be(isinstance(part, dict), where, "an object")
         kind = part.get("type", "text")
         if kind in ("text", "input_text", "output_text"):
-            expect(
-                isinstance(part.get("text"), str),
-                f"'{where}.text' must be a string",
-                where + ".text",
-            )
+            must_be(isinstance(part.get("text"), str), where + ".text", "a string")
             texts.append(part["text"])
         elif kind == "refusal":
             texts.append(str(part.get("refusal", "")))
@@ -85,11 +84,8 @@ def text_of(content: Any, param: str) -> str:
 def _number(key: str, value: Any, lo: float, hi: float, default, integer: bool = False):
     if value is None:
         return default
-    expect(
-        isinstance(value, int if integer else (int, float)) and not isinstance(value, bool),
-        f"'{key}' must be {'an integer' if integer else 'a number'}",
-        key,
-    )
+    is_number = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+    must_be(is_number, key, "an integer" if integer else "a number")
     span = f"at least {lo}" if hi == math.inf else f"between {lo} and {hi}"
     expect(lo <= value <= hi, f"'{key}' must be {span}, got {value}", key, "invalid_value")
     return value
@@ -99,10 +95,10 @@ def settings(body: dict, max_tokens: Any, stop: Any) -> dict:
     """The Request's ``sampling``, ``stream`` and ``model``. ``max_tokens``, ``stop``: their values (names vary)."""
     max_tokens = _number("max_tokens", max_tokens, 1, math.inf, None, integer=True)
     stop = [stop] if isinstance(stop, str) else stop or []
-    expect(
+    must_be(
         isinstance(stop, list) and all(isinstance(s, str) for s in stop),
-        "'stop' must be a string or a list of strings",
         "stop",
+        "a string or a list of strings",
     )
     sampling = Sampling(
         max_tokens=max_tokens,
@@ -123,7 +119,7 @@ def settings(body: dict, max_tokens: Any, stop: Any) -> dict:
 def openai_settings(body: dict) -> dict:
     """``settings`` + OpenAI's ``n`` (each choice is sampled and recorded as its own call) and ``include_usage``."""
     stream_options = body.get("stream_options") or {}
-    expect(isinstance(stream_options, dict), "'stream_options' must be an object", "stream_options")
+    must_be(isinstance(stream_options, dict), "stream_options", "an object")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     n = _number("n", body.get("n"), 1, 16, 1, integer=True)
     return {
@@ -138,10 +134,10 @@ def tools_of(body: dict) -> dict:
     Tools the model cannot call (server tools: web_search, namespace, Anthropic's bash_...: a type other than
     "function" and no input_schema) are left out."""
     tools = body.get("tools") or []
-    expect(isinstance(tools, list), "'tools' must be a list", "tools")
+    must_be(isinstance(tools, list), "tools", "a list")
     out = []
     for i, tool in enumerate(tools):
-        expect(isinstance(tool, dict), f"'tools[{i}]' must be an object", f"tools[{i}]")
+        must_be(isinstance(tool, dict), f"tools[{i}]", "an object")
         if tool.get("type", "function") != "function" and "input_schema" not in tool:
             continue
         # chat nests the function, the others do not
@@ -176,12 +172,12 @@ def response_format(fmt: Any, param: str) -> dict:
     {"schema"}}``, the Responses API's and Anthropic's ``{"type": "json_schema", "schema"}``, ``{"type": "json_object"}``."""
     if fmt is None:
         return {}
-    expect(isinstance(fmt, dict), f"'{param}' must be an object", param)
+    must_be(isinstance(fmt, dict), param, "an object")
     kind = fmt.get("type")
-    expect(
+    must_be(
         kind in (None, "text", "json_object", "json_schema"),
-        f'\'{param}.type\' must be "text", "json_object" or "json_schema"',
         param + ".type",
+        '"text", "json_object" or "json_schema"',
     )
     if kind == "json_schema":
         nested = fmt.get("json_schema")
@@ -201,7 +197,7 @@ def json_object(body: Any) -> dict:
 def messages_of(body: Any) -> tuple[dict, list]:
     """The body and its non-empty list of ``messages``."""
     body = json_object(body)
-    expect(isinstance(body.get("messages"), list), "'messages' must be a list", "messages")
+    must_be(isinstance(body.get("messages"), list), "messages", "a list")
     expect(body["messages"], "'messages' must not be empty", "messages")
     return body, body["messages"]
 
@@ -211,9 +207,9 @@ def messages_of(body: Any) -> tuple[dict, list]:
 
 def _message(m: Any, i: int) -> dict:
     param = f"messages[{i}]"
-    expect(isinstance(m, dict), f"'{param}' must be an object", param)
+    must_be(isinstance(m, dict), param, "an object")
     role = m.get("role")
-    expect(isinstance(role, str), f"'{param}.role' must be a string", param + ".role")
+    must_be(isinstance(role, str), param + ".role", "a string")
     message = f"unknown role '{role}' in {param}; expected one of {sorted(ROLES)}"
     expect(role in ROLES, message, param + ".role")
     out: dict = {"role": ROLES[role], "content": text_of(m.get("content"), param + ".content")}
@@ -233,15 +229,15 @@ def _message(m: Any, i: int) -> dict:
 
 def _calls(tool_calls: Any, param: str) -> dict:
     """Chat tool calls ``[{"id", "function": {"name", "arguments"}}]`` -> ``{"tool_calls": [{"id", "name", "arguments"}]}``."""
-    expect(isinstance(tool_calls, list), f"'{param}' must be a list", param)
+    must_be(isinstance(tool_calls, list), param, "a list")
     calls = []
     for j, call in enumerate(tool_calls):
         where = f"{param}[{j}]"
         is_call = isinstance(call, dict) and isinstance(call.get("function"), dict)
-        expect(is_call, f"'{where}' must be an object with a 'function'", where)
+        must_be(is_call, where, "an object with a 'function'")
         fn = call["function"]
         name_param = where + ".function.name"
-        expect(isinstance(fn.get("name"), str), f"'{name_param}' must be a string", name_param)
+        must_be(isinstance(fn.get("name"), str), name_param, "a string")
         arguments = parse_arguments(fn.get("arguments", {}))
         calls.append({"id": str(call.get("id", "")), "name": fn["name"], "arguments": arguments})
     return {"tool_calls": calls}
@@ -269,7 +265,7 @@ def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
     template_kwargs = body.get("chat_template_kwargs")
     template_kwargs = {} if template_kwargs is None else template_kwargs
     param = "chat_template_kwargs"
-    expect(isinstance(template_kwargs, dict), f"'{param}' must be an object", param)
+    must_be(isinstance(template_kwargs, dict), param, "an object")
     return Request(
         messages=convert(messages, lambda m, i: [_message(m, i)], memo),
         **tools_of(body),

@@ -23,12 +23,9 @@ from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.cache_utils import DynamicCache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.cache_utils import DynamicCache
 
-from .extras import grammar
+from .extras import fast_decode, grammar
 from .algo import sampling_support
 from .chat import Sampling
 from .models import eos_ids
@@ -157,9 +154,8 @@ class HFBackend(PauseGate):
     ):
         self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
         self.device = next(model.parameters()).device
-        # the same attention, without copying KV heads in decoding (see _grouped_sdpa)
-        if model.config._attn_implementation == "sdpa":
-            model.set_attn_implementation("grouped_sdpa")
+        # the same attention, without copying KV heads in decoding (extras/fast_decode.py)
+        fast_decode.install(model)
         default_len = getattr(model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or default_len)
         self.max_batch_size, self.prefix_cache_tokens = max_batch_size, prefix_cache_tokens
@@ -374,9 +370,9 @@ class _Batch:
         self.rows.append(request)
         self.lengths.append(cache.get_seq_length())
         if len(self.rows) == 1:
-            # appends in place (see _RoomyLayer)
+            # appends in place (extras/fast_decode.py)
             for layer in cache.layers:
-                layer.__class__ = _RoomyLayer
+                layer.__class__ = fast_decode.RoomyLayer
             self.cache, self.last = cache, logits[None]
             return
         # left-pad the batch or the newcomer to the longer of the two, T columns:
@@ -430,50 +426,6 @@ class _Batch:
 def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:
     """[B, H_kv, n, D] -> [B, H_kv, T, D], zeros in the first T - n columns (the mask hides them)."""
     return F.pad(x, (0, 0, T - x.shape[2], 0)) if x.shape[2] < T else x
-
-
-# ---------------------------------------------------------------------------- decoding at agent-length contexts
-# Two copies per decode step dominate once the context is long (8k tokens, 135M model: ~1.5 GB of memory
-# traffic per token against 0.5 GB of weights): DynamicCache appends by torch.cat, copying the whole cache,
-# and transformers' SDPA repeats every KV head for each of its query heads whenever a mask is given, which
-# batched decoding always does. The layer appends in place; the attention groups query heads instead.
-
-
-class _RoomyLayer(DynamicLayer):
-    """A cache layer whose keys/values are views into buffers with room for 256 more tokens: appending
-    writes one column instead of copying the cache. When the batching code replaces .keys/.values (it
-    pads, trims and selects rows), the next update copies them into a new buffer once."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        # [B, H_kv, n, D] cached, [B, H_kv, m, D] new
-        n, m = self.keys.shape[-2], key_states.shape[-2]
-        buf = getattr(self, "_buf", None)
-        # the first update, no room left, or .keys replaced (a new tensor: padded, trimmed, rows selected)
-        if buf is None or buf[0].shape[2] < n + m or buf[0].data_ptr() != self.keys.data_ptr():
-            # a copy with room for m + 256 more columns
-            self._buf = buf = tuple(F.pad(t, (0, 0, 0, m + 256)) for t in (self.keys, self.values))
-        buf[0][:, :, n : n + m], buf[1][:, :, n : n + m] = key_states, value_states
-        self.keys, self.values = buf[0][:, :, : n + m], buf[1][:, :, : n + m]
-        return self.keys, self.values
-
-
-def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
-    """transformers' SDPA, except that a decode step (one query token per row) reads each KV head once:
-    the query heads that share a KV head are laid out as that head's query positions (all rows' positions
-    see the same keys under the same mask), which is exactly attention with repeated KV heads."""
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or n_rep == 1:
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
-    # query [B, H, 1, D] -> [B, H_kv, n_rep, D]; key and value [B, H_kv, T, D]
-    B, H, _, D = query.shape
-    grouped = query.reshape(B, H // n_rep, n_rep, D)
-    out = F.scaled_dot_product_attention(grouped, key, value, mask, scale=scaling)
-    # -> [B, 1, H, D], as transformers' attention returns it
-    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("grouped_sdpa", _grouped_sdpa)
-AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
 
 
 def _answer(future: asyncio.Future, value):

@@ -332,10 +332,8 @@ class Renderer:
 
     def describe(self) -> str:
         think = "reasoning in {}...{}".format(*self.think) if self.think else "no reasoning tags"
-        if self.native_tools:
-            where = "rendered by the template"
-        else:
-            where = "written into the system prompt (the template has no tool support)"
+        where = "written into the system prompt (the template has no tool support)"
+        where = "rendered by the template" if self.native_tools else where
         return f"chat template: tool calls in the {self.format} format, {where}; {think}"
 
     def encode(self, text: str) -> list[int]:
@@ -363,15 +361,13 @@ class Renderer:
             # the key Qwen's templates read, and the one gpt-oss's reads
             if m.get("reasoning"):
                 message["reasoning_content"] = message["thinking"] = m["reasoning"]
-            if m.get("tool_calls"):
-                message["tool_calls"] = [self._template_call(t) for t in m["tool_calls"]]
+            for t in m.get("tool_calls") or ():
+                call = {"id": self._id(t["id"]), "type": "function", "function": _parsed(t)}
+                message.setdefault("tool_calls", []).append(call)
             if m["role"] == "tool":
                 message["tool_call_id"] = self._id(m.get("tool_call_id", ""))
             out.append(adjust(m, message) if adjust else message)
         return out
-
-    def _template_call(self, call: dict) -> dict:
-        return {"id": self._id(call["id"]), "type": "function", "function": _parsed(call)}
 
     def _hermes_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         """No tool support in the template: the Hermes convention written as text. The tools go into the system

@@ -178,10 +178,6 @@ class Proxy:
         if self.isolation:
             self.isolation.reset()
 
-    def open_rollout(self, rollout_id: str) -> str:
-        """A new rollout's route, ``<id>.<token>`` (with ``rollout_tokens``)."""
-        return self.isolation.open_rollout(rollout_id)
-
     def flags(self, rollout_id: str) -> list[dict]:
         return self.isolation.flags.get(rollout_id, []) if self.isolation else []
 
@@ -233,7 +229,11 @@ class Proxy:
         )
         # the generation prompt opened a reasoning block
         exchange.opened = self.renderer.opens_reasoning(ids)
-        exchange.forced = self.constrain(req, exchange.opened)
+        # constrained decoding (extras/grammar.py), only where the request asks for it
+        if req.force_tool is not None or req.response_schema is not None:
+            from .extras import grammar
+
+            exchange.forced = grammar.constrain(req, self.renderer, exchange.opened)
         forced_ids = self.renderer.encode(exchange.forced) if exchange.forced else []
         exchange.prompt_ids = ids + forced_ids
         self.admit(exchange.prompt_ids)
@@ -276,11 +276,10 @@ class Proxy:
         call = self.record(exchange, gen, choice, reply, reply_id)
         # the turn: its request, its reply and ids, how its prompt was built (on the turn it extends)
         parent = next((t for t in reversed(turns) if t.index == exchange.parent), None)
-        ids, built = (
-            (call.prompt_ids, call.response_ids),
-            dict(fps=exchange.fps, forced=exchange.forced),
+        ids = call.prompt_ids, call.response_ids
+        turn = Turn(
+            call.index, req.messages, req.tools, reply, *ids, exchange.fps, exchange.forced, parent
         )
-        turn = Turn(call.index, req.messages, req.tools, reply, *ids, parent=parent, **built)
         # the turn before forgets its request: fingerprints() reuses only the latest turn's
         if turns:
             turns[-1].messages = turns[-1].tools = turns[-1].fps = None
@@ -312,26 +311,6 @@ class Proxy:
         capped = bool(cap and (asked is None or asked > cap))
         req.sampling.max_tokens = cap if capped else asked
         return capped
-
-    def constrain(self, req: Request, opened: bool) -> str:
-        """Constrained decoding (grammar.py), only where a request asks for it: the forced call's arguments
-        follow their tool's schema, a response_format's JSON its schema (a schema llguidance cannot compile is a
-        400 with its message). Sets the request's grammar; returns the text its reply is forced to begin with."""
-        if req.force_tool is None and req.response_schema is None:
-            return ""
-        from .extras import grammar
-
-        if req.force_tool is not None:
-            param = "tools"
-            rules = grammar.tool_grammar(self.renderer.format, req.tools, req.force_tool, self.tok)
-        else:
-            param, rules = "response_format", grammar.json_grammar(req.response_schema)
-        # llguidance's first line says what (the rest points into a grammar the client never wrote)
-        if error := grammar.check(rules, self.tok):
-            message = f"the {param} JSON schema cannot be enforced: {error.strip().splitlines()[0]}"
-            raise BadRequest(message, param, "invalid_schema")
-        req.sampling.grammar = rules
-        return self.renderer.forced_prefix(req.force_tool, opened, req.response_schema is not None)
 
     def admit(self, prompt_ids: list[int]):
         """May this prompt be served now? Not during a weight sync when calls are told to come back later (429),
@@ -479,9 +458,8 @@ class Proxy:
 
     async def health(self, request: web.Request):
         status = {"status": "ok", "model": self.model_name, "version": self.backend.version}
-        return web.json_response(
-            {**status, "backend_failures": self.n_failures, **self.backend.stats}
-        )
+        status["backend_failures"] = self.n_failures
+        return web.json_response({**status, **self.backend.stats})
 
     # ------------------------------------------------------------------ app
 

@@ -34,15 +34,14 @@ class RunDir:
 
     def file(self, kind: str, name: str) -> str:
         """A step's (or an evaluation's) calls or rollouts: one file per rank under DDP."""
-        return os.path.join(
-            self.out, kind, f"{name}.rank{self.rank}.jsonl" if self.ddp else f"{name}.jsonl"
-        )
+        name += f".rank{self.rank}" if self.ddp else ""
+        return os.path.join(self.out, kind, name + ".jsonl")
 
     def save_rollouts(self, name: str, results: list, advantages: dict):
         """One line per rollout: the harness's RolloutResult and its advantage (a number, {call
         index: number} for a per-call estimator, or null: not trained)."""
         rows = [
-            {**dataclasses.asdict(r), "advantage": advantages.get(r.rollout_id)} for r in results
+            dataclasses.asdict(r) | {"advantage": advantages.get(r.rollout_id)} for r in results
         ]
         records.write_jsonl(self.file("rollouts", name), rows)
 
@@ -120,6 +119,10 @@ LOSS_METRICS = (
 ).split()
 
 
+RATES = [("reward", "reward", "rewarded"), ("success", "success", "rewarded")]
+RATES += [("calls_per_rollout", "calls", "rollouts"), ("merge_ratio", "tokens_unmerged", "tokens")]
+
+
 def per(a, b):
     """a / b, or None where b is 0: not measured (a 0 would claim a measurement)."""
     return a / b if b else None
@@ -155,12 +158,9 @@ def step_counts(results, calls, samples, merge_stats: dict, names: list, all_red
         "kept_tokens": sum(len(s.tokens) for s in samples),
     }
     for name in names if len(names) > 1 else ():
-        mine = {r.rollout_id for r in results if r.harness == name}
-        sums = counts(
-            [r for r in results if r.rollout_id in mine],
-            [c for c in calls if c.rollout_id in mine],
-            merge_stats.get(name, Counter()),
-        )
+        mine = [r for r in results if r.harness == name]
+        ids, stats = {r.rollout_id for r in mine}, merge_stats.get(name, Counter())
+        sums = counts(mine, [c for c in calls if c.rollout_id in ids], stats)
         n.update({f"{k}/{name}": v for k, v in sums.items()})
     return dict(zip(n, all_reduce(list(n.values()))))
 
@@ -168,16 +168,10 @@ def step_counts(results, calls, samples, merge_stats: dict, names: list, all_red
 def step_rates(n: dict, names: list) -> dict:
     """The row's reward, success, calls per rollout, merge ratio and split counts from the sums."""
     row = {}
-    for sfx in [""] + [f"/{name}" for name in names if len(names) > 1]:
-        row.update(
-            {
-                "reward" + sfx: per(n["reward" + sfx], n["rewarded" + sfx]),
-                "success" + sfx: per(n["success" + sfx], n["rewarded" + sfx]),
-                "calls_per_rollout" + sfx: per(n["calls" + sfx], n["rollouts" + sfx]),
-                "merge_ratio" + sfx: per(n["tokens_unmerged" + sfx], n["tokens" + sfx]),
-                "splits" + sfx: {
-                    r: int(n[f"split_{r}{sfx}"]) for r in SPLIT_REASONS if n[f"split_{r}{sfx}"]
-                },
-            }
-        )
+    for suffix in [""] + [f"/{name}" for name in names if len(names) > 1]:
+        # the row's key, and the sums it divides
+        for key, a, b in RATES:
+            row[key + suffix] = per(n[a + suffix], n[b + suffix])
+        splits = {r: int(n[f"split_{r}{suffix}"]) for r in SPLIT_REASONS}
+        row["splits" + suffix] = {r: k for r, k in splits.items() if k}
     return row

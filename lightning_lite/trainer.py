@@ -19,6 +19,9 @@ from .extras import grammar
 from .models import load_model
 from .records import Sample, common_prefix
 
+# train.py's flags that are policy_loss's options of the same names
+LOSS_FLAGS = ("loss", "clip_low", "clip_high", "clip_ratio_c", "tis_cap", "kl_coef")
+
 
 class Learner:
     def __init__(self, args, tok, device, dtype, world: int, master: bool, resume_dir, log):
@@ -55,10 +58,8 @@ class Learner:
             # sharded like the policy, without an optimizer: its forwards are collectives too
             parallel.wrap(self.ref_model, "fsdp", device, world, offload, dtype=dtype)
         # after sharding: AdamW's state is over the shards
-        params = self.model.parameters()
-        self.opt = torch.optim.AdamW(
-            params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99)
-        )
+        params, decay = self.model.parameters(), args.weight_decay
+        self.opt = torch.optim.AdamW(params, args.lr, (0.9, 0.99), weight_decay=decay)
         self.start_step = 0
         if resume_dir:
             # mapped from the file into host memory, not onto the GPU: the ranks of a node share the
@@ -155,14 +156,9 @@ class Learner:
             vocab = model.config.vocab_size
             masks = [grammar.sample_masks(s, tok, vocab) if s.grammars else None for s in mb[0]]
             # flex_attention compiles for each new shape: its rows are padded to one
-            b = algo.collate(
-                *mb,
-                device=self.device,
-                pad_id=tok.pad_token_id or 0,
-                tree=not a.no_tree,
-                masks=masks,
-                pad_to=a.micro_batch_tokens if flex else 1,
-            )
+            pad_to, pad_id = a.micro_batch_tokens if flex else 1, tok.pad_token_id or 0
+            options = dict(pad_id=pad_id, tree=not a.no_tree, pad_to=pad_to, masks=masks)
+            b = algo.collate(*mb, self.device, **options)
             with parallel.accumulating(self.train_model, a.parallel, last=i == len(mbs) - 1):
                 with torch.autocast(
                     self.device.type, self.dtype, enabled=self.dtype != torch.float32
@@ -171,20 +167,10 @@ class Learner:
                     logprobs = algo.trainer_logprobs(self.train_model, b)
                     with torch.no_grad():
                         ref = algo.trainer_logprobs(self.ref_model, b) if self.ref_model else None
-                loss, m = algo.policy_loss(
-                    logprobs,
-                    b["old_logprobs"],
-                    b["advantages"],
-                    b["loss_mask"],
-                    b["weights"],
-                    loss=a.loss,
-                    clip_low=a.clip_low,
-                    clip_high=a.clip_high,
-                    clip_ratio_c=a.clip_ratio_c,
-                    tis_cap=a.tis_cap,
-                    kl_coef=a.kl_coef,
-                    ref_logprobs=ref,
-                )
+                # [B, T] each, weights [B]
+                batch = (b[k] for k in ("old_logprobs", "advantages", "loss_mask", "weights"))
+                loss_options = {k: getattr(a, k) for k in LOSS_FLAGS}
+                loss, m = algo.policy_loss(logprobs, *batch, ref_logprobs=ref, **loss_options)
                 # DDP and FSDP average gradients over ranks; the weights already make the global sum
                 (loss * self.world).backward()
             if pad:
@@ -224,13 +210,7 @@ class Learner:
         if not self.master:
             return None
         # the served copy is of the plain class: the checkpoint loads anywhere
+        keep = self.args.keep_checkpoints
         return run.save_checkpoint(
-            step,
-            self.served,
-            self.tok,
-            weights,
-            optim,
-            self.dtype,
-            config,
-            self.args.keep_checkpoints,
+            step, self.served, self.tok, weights, optim, self.dtype, config, keep
         )

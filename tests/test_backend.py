@@ -183,7 +183,7 @@ def test_decoding_reads_kv_heads_in_place_with_the_same_numbers():
     from transformers.cache_utils import DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from lightning_lite.backends import _grouped_sdpa, _RoomyLayer
+    from lightning_lite.extras.fast_decode import RoomyLayer, _grouped_sdpa
 
     g = torch.Generator().manual_seed(0)
     module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
@@ -203,7 +203,7 @@ def test_decoding_reads_kv_heads_in_place_with_the_same_numbers():
         DynamicCache(ddp_cache_data=[(k.clone(), v.clone())]),
         DynamicCache(ddp_cache_data=[(k.clone(), v.clone())]),
     )
-    roomy.layers[0].__class__ = _RoomyLayer
+    roomy.layers[0].__class__ = RoomyLayer
     for i in range(300):
         new = torch.randn(roomy.layers[0].keys.shape[0], 3, 1, 16, generator=g)
         a, b = roomy.layers[0].update(new, -new), plain.layers[0].update(new, -new)

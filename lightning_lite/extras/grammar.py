@@ -13,9 +13,9 @@ Arguments are written as ``json.dumps`` writes them (", " and ": ", no other whi
 them: the same text the history renders later, and no free whitespace for a small model to wander in; an object
 that lists its properties has no others unless its schema says so (``_closed``).
 
-How it reaches the core: the proxy puts ``tool_grammar``'s or ``json_grammar``'s text into ``Sampling.grammar``, a
-backend samples under its ``Matcher``, the trainer replays ``sample_masks``; of a tool-call format it reads only
-``Format.call``, the call's text around its arguments (toolcalls.format_of).
+How it reaches the core: the proxy calls ``constrain``, which puts ``tool_grammar``'s or ``json_grammar``'s text
+into ``Sampling.grammar``, a backend samples under its ``Matcher``, the trainer replays ``sample_masks``; of a
+tool-call format it reads only ``Format.call``, the call's text around its arguments (toolcalls.format_of).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import llguidance.hf
 import torch
 
 from ..algo import unpack_bits
+from ..chat import BadRequest
 from ..records import Sample
 from ..toolcalls import format_of
 
@@ -154,6 +155,25 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
     return "\n".join(
         [f"start: {' | '.join(f'call{k}' for k in range(len(rules)))}", *rules, *lexemes]
     )
+
+
+def constrain(req, renderer, opened: bool) -> str:
+    """A request's forced call or JSON reply: its grammar put into ``req.sampling``, the text its reply is forced
+    to begin with returned. The forced call's arguments follow their tool's schema, a response_format's JSON its
+    schema; a schema llguidance cannot compile is a 400 with its message."""
+    if req.force_tool is not None:
+        param, rules = (
+            "tools",
+            tool_grammar(renderer.format, req.tools, req.force_tool, renderer.tok),
+        )
+    else:
+        param, rules = "response_format", json_grammar(req.response_schema)
+    # llguidance's first line says what (the rest points into a grammar the client never wrote)
+    if error := check(rules, renderer.tok):
+        message = f"the {param} JSON schema cannot be enforced: {error.strip().splitlines()[0]}"
+        raise BadRequest(message, param, "invalid_schema")
+    req.sampling.grammar = rules
+    return renderer.forced_prefix(req.force_tool, opened, req.response_schema is not None)
 
 
 def check(grammar: str, tok) -> Optional[str]:

@@ -52,9 +52,8 @@ def _to_messages(m: Any, i: int) -> list[dict]:
     where, out = f"messages[{i}]", []
     expect(isinstance(m, dict), f"'{where}' must be an object", where)
     role = m.get("role")
-    if role not in ("user", "assistant", "system"):
-        message = f"unknown role {role!r} in {where}; expected user, assistant or system"
-        raise BadRequest(message, where + ".role", "invalid_value")
+    message = f"unknown role {role!r} in {where}; expected user, assistant or system"
+    expect(role in ("user", "assistant", "system"), message, where + ".role")
     texts, calls, thoughts, content = [], [], [], m.get("content")
     text_only = content is None or isinstance(content, str)
     blocks = [{"type": "text", "text": content or ""}] if text_only else content
@@ -68,13 +67,9 @@ def _to_messages(m: Any, i: int) -> list[dict]:
         if kind == "text":
             texts.append(text_of([block], at))
         elif kind == "tool_use" and role == "assistant":
-            expect(
-                isinstance(block.get("name"), str), f"'{at}.name' must be a string", at + ".name"
-            )
-            arguments = block.get("input") or {}
-            calls.append(
-                {"id": str(block.get("id", "")), "name": block["name"], "arguments": arguments}
-            )
+            name, call_id = block.get("name"), str(block.get("id", ""))
+            expect(isinstance(name, str), f"'{at}.name' must be a string", at + ".name")
+            calls.append({"id": call_id, "name": name, "arguments": block.get("input") or {}})
         # results come first in a user turn: one tool message each
         elif kind == "tool_result":
             result = text_of(block.get("content"), at + ".content")
@@ -114,6 +109,10 @@ def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
     )
 
 
+def _event(kind: str, **fields) -> bytes:
+    return sse({"type": kind, **fields}, kind)
+
+
 class AnthropicReply:
     STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -142,27 +141,19 @@ class AnthropicReply:
             content.append({"type": "thinking", "thinking": reply["reasoning"], "signature": ""})
         if reply["content"] or not reply.get("tool_calls"):
             content.append({"type": "text", "text": reply["content"]})
-        for tool_call in reply.get("tool_calls", []):
+        for tc in reply.get("tool_calls", []):
             # arguments that are not a JSON object: no input
-            arguments = parse_arguments(tool_call["arguments"])
-            content.append(
-                {
-                    "type": "tool_use",
-                    "id": "toolu_" + tool_call["id"].removeprefix("call_"),
-                    "name": tool_call["name"],
-                    "input": arguments if isinstance(arguments, dict) else {},
-                }
-            )
+            args = parse_arguments(tc["arguments"])
+            args = args if isinstance(args, dict) else {}
+            use_id = "toolu_" + tc["id"].removeprefix("call_")
+            content.append({"type": "tool_use", "id": use_id, "name": tc["name"], "input": args})
         return self._message(content, self.STOP[client_finish(call, reply)], len(call.response_ids))
 
     def start(self) -> bytes:
-        return sse(
-            {"type": "message_start", "message": self._message([], None, 0)}, "message_start"
-        )
+        return _event("message_start", message=self._message([], None, 0))
 
     def _block_delta(self, delta: dict) -> bytes:
-        event = {"type": "content_block_delta", "index": self.index, "delta": delta}
-        return sse(event, "content_block_delta")
+        return _event("content_block_delta", index=self.index, delta=delta)
 
     def _delta(self, kind: str, delta: str) -> bytes:
         """``delta`` in the open block of this kind ("thinking" or "text"), closing the other and starting
@@ -173,8 +164,7 @@ class AnthropicReply:
 
     def _start(self, block: dict) -> bytes:
         out, self.open = self._close(), block["type"]
-        start = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return out + sse(start, "content_block_start")
+        return out + _event("content_block_start", index=self.index, content_block=block)
 
     def _close(self) -> bytes:
         if self.open is None:
@@ -182,10 +172,9 @@ class AnthropicReply:
         # a thinking block ends with its signature: none here (nothing to verify it against later)
         signature = {"type": "signature_delta", "signature": ""}
         out = self._block_delta(signature) if self.open == "thinking" else b""
+        out += _event("content_block_stop", index=self.index)
         self.open, self.index = None, self.index + 1
-        return out + sse(
-            {"type": "content_block_stop", "index": self.index - 1}, "content_block_stop"
-        )
+        return out
 
     def reasoning(self, delta: str) -> bytes:
         return self._delta("thinking", delta)
@@ -203,16 +192,12 @@ class AnthropicReply:
                 out.append(self._delta(kind, unsent) if unsent or self.open != kind else b"")
             # a tool_use, sent whole: closed by the next block, or the end
             else:
-                out.append(self._start({**block, "input": {}}))
-                arguments = json.dumps(block["input"])
-                out.append(
-                    self._block_delta({"type": "input_json_delta", "partial_json": arguments})
-                )
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+                out += [self._start({**block, "input": {}}), self._block_delta(delta)]
         out.append(self._close())
         stop = {"stop_reason": message["stop_reason"], "stop_sequence": None}
         usage = {"output_tokens": message["usage"]["output_tokens"]}
-        out.append(sse({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta"))
-        out.append(sse({"type": "message_stop"}, "message_stop"))
+        out += [_event("message_delta", delta=stop, usage=usage), _event("message_stop")]
         return b"".join(out)
 
     def error(self, message: str) -> bytes:

@@ -93,8 +93,7 @@ def _actions(call: Call, decode: Callable[[list[int]], str]) -> list[str]:
     """What the model did in ``call``: its reply's text, then each tool call as ``name arguments``."""
     reply = call.response or {}
     # a completions call has no parsed reply: its sampled text is what it did
-    is_completion = call.response is None
-    parts = [decode(call.response_ids)] if is_completion else [reply.get("content") or ""]
+    parts = [decode(call.response_ids) if call.response is None else reply.get("content") or ""]
     for tool_call in reply.get("tool_calls") or []:
         args = tool_call.get("arguments")
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

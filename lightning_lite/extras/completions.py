@@ -31,9 +31,8 @@ def parse_completions_request(body: Any) -> Request:
         "'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)",
         "prompt",
     )
-    req.prompt_text, req.prompt_ids = (
-        (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-    )
+    text = isinstance(prompt, str)
+    req.prompt_text, req.prompt_ids = (prompt, None) if text else (None, list(prompt))
     return req
 
 
@@ -89,9 +88,8 @@ class CompletionsReply:
     def end(self, answers) -> bytes:
         out = []
         for call, text in answers:
-            out += [
-                self._chunk(call.choice, piece) for piece in re.findall(r"\s*\S+|\s+", text or "")
-            ]
+            pieces = re.findall(r"\s*\S+|\s+", text or "")
+            out += [self._chunk(call.choice, piece) for piece in pieces]
             out.append(self._chunk(call.choice, "", client_finish(call, {})))
         if self.req.include_usage:
             out.append(sse({**self.head, "choices": [], "usage": usage(self.n_prompt, answers)}))

@@ -138,15 +138,11 @@ def load(
             sys.exit(f"--from-calls {d}: {e}")
         same_model = served and os.path.abspath(resolve(served)) == os.path.abspath(resolve(model))
         if not same_model and loss != "sft":
+            who = served or "a model it does not name (no proxy.json, no config.json)"
+            hint = f', or, if you know they are {model}\'s, write {{"model": "{model}"}} to {d}/proxy.json'
             sys.exit(
-                f"--from-calls {d}: its calls were sampled by "
-                f"{served or 'a model it does not name (no proxy.json, no config.json)'}, not --model {model}: their "
-                "logprobs are another policy's. Learn from them with --loss sft (same tokenizer)"
-                + (
-                    ""
-                    if served
-                    else f', or, if you know they are {model}\'s, write {{"model": "{model}"}} to {d}/proxy.json'
-                )
+                f"--from-calls {d}: its calls were sampled by {who}, not --model {model}: their logprobs are "
+                f"another policy's. Learn from them with --loss sft (same tokenizer){'' if served else hint}"
             )
         if no_logprobs := [c for c in calls if len(c.response_logprobs) != len(c.response_ids)]:
             if loss != "sft":
@@ -183,11 +179,8 @@ def load(
             f"--from-calls: no rewarded rollout in {' '.join(dirs)}: POST rewards to /rollout/<id>/reward while "
             "proxy.py serves (README: Training from recorded calls), or imitate the traces with --loss sft"
         )
-    if (
-        loss != "sft"
-        and adv in ("grpo", "dr_grpo", "rloo")
-        and all(len(g) == 1 for g in recorded.groups.values())
-    ):
+    singletons = all(len(g) == 1 for g in recorded.groups.values())
+    if loss != "sft" and adv in ("grpo", "dr_grpo", "rloo") and singletons:
         sys.exit(
             f'--from-calls: every rollout is a group of its own (no "task" in the rewards POSTed), so --adv {adv} '
             "gives each advantage 0: use --adv reinforce (the batch mean as baseline), or POST rewards with a task"

@@ -47,11 +47,8 @@ def _ll(tok, n_vocab: Optional[int] = None):
         special = {
             t.content: i for i, t in tok.added_tokens_decoder.items() if ll.is_special_token(i)
         }
-        pattern = (
-            re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True))))
-            if special
-            else None
-        )
+        longest_first = sorted(special, key=len, reverse=True)
+        pattern = re.compile("|".join(map(re.escape, longest_first))) if special else None
         # tok held: its id stays its own
         _TOKENIZERS[key] = (tok, ll, pattern, special)
     return _TOKENIZERS[key][1:]
@@ -59,14 +56,14 @@ def _ll(tok, n_vocab: Optional[int] = None):
 
 def _text(s: str, tok) -> str:
     """Grammar for the literal text ``s``: a special token by id (the model samples it as that token; its text is not
-    text to llguidance), the rest as quoted strings.  '}<|call|>' -> '"}" <[200012]>'."""
+    text to llguidance), the rest as quoted strings (none: "").  '}<|call|>' -> '"}" <[200012]>'."""
     _, pattern, special = _ll(tok)
     parts, pos = [], 0
     for m in pattern.finditer(s) if pattern else ():
         parts += [json.dumps(s[pos : m.start()], ensure_ascii=False)] if m.start() > pos else []
         parts.append(f"<[{special[m.group()]}]>")
         pos = m.end()
-    parts += [json.dumps(s[pos:], ensure_ascii=False)] if pos < len(s) or not parts else []
+    parts += [json.dumps(s[pos:], ensure_ascii=False)] if pos < len(s) else []
     return " ".join(parts)
 
 
@@ -77,19 +74,10 @@ def _closed(schema):
         return [_closed(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {
-        k: _closed(v)
-        if k != "properties"
-        else {n: _closed(x) for n, x in v.items()}
-        if isinstance(v, dict)
-        else v
-        for k, v in schema.items()
-    }
-    return (
-        {**out, "additionalProperties": False}
-        if "properties" in out and "additionalProperties" not in out
-        else out
-    )
+    props = lambda v: {n: _closed(x) for n, x in v.items()} if isinstance(v, dict) else v
+    out = {k: props(v) if k == "properties" else _closed(v) for k, v in schema.items()}
+    closed = "properties" in out and "additionalProperties" not in out
+    return {**out, "additionalProperties": False} if closed else out
 
 
 def _json(schema) -> str:
@@ -142,15 +130,7 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
         else:
             # named: forced() wrote the name and `between` less a trailing space (the model's token carries it)
             lead = head + between if head else between[len(between.rstrip(" ")) :]
-            rule = " ".join(
-                x
-                for x in (
-                    _text(lead, tok) if lead else "",
-                    _json(schema),
-                    _text(after, tok) if after else "",
-                )
-                if x
-            )
+            rule = " ".join(x for x in (_text(lead, tok), _json(schema), _text(after, tok)) if x)
         rules.append(f"call{k}: {rule.strip()}")
     return "\n".join(
         [f"start: {' | '.join(f'call{k}' for k in range(len(rules)))}", *rules, *lexemes]
@@ -178,10 +158,8 @@ def constrain(req, renderer, opened: bool) -> str:
 
 def check(grammar: str, tok) -> Optional[str]:
     """None when llguidance compiles ``grammar`` for ``tok``, else its message (a schema it cannot follow)."""
-    err = llguidance.LLMatcher.validate_grammar(
-        llguidance.grammar_from("lark", grammar), _ll(tok)[0]
-    )
-    return err or None
+    lark = llguidance.grammar_from("lark", grammar)
+    return llguidance.LLMatcher.validate_grammar(lark, _ll(tok)[0]) or None
 
 
 class Matcher:

@@ -49,18 +49,15 @@ class Tasks:
             for h in args.harness
         ]
         self.weights = [w for _, w in specs]
-        named = {item.partition("=")[0].rpartition(":")[0] for item in args.harness_arg}
-        unknown = named - {"", *(spec for spec, _ in specs)}
+        # "K=V" goes to every harness, "SPEC:K=V" to that one
+        items = [(k.rpartition(":"), v) for k, _, v in (i.partition("=") for i in args.harness_arg)]
+        unknown = {key[0] for key, _ in items} - {"", *(spec for spec, _ in specs)}
         if unknown:
             sys.exit(f"--harness-arg {sorted(unknown)[0]}:K=V names no --harness")
         if any(w <= 0 for w in self.weights):
             sys.exit("a --harness WEIGHT must be > 0")
         self.harnesses = []
         for spec, _ in specs:
-            # "K=V" goes to every harness, "SPEC:K=V" to that one
-            items = [
-                (k.rpartition(":"), v) for k, _, v in (i.partition("=") for i in args.harness_arg)
-            ]
             kwargs = parse_kwargs([f"{key[2]}={v}" for key, v in items if key[0] in ("", spec)])
             h = load_harness(spec, **kwargs)
             # metrics are kept by name
@@ -77,9 +74,8 @@ class Tasks:
             sys.exit(
                 f"--group-across-harnesses: harnesses {', '.join(self.by_id)} share no train task id"
             )
-        if self.harnesses and 0 in share(
-            args.group_size if across else args.batch_size, self.weights
-        ):
+        total = args.group_size if across else args.batch_size
+        if self.harnesses and 0 in share(total, self.weights):
             what = "a rollout in every group" if across else "a task a step"
             weights = ", ".join(f"{w:g}" for w in self.weights)
             sys.exit(
@@ -135,12 +131,8 @@ class Tasks:
             sums = [len(mine), sum(ok), sum(r >= 1.0 for r in ok), len(mine) - len(ok)]
             n, total, success, failed = algo.all_reduce(sums)
             suffix = f"/{name}" if name else ""
-            row.update(
-                {
-                    "eval_reward" + suffix: total / max(1, n),
-                    "eval_success" + suffix: success / max(1, n),
-                }
-            )
+            row["eval_reward" + suffix] = total / max(1, n)
+            row["eval_success" + suffix] = success / max(1, n)
             if not name:
                 row.update(eval_tasks=int(n), eval_failed=int(failed), eval_s=round(seconds, 1))
         return row

@@ -104,20 +104,10 @@ def build_batch(files: dict[str, list[str]], max_seq_len: Optional[int]) -> dict
     for c in (c for path in files["calls"] for c in read_calls(path, whole=True)):
         calls_of[c.rollout_id].append(c)
     infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path)}
+    # a rollout with no line in rollouts/: all but its id unknown
+    fields = "rollout_id task_id harness reward call_rewards error seconds advantage".split()
     for rid in calls_of:
-        infos.setdefault(
-            rid,
-            {
-                "rollout_id": rid,
-                "task_id": None,
-                "harness": None,
-                "reward": None,
-                "call_rewards": {},
-                "error": None,
-                "seconds": None,
-                "advantage": None,
-            },
-        )
+        infos.setdefault(rid, {**dict.fromkeys(fields), "rollout_id": rid, "call_rewards": {}})
     seqs: list[list[int]] = []
     rollouts = [
         rollout_view(calls_of.get(rid, []), info, max_seq_len, seqs) for rid, info in infos.items()
@@ -156,11 +146,8 @@ def pack(obj) -> str:
 def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     """Write RUN_DIR/report.html; return its path, how many batches it holds, how many were found."""
     config_path = os.path.join(run_dir, "config.json")
-    config = (
-        json.load(open(config_path), parse_constant=lambda _: None)
-        if os.path.isfile(config_path)
-        else {}
-    )
+    exists = os.path.isfile(config_path)
+    config = json.load(open(config_path), parse_constant=lambda _: None) if exists else {}
     # JSON has no NaN
     finite = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -173,13 +160,9 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     ):
         batch = build_batch(found[(kind, k)], config.get("max_seq_len") if kind == "step" else None)
         ids.update(t for seq in batch["seqs"] for t in seq["tail"])
+        label, metrics_step = batch_label(kind, k), k + 1 if kind == "step" else k
         batches.append(
-            {
-                "kind": kind,
-                "label": batch_label(kind, k),
-                "metrics_step": k + 1 if kind == "step" else k,
-                "blob": pack(batch),
-            }
+            {"kind": kind, "label": label, "metrics_step": metrics_step, "blob": pack(batch)}
         )
     texts = token_texts(config.get("model"), ids) if ids else {}
     data = {
@@ -191,14 +174,10 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
         "vocab": pack(texts) if texts is not None else None,
     }
     # "</" inside a <script> would end it early (a config string, a token text).
-    page = (
-        open(TEMPLATE)
-        .read()
-        .replace("/*DATA*/null", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
-    )
+    script = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     out = os.path.join(run_dir, "report.html")
     with open(out, "w") as f:
-        f.write(page)
+        f.write(open(TEMPLATE).read().replace("/*DATA*/null", script))
     return out, len(kept), len(found)
 
 
@@ -219,10 +198,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     args = ap.parse_args(argv)
     if not os.path.isfile(os.path.join(args.run_dir, "metrics.jsonl")):
+        why = " has no metrics.jsonl" if os.path.isdir(args.run_dir) else ": no such folder"
         ap.error(
-            f"{args.run_dir}"
-            + (" has no metrics.jsonl" if os.path.isdir(args.run_dir) else ": no such folder")
-            + "; pass the --out folder of a train.py run "
+            f"{args.run_dir}{why}; pass the --out folder of a train.py run "
             "(config.json, metrics.jsonl, calls/step_K.jsonl, rollouts/step_K.jsonl)"
         )
     path, n, total = write_report(args.run_dir, args.max_batches)

@@ -33,12 +33,8 @@ def open_responses(body: Any, memo: dict, proxy):
 
     def previous(response_id: str) -> list[dict]:
         if response_id not in conversations:
-            raise BadRequest(
-                f"previous_response_id {response_id[:80]!r} is not a response of this rollout",
-                "previous_response_id",
-                "invalid_value",
-                404,
-            )
+            message = f"previous_response_id {response_id[:80]!r} is not a response of this rollout"
+            raise BadRequest(message, "previous_response_id", "invalid_value", 404)
         return conversations[response_id]
 
     req = parse_responses_request(body, previous, memo)
@@ -101,36 +97,28 @@ def parse_responses_request(
     # one assistant turn: its reasoning, its message, its calls (new dicts: memo's are shared)
     for m in convert(items, _to_messages, memo):
         last = history[-1] if history and history[-1]["role"] == "assistant" else None
+        thought = last and last.keys() == {"role", "content", "reasoning"} and not last["content"]
         # a call joins the turn before it
         if "role" not in m and last is not None:
             history[-1] = {**last, "tool_calls": last.get("tool_calls", []) + [m]}
         elif "role" not in m:
             history.append({"role": "assistant", "content": "", "tool_calls": [m]})
         # the message after a reasoning item
-        elif (
-            m["role"] == "assistant"
-            and last is not None
-            and last.keys() == {"role", "content", "reasoning"}
-            and not last["content"]
-        ):
+        elif m["role"] == "assistant" and thought:
             reasoning = "\n".join(r for r in (last["reasoning"], m.get("reasoning")) if r)
             history[-1] = {**m, "reasoning": reasoning}
         else:
             history.append(m)
     expect(history, "'input' must not be empty", "input")
-    instructions = body.get("instructions")
-    instructions = (
-        [{"role": "system", "content": text_of(instructions, "instructions")}]
-        if instructions
-        else []
-    )
+    system = body.get("instructions")
+    system = [{"role": "system", "content": text_of(system, "instructions")}] if system else []
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     return Request(
-        messages=instructions + history,
+        messages=system + history,
         **tools_of(body),
         **response_format(text.get("format"), "text.format"),
         **settings(body, body.get("max_output_tokens"), None),
-        n_instructions=len(instructions),
+        n_instructions=len(system),
     )
 
 
@@ -161,25 +149,14 @@ class ResponsesReply:
             "content": [{"type": "reasoning_text", "text": text}],
         }
 
+    def _message_item(self, status: str) -> dict:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant"}
+
     def _output(self, reply) -> list[dict]:
         out = [self._reasoning_item(reply["reasoning"])] if reply.get("reasoning") else []
         if reply["content"] or not reply.get("tool_calls"):
-            out.append(
-                {
-                    "type": "message",
-                    "id": self.msg_id,
-                    "status": "completed",
-                    "role": "assistant",
-                    "content": [
-                        {
-                            "type": "output_text",
-                            "text": reply["content"],
-                            "annotations": [],
-                            "logprobs": [],
-                        }
-                    ],
-                }
-            )
+            part = {"type": "output_text", "text": reply["content"], "annotations": []}
+            out.append({**self._message_item("completed"), "content": [{**part, "logprobs": []}]})
         out += [
             {
                 "type": "function_call",
@@ -197,7 +174,7 @@ class ResponsesReply:
 
     def _response(self, status: str, output: list, call=None) -> dict:
         n_out = len(call.response_ids) if call else 0
-        s = self.req.sampling
+        s, incomplete = self.req.sampling, {"reason": "max_output_tokens"}
         return {
             "id": self.id,
             "object": "response",
@@ -206,9 +183,7 @@ class ResponsesReply:
             "model": self.model,
             "output": output,
             "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"}
-            if status == "incomplete"
-            else None,
+            "incomplete_details": incomplete if status == "incomplete" else None,
             "instructions": None,
             "previous_response_id": self.previous_id,
             "parallel_tool_calls": True,
@@ -268,9 +243,8 @@ class ResponsesReply:
         )
 
     def text(self, delta: str) -> bytes:
-        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant"}
         part = {"type": "output_text", "text": "", "annotations": []}
-        out = self._begin("message", {**item, "content": []}, part)
+        out = self._begin("message", {**self._message_item("in_progress"), "content": []}, part)
         at = self._at(self.msg_id)
         return out + self._event("response.output_text.delta", **at, delta=delta, logprobs=[])
 
@@ -281,26 +255,23 @@ class ResponsesReply:
         logprobs = {"logprobs": []} if item["type"] == "message" else {}
         out = self._event(f"response.{part['type']}.done", **at, text=part["text"], **logprobs)
         out += self._event("response.content_part.done", **at, part=part)
+        out += self._event("response.output_item.done", output_index=self.index, item=item)
         self.open, self.index = None, self.index + 1
-        return out + self._event(
-            "response.output_item.done", output_index=self.index - 1, item=item
-        )
+        return out
 
     def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
         response, out = self.body(answers), []
         # from the first item not ended yet (the reasoning ends once the text begins)
         for i, item in enumerate(response["output"][self.index :], self.index):
             if item["type"] == "function_call":
-                at, arguments = dict(item_id=item["id"], output_index=i), item["arguments"]
+                at, args = dict(item_id=item["id"], output_index=i), item["arguments"]
                 added = {**item, "arguments": "", "status": "in_progress"}
-                out.append(self._event("response.output_item.added", output_index=i, item=added))
-                out.append(
-                    self._event("response.function_call_arguments.delta", **at, delta=arguments)
-                )
-                out.append(
-                    self._event("response.function_call_arguments.done", **at, arguments=arguments)
-                )
-                out.append(self._event("response.output_item.done", output_index=i, item=item))
+                out += [
+                    self._event("response.output_item.added", output_index=i, item=added),
+                    self._event("response.function_call_arguments.delta", **at, delta=args),
+                    self._event("response.function_call_arguments.done", **at, arguments=args),
+                    self._event("response.output_item.done", output_index=i, item=item),
+                ]
             # the reasoning or the message: what was not streamed yet, then its end
             else:
                 reasoning = item["type"] == "reasoning"

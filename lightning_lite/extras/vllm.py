@@ -41,6 +41,7 @@ def check(args, ddp: bool, cuda: bool):
 def add_args(parser):
     """The flags of ``--backend vllm``, as an argparse group."""
     group = parser.add_argument_group("vLLM servers (--backend vllm)")
+    venv = ".venv-vllm/bin/python"
     group.add_argument(
         "--vllm-url",
         nargs="+",
@@ -57,9 +58,7 @@ def add_args(parser):
     )
     group.add_argument(
         "--vllm-python",
-        default=".venv-vllm/bin/python"
-        if os.path.exists(".venv-vllm/bin/python")
-        else sys.executable,
+        default=venv if os.path.exists(venv) else sys.executable,
         help="the Python that has vLLM",
     )
     group.add_argument(
@@ -98,7 +97,8 @@ def start(args, config, dtype: torch.dtype, model_dir: str, device: torch.device
     unless ``--vllm-url`` names running ones; every rank's proxy sends to the same servers; rank 0 writes the
     weight syncs, in ``dtype`` (the trainer's compute). ``config``: the trained model's (context, RoPE)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if not args.vllm_url and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not args.vllm_url and local_world < world:
         sys.exit(
             "--backend vllm starts its servers on rank 0's node, at 127.0.0.1: "
             "over several nodes start them yourself and pass --vllm-url"
@@ -107,32 +107,19 @@ def start(args, config, dtype: torch.dtype, model_dir: str, device: torch.device
     # past the trained length), or every logprob differs
     context = []
     if args.max_model_len:
-        overrides = {
-            "max_position_embeddings": config.max_position_embeddings,
-            "rope_parameters": config.rope_parameters,
-        }
-        context = [
-            "--max-model-len",
-            str(config.max_position_embeddings),
-            "--hf-overrides",
-            json.dumps(overrides),
-        ]
+        n = config.max_position_embeddings
+        overrides = {"max_position_embeddings": n, "rope_parameters": config.rope_parameters}
+        context = ["--max-model-len", str(n), "--hf-overrides", json.dumps(overrides)]
     backend, urls, key = None, args.vllm_url, args.vllm_api_key
     if rank == 0 and not args.vllm_url:
         extra = args.vllm_args.split()
         # the CPU build has no sleep mode
         sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []
         # --vllm-args after ours: they may override
-        server_args = context + ["--dtype", str(dtype).removeprefix("torch.")] + extra + sleep
-        places = _places(args, device, world, extra)
-        backend = VLLMBackend.spawn(
-            model_dir,
-            args.vllm_servers,
-            args.vllm_python,
-            server_args,
-            log_dir=args.out,
-            places=places,
-        )
+        flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + extra + sleep
+        places = _places(args, device, local_world, extra)
+        python, n = args.vllm_python, args.vllm_servers
+        backend = VLLMBackend.spawn(model_dir, n, python, flags, log_dir=args.out, places=places)
         urls, key = backend.urls, backend.api_key
     if world > 1:
         # the key too: every rank's proxy sends it
@@ -150,7 +137,7 @@ def start(args, config, dtype: torch.dtype, model_dir: str, device: torch.device
     return backend
 
 
-def _places(args, device: torch.device, world: int, extra: list) -> Optional[list]:
+def _places(args, device: torch.device, local_world: int, extra: list) -> Optional[list]:
     """Where each started server runs (see ``placement``): none on vLLM's CPU build; on GPUs server k on
     GPU k unless --vllm-gpus, in ids as CUDA_VISIBLE_DEVICES takes them (a server's replaces ours)."""
     if not torch.cuda.is_available():
@@ -162,7 +149,6 @@ def _places(args, device: torch.device, world: int, extra: list) -> Optional[lis
         sys.exit(
             f"--vllm-servers {args.vllm_servers} > {len(visible)} GPUs: place them with --vllm-gpus"
         )
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     trainer = visible[:local_world] if device.type == "cuda" else []
     gpu_sets = args.vllm_gpus or visible[: args.vllm_servers]
     return placement(gpu_sets, trainer, args.vllm_gpu_memory, extra)
@@ -201,6 +187,9 @@ _SERVER_ARGS = [
     *"--host 127.0.0.1 --logprobs-mode processed_logprobs --generation-config vllm".split(),
     *["--structured-outputs-config", '{"backend": "guidance"}'],
 ]
+_GRAMMAR_HINT = (
+    ' (a grammar: start the servers with --structured-outputs-config \'{"backend": "guidance"}\')'
+)
 
 
 class VLLMBackend(PauseGate):
@@ -266,6 +255,7 @@ class VLLMBackend(PauseGate):
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_API_KEY": key,
         }
+        die = _die_with_parent if sys.platform == "linux" else None
         for k, (place_env, place_args) in enumerate(places or [({}, [])] * n):
             port = _free_port()
             cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
@@ -273,11 +263,7 @@ class VLLMBackend(PauseGate):
             log = open(os.path.join(log_dir, f"vllm_{k}.log"), "w")
             procs.append(
                 subprocess.Popen(
-                    cmd,
-                    env={**env, **place_env},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    cmd, env=env | place_env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die
                 )
             )
             urls.append(f"http://127.0.0.1:{port}")
@@ -314,12 +300,7 @@ class VLLMBackend(PauseGate):
                 headers = _auth(self.api_key)
                 async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
                     if r.status != 200:
-                        hint = (
-                            " (a grammar: start the servers with --structured-outputs-config "
-                            '\'{"backend": "guidance"}\')'
-                            if sampling.grammar
-                            else ""
-                        )
+                        hint = _GRAMMAR_HINT if sampling.grammar else ""
                         raise RuntimeError(
                             f"vLLM at {url} answered {r.status}: {(await r.text())[:500]}{hint}"
                         )
@@ -491,11 +472,8 @@ def _http(url: str, body: Optional[dict] = None, timeout: float = 600, key: Opti
         with urllib.request.urlopen(request, timeout=timeout) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
-        why = (
-            "wrong or missing API key: --vllm-api-key"
-            if e.code == 401
-            else "sync routes need VLLM_SERVER_DEV_MODE=1"
-        )
+        why = "sync routes need VLLM_SERVER_DEV_MODE=1"
+        why = "wrong or missing API key: --vllm-api-key" if e.code == 401 else why
         raise RuntimeError(f"{url} answered {e.code}: {e.read()[:500]!r} ({why})") from None
     return json.loads(raw) if raw.strip() else None
 

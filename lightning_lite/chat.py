@@ -230,8 +230,10 @@ class Renderer:
         self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
         templates = tokenizer.chat_template or ""
         if not templates:
-            message = "the tokenizer has no chat template; use a chat/instruct model or set "
-            raise ValueError(message + "tokenizer.chat_template")
+            model = getattr(tokenizer, "name_or_path", None) or "this model"
+            raise ValueError(
+                f"{model!r} has no chat template; serve a chat model, or set tokenizer.chat_template"
+            )
         source = "\n".join(templates.values()) if isinstance(templates, dict) else templates
         self.eos_ids = set(eos_ids or ()) | {t for t in [tokenizer.eos_token_id] if t is not None}
         specials = sorted(filter(None, tokenizer.all_special_tokens), key=len, reverse=True)
@@ -250,15 +252,21 @@ class Renderer:
 
     def _probe_turn_close(self) -> str:
         """The text a template writes after an assistant message's content (ChatML: "<|im_end|>\\n")."""
-        try:
-            reply = {"role": "assistant", "content": self.SENTINEL}
-            text = self.render_text(PROBE_USER + [reply], [], False)
-        except BadRequest as e:
+        reply = {"role": "assistant", "content": self.SENTINEL}
+        text = self._rendered(PROBE_USER + [reply], [], False)
+        if text is None or self.SENTINEL not in text:
+            why = self.refusal if text is None else "it leaves out the assistant message's text"
             raise ValueError(
-                f"the chat template of {getattr(self.tok, 'name_or_path', 'this model')!r} cannot render a plain "
-                f"user/assistant conversation ({e.message}); give the tokenizer a chat template that can"
-            ) from None
+                f"{self.name()} cannot render a plain user/assistant conversation of text ({why}); serve a "
+                "chat model whose template can, or set tokenizer.chat_template to one"
+            )
         return text[text.rindex(self.SENTINEL) + len(self.SENTINEL) :]
+
+    def name(self) -> str:
+        """The chat template, as start-up messages name it: its model's."""
+        return (
+            f"the chat template of {getattr(self.tok, 'name_or_path', None) or 'this tokenizer'!r}"
+        )
 
     def _probe_native_call(self) -> Optional[str]:
         """The template's text for a call after its generation prompt, where it renders the tool list and the call
@@ -271,9 +279,10 @@ class Renderer:
             full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
             if head is None or full is None:
                 continue
-            # DeepSeek-R1: the generation prompt opens <think>, which history turns do not have
-            if self.think and head.rstrip().endswith(self.think[0]) and not full.startswith(head):
-                head = head.rstrip()[: -len(self.think[0])]
+            # The generation prompt opens a think block (DeepSeek-R1), or writes an empty one (thinking off),
+            # which the history's turns do not have
+            if self.think and not full.startswith(head):
+                head = _without_think_opening(head, self.think)
             if self.SENTINEL in head and "llval" in full[len(head) :] and full.startswith(head):
                 return full[len(head) :]
         self.native_tools = self.short_ids = False
@@ -282,11 +291,12 @@ class Renderer:
     def _choose_format(self, call_text: Optional[str], tool_format: Optional[str]) -> str:
         """``tool_format`` if given, else the format the call text is in (Hermes without native tools)."""
         detected = toolcalls.detect(call_text) if call_text else None
+        # never served as if it were another format: the harness would get its calls back as text
         if call_text and not detected and not tool_format:
-            log.warning(
-                "the chat template writes tool calls in a format lightning-lite does not know; parsing them as "
-                "hermes (pass --tool-format NAME: %s)",
-                ", ".join(toolcalls.FORMATS),
+            shown = call_text.replace(self.SENTINEL, "get_weather")[:160]
+            raise ValueError(
+                f"{self.name()} writes tool calls in a format lightning-lite does not parse: {shown!r}; if the "
+                f"model writes one of {', '.join(toolcalls.FORMATS)}, name it with --tool-format"
             )
         fmt = tool_format or detected or "hermes"
         # an unknown name raises here, at start-up
@@ -294,10 +304,11 @@ class Renderer:
         return fmt
 
     def _rendered(self, messages, tools, add_generation_prompt) -> Optional[str]:
-        """The template's text for a probe, None where the template refuses it."""
+        """The template's text for a probe, None where the template refuses it (why: ``refusal``)."""
         try:
             return self.render_text(messages, tools, add_generation_prompt)
-        except BadRequest:
+        except BadRequest as e:
+            self.refusal = e.message
             return None
 
     def _probe_per_message(self) -> bool:
@@ -536,6 +547,15 @@ def think_tags(template_source: str) -> Optional[tuple[str, str]]:
         return ("[THINK]", "[/THINK]")
     has_think = "<think>" in template_source or "</think>" in template_source
     return ("<think>", "</think>") if has_think else None
+
+
+def _without_think_opening(head: str, think: tuple[str, str]) -> str:
+    """A generation prompt without the think block it ends with: opened, or opened and closed empty."""
+    stripped = head.rstrip()
+    if stripped.endswith(think[0]):
+        return stripped[: -len(think[0])]
+    empty = re.search(re.escape(think[0]) + r"\s*" + re.escape(think[1]) + r"\Z", stripped)
+    return stripped[: empty.start()] if empty else head
 
 
 def _same_role(out: list[dict], m: dict) -> bool:

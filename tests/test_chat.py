@@ -125,8 +125,15 @@ def test_request_parsing_accepts_what_harnesses_send():
 def test_native_tool_template_is_used_as_is(tok):
     t = copy.deepcopy(tok)
     t.chat_template = NATIVE
-    r = Renderer(t)
-    assert r.native_tools
+    # its calls are in no format the proxy parses: refused at start-up, naming the template and the way out
+    with pytest.raises(
+        ValueError,
+        match=r"chat template of .*smollm2.* does not parse: '<tool_call>get_weather\(.*--tool-format",
+    ):
+        Renderer(t)
+    # unless the user names the format the model writes
+    r = Renderer(t, tool_format="hermes")
+    assert r.native_tools and r.format == "hermes"
     tools = [{"name": "calculator", "parameters": {}}]
     msgs = [
         {"role": "user", "content": "2+3?"},
@@ -145,6 +152,33 @@ def test_native_tool_template_is_used_as_is(tok):
         '<tool_call>calculator({"expression": "2+3"})</tool_call>' in text
     )  # arguments passed as a dict
     assert "<|im_start|>tool\n5" in text and "# Tools" not in text
+
+
+# Hermes calls rendered natively; the generation prompt writes an empty think block the history's turns lack
+THINKING_OFF = NATIVE.replace(
+    "<tool_call>{{ tc.function.name }}({{ tc.function.arguments | tojson }})</tool_call>",
+    '<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>',
+).replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}",
+)
+# writes no assistant message's text (a vision or embedding model's template)
+NO_ASSISTANT = (
+    "{% for m in messages if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_probing_tolerates_an_empty_think_block_and_refuses_naming_the_template(tok):
+    t = copy.deepcopy(tok)
+    t.chat_template = THINKING_OFF
+    r = Renderer(t)
+    assert r.native_tools and r.format == "hermes"
+    t.chat_template = NO_ASSISTANT
+    with pytest.raises(
+        ValueError, match="chat template of .*smollm2.* leaves out the assistant message's text"
+    ):
+        Renderer(t)
 
 
 def test_fallback_renders_tools_in_the_system_prompt(tok):

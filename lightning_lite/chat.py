@@ -362,7 +362,7 @@ class Renderer:
         """The messages as a template with tool support takes them (OpenAI's shape, arguments as a dict)."""
         if not self.native_tools:
             return self._hermes_messages(messages, tools)
-        adjust, out = toolcalls.format_of(self.format).adjust, []
+        form, out, named = toolcalls.format_of(self.format), [], {}
         for m in messages:
             # Mistral: roles must alternate, one system message
             if self.merge_roles and m["role"] in ("user", "system") and _same_role(out, m):
@@ -373,11 +373,15 @@ class Renderer:
             if m.get("reasoning"):
                 message["reasoning_content"] = message["thinking"] = m["reasoning"]
             for t in m.get("tool_calls") or ():
-                call = {"id": self._id(t["id"]), "type": "function", "function": _parsed(t)}
-                message.setdefault("tool_calls", []).append(call)
+                # Kimi: an id holds its call's name, functions.NAME:K for the conversation's K-th call
+                if form.named_ids and not t["id"].startswith("functions."):
+                    named.setdefault(t["id"], f"functions.{t['name']}:{len(named)}")
+                call = {"id": named.get(t["id"]) or self._id(t["id"]), "type": "function"}
+                message.setdefault("tool_calls", []).append({**call, "function": _parsed(t)})
             if m["role"] == "tool":
-                message["tool_call_id"] = self._id(m.get("tool_call_id", ""))
-            out.append(adjust(m, message) if adjust else message)
+                i = m.get("tool_call_id", "")
+                message["tool_call_id"] = named.get(i) or self._id(i)
+            out.append(form.adjust(m, message) if form.adjust else message)
         return out
 
     def _hermes_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:

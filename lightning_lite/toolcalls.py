@@ -10,6 +10,7 @@ so the text starts inside (Qwen3.5, DeepSeek-R1).
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass
@@ -17,7 +18,9 @@ from typing import Callable, Optional
 
 # The --tool-format choices: "hermes" is below, each other name is an entry of extras/tool_formats.FORMATS.
 FORMATS = tuple(
-    "hermes qwen3_coder llama3 mistral mistral_v11 deepseek deepseek_v31 harmony granite".split()
+    "hermes qwen3_coder llama3 mistral mistral_v11 deepseek deepseek_v31 harmony granite glm longcat minimax "
+    "deepseek_v32 deepseek_v4 minicpm solar hy3_preview hy3 hunyuan nemotron gigachat tool_calls_json intern "
+    "longcat_json olmo3 lfm2 gemma4 kimi seed_oss function_tags".split()
 )
 # detect(): the name of the call a template renders, with the arguments {"llarg": "llval"}
 SENTINEL = "LLSENTINEL7f3a"
@@ -28,8 +31,8 @@ class Format:
     """One family's way of writing tool calls: a few small functions and strings."""
 
     # One call's text around its name and its arguments: what opens a forced call (``forced``) and what a
-    # constrained call's grammar writes around the arguments (extras/grammar.py).
-    call: tuple[str, str, str]
+    # constrained call's grammar writes around the arguments (extras/grammar.py). None: no forced calls.
+    call: Optional[tuple[str, str, str]]
     # Is this the format, given a template's rendering of the SENTINEL call before and after the name?
     detect: Callable[[str, str], bool]
     # blocks and stream are needed unless the format parses the whole reply itself (whole).
@@ -43,6 +46,10 @@ class Format:
     json_reply: str = ""
     # One message as the template takes it, from the normalized one: (message, template's message) -> that.
     adjust: Optional[Callable[[dict, dict], dict]] = None
+    # A call's id holds its name, functions.NAME:K (Kimi): the ids of calls in the history are written so.
+    named_ids: bool = False
+    # Arguments written as one tag a parameter, not JSON: the text before its value ({name}: the key), after it.
+    param: Optional[tuple[str, str]] = None
 
 
 def make_call(name: str, args, id: Optional[str] = None) -> dict:
@@ -53,6 +60,7 @@ def make_call(name: str, args, id: Optional[str] = None) -> dict:
 
 def call_from_json(obj) -> Optional[dict]:
     """``{"name", "arguments" | "parameters", "id"?}`` -> a call; None when it is not one."""
+    obj = {**obj, "name": obj.get("name", obj.get("tool_name"))} if isinstance(obj, dict) else obj
     if isinstance(obj, dict) and isinstance(obj.get("name"), str):
         id = obj.get("id") if isinstance(obj.get("id"), str) else None
         return make_call(obj["name"], obj.get("arguments", obj.get("parameters", {})), id)
@@ -64,6 +72,14 @@ def parse_arguments(args):
         return json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError:
         return args
+
+
+def python_literal(text: str):
+    """The Python literal ``text`` is, else None."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
 
 
 def hold_back(text: str, markers) -> str:
@@ -88,6 +104,9 @@ def tag_body(body: str) -> Optional[list[dict]]:
     (both formats read both; a parameter is a JSON value where it parses, else text). None: not a call."""
     if body.startswith("{"):
         call = call_from_json(parse_arguments(body))
+        # arguments written as a Python dict: {"name": "f", "arguments": {'x': 1}}
+        if call is None and isinstance(parse_arguments(body), str):
+            call = call_from_json(python_literal(body))
         return [call] if call else None
     m = FUNCTION_RE.fullmatch(body)
     # anything but parameters inside: not a call
@@ -102,7 +121,9 @@ def hermes_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
 
 
 # detect(): a template that writes the call as JSON after <tool_call>
-HERMES_CALL_RE = re.compile(r'<tool_call>\s*\[?\s*\{\s*"name"\s*:\s*"$')
+HERMES_CALL_RE = re.compile(
+    r'<tool_call>\s*\[?\s*\{\s*(?:"tool_call_id"\s*:\s*"[^"]*",\s*)?"name"\s*:\s*"$'
+)
 HERMES = Format(
     call=('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
     detect=lambda before, after: bool(HERMES_CALL_RE.search(before)),
@@ -176,7 +197,7 @@ def forced(fmt: str, name: Optional[str], opened=False, think=("<think>", "</thi
     parsing. ``name`` "": the model picks the tool; None: a reply in JSON (response_format); ``opened``: the
     prompt opened a think block, closed first. Hermes: '<tool_call>\\n{"name": "f", "arguments":' for "f"."""
     form = format_of(fmt)
-    start, before_args, _ = form.call
+    start, before_args, _ = form.call or ("", "", "")
     opening = form.json_reply if name is None else start + (name + before_args if name else "")
     close_reasoning = think[1] + "\n\n" if opened and think and not form.whole else ""
     # No space after the last ':': the model's own first token carries it (' {'), as the template writes it.
@@ -186,8 +207,8 @@ def forced(fmt: str, name: Optional[str], opened=False, think=("<think>", "</thi
 def detect(rendered: str) -> Optional[str]:
     """The format of a chat template, from its rendering of an assistant turn holding one call named ``SENTINEL``
     with arguments ``{"llarg": "llval"}``; None when it did not render the call or in no known way."""
-    i = rendered.find(SENTINEL)
-    if i < 0 or "llval" not in rendered[i:]:
+    # Kimi's templates write no name, only the call's id
+    before, _, after = rendered.partition(SENTINEL)
+    if "llval" not in rendered:
         return None
-    before, after = rendered[:i], rendered[i + len(SENTINEL) :]
     return next((name for name in FORMATS if format_of(name).detect(before, after)), None)

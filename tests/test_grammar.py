@@ -70,6 +70,17 @@ WRITTEN = {
     "qwen3_coder": "<tool_call>\n<function=calculator>\n<parameter=expression>\n2+3\n</parameter>\n</function>\n</tool_call>",
 }
 
+# the formats whose calls are tags: written from their own parts
+for fmt in toolcalls.FORMATS:
+    form = toolcalls.format_of(fmt)
+    if form.call and fmt not in WRITTEN:
+        param = (
+            form.param[0].replace("{name}", "expression") + "2+3" + form.param[1]
+            if form.param
+            else ARGS
+        )
+        WRITTEN[fmt] = form.call[0] + "calculator" + form.call[1] + param + form.call[2]
+
 
 def follows(grammar_text, tok, text):
     """Does the grammar take ``text`` (then EOS)? The trainer's replay raises on a token outside it."""
@@ -80,7 +91,7 @@ def follows(grammar_text, tok, text):
         return False
 
 
-@pytest.mark.parametrize("fmt", toolcalls.FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in toolcalls.FORMATS if toolcalls.format_of(f).call])
 def test_each_formats_grammar_takes_the_call_its_template_writes_and_nothing_off_schema(tok, fmt):
     """What follows toolcalls.forced() for a named tool and for "required" (any of two tools): the template's own
     call text (which toolcalls.parse reads back) and nothing with arguments off the schema."""
@@ -90,7 +101,7 @@ def test_each_formats_grammar_takes_the_call_its_template_writes_and_nothing_off
     }
     bad = (
         text.replace('"expression": "2+3"', '"expression": 5')
-        if fmt != "qwen3_coder"
+        if not toolcalls.format_of(fmt).param
         else text.replace("expression", "expr")
     )
     for name in ("calculator", ""):
@@ -103,6 +114,18 @@ def test_each_formats_grammar_takes_the_call_its_template_writes_and_nothing_off
             fmt,
             name,
         )  # one call, then the turn ends
+
+
+def test_a_format_without_a_forced_opening_refuses_a_forced_call(tok):
+    """Python calls (OLMo 3, LFM2.5), Gemma 4's and Kimi's: no grammar writes them, so tool_choice forcing a call is
+    a 400 that says so, not a call sampled free."""
+    from types import SimpleNamespace
+
+    from lightning_lite.chat import BadRequest, Request
+
+    renderer = SimpleNamespace(format="olmo3", tok=tok)
+    with pytest.raises(BadRequest, match="cannot force a call in the olmo3 tool-call format"):
+        grammar.constrain(Request(tools=[CALC], force_tool="calculator"), renderer, False)
 
 
 def test_qwen3_coder_parameters_follow_their_own_schemas_refs_and_all(tok):

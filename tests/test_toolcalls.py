@@ -8,7 +8,7 @@ import os
 import pytest
 
 from lightning_lite.chat import think_tags
-from lightning_lite.toolcalls import FORMATS, SENTINEL, detect, forced, parse, visible
+from lightning_lite.toolcalls import FORMATS, SENTINEL, detect, forced, format_of, parse, visible
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "fixtures", "templates")
 THINK = ("<think>", "</think>")
@@ -112,6 +112,88 @@ CONTINUE = {
     "harmony": ('{"city": "Paris"}', 'get_weather <|constrain|>json<|message|>{"city": "Paris"}'),
     "granite": ('{"city": "Paris"}}]', 'get_weather", "arguments": {"city": "Paris"}}]'),
 }
+
+# The families whose calls are JSON after a marker, Python, Gemma 4's, Kimi's and Hunyuan's
+Q = '<|"|>'
+KIMI = "<|tool_calls_section_begin|>{}<|tool_calls_section_end|>"
+KC = "<|tool_call_begin|>functions.{}:{}<|tool_call_argument_begin|>{}<|tool_call_end|>"
+HY = "<tool_call>{}\n```json\n{}\n```</tool_call>"
+MORE = {
+    # fmt: (ONE's call, TWO, BAD)
+    "nemotron": (
+        '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>',
+        '<TOOLCALL>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</TOOLCALL>',
+        'Let me check.<TOOLCALL>[{"name": "get_weather", "arguments": {"city": }]</TOOLCALL>',
+    ),
+    "gigachat": (
+        '<|function_call|>{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '<|function_call|>{"name": "a", "arguments": {"x": 1}}<|function_call|>{"name": "b", "arguments": {}}',
+        'Let me check.<|function_call|>{"name": "get_weather", "arguments": {"city": ',
+    ),
+    "tool_calls_json": (
+        '<tool_calls>[{"name": "get_weather", "arguments": {\'city\': \'Paris\'}}]</tool_calls>',
+        '<tool_calls>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_calls>',
+        'Let me check.<tool_calls>[{"name": "get_weather", "arguments": {"city"}]</tool_calls>',
+    ),
+    "intern": (
+        '<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>',
+        '<|action_start|><|plugin|>\n[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]<|action_end|>',
+        'Let me check.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {<|action_end|>',
+    ),
+    "longcat_json": (
+        '<longcat_tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</longcat_tool_call>',
+        '<longcat_tool_call>\n[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]\n</longcat_tool_call>',
+        'Let me check.<longcat_tool_call>\n{"name": "get_weather"\n</longcat_tool_call>',
+    ),
+    "olmo3": (
+        '<function_calls>get_weather(city="Paris")</function_calls>',
+        "<function_calls>a(x=1)\nb()</function_calls>",
+        'Let me check.<function_calls>get_weather(city="Paris"</function_calls>',
+    ),
+    "lfm2": (
+        "<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>",
+        "<|tool_call_start|>[a(x=1), b()]<|tool_call_end|>",
+        "Let me check.<|tool_call_start|>[get_weather(city=Paris)]<|tool_call_end|>",
+    ),
+    "gemma4": (
+        f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>",
+        "<|tool_call>call:a{x:1}<tool_call|><|tool_call>call:b{}<tool_call|>",
+        f"Let me check.<|tool_call>call:get_weather{{city:{Q}Paris}}<tool_call|>",
+    ),
+    "kimi": (
+        KIMI.format(KC.format("get_weather", 0, '{"city": "Paris"}')),
+        KIMI.format(KC.format("a", 0, '{"x": 1}') + KC.format("b", 1, "{}")),
+        "Let me check." + KIMI.format(KC.format("get_weather", 0, '{"city": ')),
+    ),
+    "hunyuan": (
+        "<tool_calls>" + HY.format("get_weather", '{"city": "Paris"}') + "</tool_calls>",
+        "<tool_calls>" + HY.format("a", '{"x": 1}') + HY.format("b", "{}") + "</tool_calls>",
+        "Let me check.<tool_calls>" + HY.format("get_weather", '{"city"') + "</tool_calls>",
+    ),
+}
+for fmt, (one, two, bad) in MORE.items():
+    ONE[fmt], TWO[fmt], BAD[fmt] = BEFORE + one, two, bad
+    if format_of(fmt).call:
+        after_name = one.split("get_weather", 1)[1]
+        args = after_name.split('"arguments": ', 1)[-1].split('"parameters": ', 1)[-1]
+        CONTINUE[fmt] = (args.split("```json\n")[-1], "get_weather" + after_name)
+
+
+def tagged_texts(fmt: str) -> tuple[str, str, str, tuple[str, str]]:
+    """ONE, TWO, BAD and CONTINUE of a format whose calls are tags (Format.param), written from its own parts."""
+    start, between, end = format_of(fmt).call
+    param = lambda k, v: format_of(fmt).param[0].replace("{name}", k) + v + format_of(fmt).param[1]  # noqa: E731
+    params = param("city", "Paris")
+    one = BEFORE + start + "get_weather" + between + params + end
+    two = start + "a" + between + param("x", "1") + end + start + "b" + between + end
+    bad = "Let me check." + start + "get_weather" + between + "city: Paris" + end
+    return one, two, bad, (params + end, "get_weather" + between + params + end)
+
+
+for fmt in FORMATS:
+    if format_of(fmt).param and fmt not in ONE:
+        ONE[fmt], TWO[fmt], BAD[fmt], CONTINUE[fmt] = tagged_texts(fmt)
+
 SPECIAL = [
     "<tool_call>",
     "</tool_call>",
@@ -173,6 +255,7 @@ def test_parse_content_one_call_parallel_calls_and_malformed(fmt):
     assert ids == {
         "mistral": ["abcdefghi", "aaaaaaaa1", "bbbbbbbb2"],
         "mistral_v11": [None, "aaaaaaaa1", "bbbbbbbb2"],
+        "kimi": ["functions.get_weather:0", "functions.a:0", "functions.b:1"],
     }.get(fmt, [None] * 3)
 
 
@@ -364,7 +447,7 @@ def test_visible_is_always_a_prefix_of_the_final_parse(fmt, special_tok):
         assert visible(fmt, "<|channel|>analysis<|message|>Need the") == ("Need the", "")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if format_of(f).call])
 def test_forced_call_parses(fmt):
     named, required = CONTINUE[fmt]
     for name, cont in (("get_weather", named), ("", required)):

@@ -90,24 +90,27 @@ def json_grammar(schema: dict) -> str:
     return "start: " + _json(schema)
 
 
-def _coder_params(schema: dict, tok, k: int) -> tuple[str, list[str]]:
-    """Qwen3-Coder's parameters, ``<parameter=A>\\nV\\n</parameter>\\n`` each, in the schema's order (the required ones
-    always): a string value is any text without the closing tag, another one JSON. -> (the rule's body, lexemes)."""
+def _tag_params(schema: dict, tok, k: int, param: tuple[str, str]) -> tuple[str, list[str]]:
+    """Parameters written as tags (``Format.param``; Qwen3-Coder's ``<parameter=A>\\nV\\n</parameter>\\n``), in the
+    schema's order (the required ones always): a string value is any text up to the closing text, another one JSON
+    of its property's schema. -> (the rule's body, lexemes)."""
     props, required = schema.get("properties") or {}, set(schema.get("required") or [])
     body, lexemes = [], []
     # what a property's "$ref" points into
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    # the closing text as a regex: a string ends at its first one, which it includes
+    close = "".join(
+        "\\n" if c == "\n" else "\\" + c if c in "\\/.^$|?*+()[]{}-" else c for c in param[1]
+    )
     for j, (name, sub) in enumerate(props.items()):
-        close = _text("\n</parameter>\n", tok)
-        # a string ends at the first closing tag, which it includes
         if isinstance(sub, dict) and sub.get("type") == "string":
-            lexemes.append(
-                f"STR{k}_{j}: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.)+/"
-            )
+            lexemes.append(f"STR{k}_{j}: /(?s:.*){close}/ & ~/(?s:.*){close}(?s:.)+/")
             value = f"STR{k}_{j}"
         else:
-            value = f"{_json({**sub, **defs} if isinstance(sub, dict) else sub)} {close}"
-        item = f"{_text(f'<parameter={name}>' + chr(10), tok)} {value}"
+            value = (
+                f"{_json({**sub, **defs} if isinstance(sub, dict) else sub)} {_text(param[1], tok)}"
+            )
+        item = f"{_text(param[0].replace('{name}', name), tok)} {value}"
         body.append(item if name in required else f"({item})?")
     return " ".join(body) or '""', lexemes
 
@@ -121,10 +124,11 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
         schema = t.get("parameters") if isinstance(t.get("parameters"), dict) else {}
         head = "" if name else t["name"]
         # the call's text around its arguments: toolcalls.forced wrote what comes before the name
-        _, between, after = format_of(fmt).call
+        form = format_of(fmt)
+        _, between, after = form.call
         # <tool_call>\n<function=N>\n PARAMETERS </function>\n</tool_call>
-        if fmt == "qwen3_coder":
-            params, more = _coder_params(schema, tok, k)
+        if form.param:
+            params, more = _tag_params(schema, tok, k, form.param)
             lexemes += more
             rule = f"{_text(head + between, tok) if head else ''} {params} {_text(after, tok)}"
         else:
@@ -141,6 +145,11 @@ def constrain(req, renderer, opened: bool) -> str:
     """A request's forced call or JSON reply: its grammar put into ``req.sampling``, the text its reply is forced
     to begin with returned. The forced call's arguments follow their tool's schema, a response_format's JSON its
     schema; a schema llguidance cannot compile is a 400 with its message."""
+    if req.force_tool is not None and format_of(renderer.format).call is None:
+        message = (
+            f"tool_choice cannot force a call in the {renderer.format} tool-call format; use 'auto'"
+        )
+        raise BadRequest(message, "tool_choice", "unsupported_tool_choice")
     if req.force_tool is not None:
         param, rules = (
             "tools",

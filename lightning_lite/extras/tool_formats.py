@@ -9,6 +9,10 @@ toolcalls.py looks a format up in (its one hook). How each family writes one cal
     deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>  V3.1
     harmony       <|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>  gpt-oss
     granite       <|tool_call|>[{"name": N, "arguments": {...}}]                         Granite 3.x
+    glm ... solar, seed_oss, function_tags   a tag a parameter (``tagged``): GLM 4.5-5.2 <tool_call>N<arg_key>A</arg_key>
+                  <arg_value>V</arg_value></tool_call>, LongCat, Hy3, MiniMax <invoke name=N>, DeepSeek-V3.2/V4 DSML, MiniCPM
+    nemotron, gigachat, tool_calls_json, intern, longcat_json   JSON after a marker (``json_tagged``): <TOOLCALL>[...]
+    olmo3, lfm2   Python calls [N(a="v")]; gemma4  <|tool_call>call:N{a:<|"|>v<|"|>}; kimi  functions.N:K ids; hunyuan
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced and detected.
 qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions here, its entry in ``FORMATS``, its name in ``toolcalls.FORMATS``.
@@ -16,12 +20,22 @@ qwen3_coder parses as Hermes does (both read both bodies). A new format: its fun
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import replace
 from typing import Optional
 
-from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments, up_to
+from ..toolcalls import (
+    HERMES,
+    Format,
+    call_from_json,
+    hold_back,
+    make_call,
+    parse_arguments,
+    python_literal,
+    up_to,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -125,12 +139,13 @@ def llama3_blocks(text: str):
     rest, i, calls = text.strip().removeprefix(PYTHON_TAG), 0, []
     while (i := CALL_SEPARATORS.match(rest, i).end()) < len(rest):
         value = json_at(rest, i)
-        obj = value[0] if value else None
-        is_call = isinstance(obj, dict) and ("parameters" in obj or "arguments" in obj)
-        call = is_call and call_from_json(obj)
-        if not call:
+        # one call, or a list of them (xLAM-2)
+        objs = value[0] if value and isinstance(value[0], list) else [value[0] if value else None]
+        is_call = lambda o: isinstance(o, dict) and ("parameters" in o or "arguments" in o)
+        found = [call_from_json(o) if is_call(o) else None for o in objs]
+        if not found or not all(found):
             return []
-        calls, i = calls + [call], value[1]
+        calls, i = calls + found, value[1]
     return [(0, len(text), calls)] if calls else []
 
 
@@ -196,12 +211,163 @@ DEEPSEEK = Format(
     blocks=regex_blocks(DEEPSEEK_RE, deepseek_calls),
     stream=up_to(DS_BEGIN),
 )
+
+
+def flex(text: str) -> str:
+    """A regex for the literal ``text`` in which each run of whitespace may be any whitespace, or none."""
+    return r"\s*".join(map(re.escape, re.split(r"\s+", text)))
+
+
+def region(start: str, end: str) -> re.Pattern:
+    """From ``start`` to ``end`` (or the end of the reply): group 1 is what is between."""
+    return re.compile(flex(start) + r"(.*?)(?:" + flex(end) + r"|\Z)", re.S)
+
+
+def each(unit: re.Pattern, read):
+    """A region's calls: every match of ``unit`` read into one (``read(match)``, None: not a call), nothing else."""
+
+    def calls(text: str) -> Optional[list[dict]]:
+        found = [read(m) for m in unit.finditer(text)]
+        return found if found and all(found) and not unit.sub("", text).strip() else None
+
+    return calls
+
+
+def dict_call(name: str, arguments: str, id: Optional[str] = None) -> Optional[dict]:
+    args = parse_arguments(arguments)
+    return make_call(name, args, id) if isinstance(args, dict) else None
+
+
+def tagged(start: str, between: str, end: str, param: tuple[str, str], block=("", "")) -> Format:
+    """Calls as tags, a tag a parameter (GLM, MiniMax, DeepSeek-V3.2 and V4, MiniCPM): ``block[0]``, then for each call
+    ``start`` NAME ``between`` its parameters ``end``, then ``block[1]``. A parameter: ``param[0]`` with its key for
+    {name}, its value (JSON where it parses, else text; one newline around it is the tags'), ``param[1]``. A run of
+    whitespace in them may be any, or none: GLM 4.5's ``<tool_call>f\\n<arg_key>city</arg_key>\\n<arg_value>Paris
+    </arg_value>\\n</tool_call>`` and GLM 5's, without the newlines, are both f({"city": "Paris"})."""
+    key_start, key_end = param[0].split("{name}")
+    # DeepSeek's string="true" | "false" after the key: any attributes
+    key_end = r'"[^>]*>' if key_end.startswith('"') else flex(key_end.rstrip())
+    value = flex(key_start) + r"(.+?)" + key_end + r"\n?(.*?)\n?" + flex(param[1].lstrip())
+    param_re = re.compile(value, re.S)
+    call_re = re.compile(
+        flex(start) + r"([^\s<>\"'=]+)" + flex(between) + r"(.*?)" + flex(end), re.S
+    )
+
+    def read(m: re.Match) -> Optional[dict]:
+        params = {k.strip(): parse_arguments(v) for k, v in param_re.findall(m.group(2))}
+        return None if param_re.sub("", m.group(2)).strip() else make_call(m.group(1), params)
+
+    opening = re.compile(flex(block[0] + start) + r"\Z")
+    detect = lambda before, after: bool(
+        opening.search(before) and re.match(flex(between + key_start), after)
+    )
+    whole = region(*block) if block[0] else re.compile(f"({call_re.pattern})", re.S)
+    call = (block[0] + start, between, end + block[1])
+    return Format(
+        call,
+        detect,
+        regex_blocks(whole, each(call_re, read)),
+        up_to((block[0] or start).strip()),
+        param=param,
+    )
+
+
+def glm(prefix: str = "", suffix: str = "", sep: str = "", block: bool = False) -> Format:
+    """GLM's calls (Ring, Laguna, HyperCLOVAX too), its tags with a ``prefix`` (LongCat) or ``suffix`` and a ``sep``
+    tag after the name inside a ``block`` (Hy3)."""
+    tag = lambda name, close="": f"<{close}{prefix}{name}{suffix}>"
+    key = (
+        tag("arg_key") + "{name}" + tag("arg_key", "/") + "\n" + tag("arg_value"),
+        tag("arg_value", "/") + "\n",
+    )
+    blocked = (tag("tool_calls") + "\n", "\n" + tag("tool_calls", "/")) if block else ("", "")
+    return tagged(
+        tag("tool_call"),
+        (tag(sep) if sep else "") + "\n",
+        "\n" + tag("tool_call", "/"),
+        key,
+        blocked,
+    )
+
+
+def dsml(block: str) -> Format:
+    """DeepSeek-V3.2's (``function_calls``) and V4's (``tool_calls``) DSML."""
+    param = ('<｜DSML｜parameter name="{name}" string="true">', "</｜DSML｜parameter>\n")
+    blocked = (f"<｜DSML｜{block}>\n", f"</｜DSML｜{block}>")
+    return tagged('<｜DSML｜invoke name="', '">\n', "</｜DSML｜invoke>\n", param, blocked)
+
+
+def json_tagged(start: str, end: str = "", listed: bool = False) -> Format:
+    """Calls as JSON (a list of them where ``listed``) after ``start``, up to ``end``: Nemotron's
+    ``<TOOLCALL>[{"name": N, "arguments": {...}}]</TOOLCALL>``; the arguments may be a Python dict (Apriel)."""
+
+    def read(body: str) -> Optional[list[dict]]:
+        value = parse_arguments(body.strip())
+        value = python_literal(body.strip()) if isinstance(value, str) else value
+        calls = [call_from_json(o) for o in (value if isinstance(value, list) else [value])]
+        return calls if calls and all(calls) else None
+
+    left, right = ("[", "]") if listed else ("", "")
+    call = (start + left + '{"name": "', '", "arguments": ', "}" + right + end)
+    blocks = regex_blocks(region(start, end), read) if end else marker_blocks(start, json_calls)
+    return Format(call, json_after(start.strip()), blocks, up_to(start.strip()))
+
+
+def pythonic_calls(body: str) -> Optional[list[dict]]:
+    """``[f(a=1), g()]``, or one call a line, with literal keyword arguments (OLMo 3, LFM2.5) -> calls, else None."""
+    try:
+        tree = ast.parse(body.strip().removeprefix("```python").removesuffix("```"))
+        nodes = [n.value for n in tree.body if isinstance(n, ast.Expr)]
+        exprs = [e for n in nodes for e in (n.elts if isinstance(n, ast.List) else [n])]
+        calls = [
+            make_call(e.func.id, {k.arg: ast.literal_eval(k.value) for k in e.keywords})
+            for e in exprs
+            if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and not e.args
+        ]
+    except (SyntaxError, ValueError):
+        return None
+    return calls if calls and len(calls) == len(exprs) and len(nodes) == len(tree.body) else None
+
+
+def pythonic(start: str, end: str) -> Format:
+    """Python calls between ``start`` and ``end``; a forced call is refused (no grammar writes Python)."""
+    detect = lambda before, after: bool(re.search(flex(start) + r"\[?\Z", before))
+    return Format(None, detect, regex_blocks(region(start, end), pythonic_calls), up_to(start))
+
+
+# Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>, strings quoted by <|"|>, keys bare
+GEMMA4_CALL = re.compile(r"<\|tool_call>call:([^{\s]+)(\{.*?\})(?:<tool_call\|>|\Z)", re.S)
+GEMMA4_JSON = re.compile(r'<\|"\|>(.*?)<\|"\|>|(?<=[{,])\s*([A-Za-z_][\w.-]*)\s*(?=:)', re.S)
+
+
+def gemma4_call(m: re.Match) -> Optional[dict]:
+    quote = lambda t: json.dumps(t.group(1) if t.group(1) is not None else t.group(2))
+    return dict_call(m.group(1), GEMMA4_JSON.sub(quote, m.group(2)))
+
+
+# Kimi K2: the NAME is in the call's id, functions.NAME:K
+KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL = re.compile(
+    r"\s*<\|tool_call_begin\|>\s*(functions\.([^\s:<]+):\d+)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>\s*",
+    re.S,
+)
+kimi_call = lambda m: dict_call(m.group(2), m.group(3), m.group(1))
+# Hunyuan: <tool_calls><tool_call>NAME\n```json\n{...}\n```</tool_call></tool_calls>
+HUNYUAN_CALL = re.compile(
+    r"\s*<tool_call>\s*(\S+?)\s*```(?:json)?\s*(.*?)\s*```\s*</tool_call>\s*", re.S
+)
+hunyuan_call = lambda m: dict_call(m.group(1), m.group(2))
+
+
+CODER_PARAM = ("<parameter={name}>\n", "\n</parameter>\n")
+SEED_BLOCK = ("<seed:tool_call>\n", "\n</seed:tool_call>")
 # A format that parses as another does (either of its shapes) differs in how a call is forced and detected.
 FORMATS = {
     "qwen3_coder": replace(
         HERMES,
         call=("<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"),
-        detect=lambda before, after: before.endswith("<function="),
+        detect=lambda before, after: bool(re.search(r"<tool_call>\s*<function=\Z", before)),
+        param=CODER_PARAM,
     ),
     "llama3": Format(
         call=('{"name": "', '", "parameters": ', "}"),
@@ -238,4 +404,61 @@ FORMATS = {
         blocks=marker_blocks("<|tool_call|>", json_calls),
         stream=up_to("<|tool_call|>"),
     ),
+    "glm": glm(),
+    "longcat": glm(prefix="longcat_"),
+    "minimax": tagged(
+        '<invoke name="',
+        '">\n',
+        "</invoke>\n",
+        ('<parameter name="{name}">', "</parameter>\n"),
+        ("<minimax:tool_call>\n", "</minimax:tool_call>"),
+    ),
+    "deepseek_v32": dsml("function_calls"),
+    "deepseek_v4": dsml("tool_calls"),
+    "minicpm": tagged(
+        '<function name="', '">', "</function>", ('<param name="{name}">', "</param>")
+    ),
+    "solar": tagged(
+        "<|tool_call:start|>",
+        "\n",
+        "\n<|tool_call:end|>",
+        ("<|tool_arg:start|>{name}<|tool_arg:value|>", "<|tool_arg:end|>\n"),
+    ),
+    "hy3_preview": glm(sep="tool_sep", block=True),
+    "hy3": glm(suffix=":opensource", sep="tool_sep", block=True),
+    "hunyuan": Format(
+        call=("<tool_calls><tool_call>", "\n```json\n", "\n```</tool_call></tool_calls>"),
+        detect=lambda before, after: (
+            before.endswith("<tool_calls><tool_call>") and "```json" in after
+        ),
+        blocks=regex_blocks(
+            region("<tool_calls>", "</tool_calls>"), each(HUNYUAN_CALL, hunyuan_call)
+        ),
+        stream=up_to("<tool_calls>"),
+    ),
+    "nemotron": json_tagged("<TOOLCALL>", "</TOOLCALL>", listed=True),
+    "gigachat": json_tagged("<|function_call|>"),
+    "tool_calls_json": json_tagged("<tool_calls>", "</tool_calls>", listed=True),
+    "intern": json_tagged("<|action_start|><|plugin|>\n", "<|action_end|>"),
+    "longcat_json": json_tagged("<longcat_tool_call>\n", "\n</longcat_tool_call>"),
+    "olmo3": pythonic("<function_calls>", "</function_calls>"),
+    "lfm2": pythonic("<|tool_call_start|>", "<|tool_call_end|>"),
+    "gemma4": Format(
+        call=None,
+        detect=lambda before, after: before.endswith("<|tool_call>call:"),
+        blocks=regex_blocks(
+            re.compile(f"({GEMMA4_CALL.pattern})", re.S), each(GEMMA4_CALL, gemma4_call)
+        ),
+        stream=up_to("<|tool_call>"),
+    ),
+    "kimi": Format(
+        call=None,
+        detect=lambda before, after: KIMI_BEGIN + "<|tool_call_begin|>" in before,
+        blocks=regex_blocks(region(KIMI_BEGIN, KIMI_END), each(KIMI_CALL, kimi_call)),
+        stream=up_to(KIMI_BEGIN),
+        named_ids=True,
+    ),
+    # Qwen3-Coder's calls in Seed-OSS's block, and without one (FrogBoss)
+    "seed_oss": tagged("<function=", ">\n", "\n</function>", CODER_PARAM, SEED_BLOCK),
+    "function_tags": tagged("<function=", ">\n", "\n</function>", CODER_PARAM),
 }

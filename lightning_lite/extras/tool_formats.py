@@ -45,6 +45,9 @@ HARMONY_MARKERS = (
     "<|start|> <|channel|> <|message|> <|constrain|> <|end|> <|call|> <|return|>".split()
 )
 
+DS_UNIT = re.compile(
+    rf"\s*{re.escape(DS_CALL)}(.*?){re.escape(DS_SEP)}(.*?)(?:{re.escape(DS_CALL_END)}|\Z)\s*", re.S
+)
 DEEPSEEK_RE = re.compile(re.escape(DS_BEGIN) + r"(.*?)(?:" + re.escape(DS_END) + r"|$)", re.DOTALL)
 # R1: NAME\n```json\n{...}\n```
 FENCED_RE = re.compile(r"\s*(\S+?)\s*```(?:json)?\s*(.*?)\s*(?:```)?\s*", re.DOTALL)
@@ -84,6 +87,31 @@ def regex_blocks(pattern: re.Pattern, read):
     ]
 
 
+def flex(text: str) -> str:
+    """A regex for the literal ``text`` in which each run of whitespace may be any whitespace, or none."""
+    return r"\s*".join(map(re.escape, re.split(r"\s+", text)))
+
+
+def region(start: str, end: str) -> re.Pattern:
+    """From ``start`` to ``end`` (or the end of the reply): group 1 is what is between."""
+    return re.compile(flex(start) + r"(.*?)(?:" + flex(end) + r"|\Z)", re.S)
+
+
+def each(unit: re.Pattern, read):
+    """A region's calls: every match of ``unit`` read into one (``read(match)``, None: not a call), nothing else."""
+
+    def calls(text: str) -> Optional[list[dict]]:
+        found = [read(m) for m in unit.finditer(text)]
+        return found if found and all(found) and not unit.sub("", text).strip() else None
+
+    return calls
+
+
+def dict_call(name: str, arguments: str, id: Optional[str] = None) -> Optional[dict]:
+    args = parse_arguments(arguments)
+    return make_call(name, args, id) if isinstance(args, dict) else None
+
+
 def marker_blocks(marker: str, read):
     """A ``Format.blocks``: each ``marker`` followed by what ``read(text, i)`` parses into ``(calls, end)``."""
 
@@ -115,21 +143,11 @@ def mistral_calls(text: str, i: int):
     return [make_call(m.group(1), args[0], m.group(2))], args[1]
 
 
-def deepseek_calls(region: str) -> Optional[list[dict]]:
-    """The calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``; None unless all parse."""
-    first, *parts = region.split(DS_CALL)
-    calls = []
-    for part in parts:
-        body, _, after = part.partition(DS_CALL_END)
-        name, sep, args = body.partition(DS_SEP)
-        # R1/V3: function<sep>NAME```json{...}```; V3.1: NAME<sep>{...}
-        if name.strip() == "function" and (fenced := FENCED_RE.fullmatch(args)):
-            name, args = fenced.groups()
-        obj = parse_arguments(args)
-        if after.strip() or not sep or not isinstance(obj, dict):
-            return None
-        calls.append(make_call(name.strip(), obj))
-    return calls if calls and not first.strip() else None
+def deepseek_call(m: re.Match) -> Optional[dict]:
+    """R1/V3: function<sep>NAME```json{...}```; V3.1: NAME<sep>{...}"""
+    name, args = m.groups()
+    fenced = FENCED_RE.fullmatch(args) if name.strip() == "function" else None
+    return dict_call(*(fenced.groups() if fenced else (name.strip(), args)))
 
 
 def llama3_blocks(text: str):
@@ -208,34 +226,9 @@ MISTRAL = Format(
 DEEPSEEK = Format(
     call=(DS_BEGIN + DS_CALL + "function" + DS_SEP, "\n```json\n", "\n```" + DS_CLOSE),
     detect=lambda before, after: before.endswith(DS_SEP),
-    blocks=regex_blocks(DEEPSEEK_RE, deepseek_calls),
+    blocks=regex_blocks(DEEPSEEK_RE, each(DS_UNIT, deepseek_call)),
     stream=up_to(DS_BEGIN),
 )
-
-
-def flex(text: str) -> str:
-    """A regex for the literal ``text`` in which each run of whitespace may be any whitespace, or none."""
-    return r"\s*".join(map(re.escape, re.split(r"\s+", text)))
-
-
-def region(start: str, end: str) -> re.Pattern:
-    """From ``start`` to ``end`` (or the end of the reply): group 1 is what is between."""
-    return re.compile(flex(start) + r"(.*?)(?:" + flex(end) + r"|\Z)", re.S)
-
-
-def each(unit: re.Pattern, read):
-    """A region's calls: every match of ``unit`` read into one (``read(match)``, None: not a call), nothing else."""
-
-    def calls(text: str) -> Optional[list[dict]]:
-        found = [read(m) for m in unit.finditer(text)]
-        return found if found and all(found) and not unit.sub("", text).strip() else None
-
-    return calls
-
-
-def dict_call(name: str, arguments: str, id: Optional[str] = None) -> Optional[dict]:
-    args = parse_arguments(arguments)
-    return make_call(name, args, id) if isinstance(args, dict) else None
 
 
 def tagged(start: str, between: str, end: str, param: tuple[str, str], block=("", "")) -> Format:
@@ -398,12 +391,7 @@ FORMATS = {
         json_reply="<|channel|>final<|message|>",
         adjust=harmony_message,
     ),
-    "granite": Format(
-        call=('<|tool_call|>[{"name": "', '", "arguments": ', "}]"),
-        detect=json_after("<|tool_call|>"),
-        blocks=marker_blocks("<|tool_call|>", json_calls),
-        stream=up_to("<|tool_call|>"),
-    ),
+    "granite": json_tagged("<|tool_call|>", listed=True),
     "glm": glm(),
     "longcat": glm(prefix="longcat_"),
     "minimax": tagged(

@@ -42,10 +42,10 @@ def add_args(parser):
     """The flags of ``--backend vllm``, as an argparse group."""
     group = parser.add_argument_group("vLLM servers (--backend vllm)")
     venv = ".venv-vllm/bin/python"
+    python = venv if os.path.exists(venv) else sys.executable
     group.add_argument(
         "--vllm-url",
         nargs="+",
-        default=None,
         metavar="URL",
         help="servers already running this model (VLLM_SERVER_DEV_MODE=1, --logprobs-mode "
         "processed_logprobs) that can read --out; default: start --vllm-servers",
@@ -56,11 +56,7 @@ def add_args(parser):
         default=1,
         help="servers to start (rank 0 starts them; logs in OUT/vllm_K.log)",
     )
-    group.add_argument(
-        "--vllm-python",
-        default=venv if os.path.exists(venv) else sys.executable,
-        help="the Python that has vLLM",
-    )
+    group.add_argument("--vllm-python", default=python, help="the Python that has vLLM")
     group.add_argument(
         "--vllm-args",
         default="",
@@ -74,21 +70,17 @@ def add_args(parser):
     group.add_argument(
         "--vllm-gpus",
         nargs="+",
-        default=None,
         metavar="IDS",
         help="a started server per GPU set, e.g. '4,5 6,7' (nvidia-smi's ids; replaces --vllm-servers)",
     )
     group.add_argument(
         "--vllm-gpu-memory",
         type=float,
-        default=None,
         metavar="SHARE",
         help="each started server's --gpu-memory-utilization; default 0.3 beside the trainer, else 0.9",
     )
     group.add_argument(
-        "--vllm-api-key",
-        metavar="KEY",
-        help="the API key of the --vllm-url servers (or $VLLM_API_KEY)",
+        "--vllm-api-key", metavar="KEY", help="API key of the --vllm-url servers (or $VLLM_API_KEY)"
     )
 
 
@@ -249,12 +241,8 @@ class VLLMBackend(PauseGate):
         # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on vLLM's CPU build, which otherwise reserves 92% of
         # memory (GPU builds ignore it). The key in VLLM_API_KEY, not --api-key: ps shows command lines
         # to every user, environments only to their own.
-        env = {
-            "VLLM_CPU_KVCACHE_SPACE": "4",
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_API_KEY": key,
-        }
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
+        env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": key}
         die = _die_with_parent if sys.platform == "linux" else None
         for k, (place_env, place_args) in enumerate(places or [({}, [])] * n):
             port = _free_port()

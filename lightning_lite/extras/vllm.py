@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import glob
 import json
 import os
 import shlex
@@ -276,8 +277,7 @@ class VLLMBackend(PauseGate):
         while True:
             with self._cond:
                 if not self.paused:
-                    self._inflight += 1
-                    version = self.version
+                    self._inflight, version = self._inflight + 1, self.version
                     break
             await asyncio.sleep(0.05)
         try:
@@ -428,10 +428,7 @@ def _sync_dir(model_dir: str) -> str:
     """A new folder for the weight syncs of servers on this machine: in memory (/dev/shm) when it holds the
     weights twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by default), else on
     disk. A hub name (no folder here) has no size to check."""
-    files = os.listdir(model_dir) if os.path.isdir(model_dir) else []
-    need = 2 * sum(
-        os.path.getsize(os.path.join(model_dir, f)) for f in files if f.endswith(".safetensors")
-    )
+    need = 2 * sum(map(os.path.getsize, glob.glob(glob.escape(model_dir) + "/*.safetensors")))
     in_memory = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need
     return tempfile.mkdtemp(prefix="lightning-lite-weights-", dir="/dev/shm" if in_memory else None)
 

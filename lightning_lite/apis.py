@@ -95,11 +95,8 @@ def settings(body: dict, max_tokens: Any, stop: Any) -> dict:
     """The Request's ``sampling``, ``stream`` and ``model``. ``max_tokens``, ``stop``: their values (names vary)."""
     max_tokens = _number("max_tokens", max_tokens, 1, math.inf, None, integer=True)
     stop = [stop] if isinstance(stop, str) else stop or []
-    must_be(
-        isinstance(stop, list) and all(isinstance(s, str) for s in stop),
-        "stop",
-        "a string or a list of strings",
-    )
+    strings = isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    must_be(strings, "stop", "a string or a list of strings")
     sampling = Sampling(
         max_tokens=max_tokens,
         stop=[s for s in stop if s],
@@ -109,11 +106,9 @@ def settings(body: dict, max_tokens: Any, stop: Any) -> dict:
         # -1 (vLLM's "off") -> 0
         top_k=max(0, int(_number("top_k", body.get("top_k"), -1, 1e9, 0))),
     )
-    return {
-        "sampling": sampling,
-        "stream": bool(body.get("stream", False)),
-        "model": str(body.get("model", "")),
-    }
+    return dict(
+        sampling=sampling, stream=bool(body.get("stream")), model=str(body.get("model", ""))
+    )
 
 
 def openai_settings(body: dict) -> dict:
@@ -122,11 +117,8 @@ def openai_settings(body: dict) -> dict:
     must_be(isinstance(stream_options, dict), "stream_options", "an object")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     n = _number("n", body.get("n"), 1, 16, 1, integer=True)
-    return {
-        **settings(body, max_tokens, body.get("stop")),
-        "n": n,
-        "include_usage": bool(stream_options.get("include_usage", False)),
-    }
+    include_usage = bool(stream_options.get("include_usage"))
+    return {**settings(body, max_tokens, body.get("stop")), "n": n, "include_usage": include_usage}
 
 
 def tools_of(body: dict) -> dict:
@@ -137,14 +129,13 @@ def tools_of(body: dict) -> dict:
     must_be(isinstance(tools, list), "tools", "a list")
     out = []
     for i, tool in enumerate(tools):
-        must_be(isinstance(tool, dict), f"tools[{i}]", "an object")
+        where = f"tools[{i}]"
+        must_be(isinstance(tool, dict), where, "an object")
         if tool.get("type", "function") != "function" and "input_schema" not in tool:
             continue
         # chat nests the function, the others do not
         fn = tool["function"] if isinstance(tool.get("function"), dict) else tool
-        expect(
-            isinstance(fn.get("name"), str), f"'tools[{i}].name' must be a string", f"tools[{i}]"
-        )
+        expect(isinstance(fn.get("name"), str), f"'{where}.name' must be a string", where)
         kept = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
         out.append({**kept, "parameters": fn["input_schema"]} if "input_schema" in fn else kept)
     # "auto" | "none" | "required", or {"type": "auto" | "none" | "any" | "function" | "tool", ...}
@@ -173,12 +164,8 @@ def response_format(fmt: Any, param: str) -> dict:
     if fmt is None:
         return {}
     must_be(isinstance(fmt, dict), param, "an object")
-    kind = fmt.get("type")
-    must_be(
-        kind in (None, "text", "json_object", "json_schema"),
-        param + ".type",
-        '"text", "json_object" or "json_schema"',
-    )
+    kind, kinds = fmt.get("type"), (None, "text", "json_object", "json_schema")
+    must_be(kind in kinds, param + ".type", '"text", "json_object" or "json_schema"')
     if kind == "json_schema":
         nested = fmt.get("json_schema")
         schema = nested.get("schema") if isinstance(nested, dict) else fmt.get("schema")
@@ -236,8 +223,7 @@ def _calls(tool_calls: Any, param: str) -> dict:
         is_call = isinstance(call, dict) and isinstance(call.get("function"), dict)
         must_be(is_call, where, "an object with a 'function'")
         fn = call["function"]
-        name_param = where + ".function.name"
-        must_be(isinstance(fn.get("name"), str), name_param, "a string")
+        must_be(isinstance(fn.get("name"), str), where + ".function.name", "a string")
         arguments = parse_arguments(fn.get("arguments", {}))
         calls.append({"id": str(call.get("id", "")), "name": fn["name"], "arguments": arguments})
     return {"tool_calls": calls}
@@ -264,8 +250,7 @@ def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
     # {"enable_thinking": false}, ...
     template_kwargs = body.get("chat_template_kwargs")
     template_kwargs = {} if template_kwargs is None else template_kwargs
-    param = "chat_template_kwargs"
-    must_be(isinstance(template_kwargs, dict), param, "an object")
+    must_be(isinstance(template_kwargs, dict), "chat_template_kwargs", "an object")
     return Request(
         messages=convert(messages, lambda m, i: [_message(m, i)], memo),
         **tools_of(body),
@@ -298,12 +283,8 @@ def rest(content: str, sent: str) -> str:
 
 def usage(n_prompt: int, answers) -> dict:
     """One request's usage: its prompt once, the tokens of all its choices."""
-    n_completion = sum(len(call.response_ids) for call, _ in answers)
-    return {
-        "prompt_tokens": n_prompt,
-        "completion_tokens": n_completion,
-        "total_tokens": n_prompt + n_completion,
-    }
+    n = sum(len(call.response_ids) for call, _ in answers)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
 
 
 def client_finish(call, reply) -> str:
@@ -366,12 +347,7 @@ class ChatReply:
                 ]
             }
         finish = client_finish(call, reply)
-        return {
-            "index": call.choice,
-            "message": message,
-            "finish_reason": finish,
-            "logprobs": logprobs,
-        }
+        return dict(index=call.choice, message=message, finish_reason=finish, logprobs=logprobs)
 
     def body(self, answers) -> dict:
         choices = [self._choice(call, reply) for call, reply in answers]
@@ -379,9 +355,8 @@ class ChatReply:
         return {**self.head, "object": "chat.completion", "choices": choices, "usage": usage_}
 
     def _chunk(self, index: int, delta: dict, finish=None) -> bytes:
-        return sse(
-            {**self.head, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
-        )
+        choice = {"index": index, "delta": delta, "finish_reason": finish}
+        return sse({**self.head, "choices": [choice]})
 
     def start(self) -> bytes:
         return b"".join(
@@ -396,11 +371,8 @@ class ChatReply:
 
     def end(self, answers, sent: str = "", sent_reasoning: str = "") -> bytes:
         out = []
+        fields = (("reasoning", "reasoning_content", sent_reasoning), ("content", "content", sent))
         for call, reply in answers:
-            fields = (
-                ("reasoning", "reasoning_content", sent_reasoning),
-                ("content", "content", sent),
-            )
             for key, field_, done in fields:
                 # only choice 0 streams live
                 unsent = rest(reply.get(key, ""), done if call.choice == 0 else "")

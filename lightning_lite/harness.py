@@ -310,11 +310,8 @@ def resolve_call_rewards(results: list[RolloutResult], calls_of: dict, posted) -
         index_of |= {c.reply_id: c.index for c in mine if ids[c.reply_id] == 1}
         rewards = {**posted(r.rollout_id), **r.call_rewards}
         if r.reward is not None and (bad := [k for k in rewards if k not in index_of]):
-            r.reward = None
-            r.error = (
-                f"rewards for calls it does not have: {bad[:3]} (name a call by its index in the "
-                "rollout or its reply's id)"
-            )
+            why = "name a call by its index in the rollout or its reply's id"
+            r.reward, r.error = None, f"rewards for calls it does not have: {bad[:3]} ({why})"
         r.call_rewards = (
             {index_of[k]: v for k, v in rewards.items()} if r.reward is not None else {}
         )

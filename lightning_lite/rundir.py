@@ -10,13 +10,13 @@ A run that resumes at step k drops what an earlier attempt wrote after checkpoin
 again on the same tasks, so a run killed between checkpoints loses no data and trains none twice.
 """
 
-import dataclasses
 import json
 import math
 import os
 import re
 import shutil
 from collections import Counter
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -40,9 +40,7 @@ class RunDir:
     def save_rollouts(self, name: str, results: list, advantages: dict):
         """One line per rollout: the harness's RolloutResult and its advantage (a number, {call
         index: number} for a per-call estimator, or null: not trained)."""
-        rows = [
-            dataclasses.asdict(r) | {"advantage": advantages.get(r.rollout_id)} for r in results
-        ]
+        rows = [asdict(r) | {"advantage": advantages.get(r.rollout_id)} for r in results]
         records.write_jsonl(self.file("rollouts", name), rows)
 
     def append_metrics(self, row: dict, loggers=None):

@@ -17,6 +17,7 @@ from ..apis import (
     error_body,
     expect,
     messages_of,
+    must_be,
     response_format,
     rest,
     settings,
@@ -57,11 +58,8 @@ def _to_messages(m: Any, i: int) -> list[dict]:
     texts, calls, thoughts, content = [], [], [], m.get("content")
     text_only = content is None or isinstance(content, str)
     blocks = [{"type": "text", "text": content or ""}] if text_only else content
-    expect(
-        isinstance(blocks, list) and all(isinstance(b, dict) for b in blocks),
-        f"'{where}.content' must be a string or a list of content blocks",
-        where + ".content",
-    )
+    is_blocks = isinstance(blocks, list) and all(isinstance(b, dict) for b in blocks)
+    must_be(is_blocks, where + ".content", "a string or a list of content blocks")
     for j, block in enumerate(blocks):
         kind, at = block.get("type"), f"{where}.content[{j}]"
         if kind == "text":

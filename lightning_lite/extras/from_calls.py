@@ -30,11 +30,9 @@ def add_args(parser) -> None:
     group.add_argument(
         "--from-calls",
         nargs="+",
-        default=None,
         metavar="DIR",
-        help="train on calls recorded by proxy.py --out DIR (rewards "
-        "POSTed while it served) or by a train.py run, instead of running a harness (README: Training from recorded "
-        "calls); --harness then only evaluates",
+        help="train on calls recorded by proxy.py --out DIR (rewards POSTed while it served) or by a train.py run, "
+        "instead of running a harness (README: Training from recorded calls); --harness then only evaluates",
     )
 
 

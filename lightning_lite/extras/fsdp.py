@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed.fsdp as fsdp2
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -49,22 +50,13 @@ def wrap(model, offload: bool = False, dtype: torch.dtype = torch.float32):
     """Shard ``model`` in place and return it; ``offload`` keeps parameters, gradients and optimizer
     state in CPU memory. ``dtype`` bf16: the weights are gathered and computed with in bf16; the shards
     (master weights) and the gradient reductions stay fp32."""
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
-
-    precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    policy = {
-        "mp_policy": precision,
-        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
-    }
+    precision = fsdp2.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload_policy = fsdp2.CPUOffloadPolicy() if offload else fsdp2.OffloadPolicy()
+    policy = {"mp_policy": precision, "offload_policy": offload_policy}
     # transformers decoder models: one shard unit per layer
     for layer in model.model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
+        fsdp2.fully_shard(layer, **policy)
+    fsdp2.fully_shard(model, **policy)
     return model
 
 

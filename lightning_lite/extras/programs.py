@@ -99,16 +99,14 @@ class SubprocessHarness(Harness):
                     stdin=asyncio.subprocess.DEVNULL,
                     start_new_session=True,
                 )
-                await proc.wait()
+                code = await proc.wait()
                 out.seek(0), err.seek(0)
                 stdout, stderr = (f.read().decode(errors="replace") for f in (out, err))
                 # scoring may run tests for a while: off the event loop, so other rollouts go on
-                reward = await asyncio.to_thread(
-                    self.reward, task, stdout, proc.returncode, workdir
-                )
-                if reward is None and proc.returncode != 0:
+                reward = await asyncio.to_thread(self.reward, task, stdout, code, workdir)
+                if reward is None and code != 0:
                     tail = " | ".join(stderr.strip().splitlines()[-3:]) or "(no stderr)"
-                    what = f"{argv[0]} (sandbox {self.sandbox.name}) exited with code {proc.returncode}"
+                    what = f"{argv[0]} (sandbox {self.sandbox.name}) exited with code {code}"
                     raise RuntimeError(f"{what}: {tail}")
                 return reward
             finally:

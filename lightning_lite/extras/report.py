@@ -204,9 +204,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             "(config.json, metrics.jsonl, calls/step_K.jsonl, rollouts/step_K.jsonl)"
         )
     path, n, total = write_report(args.run_dir, args.max_batches)
-    kept = f"trajectories of {n} of {total} steps/evals" + (
-        " (--max-batches 0 keeps all)" if n < total else ""
-    )
+    kept = f"trajectories of {n} of {total} steps/evals"
+    kept += " (--max-batches 0 keeps all)" if n < total else ""
     print(f"wrote {path} ({os.path.getsize(path) / 1e6:.2f} MB; {kept})")
 
 

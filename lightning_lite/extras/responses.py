@@ -15,6 +15,7 @@ from ..apis import (
     convert,
     expect,
     json_object,
+    must_be,
     response_format,
     rest,
     settings,
@@ -46,17 +47,14 @@ def open_responses(body: Any, memo: dict, proxy):
 
 def _part_texts(parts: Any) -> str:
     """The texts of a list of parts ({"type", "text"}), joined by newlines; anything else: ""."""
-    if not isinstance(parts, list):
-        return ""
-    return "\n".join(
-        p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
-    )
+    texts = [p.get("text") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+    return "\n".join(t for t in texts if isinstance(t, str))
 
 
 def _to_messages(item: Any, i: int) -> list[dict]:
     """One input item -> a message, or a tool call (no "role": joined to its turn by the caller)."""
     where = f"input[{i}]"
-    expect(isinstance(item, dict), f"'{where}' must be an object", where)
+    must_be(isinstance(item, dict), where, "an object")
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
@@ -64,9 +62,7 @@ def _to_messages(item: Any, i: int) -> list[dict]:
         expect(role in roles, f"unknown role {role!r} in {where}", where + ".role")
         return [{"role": ROLES[role], "content": text_of(item.get("content"), where + ".content")}]
     if kind == "function_call":
-        expect(
-            isinstance(item.get("name"), str), f"'{where}.name' must be a string", where + ".name"
-        )
+        must_be(isinstance(item.get("name"), str), where + ".name", "a string")
         arguments = parse_arguments(item.get("arguments", "{}"))
         return [{"id": str(item.get("call_id", "")), "name": item["name"], "arguments": arguments}]
     if kind == "function_call_output":
@@ -88,8 +84,7 @@ def parse_responses_request(
     body = json_object(body)
     history, previous_id = [], body.get("previous_response_id")
     if previous_id is not None:
-        param = "previous_response_id"
-        expect(isinstance(previous_id, str), f"'{param}' must be a string", param)
+        must_be(isinstance(previous_id, str), "previous_response_id", "a string")
         history = list(previous(previous_id))
     items = body.get("input", [])
     items = [{"role": "user", "content": items}] if isinstance(items, str) else items
@@ -141,13 +136,9 @@ class ResponsesReply:
         # the open item ("reasoning", "message" or None), its output index (else the next one's)
         self.open, self.index = None, 0
 
-    def _reasoning_item(self, text: str) -> dict:
-        return {
-            "type": "reasoning",
-            "id": self.rs_id,
-            "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}],
-        }
+    def _reasoning_item(self, *texts: str) -> dict:
+        content = [{"type": "reasoning_text", "text": text} for text in texts]
+        return {"type": "reasoning", "id": self.rs_id, "summary": [], "content": content}
 
     def _message_item(self, status: str) -> dict:
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant"}
@@ -157,19 +148,12 @@ class ResponsesReply:
         if reply["content"] or not reply.get("tool_calls"):
             part = {"type": "output_text", "text": reply["content"], "annotations": []}
             out.append({**self._message_item("completed"), "content": [{**part, "logprobs": []}]})
-        out += [
-            {
-                "type": "function_call",
-                "id": "fc_" + tc["id"].removeprefix("call_"),
-                "call_id": tc["id"],
-                "name": tc["name"],
-                "arguments": tc["arguments"]
-                if isinstance(tc["arguments"], str)
-                else json.dumps(tc["arguments"]),
-                "status": "completed",
-            }
-            for tc in reply.get("tool_calls", [])
-        ]
+        for tc in reply.get("tool_calls", []):
+            args = tc["arguments"]
+            args = args if isinstance(args, str) else json.dumps(args)
+            fc_id = "fc_" + tc["id"].removeprefix("call_")
+            item = {"type": "function_call", "id": fc_id, "call_id": tc["id"], "name": tc["name"]}
+            out.append({**item, "arguments": args, "status": "completed"})
         return out
 
     def _response(self, status: str, output: list, call=None) -> dict:
@@ -235,12 +219,10 @@ class ResponsesReply:
         return out + self._event("response.content_part.added", **self._at(item["id"]), part=part)
 
     def reasoning(self, delta: str) -> bytes:
-        item = {"type": "reasoning", "id": self.rs_id, "summary": [], "content": []}
-        out = self._begin("reasoning", item, {"type": "reasoning_text", "text": ""})
-        self.thought += delta
-        return out + self._event(
-            "response.reasoning_text.delta", **self._at(self.rs_id), delta=delta
-        )
+        part = {"type": "reasoning_text", "text": ""}
+        out = self._begin("reasoning", self._reasoning_item(), part)
+        self.thought, at = self.thought + delta, self._at(self.rs_id)
+        return out + self._event("response.reasoning_text.delta", **at, delta=delta)
 
     def text(self, delta: str) -> bytes:
         part = {"type": "output_text", "text": "", "annotations": []}

@@ -47,24 +47,10 @@ class Sandbox:
 
     name = "none"
 
-    def wrap(
-        self,
-        cmd: list[str],
-        env: dict,
-        cwd: str,
-        *,
-        binds=(),
-        ro_binds=(),
-        hide=(),
-        socket: Optional[str] = None,
-        port: Optional[int] = None,
-        image: Optional[str] = None,
-        limits: Optional[Limits] = None,
-        name: Optional[str] = None,
-    ) -> list[str]:
-        """The host argv that runs ``cmd`` in ``cwd`` with exactly ``env``: read-write ``cwd`` and ``binds``,
-        read-only ``ro_binds``, never ``hide``; 127.0.0.1:``port`` bridged to ``socket``; ``image``, ``limits``
-        and the container's ``name`` for docker. Each sandbox uses what applies to it."""
+    def wrap(self, cmd: list[str], env: dict, cwd: str, **options) -> list[str]:
+        """The host argv that runs ``cmd`` in read-write ``cwd`` with exactly ``env``; of the ``options``, each
+        sandbox uses what applies to it: read-write ``binds``, read-only ``ro_binds``, never ``hide``;
+        127.0.0.1:``port`` bridged to ``socket``; docker's ``image``, ``limits`` (Limits), container ``name``."""
         return ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *cmd]
 
     def kill(self, name: Optional[str]):
@@ -173,11 +159,8 @@ class Template(Sandbox):
         assignments = shlex.join(f"{k}={v}" for k, v in env.items())
         inner = f"cd {shlex.quote(cwd)} && exec env -i {assignments} {shlex.join(cmd)}"
         fields = {"name": name or "", "image": image or self.image or "", "cwd": cwd}
-        return [
-            arg
-            for word in self.template
-            for arg in (["sh", "-c", inner] if word == "{argv}" else [word.format(**fields)])
-        ]
+        argv = ["sh", "-c", inner]
+        return [a for w in self.template for a in (argv if w == "{argv}" else [w.format(**fields)])]
 
     def kill(self, name):
         if self.kill_template and name:
@@ -218,10 +201,8 @@ def make(kind: str = "auto", hide=(), image: Optional[str] = None) -> Sandbox:
 def _bwrap_problem() -> Optional[str]:
     if not shutil.which("bwrap"):
         return "bwrap is not installed"
-    probe = (
-        "bwrap --ro-bind / / --dev /dev --proc /proc --unshare-pid --unshare-net -- true".split()
-    )
-    result = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    probe = "bwrap --ro-bind / / --dev /dev --proc /proc --unshare-pid --unshare-net -- true"
+    result = subprocess.run(probe.split(), capture_output=True, text=True, timeout=60)
     return result.stderr.strip() or f"exit code {result.returncode}" if result.returncode else None
 
 
@@ -237,9 +218,7 @@ def add_args(parser):
         help="where a program harness's rollouts run: auto (bwrap, else an error that says how to install it), "
         "bwrap, docker, podman, none (the host), or a command template with {argv}",
     )
-    group.add_argument(
-        "--sandbox-image", default=None, help="docker's image for tasks that name none"
-    )
+    group.add_argument("--sandbox-image", help="docker's image for tasks that name none")
 
 
 def setup(harnesses, kind: str, image: Optional[str], out_dir: str, log) -> dict[str, str]:

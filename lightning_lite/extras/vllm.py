@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import glob
 import json
 import os
 import shlex
@@ -42,10 +43,10 @@ def add_args(parser):
     """The flags of ``--backend vllm``, as an argparse group."""
     group = parser.add_argument_group("vLLM servers (--backend vllm)")
     venv = ".venv-vllm/bin/python"
+    python = venv if os.path.exists(venv) else sys.executable
     group.add_argument(
         "--vllm-url",
         nargs="+",
-        default=None,
         metavar="URL",
         help="servers already running this model (VLLM_SERVER_DEV_MODE=1, --logprobs-mode "
         "processed_logprobs) that can read --out; default: start --vllm-servers",
@@ -56,11 +57,7 @@ def add_args(parser):
         default=1,
         help="servers to start (rank 0 starts them; logs in OUT/vllm_K.log)",
     )
-    group.add_argument(
-        "--vllm-python",
-        default=venv if os.path.exists(venv) else sys.executable,
-        help="the Python that has vLLM",
-    )
+    group.add_argument("--vllm-python", default=python, help="the Python that has vLLM")
     group.add_argument(
         "--vllm-args",
         default="",
@@ -74,21 +71,17 @@ def add_args(parser):
     group.add_argument(
         "--vllm-gpus",
         nargs="+",
-        default=None,
         metavar="IDS",
         help="a started server per GPU set, e.g. '4,5 6,7' (nvidia-smi's ids; replaces --vllm-servers)",
     )
     group.add_argument(
         "--vllm-gpu-memory",
         type=float,
-        default=None,
         metavar="SHARE",
         help="each started server's --gpu-memory-utilization; default 0.3 beside the trainer, else 0.9",
     )
     group.add_argument(
-        "--vllm-api-key",
-        metavar="KEY",
-        help="the API key of the --vllm-url servers (or $VLLM_API_KEY)",
+        "--vllm-api-key", metavar="KEY", help="API key of the --vllm-url servers (or $VLLM_API_KEY)"
     )
 
 
@@ -249,12 +242,8 @@ class VLLMBackend(PauseGate):
         # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on vLLM's CPU build, which otherwise reserves 92% of
         # memory (GPU builds ignore it). The key in VLLM_API_KEY, not --api-key: ps shows command lines
         # to every user, environments only to their own.
-        env = {
-            "VLLM_CPU_KVCACHE_SPACE": "4",
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_API_KEY": key,
-        }
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
+        env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": key}
         die = _die_with_parent if sys.platform == "linux" else None
         for k, (place_env, place_args) in enumerate(places or [({}, [])] * n):
             port = _free_port()
@@ -288,8 +277,7 @@ class VLLMBackend(PauseGate):
         while True:
             with self._cond:
                 if not self.paused:
-                    self._inflight += 1
-                    version = self.version
+                    self._inflight, version = self._inflight + 1, self.version
                     break
             await asyncio.sleep(0.05)
         try:
@@ -440,10 +428,7 @@ def _sync_dir(model_dir: str) -> str:
     """A new folder for the weight syncs of servers on this machine: in memory (/dev/shm) when it holds the
     weights twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by default), else on
     disk. A hub name (no folder here) has no size to check."""
-    files = os.listdir(model_dir) if os.path.isdir(model_dir) else []
-    need = 2 * sum(
-        os.path.getsize(os.path.join(model_dir, f)) for f in files if f.endswith(".safetensors")
-    )
+    need = 2 * sum(map(os.path.getsize, glob.glob(glob.escape(model_dir) + "/*.safetensors")))
     in_memory = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need
     return tempfile.mkdtemp(prefix="lightning-lite-weights-", dir="/dev/shm" if in_memory else None)
 

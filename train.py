@@ -181,17 +181,10 @@ if args.backend == "vllm":
 else:
     backend = HFBackend(learner.served, tok, args.max_batch_size, args.max_model_len, dtype=dtype)
 backend.version = start_step
-proxy = Proxy(
-    backend,
-    tok,
-    model_name=args.model,
-    max_new_tokens=args.max_new_tokens,
-    call_timeout=args.rollout_timeout,
-    pause_retry_after=args.pause_retry_after,
-    tool_format=args.tool_format,
-    keep_history_tokens=args.keep_history_tokens,
-    rollout_tokens=True,
-)
+# each rollout is served under a token of its own (extras/isolation.py)
+proxy_flags = ("max_new_tokens", "pause_retry_after", "tool_format", "keep_history_tokens")
+proxy_options = {k: getattr(args, k) for k in proxy_flags} | dict(call_timeout=args.rollout_timeout)
+proxy = Proxy(backend, tok, model_name=args.model, rollout_tokens=True, **proxy_options)
 server = ProxyServer(proxy, host=args.proxy_host).start()
 tasks = harnesses.Tasks(args, log)
 # where each harness's rollouts run, and what is flagged on them (bad audit patterns fail here)
@@ -214,17 +207,9 @@ def rollouts(jobs, name):
         bridged = sandbox_of[harness_of[rid].name] in sandbox.BRIDGED
         return server.endpoint(rid, args.model, socket=bridged)
 
-    results = asyncio.run(
-        run_rollouts(
-            jobs=jobs,
-            endpoint_for=endpoint_for,
-            max_concurrency=args.max_concurrency,
-            timeout=args.rollout_timeout,
-            posted_reward=proxy.reward,
-            desc=name.replace("_", " "),
-            progress=master,
-        )
-    )
+    options = dict(posted_reward=proxy.reward, desc=name.replace("_", " "), progress=master)
+    limits = args.max_concurrency, args.rollout_timeout
+    results = asyncio.run(run_rollouts(jobs, endpoint_for, *limits, **options))
     proxy.set_output(None)
     server.close_sockets([rid for rid, *_ in jobs])
     calls = read_calls(run.file("calls", name))

@@ -145,20 +145,15 @@ def constrain(req, renderer, opened: bool) -> str:
     """A request's forced call or JSON reply: its grammar put into ``req.sampling``, the text its reply is forced
     to begin with returned. The forced call's arguments follow their tool's schema, a response_format's JSON its
     schema; a schema llguidance cannot compile is a 400 with its message."""
-    if req.force_tool is not None and format_of(renderer.format).call is None:
-        message = (
-            f"tool_choice cannot force a call in the {renderer.format} tool-call format; use 'auto'"
-        )
+    fmt, tok = renderer.format, renderer.tok
+    if req.force_tool is not None and format_of(fmt).call is None:
+        message = f"tool_choice cannot force a call in the {fmt} tool-call format; use 'auto'"
         raise BadRequest(message, "tool_choice", "unsupported_tool_choice")
+    param, rules = "response_format", json_grammar(req.response_schema or {})
     if req.force_tool is not None:
-        param, rules = (
-            "tools",
-            tool_grammar(renderer.format, req.tools, req.force_tool, renderer.tok),
-        )
-    else:
-        param, rules = "response_format", json_grammar(req.response_schema)
+        param, rules = "tools", tool_grammar(fmt, req.tools, req.force_tool, tok)
     # llguidance's first line says what (the rest points into a grammar the client never wrote)
-    if error := check(rules, renderer.tok):
+    if error := check(rules, tok):
         message = f"the {param} JSON schema cannot be enforced: {error.strip().splitlines()[0]}"
         raise BadRequest(message, param, "invalid_schema")
     req.sampling.grammar = rules

@@ -26,16 +26,8 @@ import re
 from dataclasses import replace
 from typing import Optional
 
-from ..toolcalls import (
-    HERMES,
-    Format,
-    call_from_json,
-    hold_back,
-    make_call,
-    parse_arguments,
-    python_literal,
-    up_to,
-)
+from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
+from ..toolcalls import python_literal, up_to
 
 PYTHON_TAG = "<|python_tag|>"
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -48,7 +40,6 @@ HARMONY_MARKERS = (
 DS_UNIT = re.compile(
     rf"\s*{re.escape(DS_CALL)}(.*?){re.escape(DS_SEP)}(.*?)(?:{re.escape(DS_CALL_END)}|\Z)\s*", re.S
 )
-DEEPSEEK_RE = re.compile(re.escape(DS_BEGIN) + r"(.*?)(?:" + re.escape(DS_END) + r"|$)", re.DOTALL)
 # R1: NAME\n```json\n{...}\n```
 FENCED_RE = re.compile(r"\s*(\S+?)\s*```(?:json)?\s*(.*?)\s*(?:```)?\s*", re.DOTALL)
 MISTRAL_NAME_RE = re.compile(r"\s*([^\[\]\s{]+)\s*(?:\[CALL_ID\]\s*([^\[\s]+)\s*)?\[ARGS\]")
@@ -226,7 +217,7 @@ MISTRAL = Format(
 DEEPSEEK = Format(
     call=(DS_BEGIN + DS_CALL + "function" + DS_SEP, "\n```json\n", "\n```" + DS_CLOSE),
     detect=lambda before, after: before.endswith(DS_SEP),
-    blocks=regex_blocks(DEEPSEEK_RE, each(DS_UNIT, deepseek_call)),
+    blocks=regex_blocks(region(DS_BEGIN, DS_END), each(DS_UNIT, deepseek_call)),
     stream=up_to(DS_BEGIN),
 )
 

@@ -244,7 +244,7 @@ class Renderer:
         self.think = think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
         self.format, self.native_tools = "hermes", False
-        self.short_ids = self.merge_roles = False
+        self.short_ids = self.string_args = self.merge_roles = False
         self.turn_close = self._probe_turn_close()
         call_text = self._probe_native_call()
         self.format = self._choose_format(call_text, tool_format)
@@ -270,8 +270,8 @@ class Renderer:
         (``native_tools``), else None. Some templates want call ids of their own shape (Mistral: 9 alphanumerics):
         then every id is written in that shape (``short_ids``)."""
         self.native_tools = True
-        for short_ids in (False, True):
-            self.short_ids = short_ids
+        # (R1-style templates write the arguments as given: they want a JSON string)
+        for self.short_ids, self.string_args in ((False, False), (True, False), (False, True)):
             head = self._rendered(PROBE_USER, [PROBE_TOOL], True)
             full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
             if head is None or full is None:
@@ -282,7 +282,7 @@ class Renderer:
                 head = _without_think_opening(head, self.think)
             if self.SENTINEL in head and "llval" in full[len(head) :] and full.startswith(head):
                 return full[len(head) :]
-        self.native_tools = self.short_ids = False
+        self.native_tools = self.short_ids = self.string_args = False
         return None
 
     def _choose_format(self, call_text: Optional[str], tool_format: Optional[str]) -> str:
@@ -373,7 +373,10 @@ class Renderer:
                 if form.named_ids and not t["id"].startswith("functions."):
                     named.setdefault(t["id"], f"functions.{t['name']}:{len(named)}")
                 call = {"id": named.get(t["id"]) or self._id(t["id"]), "type": "function"}
-                message.setdefault("tool_calls", []).append({**call, "function": _parsed(t)})
+                function = _parsed(t) | (
+                    {"arguments": _json(_parsed(t)["arguments"])} if self.string_args else {}
+                )
+                message.setdefault("tool_calls", []).append({**call, "function": function})
             if m["role"] == "tool":
                 i = m.get("tool_call_id", "")
                 message["tool_call_id"] = named.get(i) or self._id(i)

@@ -34,6 +34,7 @@ FAMILIES = {
     "longcat": 2,
     "gigachat": 2,
     "intern": 1,
+    "functionary": 3,
 }
 
 

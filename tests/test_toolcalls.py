@@ -165,6 +165,11 @@ MORE = {
         KIMI.format(KC.format("a", 0, '{"x": 1}') + KC.format("b", 1, "{}")),
         "Let me check." + KIMI.format(KC.format("get_weather", 0, '{"city": ')),
     ),
+    "functionary": (
+        '<function=get_weather>{"city": "Paris"}</function>',
+        '<function=a>{"x": 1}</function>\n<function=b>{}</function>',
+        'Let me check.<function=get_weather>{"city": </function>',
+    ),
     "hunyuan": (
         "<tool_calls>" + HY.format("get_weather", '{"city": "Paris"}') + "</tool_calls>",
         "<tool_calls>" + HY.format("a", '{"x": 1}') + HY.format("b", "{}") + "</tool_calls>",
@@ -177,6 +182,11 @@ for fmt, (one, two, bad) in MORE.items():
         after_name = one.split("get_weather", 1)[1]
         args = after_name.split('"arguments": ', 1)[-1].split('"parameters": ', 1)[-1]
         CONTINUE[fmt] = (args.split("```json\n")[-1], "get_weather" + after_name)
+
+CONTINUE["functionary"] = (
+    '{"city": "Paris"}</function>',
+    'get_weather>{"city": "Paris"}</function>',
+)
 
 
 def tagged_texts(fmt: str) -> tuple[str, str, str, tuple[str, str]]:

@@ -343,6 +343,12 @@ HUNYUAN_CALL = re.compile(
 hunyuan_call = lambda m: dict_call(m.group(1), m.group(2))
 
 
+# Functionary v3.1, Kanana: <function=NAME>{...}</function>
+FUNCTIONARY = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.S)
+functionary = regex_blocks(
+    re.compile(f"((?:{FUNCTIONARY.pattern})+)", re.S),
+    each(FUNCTIONARY, lambda m: dict_call(*m.groups())),
+)
 CODER_PARAM = ("<parameter={name}>\n", "\n</parameter>\n")
 SEED_BLOCK = ("<seed:tool_call>\n", "\n</seed:tool_call>")
 # A format that parses as another does (either of its shapes) differs in how a call is forced and detected.
@@ -436,6 +442,12 @@ FORMATS = {
         blocks=regex_blocks(region(KIMI_BEGIN, KIMI_END), each(KIMI_CALL, kimi_call)),
         stream=up_to(KIMI_BEGIN),
         named_ids=True,
+    ),
+    "functionary": Format(
+        call=("<function=", ">", "</function>"),
+        detect=lambda before, after: before.endswith("<function=") and after.startswith(">{"),
+        blocks=functionary,
+        stream=up_to("<function="),
     ),
     # Qwen3-Coder's calls in Seed-OSS's block, and without one (FrogBoss)
     "seed_oss": tagged("<function=", ">\n", "\n</function>", CODER_PARAM, SEED_BLOCK),

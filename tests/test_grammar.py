@@ -117,7 +117,7 @@ def test_each_formats_grammar_takes_the_call_its_template_writes_and_nothing_off
 
 
 def test_a_format_without_a_forced_opening_refuses_a_forced_call(tok):
-    """Python calls (OLMo 3, LFM2.5), Gemma 4's and Kimi's: no grammar writes them, so tool_choice forcing a call is
+    """Python calls (OLMo 3, LFM2.5) and Gemma 4's: no grammar writes them, so tool_choice forcing a call is
     a 400 that says so, not a call sampled free."""
     from types import SimpleNamespace
 

@@ -183,6 +183,10 @@ for fmt, (one, two, bad) in MORE.items():
         args = after_name.split('"arguments": ', 1)[-1].split('"parameters": ', 1)[-1]
         CONTINUE[fmt] = (args.split("```json\n")[-1], "get_weather" + after_name)
 
+CONTINUE["kimi"] = tuple(
+    f + '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+    for f in ("", "get_weather:0<|tool_call_argument_begin|>")
+)
 CONTINUE["functionary"] = (
     '{"city": "Paris"}</function>',
     'get_weather>{"city": "Paris"}</function>',

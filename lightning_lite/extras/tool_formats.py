@@ -331,6 +331,7 @@ def gemma4_call(m: re.Match) -> Optional[dict]:
 
 # Kimi K2: the NAME is in the call's id, functions.NAME:K
 KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CLOSE = "<|tool_call_end|>" + KIMI_END
 KIMI_CALL = re.compile(
     r"\s*<\|tool_call_begin\|>\s*(functions\.([^\s:<]+):\d+)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>\s*",
     re.S,
@@ -437,7 +438,11 @@ FORMATS = {
         stream=up_to("<|tool_call>"),
     ),
     "kimi": Format(
-        call=None,
+        call=(
+            KIMI_BEGIN + "<|tool_call_begin|>functions.",
+            ":0<|tool_call_argument_begin|>",
+            KIMI_CLOSE,
+        ),
         detect=lambda before, after: KIMI_BEGIN + "<|tool_call_begin|>" in before,
         blocks=regex_blocks(region(KIMI_BEGIN, KIMI_END), each(KIMI_CALL, kimi_call)),
         stream=up_to(KIMI_BEGIN),

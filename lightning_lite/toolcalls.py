@@ -20,7 +20,7 @@ from typing import Callable, Optional
 FORMATS = tuple(
     "hermes qwen3_coder llama3 mistral mistral_v11 deepseek deepseek_v31 harmony granite glm longcat minimax "
     "deepseek_v32 deepseek_v4 minicpm solar hy3_preview hy3 hunyuan nemotron gigachat tool_calls_json intern "
-    "longcat_json olmo3 lfm2 gemma4 kimi functionary seed_oss function_tags".split()
+    "longcat_json command_r olmo3 lfm2 minicpm3 step3 gemma4 kimi functionary seed_oss function_tags".split()
 )
 # detect(): the name of the call a template renders, with the arguments {"llarg": "llval"}
 SENTINEL = "LLSENTINEL7f3a"

@@ -35,6 +35,9 @@ FAMILIES = {
     "gigachat": 2,
     "intern": 1,
     "functionary": 3,
+    "command_r": 1,
+    "minicpm3": 1,
+    "step3": 1,
 }
 
 

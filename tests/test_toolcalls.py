@@ -165,6 +165,16 @@ MORE = {
         KIMI.format(KC.format("a", 0, '{"x": 1}') + KC.format("b", 1, "{}")),
         "Let me check." + KIMI.format(KC.format("get_weather", 0, '{"city": ')),
     ),
+    "command_r": (
+        '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>',
+        '<|START_ACTION|>[{"tool_name": "a", "parameters": {"x": 1}}, {"tool_name": "b", "parameters": {}}]<|END_ACTION|>',
+        'Let me check.<|START_ACTION|>[{"tool_name": "get_weather", "parameters": {"city"}]<|END_ACTION|>',
+    ),
+    "minicpm3": (
+        '<|tool_call_start|>\n```python\nget_weather(city="Paris")\n```\n<|tool_call_end|>',
+        "<|tool_call_start|>\n```python\na(x=1)\nb()\n```\n<|tool_call_end|>",
+        "Let me check.<|tool_call_start|>\n```python\nget_weather(city=)\n```\n<|tool_call_end|>",
+    ),
     "functionary": (
         '<function=get_weather>{"city": "Paris"}</function>',
         '<function=a>{"x": 1}</function>\n<function=b>{}</function>',
@@ -183,6 +193,10 @@ for fmt, (one, two, bad) in MORE.items():
         args = after_name.split('"arguments": ', 1)[-1].split('"parameters": ', 1)[-1]
         CONTINUE[fmt] = (args.split("```json\n")[-1], "get_weather" + after_name)
 
+CONTINUE["command_r"] = (
+    '{"city": "Paris"}}]<|END_ACTION|>',
+    'get_weather", "arguments": {"city": "Paris"}}]<|END_ACTION|>',
+)
 CONTINUE["kimi"] = tuple(
     f + '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
     for f in ("", "get_weather:0<|tool_call_argument_begin|>")

@@ -50,7 +50,9 @@ CALL_SEPARATORS = re.compile(r"[\s;]*")
 
 def json_call_after(before: str) -> Optional[str]:
     """For ``detect``: the rendering before a call written as JSON (``[{"name": "``), stripped; None if not JSON."""
-    m = re.search(r'\[?\s*\{\s*"name"\s*:\s*"$', before)
+    m = re.search(
+        r'\[?\s*\{\s*(?:"tool_call_id"\s*:\s*"[^"]*",\s*)?"(?:tool_)?name"\s*:\s*"$', before
+    )
     return before[: m.start()].rstrip() if m else None
 
 
@@ -427,8 +429,17 @@ FORMATS = {
     "tool_calls_json": json_tagged("<tool_calls>", "</tool_calls>", listed=True),
     "intern": json_tagged("<|action_start|><|plugin|>\n", "<|action_end|>"),
     "longcat_json": json_tagged("<longcat_tool_call>\n", "\n</longcat_tool_call>"),
+    "command_r": json_tagged("<|START_ACTION|>", "<|END_ACTION|>", listed=True),
     "olmo3": pythonic("<function_calls>", "</function_calls>"),
     "lfm2": pythonic("<|tool_call_start|>", "<|tool_call_end|>"),
+    "minicpm3": pythonic("<|tool_call_start|>\n```python\n", "\n```\n<|tool_call_end|>"),
+    "step3": tagged(
+        '<｜tool_call_begin>｜>\nfunction<｜tool_sep｜><steptml:invoke name="',
+        '">',
+        "</steptml:invoke><｜tool_call_end｜>\n",
+        ('<steptml:parameter name="{name}">', "</steptml:parameter>"),
+        ("<｜tool_calls_begin｜>\n", "<｜tool_calls_end｜>"),
+    ),
     "gemma4": Format(
         call=None,
         detect=lambda before, after: before.endswith("<|tool_call>call:"),

@@ -51,8 +51,7 @@ class Tasks:
         self.weights = [w for _, w in specs]
         # "K=V" goes to every harness, "SPEC:K=V" to that one
         items = [(k.rpartition(":"), v) for k, _, v in (i.partition("=") for i in args.harness_arg)]
-        unknown = {key[0] for key, _ in items} - {"", *(spec for spec, _ in specs)}
-        if unknown:
+        if unknown := {key[0] for key, _ in items} - {"", *(spec for spec, _ in specs)}:
             sys.exit(f"--harness-arg {sorted(unknown)[0]}:K=V names no --harness")
         if any(w <= 0 for w in self.weights):
             sys.exit("a --harness WEIGHT must be > 0")

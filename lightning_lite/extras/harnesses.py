@@ -96,14 +96,9 @@ class Tasks:
         if a.group_across_harnesses:
             # one task list; each task's group split over the harnesses by weight
             split = share(a.group_size, self.weights)
-            return [
-                [
-                    (h, self.by_id[h.name][t.id], t.id)
-                    for h, n in zip(self.harnesses, split)
-                    for _ in range(n)
-                ]
-                for t in self.draw(self.common, step, a.batch_size)
-            ]
+            members = [h for h, n in zip(self.harnesses, split) for _ in range(n)]
+            tasks = self.draw(self.common, step, a.batch_size)
+            return [[(h, self.by_id[h.name][t.id], t.id) for h in members] for t in tasks]
         split = share(a.batch_size, self.weights)
         return [
             [(h, t, f"{h.name}/{t.id}")] * a.group_size

@@ -351,8 +351,7 @@ def tree_unsupported(config) -> Optional[str]:
     linear attention, reads the row in order, not as a tree)."""
     impl = getattr(config, "_attn_implementation", None)
     attention = {"full_attention", "sliding_attention"}
-    kinds = set(getattr(config, "layer_types", None) or ()) - attention
-    if kinds:
+    if kinds := set(getattr(config, "layer_types", None) or ()) - attention:
         return f"its {sorted(kinds)} layers are not attention over a mask"
     if impl not in ("sdpa", "grouped_sdpa", "eager", "flex_attention"):
         return f"its attention ({impl}) takes no arbitrary mask; sdpa, eager and flex_attention do"
@@ -657,11 +656,7 @@ def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -
         "dlogp_sum": dlp.sum(),
         "kl_sum": kl[on].double().sum() if kl is not None else r.sum() * 0,
         # Pearson correlation of rollout vs trainer token probabilities, from sums.
-        "p_sum": p.sum(),
-        "q_sum": q.sum(),
-        "pp_sum": (p * p).sum(),
-        "qq_sum": (q * q).sum(),
-        "pq_sum": (p * q).sum(),
+        **{k + "_sum": x.sum() for k, x in dict(p=p, q=q, pp=p * p, qq=q * q, pq=p * q).items()},
         "ratio_min": r.min() if r.numel() else r.new_tensor(math.inf),
         "ratio_max": r.max() if r.numel() else r.new_tensor(-math.inf),
         "dlogp_max": dlp.max() if r.numel() else r.new_tensor(-math.inf),
@@ -691,16 +686,11 @@ def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
     n = max(agg["tokens"], 1.0)
     cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]
     var = (n * agg["pp_sum"] - agg["p_sum"] ** 2) * (n * agg["qq_sum"] - agg["q_sum"] ** 2)
+    # per trainable token: metric -> the sum it divides
+    means = {"clip_frac": "clipped", "ratio_mean": "ratio_sum", "ratio_out_frac": "ratio_out"}
+    means.update(dlogp_mean="dlogp_sum", kl_mean="kl_sum")
     return {
-        "loss": agg["loss"],
-        "tokens": agg["tokens"],
-        "clip_frac": agg["clipped"] / n,
-        "ratio_mean": agg["ratio_sum"] / n,
-        "ratio_min": agg["ratio_min"],
-        "ratio_max": agg["ratio_max"],
-        "ratio_out_frac": agg["ratio_out"] / n,
-        "dlogp_mean": agg["dlogp_sum"] / n,
-        "dlogp_max": agg["dlogp_max"],
-        "kl_mean": agg["kl_sum"] / n,
+        **{k: agg[k] for k in ("loss", "tokens", "ratio_min", "ratio_max", "dlogp_max")},
+        **{name: agg[k] / n for name, k in means.items()},
         "prob_corr": cov / math.sqrt(var) if var > 0 else float("nan"),
     }

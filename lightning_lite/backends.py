@@ -414,13 +414,8 @@ class _Batch:
         T = self.cache.get_seq_length() + 1
         mask = (torch.arange(T, device=self.device) >= T - 1 - positions).long()
         # [B, V]
-        self.last = model(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-        ).logits[:, -1]
+        inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=positions)
+        self.last = model(**inputs, past_key_values=self.cache, use_cache=True).logits[:, -1]
 
 
 def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:

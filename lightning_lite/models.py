@@ -12,9 +12,8 @@ import torch
 
 def cache_dir() -> str:
     """Where the converted models live: $LIGHTNING_LITE_CACHE, or ~/.cache/lightning-lite."""
-    return os.environ.get(
-        "LIGHTNING_LITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lightning-lite")
-    )
+    default = os.path.join(os.path.expanduser("~"), ".cache", "lightning-lite")
+    return os.environ.get("LIGHTNING_LITE_CACHE", default)
 
 
 def resolve(model: str) -> str:
@@ -67,11 +66,8 @@ def load_model(
                 f"{model} already scales RoPE ({rope.get('rope_type')}); --max-model-len {max_model_len} "
                 f"exceeds its max_position_embeddings {trained}: use at most {trained}"
             )
-        rope.update(
-            rope_type="yarn",
-            factor=max_model_len / trained,
-            original_max_position_embeddings=trained,
-        )
+        rope.update(rope_type="yarn", factor=max_model_len / trained)
+        rope["original_max_position_embeddings"] = trained
         config.rope_parameters, config.max_position_embeddings = rope, max_model_len
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
 

@@ -344,9 +344,8 @@ class Proxy:
             # never trained on.
             cancelled = isinstance(e, asyncio.CancelledError)
             finish = "cancelled" if cancelled else "error"
-            empty = SimpleNamespace(
-                response_ids=[], logprobs=[], finish_reason=finish, version=self.backend.version
-            )
+            empty = SimpleNamespace(response_ids=[], logprobs=[], finish_reason=finish)
+            empty.version = self.backend.version
             unanswered = replace(exchange, parent=None, split=None, capped=False)
             for i in range(req.n):
                 self.record(unanswered, empty, i)
@@ -395,14 +394,10 @@ class Proxy:
             if out.path:
                 # a call extending its parent is written as the ids after the parent's (read_calls)
                 parent = next((t for t in session.turns if t.index == exchange.parent), None)
-                line = to_json(call)
-                if parent is not None:
-                    line = to_json(
-                        call, prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :]
-                    )
+                tail = parent and dict(prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :])
                 # opened per call: a call in flight when its session's file was switched goes there
                 with open(out.path, "a") as f:
-                    f.write(line + "\n")
+                    f.write(to_json(call, **(tail or {})) + "\n")
         return call
 
     # ------------------------------------------------------------------ the other routes

@@ -202,19 +202,10 @@ class _Tree:
 # (added to it); None when nothing is left to train.
 def _sample(tokens: list[int], path: list[Call], tree: _Tree, trained: set) -> Optional[Sample]:
     n = len(tokens)
-    sample = Sample(
-        rollout_id=path[-1].rollout_id,
-        tokens=tokens,
-        loss_mask=[0] * n,
-        logprobs=[0.0] * n,
-        calls=[c.index for c in path],
-        split=tree.split.get(path[0].index),
-        temperature=[1.0] * n,
-        top_k=[0] * n,
-        top_p=[1.0] * n,
-        version=[0] * n,
-        call=[-1] * n,
-    )
+    # every per-token list as where the mask is 0
+    fill = dict(loss_mask=0, logprobs=0.0, temperature=1.0, top_k=0, top_p=1.0, version=0, call=-1)
+    sample = Sample(path[-1].rollout_id, tokens, **{k: [x] * n for k, x in fill.items()})
+    sample.calls, sample.split = [c.index for c in path], tree.split.get(path[0].index)
     for c in (c for c in path if c.index not in trained):
         trained.add(c.index)
         # the call's response: the last k of its prompt + response ids
@@ -245,24 +236,17 @@ def build_batch_samples(
 
 
 def format_stats(stats: Counter) -> str:
-    merged, unanswered = stats["tokens"], stats["unanswered"]
-    split_rows = [(f"split: {r}", "split_" + r, "") for r in SPLIT_REASONS]
+    n, merged = stats["unanswered"], stats["tokens"]
+    unanswered = f"{n} unanswered (backend error, client gone)" if n else ""
+    ratio = f"{stats['tokens_unmerged'] / merged:.2f}x the merged count" if merged else ""
     rows = [
         ("rollouts", "rollouts", ""),
-        (
-            "calls",
-            "calls",
-            f"{unanswered} unanswered (backend error, client gone)" if unanswered else "",
-        ),
+        ("calls", "calls", unanswered),
         ("samples", "samples", ""),
         ("trainable tokens", "trainable_tokens", f"of {stats['sampled_tokens']} sampled"),
         ("tokens (merged)", "tokens", ""),
-        (
-            "tokens (one per call)",
-            "tokens_unmerged",
-            f"{stats['tokens_unmerged'] / merged:.2f}x the merged count" if merged else "",
-        ),
-        *split_rows,
+        ("tokens (one per call)", "tokens_unmerged", ratio),
+        *[(f"split: {r}", "split_" + r, "") for r in SPLIT_REASONS],
         ("truncated (max-seq-len)", "truncated", "cut at a turn boundary"),
         ("dropped (max-seq-len)", "dropped", "first turn too long"),
         ("empty", "empty", "no token left to train"),
@@ -276,9 +260,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     ap.add_argument("calls", help="calls.jsonl written by the proxy")
     ap.add_argument("--out", required=True, help="samples.jsonl to write")
-    ap.add_argument(
-        "--max-seq-len", type=int, default=None, help="truncate/drop longer samples (counted)"
-    )
+    ap.add_argument("--max-seq-len", type=int, help="truncate/drop longer samples (counted)")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.calls):
         ap.error(f"{args.calls}: no such file; pass the calls.jsonl the proxy wrote")

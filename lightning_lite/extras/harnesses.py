@@ -51,8 +51,7 @@ class Tasks:
         self.weights = [w for _, w in specs]
         # "K=V" goes to every harness, "SPEC:K=V" to that one
         items = [(k.rpartition(":"), v) for k, _, v in (i.partition("=") for i in args.harness_arg)]
-        unknown = {key[0] for key, _ in items} - {"", *(spec for spec, _ in specs)}
-        if unknown:
+        if unknown := {key[0] for key, _ in items} - {"", *(spec for spec, _ in specs)}:
             sys.exit(f"--harness-arg {sorted(unknown)[0]}:K=V names no --harness")
         if any(w <= 0 for w in self.weights):
             sys.exit("a --harness WEIGHT must be > 0")
@@ -97,14 +96,9 @@ class Tasks:
         if a.group_across_harnesses:
             # one task list; each task's group split over the harnesses by weight
             split = share(a.group_size, self.weights)
-            return [
-                [
-                    (h, self.by_id[h.name][t.id], t.id)
-                    for h, n in zip(self.harnesses, split)
-                    for _ in range(n)
-                ]
-                for t in self.draw(self.common, step, a.batch_size)
-            ]
+            members = [h for h, n in zip(self.harnesses, split) for _ in range(n)]
+            tasks = self.draw(self.common, step, a.batch_size)
+            return [[(h, self.by_id[h.name][t.id], t.id) for h in members] for t in tasks]
         split = share(a.batch_size, self.weights)
         return [
             [(h, t, f"{h.name}/{t.id}")] * a.group_size

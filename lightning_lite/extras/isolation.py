@@ -57,9 +57,8 @@ class Isolation:
                 what = "rewards come from the harness (header X-Reward-Key), never from the agent"
                 self.refuse(request, what)
             if rollout_id not in self.tokens:
-                raise BadRequest(
-                    f"no rollout {rollout_id[:64]!r} in this run", None, "not_found", 404
-                )
+                message = f"no rollout {rollout_id[:64]!r} in this run"
+                raise BadRequest(message, None, "not_found", 404)
             return rollout_id
         rollout_id, _, token = rollout_id.rpartition(".")
         expected = self.tokens.get(rollout_id)

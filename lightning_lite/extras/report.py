@@ -138,9 +138,8 @@ def token_texts(model: Optional[str], ids: set[int]) -> Optional[dict[int, str]]
 
 def pack(obj) -> str:
     """gzip + base64: the page unpacks it with the browser's DecompressionStream."""
-    return base64.b64encode(
-        gzip.compress(json.dumps(obj, separators=(",", ":")).encode(), mtime=0)
-    ).decode()
+    packed = gzip.compress(json.dumps(obj, separators=(",", ":")).encode(), mtime=0)
+    return base64.b64encode(packed).decode()
 
 
 def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
@@ -154,16 +153,12 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     metrics = [{k: finite(v) for k, v in row.items()} for row in rows]
     found = find_batches(run_dir)
     kept = spread(list(found), max_batches)
-    batches, ids = [], set()
-    for kind, k in tqdm(
-        kept, desc="report: building samples", unit="batch", disable=not sys.stderr.isatty()
-    ):
+    batches, ids, quiet = [], set(), not sys.stderr.isatty()
+    for kind, k in tqdm(kept, desc="report: building samples", unit="batch", disable=quiet):
         batch = build_batch(found[(kind, k)], config.get("max_seq_len") if kind == "step" else None)
         ids.update(t for seq in batch["seqs"] for t in seq["tail"])
         label, metrics_step = batch_label(kind, k), k + 1 if kind == "step" else k
-        batches.append(
-            {"kind": kind, "label": label, "metrics_step": metrics_step, "blob": pack(batch)}
-        )
+        batches.append(dict(kind=kind, label=label, metrics_step=metrics_step, blob=pack(batch)))
     texts = token_texts(config.get("model"), ids) if ids else {}
     data = {
         "run_dir": os.path.abspath(run_dir),

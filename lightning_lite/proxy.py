@@ -394,10 +394,14 @@ class Proxy:
             if out.path:
                 # a call extending its parent is written as the ids after the parent's (read_calls)
                 parent = next((t for t in session.turns if t.index == exchange.parent), None)
-                tail = parent and dict(prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :])
+                tail = (
+                    dict(prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :])
+                    if parent
+                    else {}
+                )
                 # opened per call: a call in flight when its session's file was switched goes there
                 with open(out.path, "a") as f:
-                    f.write(to_json(call, **(tail or {})) + "\n")
+                    f.write(to_json(call, **tail) + "\n")
         return call
 
     # ------------------------------------------------------------------ the other routes

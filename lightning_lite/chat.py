@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import logging
 import re
 import uuid
@@ -276,12 +277,10 @@ class Renderer:
             full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
             if head is None or full is None:
                 continue
-            # The generation prompt opens a think block (DeepSeek-R1), or writes an empty one (thinking off),
-            # which the history's turns do not have
-            if self.think and not full.startswith(head):
-                head = _without_think_opening(head, self.think)
-            if self.SENTINEL in head and "llval" in full[len(head) :] and full.startswith(head):
-                return full[len(head) :]
+            # the tool list before the call, rendered in both
+            call = call_text(head, full)
+            if self.SENTINEL in full[: len(full) - len(call)] and "llval" in call:
+                return call
         self.native_tools = self.short_ids = self.string_args = False
         return None
 
@@ -552,13 +551,14 @@ def think_tags(template_source: str) -> Optional[tuple[str, str]]:
     return ("<think>", "</think>") if has_think else None
 
 
-def _without_think_opening(head: str, think: tuple[str, str]) -> str:
-    """A generation prompt without the think block it ends with: opened, or opened and closed empty."""
-    stripped = head.rstrip()
-    if stripped.endswith(think[0]):
-        return stripped[: -len(think[0])]
-    empty = re.search(re.escape(think[0]) + r"\s*" + re.escape(think[1]) + r"\Z", stripped)
-    return stripped[: empty.start()] if empty else head
+def call_text(head: str, full: str) -> str:
+    """What ``full`` (a history that ends in the assistant's turn) writes where it leaves ``head`` (the generation
+    prompt), from the tag or line where they part: a generation prompt may open a block the history's turns lack (a
+    think block, open or empty; Cohere's ``<|START_THINKING|>``; Apriel's "Here are my reasoning steps:").
+    call_text("<|A|>\\n<think>\\n", "<|A|>\\n<tool_call>{}") -> "<tool_call>{}" """
+    n = len(os.path.commonprefix([head, full]))
+    n = n if n == len(head) else max(head.rfind(">", 0, n), head.rfind("\n", 0, n)) + 1
+    return full[n:]
 
 
 def _same_role(out: list[dict], m: dict) -> bool:

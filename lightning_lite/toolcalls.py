@@ -31,8 +31,8 @@ class Format:
     """One family's way of writing tool calls: a few small functions and strings."""
 
     # One call's text around its name and its arguments: what opens a forced call (``forced``) and what a
-    # constrained call's grammar writes around the arguments (extras/grammar.py). None: no forced calls.
-    call: Optional[tuple[str, str, str]]
+    # constrained call's grammar writes around the arguments (extras/grammar.py).
+    call: tuple[str, str, str]
     # Is this the format, given a template's rendering of the SENTINEL call before and after the name?
     detect: Callable[[str, str], bool]
     # blocks and stream are needed unless the format parses the whole reply itself (whole).
@@ -48,8 +48,9 @@ class Format:
     adjust: Optional[Callable[[dict, dict], dict]] = None
     # A call's id holds its name, functions.NAME:K (Kimi): the ids of calls in the history are written so.
     named_ids: bool = False
-    # Arguments written as one tag a parameter, not JSON: the text before its value ({name}: the key), after it.
-    param: Optional[tuple[str, str]] = None
+    # Arguments written a parameter at a time, not as one JSON object: the text before a value ({name}: the key),
+    # after it, between two parameters, around a string (before, after, sep="", quote=""): a string is then text.
+    param: Optional[tuple[str, ...]] = None
 
 
 def make_call(name: str, args, id: Optional[str] = None) -> dict:
@@ -197,7 +198,7 @@ def forced(fmt: str, name: Optional[str], opened=False, think=("<think>", "</thi
     parsing. ``name`` "": the model picks the tool; None: a reply in JSON (response_format); ``opened``: the
     prompt opened a think block, closed first. Hermes: '<tool_call>\\n{"name": "f", "arguments":' for "f"."""
     form = format_of(fmt)
-    start, before_args, _ = form.call or ("", "", "")
+    start, before_args, _ = form.call
     opening = form.json_reply if name is None else start + (name + before_args if name else "")
     close_reasoning = think[1] + "\n\n" if opened and think and not form.whole else ""
     # No space after the last ':': the model's own first token carries it (' {'), as the template writes it.

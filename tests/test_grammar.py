@@ -74,11 +74,10 @@ WRITTEN = {
 for fmt in toolcalls.FORMATS:
     form = toolcalls.format_of(fmt)
     if form.call and fmt not in WRITTEN:
-        param = (
-            form.param[0].replace("{name}", "expression") + "2+3" + form.param[1]
-            if form.param
-            else ARGS
-        )
+        before, after, _, quote = (*(form.param or ()), "", "", "", "")[:4]
+        # a string parameter: text up to the closing tag or quote, else JSON
+        value = quote + "2+3" + quote if after or quote else '"2+3"'
+        param = before.replace("{name}", "expression") + value + after if form.param else ARGS
         WRITTEN[fmt] = form.call[0] + "calculator" + form.call[1] + param + form.call[2]
 
 
@@ -116,16 +115,52 @@ def test_each_formats_grammar_takes_the_call_its_template_writes_and_nothing_off
         )  # one call, then the turn ends
 
 
-def test_a_format_without_a_forced_opening_refuses_a_forced_call(tok):
-    """Python calls (OLMo 3, LFM2.5) and Gemma 4's: no grammar writes them, so tool_choice forcing a call is
-    a 400 that says so, not a call sampled free."""
-    from types import SimpleNamespace
-
-    from lightning_lite.chat import BadRequest, Request
-
-    renderer = SimpleNamespace(format="olmo3", tok=tok)
-    with pytest.raises(BadRequest, match="cannot force a call in the olmo3 tool-call format"):
-        grammar.constrain(Request(tools=[CALC], force_tool="calculator"), renderer, False)
+@pytest.mark.parametrize("fmt", ["olmo3", "lfm2", "minicpm3", "gemma4"])
+def test_parameters_are_separated_between_the_values_given_and_optional_ones_may_be_left_out(
+    tok, fmt
+):
+    """Python calls (OLMo 3, LFM2.5, MiniCPM3) and Gemma 4's: the required parameters first, the separator only
+    between values, a string JSON in Python and quoted by <|"|> in Gemma 4 (a special token there: by id); what
+    the grammar takes parses back to the same arguments."""
+    properties = {
+        "limit": {"type": "integer"},
+        "query": {"type": "string"},
+        "exact": {"type": "boolean"},
+    }
+    tool = {
+        "name": "search",
+        "parameters": {"type": "object", "properties": properties, "required": ["query"]},
+    }
+    special = copy.deepcopy(tok)
+    special.add_special_tokens(
+        {"additional_special_tokens": ['<|"|>', "<|tool_call>", "<tool_call|>"]}
+    )
+    tok = special if fmt == "gemma4" else tok
+    form = toolcalls.format_of(fmt)
+    before, _, sep, quote = (*form.param, "", "")[:4]
+    string = quote + 'cats "and" dogs' + quote if quote else json.dumps('cats "and" dogs')
+    arg = lambda k, v: before.replace("{name}", k) + v  # noqa: E731
+    g = grammar.tool_grammar(fmt, [tool], "search", tok)
+    assert not quote or f"<[{tok.convert_tokens_to_ids(quote)}]>" in g
+    query = {"query": 'cats "and" dogs'}
+    for args, expected in [
+        ([arg("query", string)], query),
+        ([arg("query", string), arg("exact", "true")], {**query, "exact": True}),
+        (
+            [arg("query", string), arg("limit", "3"), arg("exact", "false")],
+            {**query, "limit": 3, "exact": False},
+        ),
+    ]:
+        text = toolcalls.forced(fmt, "search") + sep.join(args) + form.call[2]
+        assert follows(g, tok, sep.join(args) + form.call[2]), (fmt, text, g)
+        assert json.loads(toolcalls.parse(fmt, text)["tool_calls"][0]["arguments"]) == expected
+    # the required query left out, a separator with no value after it, a value that is not JSON
+    for args in (
+        [arg("limit", "3")],
+        [arg("query", string), ""],
+        [arg("query", string), arg("limit", "three")],
+    ):
+        assert not follows(g, tok, sep.join(args) + form.call[2]), (fmt, args)
 
 
 def test_qwen3_coder_parameters_follow_their_own_schemas_refs_and_all(tok):

@@ -188,11 +188,16 @@ MORE = {
 }
 for fmt, (one, two, bad) in MORE.items():
     ONE[fmt], TWO[fmt], BAD[fmt] = BEFORE + one, two, bad
-    if format_of(fmt).call:
-        after_name = one.split("get_weather", 1)[1]
-        args = after_name.split('"arguments": ', 1)[-1].split('"parameters": ', 1)[-1]
-        CONTINUE[fmt] = (args.split("```json\n")[-1], "get_weather" + after_name)
+    # what follows forced(fmt, "get_weather"), and forced(fmt, "") ("required": the model names the tool)
+    after_name = one.split("get_weather", 1)[1]
+    args = after_name.removeprefix(format_of(fmt).call[1].rstrip(" ")).lstrip(" ")
+    CONTINUE[fmt] = (args, "get_weather" + after_name)
 
+# forced calls write "arguments", which InternLM's templates call "parameters"
+CONTINUE["intern"] = (
+    '{"city": "Paris"}}<|action_end|>',
+    'get_weather", "arguments": {"city": "Paris"}}<|action_end|>',
+)
 CONTINUE["command_r"] = (
     '{"city": "Paris"}}]<|END_ACTION|>',
     'get_weather", "arguments": {"city": "Paris"}}]<|END_ACTION|>',

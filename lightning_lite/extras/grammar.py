@@ -90,29 +90,42 @@ def json_grammar(schema: dict) -> str:
     return "start: " + _json(schema)
 
 
-def _tag_params(schema: dict, tok, k: int, param: tuple[str, str]) -> tuple[str, list[str]]:
-    """Parameters written as tags (``Format.param``; Qwen3-Coder's ``<parameter=A>\\nV\\n</parameter>\\n``), in the
-    schema's order (the required ones always): a string value is any text up to the closing text, another one JSON
-    of its property's schema. -> (the rule's body, lexemes)."""
+def _until(close: str, tok, name: str) -> tuple[str, list[str]]:
+    """Any text up to ``close``, then ``close``: a special token is not text, so it simply follows a lexeme of text;
+    other text ends the lexeme at its first occurrence, which the lexeme includes. -> (the value, lexemes)."""
+    if _ll(tok)[1] and _ll(tok)[1].fullmatch(close):
+        return f"{name} {_text(close, tok)}", [f"{name}: /(?s:.*)/"]
+    regex = "".join(
+        "\\n" if c == "\n" else "\\" + c if c in "\\/.^$|?*+()[]{}-" else c for c in close
+    )
+    return name, [f"{name}: /(?s:.*){regex}/ & ~/(?s:.*){regex}(?s:.)+/"]
+
+
+def _params(schema: dict, tok, k: int, param: tuple) -> tuple[str, list[str]]:
+    """Arguments written a parameter at a time (``Format.param``: Qwen3-Coder's ``<parameter=A>\\nV\\n</parameter>\\n``,
+    OLMo 3's ``A=V, B=W``), the required ones first: a string value is any text up to the closing tag or quote,
+    else JSON; another value JSON of its property's schema. -> (the rule's body, lexemes)."""
+    before, after, sep, quote = (*param, "", "")[:4]
     props, required = schema.get("properties") or {}, set(schema.get("required") or [])
-    body, lexemes = [], []
     # what a property's "$ref" points into
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-    # the closing text as a regex: a string ends at its first one, which it includes
-    close = "".join(
-        "\\n" if c == "\n" else "\\" + c if c in "\\/.^$|?*+()[]{}-" else c for c in param[1]
-    )
-    for j, (name, sub) in enumerate(props.items()):
-        if isinstance(sub, dict) and sub.get("type") == "string":
-            lexemes.append(f"STR{k}_{j}: /(?s:.*){close}/ & ~/(?s:.*){close}(?s:.)+/")
-            value = f"STR{k}_{j}"
+    items, lexemes = [], []
+    for j, (name, sub) in enumerate(sorted(props.items(), key=lambda p: p[0] not in required)):
+        if isinstance(sub, dict) and sub.get("type") == "string" and (after or quote):
+            value, more = _until(after or quote, tok, f"STR{k}_{j}")
+            value, lexemes = f"{_text(quote, tok)} {value}", lexemes + more
         else:
             value = (
-                f"{_json({**sub, **defs} if isinstance(sub, dict) else sub)} {_text(param[1], tok)}"
+                f"{_json({**sub, **defs} if isinstance(sub, dict) else sub)} {_text(after, tok)}"
             )
-        item = f"{_text(param[0].replace('{name}', name), tok)} {value}"
-        body.append(item if name in required else f"({item})?")
-    return " ".join(body) or '""', lexemes
+        items.append(f"{_text(before.replace('{name}', name), tok)} {value}")
+    # the separator goes between the values given: after the required ones, before each optional one
+    sep, n = _text(sep, tok), len(required & set(props))
+    tail = lambda j: " ".join(f"({sep} {item})?" for item in items[j:])
+    if n:
+        return f" {sep} ".join(items[:n]) + " " + tail(n), lexemes
+    firsts = [f"{item} {tail(j + 1)}" for j, item in enumerate(items)]
+    return (f"({' | '.join(firsts)})?" if items else '""'), lexemes
 
 
 def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
@@ -128,7 +141,7 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
         _, between, after = form.call
         # <tool_call>\n<function=N>\n PARAMETERS </function>\n</tool_call>
         if form.param:
-            params, more = _tag_params(schema, tok, k, form.param)
+            params, more = _params(schema, tok, k, form.param)
             lexemes += more
             rule = f"{_text(head + between, tok) if head else ''} {params} {_text(after, tok)}"
         else:
@@ -146,9 +159,6 @@ def constrain(req, renderer, opened: bool) -> str:
     to begin with returned. The forced call's arguments follow their tool's schema, a response_format's JSON its
     schema; a schema llguidance cannot compile is a 400 with its message."""
     fmt, tok = renderer.format, renderer.tok
-    if req.force_tool is not None and format_of(fmt).call is None:
-        message = f"tool_choice cannot force a call in the {fmt} tool-call format; use 'auto'"
-        raise BadRequest(message, "tool_choice", "unsupported_tool_choice")
     param, rules = "response_format", json_grammar(req.response_schema or {})
     if req.force_tool is not None:
         param, rules = "tools", tool_grammar(fmt, req.tools, req.force_tool, tok)

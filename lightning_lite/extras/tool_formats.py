@@ -299,10 +299,20 @@ def json_tagged(start: str, end: str = "", listed: bool = False) -> Format:
     return Format(call, json_after(start.strip()), blocks, up_to(start.strip()))
 
 
+class _JsonConstants(ast.NodeTransformer):
+    """JSON's true, false and null as Python's constants: OLMo 3's templates write them into Python calls."""
+
+    def visit_Name(self, node):
+        constants = {"true": True, "false": False, "null": None}
+        return ast.Constant(constants[node.id]) if node.id in constants else node
+
+
 def pythonic_calls(body: str) -> Optional[list[dict]]:
     """``[f(a=1), g()]``, or one call a line, with literal keyword arguments (OLMo 3, LFM2.5) -> calls, else None."""
     try:
-        tree = ast.parse(body.strip().removeprefix("```python").removesuffix("```"))
+        tree = _JsonConstants().visit(
+            ast.parse(body.strip().removeprefix("```python").removesuffix("```"))
+        )
         nodes = [n.value for n in tree.body if isinstance(n, ast.Expr)]
         exprs = [e for n in nodes for e in (n.elts if isinstance(n, ast.List) else [n])]
         calls = [
@@ -315,10 +325,14 @@ def pythonic_calls(body: str) -> Optional[list[dict]]:
     return calls if calls and len(calls) == len(exprs) and len(nodes) == len(tree.body) else None
 
 
-def pythonic(start: str, end: str) -> Format:
-    """Python calls between ``start`` and ``end``; a forced call is refused (no grammar writes Python)."""
+def pythonic(start: str, end: str, listed: bool = False, sep: str = ", ") -> Format:
+    """Python calls between ``start`` and ``end`` (in a list where ``listed``); a forced call's arguments are JSON
+    values, which Python reads too (JSON's constants as ``_JsonConstants`` reads them)."""
     detect = lambda before, after: bool(re.search(flex(start) + r"\[?\Z", before))
-    return Format(None, detect, regex_blocks(region(start, end), pythonic_calls), up_to(start))
+    left, right = ("[", "]") if listed else ("", "")
+    call = (start + left, "(", ")" + right + end)
+    blocks = regex_blocks(region(start, end), pythonic_calls)
+    return Format(call, detect, blocks, up_to(start), param=("{name}=", "", sep))
 
 
 # Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>, strings quoted by <|"|>, keys bare
@@ -431,8 +445,8 @@ FORMATS = {
     "longcat_json": json_tagged("<longcat_tool_call>\n", "\n</longcat_tool_call>"),
     "command_r": json_tagged("<|START_ACTION|>", "<|END_ACTION|>", listed=True),
     "olmo3": pythonic("<function_calls>", "</function_calls>"),
-    "lfm2": pythonic("<|tool_call_start|>", "<|tool_call_end|>"),
-    "minicpm3": pythonic("<|tool_call_start|>\n```python\n", "\n```\n<|tool_call_end|>"),
+    "lfm2": pythonic("<|tool_call_start|>", "<|tool_call_end|>", listed=True),
+    "minicpm3": pythonic("<|tool_call_start|>\n```python\n", "\n```\n<|tool_call_end|>", sep=","),
     "step3": tagged(
         '<｜tool_call_begin>｜>\nfunction<｜tool_sep｜><steptml:invoke name="',
         '">',
@@ -441,7 +455,8 @@ FORMATS = {
         ("<｜tool_calls_begin｜>\n", "<｜tool_calls_end｜>"),
     ),
     "gemma4": Format(
-        call=None,
+        call=("<|tool_call>call:", "{", "}<tool_call|>"),
+        param=("{name}:", "", ",", '<|"|>'),
         detect=lambda before, after: before.endswith("<|tool_call>call:"),
         blocks=regex_blocks(
             re.compile(f"({GEMMA4_CALL.pattern})", re.S), each(GEMMA4_CALL, gemma4_call)

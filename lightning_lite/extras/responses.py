@@ -10,19 +10,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from ..apis import (
-    client_finish,
-    convert,
-    expect,
-    json_object,
-    must_be,
-    response_format,
-    rest,
-    settings,
-    sse,
-    text_of,
-    tools_of,
-)
+from ..apis import client_finish, convert, expect, json_object, must_be, response_format, rest
+from ..apis import settings, sse, text_of, tools_of
 from ..chat import ROLES, BadRequest, Request, parse_arguments
 
 

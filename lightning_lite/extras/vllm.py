@@ -194,12 +194,7 @@ class VLLMBackend(PauseGate):
     but 0): a sync only moves the version."""
 
     def __init__(
-        self,
-        urls: list[str],
-        sync_dir: str,
-        procs: Optional[list] = None,
-        api_key: Optional[str] = None,
-        writes_weights: bool = True,
+        self, urls: list[str], sync_dir: str, procs=None, api_key=None, writes_weights=True
     ):
         self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
         self.api_key = api_key or os.environ.get("VLLM_API_KEY")
@@ -224,14 +219,7 @@ class VLLMBackend(PauseGate):
 
     @classmethod
     def spawn(
-        cls,
-        model_dir: str,
-        n: int = 1,
-        python: str = "python",
-        args: Optional[list] = None,
-        timeout: float = 900,
-        log_dir: str = ".",
-        places: Optional[list] = None,
+        cls, model_dir: str, n=1, python="python", args=None, timeout=900, log_dir=".", places=None
     ):
         """Start ``n`` servers of ``model_dir`` (or one per ``places`` entry: the environment and arguments
         that put it on its GPUs) as subprocesses, logs in ``log_dir``/vllm_K.log; wait until healthy."""

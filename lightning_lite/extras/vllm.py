@@ -147,9 +147,7 @@ def _places(args, device: torch.device, local_world: int, extra: list) -> Option
     return placement(gpu_sets, trainer, args.vllm_gpu_memory, extra)
 
 
-def placement(
-    gpu_sets: list[str], trainer_gpus: list[str], share: Optional[float] = None, args: list = ()
-) -> list:
+def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: list = ()) -> list:
     """Each started server's (environment, arguments) for ``VLLMBackend.spawn``: one per GPU set,
     tensor-parallel over it, with ``share`` of each GPU's memory (default 0.3 beside the trainer, 0.9 alone).
 

@@ -144,9 +144,9 @@ def _group_advantages(r: list[float], estimator: str, batch_mean: float, eps: fl
     return [(x - mean) / (_std(r) + eps) for x in r]
 
 
+# grpo-step: each call's advantage is its rollout's + its own reward normalized over every call reward of the group
+# (``step_rewards``); 0 for a call without one.
 def _plus_call_rewards(adv, rids, calls, call_rewards, step_rewards, eps) -> list[dict[int, float]]:
-    """``grpo-step``: each call's advantage is its rollout's + its own reward normalized over every call reward of
-    the group (``step_rewards``); 0 for a call without one."""
     m, s = _mean(step_rewards), _std(step_rewards)
 
     def own(rid, k):
@@ -155,9 +155,9 @@ def _plus_call_rewards(adv, rids, calls, call_rewards, step_rewards, eps) -> lis
     return [{k: a + own(rid, k) for k in calls.get(rid, ())} for rid, a in zip(rids, adv)]
 
 
+# returns: each call's return G_k minus the group's mean whole return (G_0); a rollout's reward is added to its last
+# call's.
 def _returns(r, rids, calls, call_rewards, gamma) -> list[dict[int, float]]:
-    """``returns``: each call's return G_k minus the group's mean whole return (G_0); a rollout's reward is added to
-    its last call's."""
     returns = []
     for reward, rid in zip(r, rids):
         ks, g, ret = sorted(calls.get(rid, ())), 0.0, {}
@@ -492,9 +492,9 @@ def _head_logprobs(h, head, tokens, temperature, top_k, top_p, at, table):
     return sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed)
 
 
+# ``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model gave it, or None
+# when the model changes the head's output (Gemma2's softcapping, Cohere's logit_scale).
 def _forward_without_head(net, raw, head, **inputs) -> Optional[torch.Tensor]:
-    """``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model gave it,
-    or None when the model changes the head's output (Gemma2's softcapping, Cohere's logit_scale)."""
     raw.set_output_embeddings(hidden := _Hidden())
     try:
         out = net(**inputs).logits

@@ -168,9 +168,8 @@ def response_format(fmt: Any, param: str) -> dict:
 
 
 def json_object(body: Any) -> dict:
-    expect(
-        isinstance(body, dict), "the request body must be a JSON object", None, "invalid_request"
-    )
+    message = "the request body must be a JSON object"
+    expect(isinstance(body, dict), message, None, "invalid_request")
     return body
 
 
@@ -348,9 +347,8 @@ class ChatReply:
         return sse({**self.head, "choices": [choice]})
 
     def start(self) -> bytes:
-        return b"".join(
-            self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.req.n)
-        )
+        opening = {"role": "assistant", "content": ""}
+        return b"".join(self._chunk(i, opening) for i in range(self.req.n))
 
     def reasoning(self, delta: str) -> bytes:
         return self._chunk(0, {"reasoning_content": delta})

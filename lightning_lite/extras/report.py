@@ -127,10 +127,8 @@ def token_texts(model: Optional[str], ids: set[int]) -> Optional[dict[int, str]]
         tok = load_tokenizer(model or "smollm2")
     # a hub name without a network, a missing package, ...
     except Exception as e:
-        print(
-            f"report: cannot load the tokenizer of {model!r} ({type(e).__name__}: {e}); showing token ids",
-            file=sys.stderr,
-        )
+        why = f"cannot load the tokenizer of {model!r} ({type(e).__name__}: {e})"
+        print(f"report: {why}; showing token ids", file=sys.stderr)
         return None
     return {i: tok.decode([i]) for i in sorted(ids)}
 

@@ -219,8 +219,9 @@ class VLLMBackend(PauseGate):
     def spawn(
         cls, model_dir: str, n=1, python="python", args=None, timeout=900, log_dir=".", places=None
     ):
-        """Start ``n`` servers of ``model_dir`` (or one per ``places`` entry: the environment and arguments
-        that put it on its GPUs) as subprocesses, logs in ``log_dir``/vllm_K.log; wait until healthy."""
+        """Start ``n`` servers of ``model_dir`` with server flags ``args`` (or one per ``places`` entry: the
+        environment and arguments that put it on its GPUs) as subprocesses, logs in ``log_dir``/vllm_K.log;
+        wait until healthy (``timeout`` seconds)."""
         import secrets
         import subprocess
 

@@ -144,9 +144,9 @@ def _group_advantages(r: list[float], estimator: str, batch_mean: float, eps: fl
     return [(x - mean) / (_std(r) + eps) for x in r]
 
 
+# grpo-step: each call's advantage is its rollout's + its own reward normalized over every call reward of the group
+# (``step_rewards``); 0 for a call without one.
 def _plus_call_rewards(adv, rids, calls, call_rewards, step_rewards, eps) -> list[dict[int, float]]:
-    """``grpo-step``: each call's advantage is its rollout's + its own reward normalized over every call reward of
-    the group (``step_rewards``); 0 for a call without one."""
     m, s = _mean(step_rewards), _std(step_rewards)
 
     def own(rid, k):
@@ -155,9 +155,9 @@ def _plus_call_rewards(adv, rids, calls, call_rewards, step_rewards, eps) -> lis
     return [{k: a + own(rid, k) for k in calls.get(rid, ())} for rid, a in zip(rids, adv)]
 
 
+# returns: each call's return G_k minus the group's mean whole return (G_0); a rollout's reward is added to its last
+# call's.
 def _returns(r, rids, calls, call_rewards, gamma) -> list[dict[int, float]]:
-    """``returns``: each call's return G_k minus the group's mean whole return (G_0); a rollout's reward is added to
-    its last call's."""
     returns = []
     for reward, rid in zip(r, rids):
         ks, g, ret = sorted(calls.get(rid, ())), 0.0, {}
@@ -222,9 +222,7 @@ def global_denominators(samples: list[Sample]) -> dict:
     return {"tokens": int(tokens), "samples": int(nseq), "rollouts": int(nroll)}
 
 
-def sample_weights(
-    samples: list[Sample], norm: str, denoms: dict, norm_const: Optional[float] = None
-) -> list[float]:
+def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const=None) -> list[float]:
     """Each sample's weight per trainable token: the loss is the sum of ``weight * token_loss`` (README: the
     normalization table). N_* from ``global_denominators``; n_s, n_r a sample's, its rollout's trainable tokens:
 
@@ -494,9 +492,9 @@ def _head_logprobs(h, head, tokens, temperature, top_k, top_p, at, table):
     return sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed)
 
 
+# ``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model gave it, or None
+# when the model changes the head's output (Gemma2's softcapping, Cohere's logit_scale).
 def _forward_without_head(net, raw, head, **inputs) -> Optional[torch.Tensor]:
-    """``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model gave it,
-    or None when the model changes the head's output (Gemma2's softcapping, Cohere's logit_scale)."""
     raw.set_output_embeddings(hidden := _Hidden())
     try:
         out = net(**inputs).logits
@@ -522,11 +520,11 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
     src = b["where"][:, :-1][on]
     keep, col = torch.unique(src % L, return_inverse=True)
     raw = getattr(net, "module", net)
-    tree = {}
+    inputs = dict(input_ids=ids, logits_to_keep=keep, use_cache=False)
+    # a packed tree: each token at its depth, seeing only its ancestors
     if b["end"] is not None:
         mask = tree_mask(raw.config, b["depth"], b["end"])
-        tree = dict(position_ids=b["depth"], attention_mask=mask)
-    inputs = dict(input_ids=ids, logits_to_keep=keep, use_cache=False, **tree)
+        inputs.update(position_ids=b["depth"], attention_mask=mask)
     # 2. The forward, through DDP's or FSDP's wrapper, its head swapped out: out [R, K, H] hidden states, the head
     #    run per chunk below (FSDP leaves the root's weights gathered after its forward). A model found to change
     #    its head's output is marked (ll_full_logits) and from then on runs whole: out [R, K, V] logits.
@@ -554,9 +552,7 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
     return loss_mask.new_zeros(loss_mask.shape).masked_scatter(loss_mask > 0, lp)
 
 
-def clip_range(
-    loss: str, clip_low: Optional[float] = None, clip_high: Optional[float] = None
-) -> tuple[Optional[float], Optional[float]]:
+def clip_range(loss: str, clip_low=None, clip_high=None) -> tuple[Optional[float], Optional[float]]:
     """The clip range a loss runs with: each bound given, or the loss's default (``CLIP``; None for a loss that does
     not clip). The one place the default is resolved: ``policy_loss`` and train.py (its config.json) both call it:
     ``clip_range("gspo", clip_high=1e-3) == (3e-4, 1e-3)``."""

@@ -73,11 +73,8 @@ def text_of(content: Any, param: str) -> str:
         elif kind == "refusal":
             texts.append(str(part.get("refusal", "")))
         else:
-            raise BadRequest(
-                f"content part type '{kind}' is not supported: this model reads text only",
-                where + ".type",
-                "unsupported_content",
-            )
+            message = f"content part type '{kind}' is not supported: this model reads text only"
+            raise BadRequest(message, where + ".type", "unsupported_content")
     return "\n".join(texts)
 
 
@@ -140,11 +137,8 @@ def tools_of(body: dict) -> dict:
         out.append({**kept, "parameters": fn["input_schema"]} if "input_schema" in fn else kept)
     # "auto" | "none" | "required", or {"type": "auto" | "none" | "any" | "function" | "tool", ...}
     choice = body.get("tool_choice")
-    expect(
-        choice in (None, "auto", "none", "required") or isinstance(choice, dict),
-        '\'tool_choice\' must be "auto", "none", "required" or an object',
-        "tool_choice",
-    )
+    known = choice in (None, "auto", "none", "required") or isinstance(choice, dict)
+    must_be(known, "tool_choice", '"auto", "none", "required" or an object')
     kind, force = choice.get("type") if isinstance(choice, dict) else choice, None
     if out and kind in ("required", "any"):
         force = ""
@@ -152,9 +146,8 @@ def tools_of(body: dict) -> dict:
         fn = choice.get("function")
         force = fn.get("name") if isinstance(fn, dict) else choice.get("name")
         expect(isinstance(force, str), "'tool_choice.name' must be a string", "tool_choice")
-        if force not in {t["name"] for t in out}:
-            message = f"tool_choice names '{force}', which is not in 'tools'"
-            raise BadRequest(message, "tool_choice", "invalid_value")
+        message = f"tool_choice names '{force}', which is not in 'tools'"
+        expect(force in {t["name"] for t in out}, message, "tool_choice")
     return {"tools": out, "parse_tools": bool(out) and kind != "none", "force_tool": force}
 
 
@@ -175,9 +168,8 @@ def response_format(fmt: Any, param: str) -> dict:
 
 
 def json_object(body: Any) -> dict:
-    expect(
-        isinstance(body, dict), "the request body must be a JSON object", None, "invalid_request"
-    )
+    message = "the request body must be a JSON object"
+    expect(isinstance(body, dict), message, None, "invalid_request")
     return body
 
 
@@ -320,14 +312,11 @@ class ChatReply:
 
     @staticmethod
     def _tool_calls(reply) -> list[dict]:
-        return [
-            {
-                "id": t["id"],
-                "type": "function",
-                "function": {"name": t["name"], "arguments": t["arguments"]},
-            }
-            for t in reply.get("tool_calls", [])
-        ]
+        out = []
+        for t in reply.get("tool_calls", []):
+            function = {"name": t["name"], "arguments": t["arguments"]}
+            out.append({"id": t["id"], "type": "function", "function": function})
+        return out
 
     def _choice(self, call, reply) -> dict:
         calls = self._tool_calls(reply)
@@ -340,12 +329,11 @@ class ChatReply:
         logprobs = None
         if self.req.logprobs:
             tokens = [self.tok.decode([t]) for t in call.response_ids]
-            logprobs = {
-                "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(tokens, call.response_logprobs)
-                ]
-            }
+            content = [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, call.response_logprobs)
+            ]
+            logprobs = {"content": content}
         finish = client_finish(call, reply)
         return dict(index=call.choice, message=message, finish_reason=finish, logprobs=logprobs)
 
@@ -359,9 +347,8 @@ class ChatReply:
         return sse({**self.head, "choices": [choice]})
 
     def start(self) -> bytes:
-        return b"".join(
-            self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.req.n)
-        )
+        opening = {"role": "assistant", "content": ""}
+        return b"".join(self._chunk(i, opening) for i in range(self.req.n))
 
     def reasoning(self, delta: str) -> bytes:
         return self._chunk(0, {"reasoning_content": delta})

@@ -45,10 +45,7 @@ class Generation:
 
 
 def sample_token(
-    logits: torch.Tensor,
-    s: Sampling,
-    generator: Optional[torch.Generator] = None,
-    allowed: Optional[torch.Tensor] = None,
+    logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None, allowed=None
 ) -> tuple[int, float]:
     """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled*
     distribution: softmax(logits / T) on the top-k / top-p support (``algo.sampling_support``, the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import warnings
@@ -105,6 +106,11 @@ def from_dict(cls: type, d: dict) -> Any:
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def finite(row: dict) -> dict:
+    """``row`` with NaN and inf, which JSON lacks, as None (not measured)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
 def write_jsonl(path: str, items: Iterable[Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -143,10 +149,8 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
             if p is None or c.prompt_tail is None:
                 why = f"extends call {c.parent}, which no earlier line holds"
                 why = "no prompt_tail" if c.prompt_tail is None else why
-                message = (
-                    f"{path}: call {c.index} of rollout {c.rollout_id!r} has no prompt_ids, and "
-                )
-                raise ValueError(message + why)
+                where = f"{path}: call {c.index} of rollout {c.rollout_id!r}"
+                raise ValueError(f"{where} has no prompt_ids, and {why}")
             if whole:
                 c.prompt_ids, c.prompt_tail = p.prompt_ids + p.response_ids + c.prompt_tail, None
         seen[c.rollout_id, c.index] = c

@@ -11,7 +11,6 @@ again on the same tasks, so a run killed between checkpoints loses no data and t
 """
 
 import json
-import math
 import os
 import re
 import shutil
@@ -48,9 +47,7 @@ class RunDir:
         the loggers. The file is written last: a row in it has been logged everywhere."""
         if self.rank:
             return
-        row = {
-            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
-        }
+        row = records.finite(row)
         if loggers:
             loggers.log(row)
         with open(self.metrics_path, "a") as f:

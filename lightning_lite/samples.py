@@ -23,9 +23,7 @@ from typing import Iterable, Optional
 from .records import SPLIT_REASONS, UNANSWERED, Call, Sample, full_prompt, read_calls, write_jsonl
 
 
-def build_samples(
-    calls: list[Call], max_seq_len: Optional[int] = None
-) -> tuple[list[Sample], Counter]:
+def build_samples(calls: list[Call], max_seq_len=None) -> tuple[list[Sample], Counter]:
     """Turn ONE rollout's calls into samples; return (samples, stats).
 
     Example: an append-only chat of 2 turns and a separate title call:
@@ -220,9 +218,7 @@ def _sample(tokens: list[int], path: list[Call], tree: _Tree, trained: set) -> O
     return sample if any(sample.loss_mask) else None
 
 
-def build_batch_samples(
-    calls: Iterable[Call], max_seq_len: Optional[int] = None
-) -> tuple[list[Sample], Counter]:
+def build_batch_samples(calls: Iterable[Call], max_seq_len=None) -> tuple[list[Sample], Counter]:
     """``build_samples`` of each rollout (in order of first appearance): all samples and the summed stats."""
     by_rollout: dict[str, list[Call]] = defaultdict(list)
     for c in calls:

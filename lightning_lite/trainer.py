@@ -144,6 +144,8 @@ class Learner:
         # FSDP: every rank runs as many forwards as the others (None: a zero-weight one)
         mbs = parallel.pad_micro_batches(self.micro_batches(samples, weights), a.parallel)
         flex = model.config._attn_implementation == "flex_attention"
+        # the grammars' masks are over the model's vocabulary; bf16 and fp16 run under autocast
+        vocab, autocast = model.config.vocab_size, self.dtype != torch.float32
         # [2, age]: tokens and their summed |dlogp| by staleness; fwd, constrained, forced tokens
         stale, counts, rows = torch.zeros(2, max_age + 1, dtype=torch.float64), torch.zeros(3), []
         quiet = not (self.master and sys.stderr.isatty())
@@ -151,16 +153,13 @@ class Learner:
             pad = mb is None
             mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0]) if pad else mb
             # the masks a grammar sampled under (a forced call's schema), replayed: scored under them
-            vocab = model.config.vocab_size
             masks = [grammar.sample_masks(s, tok, vocab) if s.grammars else None for s in mb[0]]
             # flex_attention compiles for each new shape: its rows are padded to one
             pad_to, pad_id = a.micro_batch_tokens if flex else 1, tok.pad_token_id or 0
             options = dict(pad_id=pad_id, tree=not a.no_tree, pad_to=pad_to, masks=masks)
             b = algo.collate(*mb, self.device, **options)
             with parallel.accumulating(self.train_model, a.parallel, last=i == len(mbs) - 1):
-                with torch.autocast(
-                    self.device.type, self.dtype, enabled=self.dtype != torch.float32
-                ):
+                with torch.autocast(self.device.type, self.dtype, enabled=autocast):
                     # [B, T]
                     logprobs = algo.trainer_logprobs(self.train_model, b)
                     with torch.no_grad():

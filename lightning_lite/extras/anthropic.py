@@ -11,20 +11,8 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from ..apis import (
-    client_finish,
-    convert,
-    error_body,
-    expect,
-    messages_of,
-    must_be,
-    response_format,
-    rest,
-    settings,
-    sse,
-    text_of,
-    tools_of,
-)
+from ..apis import client_finish, convert, error_body, expect, messages_of, must_be, response_format
+from ..apis import rest, settings, sse, text_of, tools_of
 from ..chat import BadRequest, Request, parse_arguments
 
 

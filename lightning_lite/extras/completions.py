@@ -69,10 +69,8 @@ class CompletionsReply:
             if self.req.logprobs:
                 tokens = [self.tok.decode([t]) for t in call.response_ids]
                 logprobs = {"tokens": tokens, "token_logprobs": call.response_logprobs}
-            finish = client_finish(call, {})
-            choices.append(
-                {"index": call.choice, "text": text, "finish_reason": finish, "logprobs": logprobs}
-            )
+            choice = {"index": call.choice, "text": text, "finish_reason": client_finish(call, {})}
+            choices.append({**choice, "logprobs": logprobs})
         return {**self.head, "choices": choices, "usage": usage(self.n_prompt, answers)}
 
     def _chunk(self, index: int, text: str, finish=None) -> bytes:

@@ -17,7 +17,6 @@ import argparse
 import base64
 import gzip
 import json
-import math
 import os
 import sys
 from collections import defaultdict
@@ -25,7 +24,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from ..records import Call, common_prefix, find_batches, read_calls, read_jsonl
+from ..records import Call, common_prefix, find_batches, finite, read_calls, read_jsonl
 from ..samples import build_samples
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.html")
@@ -128,10 +127,8 @@ def token_texts(model: Optional[str], ids: set[int]) -> Optional[dict[int, str]]
         tok = load_tokenizer(model or "smollm2")
     # a hub name without a network, a missing package, ...
     except Exception as e:
-        print(
-            f"report: cannot load the tokenizer of {model!r} ({type(e).__name__}: {e}); showing token ids",
-            file=sys.stderr,
-        )
+        why = f"cannot load the tokenizer of {model!r} ({type(e).__name__}: {e})"
+        print(f"report: {why}; showing token ids", file=sys.stderr)
         return None
     return {i: tok.decode([i]) for i in sorted(ids)}
 
@@ -147,10 +144,8 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     config_path = os.path.join(run_dir, "config.json")
     exists = os.path.isfile(config_path)
     config = json.load(open(config_path), parse_constant=lambda _: None) if exists else {}
-    # JSON has no NaN
-    finite = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731
-    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    metrics = [{k: finite(v) for k, v in row.items()} for row in rows]
+    # the page's data is JSON: no NaN
+    metrics = [finite(row) for row in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
     found = find_batches(run_dir)
     kept = spread(list(found), max_batches)
     batches, ids, quiet = [], set(), not sys.stderr.isatty()

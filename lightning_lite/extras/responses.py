@@ -10,19 +10,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from ..apis import (
-    client_finish,
-    convert,
-    expect,
-    json_object,
-    must_be,
-    response_format,
-    rest,
-    settings,
-    sse,
-    text_of,
-    tools_of,
-)
+from ..apis import client_finish, convert, expect, json_object, must_be, response_format, rest
+from ..apis import settings, sse, text_of, tools_of
 from ..chat import ROLES, BadRequest, Request, parse_arguments
 
 
@@ -119,12 +108,7 @@ def parse_responses_request(
 
 class ResponsesReply:
     def __init__(
-        self,
-        req: Request,
-        model: str,
-        n_prompt: int,
-        previous_id: Optional[str] = None,
-        conversations: Optional[dict] = None,
+        self, req: Request, model: str, n_prompt: int, previous_id=None, conversations=None
     ):
         """``conversations``: response id -> its conversation, where this one's is kept once answered."""
         self.req, self.n_prompt, self.seq, self.model = req, n_prompt, 0, req.model or model

@@ -147,9 +147,7 @@ def _places(args, device: torch.device, local_world: int, extra: list) -> Option
     return placement(gpu_sets, trainer, args.vllm_gpu_memory, extra)
 
 
-def placement(
-    gpu_sets: list[str], trainer_gpus: list[str], share: Optional[float] = None, args: list = ()
-) -> list:
+def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: list = ()) -> list:
     """Each started server's (environment, arguments) for ``VLLMBackend.spawn``: one per GPU set,
     tensor-parallel over it, with ``share`` of each GPU's memory (default 0.3 beside the trainer, 0.9 alone).
 
@@ -194,12 +192,7 @@ class VLLMBackend(PauseGate):
     but 0): a sync only moves the version."""
 
     def __init__(
-        self,
-        urls: list[str],
-        sync_dir: str,
-        procs: Optional[list] = None,
-        api_key: Optional[str] = None,
-        writes_weights: bool = True,
+        self, urls: list[str], sync_dir: str, procs=None, api_key=None, writes_weights=True
     ):
         self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
         self.api_key = api_key or os.environ.get("VLLM_API_KEY")
@@ -224,17 +217,11 @@ class VLLMBackend(PauseGate):
 
     @classmethod
     def spawn(
-        cls,
-        model_dir: str,
-        n: int = 1,
-        python: str = "python",
-        args: Optional[list] = None,
-        timeout: float = 900,
-        log_dir: str = ".",
-        places: Optional[list] = None,
+        cls, model_dir: str, n=1, python="python", args=None, timeout=900, log_dir=".", places=None
     ):
-        """Start ``n`` servers of ``model_dir`` (or one per ``places`` entry: the environment and arguments
-        that put it on its GPUs) as subprocesses, logs in ``log_dir``/vllm_K.log; wait until healthy."""
+        """Start ``n`` servers of ``model_dir`` with server flags ``args`` (or one per ``places`` entry: the
+        environment and arguments that put it on its GPUs) as subprocesses, logs in ``log_dir``/vllm_K.log;
+        wait until healthy (``timeout`` seconds)."""
         import secrets
         import subprocess
 

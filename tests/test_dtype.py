@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT
@@ -46,6 +47,7 @@ def test_bf16_backend_serves_the_logprobs_the_bf16_trainer_computes(model, tok):
     assert d_fp32 > 1e-3 and d_bf16 < 0.1
 
 
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_train_py_bf16_trains_serves_and_checkpoints_fp32_masters_with_the_served_dtype(tmp_path):
     from safetensors import safe_open
 

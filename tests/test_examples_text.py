@@ -373,6 +373,7 @@ def train_step(tmp_path, harness, *args):
     return calls, row
 
 
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_search_trains_one_step_and_compaction_splits_the_sample(tmp_path):
     """Budget 1 token: the agent compacts before its third (last) turn, so each rollout makes 4 calls
     (2 forced searches, the summary side call, the answer) and gives 2 samples: the first three calls

@@ -145,6 +145,7 @@ def worker(rank, port, out, mode):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_fsdp_and_ddp_give_the_weights_of_one_process(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(

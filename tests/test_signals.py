@@ -148,6 +148,7 @@ def test_per_call_rewards_through_two_harnesses_in_proportion(tmp_path):
     )
 
 
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_groups_across_harnesses(tmp_path):
     """--group-across-harnesses: the two harnesses run the same tasks, each task's group of 4 holds 2 rollouts of each,
     and grpo-step's advantages are computed over those mixed groups."""
@@ -328,6 +329,7 @@ def test_from_calls_trains_on_what_proxy_py_recorded_with_the_rewards_it_took(re
     }
 
 
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_sft_on_recorded_traces_lowers_their_loss(recorded, tmp_path):
     """--loss sft with no --sft-min-reward imitates every recorded rollout, the unrewarded one too: two steps on the
     same three groups, and the second step's loss (their mean negative logprob) is lower. (A small lr: Adam's first

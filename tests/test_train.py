@@ -169,6 +169,7 @@ def test_a_run_killed_between_checkpoints_resumes_without_losing_or_repeating_a_
     )  # the same data
 
 
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_failing_rollouts_are_reported_and_training_goes_on(tmp_path):
     out = str(tmp_path / "run")
     log = run(
@@ -345,6 +346,7 @@ def test_calc_agent_on_the_embedded_model(server):
         "sum-norm-eval-every",
     ],
 )
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
     monkeypatch.setenv(
         "WANDB_MODE", "offline"
@@ -421,6 +423,7 @@ def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
         )
 
 
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_tree_packing_trains_exactly_as_separate_rows(tmp_path):
     """One step on rollouts that split (BranchingHarness: two leaves each, seeded and run one at a time, so both
     runs get the same calls), in groups that share their prompt, packed as trees (the default) and --no-tree, in
@@ -534,6 +537,7 @@ def test_grammar_constrained_calls_are_scored_under_the_mask_that_drew_them(tmp_
             assert isinstance(json.loads(c["response"]["content"])["answer"], int), c["response"]
 
 
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_each_token_is_scored_under_the_sampling_that_drew_it(tmp_path):
     """Rollouts sampled with top_p 0.6, with top_k 5, and two-turn conversations at temperature 0.5 then 1.0
     (merged into one sample), trained for one step: the trainer reproduces every recorded logprob to fp32
@@ -625,6 +629,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits(tmp_path):
 
 
 @pytest.mark.parametrize("bound", [1, 2])
+@pytest.mark.slow  # ~40-160 s: make test-slow
 def test_async_rollouts_stay_within_the_staleness_bound_and_are_scored_against_what_served_them(
     tmp_path, bound
 ):

@@ -244,11 +244,14 @@ class Renderer:
         self.specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
         self.think = think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
-        self.format, self.native_tools = "hermes", False
+        self.format, self.native_tools, self.native_calls = "hermes", False, False
         self.short_ids = self.string_args = self.merge_roles = False
         self.turn_close = self._probe_turn_close()
-        call_text = self._probe_native_call()
-        self.format = self._choose_format(call_text, tool_format)
+        call = self._probe_native_call()
+        self.format = self._choose_format(call, tool_format)
+        # A list without calls (Granite 3.x): the template's list asks for the model's own format, which only
+        # --tool-format can name; without it the list goes into the system prompt with the format it asks for.
+        self.native_tools = self.native_tools and (self.native_calls or bool(tool_format))
         # Must two user (or system) messages in a row be merged? The Hermes fallback writes tool results as user
         # turns, clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them.
         self.merge_roles = self._rendered(PROBE_USER + PROBE_USER, [], True) is None
@@ -267,21 +270,26 @@ class Renderer:
         return text[text.rindex(self.SENTINEL) + len(self.SENTINEL) :]
 
     def _probe_native_call(self) -> Optional[str]:
-        """The template's text for a call after its generation prompt, where it renders the tool list and the call
-        (``native_tools``), else None. Some templates want call ids of their own shape (Mistral: 9 alphanumerics):
+        """The template's text for a call after its generation prompt where it renders calls (``native_calls``), else
+        None; whether it renders the tool list (``native_tools``: DeepSeek-R1's renders calls but no list, Granite
+        3.x's the list but no calls). Some templates want call ids of their own shape (Mistral: 9 alphanumerics):
         then every id is written in that shape (``short_ids``)."""
-        self.native_tools = True
+        self.native_tools = self.native_calls = True
+        lists = False
         # (R1-style templates write the arguments as given: they want a JSON string)
         for self.short_ids, self.string_args in ((False, False), (True, False), (False, True)):
             head = self._rendered(PROBE_USER, [PROBE_TOOL], True)
             full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
             if head is None or full is None:
                 continue
-            # the tool list before the call, rendered in both
             call = call_text(head, full)
-            if self.SENTINEL in full[: len(full) - len(call)] and "llval" in call:
+            # the tool list before the call, rendered in both
+            lists = lists or self.SENTINEL in full[: len(full) - len(call)]
+            if "llval" in call and self._calls_again(call):
+                self.native_tools = lists
                 return call
-        self.native_tools = self.short_ids = self.string_args = False
+        self.native_calls = self.short_ids = self.string_args = False
+        self.native_tools = lists
         return None
 
     def _choose_format(self, call_text: Optional[str], tool_format: Optional[str]) -> str:
@@ -327,19 +335,39 @@ class Renderer:
         except BadRequest:
             return False
 
-    def _probe_calls(self, content: str = "") -> list[dict]:
-        """A user message, an assistant message calling the SENTINEL tool, its result."""
-        id = "a1b2c3d4e" if self.short_ids else "call_0123456789abcdef01234567"
-        call = {"id": id, "name": self.SENTINEL, "arguments": {"llarg": "llval"}}
-        return PROBE_USER + [
-            {"role": "assistant", "content": content, "tool_calls": [call]},
-            {"role": "tool", "content": "r", "tool_call_id": id},
-        ]
+    def _calls_again(self, call: str) -> bool:
+        """Does the template write a call after a tool result as it wrote the first, so that the history keeps every
+        call in the format? DeepSeek-R1's drops the opening there. Each call is read up to the turn close, as the
+        model's EOS ends it. (Kimi's parser reads no call before its id is named: nothing to compare there.)"""
+        fmt = toolcalls.detect(call)
+        if not fmt or toolcalls.format_of(fmt).named_ids:
+            return True
+        head = self._rendered(self._probe_calls(), [PROBE_TOOL], True)
+        twice = self._rendered(self._probe_calls(rounds=2), [PROBE_TOOL], False)
+        close = self.turn_close.strip()
+        count = lambda text: len(
+            toolcalls.parse(fmt, text.split(close)[0] if close else text)["tool_calls"]
+        )
+        return None not in (head, twice) and count(call) > 0 and count(call_text(head, twice)) > 0
+
+    def _probe_calls(self, content: str = "", rounds: int = 1) -> list[dict]:
+        """A user message, then ``rounds`` times an assistant message calling the SENTINEL tool and its result."""
+        out = list(PROBE_USER)
+        for k in range(rounds):
+            id = ("a1b2c3d4" if self.short_ids else "call_0123456789abcdef0123456") + str(k)
+            call = {"id": id, "name": self.SENTINEL, "arguments": {"llarg": "llval"}}
+            out.append({"role": "assistant", "content": content, "tool_calls": [call]})
+            out.append({"role": "tool", "content": "r", "tool_call_id": id})
+        return out
 
     def describe(self) -> str:
         think = "reasoning in {}...{}".format(*self.think) if self.think else "no reasoning tags"
-        where = "written into the system prompt (the template has no tool support)"
-        where = "rendered by the template" if self.native_tools else where
+        where = {
+            (True, True): "rendered by the template",
+            (False, True): "rendered by the template, its tool list written into the system prompt",
+            (True, False): "its tool list rendered by the template, calls written as text",
+            (False, False): "written into the system prompt (the template has no tool support)",
+        }[self.native_tools, self.native_calls]
         return f"chat template: tool calls in the {self.format} format, {where}; {think}"
 
     def encode(self, text: str) -> list[int]:
@@ -354,16 +382,37 @@ class Renderer:
         return _short_id(i) if self.short_ids else i
 
     def _template_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
-        """The messages as a template with tool support takes them (OpenAI's shape, arguments as a dict)."""
-        if not self.native_tools:
-            return self._hermes_messages(messages, tools)
+        """The messages as the template takes them: OpenAI's shape (arguments as a dict) where it renders calls, else
+        the Hermes convention's text: calls written in the format (``toolcalls.write``), results in a user turn's
+        ``<tool_response>`` tags. A tool list the template does not render goes into the system prompt."""
         form, out, named = toolcalls.format_of(self.format), [], {}
-        for m in messages:
-            # Mistral: roles must alternate, one system message
-            if self.merge_roles and m["role"] in ("user", "system") and _same_role(out, m):
+        if tools and not self.native_tools:
+            has_system = bool(messages) and messages[0]["role"] == "system"
+            system = messages[0]["content"] + "\n\n" if has_system else ""
+            out.append({"role": "system", "content": system + self._tools_prompt(tools)})
+            messages = messages[1:] if has_system else messages
+        for i, m in enumerate(messages):
+            if m["role"] == "tool" and not self.native_calls:
+                text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
+                # consecutive tool results share one user turn
+                if i and messages[i - 1]["role"] == "tool":
+                    out[-1]["content"] += "\n" + text
+                else:
+                    out.append({"role": "user", "content": text})
+                continue
+            # Gemma, Mistral: roles must alternate (the text convention's tool results are user turns)
+            mergeable = m["role"] in ("user", "system") or not self.native_calls
+            if self.merge_roles and mergeable and _same_role(out, m):
                 out[-1] = _merged(out[-1], m)
                 continue
             message = {"role": m["role"], "content": m["content"]}
+            if not self.native_calls:
+                calls = (
+                    toolcalls.write(self.format, **_parsed(t)) for t in m.get("tool_calls") or ()
+                )
+                message["content"] = "\n".join(filter(None, [m["content"], *calls]))
+                out.append(message)
+                continue
             # the key Qwen's templates read, and the one gpt-oss's reads
             if m.get("reasoning"):
                 message["reasoning_content"] = message["thinking"] = m["reasoning"]
@@ -372,9 +421,9 @@ class Renderer:
                 if form.named_ids and not t["id"].startswith("functions."):
                     named.setdefault(t["id"], f"functions.{t['name']}:{len(named)}")
                 call = {"id": named.get(t["id"]) or self._id(t["id"]), "type": "function"}
-                function = _parsed(t) | (
-                    {"arguments": _json(_parsed(t)["arguments"])} if self.string_args else {}
-                )
+                function = _parsed(t)
+                if self.string_args:
+                    function["arguments"] = _json(function["arguments"])
                 message.setdefault("tool_calls", []).append({**call, "function": function})
             if m["role"] == "tool":
                 i = m.get("tool_call_id", "")
@@ -382,35 +431,14 @@ class Renderer:
             out.append(form.adjust(m, message) if form.adjust else message)
         return out
 
-    def _hermes_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
-        """No tool support in the template: the Hermes convention written as text. The tools go into the system
-        prompt (TOOLS_PROMPT), calls into ``<tool_call>`` tags, results into a user turn's ``<tool_response>`` tags."""
-        out: list[dict] = []
-        if tools:
-            listed = "\n".join(_json({"type": "function", "function": t}) for t in tools)
-            has_system = bool(messages) and messages[0]["role"] == "system"
-            system = messages[0]["content"] + "\n\n" if has_system else ""
-            out.append({"role": "system", "content": system + TOOLS_PROMPT.format(tools=listed)})
-            messages = messages[1:] if has_system else messages
-        for i, m in enumerate(messages):
-            if m["role"] == "assistant" and m.get("tool_calls"):
-                calls = (f"<tool_call>\n{_json(_parsed(t))}\n</tool_call>" for t in m["tool_calls"])
-                text = "\n".join(calls)
-                content = (m["content"] + "\n" if m["content"] else "") + text
-                out.append({"role": "assistant", "content": content})
-            elif m["role"] == "tool":
-                text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
-                # consecutive tool results share one user turn
-                if i and messages[i - 1]["role"] == "tool":
-                    out[-1]["content"] += "\n" + text
-                else:
-                    out.append({"role": "user", "content": text})
-            # a template that wants roles to alternate
-            elif self.merge_roles and _same_role(out, m):
-                out[-1] = _merged(out[-1], m)
-            else:
-                out.append({"role": m["role"], "content": m["content"]})
-        return out
+    def _tools_prompt(self, tools: list[dict]) -> str:
+        """The tool list in the system prompt (TOOLS_PROMPT), how to call one in the format the model writes."""
+        listed = "\n".join(_json({"type": "function", "function": t}) for t in tools)
+        prompt = TOOLS_PROMPT.format(tools=listed)
+        if self.format == "hermes":
+            return prompt
+        example = toolcalls.write(self.format, "<function-name>", {"<argument>": "<value>"})
+        return prompt[: prompt.index("For each")] + f"Write each function call as here:\n{example}"
 
     def render_text(self, messages, tools, add_generation_prompt=True, template_kwargs=None) -> str:
         """The template's text for a conversation. A template that refuses it (Llama's single tool call, roles that

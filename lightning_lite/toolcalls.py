@@ -55,12 +55,33 @@ class Format:
 
 def make_call(name: str, args, id: Optional[str] = None) -> dict:
     """A parsed call: arguments as a JSON string, "id" only where the model wrote one."""
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    arguments = args if isinstance(args, str) else dumps(args)
     return ({"id": id} if id else {}) | {"name": name, "arguments": arguments}
 
 
+def dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def write(fmt: str, name: str, arguments) -> str:
+    """One call as the format writes it (a history whose template drops calls, a prompt's example), from its parts:
+    write("hermes", "f", {"x": 1}) -> '<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>'."""
+    form = format_of(fmt)
+    start, between, end = form.call
+    if not form.param or not isinstance(arguments, dict):
+        return start + name + between + dumps(arguments) + end
+    before, after, sep, quote = (*form.param, "", "")[:4]
+    # a string is text where the format closes it with a tag or quote, else JSON (Python calls)
+    text = lambda v: quote + v + quote if isinstance(v, str) and (after or quote) else dumps(v)
+    params = (before.replace("{name}", k) + text(v) + after for k, v in arguments.items())
+    return start + name + between + sep.join(params) + end
+
+
 def call_from_json(obj) -> Optional[dict]:
-    """``{"name", "arguments" | "parameters", "id"?}`` -> a call; None when it is not one."""
+    """``{"name", "arguments" | "parameters", "id"?}``, or OpenAI's ``{"id", "type", "function": {...}}`` (Falcon3)
+    -> a call; None when it is not one."""
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
+        obj = {"id": obj.get("id"), **obj["function"]}
     obj = {**obj, "name": obj.get("name", obj.get("tool_name"))} if isinstance(obj, dict) else obj
     if isinstance(obj, dict) and isinstance(obj.get("name"), str):
         id = obj.get("id") if isinstance(obj.get("id"), str) else None
@@ -79,8 +100,17 @@ def python_literal(text: str):
     """The Python literal ``text`` is, else None."""
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return None
+
+
+def calls_in(text: str) -> Optional[list[dict]]:
+    """A call or a list of calls written as JSON, or as a Python literal (arguments as a Python dict: Apriel) -> the
+    calls; None unless every one is a call."""
+    value = parse_arguments(text)
+    value = python_literal(text) if isinstance(value, str) else value
+    calls = [call_from_json(o) for o in (value if isinstance(value, list) else [value])]
+    return calls if calls and all(calls) else None
 
 
 def hold_back(text: str, markers) -> str:
@@ -103,12 +133,8 @@ PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DO
 def tag_body(body: str) -> Optional[list[dict]]:
     """One ``<tool_call>`` body: Hermes JSON or Qwen3-Coder's ``<function=N><parameter=A>V</parameter></function>``
     (both formats read both; a parameter is a JSON value where it parses, else text). None: not a call."""
-    if body.startswith("{"):
-        call = call_from_json(parse_arguments(body))
-        # arguments written as a Python dict: {"name": "f", "arguments": {'x': 1}}
-        if call is None and isinstance(parse_arguments(body), str):
-            call = call_from_json(python_literal(body))
-        return [call] if call else None
+    if body.startswith(("{", "[")):
+        return calls_in(body)
     m = FUNCTION_RE.fullmatch(body)
     # anything but parameters inside: not a call
     if m and not PARAMETER_RE.sub("", m.group(2)).strip():
@@ -121,10 +147,13 @@ def hermes_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
     return [(m.start(), m.end(), calls) for m, calls in found if calls]
 
 
-# detect(): a template that writes the call as JSON after <tool_call>
-HERMES_CALL_RE = re.compile(
-    r'<tool_call>\s*\[?\s*\{\s*(?:"tool_call_id"\s*:\s*"[^"]*",\s*)?"name"\s*:\s*"$'
+# detect(): a call written as JSON up to its name's value, {"name": " (after "tool_call_id" too: StepFun; in OpenAI's
+# shape: Falcon3), maybe in a list
+JSON_CALL_OPENING = (
+    r'\[?\s*\{\s*(?:"tool_call_id"\s*:\s*"[^"]*",\s*)?(?:"id"\s*:\s*"[^"]*",\s*"type"\s*:\s*"function",\s*'
+    r'"function"\s*:\s*\{\s*)?"(?:tool_)?name"\s*:\s*"$'
 )
+HERMES_CALL_RE = re.compile(r"<tool_call>\s*" + JSON_CALL_OPENING)
 HERMES = Format(
     call=('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
     detect=lambda before, after: bool(HERMES_CALL_RE.search(before)),

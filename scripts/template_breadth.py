@@ -4,7 +4,7 @@ proxy probes it (chat.Renderer), then a tool call written by the template itself
 
     python scripts/template_breadth.py [--show refused|unknown|failed] [--family NAME]
 
-Per template: refused (start-up raises; its message), native (the template renders the tool list and a call; a
+Per template: refused (start-up raises; its message), native (the template renders a call, with or without the tool list; a
 template refused for a call format no parser here reads counts too), its format, and the round trip: the template's
 text for an assistant turn calling get_weather({"city": "Paris"}) after its generation prompt, through
 Renderer.parse_reply, gives back that one call. Prints the totals, and the templates of one kind (--show). No model
@@ -87,8 +87,8 @@ def probe(tok, name: str) -> dict:
     except ValueError as e:
         # refused for a call format no parser here reads: it renders tools natively
         return {**row, "refusal": str(e), "native": "does not parse" in str(e)}
-    row.update(started=True, native=renderer.native_tools, format=renderer.format)
-    return {**row, "round_trip": round_trip(renderer)} if renderer.native_tools else row
+    row.update(started=True, native=renderer.native_calls, format=renderer.format)
+    return {**row, "round_trip": round_trip(renderer)} if renderer.native_calls else row
 
 
 def measure(family: str = "") -> tuple[collections.Counter, list[dict]]:

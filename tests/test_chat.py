@@ -181,6 +181,68 @@ def test_probing_tolerates_an_empty_think_block_and_refuses_naming_the_template(
         Renderer(t)
 
 
+HERMES_CALL = '<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>'
+# renders the tool list, drops calls from history (Granite 3.x)
+LIST_ONLY = NATIVE.replace(
+    "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}({{ tc.function.arguments | tojson }})</tool_call>{% endfor %}",
+    "",
+)
+# renders calls, no tool list (DeepSeek-V3.1)
+CALLS_ONLY = THINKING_OFF.split("{% endif %}", 1)[1]
+# writes a call after a tool result without its opening tag (DeepSeek-R1)
+LOSES_SECOND = CALLS_ONLY.replace(
+    "{% for m in messages %}", "{% for m in messages %}{% set i = loop.index0 %}"
+).replace("<tool_call>\n{", "{% if i == 1 %}<tool_call>\n{% endif %}{")
+
+
+def test_probing_a_list_without_calls_calls_without_a_list_and_a_template_that_loses_calls(tok):
+    """Calls but no list: the calls as the template renders them, the list in the system prompt. A list but no
+    calls: the Hermes convention in full, unless --tool-format names the format the list asks for (then calls are
+    written as text in it). A template that loses a call's opening after a tool result: the Hermes convention. A
+    template without tool support and a named format: calls and the prompt's example in that format."""
+    t = copy.deepcopy(tok)
+    tools = [{"name": "calculator", "parameters": {}}]
+    call = {"id": "c", "name": "calculator", "arguments": '{"expression": "2+3"}'}
+    msgs = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "5"},
+    ]
+    t.chat_template = CALLS_ONLY
+    r = Renderer(t)
+    assert (r.native_tools, r.native_calls, r.format) == (False, True, "hermes")
+    text = r.render_text(msgs, tools)
+    assert '"name": "calculator"' in text.split("<|im_start|>user")[0] and "# Tools" in text
+    assert (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+        in text
+    )
+    assert (
+        "<|im_start|>tool\n5" in text
+        and "its tool list written into the system prompt" in r.describe()
+    )
+    t.chat_template = LIST_ONLY
+    assert (Renderer(t).native_tools, Renderer(t).native_calls) == (False, False)
+    r = Renderer(t, tool_format="granite")
+    assert (r.native_tools, r.native_calls) == (True, False)
+    text = r.render_text(msgs, tools)
+    assert "TOOLS:calculator;" in text and "# Tools" not in text and "<tool_response>\n5" in text
+    assert '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2+3"}}]' in text
+    assert "its tool list rendered by the template, calls written as text" in r.describe()
+    assert r.parse_reply(
+        r.sampled_text(r.encode('<|tool_call|>[{"name": "calculator", "arguments": {}}]'), []), True
+    )["tool_calls"]
+    t.chat_template = LOSES_SECOND
+    assert not Renderer(t).native_calls
+    r = Renderer(tok, tool_format="olmo3")
+    text = r.render_text(msgs, tools)
+    assert '<function_calls>calculator(expression="2+3")</function_calls>' in text
+    assert (
+        'Write each function call as here:\n<function_calls><function-name>(<argument>="<value>")'
+        in text
+    )
+
+
 def test_fallback_renders_tools_in_the_system_prompt(tok):
     r = Renderer(tok)
     assert not r.native_tools

@@ -233,7 +233,7 @@ DETECTED = {
     # R1-Distill renders calls in history but never the tool list: no tool support, the tools go into the system prompt
     "deepseek-r1-distill": (False, "hermes", THINK, False, False),
     # V3.1's own template has no tool list either (its model card puts the tools into the system prompt by hand)
-    "deepseek-v3.1": (False, "hermes", THINK, False, False),
+    "deepseek-v3.1": (False, "deepseek_v31", THINK, False, False),
     "gpt-oss": (True, "harmony", None, False, False),
     # Granite 3.3 shows the tool list but drops calls from history: the Hermes fallback, which keeps them. Its
     # think tags come from the text of its `thinking` system prompt

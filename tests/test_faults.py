@@ -449,6 +449,7 @@ def test_proxy_cli_will_not_expose_the_model_without_a_key():
 # ---------------------------------------------------------------------------- load
 
 
+@pytest.mark.slow  # ~25-35 s: make test-slow
 def test_512_concurrent_multi_turn_sessions_every_call_recorded_once(fake, tok):
     """512 rollouts of 3 turns each, at once, half streaming: no error answers, every answered call on disk exactly
     once with what the client received, and nothing kept in memory after the sessions are forgotten."""

@@ -252,6 +252,7 @@ def test_train_py_under_fsdp_syncs_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["grad_norm"] > 0
 
 
+@pytest.mark.slow  # ~25-35 s: make test-slow
 def test_options_that_cannot_work_say_why():
     from conftest import ROOT
 

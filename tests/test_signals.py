@@ -64,6 +64,7 @@ def as_written(adv):  # JSON keys are strings
     return {str(k): v for k, v in adv.items()} if isinstance(adv, dict) else adv
 
 
+@pytest.mark.slow  # ~25-35 s: make test-slow
 def test_per_call_rewards_through_two_harnesses_in_proportion(tmp_path):
     """--harness percall --harness length:2: the step draws 1 and 2 tasks; per-call rewards (one POSTed by index, one
     returned by reply id) are recorded by call index, --adv returns gives each call its discounted return, and the
@@ -389,6 +390,7 @@ def test_sft_on_recorded_traces_lowers_their_loss(recorded, tmp_path):
     } and row["samples"] == 2
 
 
+@pytest.mark.slow  # ~25-35 s: make test-slow
 def test_from_calls_refuses_what_it_cannot_train_exactly(recorded, tmp_path):
     other = str(tmp_path / "other")
     shutil.copytree(recorded, other)

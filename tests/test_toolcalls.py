@@ -653,3 +653,28 @@ def test_template_errors_like_the_vendors(tok):
     assert "old thought" not in render(tok, "deepseek_r1", r1) and render(
         tok, "deepseek_r1", r1
     ).endswith("<｜Assistant｜>a<｜end▁of▁sentence｜>")
+
+
+def test_calls_in_openais_shape_and_literals_python_cannot_hash():
+    """Falcon3 writes OpenAI's {"id", "type", "function": {...}} objects, pretty-printed, in a list in <tool_call>
+    (Monostich in Granite's <|tool_call|>): read with their ids, and detected. A body Python reads as a set of dicts
+    is no call, and no exception either."""
+    call = '{\n  "id": "call_7",\n  "type": "function",\n  "function": {\n    "name": "f",\n    "arguments": {"x": 1}}}'
+    for fmt, text in [
+        ("hermes", f"<tool_call>\n[\n{call}\n]\n</tool_call>"),
+        ("granite", f"<|tool_call|>[{call}]"),
+    ]:
+        assert parse(fmt, "Sure." + text) == {
+            "content": "Sure.",
+            "reasoning": "",
+            "tool_calls": [{"id": "call_7", "name": "f", "arguments": '{"x": 1}'}],
+        }
+        assert (
+            detect(text.replace('"f"', f'"{SENTINEL}"').replace('"x": 1', '"llarg": "llval"'))
+            == fmt
+        )
+    for fmt, text in [
+        ("hermes", "<tool_call>{{1: 2}}</tool_call>"),
+        ("olmo3", "<function_calls>f(a={{1: 2}})</function_calls>"),
+    ]:
+        assert parse(fmt, text)["tool_calls"] == []

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
-from ..toolcalls import python_literal, up_to
+from ..toolcalls import JSON_CALL_OPENING, calls_in, up_to
 
 PYTHON_TAG = "<|python_tag|>"
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -50,9 +50,7 @@ CALL_SEPARATORS = re.compile(r"[\s;]*")
 
 def json_call_after(before: str) -> Optional[str]:
     """For ``detect``: the rendering before a call written as JSON (``[{"name": "``), stripped; None if not JSON."""
-    m = re.search(
-        r'\[?\s*\{\s*(?:"tool_call_id"\s*:\s*"[^"]*",\s*)?"(?:tool_)?name"\s*:\s*"$', before
-    )
+    m = re.search(JSON_CALL_OPENING, before)
     return before[: m.start()].rstrip() if m else None
 
 
@@ -287,12 +285,7 @@ def json_tagged(start: str, end: str = "", listed: bool = False) -> Format:
     """Calls as JSON (a list of them where ``listed``) after ``start``, up to ``end``: Nemotron's
     ``<TOOLCALL>[{"name": N, "arguments": {...}}]</TOOLCALL>``; the arguments may be a Python dict (Apriel)."""
 
-    def read(body: str) -> Optional[list[dict]]:
-        value = parse_arguments(body.strip())
-        value = python_literal(body.strip()) if isinstance(value, str) else value
-        calls = [call_from_json(o) for o in (value if isinstance(value, list) else [value])]
-        return calls if calls and all(calls) else None
-
+    read = lambda body: calls_in(body.strip())
     left, right = ("[", "]") if listed else ("", "")
     call = (start + left + '{"name": "', '", "arguments": ', "}" + right + end)
     blocks = regex_blocks(region(start, end), read) if end else marker_blocks(start, json_calls)
@@ -320,7 +313,7 @@ def pythonic_calls(body: str) -> Optional[list[dict]]:
             for e in exprs
             if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and not e.args
         ]
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
         return None
     return calls if calls and len(calls) == len(exprs) and len(nodes) == len(tree.body) else None
 

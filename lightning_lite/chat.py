@@ -132,7 +132,7 @@ class ContentStream:
 
 # ----------------------------------------------------------------------------- finding the turn a request extends
 
-THINK_BLOCK = re.compile(r"\A\s*(<think>.*?</think>|\[THINK\].*?\[/THINK\])", re.DOTALL)
+THINK_BLOCK = re.compile(r"\A\s*(<((?:\w+:)?think)>.*?</\2>|\[THINK\].*?\[/THINK\])", re.DOTALL)
 
 
 def message_key(m: dict) -> str:
@@ -572,11 +572,12 @@ class Renderer:
 
 
 def think_tags(template_source: str) -> Optional[tuple[str, str]]:
-    """The think-tag pair a chat template uses (``<think>``, Magistral's ``[THINK]``), None when it has none."""
+    """The think-tag pair a chat template uses (``<think>``, Magistral's ``[THINK]``, Seed-OSS's ``<seed:think>``,
+    MiniMax M3's ``<mm:think>``), None when it has none."""
     if "[THINK]" in template_source:
         return ("[THINK]", "[/THINK]")
-    has_think = "<think>" in template_source or "</think>" in template_source
-    return ("<think>", "</think>") if has_think else None
+    m = re.search(r"</?((?:\w+:)?think)>", template_source)
+    return (f"<{m[1]}>", f"</{m[1]}>") if m else None
 
 
 def call_text(head: str, full: str) -> str:

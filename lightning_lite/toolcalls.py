@@ -18,9 +18,10 @@ from typing import Callable, Optional
 
 # The --tool-format choices: "hermes" is below, each other name is an entry of extras/tool_formats.FORMATS.
 FORMATS = tuple(
-    "hermes qwen3_coder llama3 mistral mistral_v11 deepseek deepseek_v31 harmony granite glm longcat minimax "
-    "deepseek_v32 deepseek_v4 minicpm solar hy3_preview hy3 hunyuan nemotron gigachat tool_calls_json intern "
-    "longcat_json command_r olmo3 lfm2 minicpm3 step3 gemma4 kimi functionary seed_oss function_tags".split()
+    "hermes qwen3_coder llama3 mistral mistral_v11 deepseek deepseek_v31 harmony granite glm "
+    "longcat minimax minimax_m3 deepseek_v32 deepseek_v4 minicpm solar hy3_preview hy3 hunyuan "
+    "nemotron gigachat tool_calls_json intern longcat_json command_r olmo3 lfm2 minicpm3 step3 "
+    "gemma4 kimi functionary seed_oss function_tags".split()
 )
 # detect(): the name of the call a template renders, with the arguments {"llarg": "llval"}
 SENTINEL = "LLSENTINEL7f3a"
@@ -180,6 +181,9 @@ def split_think(text: str, think, opened: bool) -> tuple[str, str, bool]:
     >>> split_think("<think>hm</think>Hi", ("<think>", "</think>"), False)
     ('hm', 'Hi', True)
     """
+    # an empty block written as its close alone (MiniMax M3)
+    if think and not opened and text.lstrip().startswith(think[1]):
+        return "", text.lstrip()[len(think[1]) :], True
     if not think or not (opened or text.lstrip().startswith(think[0])):
         return "", text, True
     if not opened:
@@ -214,7 +218,7 @@ def visible(fmt: Optional[str], text: str, think=None, opened: bool = False) -> 
         partial = form.whole(text, True)
         return partial["reasoning"], partial["content"]
     # the think tag may still be coming
-    if think and not opened and think[0].startswith(text.lstrip()):
+    if think and not opened and any(tag.startswith(text.lstrip()) for tag in think):
         return "", ""
     reasoning, rest, closed = split_think(text, think, opened)
     if not closed:

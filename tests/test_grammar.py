@@ -77,7 +77,8 @@ for fmt in toolcalls.FORMATS:
         before, after, _, quote = (*(form.param or ()), "", "", "", "")[:4]
         # a string parameter: text up to the closing tag or quote, else JSON
         value = quote + "2+3" + quote if after or quote else '"2+3"'
-        param = before.replace("{name}", "expression") + value + after if form.param else ARGS
+        param = value.join(p.replace("{name}", "expression") for p in (before, after))
+        param = param if form.param else ARGS
         WRITTEN[fmt] = form.call[0] + "calculator" + form.call[1] + param + form.call[2]
 
 

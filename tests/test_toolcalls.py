@@ -215,7 +215,8 @@ CONTINUE["functionary"] = (
 def tagged_texts(fmt: str) -> tuple[str, str, str, tuple[str, str]]:
     """ONE, TWO, BAD and CONTINUE of a format whose calls are tags (Format.param), written from its own parts."""
     start, between, end = format_of(fmt).call
-    param = lambda k, v: format_of(fmt).param[0].replace("{name}", k) + v + format_of(fmt).param[1]  # noqa: E731
+    # (a close may name the key again: MiniMax M3's </city>)
+    param = lambda k, v: v.join(p.replace("{name}", k) for p in format_of(fmt).param[:2])  # noqa: E731
     params = param("city", "Paris")
     one = BEFORE + start + "get_weather" + between + params + end
     two = start + "a" + between + param("x", "1") + end + start + "b" + between + end
@@ -367,6 +368,23 @@ def test_format_details():
     )
     with pytest.raises(ValueError, match="unknown tool-call format"):
         parse("nope", "x")
+
+
+def test_minimax_m3_values_and_namespaced_think_tags():
+    """MiniMax M3 writes an object's value as its keys' tags and a list's as <item> tags; its think tags are
+    <mm:think> (Seed-OSS's <seed:think>), an empty block the close alone."""
+    m3 = "]<]minimax[>["
+    tag = lambda k, v: f"{m3}<{k}>{v}{m3}</{k}>"  # noqa: E731
+    opts = tag("opts", tag("n", "3") + tag("tags", tag("item", "x") + tag("item", "y")))
+    call = f'{m3}<invoke name="f">{tag("q", "a<b")}{opts}{tag("flag", "true")}{m3}</invoke>\n'
+    text = f"</mm:think>{m3}<tool_call>\n{call}{m3}</tool_call>"
+    think = think_tags("{{ '<mm:think>' + reasoning + '</mm:think>' }}")
+    r = parse("minimax_m3", text, think)
+    args = {"q": "a<b", "opts": {"n": 3, "tags": ["x", "y"]}, "flag": True}
+    assert r["reasoning"] == r["content"] == "" and calls_of(r) == [("f", args)]
+    assert visible("minimax_m3", "</mm:th", think) == ("", "")  # either tag may still be coming
+    think = think_tags("{{ '<seed:think>' }}")
+    assert parse("seed_oss", "<seed:think>hm</seed:think>Hi", think)["reasoning"] == "hm"
 
 
 def test_the_format_names_are_the_formats_in_the_table():

@@ -111,12 +111,14 @@ def _params(schema: dict, tok, k: int, param: tuple) -> tuple[str, list[str]]:
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     items, lexemes = [], []
     for j, (name, sub) in enumerate(sorted(props.items(), key=lambda p: p[0] not in required)):
-        if isinstance(sub, dict) and sub.get("type") == "string" and (after or quote):
-            value, more = _until(after or quote, tok, f"STR{k}_{j}")
+        # a close may name the key again (MiniMax M3's </city>)
+        close = after.replace("{name}", name)
+        if isinstance(sub, dict) and sub.get("type") == "string" and (close or quote):
+            value, more = _until(close or quote, tok, f"STR{k}_{j}")
             value, lexemes = f"{_text(quote, tok)} {value}", lexemes + more
         else:
             value = (
-                f"{_json({**sub, **defs} if isinstance(sub, dict) else sub)} {_text(after, tok)}"
+                f"{_json({**sub, **defs} if isinstance(sub, dict) else sub)} {_text(close, tok)}"
             )
         items.append(f"{_text(before.replace('{name}', name), tok)} {value}")
     # the separator goes between the values given: after the required ones, before each optional one

@@ -10,7 +10,7 @@ toolcalls.py looks a format up in (its one hook). How each family writes one cal
     harmony       <|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>  gpt-oss
     granite       <|tool_call|>[{"name": N, "arguments": {...}}]                         Granite 3.x
     glm ... solar, seed_oss, function_tags   a tag a parameter (``tagged``): GLM 4.5-5.2 <tool_call>N<arg_key>A</arg_key>
-                  <arg_value>V</arg_value></tool_call>, LongCat, Hy3, MiniMax <invoke name=N>, DeepSeek-V3.2/V4 DSML, MiniCPM
+                  <arg_value>V</arg_value></tool_call>, LongCat, Hy3, MiniMax M2, M3 <invoke name=N>, DeepSeek-V3.2/V4 DSML, MiniCPM
     nemotron, gigachat, tool_calls_json, intern, longcat_json   JSON after a marker (``json_tagged``): <TOOLCALL>[...]
     olmo3, lfm2   Python calls [N(a="v")]; gemma4  <|tool_call>call:N{a:<|"|>v<|"|>}; kimi  functions.N:K ids; hunyuan
 
@@ -30,6 +30,7 @@ from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, pa
 from ..toolcalls import JSON_CALL_OPENING, calls_in, up_to
 
 PYTHON_TAG = "<|python_tag|>"
+M3 = "]<]minimax[>["
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 DS_CLOSE = DS_CALL_END + DS_END
@@ -231,14 +232,24 @@ def tagged(start: str, between: str, end: str, param: tuple[str, str], block=(""
     key_start, key_end = param[0].split("{name}")
     # DeepSeek's string="true" | "false" after the key: any attributes
     key_end = r'"[^>]*>' if key_end.startswith('"') else flex(key_end.rstrip())
-    value = flex(key_start) + r"(.+?)" + key_end + r"\n?(.*?)\n?" + flex(param[1].lstrip())
-    param_re = re.compile(value, re.S)
+    # a close that names the key again (MiniMax M3's </city>)
+    close = flex(param[1].lstrip()).replace(re.escape("{name}"), r"\1")
+    param_re = re.compile(flex(key_start) + r"(.+?)" + key_end + r"\n?(.*?)\n?" + close, re.S)
     call_re = re.compile(
         flex(start) + r"([^\s<>\"'=]+)" + flex(between) + r"(.*?)" + flex(end), re.S
     )
 
+    def value(text: str):
+        """A parameter's value; MiniMax M3 writes an object's as its keys' tags, a list's as <item> tags."""
+        inner = param_re.findall(text) if "{name}" in param[1] else []
+        if not inner or param_re.sub("", text).strip():
+            return parse_arguments(text)
+        if {k for k, _ in inner} == {"item"}:
+            return [value(v) for _, v in inner]
+        return {k.strip(): value(v) for k, v in inner}
+
     def read(m: re.Match) -> Optional[dict]:
-        params = {k.strip(): parse_arguments(v) for k, v in param_re.findall(m.group(2))}
+        params = {k.strip(): value(v) for k, v in param_re.findall(m.group(2))}
         return None if param_re.sub("", m.group(2)).strip() else make_call(m.group(1), params)
 
     opening = re.compile(flex(block[0] + start) + r"\Z")
@@ -407,6 +418,13 @@ FORMATS = {
         "</invoke>\n",
         ('<parameter name="{name}">', "</parameter>\n"),
         ("<minimax:tool_call>\n", "</minimax:tool_call>"),
+    ),
+    "minimax_m3": tagged(
+        M3 + '<invoke name="',
+        '">',
+        M3 + "</invoke>\n",
+        (M3 + "<{name}>", M3 + "</{name}>"),
+        (M3 + "<tool_call>\n", M3 + "</tool_call>"),
     ),
     "deepseek_v32": dsml("function_calls"),
     "deepseek_v4": dsml("tool_calls"),

@@ -5,8 +5,6 @@ file. A rank without samples must still call the collectives and backward a zero
 The path to read first: --adv grpo, --loss ppo, --norm rollout-mean; the other choices are each a line or a branch.
 """
 
-from __future__ import annotations
-
 import math
 from collections import Counter, defaultdict
 from typing import Optional, Union

@@ -10,8 +10,6 @@ mid-stream. ``answers`` are (call, reply) pairs: the recorded Call and the parse
 (``{"role", "content", "reasoning"?, "tool_calls"?}``); ``sent``, ``sent_reasoning``: what was streamed already.
 """
 
-from __future__ import annotations
-
 import ast
 import json
 import math

@@ -11,8 +11,6 @@ Example (SmolLM2, no native tool support)::
     parse   -> content "", tool_calls [{"id": "call_…", "name": "calculator", "arguments": '{"expression": "2+3"}'}]
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os
@@ -155,7 +153,7 @@ def extend_fingerprint(fingerprint: bytes, m: dict) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def fingerprints(messages: list[dict], tools: list[dict], known: Optional[Turn] = None):
+def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"] = None):
     """``fps[k]`` identifies ``tools`` and ``messages[:k]`` (by ``message_key``): the earlier turn a request
     extends is found by a dictionary lookup. ``known``: the session's latest turn, whose fingerprints of the
     messages this request shares with it (equal dicts, compared in C) are reused: an append hashes only its new ones.

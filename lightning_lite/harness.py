@@ -2,8 +2,6 @@
 looks inside a harness: it hands each rollout its own base URL and collects one reward per rollout.
 """
 
-from __future__ import annotations
-
 import ast
 import asyncio
 import importlib.util

@@ -1,8 +1,6 @@
 """Load the policy model and its tokenizer (an embedded model by name: extras/embedded.py;
 ``python -m lightning_lite.models --prepare`` converts it once, as make venv does)."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 from typing import Optional

@@ -3,8 +3,6 @@ process: DDP averages gradients over ranks, and train.py's weights already make 
 ``--parallel fsdp`` shards the weights instead: each function here hands that mode to extras/fsdp.py.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch

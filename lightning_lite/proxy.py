@@ -6,8 +6,6 @@ are sampled, when asked) -> its :class:`Call` appended to ``calls.jsonl`` -> the
 table ``ROUTES``; the trainer drives the proxy in-process (``ProxyServer``), ``python proxy.py`` on its own.
 """
 
-from __future__ import annotations
-
 import asyncio
 import functools
 import hmac
@@ -89,7 +87,7 @@ def conversation(api: str, open_api):
     """A route served by :meth:`Proxy.converse`. ``open_api(body, memo, proxy) -> (Request, new_writer)``:
     ``memo`` is the rollout's dict for this API, ``new_writer(n_prompt)`` the reply writer (apis.py)."""
 
-    async def handler(proxy: Proxy, request: web.Request):
+    async def handler(proxy: "Proxy", request: web.Request):
         return await proxy.converse(request, api, open_api)
 
     return handler

@@ -3,8 +3,6 @@
 ``pandas.read_json(path, lines=True)`` read them as they are.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import math

@@ -13,8 +13,6 @@ is the longest prefix of its prompt; a call that extends nothing starts a new ro
     python -m lightning_lite.samples CALLS.jsonl --out SAMPLES.jsonl [--max-seq-len N]
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 from collections import Counter, defaultdict

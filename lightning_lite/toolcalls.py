@@ -8,8 +8,6 @@ Reasoning: a think-tag pair (``think``) at the start of the reply; ``opened``: t
 so the text starts inside (Qwen3.5, DeepSeek-R1).
 """
 
-from __future__ import annotations
-
 import ast
 import json
 import re

@@ -3,8 +3,6 @@
 proxy.ROUTES; a request becomes the same :class:`~chat.Request` as a chat completion's and takes the same path
 (``Proxy.converse``); errors take Anthropic's shape (proxy._error)."""
 
-from __future__ import annotations
-
 import json
 import uuid
 from typing import Any, Optional

@@ -19,8 +19,6 @@ searched once. The task is new text too: a result pattern should match what only
 The hook: train.py builds an ``Auditor`` of its harnesses and calls ``flag`` on each step's rollouts.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import re

@@ -1,8 +1,6 @@
 """/v1/completions: a prompt (text or token ids) in, its continuation out, no chat template. Its hook: the route
 ``"/v1/completions": completions.complete`` in proxy.ROUTES. Each choice is recorded as its own call."""
 
-from __future__ import annotations
-
 import re
 from typing import Any
 

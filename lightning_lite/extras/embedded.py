@@ -6,8 +6,6 @@ once into a transformers directory in the cache folder, which loads in well unde
     python -m lightning_lite.models --prepare     # convert once (make venv does it)
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import importlib.util

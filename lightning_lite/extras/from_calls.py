@@ -3,8 +3,6 @@ a harness. The hook is a step source: ``load`` reads and checks the recorded run
 in for the harness step, returning the same (groups, results, calls) as running the rollouts would.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import sys
@@ -23,17 +21,15 @@ def check(args, ddp: bool, cuda: bool):
         )
 
 
+HELP = (
+    "train on the calls that proxy.py --out DIR (rewards POSTed while it served) or a train.py run"
+)
+HELP += " recorded, instead of running a harness (README: Training from recorded calls); --harness evaluates"
+
+
 def add_args(parser) -> None:
-    group = parser.add_argument_group(
-        "training from recorded calls (lightning_lite/extras/from_calls.py)"
-    )
-    group.add_argument(
-        "--from-calls",
-        nargs="+",
-        metavar="DIR",
-        help="train on calls recorded by proxy.py --out DIR (rewards POSTed while it served) or by a train.py run, "
-        "instead of running a harness (README: Training from recorded calls); --harness then only evaluates",
-    )
+    group = parser.add_argument_group("training from recorded calls (extras/from_calls.py)")
+    group.add_argument("--from-calls", nargs="+", metavar="DIR", help=HELP)
 
 
 def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, dict]]:

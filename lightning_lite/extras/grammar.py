@@ -18,8 +18,6 @@ into ``Sampling.grammar``, a backend samples under its ``Matcher``, the trainer 
 tool-call format it reads only ``Format.call``, the call's text around its arguments (toolcalls.format_of).
 """
 
-from __future__ import annotations
-
 import json
 import re
 from typing import Optional

@@ -16,11 +16,8 @@ from ..harness import load_harness, parse_kwargs
 
 def add_args(parser):
     group = parser.add_argument_group("several harnesses")
-    group.add_argument(
-        "--group-across-harnesses",
-        action="store_true",
-        help="one group a task id over every --harness (--group-size split by WEIGHT)",
-    )
+    help = "one group a task id over every --harness (--group-size split by WEIGHT)"
+    group.add_argument("--group-across-harnesses", action="store_true", help=help)
 
 
 def check(args, ddp: bool, cuda: bool):

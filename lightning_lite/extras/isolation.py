@@ -8,8 +8,6 @@ Its hook: ``Proxy(rollout_tokens=True)`` keeps an :class:`Isolation` as ``proxy.
 every request (``Proxy.read``) and opens each rollout's route (``ProxyServer.endpoint``);
 ``ProxyServer.endpoint(socket=True)`` opens a rollout's socket through :class:`RolloutSockets`."""
 
-from __future__ import annotations
-
 import hmac
 import itertools
 import os

@@ -3,8 +3,6 @@ sandbox (extras/sandbox.py) with its endpoint in its environment. The hook: it i
 other (``lightning_lite.harness.SubprocessHarness`` names it); the rollout runner awaits its ``run``.
 """
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import os

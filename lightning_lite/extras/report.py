@@ -11,8 +11,6 @@ A long agent run records gigabytes of prompt tokens, so the page keeps the traje
 prefix shared with another sample of the batch (a system prompt once per batch), gzip-compressed.
 """
 
-from __future__ import annotations
-
 import argparse
 import base64
 import gzip

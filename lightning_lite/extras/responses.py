@@ -3,8 +3,6 @@ line ``"/v1/responses"`` of proxy.ROUTES; a request becomes the same :class:`~ch
 completion's and takes the same path (``Proxy.converse``). ``previous_response_id`` names an earlier response of
 the same rollout: its conversation (input + output) is kept in the rollout's memo for this API."""
 
-from __future__ import annotations
-
 import json
 import time
 import uuid
@@ -143,35 +141,19 @@ class ResponsesReply:
     def _response(self, status: str, output: list, call=None) -> dict:
         n_out = len(call.response_ids) if call else 0
         s, incomplete = self.req.sampling, {"reason": "max_output_tokens"}
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "model": self.model,
-            "output": output,
-            "error": None,
-            "incomplete_details": incomplete if status == "incomplete" else None,
-            "instructions": None,
-            "previous_response_id": self.previous_id,
-            "parallel_tool_calls": True,
-            "tool_choice": "auto",
-            "tools": [{"type": "function", **t} for t in self.req.tools],
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "max_output_tokens": s.max_tokens,
-            "store": True,
-            "text": {"format": {"type": "text"}},
-            "truncation": "disabled",
-            "metadata": {},
-            "usage": {
-                "input_tokens": self.n_prompt,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": n_out,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.n_prompt + n_out,
-            },
-        }
+        # the Responses API's response object, its fields in the order OpenAI's has them
+        usage = {"input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": 0}}
+        usage |= {"output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0}}
+        usage["total_tokens"] = self.n_prompt + n_out
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status}
+        out |= {"model": self.model, "output": output, "error": None}
+        out["incomplete_details"] = incomplete if status == "incomplete" else None
+        out |= {"instructions": None, "previous_response_id": self.previous_id}
+        out |= {"parallel_tool_calls": True, "tool_choice": "auto"}
+        out["tools"] = [{"type": "function", **t} for t in self.req.tools]
+        out |= {"temperature": s.temperature, "top_p": s.top_p, "max_output_tokens": s.max_tokens}
+        out |= {"store": True, "text": {"format": {"type": "text"}}, "truncation": "disabled"}
+        return out | {"metadata": {}, "usage": usage}
 
     def body(self, answers) -> dict:
         ((call, reply),) = answers

@@ -11,8 +11,6 @@ harness's base URL stays ``http://127.0.0.1:PORT/...`` though nothing else is re
 as a script by the sandbox's own ``python3`` (standard library only, Python >= 3.8): any image with Python has it.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import shlex
@@ -209,15 +207,14 @@ def _bwrap_problem() -> Optional[str]:
 # ---------------------------------------------------------------------------- train.py's set-up
 
 
+HELP = "where a program harness's rollouts run: auto (bwrap, else an error that says how to install it),"
+HELP += " bwrap, docker, podman, none (the host), or a command template with {argv}"
+
+
 def add_args(parser):
     """train.py's flags for sandboxes."""
     group = parser.add_argument_group("sandboxes (lightning_lite/extras/sandbox.py)")
-    group.add_argument(
-        "--sandbox",
-        default="auto",
-        help="where a program harness's rollouts run: auto (bwrap, else an error that says how to install it), "
-        "bwrap, docker, podman, none (the host), or a command template with {argv}",
-    )
+    group.add_argument("--sandbox", default="auto", help=HELP)
     group.add_argument("--sandbox-image", help="docker's image for tasks that name none")
 
 

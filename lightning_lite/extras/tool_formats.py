@@ -18,8 +18,6 @@ Both mistral names and both deepseek names parse either shape; they differ in ho
 qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions here, its entry in ``FORMATS``, its name in ``toolcalls.FORMATS``.
 """
 
-from __future__ import annotations
-
 import ast
 import json
 import re

@@ -7,8 +7,6 @@ HFBackend's surface (generate, pause/resume, sync_weights, close, version, max_m
     backend.sync_weights(state_dict, version=1)                     # rank 0 writes, the servers reload
 """
 
-from __future__ import annotations
-
 import asyncio
 import atexit
 import glob
@@ -39,53 +37,38 @@ def check(args, ddp: bool, cuda: bool):
         )
 
 
+# the flags' help texts
+URL_HELP = "running servers of this model that can read --out (default: start --vllm-servers)"
+URL_HELP += "; started with VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs"
+SERVERS_HELP = "servers to start (rank 0 starts them; logs in OUT/vllm_K.log)"
+ARGS_HELP = "more arguments for the started servers, e.g. '--dtype bfloat16 --max-model-len 4096'"
+SLEEP_HELP = "servers on the training GPUs free their memory while it trains (sleep level 2)"
+GPUS_HELP = (
+    "a started server per GPU set, e.g. '4,5 6,7' (nvidia-smi's ids; replaces --vllm-servers)"
+)
+MEMORY_HELP = (
+    "each started server's --gpu-memory-utilization; default 0.3 beside the trainer, else 0.9"
+)
+
+
 def add_args(parser):
     """The flags of ``--backend vllm``, as an argparse group."""
     group = parser.add_argument_group("vLLM servers (--backend vllm)")
     venv = ".venv-vllm/bin/python"
     python = venv if os.path.exists(venv) else sys.executable
-    group.add_argument(
-        "--vllm-url",
-        nargs="+",
-        metavar="URL",
-        help="servers already running this model (VLLM_SERVER_DEV_MODE=1, --logprobs-mode "
-        "processed_logprobs) that can read --out; default: start --vllm-servers",
-    )
-    group.add_argument(
-        "--vllm-servers",
-        type=int,
-        default=1,
-        help="servers to start (rank 0 starts them; logs in OUT/vllm_K.log)",
-    )
+    group.add_argument("--vllm-url", nargs="+", metavar="URL", help=URL_HELP)
+    group.add_argument("--vllm-servers", type=int, default=1, help=SERVERS_HELP)
     group.add_argument("--vllm-python", default=python, help="the Python that has vLLM")
+    group.add_argument("--vllm-args", default="", help=ARGS_HELP)
+    group.add_argument("--vllm-sleep", action="store_true", help=SLEEP_HELP)
+    group.add_argument("--vllm-gpus", nargs="+", metavar="IDS", help=GPUS_HELP)
+    group.add_argument("--vllm-gpu-memory", type=float, metavar="SHARE", help=MEMORY_HELP)
     group.add_argument(
-        "--vllm-args",
-        default="",
-        help="more arguments for the started servers, e.g. '--dtype bfloat16 --max-model-len 4096'",
-    )
-    group.add_argument(
-        "--vllm-sleep",
-        action="store_true",
-        help="servers on the training GPUs free their memory while the trainer computes (sleep level 2)",
-    )
-    group.add_argument(
-        "--vllm-gpus",
-        nargs="+",
-        metavar="IDS",
-        help="a started server per GPU set, e.g. '4,5 6,7' (nvidia-smi's ids; replaces --vllm-servers)",
-    )
-    group.add_argument(
-        "--vllm-gpu-memory",
-        type=float,
-        metavar="SHARE",
-        help="each started server's --gpu-memory-utilization; default 0.3 beside the trainer, else 0.9",
-    )
-    group.add_argument(
-        "--vllm-api-key", metavar="KEY", help="API key of the --vllm-url servers (or $VLLM_API_KEY)"
+        "--vllm-api-key", metavar="KEY", help="the --vllm-url servers' (or $VLLM_API_KEY)"
     )
 
 
-def start(args, config, dtype: torch.dtype, model_dir: str, device: torch.device) -> VLLMBackend:
+def start(args, config, dtype: torch.dtype, model_dir: str, device: torch.device) -> "VLLMBackend":
     """train.py's vLLM backend: rank 0 starts ``--vllm-servers`` of ``model_dir`` (placed by ``placement``),
     unless ``--vllm-url`` names running ones; every rank's proxy sends to the same servers; rank 0 writes the
     weight syncs, in ``dtype`` (the trainer's compute). ``config``: the trained model's (context, RoPE)."""
@@ -199,10 +182,9 @@ class VLLMBackend(PauseGate):
         self.writes_weights = writes_weights
         # of the weight-sync file (train.py: --dtype's, half of fp32 in bf16); None: the weights' own
         self.dtype = None
+        served = lambda url: _http(url + "/v1/models", timeout=30, key=self.api_key)["data"][0]
         try:
-            models = [
-                _http(u + "/v1/models", timeout=30, key=self.api_key)["data"][0] for u in self.urls
-            ]
+            models = [served(u) for u in self.urls]
         except OSError as e:
             raise RuntimeError(
                 f"no vLLM server answers at {' '.join(self.urls)} ({e}): "
@@ -237,11 +219,8 @@ class VLLMBackend(PauseGate):
             cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
             cmd += ["--port", str(port), *_SERVER_ARGS, *(args or []), *place_args]
             log = open(os.path.join(log_dir, f"vllm_{k}.log"), "w")
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=env | place_env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die
-                )
-            )
+            out = dict(stdout=log, stderr=subprocess.STDOUT)
+            procs.append(subprocess.Popen(cmd, env=env | place_env, preexec_fn=die, **out))
             urls.append(f"http://127.0.0.1:{port}")
         _wait_healthy(procs, urls, timeout, log_dir)
         backend = cls(urls, _sync_dir(model_dir), procs=procs, api_key=key)
@@ -303,23 +282,12 @@ class VLLMBackend(PauseGate):
         """Every sampling field explicit, the penalties and min_p neutral: vLLM fills an unset one from the
         model's generation_config.json (Qwen2.5's repetition_penalty 1.05), a distribution the trainer never
         scores."""
-        body = {
-            "model": self.model_name,
-            "prompt": list(prompt_ids),
-            "max_tokens": max_new,
-            "seed": sampling.seed,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k or -1,
-            "stop": sampling.stop,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "stream": stream,
-        }
+        s = sampling
+        body = {"model": self.model_name, "prompt": list(prompt_ids), "max_tokens": max_new}
+        body |= {"seed": s.seed, "temperature": s.temperature, "top_p": s.top_p}
+        body |= {"top_k": s.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        body |= {"presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": s.stop, "logprobs": 0}
+        body |= {"return_token_ids": True, "stream": stream}
         # the servers' guidance backend (llguidance) masks as grammar.Matcher does; the trainer replays it
         if sampling.grammar:
             body["structured_outputs"] = {"grammar": sampling.grammar}

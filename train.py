@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lightning_lite import algo, parallel, records
 from lightning_lite.backends import HFBackend
-from lightning_lite.extras import audit, from_calls, fsdp, harnesses, loggers, sandbox, vllm
+from lightning_lite.extras import audit, from_calls, fsdp, harnesses, loggers, lora, sandbox, vllm
 from lightning_lite.harness import (
     fail_rollouts_the_backend_failed,
     resolve_call_rewards,
@@ -109,7 +109,7 @@ group.add_argument("--no-tree", action="store_true", help="one padded row a samp
 group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help="the trainer's")
 group.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help=PARALLEL_HELP)
 group.add_argument("--activation-checkpointing", action="store_true", help="memory for compute")
-for extra in (harnesses, from_calls, vllm, fsdp, sandbox, loggers):
+for extra in (harnesses, from_calls, vllm, fsdp, lora, sandbox, loggers):
     extra.add_args(parser)
 args = parser.parse_args()
 
@@ -142,7 +142,7 @@ if args.attn == "flex_attention" and not cuda:
     )
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
-for extra in (harnesses, from_calls, vllm, fsdp):
+for extra in (harnesses, from_calls, vllm, fsdp, lora):
     extra.check(args, ddp, cuda)
 torch.manual_seed(args.seed + rank)
 random.seed(args.seed + rank)

@@ -11,8 +11,6 @@ small surface, so the proxy never knows which one serves it:
 without sliding window). extras/vllm.py's ``VLLMBackend`` sends the same token ids to vLLM servers.
 """
 
-from __future__ import annotations
-
 import asyncio
 import os
 import threading
@@ -114,7 +112,12 @@ def copy_weights(model, dst):
     (DTensors; every rank calls this then) are gathered, copied and freed one at a time: no rank holds the
     whole model twice."""
     source = served_state_dict(model)
+    # what training cannot change is not copied: the frozen base under LoRA
+    named = {} if isinstance(model, dict) else getattr(model, "module", model).named_parameters()
+    frozen = {n for n, p in dict(named).items() if not p.requires_grad}
     for name, tensor in dst.state_dict().items():
+        if name in frozen:
+            continue
         value = source[name]
         tensor.copy_(value.full_tensor() if hasattr(value, "full_tensor") else value)
 
@@ -290,7 +293,7 @@ class HFBackend(PauseGate):
         self._store(request.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
         return cache, out.logits[0, -1]
 
-    def _sample_next(self, batch: _Batch, j: int, version: int) -> bool:
+    def _sample_next(self, batch: "_Batch", j: int, version: int) -> bool:
         """Sample row j's next token; False when its request is over (answered, or its client gone)."""
         request = batch.rows[j]
         allowed = request.matcher.allowed().to(self.device) if request.matcher else None

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from . import algo, parallel
-from .extras import grammar
+from .extras import grammar, lora
 from .models import load_model
 from .records import Sample, common_prefix
 
@@ -28,13 +28,14 @@ class Learner:
         self.args, self.tok, self.device, self.dtype, self.log = args, tok, device, dtype, log
         self.world, self.master = world, master
         fsdp = args.parallel == "fsdp"
-        # fp32: the master weights
-        self.model = load_model(resume_dir or args.model, device, max_model_len=args.max_model_len)
+        # fp32: the master weights (--lora: the base frozen in --dtype, fp32 adapters)
+        self.model = self.load(resume_dir, torch.float32)
         # The reference and served copies hold the weights as the trainer's forward sees them:
         # FSDP gathers them in --dtype, DDP's autocast casts fp32 weights op by op.
         held = dtype if fsdp else torch.float32
         self.ref_model = None
-        if args.kl_coef > 0:
+        # (--lora: the reference is the model with its adapters disabled)
+        if args.kl_coef > 0 and not args.lora:
             self.ref_model = load_model(args.model, device, held, args.max_model_len)
             self.ref_model.requires_grad_(False)
         # The embedded backend serves the trained module itself, unless its parameters are FSDP
@@ -42,7 +43,7 @@ class Learner:
         # then a copy of its own, which each weight sync refreshes. vLLM always has its own.
         self.served = self.model
         if args.backend == "hf" and (fsdp or args.async_steps or args.attn == "flex_attention"):
-            self.served = load_model(resume_dir or args.model, device, held, args.max_model_len)
+            self.served = self.load(resume_dir, held)
         for net in [m for m in (self.model, self.ref_model) if m is not None and args.attn]:
             net.set_attn_implementation(args.attn)
         if not args.no_tree and (why := algo.tree_unsupported(self.model.config)):
@@ -58,7 +59,8 @@ class Learner:
             # sharded like the policy, without an optimizer: its forwards are collectives too
             parallel.wrap(self.ref_model, "fsdp", device, world, offload, dtype=dtype)
         # after sharding: AdamW's state is over the shards
-        params, decay = self.model.parameters(), args.weight_decay
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = args.weight_decay
         self.opt = torch.optim.AdamW(params, args.lr, (0.9, 0.99), weight_decay=decay)
         self.start_step = 0
         if resume_dir:
@@ -69,6 +71,16 @@ class Learner:
             parallel.load_optimizer_state(self.model, self.opt, state["optimizer"], args.parallel)
             self.start_step = state["step"]
             log(f"resumed from {resume_dir} at step {self.start_step}")
+
+    def load(self, resume_dir, dtype):
+        """The policy: the last checkpoint's, or the base model (--lora: in --dtype, trained and served
+        alike, with its adapters)."""
+        a = self.args
+        if not a.lora:
+            return load_model(resume_dir or a.model, self.device, dtype, a.max_model_len)
+        return lora.wrap(
+            load_model(a.model, self.device, self.dtype, a.max_model_len), a, resume_dir
+        )
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then constant or cosine down to 10%."""
@@ -162,8 +174,9 @@ class Learner:
                 with torch.autocast(self.device.type, self.dtype, enabled=autocast):
                     # [B, T]
                     logprobs = algo.trainer_logprobs(self.train_model, b)
-                    with torch.no_grad():
-                        ref = algo.trainer_logprobs(self.ref_model, b) if self.ref_model else None
+                    with torch.no_grad(), lora.base_only(model, a.lora and a.kl_coef > 0):
+                        ref_model = self.ref_model or model
+                        ref = algo.trainer_logprobs(ref_model, b) if a.kl_coef > 0 else None
                 # [B, T] each, weights [B]
                 batch = (b[k] for k in ("old_logprobs", "advantages", "loss_mask", "weights"))
                 loss_options = {k: getattr(a, k) for k in LOSS_FLAGS}

@@ -7,7 +7,7 @@
 # Each model trains two steps (tests/harnesses.py LengthHarness: reward = reply length, so every step
 # updates) these ways: DDP with the embedded backend (--dtype bf16, the GPU default; also fp32, with
 # --activation-checkpointing, --no-tree, and fp32 under --attn flex_attention); FSDP with the embedded backend (>= 2 GPUs; also with --kl-coef: a sharded bf16
-# reference model); DDP with vLLM servers on the same GPUs, asleep while the trainer computes
+# reference model); LoRA (--lora 16: bf16 and fp32 under DDP, FSDP with --kl-coef); DDP with vLLM servers on the same GPUs, asleep while the trainer computes
 # (--backend vllm --vllm-sleep --max-model-len 16384, past the trained context; when `make setup-vllm` can
 # install vLLM); and grammar-constrained calls on both backends (tests/harnesses.py SamplingHarness). From step 2 (warm) it prints seconds by phase (rollout, train,
 # sleep, weight sync), generation and training tokens/s, peak GPU memory of the trainer, model-FLOPs
@@ -74,6 +74,11 @@ for size in $SIZES; do
   [ "$NPROC" -ge 2 ] && run "$size-fsdp" "$model" --parallel fsdp
   [ "$NPROC" -ge 2 ] && run "$size-fsdp-kl" "$model" --parallel fsdp --kl-coef 0.01  # the reference model sharded too
   run "$size-fp32" "$model" --parallel ddp --dtype fp32  # the GPU default is bf16: fp32 gives |dlogp| ~1e-5
+  # LoRA: the base frozen in bf16, AdamW over the adapters (peak memory against $size-ddp), fp32 |dlogp| ~1e-5;
+  # under FSDP the adapters sharded with their layers, the KL reference the base with its adapters disabled
+  run "$size-lora" "$model" --parallel ddp --lora 16 --lr 1e-4
+  run "$size-lora-fp32" "$model" --parallel ddp --lora 16 --lr 1e-4 --dtype fp32
+  [ "$NPROC" -ge 2 ] && run "$size-fsdp-lora-kl" "$model" --parallel fsdp --lora 16 --lr 1e-4 --kl-coef 0.01
   # past the trained context: trainer and servers scale RoPE alike (YaRN), or prob_corr drops
   [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --max-model-len 16384 --vllm-args "${VLLM_ARGS:-}"
   # grammar-constrained calls (a forced tool call, a JSON reply): the trainer replays the masks, fp32 |dlogp| ~1e-5;

@@ -6,8 +6,6 @@ backward gathers weights from all ranks (hence parallel.pad_micro_batches), and 
 backend's own copy gathers them one at a time: backends.copy_weights).
 """
 
-from __future__ import annotations
-
 import sys
 
 import torch
@@ -53,8 +51,8 @@ def wrap(model, offload: bool = False, dtype: torch.dtype = torch.float32):
     precision = fsdp2.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = fsdp2.CPUOffloadPolicy() if offload else fsdp2.OffloadPolicy()
     policy = {"mp_policy": precision, "offload_policy": offload_policy}
-    # transformers decoder models: one shard unit per layer
-    for layer in model.model.layers:
+    # transformers decoder models: one shard unit per layer (under LoRA's wrapper: the base model's)
+    for layer in getattr(model, "get_base_model", lambda: model)().model.layers:
         fsdp2.fully_shard(layer, **policy)
     fsdp2.fully_shard(model, **policy)
     return model

@@ -60,8 +60,7 @@ class Learner:
             parallel.wrap(self.ref_model, "fsdp", device, world, offload, dtype=dtype)
         # after sharding: AdamW's state is over the shards
         params = [p for p in self.model.parameters() if p.requires_grad]
-        decay = args.weight_decay
-        self.opt = torch.optim.AdamW(params, args.lr, (0.9, 0.99), weight_decay=decay)
+        self.opt = torch.optim.AdamW(params, args.lr, (0.9, 0.99), weight_decay=args.weight_decay)
         self.start_step = 0
         if resume_dir:
             # mapped from the file into host memory, not onto the GPU: the ranks of a node share the
@@ -78,9 +77,8 @@ class Learner:
         a = self.args
         if not a.lora:
             return load_model(resume_dir or a.model, self.device, dtype, a.max_model_len)
-        return lora.wrap(
-            load_model(a.model, self.device, self.dtype, a.max_model_len), a, resume_dir
-        )
+        base = load_model(a.model, self.device, self.dtype, a.max_model_len)
+        return lora.wrap(base, a, resume_dir)
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then constant or cosine down to 10%."""

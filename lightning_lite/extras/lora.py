@@ -35,10 +35,9 @@ def check(args, ddp: bool, cuda: bool):
 
     from ..models import resolve
 
+    config = AutoConfig.from_pretrained(resolve(args.model))
     with torch.device("meta"):
-        wrap(
-            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve(args.model))), args
-        )
+        wrap(AutoModelForCausalLM.from_config(config), args)
 
 
 def wrap(model, args, resume_dir=None):

@@ -25,9 +25,8 @@ from lightning_lite.toolcalls import FORMATS
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     add = parser.add_argument
     add("--model", default="smollm2", help="'smollm2' (embedded) or a transformers model directory")
     add("--host", default="127.0.0.1", help="bind address; any but loopback needs --api-key")
@@ -69,19 +68,11 @@ def main():
     else:
         model = load_model(args.model, args.device, max_model_len=args.max_model_len).eval()
         backend = HFBackend(model, tok, args.max_batch_size, max_model_len=args.max_model_len)
-    proxy = Proxy(
-        backend,
-        tok,
-        model_name=args.model,
-        out_dir=args.out,
-        reuse_tokens=not args.no_reuse_tokens,
-        max_new_tokens=args.max_new_tokens,
-        call_timeout=args.call_timeout,
-        api_key=args.api_key,
-        max_requests=args.max_requests,
-        tool_format=args.tool_format,
-        keep_history_tokens=args.keep_history_tokens,
-    )
+    # the flags of Proxy's options of the same names
+    flags = "max_new_tokens call_timeout api_key max_requests tool_format keep_history_tokens"
+    options = {k: getattr(args, k) for k in flags.split()}
+    options |= dict(model_name=args.model, out_dir=args.out, reuse_tokens=not args.no_reuse_tokens)
+    proxy = Proxy(backend, tok, **options)
     print(proxy.renderer.describe(), flush=True)
     url = f"http://{args.host}:{args.port}"
     where = f"{url}/v1 (per rollout: /rollout/<id>/v1); recording to {args.out}/calls.jsonl"

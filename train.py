@@ -27,11 +27,8 @@ import torch.distributed as dist
 from lightning_lite import algo, parallel, records
 from lightning_lite.backends import HFBackend
 from lightning_lite.extras import audit, from_calls, fsdp, harnesses, loggers, lora, sandbox, vllm
-from lightning_lite.harness import (
-    fail_rollouts_the_backend_failed,
-    resolve_call_rewards,
-    run_rollouts,
-)
+from lightning_lite.harness import fail_rollouts_the_backend_failed, resolve_call_rewards
+from lightning_lite.harness import run_rollouts
 from lightning_lite.models import load_tokenizer, resolve
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
@@ -49,9 +46,8 @@ HISTORY_HELP = "keep sampled tokens where the template renders a turn otherwise"
 LOSS_HELP = "ppo: clipped token ratio; gspo: sequence ratio; tis: truncated IS; sft: imitate"
 ASYNC_HELP = "this many next steps' rollouts run while one trains (no value: 1)"
 PARALLEL_HELP = "ddp: all whole on every rank; fsdp: weights, grads, AdamW state sharded"
-parser = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-)
+raw = argparse.RawDescriptionHelpFormatter
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
 group = parser.add_argument_group("run")
 group.add_argument("--harness", action="append", metavar="SPEC[:WEIGHT]", help=HARNESS_HELP)
 group.add_argument("--harness-arg", action="append", default=[], metavar="K=V", help=ARG_HELP)
@@ -156,11 +152,8 @@ def log(*a):
 # ----------------------------------------------------------------------------- model, resume
 run = RunDir(args.out, rank, ddp)
 tok = load_tokenizer(args.model)
-recorded = None
-if args.from_calls:
-    recorded = from_calls.load(
-        args.from_calls, args.model, len(tok), args.loss, args.adv, args.sft_min_reward, log
-    )
+load_args = (args.from_calls, args.model, len(tok), args.loss, args.adv, args.sft_min_reward, log)
+recorded = from_calls.load(*load_args) if args.from_calls else None
 resume_dir = run.latest_checkpoint() if args.resume else None
 if args.resume and not resume_dir:
     log(f"--resume: no checkpoint in {run.checkpoints}, starting from step 0")
@@ -329,9 +322,7 @@ def save(step):
 def log_step(row, step):
     """The step's line (README: reading a log line); '-' is not measured."""
     show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)
-    waited = (
-        f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}" if worker else ""
-    )
+    waited = f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}"
     log(
         f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | "
         f"fail {row['failed']} | samples {row['samples']} tok {row['trainable_tokens']} "
@@ -339,7 +330,7 @@ def log_step(row, step):
         f"loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
         f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({show('gen_tok_s', '.0f')} tok/s) "
         f"train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) sync {row['t_sync']:.2f}s"
-        + waited
+        + (waited if worker else "")
         + (f" | {row['calls']} recorded calls, {step} updates stale" if recorded else "")
         + tasks.by_harness(row, "reward")
     )

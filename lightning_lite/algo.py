@@ -536,11 +536,8 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
         head, out = None, net(**inputs).logits
     # 3. Per trainable token ([N] each): its hidden state (or logits), token, settings and grammar row; the head and
     #    the logprobs in chunks of `chunk` tokens, recomputed in backward (checkpoint).
-    per_token = (
-        out[src // L, col],
-        tokens[:, 1:][on],
-        *(b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p", "allowed_at")),
-    )
+    per_token = [out[src // L, col], tokens[:, 1:][on]]
+    per_token += [b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p", "allowed_at")]
     logprobs = [
         checkpoint(_head_logprobs, h, head, *rest, b["allowed"], use_reentrant=False)
         for h, *rest in zip(*(x.split(chunk) for x in per_token))

@@ -293,12 +293,8 @@ def error_body(api: str, message: str, type_: str = "invalid_request_error", par
 
 def openai_head(kind: str, prefix: str, req: Request, model: str) -> dict:
     """What every chunk (and body) of an OpenAI reply starts with: its id, object, creation time and model."""
-    return {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": req.model or model,
-    }
+    head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time())}
+    return head | {"model": req.model or model}
 
 
 class ChatReply:

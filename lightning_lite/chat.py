@@ -228,9 +228,8 @@ class Renderer:
         echoed turn even where the template renders it differently (see ``build_prompt``)."""
         self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
         # as start-up messages name it: by its model
-        self.template = (
-            f"the chat template of {getattr(tokenizer, 'name_or_path', None) or 'this model'!r}"
-        )
+        name = getattr(tokenizer, "name_or_path", None) or "this model"
+        self.template = f"the chat template of {name!r}"
         templates = tokenizer.chat_template or ""
         if not templates:
             raise ValueError(
@@ -318,11 +317,8 @@ class Renderer:
         earlier turns (Qwen3 drops <think> from them) fail this probe and render in full."""
         system = [{"role": "system", "content": "s"}]
         probe = system + self._probe_calls("<think>\nt\n</think>\n\na")
-        probe += [
-            {"role": "tool", "content": "r2", "tool_call_id": probe[-1]["tool_call_id"]},
-            {"role": "assistant", "content": "b"},
-            {"role": "user", "content": "v"},
-        ]
+        probe += [{"role": "tool", "content": "r2", "tool_call_id": probe[-1]["tool_call_id"]}]
+        probe += [{"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
         try:
             for k in (3, 6):
                 in_full, alone = (self._texts(probe, k, [PROBE_TOOL], {}, a)[1] for a in (0, 1))
@@ -343,9 +339,8 @@ class Renderer:
         head = self._rendered(self._probe_calls(), [PROBE_TOOL], True)
         twice = self._rendered(self._probe_calls(rounds=2), [PROBE_TOOL], False)
         close = self.turn_close.strip()
-        count = lambda text: len(
-            toolcalls.parse(fmt, text.split(close)[0] if close else text)["tool_calls"]
-        )
+        cut = lambda text: text.split(close)[0] if close else text
+        count = lambda text: len(toolcalls.parse(fmt, cut(text))["tool_calls"])
         return None not in (head, twice) and count(call) > 0 and count(call_text(head, twice)) > 0
 
     def _probe_calls(self, content: str = "", rounds: int = 1) -> list[dict]:

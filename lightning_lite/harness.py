@@ -219,10 +219,8 @@ def parse_reward(returned) -> tuple[Optional[float], dict]:
     if not isinstance(returned, dict):
         return returned, {}
     calls = returned.get("calls", {})
-    calls_ok = isinstance(calls, dict) and all(
-        isinstance(k, (int, str)) and not isinstance(k, bool) and _finite(r)
-        for k, r in calls.items()
-    )
+    valid = lambda k, r: isinstance(k, (int, str)) and not isinstance(k, bool) and _finite(r)
+    calls_ok = isinstance(calls, dict) and all(valid(k, r) for k, r in calls.items())
     if set(returned) - {"reward", "calls"} or not calls_ok:
         raise ValueError(
             f"run() returned {str(returned)[:200]}: want {{'reward': R, 'calls': {{k: r}}}}, k a call's index "
@@ -310,6 +308,4 @@ def resolve_call_rewards(results: list[RolloutResult], calls_of: dict, posted) -
         if r.reward is not None and (bad := [k for k in rewards if k not in index_of]):
             why = "name a call by its index in the rollout or its reply's id"
             r.reward, r.error = None, f"rewards for calls it does not have: {bad[:3]} ({why})"
-        r.call_rewards = (
-            {index_of[k]: v for k, v in rewards.items()} if r.reward is not None else {}
-        )
+        r.call_rewards = {index_of[k]: v for k, v in rewards.items() if r.reward is not None}

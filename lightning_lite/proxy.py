@@ -485,11 +485,9 @@ class Proxy:
             if e.status < 400:
                 raise
             where = f"{request.method} {request.path}"
-            messages = {
-                404: f"no route {where}; see GET /v1/models and the README for the routes",
-                405: f"method {request.method} is not allowed on {request.path}",
-                413: f"request body too large (limit {self.max_body} bytes)",
-            }
+            messages = {404: f"no route {where}; see GET /v1/models and the README for the routes"}
+            messages[405] = f"method {request.method} is not allowed on {request.path}"
+            messages[413] = f"request body too large (limit {self.max_body} bytes)"
             codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
             return _error(api, e.status, messages.get(e.status, e.reason), code=codes.get(e.status))
         finally:

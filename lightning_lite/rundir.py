@@ -108,12 +108,12 @@ class RunDir:
 # ---------------------------------------------------------------------- a step's numbers
 # the metrics row's counts (summed over ranks) and what the loss reports (algo.policy_loss)
 COUNTED = "rollouts failed flagged calls samples trainable_tokens truncated dropped".split()
-LOSS_METRICS = (
-    "fwd_tokens constrained_tokens forced_tokens loss clip_frac ratio_mean ratio_min ratio_max "
-    "prob_corr dlogp_mean dlogp_max ratio_out_frac"
-).split()
+LOSS_METRICS = "fwd_tokens constrained_tokens forced_tokens loss clip_frac ratio_mean".split()
+LOSS_METRICS += "ratio_min ratio_max prob_corr dlogp_mean dlogp_max ratio_out_frac".split()
 
 
+# merge statistics the row counts (samples.build_samples's)
+SPLITS = [f"split_{r}" for r in SPLIT_REASONS]
 RATES = [("reward", "reward", "rewarded"), ("success", "success", "rewarded")]
 RATES += [("calls_per_rollout", "calls", "rollouts"), ("merge_ratio", "tokens_unmerged", "tokens")]
 
@@ -128,30 +128,21 @@ def counts(results, calls, merge_stats: Counter) -> dict:
     merge statistics: summed over ranks, ``step_rates`` makes the row's numbers of them."""
     # None: an unrewarded trace (sft)
     rewarded = [r.reward for r in results if r.error is None and r.reward is not None]
-    return {
-        "rollouts": len(results),
-        "failed": sum(r.error is not None for r in results),
-        "flagged": sum(bool(r.flags) for r in results),
-        "rewarded": len(rewarded),
-        "reward": sum(rewarded),
-        "success": sum(x >= 1.0 for x in rewarded),
-        "calls": len(calls),
-        "gen": sum(len(c.response_ids) for c in calls),
-        **{k: merge_stats[k] for k in ("tokens", "tokens_unmerged", "truncated", "dropped")},
-        **{"split_" + r: merge_stats["split_" + r] for r in SPLIT_REASONS},
-    }
+    n = dict(rollouts=len(results), failed=sum(r.error is not None for r in results))
+    n |= dict(flagged=sum(bool(r.flags) for r in results), rewarded=len(rewarded))
+    n |= dict(reward=sum(rewarded), success=sum(x >= 1.0 for x in rewarded), calls=len(calls))
+    n["gen"] = sum(len(c.response_ids) for c in calls)
+    merged = ["tokens", "tokens_unmerged", "truncated", "dropped", *SPLITS]
+    return n | {k: merge_stats[k] for k in merged}
 
 
 def step_counts(results, calls, samples, merge_stats: dict, names: list, all_reduce) -> dict:
     """The step's sums over every rank: all of it, and each harness's (keys ending in /NAME) when
     there are several."""
-    n = {
-        **counts(results, calls, sum(merge_stats.values(), Counter())),
-        "samples": len(samples),
-        "signal": sum(any(s.advantages) for s in samples),
-        "trainable_tokens": sum(sum(s.loss_mask) for s in samples),
-        "kept_tokens": sum(len(s.tokens) for s in samples),
-    }
+    n = counts(results, calls, sum(merge_stats.values(), Counter()))
+    n |= dict(samples=len(samples), signal=sum(any(s.advantages) for s in samples))
+    n |= dict(trainable_tokens=sum(sum(s.loss_mask) for s in samples))
+    n["kept_tokens"] = sum(len(s.tokens) for s in samples)
     for name in names if len(names) > 1 else ():
         mine = [r for r in results if r.harness == name]
         ids, stats = {r.rollout_id for r in mine}, merge_stats.get(name, Counter())

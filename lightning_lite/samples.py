@@ -159,9 +159,8 @@ class _Tree:
                 # a retry is counted above
                 stats["split_" + self.split[c.index]] += not retried
         self.kept[c.index] = c
-        self.size[c.index] = (
-            self.size[self.up[c.index]] + len(self.tail[c.index]) + len(c.response_ids)
-        )
+        up, tail = self.size[self.up[c.index]], len(self.tail[c.index])
+        self.size[c.index] = up + tail + len(c.response_ids)
 
     def split_reason(self, c: Call, ids: list[int], retried: list[Call]) -> str:
         if retried:
@@ -233,18 +232,15 @@ def format_stats(stats: Counter) -> str:
     n, merged = stats["unanswered"], stats["tokens"]
     unanswered = f"{n} unanswered (backend error, client gone)" if n else ""
     ratio = f"{stats['tokens_unmerged'] / merged:.2f}x the merged count" if merged else ""
-    rows = [
-        ("rollouts", "rollouts", ""),
-        ("calls", "calls", unanswered),
-        ("samples", "samples", ""),
-        ("trainable tokens", "trainable_tokens", f"of {stats['sampled_tokens']} sampled"),
-        ("tokens (merged)", "tokens", ""),
-        ("tokens (one per call)", "tokens_unmerged", ratio),
-        *[(f"split: {r}", "split_" + r, "") for r in SPLIT_REASONS],
-        ("truncated (max-seq-len)", "truncated", "cut at a turn boundary"),
-        ("dropped (max-seq-len)", "dropped", "first turn too long"),
-        ("empty", "empty", "no token left to train"),
-    ]
+    # (name, stats key, note)
+    sampled = f"of {stats['sampled_tokens']} sampled"
+    rows = [("rollouts", "rollouts", ""), ("calls", "calls", unanswered)]
+    rows += [("samples", "samples", ""), ("trainable tokens", "trainable_tokens", sampled)]
+    rows += [("tokens (merged)", "tokens", ""), ("tokens (one per call)", "tokens_unmerged", ratio)]
+    rows += [(f"split: {r}", "split_" + r, "") for r in SPLIT_REASONS]
+    rows += [("truncated (max-seq-len)", "truncated", "cut at a turn boundary")]
+    rows += [("dropped (max-seq-len)", "dropped", "first turn too long")]
+    rows += [("empty", "empty", "no token left to train")]
     return "\n".join(f"{name:<24}{stats[key]:>9}  {note}".rstrip() for name, key, note in rows)
 
 

@@ -107,16 +107,9 @@ class AnthropicReply:
         self.id, self.model = f"msg_{uuid.uuid4().hex[:24]}", req.model or model
 
     def _message(self, content: list, stop_reason, output_tokens: int) -> dict:
-        return {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": None,
-            "usage": {"input_tokens": self.n_prompt, "output_tokens": output_tokens},
-        }
+        out = {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
+        out |= {"content": content, "stop_reason": stop_reason, "stop_sequence": None}
+        return out | {"usage": {"input_tokens": self.n_prompt, "output_tokens": output_tokens}}
 
     def body(self, answers) -> dict:
         ((call, reply),) = answers

@@ -51,14 +51,11 @@ def escape_patterns(out_dir: str, home: str, port: int) -> dict[str, re.Pattern]
     # a HOME of / would match every path
     home = home.rstrip("/") or "/nonexistent-home"
     # (?![\w.-]): not a sibling such as /runs/xy
-    return compile_patterns(
-        {
-            "the run's out dir": re.escape(os.path.abspath(out_dir)) + r"(?![\w.-])",
-            "the trainer's HOME": re.escape(home) + r"(?![\w.-])",
-            "another process": r"/proc/(?!self\b|thread-self\b)\d+",
-            "another local port": rf"(?:127\.0\.0\.1|localhost|\[::1\]):(?!{port}\b)\d+",
-        }
-    )
+    patterns = {"the run's out dir": re.escape(os.path.abspath(out_dir)) + r"(?![\w.-])"}
+    patterns["the trainer's HOME"] = re.escape(home) + r"(?![\w.-])"
+    patterns["another process"] = r"/proc/(?!self\b|thread-self\b)\d+"
+    patterns["another local port"] = rf"(?:127\.0\.0\.1|localhost|\[::1\]):(?!{port}\b)\d+"
+    return compile_patterns(patterns)
 
 
 def _new_in_prompts(calls: list[Call]) -> Iterator[tuple[Call, list[int]]]:
@@ -141,9 +138,7 @@ class Auditor:
         self.results = {h.name: compile_patterns(h.audit_results) for h in harnesses}
         self.zero_flagged = {h.name for h in harnesses if h.zero_flagged}
         escapes = escape_patterns(out_dir, os.path.expanduser("~"), port)
-        self.escapes = {
-            name: {} if kind == "none" else escapes for name, kind in sandbox_of.items()
-        }
+        self.escapes = {n: {} if kind == "none" else escapes for n, kind in sandbox_of.items()}
 
     def flag(self, results, calls_of: dict[str, list[Call]], proxy_flags, decode) -> None:
         """Set each result's ``flags``: what the proxy refused it (``proxy_flags(rollout id)``), then what its calls

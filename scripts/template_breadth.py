@@ -43,19 +43,18 @@ def written_call(renderer: Renderer) -> tuple[str, bool]:
     reply = [{"role": "assistant", "content": "", "tool_calls": [CALL]}]
     # where the generation prompt opens a block the history lacks: from where they part (chat.call_text)
     full = renderer.render_text(USER + reply, [TOOL], False)
-    text = call_text(head, full)
     # a template that renders only the content of a last assistant turn (Nemotron Nano v2): the call before its result
-    if CALL["name"] not in text:
+    before_result = CALL["name"] not in call_text(head, full)
+    if before_result:
         result = {"role": "tool", "tool_call_id": CALL["id"], "content": "r"}
         full = renderer.render_text(USER + reply + [result], [TOOL], False)
-        text = call_text(head, full)
-        close = renderer.turn_close.strip()
-        text = text[: text.index(close) + len(close)] if close and close in text else text
+    text = call_text(head, full)
     # the model writes a think block's close, which the template's history leaves out: as if not opened
     shared = full[: len(full) - len(text)]
-    # the turn close the model's EOS stands for
+    # the turn close the model's EOS stands for (before a tool result: the first)
     close = renderer.turn_close.strip()
-    text = text[: text.rindex(close)] if close and close in text else text
+    if close and close in text:
+        text = text[: text.index(close) if before_result else text.rindex(close)]
     return text, renderer.opens_reasoning(renderer.encode(shared))
 
 

@@ -5,20 +5,21 @@ end to end (make test-slow): two DDP ranks, a checkpoint of the adapters alone, 
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
 
 from lightning_lite import algo
 from lightning_lite.apis import Sampling
 from lightning_lite.backends import HFBackend
 from lightning_lite.extras import lora
 from lightning_lite.models import load_model
-from lightning_lite.records import Sample, read_jsonl
+from lightning_lite.records import Sample
+from test_train import rows, run
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def flags(**kw):
@@ -112,24 +113,11 @@ def test_bad_lora_flags_exit_before_anything_starts_naming_the_fix(kw, says):
 @pytest.mark.slow  # minutes: two torchrun runs and a merge
 def test_lora_trains_under_ddp_checkpoints_the_adapters_resumes_and_merges(tmp_path, tok):
     out = str(tmp_path / "run")
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-    ]
     calc = ["train.py", "--harness", "calc", "--harness-arg", "max_tokens=32"]
     calc += ["--harness-arg", "tool_first=False", "--batch-size", "4", "--group-size", "4"]
     calc += ["--eval-tasks", "0", "--lr", "1e-3", "--lora", "8", "--kl-coef", "0.05", "--out", out]
-
-    def run(args):
-        p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-
-    run(torchrun + calc + ["--steps", "2", "--save-every", "1"])
-    steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
+    run(TORCHRUN + calc + ["--steps", "2", "--save-every", "1"], timeout=900)
+    steps = [r for r in rows(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2] and any(r["grad_norm"] for r in steps)
     # served from the adapted module: what was sampled is what is trained
     assert all(r["dlogp_mean"] is None or r["dlogp_mean"] < 1e-4 for r in steps)
@@ -140,9 +128,8 @@ def test_lora_trains_under_ddp_checkpoints_the_adapters_resumes_and_merges(tmp_p
     assert not any(f.startswith("model") and f.endswith(".safetensors") for f in files)
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
     assert len(state["optimizer"]["state"]) == 2 * 7 * 30  # lora_A and lora_B of 210 layers
-    run(torchrun + calc + ["--steps", "3", "--resume"])
-    rows = list(read_jsonl(os.path.join(out, "metrics.jsonl")))
-    assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3]
+    run(TORCHRUN + calc + ["--steps", "3", "--resume"], timeout=900)
+    assert [r["step"] for r in rows(out) if "reward" in r] == [1, 2, 3]
     # merged: a plain transformers model computing what base + adapters compute
     merged = str(tmp_path / "merged")
     ckpt = os.path.join(out, "checkpoints", "step_3")
@@ -162,7 +149,7 @@ def test_lora_trains_under_ddp_checkpoints_the_adapters_resumes_and_merges(tmp_p
         [sys.executable, "train.py", "--from-calls", out, "--lora", "8", "--loss", "sft"]
         + ["--steps", "1", "--batch-size", "2", "--out", again]
     )
-    assert [r["grad_norm"] > 0 for r in read_jsonl(os.path.join(again, "metrics.jsonl"))] == [True]
+    assert [r["grad_norm"] > 0 for r in rows(again)] == [True]
 
 
 @pytest.mark.slow  # a minute: one torchrun run
@@ -170,24 +157,24 @@ def test_lora_under_fsdp_bf16_async_and_forced_calls(tmp_path):
     """FSDP2 shards the adapted layers, the base in bf16; rollouts run during training (the served copy gets
     the adapters alone); calc's first call is forced under a grammar."""
     out = str(tmp_path / "run")
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    args = TORCHRUN + ["train.py", "--harness", "calc", "--batch-size", "2", "--group-size", "4"]
     args += [
-        "train.py",
-        "--harness",
-        "calc",
-        "--batch-size",
-        "2",
-        "--group-size",
-        "4",
         "--eval-tasks",
         "0",
+        "--lora",
+        "8",
+        "--parallel",
+        "fsdp",
+        "--dtype",
+        "bf16",
+        "--async",
+        "--steps",
+        "2",
     ]
-    args += ["--lora", "8", "--parallel", "fsdp", "--dtype", "bf16", "--async", "--steps", "2"]
     # (a KL term: every step updates, whatever the rewards; its reference is the base under FSDP too)
     args += ["--kl-coef", "0.05"]
-    p = subprocess.run(args + ["--out", out], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
+    run(args + ["--out", out], timeout=900)
+    steps = [r for r in rows(out) if "reward" in r]
     assert len(steps) == 2 and all(r["forced_tokens"] > 0 for r in steps)
     assert steps[1]["staleness"] and all(r["grad_norm"] for r in steps)
     assert "adapter_model.safetensors" in os.listdir(os.path.join(out, "checkpoints", "step_2"))

@@ -29,7 +29,7 @@ from lightning_lite.backends import HFBackend
 from lightning_lite.extras import audit, from_calls, fsdp, harnesses, loggers, lora, sandbox, vllm
 from lightning_lite.harness import fail_rollouts_the_backend_failed, resolve_call_rewards
 from lightning_lite.harness import run_rollouts
-from lightning_lite.models import load_tokenizer, resolve
+from lightning_lite.models import load_tokenizer
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
 from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_rates
@@ -170,7 +170,7 @@ metrics = loggers.Loggers(args, config) if master else None
 
 # ----------------------------------------------------------------------------- backend, proxy, harnesses
 if args.backend == "vllm":
-    backend = vllm.start(args, model.config, dtype, resume_dir or resolve(args.model), device)
+    backend = vllm.start(args, model.config, dtype, resume_dir, device)
 else:
     backend = HFBackend(learner.served, tok, args.max_batch_size, args.max_model_len, dtype=dtype)
 backend.version = start_step
@@ -302,7 +302,9 @@ def sync_weights(version):
     finish on the old weights, new calls wait, then get the new ones. vLLM gets them whole (FSDP:
     gathered into rank 0's host memory); the embedded backend gets the module (it serves it, or
     copies it into its own copy, FSDP's shards gathered one at a time)."""
-    served = parallel.full_state_dict(model, args.parallel) if args.backend == "vllm" else model
+    served = model
+    if args.backend == "vllm":
+        served = lora.adapter(model) if args.lora else parallel.full_state_dict(model, args.parallel)
     backend.pause()
     # every rank's calls have finished before anything reloads (vLLM servers are shared)
     if ddp:
@@ -376,8 +378,9 @@ signal.signal(signal.SIGINT, on_ctrl_c)
 step = steps_done = start_step
 unlogged = None
 try:
-    if args.vllm_url:
-        # servers a user started may serve other weights (a previous run's, before --resume)
+    if args.backend == "vllm" and (args.vllm_url or args.lora):
+        # servers a user started may serve other weights (a previous run's, before --resume); --lora's
+        # serve the base model until they load the adapter
         sync_weights(start_step)
     if eval_due(start_step) and start_step not in evaluated:
         evaluate(start_step)

@@ -79,6 +79,8 @@ for size in $SIZES; do
   run "$size-lora" "$model" --parallel ddp --lora 16 --lr 1e-4
   run "$size-lora-fp32" "$model" --parallel ddp --lora 16 --lr 1e-4 --dtype fp32
   [ "$NPROC" -ge 2 ] && run "$size-fsdp-lora-kl" "$model" --parallel fsdp --lora 16 --lr 1e-4 --kl-coef 0.01
+  # LoRA on vLLM: the servers serve the base and load each sync's adapters (MBs, t_sync against $size-vllm's)
+  [ "$VLLM" = 1 ] && run "$size-vllm-lora" "$model" --backend vllm --lora 16 --lr 1e-4 --vllm-args "${VLLM_ARGS:-}"
   # past the trained context: trainer and servers scale RoPE alike (YaRN), or prob_corr drops
   [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --max-model-len 16384 --vllm-args "${VLLM_ARGS:-}"
   # grammar-constrained calls (a forced tool call, a JSON reply): the trainer replays the masks, fp32 |dlogp| ~1e-5;

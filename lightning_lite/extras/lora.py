@@ -29,8 +29,10 @@ def check(args, ddp: bool, cuda: bool):
         sys.exit(f"--lora {args.lora}: a rank is a positive integer (8, 16 or 64 are usual)")
     if args.lora is None:
         return
-    if args.backend == "vllm":
-        sys.exit("--lora serves from the embedded backend for now: use --backend hf (the default)")
+    if args.backend == "vllm" and args.lora > 512:
+        sys.exit(f"--lora {args.lora}: vLLM serves adapters of rank 512 at most")
+    if args.vllm_sleep:
+        sys.exit("--vllm-sleep drops the base model the adapters need: leave it out with --lora")
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -62,6 +64,16 @@ def wrap(model, args, resume_dir=None):
         sys.exit(
             f"--lora-targets {args.lora_targets}: {e} (its linear layers: {','.join(sorted(linear))})"
         )
+
+
+def adapter(model) -> tuple:
+    """What vLLM servers load at a sync: (peft's config, the weights as peft saves them). FSDP's shards
+    are gathered (a collective: every rank calls it)."""
+    from peft import get_peft_model_state_dict
+
+    full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+    trained = {n: full(p) for n, p in model.named_parameters() if "lora_" in n}
+    return model.peft_config["default"], get_peft_model_state_dict(model, trained)
 
 
 def base_only(model, on: bool):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..backends import Generation, PauseGate, max_reply_tokens, served_state_dict
 from ..chat import Sampling
+from ..models import resolve
 
 
 def check(args, ddp: bool, cuda: bool):
@@ -68,10 +69,11 @@ def add_args(parser):
     )
 
 
-def start(args, config, dtype: torch.dtype, model_dir: str, device: torch.device) -> "VLLMBackend":
-    """train.py's vLLM backend: rank 0 starts ``--vllm-servers`` of ``model_dir`` (placed by ``placement``),
-    unless ``--vllm-url`` names running ones; every rank's proxy sends to the same servers; rank 0 writes the
-    weight syncs, in ``dtype`` (the trainer's compute). ``config``: the trained model's (context, RoPE)."""
+def start(args, config, dtype: torch.dtype, resume_dir, device: torch.device) -> "VLLMBackend":
+    """train.py's vLLM backend: rank 0 starts ``--vllm-servers`` of ``resume_dir`` or --model (placed by
+    ``placement``), unless ``--vllm-url`` names running ones; every rank's proxy sends to the same servers;
+    rank 0 writes the weight syncs, in ``dtype`` (the trainer's compute). ``config``: the trained model's
+    (context, RoPE). --lora: the servers serve the base model and load each sync's adapters."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not args.vllm_url and local_world < world:
@@ -92,10 +94,13 @@ def start(args, config, dtype: torch.dtype, model_dir: str, device: torch.device
         # the CPU build has no sleep mode
         sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []
         # --vllm-args after ours: they may override
-        flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + extra + sleep
+        flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + lora_flags(args.lora)
         places = _places(args, device, local_world, extra)
         python, n = args.vllm_python, args.vllm_servers
-        backend = VLLMBackend.spawn(model_dir, n, python, flags, log_dir=args.out, places=places)
+        model_dir = resolve(args.model if args.lora or not resume_dir else resume_dir)
+        backend = VLLMBackend.spawn(
+            model_dir, n, python, flags + extra + sleep, log_dir=args.out, places=places
+        )
         urls, key = backend.urls, backend.api_key
     if world > 1:
         # the key too: every rank's proxy sends it
@@ -104,7 +109,7 @@ def start(args, config, dtype: torch.dtype, model_dir: str, device: torch.device
         urls, key = shared
     sync_dir = os.path.join(os.path.abspath(args.out), "weights")
     backend = backend or VLLMBackend(urls, sync_dir, api_key=key, writes_weights=rank == 0)
-    backend.dtype = dtype
+    backend.dtype, backend.lora = dtype, bool(args.lora)
     if args.vllm_url and context and backend.max_model_len != args.max_model_len:
         sys.exit(
             f"--max-model-len {args.max_model_len}: start the --vllm-url servers with "
@@ -155,6 +160,14 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: li
     return places
 
 
+def lora_flags(rank) -> list:
+    """--lora RANK: the server flags for its adapters (vLLM takes ranks 1, 8, 16, ... 512)."""
+    if not rank:
+        return []
+    rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+
+
 # What every started server needs: processed logprobs (of the distribution sampled from), vLLM's
 # sampling defaults (not generation_config.json's), grammars by the guidance backend (llguidance)
 _SERVER_ARGS = [
@@ -193,6 +206,8 @@ class VLLMBackend(PauseGate):
         self.model_name = models[0]["id"]
         self.max_model_len = min(m["max_model_len"] for m in models)
         self.version, self.paused, self.sleeping = 0, False, False
+        # --lora: the servers serve the base model, and the adapter of version K as "policy-vK"
+        self.lora, self.lora_loaded = False, None
         # the calls sent out and not answered yet
         self._inflight, self._cond = 0, threading.Condition()
         self.stats = Counter(requests=0, prompt_tokens=0, generated_tokens=0)
@@ -213,6 +228,7 @@ class VLLMBackend(PauseGate):
         # to every user, environments only to their own.
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
         env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": key}
+        env |= {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         die = _die_with_parent if sys.platform == "linux" else None
         for k, (place_env, place_args) in enumerate(places or [({}, [])] * n):
             port = _free_port()
@@ -248,7 +264,7 @@ class VLLMBackend(PauseGate):
             await asyncio.sleep(0.05)
         try:
             url = self.urls[zlib.crc32(rollout_id.encode()) % len(self.urls)]
-            body = self._request_body(prompt_ids, sampling, max_new, stream=on_token is not None)
+            body = self._request_body(prompt_ids, sampling, max_new, on_token is not None, version)
             ids, logprobs, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
                 headers = _auth(self.api_key)
@@ -278,12 +294,13 @@ class VLLMBackend(PauseGate):
                 self._inflight -= 1
                 self._cond.notify_all()
 
-    def _request_body(self, prompt_ids, sampling: Sampling, max_new: int, stream: bool) -> dict:
+    def _request_body(self, prompt_ids, sampling: Sampling, max_new, stream, version) -> dict:
         """Every sampling field explicit, the penalties and min_p neutral: vLLM fills an unset one from the
         model's generation_config.json (Qwen2.5's repetition_penalty 1.05), a distribution the trainer never
         scores."""
         s = sampling
-        body = {"model": self.model_name, "prompt": list(prompt_ids), "max_tokens": max_new}
+        model = f"policy-v{version}" if self.lora else self.model_name
+        body = {"model": model, "prompt": list(prompt_ids), "max_tokens": max_new}
         body |= {"seed": s.seed, "temperature": s.temperature, "top_p": s.top_p}
         body |= {"top_k": s.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0}
         body |= {"presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": s.stop, "logprobs": 0}
@@ -302,8 +319,8 @@ class VLLMBackend(PauseGate):
         self.sleeping = True
 
     def sync_weights(self, model=None, version: Optional[int] = None):
-        """Every server serves ``model``'s weights (a module or a full state dict; None: only the version
-        moves). Sleeping servers (level 2: no weights, no KV cache) wake in two steps, after the file is
+        """Every server serves ``model``'s weights (a module, a full state dict or, --lora, the adapter:
+        ``lora.adapter``'s; None: only the version moves). Sleeping servers (level 2: no weights, no KV cache) wake in two steps, after the file is
         written (the trainer's copies are gone by then): the weights, reloaded, then the KV cache."""
         self.pause()
         model = model if self.writes_weights else None
@@ -311,7 +328,10 @@ class VLLMBackend(PauseGate):
             raise ValueError(
                 "the servers slept at level 2 and dropped their weights: sync_weights needs the model"
             )
-        if model is not None:
+        version = self.version + 1 if version is None else version
+        if model is not None and self.lora:
+            self._load_adapter(*model, version)
+        elif model is not None:
             self._write(served_state_dict(model))
             for url in self.urls:
                 if self.sleeping:
@@ -321,8 +341,31 @@ class VLLMBackend(PauseGate):
                 if self.sleeping:
                     _http(url + "/wake_up?tags=kv_cache", {}, key=self.api_key)
                 _http(url + "/reset_prefix_cache", {}, key=self.api_key)
-        self.sleeping = False
-        self.version = self.version + 1 if version is None else version
+        self.sleeping, self.version = False, version
+
+    def _load_adapter(self, config, weights: dict, version: int):
+        """--lora: every server loads the adapter (peft's files) as "policy-v{version}", then drops the
+        previous one. A new name each time: vLLM's prefix cache is keyed by it."""
+        from safetensors.torch import save_file
+
+        path = os.path.join(self.sync_dir, f"adapter_v{version}")
+        config.save_pretrained(path)
+        save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+        for url in self.urls:
+            try:
+                load = {"lora_name": f"policy-v{version}", "lora_path": path}
+                _http(url + "/v1/load_lora_adapter", load, key=self.api_key)
+            except RuntimeError as e:
+                raise SystemExit(
+                    f"{e}\n--lora: start the --vllm-url servers with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                    f"and {shlex.join(lora_flags(config.r))}"
+                ) from None
+            if self.lora_loaded is not None:
+                unload = {"lora_name": f"policy-v{self.lora_loaded}"}
+                _http(url + "/v1/unload_lora_adapter", unload, key=self.api_key)
+        if self.lora_loaded is not None:
+            shutil.rmtree(os.path.join(self.sync_dir, f"adapter_v{self.lora_loaded}"))
+        self.lora_loaded = version
 
     def _write(self, state_dict: dict):
         """``sync_dir``/model.safetensors, in ``self.dtype``. Tied embeddings share storage: written once,
@@ -400,8 +443,8 @@ def _auth(key: Optional[str]) -> dict:
 
 
 def _http(url: str, body: Optional[dict] = None, timeout: float = 600, key: Optional[str] = None):
-    """GET (or POST ``body`` as JSON, with API ``key``) and parse the answer; errors name the URL and
-    what it said."""
+    """GET (or POST ``body`` as JSON, with API ``key``): the answer, parsed when JSON (the LoRA routes
+    answer text); errors name the URL and what it said."""
     import urllib.error
     import urllib.request
 
@@ -414,7 +457,7 @@ def _http(url: str, body: Optional[dict] = None, timeout: float = 600, key: Opti
         why = "sync routes need VLLM_SERVER_DEV_MODE=1"
         why = "wrong or missing API key: --vllm-api-key" if e.code == 401 else why
         raise RuntimeError(f"{url} answered {e.code}: {e.read()[:500]!r} ({why})") from None
-    return json.loads(raw) if raw.strip() else None
+    return json.loads(raw) if raw.strip()[:1] in (b"{", b"[") else raw.decode()
 
 
 async def _choices(response, stream: bool):

@@ -154,6 +154,9 @@ run = RunDir(args.out, rank, ddp)
 tok = load_tokenizer(args.model)
 load_args = (args.from_calls, args.model, len(tok), args.loss, args.adv, args.sft_min_reward, log)
 recorded = from_calls.load(*load_args) if args.from_calls else None
+tasks = harnesses.Tasks(args, log)
+# --lora-per-harness: the adapters' names
+args.lora_per_harness = args.lora_per_harness and tasks.names()
 resume_dir = run.latest_checkpoint() if args.resume else None
 if args.resume and not resume_dir:
     log(f"--resume: no checkpoint in {run.checkpoints}, starting from step 0")
@@ -179,7 +182,6 @@ proxy_flags = ("max_new_tokens", "pause_retry_after", "tool_format", "keep_histo
 proxy_options = {k: getattr(args, k) for k in proxy_flags} | dict(call_timeout=args.rollout_timeout)
 proxy = Proxy(backend, tok, model_name=args.model, rollout_tokens=True, **proxy_options)
 server = ProxyServer(proxy, host=args.proxy_host).start()
-tasks = harnesses.Tasks(args, log)
 # where each harness's rollouts run, and what is flagged on them (bad audit patterns fail here)
 sandbox_of = sandbox.setup(tasks.harnesses, args.sandbox, args.sandbox_image, args.out, log)
 auditor = audit.Auditor(tasks.harnesses, sandbox_of, args.out, server.port)
@@ -193,12 +195,15 @@ def rollouts(jobs, name):
     returned, are keyed by call index from here on; flagged rollouts as their harness says."""
     proxy.set_output(run.file("calls", name))
     t0 = time.time()
-    harness_of = {rid: h for rid, _, h in jobs}
+    harness_of = {rid: h.name for rid, _, h in jobs}
+    # --lora-per-harness: each rollout served by its harness's adapter, which its endpoint names
+    backend.adapter_of = harness_of.get if args.lora_per_harness else None
 
     def endpoint_for(rid):
         # a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
-        bridged = sandbox_of[harness_of[rid].name] in sandbox.BRIDGED
-        return server.endpoint(rid, args.model, socket=bridged)
+        bridged = sandbox_of[harness_of[rid]] in sandbox.BRIDGED
+        model = harness_of[rid] if args.lora_per_harness else args.model
+        return server.endpoint(rid, model, socket=bridged)
 
     options = dict(posted_reward=proxy.reward, desc=name.replace("_", " "), progress=master)
     limits = args.max_concurrency, args.rollout_timeout
@@ -304,7 +309,7 @@ def sync_weights(version):
     copies it into its own copy, FSDP's shards gathered one at a time)."""
     served = model
     if args.backend == "vllm":
-        served = lora.adapter(model) if args.lora else parallel.full_state_dict(model, args.parallel)
+        served = lora.adapters(model) if args.lora else parallel.full_state_dict(model, args.parallel)
     backend.pause()
     # every rank's calls have finished before anything reloads (vLLM servers are shared)
     if ddp:
@@ -335,6 +340,7 @@ def log_step(row, step):
         + (waited if worker else "")
         + (f" | {row['calls']} recorded calls, {step} updates stale" if recorded else "")
         + tasks.by_harness(row, "reward")
+        + (" | loss" + tasks.by_harness(row, "loss") if args.lora_per_harness else "")
     )
 
 
@@ -409,13 +415,18 @@ try:
         t_sleep = make_room_for_training()
         t0 = time.time()
         has_signal = n["signal"] > 0 or (n["samples"] > 0 and args.kl_coef > 0)
-        m, gnorm, skipped = learner.update(samples, step, has_signal)
+        if args.lora_per_harness:
+            # each harness's adapter on its own samples (metrics NAME/...)
+            m, gnorm, skipped = lora.update_each(learner, samples, results, step, tasks.names())
+        else:
+            m, gnorm, skipped = learner.update(samples, step, has_signal)
         t_train = time.time() - t0
         row = {
             "step": step + 1,
             **step_rates(n, tasks.names()),
             **{k: int(n[k]) for k in COUNTED},
             **{k: m.get(k) for k in LOSS_METRICS},
+            **{k: v for k, v in m.items() if "/" in k},
             "staleness": m.get("staleness", {}),
             "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
             "skipped": skipped,

@@ -131,6 +131,8 @@ class _Request:
     future: asyncio.Future
     # called on the request's event loop with each sampled id
     on_token: Optional[Callable[[int], None]]
+    # --lora-per-harness: the LoRA adapter that serves it
+    adapter: Optional[str] = None
     # sampling.seed's generator; sampling.grammar's state
     generator: Optional[torch.Generator] = None
     matcher: Optional[grammar.Matcher] = None
@@ -161,11 +163,13 @@ class HFBackend(PauseGate):
         self.max_batch_size, self.prefix_cache_tokens = max_batch_size, prefix_cache_tokens
         self.eos_ids = eos_ids(tokenizer, model.generation_config)
         self.version = 0
+        # --lora-per-harness: a rollout id's adapter; a batch mixes them (peft's adapter_names)
+        self.adapter_of = None
         # served since the start (GET /status); busy_s: seconds spent decoding
         counts = "requests prompt_tokens cached_tokens generated_tokens cancelled batches".split()
         self.stats = Counter(dict.fromkeys(counts, 0), busy_s=0.0)
-        # (token ids, their KV), the least recently used first
-        self._prefix: list[tuple[list[int], KV]] = []
+        # (adapter, token ids, their KV), the least recently used first
+        self._prefix: list[tuple[Optional[str], list[int], KV]] = []
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
         self.paused = self._inflight = self._closed = False
@@ -182,11 +186,12 @@ class HFBackend(PauseGate):
         rollout_id: str = "",
     ) -> Generation:
         """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled
-        (streaming). ``rollout_id``: unused here (vLLM routes by it)."""
+        (streaming). ``rollout_id``: its adapter's (``adapter_of``), and vLLM's server's."""
         max_tokens = max_reply_tokens(prompt_ids, sampling, self.max_model_len)
         sampling = replace(sampling, max_tokens=max_tokens)
         future = asyncio.get_running_loop().create_future()
         request = _Request(list(prompt_ids), sampling, future, on_token)
+        request.adapter = self.adapter_of(rollout_id) if self.adapter_of else None
         if sampling.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(sampling.seed)
         if sampling.grammar:
@@ -283,14 +288,16 @@ class HFBackend(PauseGate):
 
     def _prefill(self, request: _Request) -> tuple[DynamicCache, torch.Tensor]:
         """The prompt's KV cache (batch 1) and the logits [V] of the first reply token."""
-        hit, kv = self._lookup(request.prompt_ids)
+        hit, kv = self._lookup(request.prompt_ids, request.adapter)
         # [1, T - hit]: its positions follow the cache's (kv None: an empty cache)
         rest = torch.tensor([request.prompt_ids[hit:]], device=self.device)
         cache = DynamicCache(ddp_cache_data=kv)
-        out = self.model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        inputs = dict(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(**inputs, **_adapters([request]))
         self.stats.update(prompt_tokens=len(request.prompt_ids), cached_tokens=hit)
         # Requests that arrive together often share a prompt (a GRPO group): the next one reuses this one.
-        self._store(request.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self._store(request.prompt_ids, kv, request.adapter)
         return cache, out.logits[0, -1]
 
     def _sample_next(self, batch: "_Batch", j: int, version: int) -> bool:
@@ -312,7 +319,8 @@ class HFBackend(PauseGate):
         done = self._finish(request, token)
         if done:
             # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
-            self._store(request.prompt_ids + request.response_ids[:-1], batch.row_cache(j))
+            ids = request.prompt_ids + request.response_ids[:-1]
+            self._store(ids, batch.row_cache(j), request.adapter)
             generation = Generation(request.response_ids, request.logprobs, *done, version)
             _answer(request.future, generation)
         return done is None
@@ -332,24 +340,26 @@ class HFBackend(PauseGate):
 
     # ------------------------------------------------------------------ the prefix cache
 
-    def _lookup(self, ids: list[int]) -> tuple[int, Optional[KV]]:
-        """Longest cached prefix of ``ids``, of 8 tokens or more (leaving at least one token to prefill):
-        its length and its KV, each layer's keys and values [1, H_kv, n, D]."""
-        common = [len(os.path.commonprefix([tokens, ids[:-1]])) for tokens, _ in self._prefix]
+    def _lookup(self, ids: list[int], adapter=None) -> tuple[int, Optional[KV]]:
+        """Longest cached prefix of ``ids`` (under ``adapter``), of 8 tokens or more (leaving at least
+        one token to prefill): its length and its KV, each layer's keys and values [1, H_kv, n, D]."""
+        common = [len(os.path.commonprefix([t, ids[:-1]])) * (a == adapter) for a, t, _ in self._prefix]
         n = max(common, default=0)
         if n < 8:
             return 0, None
         # to the end: now the most recently used
         self._prefix.append(entry := self._prefix.pop(common.index(n)))
-        return n, [(keys[:, :, :n], values[:, :, :n]) for keys, values in entry[1]]
+        return n, [(keys[:, :, :n], values[:, :, :n]) for keys, values in entry[2]]
 
-    def _store(self, ids: list[int], kv: KV):
-        """Remember the KV of ``ids``; entries that are a prefix of it become redundant and leave."""
+    def _store(self, ids: list[int], kv: KV, adapter=None):
+        """Remember the KV of ``ids`` (under ``adapter``); entries that are a prefix of it become
+        redundant and leave."""
         if len(ids) > self.prefix_cache_tokens:
             return
-        self._prefix = [(toks, old) for toks, old in self._prefix if ids[: len(toks)] != toks]
-        self._prefix.append((ids, kv))
-        while sum(len(toks) for toks, _ in self._prefix) > self.prefix_cache_tokens:
+        redundant = lambda a, toks: a == adapter and ids[: len(toks)] == toks
+        self._prefix = [entry for entry in self._prefix if not redundant(*entry[:2])]
+        self._prefix.append((adapter, ids, kv))
+        while sum(len(toks) for _, toks, _ in self._prefix) > self.prefix_cache_tokens:
             # the least recently used
             self._prefix.pop(0)
 
@@ -415,7 +425,13 @@ class _Batch:
         mask = (torch.arange(T, device=self.device) >= T - 1 - positions).long()
         # [B, V]
         inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=positions)
-        self.last = model(**inputs, past_key_values=self.cache, use_cache=True).logits[:, -1]
+        inputs |= dict(past_key_values=self.cache, use_cache=True, **_adapters(self.rows))
+        self.last = model(**inputs).logits[:, -1]
+
+
+def _adapters(rows: list) -> dict:
+    """--lora-per-harness: the forward's argument that runs each row through its adapter."""
+    return {"adapter_names": [r.adapter for r in rows]} if rows[0].adapter else {}
 
 
 def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:

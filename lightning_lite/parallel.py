@@ -11,9 +11,10 @@ import torch.distributed as dist
 from .algo import all_reduce
 
 
-def wrap(model, parallel, device, world, offload=False, checkpointing=False, dtype=torch.float32):
+def wrap(model, parallel, world, offload=False, checkpointing=False, dtype=torch.float32, unused=False):
     """The module to train: ``model`` itself (one process), DDP(model), or ``model`` sharded in place
-    (fsdp; ``offload``: the shards in CPU memory; ``dtype``: of its compute). ``device``: unused."""
+    (fsdp; ``offload``: the shards in CPU memory; ``dtype``: of its compute). ``unused``: parameters
+    that a backward leaves without gradients (--lora-per-harness: the other harnesses' adapters)."""
     # recompute each layer's activations in backward: memory for compute
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -21,7 +22,8 @@ def wrap(model, parallel, device, world, offload=False, checkpointing=False, dty
         from .extras import fsdp
 
         return fsdp.wrap(model, offload, dtype)
-    return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return ddp(model, find_unused_parameters=unused) if world > 1 else model
 
 
 def accumulating(model, parallel: str, last: bool):

@@ -370,33 +370,21 @@ class Proxy:
         sampled = {f: getattr(sampling, f) for f in ("temperature", "top_p", "top_k", "grammar")}
         with self._lock:
             out = session.out = session.out or self._out
-            call = Call(
-                rollout_id=rollout_id,
-                index=out.next.get(rollout_id, 0),
-                model_version=gen.version,
-                response_ids=gen.response_ids,
-                response_logprobs=gen.logprobs,
-                finish_reason="tool_calls" if tool else gen.finish_reason,
-                choice=choice,
-                capped=exchange.capped and gen.finish_reason == "length",
-                created=exchange.created,
-                latency_s=round(time.time() - exchange.created, 4),
-                response=reply,
-                reply_id=reply_id,
-                **asked,
-                **sampled,
-            )
+            fields = dict(rollout_id=rollout_id, index=out.next.get(rollout_id, 0), choice=choice)
+            fields |= dict(model_version=gen.version, response=reply, reply_id=reply_id)
+            fields |= dict(response_ids=gen.response_ids, response_logprobs=gen.logprobs)
+            fields |= dict(finish_reason="tool_calls" if tool else gen.finish_reason)
+            fields |= dict(capped=exchange.capped and gen.finish_reason == "length")
+            fields |= dict(created=exchange.created, latency_s=round(time.time() - exchange.created, 4))
+            call = Call(**fields, **asked, **sampled)
             out.next[rollout_id] = call.index + 1
             if reply_id:
                 session.replies.setdefault(reply_id, []).append(call.index)
             if out.path:
                 # a call extending its parent is written as the ids after the parent's (read_calls)
                 parent = next((t for t in session.turns if t.index == exchange.parent), None)
-                tail = (
-                    dict(prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :])
-                    if parent
-                    else {}
-                )
+                cut = parent and call.prompt_ids[parent.size :]
+                tail = dict(prompt_ids=None, prompt_tail=cut) if parent else {}
                 # opened per call: a call in flight when its session's file was switched goes there
                 with open(out.path, "a") as f:
                     f.write(to_json(call, **tail) + "\n")

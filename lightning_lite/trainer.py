@@ -52,12 +52,13 @@ class Learner:
             )
             args.no_tree = True
         offload, checkpointing = args.fsdp_offload, args.activation_checkpointing
+        unused = bool(args.lora_per_harness)
         self.train_model = parallel.wrap(
-            self.model, args.parallel, device, world, offload, checkpointing, dtype
+            self.model, args.parallel, world, offload, checkpointing, dtype, unused
         )
         if self.ref_model is not None and fsdp:
             # sharded like the policy, without an optimizer: its forwards are collectives too
-            parallel.wrap(self.ref_model, "fsdp", device, world, offload, dtype=dtype)
+            parallel.wrap(self.ref_model, "fsdp", world, offload, dtype=dtype)
         # after sharding: AdamW's state is over the shards
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, args.lr, (0.9, 0.99), weight_decay=args.weight_decay)

@@ -105,6 +105,16 @@ class PerCallHarness(LengthHarness):
         }
 
 
+class ConstantHarness(LengthHarness):
+    """LengthHarness's call, a reward of 0.5 whatever the reply: every group has zero advantage."""
+
+    name = "constant"
+
+    async def run(self, task, endpoint):
+        await super().run(task, endpoint)
+        return 0.5
+
+
 class FlakyHarness(LengthHarness):
     """Task 0 raises, task 1 hangs past the timeout, task 2 gives no reward, the rest work."""
 

@@ -96,7 +96,7 @@ def test_prefix_cache_keeps_longest_prefixes_and_evicts_the_least_recently_used(
     HFBackend._store(c, a[:10], kv(10))
     HFBackend._store(c, a, kv(20))  # extends the first entry: it replaces it
     HFBackend._store(c, b, kv(15))
-    assert [t for t, _ in c._prefix] == [a, b]
+    assert [t for _, t, _ in c._prefix] == [a, b]
     n, hit = HFBackend._lookup(c, a + [7])
     assert n == 20 and hit[0][0].shape[2] == 20
     assert HFBackend._lookup(c, a)[0] == 19  # one token is left to prefill
@@ -106,9 +106,15 @@ def test_prefix_cache_keeps_longest_prefixes_and_evicts_the_least_recently_used(
     HFBackend._store(
         c, list(range(200, 210)), kv(10)
     )  # 45 tokens > 40: b, the least recently used, leaves
-    assert [t[0] for t, _ in c._prefix] == [0, 200]
+    assert [t[0] for _, t, _ in c._prefix] == [0, 200]
     HFBackend._store(c, list(range(41)), kv(41))  # longer than the whole cache: not kept
-    assert [t[0] for t, _ in c._prefix] == [0, 200]
+    assert [t[0] for _, t, _ in c._prefix] == [0, 200]
+    # --lora-per-harness: another adapter's KV is another model's: never a hit, never redundant
+    c.prefix_cache_tokens = 60
+    HFBackend._store(c, a[:12], kv(12), "coder")
+    assert HFBackend._lookup(c, a[:12] + [7], "planner")[0] == 0
+    assert HFBackend._lookup(c, a + [7])[0] == 20 and HFBackend._lookup(c, a + [7], "coder")[0] == 12
+    assert [(x, t[0]) for x, t, _ in c._prefix] == [(None, 200), (None, 0), ("coder", 0)]
 
 
 def test_eos_and_context_limit(backend, tok, model):

@@ -108,7 +108,7 @@ def _fsdp_worker(port):
     model.model.layers[0].mlp.up_proj.register_forward_pre_hook(
         lambda m, a: seen.append(m.weight.dtype)
     )
-    parallel.wrap(model, "fsdp", torch.device("cpu"), 1, dtype=torch.bfloat16)
+    parallel.wrap(model, "fsdp", 1, dtype=torch.bfloat16)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.float().sum().backward()
     assert seen == [torch.bfloat16], seen
     assert (

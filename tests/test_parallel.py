@@ -75,7 +75,7 @@ def one_step(mode, rank=0, world=1, tree=False):
     torch.manual_seed(0)
     model = load_model("smollm2", torch.device("cpu"))
     samples = [s for s, r in zip(make_samples(model), RANK_OF) if world == 1 or r == rank]
-    net = parallel.wrap(model, mode, torch.device("cpu"), world)
+    net = parallel.wrap(model, mode, world)
     # eps 1e-6, not 1e-8: Adam divides by |g|, so with 1e-8 a weight whose gradient is ~1e-8 moves by up to
     # ~lr/10 on summation-order noise alone (measured: 5e-6 of a 1.1e-4 step, DDP vs one process)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.99), eps=1e-6)

@@ -384,67 +384,71 @@ def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_
     assert gaps[True].mean() < 0.05 and gaps[False].mean() > 10 * gaps[True].mean()
 
 
-def test_lora_on_vllm_serves_each_syncs_adapter_and_refuses_a_server_without_lora(vllm, tmp_path):
-    """--lora --backend vllm: train.py starts a server with LoRA enabled and base weights; each sync the server
-    loads the adapters (peft's files, a few MB) as policy-vK and drops the version before. Every call is served by
-    the adapters of its version: the trainer (base + adapters, fp32) reproduces vLLM's (bf16) logprobs to bf16
-    noise after the adapters have moved, and the base model alone does not. A --vllm-url server started
-    without LoRA is refused at start-up, naming the flags that enable it."""
+def test_lora_on_vllm_serves_each_harness_its_adapter_and_refuses_a_server_without_lora(
+    vllm, tmp_path
+):
+    """--lora --lora-per-harness --backend vllm: train.py starts a server with LoRA enabled and base weights; each
+    sync the server loads every harness's adapter (peft's files, a few MB) as NAME-vK and drops version K-1's.
+    "length" trains every step, "constant" (a reward of 0.5 whatever the reply) never: each call is served by its
+    harness's adapter of its version, so the trainer (base + adapters, fp32) reproduces vLLM's (bf16) logprobs to
+    bf16 noise, length's calls under length's moved adapters (the base alone does not), constant's under the
+    base. A --vllm-url server started without LoRA is refused at start-up, naming the flags that enable it."""
     out = str(tmp_path / "run")
     cmd = [sys.executable, "train.py", "--harness", "tests/harnesses.py:LengthHarness"]
+    cmd += ["--harness", "tests/harnesses.py:ConstantHarness", "--harness-arg", "max_tokens=16"]
     cmd += [
-        "--harness-arg",
-        "max_tokens=16",
         "--steps",
         "3",
         "--batch-size",
-        "2",
+        "4",
         "--group-size",
         "4",
-    ]
-    cmd += [
         "--eval-tasks",
         "0",
         "--lr",
         "2e-3",
-        "--warmup-steps",
-        "0",
-        "--lora",
-        "8",
-        "--save-every",
-        "1",
     ]
+    cmd += ["--warmup-steps", "0", "--lora", "8", "--lora-per-harness", "--save-every", "1"]
     cmd += ["--backend", "vllm", "--vllm-python", VLLM_PY, "--vllm-args", "--dtype bfloat16"]
     p = subprocess.run(cmd + ["--out", out], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]
-    assert len(steps) == 3 and steps[0]["grad_norm"], steps
-    for r in [r for r in steps if r["grad_norm"]]:
+    assert len(steps) == 3 and steps[0]["grad_norm/length"], steps
+    for r in [r for r in steps if r.get("grad_norm/length")]:
         print(
-            f"step {r['step']}: |dlogp| {r['dlogp_mean']:.4f} prob_corr {r['prob_corr']:.4f} sync {r['t_sync']} s"
+            f"step {r['step']}: length's |dlogp| {r['dlogp_mean/length']:.4f}, sync {r['t_sync']} s"
         )
-        assert r["failed"] == 0 and r["dlogp_mean"] < 0.1 and r["prob_corr"] >= 0.98, r
+        assert (
+            r["failed"] == 0 and r["dlogp_mean/length"] < 0.1 and r["prob_corr/length"] >= 0.98
+        ), r
     log = open(os.path.join(out, "vllm_0.log")).read()
-    loaded = [f"Loaded new LoRA adapter: name 'policy-v{k}'" in log for k in range(4)]
-    assert all(loaded) and log.count("Removed LoRA adapter") == 3, log[-3000:]
-    # step 3's calls, sampled by version 2: scored under step 2's adapters, and under the base alone
+    loaded = [
+        f"Loaded new LoRA adapter: name '{h}-v{k}'" in log
+        for h in ("length", "constant")
+        for k in range(4)
+    ]
+    assert all(loaded) and log.count("Removed LoRA adapter") == 6, log[-3000:]
+    # step 3's calls, sampled by version 2, scored under step 2's adapters and under the base alone
     from peft import PeftModel
 
-    samples, _ = build_batch_samples(read_calls(os.path.join(out, "calls", "step_2.jsonl")))
-    b = collate(samples, [1.0] * len(samples))
-    adapted = PeftModel.from_pretrained(
-        load_model("smollm2"), os.path.join(out, "checkpoints", "step_2")
-    )
-    on = b["loss_mask"] > 0
-    with torch.no_grad():
-        gap = lambda m: float((trainer_logprobs(m, b) - b["old_logprobs"])[on].abs().mean())  # noqa: E731
-        served = gap(adapted)
-        with adapted.disable_adapter():
-            base = gap(adapted)
-    print(
-        f"step 3's calls: |dlogp| {served:.4f} to version 2's adapters, {base:.4f} to the base model"
-    )
-    assert served < 0.1 and base > 2 * served
+    calls = read_calls(os.path.join(out, "calls", "step_2.jsonl"))
+    ckpt = os.path.join(out, "checkpoints", "step_2")
+    gaps = {}
+    for h in ("length", "constant"):
+        samples, _ = build_batch_samples(
+            [c for c in calls if c.rollout_id in harness_rollouts(out, 2, h)]
+        )
+        b = collate(samples, [1.0] * len(samples))
+        adapted = PeftModel.from_pretrained(load_model("smollm2"), os.path.join(ckpt, h))
+        on = b["loss_mask"] > 0
+        with torch.no_grad():
+            gap = lambda m: float((trainer_logprobs(m, b) - b["old_logprobs"])[on].abs().mean())  # noqa: E731
+            served = gap(adapted)
+            with adapted.disable_adapter():
+                gaps[h] = served, gap(adapted)
+    print(f"step 3's calls, |dlogp| to (their adapters, the base): {gaps}")
+    assert gaps["length"][0] < 0.1 and gaps["length"][1] > 2 * gaps["length"][0]
+    assert gaps["constant"][0] < 0.1 and abs(gaps["constant"][1] - gaps["constant"][0]) < 1e-6
     url = ["--vllm-url", vllm.urls[0], "--vllm-api-key", vllm.api_key, "--steps", "0"]
     p = subprocess.run(
         cmd[:-4] + url + ["--out", str(tmp_path / "refused")],
@@ -453,6 +457,12 @@ def test_lora_on_vllm_serves_each_syncs_adapter_and_refuses_a_server_without_lor
         text=True,
         timeout=300,
     )
-    assert p.returncode != 0 and "--enable-lora --max-lora-rank 8 --max-loras 1" in p.stderr, (
+    assert p.returncode != 0 and "--enable-lora --max-lora-rank 8 --max-loras 2" in p.stderr, (
         p.stderr[-2000:]
     )
+
+
+def harness_rollouts(out: str, step: int, harness: str) -> set:
+    """The ids of step ``step``'s rollouts that ``harness`` ran (train.py's rollouts/step_K.jsonl)."""
+    rollouts = read_jsonl(os.path.join(out, "rollouts", f"step_{step}.jsonl"))
+    return {r["rollout_id"] for r in rollouts if r["harness"] == harness}

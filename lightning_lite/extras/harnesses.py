@@ -133,4 +133,4 @@ class Tasks:
         if len(self.harnesses) < 2:
             return ""
         show = lambda v: "-" if v is None else f"{v:.3f}"
-        return "".join(f" | {name} {show(row[f'{key}/{name}'])}" for name in self.names())
+        return "".join(f" | {name} {show(row.get(f'{key}/{name}'))}" for name in self.names())

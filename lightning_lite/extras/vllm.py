@@ -94,7 +94,7 @@ def start(args, config, dtype: torch.dtype, resume_dir, device: torch.device) ->
         # the CPU build has no sleep mode
         sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []
         # --vllm-args after ours: they may override
-        flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + lora_flags(args.lora)
+        flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + lora_flags(args.lora, len(args.lora_per_harness or ["default"]))
         places = _places(args, device, local_world, extra)
         python, n = args.vllm_python, args.vllm_servers
         model_dir = resolve(args.model if args.lora or not resume_dir else resume_dir)
@@ -160,12 +160,12 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: li
     return places
 
 
-def lora_flags(rank) -> list:
+def lora_flags(rank, adapters=1) -> list:
     """--lora RANK: the server flags for its adapters (vLLM takes ranks 1, 8, 16, ... 512)."""
     if not rank:
         return []
     rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
-    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(adapters)]
 
 
 # What every started server needs: processed logprobs (of the distribution sampled from), vLLM's
@@ -206,8 +206,10 @@ class VLLMBackend(PauseGate):
         self.model_name = models[0]["id"]
         self.max_model_len = min(m["max_model_len"] for m in models)
         self.version, self.paused, self.sleeping = 0, False, False
-        # --lora: the servers serve the base model, and the adapter of version K as "policy-vK"
+        # --lora: the servers serve the base model, and adapter NAME of version K as "NAME-vK"
         self.lora, self.lora_loaded = False, None
+        # --lora-per-harness: a rollout id's adapter (None: "default")
+        self.adapter_of = None
         # the calls sent out and not answered yet
         self._inflight, self._cond = 0, threading.Condition()
         self.stats = Counter(requests=0, prompt_tokens=0, generated_tokens=0)
@@ -251,7 +253,8 @@ class VLLMBackend(PauseGate):
         on_token: Optional[Callable[[int], None]] = None,
         rollout_id: str = "",
     ) -> Generation:
-        """As HFBackend's; a rollout's calls all go to one server (its prefix cache), chosen by its id."""
+        """As HFBackend's; a rollout's calls all go to one server (its prefix cache), chosen by its id,
+        and --lora's to its adapter."""
         import aiohttp
 
         max_new = max_reply_tokens(prompt_ids, sampling, self.max_model_len)
@@ -264,7 +267,9 @@ class VLLMBackend(PauseGate):
             await asyncio.sleep(0.05)
         try:
             url = self.urls[zlib.crc32(rollout_id.encode()) % len(self.urls)]
-            body = self._request_body(prompt_ids, sampling, max_new, on_token is not None, version)
+            body = self._request_body(prompt_ids, sampling, max_new, on_token is not None)
+            adapter = self.adapter_of(rollout_id) if self.adapter_of else "default"
+            body["model"] = f"{adapter}-v{version}" if self.lora else self.model_name
             ids, logprobs, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
                 headers = _auth(self.api_key)
@@ -294,13 +299,12 @@ class VLLMBackend(PauseGate):
                 self._inflight -= 1
                 self._cond.notify_all()
 
-    def _request_body(self, prompt_ids, sampling: Sampling, max_new, stream, version) -> dict:
+    def _request_body(self, prompt_ids, sampling: Sampling, max_new: int, stream: bool) -> dict:
         """Every sampling field explicit, the penalties and min_p neutral: vLLM fills an unset one from the
         model's generation_config.json (Qwen2.5's repetition_penalty 1.05), a distribution the trainer never
         scores."""
         s = sampling
-        model = f"policy-v{version}" if self.lora else self.model_name
-        body = {"model": model, "prompt": list(prompt_ids), "max_tokens": max_new}
+        body = {"prompt": list(prompt_ids), "max_tokens": max_new}
         body |= {"seed": s.seed, "temperature": s.temperature, "top_p": s.top_p}
         body |= {"top_k": s.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0}
         body |= {"presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": s.stop, "logprobs": 0}
@@ -319,8 +323,8 @@ class VLLMBackend(PauseGate):
         self.sleeping = True
 
     def sync_weights(self, model=None, version: Optional[int] = None):
-        """Every server serves ``model``'s weights (a module, a full state dict or, --lora, the adapter:
-        ``lora.adapter``'s; None: only the version moves). Sleeping servers (level 2: no weights, no KV cache) wake in two steps, after the file is
+        """Every server serves ``model``'s weights (a module, a full state dict or, --lora, the adapters:
+        ``lora.adapters``'s; None: only the version moves). Sleeping servers (level 2: no weights, no KV cache) wake in two steps, after the file is
         written (the trainer's copies are gone by then): the weights, reloaded, then the KV cache."""
         self.pause()
         model = model if self.writes_weights else None
@@ -330,7 +334,7 @@ class VLLMBackend(PauseGate):
             )
         version = self.version + 1 if version is None else version
         if model is not None and self.lora:
-            self._load_adapter(*model, version)
+            self._load_adapters(model, version)
         elif model is not None:
             self._write(served_state_dict(model))
             for url in self.urls:
@@ -343,29 +347,32 @@ class VLLMBackend(PauseGate):
                 _http(url + "/reset_prefix_cache", {}, key=self.api_key)
         self.sleeping, self.version = False, version
 
-    def _load_adapter(self, config, weights: dict, version: int):
-        """--lora: every server loads the adapter (peft's files) as "policy-v{version}", then drops the
-        previous one. A new name each time: vLLM's prefix cache is keyed by it."""
+    def _load_adapters(self, adapters: dict, version: int):
+        """--lora: every server loads each adapter (peft's files, from ``lora.adapters``) as
+        "NAME-v{version}", then drops the previous version's. A new name each time: vLLM's prefix cache
+        is keyed by it."""
         from safetensors.torch import save_file
 
-        path = os.path.join(self.sync_dir, f"adapter_v{version}")
-        config.save_pretrained(path)
-        save_file(weights, os.path.join(path, "adapter_model.safetensors"))
-        for url in self.urls:
-            try:
-                load = {"lora_name": f"policy-v{version}", "lora_path": path}
-                _http(url + "/v1/load_lora_adapter", load, key=self.api_key)
-            except RuntimeError as e:
-                raise SystemExit(
-                    f"{e}\n--lora: start the --vllm-url servers with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
-                    f"and {shlex.join(lora_flags(config.r))}"
-                ) from None
-            if self.lora_loaded is not None:
-                unload = {"lora_name": f"policy-v{self.lora_loaded}"}
-                _http(url + "/v1/unload_lora_adapter", unload, key=self.api_key)
-        if self.lora_loaded is not None:
-            shutil.rmtree(os.path.join(self.sync_dir, f"adapter_v{self.lora_loaded}"))
-        self.lora_loaded = version
+        old, self.lora_loaded = self.lora_loaded, version
+        for name, (config, weights) in adapters.items():
+            path = os.path.join(self.sync_dir, f"v{version}", name)
+            config.save_pretrained(path)
+            save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+            for url in self.urls:
+                try:
+                    load = {"lora_name": f"{name}-v{version}", "lora_path": path}
+                    _http(url + "/v1/load_lora_adapter", load, key=self.api_key)
+                except RuntimeError as e:
+                    flags = shlex.join(lora_flags(config.r, len(adapters)))
+                    raise SystemExit(
+                        f"{e}\n--lora: start the --vllm-url servers with "
+                        f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and {flags}"
+                    ) from None
+                if old is not None:
+                    unload = {"lora_name": f"{name}-v{old}"}
+                    _http(url + "/v1/unload_lora_adapter", unload, key=self.api_key)
+        if old is not None:
+            shutil.rmtree(os.path.join(self.sync_dir, f"v{old}"))
 
     def _write(self, state_dict: dict):
         """``sync_dir``/model.safetensors, in ``self.dtype``. Tied embeddings share storage: written once,

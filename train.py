@@ -305,11 +305,13 @@ def advantages(groups, results, calls):
 def sync_weights(version):
     """The backend serves the trained weights (every rank calls it: a collective). Calls in flight
     finish on the old weights, new calls wait, then get the new ones. vLLM gets them whole (FSDP:
-    gathered into rank 0's host memory); the embedded backend gets the module (it serves it, or
-    copies it into its own copy, FSDP's shards gathered one at a time)."""
+    gathered into rank 0's host memory; --lora: the adapters alone); the embedded backend gets the
+    module (it serves it, or copies it into its own copy, FSDP's shards gathered one at a time)."""
     served = model
     if args.backend == "vllm":
-        served = lora.adapters(model) if args.lora else parallel.full_state_dict(model, args.parallel)
+        served = (
+            lora.adapters(model) if args.lora else parallel.full_state_dict(model, args.parallel)
+        )
     backend.pause()
     # every rank's calls have finished before anything reloads (vLLM servers are shared)
     if ddp:
@@ -416,7 +418,7 @@ try:
         t0 = time.time()
         has_signal = n["signal"] > 0 or (n["samples"] > 0 and args.kl_coef > 0)
         if args.lora_per_harness:
-            # each harness's adapter on its own samples (metrics NAME/...)
+            # each harness's adapter on its own samples (metrics as KEY/NAME)
             m, gnorm, skipped = lora.update_each(learner, samples, results, step, tasks.names())
         else:
             m, gnorm, skipped = learner.update(samples, step, has_signal)

@@ -343,7 +343,9 @@ class HFBackend(PauseGate):
     def _lookup(self, ids: list[int], adapter=None) -> tuple[int, Optional[KV]]:
         """Longest cached prefix of ``ids`` (under ``adapter``), of 8 tokens or more (leaving at least
         one token to prefill): its length and its KV, each layer's keys and values [1, H_kv, n, D]."""
-        common = [len(os.path.commonprefix([t, ids[:-1]])) * (a == adapter) for a, t, _ in self._prefix]
+        common = [
+            len(os.path.commonprefix([t, ids[:-1]])) * (a == adapter) for a, t, _ in self._prefix
+        ]
         n = max(common, default=0)
         if n < 8:
             return 0, None

@@ -11,7 +11,9 @@ import torch.distributed as dist
 from .algo import all_reduce
 
 
-def wrap(model, parallel, world, offload=False, checkpointing=False, dtype=torch.float32, unused=False):
+def wrap(
+    model, parallel, world, offload=False, checkpointing=False, dtype=torch.float32, unused=False
+):
     """The module to train: ``model`` itself (one process), DDP(model), or ``model`` sharded in place
     (fsdp; ``offload``: the shards in CPU memory; ``dtype``: of its compute). ``unused``: parameters
     that a backward leaves without gradients (--lora-per-harness: the other harnesses' adapters)."""

@@ -373,9 +373,11 @@ class Proxy:
             fields = dict(rollout_id=rollout_id, index=out.next.get(rollout_id, 0), choice=choice)
             fields |= dict(model_version=gen.version, response=reply, reply_id=reply_id)
             fields |= dict(response_ids=gen.response_ids, response_logprobs=gen.logprobs)
-            fields |= dict(finish_reason="tool_calls" if tool else gen.finish_reason)
+            fields |= dict(
+                finish_reason="tool_calls" if tool else gen.finish_reason, created=exchange.created
+            )
             fields |= dict(capped=exchange.capped and gen.finish_reason == "length")
-            fields |= dict(created=exchange.created, latency_s=round(time.time() - exchange.created, 4))
+            fields |= dict(latency_s=round(time.time() - exchange.created, 4))
             call = Call(**fields, **asked, **sampled)
             out.next[rollout_id] = call.index + 1
             if reply_id:

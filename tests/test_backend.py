@@ -113,7 +113,9 @@ def test_prefix_cache_keeps_longest_prefixes_and_evicts_the_least_recently_used(
     c.prefix_cache_tokens = 60
     HFBackend._store(c, a[:12], kv(12), "coder")
     assert HFBackend._lookup(c, a[:12] + [7], "planner")[0] == 0
-    assert HFBackend._lookup(c, a + [7])[0] == 20 and HFBackend._lookup(c, a + [7], "coder")[0] == 12
+    assert (
+        HFBackend._lookup(c, a + [7])[0] == 20 and HFBackend._lookup(c, a + [7], "coder")[0] == 12
+    )
     assert [(x, t[0]) for x, t, _ in c._prefix] == [(None, 200), (None, 0), ("coder", 0)]
 
 

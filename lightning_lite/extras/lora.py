@@ -30,7 +30,7 @@ def add_args(parser):
 def check(args, ddp: bool, cuda: bool):
     """Bad flags exit before anything starts; the targets are matched on an empty (meta) copy."""
     if args.lora is None and (args.lora_alpha or args.lora_targets or args.lora_per_harness):
-        sys.exit("--lora-alpha, --lora-targets and --lora-per-harness shape adapters: add --lora RANK")
+        sys.exit("--lora-alpha, --lora-targets, --lora-per-harness shape adapters: add --lora RANK")
     if args.lora_per_harness and len(args.harness) < 2:
         sys.exit("--lora-per-harness gives each --harness an adapter: name two or more --harness")
     if args.lora is not None and args.lora < 1:
@@ -153,4 +153,5 @@ if __name__ == "__main__":
     parser.add_argument("--model", help="the base model (default: the run's --model)")
     parser.add_argument("--adapter", default="default", help="--lora-per-harness: a harness's")
     a = parser.parse_args()
-    print(f"wrote {merge(a.checkpoint, a.out, a.model, a.adapter)}: load it as any transformers model")
+    path = merge(a.checkpoint, a.out, a.model, a.adapter)
+    print(f"wrote {path}: load it as any transformers model")

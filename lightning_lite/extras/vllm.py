@@ -93,14 +93,13 @@ def start(args, config, dtype: torch.dtype, resume_dir, device: torch.device) ->
         extra = args.vllm_args.split()
         # the CPU build has no sleep mode
         sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []
+        lora = lora_flags(args.lora, len(args.lora_per_harness or ["default"]))
         # --vllm-args after ours: they may override
-        flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + lora_flags(args.lora, len(args.lora_per_harness or ["default"]))
+        flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + lora + extra + sleep
         places = _places(args, device, local_world, extra)
         python, n = args.vllm_python, args.vllm_servers
         model_dir = resolve(args.model if args.lora or not resume_dir else resume_dir)
-        backend = VLLMBackend.spawn(
-            model_dir, n, python, flags + extra + sleep, log_dir=args.out, places=places
-        )
+        backend = VLLMBackend.spawn(model_dir, n, python, flags, log_dir=args.out, places=places)
         urls, key = backend.urls, backend.api_key
     if world > 1:
         # the key too: every rank's proxy sends it
@@ -324,8 +323,9 @@ class VLLMBackend(PauseGate):
 
     def sync_weights(self, model=None, version: Optional[int] = None):
         """Every server serves ``model``'s weights (a module, a full state dict or, --lora, the adapters:
-        ``lora.adapters``'s; None: only the version moves). Sleeping servers (level 2: no weights, no KV cache) wake in two steps, after the file is
-        written (the trainer's copies are gone by then): the weights, reloaded, then the KV cache."""
+        ``lora.adapters``'s; None: only the version moves). Sleeping servers (level 2: no weights, no KV
+        cache) wake in two steps, after the file is written (the trainer's copies are gone by then): the
+        weights, reloaded, then the KV cache."""
         self.pause()
         model = model if self.writes_weights else None
         if self.sleeping and model is None:

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv lint test test-slow demo demo-lora clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma setup-sandbox test-sandbox
+.PHONY: venv lint test test-slow demo demo-lora demo-instruct clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma setup-sandbox test-sandbox
 
 venv: $(VENV)/.installed
 
@@ -35,7 +35,7 @@ test-slow: venv
 
 # vLLM in its own venv (its pins differ from ours): on GPUs plain vllm; here its CPU build, whose PyPI
 # torchvision/torchaudio/torchcodec builds break its import. ~3 min once. Then tests/test_vllm.py
-# (train.py --backend vllm under grammars, weight sync, pause; two server starts): ~14 min on 2 cores.
+# (train.py --backend vllm under grammars, weight sync, pause; two server starts): ~5 min on 2 cores.
 VLLM_PY := .venv-vllm/bin/python
 setup-vllm: .venv-vllm/.installed
 .venv-vllm/.installed:
@@ -83,6 +83,13 @@ demo: venv
 demo-lora: venv
 	$(VPY) train.py $(DEMO_ARGS) --lora 16 --lr 2e-4 --out runs/demo-lora
 	$(VPY) examples/calc/demo_table.py runs/demo-lora
+
+# The instruct agent (examples/instruct: IFEval-style constraints checked by code, the reward the fraction met):
+# 100 held-out prompts evaluated every 10 steps, runs/demo-instruct, the table of examples/instruct/README.md
+# (scripts/demo_table.py). About 29 minutes on 2 cores.
+demo-instruct: venv
+	$(VPY) train.py --harness instruct --steps 60 --batch-size 4 --group-size 8 --lr 2e-5 --eval-tasks 100 --eval-every 10 --max-concurrency 32 --out runs/demo-instruct
+	$(VPY) scripts/demo_table.py runs/demo-instruct
 
 # Install nine real agent harnesses under .harnesses/ (once; tests/real_harnesses/install.sh)
 # and run each for one task against the proxy: with a scripted policy (a tool round trip

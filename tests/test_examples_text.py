@@ -173,7 +173,13 @@ def test_search_agent_compacts_its_history_and_is_rewarded():
         {"content": f"ANSWER: {founder}"},
     ]
     result, bodies = run_search(lambda rid, body, n: script[n], task, context_budget=1, max_turns=3)
-    assert (result.reward, result.error) == (1.0, None)
+    assert (result.reward, result.error, result.call_rewards) == (1.0, None, {})
+    # call_rewards: each search call on its own, 1 when its results hold the answer: the product's
+    # document names the maker, not the founder; the maker's founder document does
+    again, _ = run_search(
+        lambda rid, body, n: script[n], task, context_budget=1, max_turns=3, call_rewards=True
+    )
+    assert again.reward == 1.0 and again.call_rewards == {"chatcmpl-1": 0.0, "chatcmpl-2": 1.0}
     forced = {"type": "function", "function": {"name": "search"}}
     assert [b["tool_choice"] for b in bodies] == [forced, forced, "none", "none"]
     summary_call, after = bodies[2], bodies[3]

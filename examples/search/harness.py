@@ -429,6 +429,7 @@ class SearchHarness(Harness):
         temperature: float = 0.7,
         prefetch: bool = True,
         min_hops: int = 2,
+        call_rewards: bool = False,
     ):
         self.seed, self.n_test, self.top_k = seed, n_test, top_k
         self.max_turns, self.min_searches, self.max_tokens = max_turns, min_searches, max_tokens
@@ -437,7 +438,7 @@ class SearchHarness(Harness):
             context_budget,
             temperature,
         )
-        self.prefetch, self.min_hops = prefetch, min_hops
+        self.prefetch, self.min_hops, self.call_rewards = prefetch, min_hops, call_rewards
         self.world = make_world(seed, n_companies)
         self.index = BM25([f"{d['title']}. {d['text']}" for d in self.world["docs"]])
         self._tasks: dict[str, list[Task]] = {}
@@ -520,6 +521,8 @@ class SearchHarness(Harness):
             {"role": "user", "content": question},
         ]
         searches, text = 0, ""
+        found = {}  # reply id -> 1.0 when a search it made returned a document that holds the answer
+        holds = lambda result: float(normalize(task.answer) in normalize(result))  # noqa: E731
         # max_retries=0: a failed call fails the rollout visibly instead of being re-sampled.
         async with openai.AsyncOpenAI(
             base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
@@ -561,14 +564,13 @@ class SearchHarness(Harness):
                     # a query written as text, as harnesses that parse actions from text do, or
                     # report a format error. Either way the conversation only grows, so it still merges.
                     query = QUERY_RE.search(text)
-                    messages.append(
-                        {
-                            "role": "user",
-                            "content": self.search(json.dumps({"query": query.group(1)}))
-                            if query
-                            else FORMAT_ERROR,
-                        }
+                    result = (
+                        self.search(json.dumps({"query": query.group(1)}))
+                        if query
+                        else FORMAT_ERROR
                     )
+                    messages.append({"role": "user", "content": result})
+                    found[r.id] = holds(result) if query else 0.0
                     searches += bool(query)
                     continue
                 if not message.tool_calls:
@@ -580,5 +582,8 @@ class SearchHarness(Harness):
                         else f"error: unknown tool {call.function.name!r}; use search"
                     )
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                    found[r.id] = max(found.get(r.id, 0.0), holds(result))
                     searches += 1
-        return f1(extract_answer(text), task.answer)
+        reward = f1(extract_answer(text), task.answer)
+        # call_rewards: each search call is rewarded on its own for finding the answer's document
+        return {"reward": reward, "calls": found} if self.call_rewards else reward

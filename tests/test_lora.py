@@ -5,6 +5,7 @@ end to end (make test-slow): two DDP ranks, a checkpoint of the adapters alone, 
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 
 import pytest
@@ -17,6 +18,7 @@ from lightning_lite.backends import HFBackend
 from lightning_lite.extras import lora
 from lightning_lite.models import load_model
 from lightning_lite.records import Sample
+from conftest import ROOT
 from test_train import rows, run
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -259,18 +261,10 @@ def test_an_adapter_per_harness_trains_on_its_harness_alone_under_ddp(tmp_path, 
     assert [r["step"] for r in rows(out) if "reward" in r] == [1, 2, 3]
     merged = str(tmp_path / "merged")
     ckpt = os.path.join(out, "checkpoints", "step_3")
-    run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_lite.extras.lora",
-            "merge",
-            ckpt,
-            merged,
-            "--adapter",
-            "length",
-        ]
-    )
+    merge = [sys.executable, "-m", "lightning_lite.extras.lora", "merge", ckpt, merged]
+    p = subprocess.run(merge, capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode != 0 and "--adapter one of" in p.stderr and "'length'" in p.stderr, p.stderr
+    run(merge + ["--adapter", "length"])
     from transformers import AutoModelForCausalLM
 
     ids = torch.tensor([tok.encode("The capital of France is")])

@@ -99,10 +99,9 @@ def update_each(learner, samples: list, results: list, step: int, names: list):
     """--lora-per-harness: each harness's adapter trained on its samples alone, one after another: its
     own loss denominators, gradient norm and AdamW step. Returns the metrics, as keys ending in /NAME."""
     harness_of = {r.rollout_id: r.harness for r in results}
-    row = {}
+    row, kl = {}, learner.args.kl_coef > 0
     for name in names:
         mine = [s for s in samples if harness_of[s.rollout_id] == name]
-        kl = learner.args.kl_coef > 0
         signal = all_reduce([sum(kl or any(s.advantages) for s in mine)])[0] > 0
         activate(learner.model, name)
         m, norm, skipped = learner.update(mine, step, signal)
@@ -138,6 +137,11 @@ def merge(checkpoint: str, out: str, model: str | None = None, adapter: str = "d
 
     state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
     folder = os.path.join(checkpoint, "" if adapter == "default" else adapter)
+    if not os.path.exists(os.path.join(folder, "adapter_config.json")):
+        held = [n for n in os.listdir(checkpoint) if os.path.isdir(os.path.join(checkpoint, n))]
+        sys.exit(
+            f"{folder} holds no adapter: a --lora run's checkpoint, with --adapter one of {held}"
+        )
     adapted = PeftModel.from_pretrained(load_model(model or state["args"]["model"]), folder)
     dtype = torch.bfloat16 if state["args"]["dtype"] == "bf16" else torch.float32
     adapted.merge_and_unload().to(dtype).save_pretrained(out)

@@ -118,10 +118,19 @@ def test_search_tasks_are_deterministic_and_answers_follow_the_facts():
         if t.meta["kind"] == "founder_of_maker":
             product = t.prompt.split("makes the ")[1].rstrip("?")
             assert t.answer == w["companies"][w["products"][product]]["founder"]
-    easy = load_harness("search", seed=3, min_hops=1).tasks(
-        "train"
-    )  # adds "Which company makes the X?"
-    assert len(easy) == 500 + 180 and sum(t.meta["hops"] == 1 for t in easy) > 100
+    # min_hops=1 adds the one-hop questions: a product's maker (180), a company's founder and city
+    # (60 each), a person's birthplace (120); max_hops=1 keeps only those
+    easy = load_harness("search", seed=3, min_hops=1).tasks("train")
+    assert len(easy) == 500 + 420 and sum(t.meta["hops"] == 1 for t in easy) > 300
+    one = load_harness("search", seed=3, min_hops=1, max_hops=1)
+    one_hop = one.tasks("train") + one.tasks("test")
+    assert len(one_hop) == 420 and {t.meta["hops"] for t in one_hop} == {1}
+    for t in one_hop:
+        if t.meta["kind"] == "founder":
+            assert t.answer == w["companies"][t.prompt[len("Who founded ") : -1]]["founder"]
+        if t.meta["kind"] == "birthplace":
+            person = t.prompt[len("In which city was ") : -len(" born?")]
+            assert t.answer == w["people"][person]["born"]
     with pytest.raises(ValueError, match="fewer companies"):
         load_harness("search", n_companies=145)  # more than the name lists can make distinct
     with pytest.raises(ValueError, match="splits"):
@@ -247,6 +256,39 @@ def test_search_agent_without_compaction_and_with_broken_calls():
         context_budget=10**6,
     )
     assert len(bodies) == 3 and bodies[-1]["tool_choice"] == "none" and result.reward == 0.0
+
+
+def test_search_agent_answers_with_the_answer_tool():
+    w = search.world
+    company, info = next(iter(w["companies"].items()))
+    task = Task("search-x", f"Who founded {company}?", info["founder"])
+    script = [
+        {"tool_calls": [tool_call("search", {"query": company}, "call_0")]},
+        {"tool_calls": [tool_call("search", {"query": f"{company} founder"}, "call_1")]},
+        {"content": f"{company} was founded by {info['founder']}."},  # the summary
+        {"tool_calls": [tool_call("answer", {"answer": info["founder"]}, "call_2")]},
+    ]
+    kw = dict(context_budget=1, max_turns=3, answer_tool=True, prefetch=False)
+    result, bodies = run_search(lambda rid, body, n: script[n], task, **kw)
+    assert result.reward == 1.0 and len(bodies) == 4
+    assert [t["function"]["name"] for t in bodies[0]["tools"]] == ["search", "answer"]
+    assert "call answer with it" in bodies[0]["messages"][0]["content"]
+    # the last turn forces the answer tool and asks the question again; the summary side call
+    # still may not call a tool
+    assert bodies[3]["tool_choice"] == {"type": "function", "function": {"name": "answer"}}
+    assert bodies[3]["messages"][-1]["content"] == S.FINAL_PROMPT_TOOL.format(question=task.prompt)
+    assert bodies[2]["tool_choice"] == "none"
+    # an answer the model calls by itself ends the rollout (the argument scored, not the text);
+    # one that is not JSON scores 0
+    for answer, reward in [({"answer": info["founder"].split()[1]}, 2 / 3), ("{oops", 0.0)]:
+        script = [
+            {"tool_calls": [tool_call("search", {"query": company})]},
+            {"content": "x", "tool_calls": [tool_call("answer", answer)]},
+        ]
+        result, bodies = run_search(
+            lambda rid, body, n: script[n], task, min_searches=1, max_turns=5, answer_tool=True
+        )
+        assert len(bodies) == 2 and result.reward == pytest.approx(reward)
 
 
 # ---------------------------------------------------------------------------- instruct

@@ -36,11 +36,14 @@ from lightning_lite.harness import Endpoint, Harness, Task
 
 SYSTEM_PROMPT = """\
 Answer the question by searching the documents. Search for one name at a time.
-When you know the answer, reply with: ANSWER: <answer>
+When you know the answer, {how}.
 
 Example: for "Who founded the company that makes the Pexo X7?", call search with
-{"query": "Pexo X7"}, read which company makes it (say Velcorp), then call search with
-{"query": "Velcorp founder"}, and reply: ANSWER: Mara Okafor"""
+{{"query": "Pexo X7"}}, read which company makes it (say Velcorp), then call search with
+{{"query": "Velcorp founder"}}, and {example}"""
+# how the agent answers: in its text (the default), or by calling the answer tool (answer_tool=True)
+BY_TEXT = {"how": "reply with: ANSWER: <answer>", "example": "reply: ANSWER: Mara Okafor"}
+BY_TOOL = {"how": "call answer with it", "example": 'call answer with {"answer": "Mara Okafor"}'}
 
 SEARCH_TOOL = {
     "type": "function",
@@ -55,9 +58,26 @@ SEARCH_TOOL = {
     },
 }
 
+ANSWER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "answer",
+        "description": "Give your final answer to the question.",
+        "parameters": {
+            "type": "object",
+            # a name is short: the limit stops a small model from writing a sentence in a forced call
+            "properties": {
+                "answer": {"type": "string", "maxLength": 32, "description": "e.g. Mara Okafor"}
+            },
+            "required": ["answer"],
+        },
+    },
+}
+
 FORMAT_ERROR = 'error: no search call found. Call search with arguments like {"query": "Pexo X7"}.'
 
 FINAL_PROMPT = "No more searches. Reply now with: ANSWER: <answer>"
+FINAL_PROMPT_TOOL = "No more searches. Call answer with the answer to: {question}"
 
 SUMMARY_PROMPT = (
     "Summarize the searches above in at most three short sentences: the facts you found "
@@ -247,11 +267,11 @@ KINDS = [
 ]
 FIELDS = ["chemistry", "music", "law", "physics", "history", "design"]
 
-QUESTIONS = {  # kind -> (template, hops)
-    "maker": (
-        "Which company makes the {product}?",
-        1,
-    ),  # only with min_hops=1: a warm-up for tiny models
+QUESTIONS = {  # kind -> (template, hops); the one-hop kinds only with min_hops=1, a warm-up for tiny models
+    "maker": ("Which company makes the {product}?", 1),
+    "founder": ("Who founded {company}?", 1),
+    "city": ("In which city is {company} based?", 1),
+    "birthplace": ("In which city was {person} born?", 1),
     "founder_of_maker": ("Who founded the company that makes the {product}?", 2),
     "city_of_maker": ("In which city is the company that makes the {product} based?", 2),
     "birthplace_of_founder": ("In which city was the founder of {company} born?", 2),
@@ -338,38 +358,30 @@ def make_world(seed: int = 0, n_companies: int = 40, products_per_company: int =
     return world
 
 
-def make_questions(world: dict, min_hops: int = 2) -> list[dict]:
-    """Every question the world answers in ``min_hops`` lookups or more:
+def make_questions(world: dict, min_hops: int = 2, max_hops: int = 3) -> list[dict]:
+    """Every question the world answers in ``min_hops`` to ``max_hops`` lookups:
     {"kind", "question", "answer", "hops"}, in a fixed order."""
     out = []
+
+    def ask(kind, answer, **names):
+        template, hops = QUESTIONS[kind]
+        out.append(
+            {"kind": kind, "question": template.format(**names), "answer": answer, "hops": hops}
+        )
+
     for product, company in world["products"].items():
         founder, city = world["companies"][company]["founder"], world["companies"][company]["city"]
-        for kind, answer in [
-            ("maker", company),
-            ("founder_of_maker", founder),
-            ("city_of_maker", city),
-            ("birthplace_of_maker_founder", world["people"][founder]["born"]),
-        ]:
-            template, hops = QUESTIONS[kind]
-            out.append(
-                {
-                    "kind": kind,
-                    "question": template.format(product=product),
-                    "answer": answer,
-                    "hops": hops,
-                }
-            )
+        ask("maker", company, product=product)
+        ask("founder_of_maker", founder, product=product)
+        ask("city_of_maker", city, product=product)
+        ask("birthplace_of_maker_founder", world["people"][founder]["born"], product=product)
     for company, info in world["companies"].items():
-        template, hops = QUESTIONS["birthplace_of_founder"]
-        out.append(
-            {
-                "kind": "birthplace_of_founder",
-                "question": template.format(company=company),
-                "answer": world["people"][info["founder"]]["born"],
-                "hops": hops,
-            }
-        )
-    return [q for q in out if q["hops"] >= min_hops]
+        ask("founder", info["founder"], company=company)
+        ask("city", info["city"], company=company)
+        ask("birthplace_of_founder", world["people"][info["founder"]]["born"], company=company)
+    for person, info in world["people"].items():
+        ask("birthplace", info["born"], person=person)
+    return [q for q in out if min_hops <= q["hops"] <= max_hops]
 
 
 # ---------------------------------------------------------------------------- context budget
@@ -429,7 +441,9 @@ class SearchHarness(Harness):
         temperature: float = 0.7,
         prefetch: bool = True,
         min_hops: int = 2,
+        max_hops: int = 3,
         call_rewards: bool = False,
+        answer_tool: bool = False,
     ):
         self.seed, self.n_test, self.top_k = seed, n_test, top_k
         self.max_turns, self.min_searches, self.max_tokens = max_turns, min_searches, max_tokens
@@ -438,7 +452,9 @@ class SearchHarness(Harness):
             context_budget,
             temperature,
         )
-        self.prefetch, self.min_hops, self.call_rewards = prefetch, min_hops, call_rewards
+        self.prefetch, self.min_hops, self.max_hops = prefetch, min_hops, max_hops
+        self.call_rewards, self.answer_tool = call_rewards, answer_tool
+        self.tools = [SEARCH_TOOL, ANSWER_TOOL] if answer_tool else [SEARCH_TOOL]
         self.world = make_world(seed, n_companies)
         self.index = BM25([f"{d['title']}. {d['text']}" for d in self.world["docs"]])
         self._tasks: dict[str, list[Task]] = {}
@@ -448,7 +464,7 @@ class SearchHarness(Harness):
         if split not in ("train", "test"):
             raise ValueError(f"search has splits 'train' and 'test', not {split!r}")
         if not self._tasks:
-            questions = make_questions(self.world, self.min_hops)
+            questions = make_questions(self.world, self.min_hops, self.max_hops)
             random.Random(f"search-split-{self.seed}").shuffle(questions)
             for s, part in (
                 ("test", questions[: self.n_test]),
@@ -465,17 +481,28 @@ class SearchHarness(Harness):
                 ]
         return self._tasks[split]
 
-    def search(self, arguments: str) -> str:
-        """The tool: JSON arguments as the model wrote them -> the top documents as text.
-        Never raises: a malformed call gets an error message the model can learn from."""
+    @staticmethod
+    def argument(arguments: str, key: str):
+        """The ``key`` argument of a call (leniently: {"q": ...} still gives the string); False for
+        arguments that are not JSON.
+
+        >>> SearchHarness.argument('{"q": "Keslabs"}', "query"), SearchHarness.argument("{x", "query")
+        ('Keslabs', False)
+        """
         try:
             args = json.loads(arguments or "{}")
         except json.JSONDecodeError:
+            return False
+        if isinstance(args, dict):
+            return args.get(key, next((v for v in args.values() if isinstance(v, str)), None))
+        return args
+
+    def search(self, arguments: str) -> str:
+        """The tool: JSON arguments as the model wrote them -> the top documents as text.
+        Never raises: a malformed call gets an error message the model can learn from."""
+        query = self.argument(arguments, "query")
+        if query is False:
             return 'error: arguments must be JSON like {"query": "Pexo X7"}'
-        if isinstance(args, dict):  # lenient: {"q": ...} or {"text": ...} still searches
-            query = args.get("query", next((v for v in args.values() if isinstance(v, str)), None))
-        else:
-            query = args
         if not isinstance(query, str) or not query.strip():
             return 'error: call search with {"query": "Pexo X7"}'
         hits = self.index.search(query, self.top_k)
@@ -497,7 +524,7 @@ class SearchHarness(Harness):
         r = await client.chat.completions.create(
             model=model,
             messages=messages + [{"role": "user", "content": SUMMARY_PROMPT}],
-            tools=[SEARCH_TOOL],
+            tools=self.tools,
             tool_choice="none",
             max_tokens=self.summary_tokens,
             temperature=self.temperature,
@@ -517,10 +544,13 @@ class SearchHarness(Harness):
                 json.dumps({"query": task.prompt})
             )
         messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
+            {
+                "role": "system",
+                "content": SYSTEM_PROMPT.format(**(BY_TOOL if self.answer_tool else BY_TEXT)),
+            },
             {"role": "user", "content": question},
         ]
-        searches, text = 0, ""
+        searches, text, answer = 0, "", None
         found = {}  # reply id -> 1.0 when a search it made returned a document that holds the answer
         holds = lambda result: float(normalize(task.answer) in normalize(result))  # noqa: E731
         # max_retries=0: a failed call fails the rollout visibly instead of being re-sampled.
@@ -530,26 +560,35 @@ class SearchHarness(Harness):
             for turn in range(self.max_turns):
                 # Compact when over budget and there is an older turn to fold (the last one stays verbatim).
                 if (
-                    count_tokens(messages, [SEARCH_TOOL]) > self.context_budget
+                    count_tokens(messages, self.tools) > self.context_budget
                     and last_turn_start(messages) > 3
                 ):
                     messages = await self.compact(client, endpoint.model, messages)
                 # The first searches are forced (a 135M model rarely calls a tool unasked: this gives it
-                # evidence to read); the last turn must answer.
+                # evidence to read); the last turn must answer, in text or by calling answer.
                 last = turn == self.max_turns - 1
                 if last:  # appended, not rewritten: the conversation still merges
-                    messages.append({"role": "user", "content": FINAL_PROMPT})
+                    final = (
+                        FINAL_PROMPT_TOOL.format(question=task.prompt)
+                        if self.answer_tool
+                        else FINAL_PROMPT
+                    )
+                    messages.append({"role": "user", "content": final})
+                if last:
+                    force = "answer" if self.answer_tool else None
+                else:
+                    force = "search" if searches < self.min_searches else None
                 choice = (
-                    "none"
+                    {"type": "function", "function": {"name": force}}
+                    if force
+                    else "none"
                     if last
-                    else {"type": "function", "function": {"name": "search"}}
-                    if searches < self.min_searches
                     else "auto"
                 )
                 r = await client.chat.completions.create(
                     model=endpoint.model,
                     messages=messages,
-                    tools=[SEARCH_TOOL],
+                    tools=self.tools,
                     tool_choice=choice,
                     max_tokens=self.max_tokens,
                     temperature=self.temperature,
@@ -559,7 +598,7 @@ class SearchHarness(Harness):
                     message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
                 )
                 text = message.content or ""
-                if not message.tool_calls and isinstance(choice, dict):
+                if not message.tool_calls and force == "search":
                     # A forced call that did not parse (a small model rarely closes its JSON): search
                     # a query written as text, as harnesses that parse actions from text do, or
                     # report a format error. Either way the conversation only grows, so it still merges.
@@ -575,6 +614,11 @@ class SearchHarness(Harness):
                     continue
                 if not message.tool_calls:
                     break
+                answers = [c for c in message.tool_calls if c.function.name == "answer"]
+                if answers and self.answer_tool:
+                    answer = self.argument(answers[0].function.arguments, "answer")
+                    answer = answer if isinstance(answer, str) else ""  # not JSON, or not a string
+                    break
                 for call in message.tool_calls:
                     result = (
                         self.search(call.function.arguments)
@@ -584,6 +628,6 @@ class SearchHarness(Harness):
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
                     found[r.id] = max(found.get(r.id, 0.0), holds(result))
                     searches += 1
-        reward = f1(extract_answer(text), task.answer)
+        reward = f1(extract_answer(text) if answer is None else answer, task.answer)
         # call_rewards: each search call is rewarded on its own for finding the answer's document
         return {"reward": reward, "calls": found} if self.call_rewards else reward

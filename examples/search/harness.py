@@ -567,17 +567,13 @@ class SearchHarness(Harness):
                 # The first searches are forced (a 135M model rarely calls a tool unasked: this gives it
                 # evidence to read); the last turn must answer, in text or by calling answer.
                 last = turn == self.max_turns - 1
+                force = "search" if not last and searches < self.min_searches else None
                 if last:  # appended, not rewritten: the conversation still merges
+                    force = "answer" if self.answer_tool else None
                     final = (
-                        FINAL_PROMPT_TOOL.format(question=task.prompt)
-                        if self.answer_tool
-                        else FINAL_PROMPT
+                        FINAL_PROMPT_TOOL.format(question=task.prompt) if force else FINAL_PROMPT
                     )
                     messages.append({"role": "user", "content": final})
-                if last:
-                    force = "answer" if self.answer_tool else None
-                else:
-                    force = "search" if searches < self.min_searches else None
                 choice = (
                     {"type": "function", "function": {"name": force}}
                     if force

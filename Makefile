@@ -93,7 +93,7 @@ demo-instruct: venv
 
 # The search agent (examples/search: one-hop questions over a generated corpus, a BM25 search tool, an answer
 # tool, its history compacted so every rollout splits): 50 held-out questions evaluated every 10 steps,
-# runs/demo-search, the table of examples/search/README.md. About 30 minutes on 2 cores.
+# runs/demo-search, the table of examples/search/README.md. About 26 minutes on 2 cores.
 SEARCH_DEMO_ARGS ?= min_hops=1 max_hops=1 prefetch=False answer_tool=True call_rewards=True top_k=2 max_turns=3 max_tokens=32 summary_tokens=32 context_budget=250
 demo-search: venv
 	$(VPY) train.py --harness search $(SEARCH_DEMO_ARGS:%=--harness-arg %) --adv grpo-step --steps 20 --batch-size 2 --group-size 8 --lr 5e-5 --eval-tasks 50 --eval-every 10 --max-concurrency 50 --out runs/demo-search

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT
 from openai_stub import StubServer, tool_call
 
-from lightning_lite.harness import Task, load_harness, run_rollouts
+from lightning_lite.harness import Task, load_harness, parse_kwargs, run_rollouts
 
 search = load_harness("search")  # the example modules, loaded the way train.py loads them
 S = sys.modules[type(search).__module__]
@@ -289,6 +289,29 @@ def test_search_agent_answers_with_the_answer_tool():
             lambda rid, body, n: script[n], task, min_searches=1, max_turns=5, answer_tool=True
         )
         assert len(bodies) == 2 and result.reward == pytest.approx(reward)
+
+
+def test_search_demo_settings_build_the_harness_the_readme_describes():
+    # make demo-search's SEARCH_DEMO_ARGS: one-hop questions only, both tools, compaction after the
+    # two forced searches (the two results and both schemas are over the budget)
+    line = next(
+        x for x in open(os.path.join(ROOT, "Makefile")) if x.startswith("SEARCH_DEMO_ARGS ?=")
+    )
+    h = load_harness("search", **parse_kwargs(line.split("?=")[1].split()))
+    tasks = h.tasks("train") + h.tasks("test")
+    assert len(tasks) == 420 and {t.meta["hops"] for t in tasks} == {1}
+    assert [t["function"]["name"] for t in h.tools] == ["search", "answer"]
+    assert (h.max_turns, h.min_searches, h.prefetch, h.call_rewards) == (3, 2, False, True)
+    product = next(iter(search.world["products"]))
+    result = json.dumps({"query": product})
+    turns = [
+        {"role": "system", "content": S.SYSTEM_PROMPT.format(**S.BY_TOOL)},
+        {"role": "user", "content": f"Which company makes the {product}?"},
+    ] + 2 * [
+        {"role": "assistant", "content": result},
+        {"role": "tool", "content": h.search(result)},
+    ]
+    assert S.count_tokens(turns, h.tools) > h.context_budget
 
 
 # ---------------------------------------------------------------------------- instruct

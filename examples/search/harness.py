@@ -15,8 +15,9 @@ tool backed by a BM25 index over the corpus (implemented below, no
 dependency). It budgets its context with tiktoken (cl100k_base) and, when the
 conversation grows past ``context_budget`` tokens, has the model summarize
 the older turns in a side call and replaces them with that summary, as
-production harnesses compact their history. Reward: SQuAD-style token F1 of
-the final answer against the gold answer.
+production harnesses compact their history. It answers in its text
+(``ANSWER: ...``) or, with ``answer_tool=True``, by calling an ``answer`` tool.
+Reward: SQuAD-style token F1 of the final answer against the gold answer.
 
     python train.py --harness search --harness-arg context_budget=600
 """

@@ -86,7 +86,7 @@ demo-lora: venv
 
 # The instruct agent (examples/instruct: IFEval-style constraints checked by code, the reward the fraction met):
 # 100 held-out prompts evaluated every 10 steps, runs/demo-instruct, the table of examples/instruct/README.md
-# (scripts/demo_table.py). About 29 minutes on 2 cores.
+# (scripts/demo_table.py). About 30 minutes on 2 cores (29-34 measured).
 demo-instruct: venv
 	$(VPY) train.py --harness instruct --steps 60 --batch-size 4 --group-size 8 --lr 2e-5 --eval-tasks 100 --eval-every 10 --max-concurrency 32 --out runs/demo-instruct
 	$(VPY) scripts/demo_table.py runs/demo-instruct

@@ -160,6 +160,7 @@ args.lora_per_harness = args.lora_per_harness and tasks.names()
 resume_dir = run.latest_checkpoint() if args.resume else None
 if args.resume and not resume_dir:
     log(f"--resume: no checkpoint in {run.checkpoints}, starting from step 0")
+lora.check_resume(args, resume_dir)
 learner = Learner(args, tok, device, dtype, world, master, resume_dir, log)
 model, start_step = learner.model, learner.start_step
 # what can be served can be trained on
@@ -305,13 +306,17 @@ def advantages(groups, results, calls):
 def sync_weights(version):
     """The backend serves the trained weights (every rank calls it: a collective). Calls in flight
     finish on the old weights, new calls wait, then get the new ones. vLLM gets them whole (FSDP:
-    gathered into rank 0's host memory; --lora: the adapters alone); the embedded backend gets the
-    module (it serves it, or copies it into its own copy, FSDP's shards gathered one at a time)."""
+    gathered into rank 0's host memory; --lora: the adapters alone); the embedded backend serves the
+    module itself, or copies what training changes into its own copy (--lora: every adapter; FSDP's
+    shards gathered one at a time)."""
     served = model
-    if args.backend == "vllm":
-        served = (
-            lora.adapters(model) if args.lora else parallel.full_state_dict(model, args.parallel)
-        )
+    if args.backend == "vllm" and args.lora:
+        served = lora.adapters(model, dtype)
+    elif args.backend == "vllm":
+        served = parallel.full_state_dict(model, args.parallel)
+    elif learner.served is not model:
+        # the embedded backend's own copy gets what training changes
+        served = learner.trained
     backend.pause()
     # every rank's calls have finished before anything reloads (vLLM servers are shared)
     if ddp:
@@ -418,8 +423,8 @@ try:
         t0 = time.time()
         has_signal = n["signal"] > 0 or (n["samples"] > 0 and args.kl_coef > 0)
         if args.lora_per_harness:
-            # each harness's adapter on its own samples (metrics as KEY/NAME)
-            m, gnorm, skipped = lora.update_each(learner, samples, results, step, tasks.names())
+            # each harness's adapter on its own samples, all in one pass (metrics as KEY/NAME)
+            m, gnorm, skipped = lora.update_all(learner, samples, results, step, tasks.names())
         else:
             m, gnorm, skipped = learner.update(samples, step, has_signal)
         t_train = time.time() - t0

@@ -107,19 +107,15 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def copy_weights(model, dst):
-    """Load ``model``'s weights (a module or a state dict) into ``dst``, a plain copy of it. FSDP's shards
-    (DTensors; every rank calls this then) are gathered, copied and freed one at a time: no rank holds the
-    whole model twice."""
-    source = served_state_dict(model)
-    # what training cannot change is not copied: the frozen base under LoRA
-    named = {} if isinstance(model, dict) else getattr(model, "module", model).named_parameters()
-    frozen = {n for n, p in dict(named).items() if not p.requires_grad}
-    for name, tensor in dst.state_dict().items():
-        if name in frozen:
-            continue
-        value = source[name]
-        tensor.copy_(value.full_tensor() if hasattr(value, "full_tensor") else value)
+def copy_weights(source, dst):
+    """Load ``source``'s weights into ``dst``, a plain copy of the trained model. ``source`` is a module
+    (DDP-wrapped or FSDP-sharded: all of its state dict is copied) or a dict of named tensors (those
+    alone: under LoRA the adapters, whose frozen base is the same in both copies). FSDP's shards
+    (DTensors; every rank calls this then) are gathered, copied and freed one at a time: no rank holds
+    the whole model twice."""
+    targets = dst.state_dict()
+    for name, value in served_state_dict(source).items():
+        targets[name].copy_(value.full_tensor() if hasattr(value, "full_tensor") else value)
 
 
 @dataclass

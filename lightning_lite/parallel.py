@@ -7,8 +7,13 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from .algo import all_reduce
+
+# whole on rank 0, in host memory: no GPU holds a second copy
+_WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def wrap(
@@ -54,22 +59,22 @@ def full_state_dict(model, parallel: str) -> dict:
     return getattr(model, "module", model).state_dict()
 
 
-def optimizer_state(model, opt, parallel: str) -> dict:
-    """The optimizer state to checkpoint: whole, on rank 0 (a collective under FSDP)."""
-    if parallel == "fsdp":
-        from .extras import fsdp
-
-        return fsdp.optimizer_state(model, opt)
-    return opt.state_dict()
+def optimizer_state(model, opt) -> dict:
+    """The optimizer state to checkpoint, each parameter's keyed by its name (not by its place in the
+    optimizer, which a resume with other flags may change: --lora-per-harness's adapters follow the
+    --harness order): whole, on rank 0 (a collective under FSDP, which gathers the shards)."""
+    return get_optimizer_state_dict(model, opt, options=_WHOLE_ON_RANK0)
 
 
-def load_optimizer_state(model, opt, state: dict, parallel: str):
-    """Restore ``optimizer_state``'s output (under FSDP each rank takes its shard of the whole)."""
-    if parallel == "fsdp":
-        from .extras import fsdp
-
-        return fsdp.load_optimizer_state(model, opt, state)
-    opt.load_state_dict(state)
+def load_optimizer_state(model, opt, state: dict):
+    """Restore ``optimizer_state``'s output by parameter name (under FSDP each rank takes its shard)."""
+    # checkpoints written before the state was keyed by name: in the optimizer's order
+    if all(isinstance(key, int) for key in state["state"]):
+        return opt.load_state_dict(state)
+    # strict=False: a parameter that never had a gradient (an adapter without a signal so far) has no
+    # state to restore
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_optimizer_state_dict(model, opt, state, options=options)
 
 
 def scalar(t) -> float:

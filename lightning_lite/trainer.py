@@ -62,13 +62,17 @@ class Learner:
         # after sharding: AdamW's state is over the shards
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, args.lr, (0.9, 0.99), weight_decay=args.weight_decay)
+        # What training changes, by name: the parameters AdamW updates (under LoRA every adapter, active
+        # or not). A weight sync into the served copy copies these; the rest is the same in both copies.
+        updated = {id(p) for p in params}
+        self.trained = {n: p for n, p in self.model.named_parameters() if id(p) in updated}
         self.start_step = 0
         if resume_dir:
             # mapped from the file into host memory, not onto the GPU: the ranks of a node share the
             # page cache's one copy (12 bytes/param) and each takes its part (FSDP) or all (DDP)
             path = os.path.join(resume_dir, "trainer_state.pt")
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-            parallel.load_optimizer_state(self.model, self.opt, state["optimizer"], args.parallel)
+            parallel.load_optimizer_state(self.model, self.opt, state["optimizer"])
             self.start_step = state["step"]
             log(f"resumed from {resume_dir} at step {self.start_step}")
 
@@ -98,26 +102,38 @@ class Learner:
                 f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update"
             )
             return {}, None, "no_signal"
+        self.start_update(step)
+        metrics = self.backward(samples, version=step)
+        grad_norm, skipped = self.clip(list(self.model.parameters()), step)
+        self.finish_update()
+        return metrics, grad_norm, skipped
+
+    def start_update(self, step: int):
         self.model.train()
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(step)
-        metrics = self.backward(samples, version=step)
-        # the norm of the reduced gradients: every rank decides alike
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
-        grad_norm, skipped = parallel.scalar(norm), None
+
+    def clip(self, params: list, step: int, what="the gradient norm") -> tuple[float, str | None]:
+        """Clip ``params``' gradients (reduced over ranks) to --grad-clip by their norm. Returns (the
+        norm, why skipped): a non-finite norm drops their gradients, so the AdamW step leaves them be."""
+        grad_norm = parallel.scalar(torch.nn.utils.clip_grad_norm_(params, self.args.grad_clip))
         if math.isfinite(grad_norm):
-            self.opt.step()
-        else:
-            # one NaN/inf gradient would make every weight NaN
-            skipped = "nonfinite_grad"
-            self.log(
-                f"step {step + 1}: WARNING: the gradient norm is {grad_norm}, skipping the update "
-                "(a non-finite loss or logprob: see loss, dlogp_max)"
-            )
-        # the gradients' memory is free for the rollouts (and woken vLLM servers)
+            return grad_norm, None
+        # one NaN/inf gradient would make every weight NaN
+        for p in params:
+            p.grad = None
+        self.log(
+            f"step {step + 1}: WARNING: {what} is {grad_norm}, skipping its update "
+            "(a non-finite loss or logprob: see loss, dlogp_max)"
+        )
+        return grad_norm, "nonfinite_grad"
+
+    def finish_update(self):
+        """One AdamW step (parameters without gradients stay as they are), then the gradients' memory
+        is free for the rollouts (and woken vLLM servers)."""
+        self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.model.eval()
-        return metrics, grad_norm, skipped
 
     def micro_batches(self, samples: list[Sample], weights: list[float]) -> list:
         """Sorted by tokens (a rollout's leaves and a group's samples side by side: neighbours share
@@ -142,10 +158,11 @@ class Learner:
             prev = t
         return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in batches]
 
-    def backward(self, samples: list[Sample], version: int) -> dict:
+    def backward(self, samples: list[Sample], version: int, sync: bool = True) -> dict:
         """Loss and backward over this rank's micro-batches (gradients summed over ranks by DDP or
-        FSDP). Metrics, with the trained tokens and their mean |trainer - rollout logprob| by
-        staleness (updates since they were sampled)."""
+        FSDP after the last one; ``sync`` False: not yet, more backward passes follow). Metrics, with
+        the trained tokens and their mean |trainer - rollout logprob| by staleness (updates since
+        they were sampled)."""
         a, tok, model = self.args, self.tok, self.model
         # the most updates between sampling a token and training it
         max_age = a.steps if a.from_calls else a.async_steps
@@ -169,7 +186,8 @@ class Learner:
             pad_to, pad_id = a.micro_batch_tokens if flex else 1, tok.pad_token_id or 0
             options = dict(pad_id=pad_id, tree=not a.no_tree, pad_to=pad_to, masks=masks)
             b = algo.collate(*mb, self.device, **options)
-            with parallel.accumulating(self.train_model, a.parallel, last=i == len(mbs) - 1):
+            last = sync and i == len(mbs) - 1
+            with parallel.accumulating(self.train_model, a.parallel, last=last):
                 with torch.autocast(self.device.type, self.dtype, enabled=autocast):
                     # [B, T]
                     logprobs = algo.trainer_logprobs(self.train_model, b)
@@ -215,7 +233,7 @@ class Learner:
         """A checkpoint of the trained weights (under --async the served copy is a step behind) and
         the optimizer state: every rank helps gather them (FSDP), rank 0 writes them."""
         weights = parallel.full_state_dict(self.model, self.args.parallel)
-        optim = parallel.optimizer_state(self.model, self.opt, self.args.parallel)
+        optim = parallel.optimizer_state(self.model, self.opt)
         if not self.master:
             return None
         # the served copy is of the plain class: the checkpoint loads anywhere

@@ -4,6 +4,7 @@ end to end (make test-slow): two DDP ranks, a checkpoint of the adapters alone, 
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from lightning_lite.backends import HFBackend
 from lightning_lite.extras import lora
 from lightning_lite.models import load_model
 from lightning_lite.records import Sample
+from lightning_lite.rundir import RunDir
+from lightning_lite.trainer import Learner
 from conftest import ROOT
 from test_train import rows, run
 
@@ -26,7 +29,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 def flags(**kw):
     base = dict(lora=8, lora_alpha=None, lora_targets=None, model="smollm2", backend="hf")
-    base |= dict(lora_per_harness=None, harness=["calc"], vllm_sleep=False)
+    base |= dict(lora_rslora=False, lora_per_harness=None, harness=["calc"], vllm_sleep=False)
+    base |= dict(group_across_harnesses=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -150,12 +154,281 @@ def test_one_batch_serves_each_harness_its_adapter_with_the_trainers_logprobs(to
         (dict(vllm_sleep=True), "--vllm-sleep drops the base model"),
         (dict(lora=None, lora_per_harness=True, harness=["calc", "search"]), "add --lora RANK"),
         (dict(lora_per_harness=True), "name two or more --harness"),
+        (dict(lora_targets="q_proj,vproj"), "'vproj' names no module of llama"),
+        (dict(lora_targets="q_proj,vproj"), "down_proj,gate_proj,k_proj,lm_head,o_proj"),
+        (dict(backend="vllm", lora_targets="q_proj,lm_head"), "not on embeddings or the output"),
+        (dict(backend="vllm", lora_targets="embed_tokens"), "not on embeddings or the output"),
+        (dict(lora_alpha=0.0), "alpha must be > 0 (leave it out for 2 x rank = 16)"),
+        (dict(lora_alpha=-16.0), "alpha must be > 0"),
+        (dict(lora_rslora=True), "give --lora-alpha too"),
+        (dict(lora=None, lora_alpha=0.0), "--lora-alpha shape adapters: add --lora RANK"),
+        (
+            dict(lora_per_harness=True, harness=["calc", "search"], group_across_harnesses=True),
+            "one adapter's rewards the baseline of another's",
+        ),
     ],
 )
 def test_bad_lora_flags_exit_before_anything_starts_naming_the_fix(kw, says):
     with pytest.raises(SystemExit) as e:
         lora.check(flags(**kw), ddp=False, cuda=False)
     assert says in str(e.value)
+
+
+def test_rslora_scales_by_alpha_over_the_square_root_of_the_rank():
+    net = lora.wrap(load_model("smollm2"), flags(lora=16, lora_alpha=8.0, lora_rslora=True))
+    assert net.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == 8.0 / 4
+    lora.check(flags(lora=16, lora_alpha=8.0, lora_rslora=True), ddp=False, cuda=False)
+
+
+def learner_flags(**kw):
+    """The flags trainer.Learner reads, as train.py's defaults set them (a learning rate that moves)."""
+    base = dict(parallel="ddp", async_steps=0, attn=None, no_tree=False, fsdp_offload=False)
+    base |= dict(activation_checkpointing=False, from_calls=None, max_model_len=None, steps=10)
+    base |= dict(lr=1e-3, weight_decay=0.0, warmup_steps=0, lr_schedule="constant", grad_clip=1.0)
+    base |= dict(micro_batch_tokens=4096, norm="rollout-mean", norm_const=1024, loss="ppo")
+    base |= dict(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, tis_cap=2.0, kl_coef=0.0)
+    base |= dict(keep_checkpoints=2, dtype="fp32")
+    return flags(**{**base, **kw})
+
+
+def a_learner(tok, **kw):
+    """A Learner of SmolLM2 with an adapter per harness, the same one whenever it is made (seeded)."""
+    torch.manual_seed(0)
+    learner = Learner(
+        learner_flags(**kw), tok, torch.device("cpu"), torch.float32, 1, True, None, print
+    )
+    return learner
+
+
+def harness_batch(learner, names: list, advantages: dict):
+    """Two samples per harness (random tokens, their second half sampled), with the rollout logprobs of
+    its own adapter minus noise and ``advantages[name]`` on each sampled token; and the rollouts'
+    results (id, harness)."""
+    g = torch.Generator().manual_seed(1)
+    samples, results = [], []
+    for name in names:
+        for i, T in enumerate((14, 20)):
+            rid = f"{name}-{i}"
+            tokens = torch.randint(0, 49152, (T,), generator=g).tolist()
+            mask = [0] * (T // 2) + [1] * (T - T // 2)
+            s = Sample(rid, tokens, mask, [0.0] * T)
+            with torch.no_grad():
+                own = algo.trainer_logprobs(
+                    lora.activate(learner.model, name), algo.collate([s], [1.0])
+                )
+            noisy = (own[0] - 0.05 * torch.rand(T, generator=g)).tolist()
+            s.logprobs = [x * m for x, m in zip(noisy, mask)]
+            s.advantages = [advantages[name] * (1 - 2 * i) * m for m in mask]
+            samples.append(s)
+            results.append(argparse.Namespace(rollout_id=rid, harness=name))
+    return samples, results
+
+
+def adapter_weights(model, name: str) -> dict:
+    return {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if lora.adapter_of_param(n) == name
+    }
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.05])
+def test_one_pass_trains_every_adapter_as_the_per_harness_loop_did(tok, kl):
+    """--lora-per-harness trains all adapters in one backward pass and one AdamW step: each adapter's
+    gradient norm, loss and new weights are those of training it alone on its harness's samples (the loop
+    of one update per harness it replaces), to fp32 noise; an adapter without a signal keeps its weights
+    and gets no AdamW state."""
+    names = ["planner", "coder", "idle"]
+    advantages = {"planner": 1.0, "coder": -0.7, "idle": 0.0}
+    one, loop = (
+        a_learner(tok, lora_per_harness=names, kl_coef=kl),
+        a_learner(tok, lora_per_harness=names, kl_coef=kl),
+    )
+    samples, results = harness_batch(one, names, advantages)
+    before = {name: adapter_weights(one.model, name) for name in names}
+    row, _, _ = lora.update_all(one, samples, results, 0, names)
+    for name in names:
+        mine = [s for s in samples if s.rollout_id.startswith(name)]
+        if kl or advantages[name]:
+            lora.activate(loop.model, name)
+            m, grad_norm, _ = loop.update(mine, 0, True)
+            assert abs(row[f"grad_norm/{name}"] - grad_norm) <= 1e-5 * grad_norm, name
+            assert abs(row[f"loss/{name}"] - m["loss"]) <= 1e-6 + 1e-5 * abs(m["loss"]), name
+    for name in names:
+        got, want = adapter_weights(one.model, name), adapter_weights(loop.model, name)
+        step = max((want[n] - before[name][n]).abs().max().item() for n in want)
+        diff = max((got[n] - want[n]).abs().max().item() for n in want)
+        assert diff <= 1e-2 * max(step, 1e-6), (name, diff, step)
+        if name == "idle" and not kl:
+            assert step == 0 and row["skipped/idle"] == "no_signal" and "loss/idle" not in row
+            assert not any(one.opt.state.get(p) for p in adapter_params(one, "idle"))
+        else:
+            assert row[f"skipped/{name}"] is None, name
+        # (with KL an adapter without advantages trains too: at its start it is the base, no KL gradient)
+        assert step > 1e-4 or name == "idle", name
+
+
+def adapter_params(learner, name):
+    return [p for n, p in learner.model.named_parameters() if lora.adapter_of_param(n) == name]
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.05])
+def test_a_sync_copies_every_adapter_into_the_served_copy(tok, kl):
+    """Under --async the embedded backend serves a copy of its own: a sync copies every adapter into it,
+    trained or frozen, active or not (peft's disable_adapter, the KL reference, leaves all but the active
+    one frozen: a sync once skipped them, and harness A was sampled from its first adapter all run long)."""
+    names = ["planner", "coder"]
+    learner = a_learner(tok, lora_per_harness=names, kl_coef=kl, async_steps=1)
+    assert learner.served is not learner.model
+    samples, results = harness_batch(learner, names, {"planner": 1.0, "coder": 0.5})
+    lora.update_all(learner, samples, results, 0, names)
+    # frozen by hand, as peft leaves an inactive adapter: what a sync copies does not depend on it
+    for p in adapter_params(learner, "planner"):
+        p.requires_grad_(False)
+    served = dict(learner.served.named_parameters())
+    stale = {n: p.detach().clone() for n, p in served.items()}
+    backend = HFBackend(learner.served, tok)
+    try:
+        # what train.py's sync_weights sends the embedded backend that serves a copy
+        backend.sync_weights(learner.trained, version=1)
+    finally:
+        backend.close()
+    for name in names:
+        trained = adapter_weights(learner.model, name)
+        assert all(torch.equal(served[n], w) for n, w in trained.items()), name
+        assert any(not torch.equal(stale[n], w) for n, w in trained.items()), name
+    assert set(learner.trained) == {n for n in served if lora.adapter_of_param(n)}
+
+
+def test_a_resume_restores_each_adapters_adamw_state_by_name_and_refuses_other_adapters(
+    tok, tmp_path
+):
+    """The AdamW moments go back to the parameters of their names, whatever the --harness order (they
+    were restored by position: swapping two harnesses swapped their adapters' moments); a resume whose
+    adapters differ from the checkpoint's is refused, saying what differs."""
+    names = ["planner", "coder"]
+    learner = a_learner(tok, lora_per_harness=names)
+    samples, results = harness_batch(learner, names, {"planner": 1.0, "coder": 0.5})
+    lora.update_all(learner, samples, results, 0, names)
+    ckpt = learner.save(1, RunDir(str(tmp_path), 0, False), vars(learner.args))
+    moments = {n: learner.opt.state[p]["exp_avg"].clone() for n, p in learner.trained.items()}
+    swapped = learner_flags(lora_per_harness=names[::-1])
+    lora.check_resume(swapped, ckpt)
+    torch.manual_seed(1)
+    resumed = Learner(swapped, tok, torch.device("cpu"), torch.float32, 1, True, ckpt, print)
+    assert resumed.start_step == 1 and list(resumed.trained) != list(learner.trained)
+    for n, p in resumed.trained.items():
+        assert torch.equal(resumed.opt.state[p]["exp_avg"], moments[n]), n
+        assert torch.equal(p, learner.trained[n]), n
+    for kw, says in [
+        (
+            dict(lora_per_harness=["planner", "critic"]),
+            "adapters ['coder', 'planner'] (now ['critic', 'planner'])",
+        ),
+        (dict(lora_per_harness=names, lora=4), "--lora 8 (now 4)"),
+        (dict(lora_per_harness=names, lora_alpha=8.0), "--lora-alpha 16 (now 8.0)"),
+        (dict(lora_per_harness=names, lora_targets="q_proj"), "--lora-targets all decoder linears"),
+        (dict(lora_per_harness=None, lora=None), "--lora 8 (now None)"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            lora.check_resume(learner_flags(**kw), ckpt)
+        assert says in str(e.value) and "holds other adapters" in str(e.value), str(e.value)
+
+
+def test_merge_keeps_the_runs_served_context(tok, tmp_path):
+    """A run served past the model's context (--max-model-len: YaRN) merges into a model with that
+    context and RoPE scaling, computing what the run's adapted model computed."""
+    adapted = lora.wrap(load_model("smollm2", max_model_len=16384), flags())
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    ckpt, merged = str(tmp_path / "step_1"), str(tmp_path / "merged")
+    adapted.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    run_flags = {"model": "smollm2", "dtype": "fp32", "max_model_len": 16384}
+    torch.save({"args": run_flags, "step": 1}, os.path.join(ckpt, "trainer_state.pt"))
+    lora.merge(ckpt, merged)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(merged)
+    assert config.max_position_embeddings == 16384
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 2.0
+    ids = torch.tensor([tok.encode("The capital of France is")])
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_adapters_go_to_vllm_in_the_served_dtype_without_asking_a_hub(adapted, monkeypatch):
+    import peft.utils.save_and_load as save_and_load
+
+    def no_hub(*a, **kw):
+        raise AssertionError("looked up the base model's files")
+
+    monkeypatch.setattr(save_and_load, "check_file_exists_on_hf_hub", no_hub, raising=False)
+    monkeypatch.setattr(
+        adapted.peft_config["default"], "base_model_name_or_path", "org/no-such-model"
+    )
+    config, weights = lora.adapters(adapted, torch.bfloat16)["default"]
+    assert config.r == 8 and len(weights) == 2 * 7 * 30
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert all(k.startswith("base_model.model.") and ".default." not in k for k in weights)
+
+
+@pytest.mark.parametrize(
+    "status, body, says",
+    [
+        (404, '{"detail":"Not Found"}', "start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"),
+        (
+            400,
+            '{"error":{"message":"LoRA rank 64 is greater than max_lora_rank 16."}}',
+            "LoRA rank 64",
+        ),
+    ],
+)
+def test_a_server_that_refuses_an_adapter_stops_the_run_with_what_it_said(
+    tmp_path, status, body, says
+):
+    """vLLM's own error reaches the user; the hint to start the servers otherwise only when the server
+    has no route to load adapters (404)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from peft import LoraConfig
+
+    from lightning_lite.extras.vllm import VLLMBackend
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            models = {"data": [{"id": "base", "max_model_len": 64}]}
+            code, text = (200, json.dumps(models)) if self.path == "/v1/models" else (status, body)
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        backend = VLLMBackend([f"http://127.0.0.1:{server.server_port}"], str(tmp_path / "w"))
+        backend.lora = True
+        weights = {"base_model.model.layer.lora_A.weight": torch.zeros(8, 4)}
+        with pytest.raises(SystemExit) as e:
+            backend.sync_weights({"default": (LoraConfig(r=8), weights)}, version=1)
+    finally:
+        server.shutdown()
+    message = str(e.value)
+    assert message.startswith("--lora: loading adapter 'default' failed") and says in message
+    assert "started with --enable-lora --max-lora-rank 8 --max-loras 1" in message, message
+    assert ("VLLM_ALLOW_RUNTIME_LORA_UPDATING" in message) == (status == 404), message
 
 
 @pytest.mark.slow  # minutes: two torchrun runs and a merge
@@ -272,3 +545,23 @@ def test_an_adapter_per_harness_trains_on_its_harness_alone_under_ddp(tmp_path, 
         got = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
         plain = load_model("smollm2")(input_ids=ids).logits
     assert (got - plain).abs().max() > 1e-3
+
+
+@pytest.mark.slow  # minutes: two torchrun runs
+@pytest.mark.parametrize("kl", ["0", "0.05"])
+def test_fsdps_served_copy_gets_every_adapter_at_each_sync(tmp_path, kl):
+    """Under FSDP the embedded backend serves a copy of its own, which each sync refreshes: with an adapter
+    per harness, each harness's rollouts are sampled from its adapter as trained so far, so the trainer
+    scores what was sampled (|dlogp| at fp32 noise) for every harness at every step. With the KL term a sync
+    once copied only the last harness's adapter, and the others' |dlogp| grew from step 2 on."""
+    out = str(tmp_path / "run")
+    two = ["train.py", "--harness", "tests/harnesses.py:LengthHarness"]
+    two += ["--harness", "tests/harnesses.py:BranchingHarness", "--harness-arg", "max_tokens=8"]
+    two += ["--batch-size", "2", "--group-size", "4", "--eval-tasks", "0", "--lr", "1e-3"]
+    two += ["--lora", "8", "--lora-per-harness", "--parallel", "fsdp", "--kl-coef", kl]
+    run(TORCHRUN + two + ["--steps", "3", "--out", out], timeout=900)
+    steps = [r for r in rows(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        for name in ("length", "branching"):
+            assert r[f"grad_norm/{name}"] > 0 and r[f"dlogp_mean/{name}"] < 1e-4, (name, r)

@@ -1,9 +1,12 @@
-"""LoRA (``--lora RANK``; docs/training.md#lora): the base model frozen in --dtype, AdamW over peft's adapters
-(fp32) on every decoder linear layer or ``--lora-targets``. The embedded backend serves the adapted module; the
-KL reference is it with its adapters disabled; checkpoints hold the adapters (peft's format) and their AdamW
-state. Hooks: trainer.Learner calls ``wrap`` after loading the base, ``base_only`` around the reference;
-train.py sends vLLM ``adapters`` at a sync. --lora-per-harness: an adapter per harness, named as it, that
-serves its rollouts (the backends' ``adapter_of``) and trains on them alone (``update_each``).
+"""LoRA (``--lora RANK``; docs/training.md#lora): the base model frozen in --dtype, AdamW over peft's
+adapters (fp32) on every decoder linear layer or ``--lora-targets``. The embedded backend serves the
+adapted module; the KL reference is it with its adapters disabled; checkpoints hold the adapters
+(peft's format) and their AdamW state, keyed by parameter name.
+
+Hooks: trainer.Learner calls ``wrap`` after loading the base and ``base_only`` around the reference;
+train.py sends vLLM ``adapters`` at a sync and calls ``check_resume`` before a --resume loads anything.
+--lora-per-harness: an adapter per harness, named as it, that serves its rollouts (the backends'
+``adapter_of``) and trains on them alone (``update_all``: every adapter in one backward pass).
 
     python -m lightning_lite.extras.lora merge CHECKPOINT OUT   # base + adapters: a plain transformers model
 """
@@ -17,26 +20,56 @@ import torch
 
 from ..algo import all_reduce
 
+ALPHA_HELP = "adapters scale by alpha / rank (default 2 x rank)"
+RSLORA_HELP = "rank-stabilized: scale by alpha / sqrt(rank) (give --lora-alpha too)"
+PER_HARNESS_HELP = (
+    "an adapter per --harness: it serves that harness's rollouts, trains on them alone"
+)
+
 
 def add_args(parser):
     group = parser.add_argument_group("LoRA (--lora RANK)")
     group.add_argument("--lora", type=int, metavar="RANK", help="train rank-RANK adapters only")
-    group.add_argument("--lora-alpha", type=float, help="adapters scale by alpha / rank (2 x rank)")
+    group.add_argument("--lora-alpha", type=float, help=ALPHA_HELP)
+    group.add_argument("--lora-rslora", action="store_true", help=RSLORA_HELP)
     group.add_argument("--lora-targets", help="module names, comma-separated (all decoder linears)")
-    help = "an adapter per --harness: it serves that harness's rollouts and trains on them alone"
-    group.add_argument("--lora-per-harness", action="store_true", help=help)
+    group.add_argument("--lora-per-harness", action="store_true", help=PER_HARNESS_HELP)
 
 
 def check(args, ddp: bool, cuda: bool):
-    """Bad flags exit before anything starts; the targets are matched on an empty (meta) copy."""
-    if args.lora is None and (args.lora_alpha or args.lora_targets or args.lora_per_harness):
-        sys.exit("--lora-alpha, --lora-targets, --lora-per-harness shape adapters: add --lora RANK")
-    if args.lora_per_harness and len(args.harness) < 2:
-        sys.exit("--lora-per-harness gives each --harness an adapter: name two or more --harness")
-    if args.lora is not None and args.lora < 1:
-        sys.exit(f"--lora {args.lora}: a rank is a positive integer (8, 16 or 64 are usual)")
+    """Bad flags exit before anything starts; the targets are matched on an empty (meta) copy of the
+    model."""
+    shaping = {
+        "--lora-alpha": args.lora_alpha is not None,
+        "--lora-rslora": args.lora_rslora,
+        "--lora-targets": args.lora_targets is not None,
+        "--lora-per-harness": args.lora_per_harness,
+    }
+    if args.lora is None and any(shaping.values()):
+        given = ", ".join(flag for flag, on in shaping.items() if on)
+        sys.exit(f"{given} shape adapters: add --lora RANK")
     if args.lora is None:
         return
+    if args.lora < 1:
+        sys.exit(f"--lora {args.lora}: a rank is a positive integer (8, 16 or 64 are usual)")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        sys.exit(
+            f"--lora-alpha {args.lora_alpha}: the adapters' scale is alpha / rank, so alpha must "
+            f"be > 0 (leave it out for 2 x rank = {2 * args.lora})"
+        )
+    if args.lora_rslora and args.lora_alpha is None:
+        sys.exit(
+            "--lora-rslora scales by alpha / sqrt(rank), where 2 x rank would give "
+            f"{2 * args.lora**0.5:.1f}: give --lora-alpha too (e.g. 16)"
+        )
+    if args.lora_per_harness and len(args.harness) < 2:
+        sys.exit("--lora-per-harness gives each --harness an adapter: name two or more --harness")
+    if args.lora_per_harness and args.group_across_harnesses:
+        sys.exit(
+            "--group-across-harnesses with --lora-per-harness would make one adapter's rewards "
+            "the baseline of another's: each adapter's rollouts are grouped on their own, so "
+            "leave out one of the two"
+        )
     if args.backend == "vllm" and args.lora > 512:
         sys.exit(f"--lora {args.lora}: vLLM serves adapters of rank 512 at most")
     if args.vllm_sleep:
@@ -50,14 +83,83 @@ def check(args, ddp: bool, cuda: bool):
     from ..models import resolve
 
     config = AutoConfig.from_pretrained(resolve(args.model))
-    one = argparse.Namespace(**{**vars(args), "lora_per_harness": None})
     with torch.device("meta"):
-        wrap(AutoModelForCausalLM.from_config(config), one)
+        meta = AutoModelForCausalLM.from_config(config)
+    if args.lora_targets:
+        check_targets(meta, args.lora_targets.split(","), args.backend)
+    one = argparse.Namespace(**{**vars(args), "lora_per_harness": None})
+    wrap(meta, one)
+
+
+def check_targets(model, targets: list, backend: str):
+    """Each of ``targets`` names modules of ``model`` as peft matches them (the whole name, or its
+    last parts: ``q_proj``, ``self_attn.q_proj``), and vLLM serves adapters on them."""
+    modules = dict(model.named_modules())
+    linear = _linear_names(model)
+    for target in targets:
+        matched = [
+            m for name, m in modules.items() if name == target or name.endswith("." + target)
+        ]
+        if not matched:
+            sys.exit(
+                f"--lora-targets: {target!r} names no module of {model.config.model_type} "
+                f"(its linear layers: {linear})"
+            )
+        head = model.get_output_embeddings()
+        unserved = any(isinstance(m, torch.nn.Embedding) or m is head for m in matched)
+        if backend == "vllm" and unserved:
+            sys.exit(
+                f"--lora-targets {target}: vLLM serves adapters on the decoder's linear layers, "
+                f"not on embeddings or the output head (its linear layers: {linear})"
+            )
+
+
+def _linear_names(model) -> str:
+    """The last parts of the names of ``model``'s linear layers, for an error message."""
+    names = {
+        name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m) is torch.nn.Linear
+    }
+    return ",".join(sorted(names))
+
+
+def check_resume(args, resume_dir):
+    """A --resume goes on with the adapters its checkpoint holds: one whose adapters (their names),
+    rank, alpha, rsLoRA or targets differ from the checkpoint's is refused, saying what differs. The
+    --harness order may change: the AdamW state is restored by parameter name."""
+    if not resume_dir:
+        return
+    path = os.path.join(resume_dir, "trainer_state.pt")
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["args"]
+    then, now = _adapter_shape(saved), _adapter_shape(vars(args))
+    differ = [
+        f"{key} {then[key]} (now {now.get(key)})" for key in then if then[key] != now.get(key)
+    ]
+    if differ:
+        sys.exit(
+            f"--resume: {resume_dir} holds other adapters: {'; '.join(differ)}. Resume with the "
+            "checkpoint's flags, or start a new run in another --out"
+        )
+
+
+def _adapter_shape(flags: dict) -> dict:
+    """What a run's flags make of its adapters, comparable across runs (their order aside)."""
+    rank = flags.get("lora")
+    if rank is None:
+        return {"--lora": None}
+    targets = flags.get("lora_targets")
+    return {
+        "--lora": rank,
+        "--lora-alpha": flags.get("lora_alpha") or 2 * rank,
+        "--lora-rslora": bool(flags.get("lora_rslora")),
+        "--lora-targets": sorted(targets.split(",")) if targets else "all decoder linears",
+        "adapters": sorted(flags.get("lora_per_harness") or ["default"]),
+    }
 
 
 def wrap(model, args, resume_dir=None):
-    """``model`` frozen, with fresh adapters or ``resume_dir``'s, trainable and in fp32 (peft's default):
-    "default", or one per harness (--lora-per-harness, which train.py sets to the harnesses' names)."""
+    """``model`` frozen, with fresh adapters or ``resume_dir``'s, trainable and in fp32 (peft's
+    default): "default", or one per harness (--lora-per-harness, which train.py sets to the
+    harnesses' names)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     names = args.lora_per_harness or ["default"]
@@ -67,22 +169,35 @@ def wrap(model, args, resume_dir=None):
         model = PeftModel.from_pretrained(model, folder(names[0]), names[0], is_trainable=True)
         for name in names[1:]:
             model.load_adapter(folder(name), name, is_trainable=True)
-        return activate(model, names[0])
+        # serving (peft mixes adapters in a batch in eval mode only); Learner.update trains
+        return activate(model, names[0]).eval()
     targets = args.lora_targets.split(",") if args.lora_targets else "all-linear"
-    alpha = args.lora_alpha or 2 * args.lora
-    config = LoraConfig(r=args.lora, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+    config = LoraConfig(
+        r=args.lora,
+        lora_alpha=args.lora_alpha or 2 * args.lora,
+        use_rslora=args.lora_rslora,
+        target_modules=targets,
+        lora_dropout=0.0,
+    )
     try:
         model = get_peft_model(model, config, adapter_name=names[0])
         for name in names[1:]:
             model.add_adapter(name, config)
-        return activate(model, names[0])
+        return activate(model, names[0]).eval()
     except ValueError as e:
-        linear = {
-            n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear
-        }
         sys.exit(
-            f"--lora-targets {args.lora_targets}: {e} (its linear layers: {','.join(sorted(linear))})"
+            f"--lora-targets {args.lora_targets}: {e} (its linear layers: {_linear_names(model)})"
         )
+
+
+def adapter_of_param(param_name: str):
+    """The adapter a parameter belongs to, by peft's names (``...q_proj.lora_A.NAME.weight``), or None
+    for the base model's."""
+    parts = param_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("lora_"):
+            return parts[i + 1]
+    return None
 
 
 def activate(model, name: str):
@@ -90,60 +205,93 @@ def activate(model, name: str):
     the others), and AdamW skips those without gradients."""
     model.set_adapter(name)
     for n, p in model.named_parameters():
-        p.requires_grad_("lora_" in n)
-    # serving (peft mixes adapters in a batch in eval mode only); Learner.update trains
-    return model.eval()
+        p.requires_grad_(adapter_of_param(n) is not None)
+    return model
 
 
-def update_each(learner, samples: list, results: list, step: int, names: list):
-    """--lora-per-harness: each harness's adapter trained on its samples alone, one after another: its
-    own loss denominators, gradient norm and AdamW step. Returns the metrics, as keys ending in /NAME."""
+def update_all(learner, samples: list, results: list, step: int, names: list):
+    """--lora-per-harness: every harness's adapter trained on its own samples, in one backward pass.
+
+    Each harness's samples run through its adapter with their own loss denominators, as if that
+    adapter trained alone; the gradients of all adapters accumulate and reduce over ranks once; each
+    adapter is clipped by its own gradient norm; one AdamW step updates them all. An adapter without a
+    signal this step (no advantage on any rank, no KL term) is left out: it and its AdamW moments stay
+    as they are. Returns the metrics, as keys ending in /NAME.
+    """
     harness_of = {r.rollout_id: r.harness for r in results}
-    row, kl = {}, learner.args.kl_coef > 0
-    for name in names:
-        mine = [s for s in samples if harness_of[s.rollout_id] == name]
-        signal = all_reduce([sum(kl or any(s.advantages) for s in mine)])[0] > 0
+    samples_of = {name: [s for s in samples if harness_of[s.rollout_id] == name] for name in names}
+    kl = learner.args.kl_coef > 0
+    # one decision on every rank: the adapters with a signal on any of them
+    signal = all_reduce([sum(kl or any(s.advantages) for s in samples_of[name]) for name in names])
+    training = [name for name, n in zip(names, signal) if n > 0]
+    row = {f"skipped/{name}": "no_signal" for name in names if name not in training}
+    if not training:
+        learner.log(f"step {step + 1}: no adapter has a signal; skipping the update")
+        return row, None, None
+    learner.start_update(step)
+    for i, name in enumerate(training):
         activate(learner.model, name)
-        m, norm, skipped = learner.update(mine, step, signal)
-        row |= {f"{k}/{name}": v for k, v in (m | dict(grad_norm=norm, skipped=skipped)).items()}
+        # the gradients reduce over ranks after the last adapter's last micro-batch
+        metrics = learner.backward(samples_of[name], version=step, sync=i == len(training) - 1)
+        row |= {f"{key}/{name}": value for key, value in metrics.items()}
+    params = [(adapter_of_param(n), p) for n, p in learner.model.named_parameters()]
+    for name in training:
+        its_params = [p for adapter, p in params if adapter == name]
+        grad_norm, skipped = learner.clip(its_params, step, f"adapter {name}'s gradient norm")
+        row |= {f"grad_norm/{name}": grad_norm, f"skipped/{name}": skipped}
+    learner.finish_update()
     return row, None, None
 
 
-def adapters(model) -> dict:
-    """What vLLM servers load at a sync: {name: (its peft config, its weights as peft saves them)}.
-    FSDP's shards are gathered (a collective: every rank calls it)."""
+def adapters(model, dtype: torch.dtype) -> dict:
+    """What vLLM servers load at a sync: {name: (its peft config, its weights in ``dtype``, the served
+    one, as peft names them)}. FSDP's shards are gathered (a collective: every rank calls it)."""
     from peft import get_peft_model_state_dict
 
     full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-    trained = {n: full(p) for n, p in model.named_parameters() if "lora_" in n}
+    trained = {n: full(p).to(dtype) for n, p in model.named_parameters() if adapter_of_param(n)}
+    # save_embedding_layers=False: the adapters alone ("auto" reads the base's config, even a hub's)
     return {
-        name: (config, get_peft_model_state_dict(model, trained, name))
+        name: (config, get_peft_model_state_dict(model, trained, name, save_embedding_layers=False))
         for name, config in model.peft_config.items()
     }
 
 
+@contextlib.contextmanager
 def base_only(model, on: bool):
-    """A context in which ``model`` computes as its base model: its adapters disabled (``on``)."""
-    return model.disable_adapter() if on else contextlib.nullcontext()
+    """A context in which ``model`` computes as its base model (``on``): its adapters disabled. It
+    leaves trainable what it found trainable: peft, re-enabling them, freezes every adapter but the
+    active one."""
+    if not on:
+        yield
+        return
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with model.disable_adapter():
+        yield
+    for p in trainable:
+        p.requires_grad_(True)
 
 
 def merge(checkpoint: str, out: str, model: str | None = None, adapter: str = "default"):
     """A checkpoint's adapter merged into the base model it was trained on (or ``model``): a plain
-    transformers model in ``out``, in the run's --dtype, with the tokenizer."""
+    transformers model in ``out``, in the run's --dtype, with the tokenizer, and with the run's
+    served context (--max-model-len past the model's: its YaRN RoPE scaling)."""
     from peft import PeftModel
     from transformers import AutoTokenizer
 
     from ..models import load_model
 
     state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+    run = state["args"]
     folder = os.path.join(checkpoint, "" if adapter == "default" else adapter)
     if not os.path.exists(os.path.join(folder, "adapter_config.json")):
         held = [n for n in os.listdir(checkpoint) if os.path.isdir(os.path.join(checkpoint, n))]
         sys.exit(
             f"{folder} holds no adapter: a --lora run's checkpoint, with --adapter one of {held}"
         )
-    adapted = PeftModel.from_pretrained(load_model(model or state["args"]["model"]), folder)
-    dtype = torch.bfloat16 if state["args"]["dtype"] == "bf16" else torch.float32
+    base = load_model(model or run["model"], max_model_len=run.get("max_model_len"))
+    adapted = PeftModel.from_pretrained(base, folder)
+    dtype = torch.bfloat16 if run["dtype"] == "bf16" else torch.float32
     adapted.merge_and_unload().to(dtype).save_pretrained(out)
     AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
     return out

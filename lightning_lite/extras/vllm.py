@@ -350,7 +350,7 @@ class VLLMBackend(PauseGate):
     def _load_adapters(self, adapters: dict, version: int):
         """--lora: every server loads each adapter (peft's files, from ``lora.adapters``) as
         "NAME-v{version}", then drops the previous version's. A new name each time: vLLM's prefix cache
-        is keyed by it."""
+        is keyed by it. A server that refuses one stops the run with what it said."""
         from safetensors.torch import save_file
 
         old, self.lora_loaded = self.lora_loaded, version
@@ -359,14 +359,15 @@ class VLLMBackend(PauseGate):
             config.save_pretrained(path)
             save_file(weights, os.path.join(path, "adapter_model.safetensors"))
             for url in self.urls:
+                load = {"lora_name": f"{name}-v{version}", "lora_path": path}
+                needs = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
                 try:
-                    load = {"lora_name": f"{name}-v{version}", "lora_path": path}
-                    _http(url + "/v1/load_lora_adapter", load, key=self.api_key)
+                    _http(url + "/v1/load_lora_adapter", load, key=self.api_key, route_needs=needs)
                 except RuntimeError as e:
                     flags = shlex.join(lora_flags(config.r, len(adapters)))
                     raise SystemExit(
-                        f"{e}\n--lora: start the --vllm-url servers with "
-                        f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and {flags}"
+                        f"--lora: loading adapter {name!r} failed: {e}\n"
+                        f"(servers that load these adapters are started with {flags})"
                     ) from None
                 if old is not None:
                     unload = {"lora_name": f"{name}-v{old}"}
@@ -449,9 +450,16 @@ def _auth(key: Optional[str]) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def _http(url: str, body: Optional[dict] = None, timeout: float = 600, key: Optional[str] = None):
+def _http(
+    url: str,
+    body: Optional[dict] = None,
+    timeout: float = 600,
+    key: Optional[str] = None,
+    route_needs: str = "VLLM_SERVER_DEV_MODE=1",
+):
     """GET (or POST ``body`` as JSON, with API ``key``): the answer, parsed when JSON (the LoRA routes
-    answer text); errors name the URL and what it said."""
+    answer text). Errors name the URL and what the server said; a route it does not have (404) says
+    what a server must be started with to have it (``route_needs``)."""
     import urllib.error
     import urllib.request
 
@@ -461,9 +469,13 @@ def _http(url: str, body: Optional[dict] = None, timeout: float = 600, key: Opti
         with urllib.request.urlopen(request, timeout=timeout) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
-        why = "sync routes need VLLM_SERVER_DEV_MODE=1"
-        why = "wrong or missing API key: --vllm-api-key" if e.code == 401 else why
-        raise RuntimeError(f"{url} answered {e.code}: {e.read()[:500]!r} ({why})") from None
+        said = e.read()[:1000].decode(errors="replace")
+        hint = ""
+        if e.code == 401:
+            hint = " (wrong or missing API key: --vllm-api-key)"
+        elif e.code == 404:
+            hint = f" (the server has no such route: start it with {route_needs})"
+        raise RuntimeError(f"{url} answered {e.code}: {said}{hint}") from None
     return json.loads(raw) if raw.strip()[:1] in (b"{", b"[") else raw.decode()
 
 

@@ -29,6 +29,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# The defaults --smoke sets (tests/test_bench.py runs it): a minute or two on a CPU.
+SMOKE = dict(steps=1, batch_size=1, max_tokens=8, lora=4, harnesses="2", groups=1, copies=1)
+SMOKE |= dict(prompt_tokens=8, reply_tokens=4, repeat=1)
+
 # train.py in a child that reports its peak resident memory (KB on Linux) on its last line
 RUN = (
     "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
@@ -48,9 +52,9 @@ def lora_flags(rank, names=None, **kw) -> argparse.Namespace:
     return argparse.Namespace(**{**flags, **kw})
 
 
-def params_and_copy(rank):
+def params_and_copy(rank, copies):
     """(trainable, all) parameters of the embedded model, whole or with rank-``rank`` adapters, and the
-    fastest of 5 weight syncs into a served copy of it."""
+    fastest of ``copies`` weight syncs into a served copy of it."""
     from lightning_lite.backends import copy_weights
     from lightning_lite.extras import lora
     from lightning_lite.models import load_model
@@ -61,7 +65,7 @@ def params_and_copy(rank):
     # what trainer.Learner's sync copies (Learner.trained): the parameters AdamW updates
     updated = {n: p for n, p in trained.named_parameters() if p.requires_grad}
     seconds = []
-    for _ in range(5):
+    for _ in range(copies):
         t0 = time.perf_counter()
         copy_weights(updated, served)
         seconds.append(time.perf_counter() - t0)
@@ -69,8 +73,15 @@ def params_and_copy(rank):
     return n, sum(p.numel() for p in trained.parameters()), min(seconds)
 
 
-def run(out, steps, extra, batch):
-    args = [sys.executable, "train.py", "--harness", "calc", "--harness-arg", "max_tokens=32"]
+def run(out, steps, extra, batch, max_tokens):
+    args = [
+        sys.executable,
+        "train.py",
+        "--harness",
+        "calc",
+        "--harness-arg",
+        f"max_tokens={max_tokens}",
+    ]
     args += ["--harness-arg", "tool_first=False", "--batch-size", str(batch), "--group-size", "4"]
     args += ["--eval-tasks", "0", "--steps", str(steps), "--out", out, *extra]
     p = subprocess.run([sys.executable, "-c", RUN, *args], cwd=ROOT, capture_output=True, text=True)
@@ -92,9 +103,9 @@ def against_full(a):
         ("full", ["--lr", str(a.lr)], 0),
         (f"--lora {a.lora}", ["--lr", str(10 * a.lr), "--lora", str(a.lora)], a.lora),
     ]:
-        n, total, copy = params_and_copy(rank)
+        n, total, copy = params_and_copy(rank, a.copies)
         with tempfile.TemporaryDirectory() as out:
-            t_train, peak, reward = run(out, a.steps, flags, a.batch_size)
+            t_train, peak, reward = run(out, a.steps, flags, a.batch_size, a.max_tokens)
         print(
             f"| {name} | {n:,} / {total:,} ({n / total:.2%}) | {t_train:.2f} | {copy:.3f} | "
             f"{peak:.2f} | {reward:.3f} |"
@@ -174,14 +185,15 @@ def one_pass_against_loop(a, tok):
                 learner, names, a.groups, a.prompt_tokens, a.reply_tokens
             )
             times = []
-            for step in range(a.repeat + 1):
+            for k in range(a.repeat + 1):
                 t0 = time.perf_counter()
+                # (step 0 each time: the samples were sampled by version 0, as at the first step)
                 if mode == "loop":
-                    per_harness_loop(learner, samples, results, step, names)
+                    per_harness_loop(learner, samples, results, 0, names)
                 else:
-                    lora.update_all(learner, samples, results, step, names)
+                    lora.update_all(learner, samples, results, 0, names)
                 times.append(time.perf_counter() - t0)
-                if step == 0:
+                if k == 0:
                     # the first update's weights, compared across the two modes
                     weights[mode] = adapter_weights(learner)
             # the first update warms up (allocations, thread pools): not timed
@@ -204,8 +216,10 @@ def main():
     )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=4, help="train.py's, for table 1")
+    ap.add_argument("--max-tokens", type=int, default=32, help="calc's, for table 1")
     ap.add_argument("--lora", type=int, default=16, help="the adapters' rank")
     ap.add_argument("--lr", type=float, default=1e-5, help="full training's; LoRA's is 10x")
+    ap.add_argument("--copies", type=int, default=5, help="table 1: timed syncs, the fastest shown")
     ap.add_argument("--harnesses", default="2,4", help="table 2: adapters, comma-separated counts")
     ap.add_argument("--groups", type=int, default=2, help="table 2: groups of 8 per harness")
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -216,8 +230,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help=help)
     a = ap.parse_args()
     if a.smoke:
-        a.steps, a.batch_size, a.lora, a.harnesses, a.groups = 1, 1, 4, "2", 1
-        a.prompt_tokens, a.reply_tokens, a.repeat = 8, 4, 1
+        # The smoke run's sizes become the defaults: flags given on the command line still win.
+        ap.set_defaults(**SMOKE)
+        a = ap.parse_args()
     a.harnesses = [int(n) for n in a.harnesses.split(",")]
     against_full(a)
     from lightning_lite.models import load_tokenizer

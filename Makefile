@@ -29,7 +29,8 @@ test: venv
 	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'not slow and not sandbox'
 
 # The minutes-long end-to-end runs (@pytest.mark.slow: Ctrl-C at every phase of a step then --resume, FSDP/DDP
-# against one process, tree packing, every loss, async, bf16, ...); CI runs them.
+# against one process, tree packing, every loss, async, bf16, each bench/ script in its --smoke mode, ...);
+# CI runs them.
 test-slow: venv
 	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'slow and not sandbox'
 

@@ -4,6 +4,7 @@ after prompts of 1k, 4k, 8k and 16k tokens (one request at a time, batch 1).
     python bench/decode_speed.py                         # --contexts 1024,4096,8192,16384 --new 32
     python bench/decode_speed.py --contexts 1024,8192 --threads 2
     python bench/decode_speed.py --vllm-url http://127.0.0.1:8001   # the same prompts on a vLLM server
+    python bench/decode_speed.py --smoke                 # --contexts 64,128 --new 4: for the tests
 
 Real harness prompts are 6k-21k tokens; a harness times out if a reply crawls. Prefill (the prompt's
 forward pass) grows with the prompt; decode (each new token) should not grow much: per token it reads
@@ -29,6 +30,8 @@ TEXT = (
     "The river runs past the old mill, where the miller keeps his ledgers of grain and flour. "
     "Every morning the carts arrive from the farms and leave with sacks for the town bakers. "
 )
+# The defaults --smoke sets (tests/test_bench.py runs it): a few seconds on a CPU, no vLLM server.
+SMOKE = {"contexts": "64,128", "new": 4}
 
 
 async def one(backend, prompt_ids, new):
@@ -80,7 +83,16 @@ def main():
         default=None,
         help="measure a running vLLM server instead (serving the same model)",
     )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few seconds' run of every code path, for the tests: the numbers mean nothing",
+    )
     a = ap.parse_args()
+    if a.smoke:
+        # The smoke run's sizes become the defaults: flags given on the command line still win.
+        ap.set_defaults(**SMOKE)
+        a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     contexts = [int(c) for c in a.contexts.split(",")]
@@ -99,18 +111,15 @@ def main():
         )
         measure = lambda ids, n: asyncio.run(one(backend, ids, n))  # noqa: E731
     words = tok.encode(TEXT * (longest // 30 + 1), add_special_tokens=False)
-    print(f"{'context':>8} {'prefill s':>10} {'decode tok/s':>13} {'vs 1k':>6}")
+    print(f"| context | prefill s | decode tok/s | vs {contexts[0]:,} | tokens |")
+    print("|---|---|---|---|---|")
     base = None
     for L in contexts:
-        measure(
-            words[:64], 4
-        )  # warm up, and no prefix-cache hit below: each prompt starts differently
+        # A warm-up, and no prefix-cache hit below: each prompt starts differently.
+        measure(words[:64], 4)
         prefill, decode, n = measure([L % 997 + 1] + words[1:L], a.new)
         base = base or decode
-        print(
-            f"{L:>8} {prefill:>10.2f} {decode:>13.1f} {decode / base:>6.2f}  ({n} tokens)",
-            flush=True,
-        )
+        print(f"| {L:,} | {prefill:.2f} | {decode:.1f} | {decode / base:.2f} | {n} |", flush=True)
     if not a.vllm_url:
         backend.close()
 

@@ -1,6 +1,7 @@
 """Time and peak memory of merging one rollout's calls into samples (samples.build_samples).
 
     python bench/merging.py [--sizes 1,10,50,100,200] [--split-calls 200] [--split-every 20] [--repeat 5]
+    python bench/merging.py --smoke     # a second's run of every rollout kind, for the tests
 
 Synthetic rollouts, no model: an append-only agent chat where each call's prompt is the
 previous call's prompt + response + a new tool/user message, with --min-new..--max-new new
@@ -33,6 +34,16 @@ from lightning_lite.records import Call  # noqa: E402
 from lightning_lite.samples import build_samples  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's; the ids are never decoded
+# The defaults --smoke sets (tests/test_bench.py runs it): short rollouts of both kinds, run once.
+SMOKE = {
+    "sizes": "1,5",
+    "split_calls": 10,
+    "split_every": 3,
+    "system_tokens": 50,
+    "min_new": 10,
+    "max_new": 30,
+    "repeat": 1,
+}
 
 
 def rollout(n_calls, rng, a, split_every=0):
@@ -106,25 +117,34 @@ def main():
     ap.add_argument("--max-new", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few seconds' run of every code path, for the tests: the numbers mean nothing",
+    )
     a = ap.parse_args()
+    if a.smoke:
+        # The smoke run's sizes become the defaults: flags given on the command line still win.
+        ap.set_defaults(**SMOKE)
+        a = ap.parse_args()
 
     cases = [(f"append {n}", int(n), 0) for n in a.sizes.split(",")]
     if a.split_calls:
         cases.append((f"split/{a.split_every} {a.split_calls}", a.split_calls, a.split_every))
-    head = (
-        f"{'rollout':<16} {'calls':>5} {'samples':>7} {'total tok':>9} {'ids held':>9} {'time ms':>8} {'us/call':>8} "
-        f"{'ns/id held':>10} {'ns/merged':>9} {'peak MiB':>8} {'train tok merged':>16} {'one per call':>12} {'ratio':>6}"
+    print(
+        "| rollout | calls | samples | total tok | ids held | time ms | us/call | ns/id held "
+        "| ns/merged | peak MiB | train tok merged | one per call | ratio |"
     )
-    print(head)
-    print("-" * len(head))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, n, every in cases:
         calls = rollout(n, random.Random(a.seed), a, every)
         t, peak, samples, st = measure(calls, a.repeat)
         longest = max(len(s.tokens) for s in samples)
+        held, merged = st["tokens_unmerged"], st["tokens"]
         print(
-            f"{name:<16} {n:>5} {st['samples']:>7} {longest:>9} {st['tokens_unmerged']:>9} {t * 1e3:>8.2f} {t / n * 1e6:>8.1f} "
-            f"{t / st['tokens_unmerged'] * 1e9:>10.2f} {t / st['tokens'] * 1e9:>9.1f} {peak / 2**20:>8.1f} "
-            f"{st['tokens']:>16} {st['tokens_unmerged']:>12} {st['tokens_unmerged'] / st['tokens']:>5.1f}x"
+            f"| {name} | {n} | {st['samples']} | {longest} | {held} | {t * 1e3:.2f} "
+            f"| {t / n * 1e6:.1f} | {t / held * 1e9:.2f} | {t / merged * 1e9:.1f} "
+            f"| {peak / 2**20:.1f} | {merged} | {held} | {held / merged:.1f}x |"
         )
     print(
         "\nids held = sum of prompt + response lengths the calls stand for (grows as calls^2 in an append-only chat), what\n"

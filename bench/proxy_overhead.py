@@ -4,6 +4,7 @@
     python bench/proxy_overhead.py --part latency --requests 2000 --concurrency 1,64
     python bench/proxy_overhead.py --part turns --turns 200
     python bench/proxy_overhead.py --no-litellm             # skip LiteLLM (and its install)
+    python bench/proxy_overhead.py --smoke                  # both parts, small, no LiteLLM
 
 Part 1, latency: a short chat request (system + user message, max_tokens 16), as JSON and
 streamed (SSE), at each --concurrency, --requests per cell after --warmup, from an aiohttp
@@ -104,6 +105,18 @@ WORDS = (
     "file",
     "line",
 )
+
+
+# The defaults --smoke sets (tests/test_bench.py runs it): both parts in seconds, on loopback alone.
+# LiteLLM is left out: its install needs the network.
+SMOKE = {
+    "requests": 20,
+    "warmup": 5,
+    "concurrency": "1,4",
+    "no_litellm": True,
+    "turns": 12,
+    "ranges": "1-5,8-12",
+}
 
 
 # ---------------------------------------------------------------------- the servers (each in its own process)
@@ -335,6 +348,11 @@ def start_litellm(exe, engine_url, tmp, timeout, key):
 # ---------------------------------------------------------------------- the client
 
 
+def row(*cells):
+    """A markdown table row of ``cells``."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
@@ -503,12 +521,11 @@ def latency_part(a, tmp, procs):
     print(
         f"\nPart 1: a short chat request ({a.requests} per cell after {a.warmup} warm-up), latency to the last byte\n"
     )
-    head = (
-        f"{'mode':<7} {'conc':>4}  {'target':<15} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'+p50 ms':>8} {'+p99 ms':>8}"
-        f"  {'litellm/ours +p50':>17} {'+p99':>6}"
+    print(
+        "| mode | conc | target | p50 ms | p99 ms | req/s | +p50 ms | +p99 ms "
+        "| litellm/ours +p50 | +p99 |"
     )
-    print(head)
-    print("-" * len(head))
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for stream in (False, True):
         for c in a.concurrency:
             base, ours_r = (
@@ -517,18 +534,25 @@ def latency_part(a, tmp, procs):
             )
             for name in ("direct", "lightning-lite", "litellm"):
                 r = results.get((stream, c, name), litellm_error if name == "litellm" else None)
-                row = f"{'stream' if stream else 'json':<7} {c:>4}  {name:<15}"
+                cells = ["stream" if stream else "json", c, name]
                 if isinstance(r, str) or r is None:
-                    print(f"{row} {r}")
+                    print(row(*cells, r))
                     continue
                 p50, p99, rps = r
-                row += f" {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}"
+                cells += [f"{p50:.2f}", f"{p99:.2f}", f"{rps:.0f}"]
                 if name != "direct" and isinstance(base, tuple):
-                    row += f" {p50 - base[0]:>8.2f} {p99 - base[1]:>8.2f}"
+                    cells += [f"{p50 - base[0]:.2f}", f"{p99 - base[1]:.2f}"]
                     if name == "litellm" and isinstance(ours_r, tuple):
                         ratio = lambda x, y: f"{x / y:.1f}x" if y > 0 else "n/a"  # noqa: E731
-                        row += f"  {ratio(p50 - base[0], ours_r[0] - base[0]):>17} {ratio(p99 - base[1], ours_r[1] - base[1]):>6}"
-                print(row)
+                        cells += [
+                            ratio(p50 - base[0], ours_r[0] - base[0]),
+                            ratio(p99 - base[1], ours_r[1] - base[1]),
+                        ]
+                print(row(*cells))
+    # LiteLLM may fail to install or start (reported above); our proxy and the bare engine must not.
+    failed = [k for k, r in results.items() if k[2] != "litellm" and isinstance(r, str)]
+    if failed:
+        sys.exit(f"{len(failed)} cells of direct or lightning-lite failed: see the table")
 
 
 def turns_part(a, tmp, procs):
@@ -578,18 +602,26 @@ def turns_part(a, tmp, procs):
         f"\nPart 2: one agent conversation of {a.turns} calls through our proxy (tool results of ~{a.tool_words} words);"
         "\nmedian ms per call over each turn range; added = through the proxy - the same body sent to the fake engine\n"
     )
-    head = (
-        f"{'turns':<9} {'prompt tok':>10} | {'reuse on: ms':>12} {'added ms':>9} | {'reuse off: ms':>13} {'added ms':>9}"
-        f" {'prompt tok':>10} | {'direct ms':>9}"
+    print(
+        "| turns | prompt tok | reuse on: ms | added ms | reuse off: ms | added ms | prompt tok "
+        "| direct ms |"
     )
-    print(head)
-    print("-" * len(head))
+    print("|---|---|---|---|---|---|---|---|")
     for lo, hi in ranges:
         on, off = runs[True][lo - 1 : hi], runs[False][lo - 1 : hi]
-        med = lambda rows, f: statistics.median(f(r) for r in rows)  # noqa: E731
+        med = lambda rows, f: f"{statistics.median(f(r) for r in rows):.2f}"  # noqa: E731
+        total, added, direct = (lambda r: r[0]), (lambda r: r[0] - r[1]), (lambda r: r[1])
         print(
-            f"{f'{lo}-{hi}':<9} {on[-1][2]:>10} | {med(on, lambda r: r[0]):>12.2f} {med(on, lambda r: r[0] - r[1]):>9.2f} | "
-            f"{med(off, lambda r: r[0]):>13.2f} {med(off, lambda r: r[0] - r[1]):>9.2f} {off[-1][2]:>10} | {med(on + off, lambda r: r[1]):>9.2f}"
+            row(
+                f"{lo}-{hi}",
+                on[-1][2],
+                med(on, total),
+                med(on, added),
+                med(off, total),
+                med(off, added),
+                off[-1][2],
+                med(on + off, direct),
+            )
         )
     print(
         f"\ncalls that extended the previous call's tokens (merge into one sample): "
@@ -628,6 +660,11 @@ def main():
         "--tool-words", type=int, default=80, help="words per tool result (~1.5 tokens each)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few seconds' run of every code path, for the tests: the numbers mean nothing",
+    )
     # internal: this script started as one of the servers
     ap.add_argument("--serve", choices=["engine", "ours"], help=argparse.SUPPRESS)
     ap.add_argument("--pieces", help=argparse.SUPPRESS)
@@ -635,6 +672,10 @@ def main():
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--no-reuse", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.smoke:
+        # The smoke run's sizes become the defaults: flags given on the command line still win.
+        ap.set_defaults(**SMOKE)
+        a = ap.parse_args()
     if a.serve == "engine":
         return serve_engine(json.loads(a.pieces))
     if a.serve == "ours":

@@ -2,25 +2,25 @@
 and wall-clock seconds of forward + backward of the policy loss, the same samples both ways.
 
     python bench/train_step.py [--calc CALLS.jsonl] [--search CALLS.jsonl] [--micro-batch-tokens 4096] [--repeat 1]
+    python bench/train_step.py --smoke     # one rollout per workload, 2 qwen3 turns: for the tests
 
 Three workloads, side by side:
 
   calc     GRPO groups of the calc agent (examples/calc: tool calls, several turns): a group's samples share the
-           system prompt, tool schema and question. Recorded by one train.py step (--batch-size 2 --group-size 4)
-           unless --calc names a calls.jsonl.
+           system prompt, tool schema and question. Recorded by one train.py step (--record-tasks 2 tasks of
+           --record-group 4 rollouts: its --batch-size and --group-size) unless --calc names a calls.jsonl.
   search   the search agent with context compaction (examples/search, context_budget=1): each compaction rewrites
            the history, so a rollout is two leaves that share the system prompt and question. Recorded likewise.
   qwen3    synthetic: rollouts of --turns turns under a Qwen3-style template that strips each turn's reasoning from
            the history, so every call starts a new leaf that repeats the whole history before it (K leaves, O(K^2)
            tokens); token ids of chat-template-like text, the sizes below.
 
-Each goes through train.py's own path (micro_batches read from its source, algo.collate, algo.trainer_logprobs,
+Each goes through train.py's own path (trainer.Learner.micro_batches, algo.collate, algo.trainer_logprobs,
 algo.policy_loss, backward), once packed as trees (train.py's default) and once --no-tree (a padded row per sample);
 no optimizer step (the same whatever the layout). Run it on a quiet machine: it measures wall-clock time.
 """
 
 import argparse
-import ast
 import os
 import random
 import subprocess
@@ -36,25 +36,33 @@ sys.path.insert(0, ROOT)
 
 from lightning_lite import algo  # noqa: E402
 from lightning_lite.models import load_model, load_tokenizer  # noqa: E402
-from lightning_lite.records import Call, common_prefix, read_calls  # noqa: E402
+from lightning_lite.records import Call, read_calls  # noqa: E402
 from lightning_lite.samples import build_batch_samples  # noqa: E402
+from lightning_lite.trainer import Learner  # noqa: E402
+
+# The defaults --smoke sets (tests/test_bench.py runs it): every workload and layout, on one rollout
+# each. Still the slowest smoke run, ~100 s on 2 CPU cores: two train.py steps to record (~25 s
+# each), then the model's forward + backward over every sample twice (tree, rows) at ~100 tokens/s.
+SMOKE = {
+    "record_tasks": 1,
+    "record_group": 1,
+    "rollouts": 1,
+    "turns": 2,
+    "micro_batch_tokens": 1024,
+}
 
 
-def from_train_py(names, namespace):
-    """train.py's top-level functions ``names``, compiled into ``namespace``. Importing train.py would
-    parse its command line and start a run, so the functions are taken from its source instead."""
-    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
-    found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    missing = set(names) - {n.name for n in found}
-    if missing:
-        sys.exit(f"train.py no longer defines {sorted(missing)}: update bench/train_step.py")
-    namespace.setdefault("common_prefix", common_prefix)  # what they use from train.py's imports
-    exec(compile(ast.Module(body=found, type_ignores=[]), "train.py", "exec"), namespace)
-    return [namespace[n] for n in names]
+def micro_batches(samples, weights, limit, tree):
+    """train.py's micro-batches of at most ``limit`` tokens, packed as trees or padded rows.
+    Learner.micro_batches reads only these two flags of its learner, so it is called on a stand-in
+    that holds them: a real Learner would load the model again, with an optimizer."""
+    learner = SimpleNamespace(args=SimpleNamespace(micro_batch_tokens=limit, no_tree=not tree))
+    return Learner.micro_batches(learner, samples, weights)
 
 
-def record(harness, args, out):
-    """One train.py step of ``harness``; returns its calls (calls/step_0.jsonl)."""
+def record(harness, args, out, tasks, group):
+    """One train.py step of ``harness``, ``tasks`` tasks of ``group`` rollouts each; returns its
+    calls (calls/step_0.jsonl)."""
     cmd = [
         sys.executable,
         "train.py",
@@ -63,9 +71,9 @@ def record(harness, args, out):
         "--steps",
         "1",
         "--batch-size",
-        "2",
+        str(tasks),
         "--group-size",
-        "4",
+        str(group),
         "--eval-tasks",
         "0",
         "--out",
@@ -140,8 +148,24 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="passes per layout; the fastest counts")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--record-tasks", type=int, default=2, help="tasks of a recorded step (its --batch-size)"
+    )
+    ap.add_argument(
+        "--record-group", type=int, default=4, help="rollouts per task of a recorded step"
+    )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a short run of every code path, for the tests: the numbers mean nothing",
+    )
     a = ap.parse_args()
+    if a.smoke:
+        # The smoke run's sizes become the defaults: flags given on the command line still win.
+        ap.set_defaults(**SMOKE)
+        a = ap.parse_args()
+    size = (a.record_tasks, a.record_group)
 
     rng = random.Random(a.seed)
     tok = load_tokenizer(a.model)
@@ -149,7 +173,9 @@ def main():
         calc = (
             read_calls(a.calc)
             if a.calc
-            else record("calc", ["--harness-arg", "max_tokens=32"], os.path.join(tmp, "calc"))
+            else record(
+                "calc", ["--harness-arg", "max_tokens=32"], os.path.join(tmp, "calc"), *size
+            )
         )
         search = (
             read_calls(a.search)
@@ -167,6 +193,7 @@ def main():
                     "summary_tokens=24",
                 ],
                 os.path.join(tmp, "search"),
+                *size,
             )
         )
     workloads = {
@@ -176,10 +203,6 @@ def main():
     }
     torch.manual_seed(a.seed)
     model = load_model(a.model, a.device).train()  # fp32, as train.py loads it
-    ns = {
-        "args": SimpleNamespace(micro_batch_tokens=a.micro_batch_tokens, no_tree=False)
-    }  # the train.py globals it reads
-    (micro_batches,) = from_train_py(["micro_batches"], ns)
 
     def step(mbs, tree):
         """Forward + backward over the micro-batches; returns (seconds, tokens through the model)."""
@@ -198,10 +221,6 @@ def main():
         sync()
         return time.perf_counter() - t0, fwd
 
-    head = (
-        f"{'workload':<8} {'rollouts':>8} {'samples':>7} {'trainable':>9} {'fwd tree':>9} {'fwd rows':>9} {'ratio':>6} "
-        f"{'s tree':>7} {'s rows':>7} {'speedup':>7} {'trainable tok/s tree':>20} {'rows':>6}"
-    )
     lines = []
     for name, calls in workloads.items():
         samples, stats = build_batch_samples(calls)
@@ -209,11 +228,11 @@ def main():
             sign = rng.choice([-1.0, 1.0])
             s.advantages = [sign * m for m in s.loss_mask]
         weights = algo.sample_weights(samples, "token-mean", algo.global_denominators(samples))
-        step(micro_batches(samples[:1], weights[:1]), True)  # warm-up: first-call allocations
+        # A warm-up: first-call allocations.
+        step(micro_batches(samples[:1], weights[:1], a.micro_batch_tokens, True), True)
         res = {}
         for tree in (True, False):
-            ns["args"].no_tree = not tree
-            mbs = micro_batches(samples, weights)
+            mbs = micro_batches(samples, weights, a.micro_batch_tokens, tree)
             res[tree] = min(step(mbs, tree) for _ in range(a.repeat))
             print(
                 f"{name}: {'tree' if tree else 'rows'} {len(mbs)} micro-batches, {res[tree][1]} tokens, {res[tree][0]:.1f} s",
@@ -222,14 +241,18 @@ def main():
         (t_tree, f_tree), (t_rows, f_rows) = res[True], res[False]
         n = stats["trainable_tokens"]
         lines.append(
-            f"{name:<8} {stats['rollouts']:>8} {len(samples):>7} {n:>9} {f_tree:>9} {f_rows:>9} {f_rows / f_tree:>5.2f}x "
-            f"{t_tree:>7.1f} {t_rows:>7.1f} {t_rows / t_tree:>6.2f}x {n / t_tree:>20.0f} {n / t_rows:>6.0f}"
+            f"| {name} | {stats['rollouts']} | {len(samples)} | {n} | {f_tree} | {f_rows} "
+            f"| {f_rows / f_tree:.2f}x | {t_tree:.1f} | {t_rows:.1f} | {t_rows / t_tree:.2f}x "
+            f"| {n / t_tree:.0f} | {n / t_rows:.0f} |"
         )
     print(
         f"\n{a.model} {a.device} fp32, {torch.get_num_threads()} threads, micro-batches of <= {a.micro_batch_tokens} tokens\n"
     )
-    print(head)
-    print("-" * len(head))
+    print(
+        "| workload | rollouts | samples | trainable | fwd tree | fwd rows | ratio | s tree "
+        "| s rows | speedup | trainable tok/s tree | rows |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
 
 

@@ -194,10 +194,9 @@ def learner_flags(**kw):
 def a_learner(tok, **kw):
     """A Learner of SmolLM2 with an adapter per harness, the same one whenever it is made (seeded)."""
     torch.manual_seed(0)
-    learner = Learner(
+    return Learner(
         learner_flags(**kw), tok, torch.device("cpu"), torch.float32, 1, True, None, print
     )
-    return learner
 
 
 def harness_batch(learner, names: list, advantages: dict):

@@ -7,13 +7,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from .algo import all_reduce
-
-# whole on rank 0, in host memory: no GPU holds a second copy
-_WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def wrap(
@@ -59,22 +54,47 @@ def full_state_dict(model, parallel: str) -> dict:
     return getattr(model, "module", model).state_dict()
 
 
-def optimizer_state(model, opt) -> dict:
+def optimizer_state(model, opt, parallel: str) -> dict:
     """The optimizer state to checkpoint, each parameter's keyed by its name (not by its place in the
     optimizer, which a resume with other flags may change: --lora-per-harness's adapters follow the
     --harness order): whole, on rank 0 (a collective under FSDP, which gathers the shards)."""
-    return get_optimizer_state_dict(model, opt, options=_WHOLE_ON_RANK0)
+    if parallel == "fsdp":
+        from .extras import fsdp
+
+        return fsdp.optimizer_state(model, opt)
+    name_of = {id(p): n for n, p in getattr(model, "module", model).named_parameters()}
+    # the optimizer's state dict numbers its parameters in param_groups' order
+    names = [name_of[id(p)] for group in opt.param_groups for p in group["params"]]
+    state = opt.state_dict()
+    return {
+        "state": {names[i]: s for i, s in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
 
 
-def load_optimizer_state(model, opt, state: dict):
-    """Restore ``optimizer_state``'s output by parameter name (under FSDP each rank takes its shard)."""
+def load_optimizer_state(model, opt, state: dict, parallel: str):
+    """Restore ``optimizer_state``'s output by parameter name (under FSDP each rank takes its shard). A
+    parameter without saved state (one that never had a gradient) starts fresh."""
+    if parallel == "fsdp":
+        from .extras import fsdp
+
+        return fsdp.load_optimizer_state(model, opt, state)
     # checkpoints written before the state was keyed by name: in the optimizer's order
     if all(isinstance(key, int) for key in state["state"]):
         return opt.load_state_dict(state)
-    # strict=False: a parameter that never had a gradient (an adapter without a signal so far) has no
-    # state to restore
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_optimizer_state_dict(model, opt, state, options=options)
+    name_of = {id(p): n for n, p in getattr(model, "module", model).named_parameters()}
+    index = {
+        name_of[id(p)]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+    }
+    # torch's loader pairs saved and current parameters by position: number the current ones in order
+    groups, start = [], 0
+    for group, saved in zip(opt.param_groups, state["param_groups"]):
+        groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    by_index = {index[name]: s for name, s in state["state"].items()}
+    opt.load_state_dict({"state": by_index, "param_groups": groups})
 
 
 def scalar(t) -> float:

@@ -72,7 +72,7 @@ class Learner:
             # page cache's one copy (12 bytes/param) and each takes its part (FSDP) or all (DDP)
             path = os.path.join(resume_dir, "trainer_state.pt")
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-            parallel.load_optimizer_state(self.model, self.opt, state["optimizer"])
+            parallel.load_optimizer_state(self.model, self.opt, state["optimizer"], args.parallel)
             self.start_step = state["step"]
             log(f"resumed from {resume_dir} at step {self.start_step}")
 
@@ -233,7 +233,7 @@ class Learner:
         """A checkpoint of the trained weights (under --async the served copy is a step behind) and
         the optimizer state: every rank helps gather them (FSDP), rank 0 writes them."""
         weights = parallel.full_state_dict(self.model, self.args.parallel)
-        optim = parallel.optimizer_state(self.model, self.opt)
+        optim = parallel.optimizer_state(self.model, self.opt, self.args.parallel)
         if not self.master:
             return None
         # the served copy is of the plain class: the checkpoint loads anywhere

@@ -2,9 +2,8 @@
 sharded over the ranks, one shard unit per decoder layer. The hook is parallel.py: each of its functions
 hands the fsdp mode to the one of the same name here. The loss is the same as under DDP; every forward and
 backward gathers weights from all ranks (hence parallel.pad_micro_batches), and the parameters are shards
-(DTensors): ``full_state_dict`` gathers them for vLLM and checkpoints, the optimizer state is gathered by
-parameter name (parallel.optimizer_state), the embedded backend's own copy gathers them one at a time
-(backends.copy_weights).
+(DTensors): ``full_state_dict`` and ``optimizer_state`` gather them for vLLM and checkpoints (the embedded
+backend's own copy gathers them one at a time: backends.copy_weights).
 """
 
 import sys
@@ -12,6 +11,8 @@ import sys
 import torch
 import torch.distributed.fsdp as fsdp2
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 # whole on rank 0, in host memory: no GPU holds a second copy of the model
 _GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -55,3 +56,16 @@ def full_state_dict(model) -> dict:
     """The whole model's weights (a collective), gathered one tensor at a time into rank 0's host memory;
     the other ranks get {}."""
     return get_model_state_dict(model, options=_GATHERED)
+
+
+def optimizer_state(model, opt) -> dict:
+    """The whole optimizer state on rank 0 (a collective)."""
+    return get_optimizer_state_dict(model, opt, options=_GATHERED)
+
+
+def load_optimizer_state(model, opt, state: dict):
+    """Restore ``optimizer_state``'s output (keyed by parameter name): each rank takes its shard of the
+    whole. strict=False: a parameter that never had a gradient (an adapter without a signal so far) has
+    no saved state (torch's loader gives it a zero state at step 1)."""
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_optimizer_state_dict(model, opt, state, options=options)

@@ -82,7 +82,7 @@ def load_optimizer_state(model, opt, state: dict, parallel: str):
 
         return fsdp.load_optimizer_state(model, opt, state)
     # checkpoints written before the state was keyed by name: in the optimizer's order
-    if all(isinstance(key, int) for key in state["state"]):
+    if all(isinstance(i, int) for g in state["param_groups"] for i in g["params"]):
         return opt.load_state_dict(state)
     name_of = {id(p): n for n, p in getattr(model, "module", model).named_parameters()}
     index = {

@@ -726,9 +726,10 @@ def torn_write(orig, path, items, *a, **kw):  # killed after the first line
 
 
 def trained_and_served(out, k):
-    def when(backend, model=None, version=None):  # HFBackend.sync_weights gets the trained module; it serves backend.model
+    def when(backend, model=None, version=None):  # HFBackend.sync_weights gets what training changes, by name (Learner.trained); it serves backend.model
         if version == k + 1:
-            torch.save({"trained": model.state_dict(), "served": backend.model.state_dict()}, os.path.join(out, "at_interrupt.pt"))
+            trained = {name: p.detach().clone() for name, p in model.items()}
+            torch.save({"trained": trained, "served": backend.model.state_dict()}, os.path.join(out, "at_interrupt.pt"))
         return version == k + 1
     return when
 

@@ -7,6 +7,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# The tests run the core with every extra loaded, as train.py does (tests/test_no_extras.py runs it with none).
+from lightning_lite import hooks  # noqa: E402
+
+EXTRAS = sorted(
+    name[:-3]
+    for name in os.listdir(os.path.join(ROOT, "lightning_lite", "extras"))
+    if name.endswith(".py") and name != "__init__.py"
+)
+hooks.load_extras(EXTRAS)
 # Requests captured from real harnesses: planning material that lives beside the repo, not in it.
 # Tests that replay them skip with one line when the folder is absent (a plain clone);
 # tests/fixtures/chat_requests.json has the same shapes, written for the project, and always runs.

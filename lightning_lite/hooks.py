@@ -1,0 +1,104 @@
+"""The seams where an optional feature (an extra, lightning_lite/extras/) adds behaviour to the core.
+
+Each seam is a plain dict, list or slot that the core reads at the one place named beside it. Each is
+empty or None by default, and then the core takes its plain path: with lightning_lite/extras/ deleted,
+train.py and proxy.py still run end to end. An extra imports the core, and fills its seams when it is
+imported; train.py and proxy.py import the extras they use from one visible list (``load_extras``).
+The import direction is one way, extra -> core: no core module imports an extra (tests/test_layout.py
+checks it).
+
+A flag that needs a missing extra is refused at start-up, naming the file (``missing``); a request
+that needs one gets a 4xx in its API's own shape.
+"""
+
+import importlib
+import importlib.util
+
+# ----------------------------------------------------------------------------- the proxy
+# POST routes, path -> async handler(proxy, request), served under "/" and "/rollout/<id>". The core
+# serves /v1/chat/completions (proxy.py); extras add /v1/messages, /v1/responses, /v1/completions.
+ROUTES = {}
+
+# Error bodies in another API's shape: a path fragment -> error_body(status, message, param, code).
+# A path that no entry matches gets OpenAI's shape (apis.error_body).
+ERROR_SHAPES = {}
+
+# Tool-call formats by name (toolcalls.Format). The core registers "hermes"; extras/tool_formats.py
+# registers the other families' formats.
+TOOL_FORMATS = {}
+
+# Constrained decoding (extras/grammar.py): an object with
+#   constrain(req, renderer, opened) -> the text a forced reply begins with; it sets req.sampling.grammar;
+#   Matcher(grammar, tokenizer, n_vocab), the sampler's state: .allowed() -> [V] bool, .consume(token);
+#   sample_masks(sample, tokenizer, n_vocab) -> (positions, [n, W] packed masks) or None, the trainer's
+#   replay of what a sample's tokens were sampled under; forced(masks) -> how many allowed one token.
+# None: a forced tool call is opened by the prompt alone (its name), and its arguments are not constrained.
+grammar = None
+
+# Per-rollout isolation (extras/isolation.py): a factory of the object Proxy keeps when asked for
+# rollout_tokens. It admits each request (admit), opens each rollout's route (open_rollout), holds the
+# harness's reward key (reward_key) and what each rollout was refused (flags), and forgets a step
+# (reset). None: every rollout id is served as it is, and a reward is taken from anyone.
+isolation = None
+
+# ----------------------------------------------------------------------------- the embedded backend
+# Decoding at agent-length contexts (extras/fast_decode.py): an object with install(model), called once
+# by HFBackend, and RoomyLayer, the class the running batch's KV-cache layers take. None: transformers'
+# own attention and cache layers.
+fast_decode = None
+
+# --model names that are not directories: fn(name) -> a directory, or None when the name is not its
+# (extras/embedded.py prepares the embedded models).
+MODEL_RESOLVERS = []
+
+# ----------------------------------------------------------------------------- train.py
+# --backend choices besides "hf": name -> start(args, learner, tokenizer, resume_dir, device) -> a backend
+# with HFBackend's surface.
+BACKENDS = {}
+
+# --parallel choices besides "ddp": name -> an object with wrap(model, dtype), full_state_dict(model),
+# optimizer_state(model, opt), load_optimizer_state(model, opt, state) (extras/fsdp.py).
+PARALLEL = {}
+
+# A model adapter (extras/lora.py under --lora), set when its flags ask for one: see trainer.Learner for
+# what it must provide. None: the whole model is trained.
+adapter = None
+
+# Other sources of a step's rollouts than running the harnesses (--from-calls), each
+# fn(args, tokenizer, log) -> a source with step(step, rank, world, batch_size, draw), or None when its
+# flags are not given.
+STEP_SOURCES = []
+
+# The step's tasks: a class with Tasks(args, log)'s surface (harness.Tasks, one harness). Set by
+# extras/harnesses.py for several --harness with weights.
+tasks = None
+
+# Before the first rollout: fn(harnesses, args, server, log), e.g. each harness's sandbox.
+ROLLOUT_SETUP = []
+# After each batch of rollouts: fn(results, calls_of, proxy_flags, decode), e.g. the audit's flags.
+ROLLOUT_FILTERS = []
+
+# Where each metrics row goes besides metrics.jsonl: a factory fn(args, config) -> an object with
+# log(row) and close() (TensorBoard, W&B).
+METRIC_SINKS = []
+
+# After the last step, on rank 0: fn(run_dir), e.g. the HTML report.
+AFTER_RUN = []
+
+
+def load_extras(names: list[str]) -> list:
+    """Import each extra named (lightning_lite/extras/NAME.py), which fills its seams here; one whose file
+    is missing is skipped, and one that fails to import fails loudly. Returns the modules imported."""
+    loaded = []
+    if importlib.util.find_spec("lightning_lite.extras") is None:
+        return loaded
+    for name in names:
+        module = f"lightning_lite.extras.{name}"
+        if importlib.util.find_spec(module) is not None:
+            loaded.append(importlib.import_module(module))
+    return loaded
+
+
+def missing(what: str, extra: str) -> str:
+    """The message for a flag or request that needs an extra this copy does not have."""
+    return f"{what} needs lightning_lite/extras/{extra}.py, which this copy of lightning-lite does not have"

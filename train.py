@@ -3,12 +3,20 @@
     python train.py --harness calc                          # one process (CPU or one GPU)
     torchrun --nproc_per_node 2 train.py --harness calc     # DDP: gloo on CPU, NCCL on GPU
 
-Every rank serves the policy through its own proxy and runs its share of the step's tasks:
+Every rank serves the policy through its own proxy and runs its share of the step's tasks. A step:
 
-    rollouts -> samples -> advantages -> loss + backward -> optimizer step -> weight sync -> log
+    tasks.pick(step) -> jobs: (rollout id, Task, Harness), each task --group-size times
+    run_rollouts(jobs) through the proxy -> RolloutResult each; the proxy records every Call to
+        calls/step_K.jsonl, read back from there
+    build_batch_samples(calls) -> Sample: a rollout's calls merged, loss mask 1 on sampled tokens
+    compute_advantages(rewards) -> {rollout id: advantage}, written on each trainable token
+    learner.update(samples) -> loss, backward, one AdamW step
+    sync_weights() -> the backend serves the new weights; a metrics row -> metrics.jsonl
 
 In --out: config.json, metrics.jsonl, calls/, rollouts/, checkpoints/, report.html (README: the run
-directory). The optional features (lightning_lite/extras/) add their flag groups after the core's.
+directory). The optional features are the extras named in EXTRAS below: each adds its flag group
+after the core's and fills its seams in lightning_lite/hooks.py. A missing one is skipped, and the
+plain path (one harness, the embedded backend, DDP) runs with none of them.
 """
 
 import argparse
@@ -24,28 +32,68 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_lite import algo, parallel, records
+from lightning_lite import algo, hooks, records
 from lightning_lite.backends import HFBackend
-from lightning_lite.extras import audit, from_calls, fsdp, harnesses, loggers, lora, sandbox, vllm
-from lightning_lite.harness import fail_rollouts_the_backend_failed, resolve_call_rewards
+from lightning_lite.harness import Tasks, fail_rollouts_the_backend_failed, resolve_call_rewards
 from lightning_lite.harness import run_rollouts
 from lightning_lite.models import load_tokenizer
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
 from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_rates
-from lightning_lite.trainer import Learner
+from lightning_lite.trainer import Learner, TrainConfig
 from lightning_lite.samples import build_batch_samples
-from lightning_lite.toolcalls import FORMATS
+
+# ----------------------------------------------------------------------------- extras
+# The extras this script uses, imported in this order: a missing file is skipped, a broken one fails
+# loudly. Each fills its seams in lightning_lite/hooks.py; those with flags add their group below.
+EXTRAS = [
+    "embedded",  # --model smollm2: the embedded models, converted once
+    "fast_decode",  # the embedded backend's decoding at agent-length contexts
+    "tool_formats",  # every tool-call format but Hermes
+    "grammar",  # forced tool calls and JSON replies constrained to their schema
+    "responses",  # the Responses API
+    "anthropic",  # the Anthropic Messages API
+    "completions",  # the legacy completions API
+    "isolation",  # a route of its own per rollout, rewards only from the harness
+    "vllm",  # --backend vllm
+    "fsdp",  # --parallel fsdp
+    "lora",  # --lora RANK
+    "harnesses",  # several --harness, with weights
+    "from_calls",  # --from-calls: train on recorded calls
+    "programs",  # harnesses that are programs (SubprocessHarness)
+    "sandbox",  # where a program harness's rollouts run (before audit: it reads the sandbox)
+    "audit",  # flags from harness patterns and sandbox escapes
+    "loggers",  # TensorBoard, W&B
+    "report",  # report.html after the run
+]
+extras = hooks.load_extras(EXTRAS)
+# The flags an extra adds, by prefix: one of a missing extra is refused, naming its file.
+EXTRA_FLAGS = {
+    "--vllm": "vllm",
+    "--fsdp": "fsdp",
+    "--lora": "lora",
+    "--group-across-harnesses": "harnesses",
+    "--from-calls": "from_calls",
+    "--sandbox": "sandbox",
+    "--tensorboard": "loggers",
+    "--wandb": "loggers",
+}
 
 # ----------------------------------------------------------------------------- flags
-# what the longer help texts say (README: the training knobs; docs/ for each extra's)
+# The longer help texts (README: the training knobs; docs/ for each extra's flags).
 HARNESS_HELP = "examples/NAME/harness.py, a .py file or module[:Name]; repeat it, with WEIGHTs"
 ARG_HELP = "a keyword argument for the harness ([SPEC:]K=V: for the one SPEC names); repeatable"
 DTYPE_HELP = "auto: bf16 on GPUs; bf16 autocasts over fp32 master weights and AdamW state"
 HISTORY_HELP = "keep sampled tokens where the template renders a turn otherwise"
 LOSS_HELP = "ppo: clipped token ratio; gspo: sequence ratio; tis: truncated IS; sft: imitate"
 ASYNC_HELP = "this many next steps' rollouts run while one trains (no value: 1)"
-PARALLEL_HELP = "ddp: all whole on every rank; fsdp: weights, grads, AdamW state sharded"
+PARALLEL_HELP = "ddp: a whole copy on every rank; fsdp: weights, grads, AdamW state sharded"
+BACKEND_HELP = "hf: the embedded backend, in this process; vllm: vLLM servers"
+BATCH_HELP = "the embedded backend decodes up to this many requests together"
+HOST_HELP = "the proxies' address (an address other than loopback opens them to that network)"
+PAUSE_HELP = "during a weight sync, answer new calls 429 with Retry-After this, instead of waiting"
+MICRO_HELP = "the most tokens one forward takes, its samples packed as a prefix tree"
+ATTN_HELP = "the trainer's attention implementation (default: the model's)"
 raw = argparse.RawDescriptionHelpFormatter
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
 group = parser.add_argument_group("run")
@@ -67,11 +115,13 @@ group.add_argument("--max-concurrency", type=int, default=8, help="rollouts in f
 group.add_argument("--rollout-timeout", type=float, default=300.0, help="seconds, then it fails")
 group.add_argument("--max-new-tokens", type=int, default=1024, help="the most one call generates")
 group.add_argument("--max-model-len", type=int, help="served context; past the trained: YaRN")
-group.add_argument("--max-batch-size", type=int, default=32, help="hf: requests decoded together")
-group.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="hf: in this process")
-group.add_argument("--proxy-host", default="127.0.0.1", help="not loopback: open to that network")
-group.add_argument("--pause-retry-after", type=float, help="weight sync: 429 with this, not wait")
-group.add_argument("--tool-format", choices=FORMATS, help="default: detected from the template")
+group.add_argument("--max-batch-size", type=int, default=32, help=BATCH_HELP)
+group.add_argument("--backend", default="hf", choices=["hf", "vllm"], help=BACKEND_HELP)
+group.add_argument("--proxy-host", default="127.0.0.1", help=HOST_HELP)
+group.add_argument("--pause-retry-after", type=float, help=PAUSE_HELP)
+group.add_argument(
+    "--tool-format", choices=list(hooks.TOOL_FORMATS), help="default: detected from the template"
+)
 group.add_argument("--keep-history-tokens", action="store_true", help=HISTORY_HELP)
 group.add_argument(
     "--async", dest="async_steps", type=int, nargs="?", const=1, default=0, help=ASYNC_HELP
@@ -97,34 +147,48 @@ group.add_argument("--warmup-steps", type=int, default=2)
 group.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
 group.add_argument("--weight-decay", type=float, default=0.0)
 group.add_argument("--grad-clip", type=float, default=1.0)
-group.add_argument("--micro-batch-tokens", type=int, default=4096, help="a forward's (packed)")
+group.add_argument("--micro-batch-tokens", type=int, default=4096, help=MICRO_HELP)
 group.add_argument(
     "--max-seq-len", type=int, help="longer samples cut or dropped (default: context)"
 )
 group.add_argument("--no-tree", action="store_true", help="one padded row a sample, not packed")
-group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help="the trainer's")
+group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)
 group.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help=PARALLEL_HELP)
 group.add_argument("--activation-checkpointing", action="store_true", help="memory for compute")
-for extra in (harnesses, from_calls, vllm, fsdp, lora, sandbox, loggers):
-    extra.add_args(parser)
-args = parser.parse_args()
+for extra in extras:
+    if hasattr(extra, "add_args"):
+        extra.add_args(parser)
+args, unknown = parser.parse_known_args()
+loaded = [m.__name__.rsplit(".", 1)[1] for m in extras]
+for flag in unknown:
+    # a flag of an extra this copy does not have: name its file
+    for prefix, extra in EXTRA_FLAGS.items():
+        if flag.startswith(prefix) and extra not in loaded:
+            parser.error(hooks.missing(flag.split("=")[0], extra))
+if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 # ----------------------------------------------------------------------------- set-up
-# the one place each derived default is resolved (config.json records what ran)
-args.clip_low, args.clip_high = algo.clip_range(args.loss, args.clip_low, args.clip_high)
-args.norm_const = args.norm_const or args.max_new_tokens
-args.harness = args.harness or ([] if args.from_calls else ["calc"])
-
 ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
 if ddp:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+else:
+    rank = 0
+    world = 1
 master = rank == 0
 cuda = args.device == "cuda"
-device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else args.device)
 if cuda:
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     torch.cuda.set_device(device)
-args.dtype = args.dtype if args.dtype != "auto" else "bf16" if cuda else "fp32"
+else:
+    device = torch.device(args.device)
+# The one place each derived default is resolved (config.json records what ran).
+args.clip_low, args.clip_high = algo.clip_range(args.loss, args.clip_low, args.clip_high)
+args.norm_const = args.norm_const or args.max_new_tokens
+if args.dtype == "auto":
+    args.dtype = "bf16" if cuda else "fp32"
 dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 if args.batch_size % world:
     sys.exit(
@@ -138,8 +202,18 @@ if args.attn == "flex_attention" and not cuda:
     )
 if args.kl_coef < 0 or args.group_size < 1 or args.steps < 0:
     sys.exit("--kl-coef must be >= 0, --group-size >= 1 and --steps >= 0")
-for extra in (harnesses, from_calls, vllm, fsdp, lora):
-    extra.check(args, ddp, cuda)
+if args.backend != "hf" and args.backend not in hooks.BACKENDS:
+    sys.exit(hooks.missing(f"--backend {args.backend}", args.backend))
+if args.parallel != "ddp" and args.parallel not in hooks.PARALLEL:
+    sys.exit(hooks.missing(f"--parallel {args.parallel}", args.parallel))
+# Each extra checks its own flags and, when they ask for it, fills its seams (--lora: the adapter).
+for extra in extras:
+    if hasattr(extra, "check"):
+        extra.check(args, ddp, cuda)
+# Recorded calls (--from-calls) train without a harness; --harness then names what evaluates.
+if not args.harness and hooks.step_source is None:
+    args.harness = ["calc"]
+args.harness = args.harness or []
 torch.manual_seed(args.seed + rank)
 random.seed(args.seed + rank)
 
@@ -152,72 +226,125 @@ def log(*a):
 # ----------------------------------------------------------------------------- model, resume
 run = RunDir(args.out, rank, ddp)
 tok = load_tokenizer(args.model)
-load_args = (args.from_calls, args.model, len(tok), args.loss, args.adv, args.sft_min_reward, log)
-recorded = from_calls.load(*load_args) if args.from_calls else None
-tasks = harnesses.Tasks(args, log)
-# --lora-per-harness: the adapters' names
-args.lora_per_harness = args.lora_per_harness and tasks.names()
+# --from-calls: a step's rollouts are read from recorded runs instead of run (extras/from_calls.py)
+recorded = None
+if hooks.step_source is not None:
+    recorded = hooks.step_source(tok, log)
+if hooks.tasks is not None:
+    tasks = hooks.tasks(args, log)
+else:
+    tasks = Tasks(
+        args.harness,
+        args.harness_arg,
+        args.batch_size,
+        args.group_size,
+        args.eval_tasks,
+        args.seed,
+        log,
+    )
+# --lora (extras/lora.py): the model adapter; None: the whole model trains
+adapter = hooks.adapter
+if adapter is not None:
+    adapter.name_after(tasks)
 resume_dir = run.latest_checkpoint() if args.resume else None
 if args.resume and not resume_dir:
     log(f"--resume: no checkpoint in {run.checkpoints}, starting from step 0")
-lora.check_resume(args, resume_dir)
-learner = Learner(args, tok, device, dtype, world, master, resume_dir, log)
-model, start_step = learner.model, learner.start_step
-# what can be served can be trained on
+# the most updates between sampling a token and training it: recorded calls were sampled by version 0
+max_staleness = args.async_steps
+if recorded:
+    max_staleness = args.steps
+learner_config = TrainConfig.from_flags(args, max_staleness=max_staleness)
+learner = Learner(learner_config, tok, device, dtype, world, master, resume_dir, log, adapter)
+model = learner.model
+start_step = learner.start_step
+# a sample may be as long as the served context
 args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings
+args.no_tree = learner.config.no_tree
 evaluated = run.drop_after(start_step, resumed=bool(resume_dir))
 config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
+# where each metrics row goes besides metrics.jsonl (extras/loggers.py: TensorBoard, W&B)
+sinks = []
 if master:
     json.dump(config, open(os.path.join(args.out, "config.json"), "w"), indent=1)
-metrics = loggers.Loggers(args, config) if master else None
+    for make_sink in hooks.METRIC_SINKS:
+        sink = make_sink(args, config)
+        if sink is not None:
+            sinks.append(sink)
 
 # ----------------------------------------------------------------------------- backend, proxy, harnesses
-if args.backend == "vllm":
-    backend = vllm.start(args, model.config, dtype, resume_dir, device)
-else:
+if args.backend == "hf":
     backend = HFBackend(learner.served, tok, args.max_batch_size, args.max_model_len, dtype=dtype)
+else:
+    backend = hooks.BACKENDS[args.backend](args, learner, resume_dir, device)
 backend.version = start_step
-# each rollout is served under a token of its own (extras/isolation.py)
-proxy_flags = ("max_new_tokens", "pause_retry_after", "tool_format", "keep_history_tokens")
-proxy_options = {k: getattr(args, k) for k in proxy_flags} | dict(call_timeout=args.rollout_timeout)
-proxy = Proxy(backend, tok, model_name=args.model, rollout_tokens=True, **proxy_options)
+proxy = Proxy(
+    backend,
+    tok,
+    model_name=args.model,
+    max_new_tokens=args.max_new_tokens,
+    call_timeout=args.rollout_timeout,
+    pause_retry_after=args.pause_retry_after,
+    tool_format=args.tool_format,
+    keep_history_tokens=args.keep_history_tokens,
+    # each rollout is served under a route of its own (extras/isolation.py), where there is one
+    rollout_tokens=hooks.isolation is not None,
+)
 server = ProxyServer(proxy, host=args.proxy_host).start()
-# where each harness's rollouts run, and what is flagged on them (bad audit patterns fail here)
-sandbox_of = sandbox.setup(tasks.harnesses, args.sandbox, args.sandbox_image, args.out, log)
-auditor = audit.Auditor(tasks.harnesses, sandbox_of, args.out, server.port)
+# e.g. where each program harness's rollouts run (extras/sandbox.py) and what the audit flags
+# (extras/audit.py); bad audit patterns fail here
+for setup in hooks.ROLLOUT_SETUP:
+    setup(tasks.harnesses, args, server, log)
 log(proxy.renderer.describe())
 log(f"rank 0 proxy at {server.url}")
 
 
 def rollouts(jobs, name):
     """Run ``jobs`` (rollout id, task, harness) through this rank's proxy; return (results, calls,
-    seconds). Calls come back from disk (the proxy keeps none in memory); call rewards, POSTed or
-    returned, are keyed by call index from here on; flagged rollouts as their harness says."""
+    seconds). The calls come back from disk: the proxy keeps none in memory. From here on a call
+    reward (POSTed or returned) is keyed by call index, and a rollout carries its flags."""
     proxy.set_output(run.file("calls", name))
     t0 = time.time()
-    harness_of = {rid: h.name for rid, _, h in jobs}
-    # --lora-per-harness: each rollout served by its harness's adapter, which its endpoint names
-    backend.adapter_of = harness_of.get if args.lora_per_harness else None
+    harness_of = {rid: harness for rid, _, harness in jobs}
+    # --lora-per-harness: the adapter that serves each rollout, which its endpoint names as its model
+    adapter_of = {}
+    if adapter is not None:
+        adapter_of = {rid: adapter.serving(h.name) for rid, h in harness_of.items()}
+    backend.adapter_of = None
+    if any(adapter_of.values()):
+        backend.adapter_of = adapter_of.get
 
     def endpoint_for(rid):
-        # a token in the URL only this rollout knows; a sandboxed one gets a Unix socket of its own
-        bridged = sandbox_of[harness_of[rid]] in sandbox.BRIDGED
-        model = harness_of[rid] if args.lora_per_harness else args.model
-        return server.endpoint(rid, model, socket=bridged)
+        model_name = adapter_of.get(rid) or args.model
+        # a sandboxed rollout reaches the proxy through a Unix socket of its own (extras/sandbox.py)
+        bridged = getattr(harness_of[rid], "bridged", False)
+        return server.endpoint(rid, model_name, socket=bridged)
 
-    options = dict(posted_reward=proxy.reward, desc=name.replace("_", " "), progress=master)
-    limits = args.max_concurrency, args.rollout_timeout
-    results = asyncio.run(run_rollouts(jobs, endpoint_for, *limits, **options))
+    desc = name.replace("_", " ")
+    results = asyncio.run(
+        run_rollouts(
+            jobs,
+            endpoint_for,
+            args.max_concurrency,
+            args.rollout_timeout,
+            posted_reward=proxy.reward,
+            desc=desc,
+            progress=master,
+        )
+    )
     proxy.set_output(None)
-    server.close_sockets([rid for rid, *_ in jobs])
+    server.close_sockets([rid for rid, _, _ in jobs])
     calls = read_calls(run.file("calls", name))
     calls_of = {}
     for c in calls:
         calls_of.setdefault(c.rollout_id, []).append(c)
     resolve_call_rewards(results, calls_of, proxy.call_rewards)
-    # what the proxy refused a rollout (another's route, a reward of its own), what the audit found
-    auditor.flag(results, calls_of, proxy.flags, tok.decode)
+    for result in results:
+        # what the proxy refused the rollout (another's route, a reward of its own)
+        result.flags = proxy.flags(result.rollout_id)
+    # e.g. what the audit's patterns find in its calls (extras/audit.py)
+    for flag in hooks.ROLLOUT_FILTERS:
+        flag(results, calls_of, tok.decode)
     proxy.reset()
     fail_rollouts_the_backend_failed(results, calls)
     return results, calls, time.time() - t0
@@ -226,21 +353,25 @@ def rollouts(jobs, name):
 def step_rollouts(step):
     """This rank's share of the step's task groups, each task --group-size times:
     ({rollout id: its advantage group}, results, calls, seconds)."""
+    t0 = time.time()
     if recorded:
-        t0 = time.time()
         groups, results, calls = recorded.step(step, rank, world, args.batch_size, tasks.draw)
-        # as a harness step's: the report shows them, a later run reads them
+        # written as a harness step's are: the report shows them, a later run reads them
         records.write_jsonl(run.file("calls", f"step_{step}"), calls)
         return groups, results, calls, time.time() - t0
-    jobs, groups = [], {}
+    jobs = []
+    groups = {}
     for i, group in enumerate(tasks.pick(step)[rank::world]):
-        for g, (h, task, group_id) in enumerate(group):
-            jobs.append((f"s{step}-r{rank}-t{i}-g{g}", task, h))
-            groups[jobs[-1][0]] = group_id
-    return groups, *rollouts(jobs, f"step_{step}")
+        for g, (harness, task, group_id) in enumerate(group):
+            rollout_id = f"s{step}-r{rank}-t{i}-g{g}"
+            jobs.append((rollout_id, task, harness))
+            groups[rollout_id] = group_id
+    results, calls, seconds = rollouts(jobs, f"step_{step}")
+    return groups, results, calls, seconds
 
 
-ahead = {}  # --async: step -> its rollouts, run in step order by one worker thread
+# --async: step -> the future of its rollouts, run in step order by one worker thread
+ahead = {}
 worker = None
 if args.async_steps:
     worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
@@ -258,107 +389,134 @@ def evaluate(step):
     run.save_rollouts(f"eval_{step}", results, {})
     row = {"step": step, **tasks.eval_row(results, secs)}
     log(
-        f"eval @ step {step}: reward {row['eval_reward']:.3f}  success {row['eval_success']:.3f} over "
-        f"{row['eval_tasks']} tasks ({secs:.0f}s)" + tasks.by_harness(row, "eval_reward")
+        f"eval @ step {step}: reward {row['eval_reward']:.3f}  success {row['eval_success']:.3f} "
+        f"over {row['eval_tasks']} tasks ({secs:.0f}s)" + tasks.by_harness(row, "eval_reward")
     )
-    run.append_metrics(row, metrics)
+    run.append_metrics(row, sinks)
 
 
 def make_samples(results, calls):
     """Each finished rollout's calls merged into samples, by harness (each one's merge counts)."""
     finished = {r.rollout_id for r in results if r.error is None}
     harness_of = {r.rollout_id: r.harness for r in results}
-    samples, stats = [], {}
+    samples = []
+    stats = {}
     for name in dict.fromkeys(harness_of.values()):
-        mine = [c for c in calls if harness_of[c.rollout_id] == name and c.rollout_id in finished]
-        got, stats[name] = build_batch_samples(mine, args.max_seq_len)
-        samples += got
-    for s in samples if args.loss == "sft" else ():
-        # -logprob under the model's own softmax, and without a grammar's mask: the model learns
-        # to write what the sampler's settings or a grammar made it write
-        n = len(s.tokens)
-        s.temperature, s.top_k, s.top_p, s.grammars = [1.0] * n, [0] * n, [1.0] * n, {}
-    for s in samples if recorded else ():
-        # sampled before this run began: by its version 0, `step` updates ago
-        s.version = [0] * len(s.tokens)
+        its_calls = [c for c in calls if harness_of[c.rollout_id] == name]
+        its_calls = [c for c in its_calls if c.rollout_id in finished]
+        its_samples, stats[name] = build_batch_samples(its_calls, args.max_seq_len)
+        samples += its_samples
+    if args.loss == "sft":
+        for s in samples:
+            # -logprob under the model's own softmax, and without a grammar's mask: the model
+            # learns to write what the sampler's settings or a grammar made it write
+            n = len(s.tokens)
+            s.temperature = [1.0] * n
+            s.top_k = [0] * n
+            s.top_p = [1.0] * n
+            s.grammars = {}
+    if recorded:
+        for s in samples:
+            # sampled before this run began, by version 0: `step` updates ago
+            s.version = [0] * len(s.tokens)
     return samples, stats
 
 
+def imitated(reward) -> bool:
+    """--loss sft: is a rollout with this reward one to imitate?"""
+    if args.sft_min_reward is None:
+        return True
+    return reward is not None and reward >= args.sft_min_reward
+
+
 def advantages(groups, results, calls):
-    """{rollout id: advantage, or {call index: advantage}} of this rank's finished rollouts: GRPO-style
-    within each task group (all ranks' rewards), or per call. sft: 1 for what it should imitate."""
+    """{rollout id: advantage, or {call index: advantage}} of this rank's finished rollouts:
+    GRPO-style within each task group (all ranks' rewards), or per call. sft: 1 for what it should
+    imitate."""
     finished = {r.rollout_id: r.reward for r in results if r.error is None}
     if args.loss == "sft":
-        keep = lambda x: args.sft_min_reward is None or x is not None and x >= args.sft_min_reward
-        return {rid: 1.0 for rid, x in finished.items() if keep(x)}, {}
+        return {rid: 1.0 for rid, reward in finished.items() if imitated(reward)}, {}
     answered = {}
     for c in calls:
         if c.finish_reason not in UNANSWERED:
             answered.setdefault(c.rollout_id, []).append(c.index)
     call_rewards = {r.rollout_id: r.call_rewards for r in results if r.rollout_id in finished}
+    group_of = {rid: groups[rid] for rid in finished}
+    # every rank's, so that a group's baseline is its whole group's
     rewards, group_of, call_rewards, answered = algo.gather_rewards(
-        finished, {rid: groups[rid] for rid in finished}, call_rewards, answered
+        finished, group_of, call_rewards, answered
     )
-    kw = dict(drop_zero_variance=args.drop_zero_variance, call_rewards=call_rewards, calls=answered)
-    return algo.compute_advantages(rewards, group_of, args.adv, gamma=args.gamma, **kw)
+    return algo.compute_advantages(
+        rewards,
+        group_of,
+        args.adv,
+        gamma=args.gamma,
+        drop_zero_variance=args.drop_zero_variance,
+        call_rewards=call_rewards,
+        calls=answered,
+    )
 
 
 def sync_weights(version):
     """The backend serves the trained weights (every rank calls it: a collective). Calls in flight
-    finish on the old weights, new calls wait, then get the new ones. vLLM gets them whole (FSDP:
-    gathered into rank 0's host memory; --lora: the adapters alone); the embedded backend serves the
-    module itself, or copies what training changes into its own copy (--lora: every adapter; FSDP's
-    shards gathered one at a time)."""
-    served = model
-    if args.backend == "vllm" and args.lora:
-        served = lora.adapters(model, dtype)
-    elif args.backend == "vllm":
-        served = parallel.full_state_dict(model, args.parallel)
-    elif learner.served is not model:
-        # the embedded backend's own copy gets what training changes
-        served = learner.trained
+    finish on the old weights; new calls wait, then get the new ones. What it gets is the backend's
+    choice (``payload``): the embedded backend serves the module itself, or copies what training
+    changed into its own copy; vLLM gets the whole model, or under --lora the adapters alone."""
+    payload = backend.payload(learner)
     backend.pause()
     # every rank's calls have finished before anything reloads (vLLM servers are shared)
     if ddp:
         dist.barrier()
-    backend.sync_weights(served, version=version)
+    backend.sync_weights(payload, version=version)
     if ddp:
         dist.barrier()
     backend.resume()
 
 
 def save(step):
-    if path := learner.save(step, run, vars(args)):
+    path = learner.save(step, run, vars(args))
+    if path:
         log(f"saved {path}")
 
 
 # ----------------------------------------------------------------------------- the loop
+def shown(row, key, spec):
+    """A metric as the step's line shows it; '-' where it was not measured."""
+    if row.get(key) is None:
+        return "-"
+    return format(row[key], spec)
+
+
 def log_step(row, step):
-    """The step's line (README: reading a log line); '-' is not measured."""
-    show = lambda k, spec: "-" if row[k] is None else format(row[k], spec)
-    waited = f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}"
-    log(
-        f"step {step + 1:4d} | reward {show('reward', '.3f')} succ {show('success', '.2f')} | "
-        f"fail {row['failed']} | samples {row['samples']} tok {row['trainable_tokens']} "
-        f"fwd {show('fwd_tokens', 'd')} merge {show('merge_ratio', '.2f')}x | "
-        f"loss {show('loss', '+.4f')} gnorm {show('grad_norm', '.3f')} clip {show('clip_frac', '.3f')} "
-        f"|dlogp| {show('dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s ({show('gen_tok_s', '.0f')} tok/s) "
-        f"train {row['t_train']:.1f}s ({show('train_tok_s', '.0f')} tok/s) sync {row['t_sync']:.2f}s"
-        + (waited if worker else "")
-        + (f" | {row['calls']} recorded calls, {step} updates stale" if recorded else "")
-        + tasks.by_harness(row, "reward")
-        + (" | loss" + tasks.by_harness(row, "loss") if args.lora_per_harness else "")
+    """The step's line (README: reading a log line)."""
+    line = (
+        f"step {step + 1:4d} | reward {shown(row, 'reward', '.3f')} "
+        f"succ {shown(row, 'success', '.2f')} | fail {row['failed']} | samples {row['samples']} "
+        f"tok {row['trainable_tokens']} fwd {shown(row, 'fwd_tokens', 'd')} "
+        f"merge {shown(row, 'merge_ratio', '.2f')}x | loss {shown(row, 'loss', '+.4f')} "
+        f"gnorm {shown(row, 'grad_norm', '.3f')} clip {shown(row, 'clip_frac', '.3f')} "
+        f"|dlogp| {shown(row, 'dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s "
+        f"({shown(row, 'gen_tok_s', '.0f')} tok/s) train {row['t_train']:.1f}s "
+        f"({shown(row, 'train_tok_s', '.0f')} tok/s) sync {row['t_sync']:.2f}s"
     )
+    if worker:
+        line += f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}"
+    if recorded:
+        line += f" | {row['calls']} recorded calls, {step} updates stale"
+    line += tasks.by_harness(row, "reward")
+    if any(key.startswith("loss/") for key in row):
+        # a loss per harness (--lora-per-harness: each adapter's own)
+        line += " | loss" + tasks.by_harness(row, "loss")
+    log(line)
 
 
 def make_room_for_training():
-    """No generation while the weights change (--async: the backend serves its own copy), and vLLM
-    servers on the training GPUs free their memory (--vllm-sleep). Returns the seconds it took."""
+    """No generation while the weights change (under --async the backend serves its own copy), and
+    the backend frees what training needs (--vllm-sleep). Returns the seconds it took."""
     t0 = time.time()
     if not worker:
         backend.pause()
-    if args.backend == "vllm" and args.vllm_sleep and master:
-        backend.sleep()
+    backend.make_room()
     return time.time() - t0
 
 
@@ -386,14 +544,14 @@ def on_ctrl_c(signum, frame):
 
 
 signal.signal(signal.SIGINT, on_ctrl_c)
-# steps_done: steps whose update is applied (or skipped), what a checkpoint holds; unlogged: its
-# metrics row while it is not in metrics.jsonl (a Ctrl-C writes it)
-step = steps_done = start_step
+# steps_done: the steps whose update is applied (or skipped), what a checkpoint holds
+step = start_step
+steps_done = start_step
+# the step's metrics row while it is not in metrics.jsonl (a Ctrl-C writes it)
 unlogged = None
 try:
-    if args.backend == "vllm" and (args.vllm_url or args.lora):
-        # servers a user started may serve other weights (a previous run's, before --resume); --lora's
-        # serve the base model until they load the adapter
+    if backend.first_sync:
+        # the backend may serve other weights than the trained ones (vLLM servers a user started)
         sync_weights(start_step)
     if eval_due(start_step) and start_step not in evaluated:
         evaluate(start_step)
@@ -403,42 +561,53 @@ try:
         t_step = time.time()
         # 1. rollouts. Under --async N those of the next N steps start now, in the background:
         # step s's once version s - N is served, so no trained token is more than N updates old.
-        for s in range(step, min(step + args.async_steps, args.steps - 1) + 1) if worker else ():
-            ahead[s] = ahead.get(s) or worker.submit(step_rollouts, s)
-        groups, results, calls, t_roll = ahead.pop(step).result() if worker else step_rollouts(step)
+        if worker:
+            last_ahead = min(step + args.async_steps, args.steps - 1)
+            for s in range(step, last_ahead + 1):
+                if s not in ahead:
+                    ahead[s] = worker.submit(step_rollouts, s)
+            groups, results, calls, t_roll = ahead.pop(step).result()
+        else:
+            groups, results, calls, t_roll = step_rollouts(step)
         t_wait = time.time() - t_step
         # 2. samples: each finished rollout's calls merged (a failed rollout is never trained on)
         samples, merge_stats = make_samples(results, calls)
-        # 3. advantages, written on each trainable token; zero ones stay (they count in the denominators)
+        # 3. advantages, written on each trainable token; zero ones stay (they count in the
+        # denominators)
         adv, adv_stats = advantages(groups, results, calls)
         samples = algo.assign_advantages(samples, adv)
         run.save_rollouts(f"step_{step}", results, adv)
-        n = step_counts(results, calls, samples, merge_stats, tasks.names(), algo.all_reduce)
-        if n["dropped"]:
-            log(
-                f"step {step + 1}: {int(n['dropped'])} samples dropped: a first turn > --max-seq-len"
-            )
+        # the step's sums over every rank (rollouts, tokens, rewards, merge statistics)
+        sums = step_counts(results, calls, samples, merge_stats, tasks.names(), algo.all_reduce)
+        if sums["dropped"]:
+            dropped = int(sums["dropped"])
+            log(f"step {step + 1}: {dropped} samples dropped: a first turn > --max-seq-len")
         # 4-6. loss and backward, optimizer step
         t_sleep = make_room_for_training()
         t0 = time.time()
-        has_signal = n["signal"] > 0 or (n["samples"] > 0 and args.kl_coef > 0)
-        if args.lora_per_harness:
-            # each harness's adapter on its own samples, all in one pass (metrics as KEY/NAME)
-            m, gnorm, skipped = lora.update_all(learner, samples, results, step, tasks.names())
-        else:
-            m, gnorm, skipped = learner.update(samples, step, has_signal)
+        # something to learn from: an advantage, or the KL term on any sample
+        has_signal = sums["signal"] > 0 or (sums["samples"] > 0 and args.kl_coef > 0)
+        metrics, grad_norm, skipped = learner.update(samples, step, has_signal, results)
         t_train = time.time() - t0
+        # None: not measured (recorded calls were not generated here)
+        gen_tok_s = None
+        if not recorded:
+            gen_tok_s = sums["gen"] / max(t_roll, 1e-9) / world
+        train_tok_s = None
+        if metrics and t_train:
+            train_tok_s = sums["kept_tokens"] / (t_train * world)
         row = {
             "step": step + 1,
-            **step_rates(n, tasks.names()),
-            **{k: int(n[k]) for k in COUNTED},
-            **{k: m.get(k) for k in LOSS_METRICS},
-            **{k: v for k, v in m.items() if "/" in k},
-            "staleness": m.get("staleness", {}),
-            "dlogp_by_staleness": m.get("dlogp_by_staleness", {}),
+            **step_rates(sums, tasks.names()),
+            **{k: int(sums[k]) for k in COUNTED},
+            **{k: metrics.get(k) for k in LOSS_METRICS},
+            # per harness or per adapter: KEY/NAME
+            **{k: v for k, v in metrics.items() if "/" in k},
+            "staleness": metrics.get("staleness", {}),
+            "dlogp_by_staleness": metrics.get("dlogp_by_staleness", {}),
             "skipped": skipped,
             "zero_var_groups": adv_stats.get("zero_variance_groups", 0),
-            "grad_norm": gnorm,
+            "grad_norm": grad_norm,
             "lr": learner.lr_at(step),
             "t_rollout": round(t_roll, 2),
             "t_wait": round(t_wait, 2),
@@ -446,24 +615,22 @@ try:
             "t_sleep": round(t_sleep, 3),
             "t_sync": None,
             "t_step": None,
-            # None: not measured (recorded calls were not generated here)
-            "gen_tok_s": None if recorded else n["gen"] / max(t_roll, 1e-9) / world,
-            "train_tok_s": n["kept_tokens"] / (t_train * world) if m and t_train else None,
+            "gen_tok_s": gen_tok_s,
+            "train_tok_s": train_tok_s,
         }
         # the update is applied (or skipped): a checkpoint from now on is of step + 1
-        unlogged, steps_done = row, step + 1
+        unlogged = row
+        steps_done = step + 1
         # 7. weight sync
         t0 = time.time()
-        if args.backend == "vllm" and args.vllm_sleep and cuda:
-            # what training freed goes back to the GPU before the servers wake
-            torch.cuda.empty_cache()
         sync_weights(step + 1)
-        row.update(t_sync=round(time.time() - t0, 3), t_step=round(time.time() - t_step, 2))
+        row["t_sync"] = round(time.time() - t0, 3)
+        row["t_step"] = round(time.time() - t_step, 2)
         if cuda:
             row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         # 8. log: one line a step (README: reading a log line), one metrics row
         log_step(row, step)
-        run.append_metrics(row, metrics)
+        run.append_metrics(row, sinks)
         unlogged = None
         if eval_due(step + 1):
             evaluate(step + 1)
@@ -474,7 +641,7 @@ except (KeyboardInterrupt, asyncio.CancelledError):
     # in step + 1, whose update may be applied already (steps_done): --resume goes on from there
     log(f"interrupted in step {step + 1}: saving a checkpoint of step {steps_done} before exiting")
     if unlogged:
-        run.append_metrics(unlogged, metrics)
+        run.append_metrics(unlogged, sinks)
     if worker:
         worker.shutdown(wait=False, cancel_futures=True)
     save(steps_done)
@@ -483,11 +650,12 @@ finally:
     server.stop()
     backend.close()
 
-# ----------------------------------------------------------------------------- the report
+# ----------------------------------------------------------------------------- after the run
 if master:
-    from lightning_lite.extras.report import write_report
-
-    print(f"wrote {write_report(args.out)[0]}: plots and trajectories, open it in a browser")
-    metrics.close()
+    # e.g. report.html (extras/report.py)
+    for after in hooks.AFTER_RUN:
+        after(args.out)
+    for sink in sinks:
+        sink.close()
 if ddp:
     dist.destroy_process_group()

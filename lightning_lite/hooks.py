@@ -64,10 +64,10 @@ PARALLEL = {}
 # what it must provide. None: the whole model is trained.
 adapter = None
 
-# Other sources of a step's rollouts than running the harnesses (--from-calls), each
-# fn(args, tokenizer, log) -> a source with step(step, rank, world, batch_size, draw), or None when its
-# flags are not given.
-STEP_SOURCES = []
+# Another source of a step's rollouts than running the harnesses (--from-calls, set when its flag is
+# given): fn(tokenizer, log) -> a source whose step(step, rank, world, batch_size, draw) returns
+# (groups, results, calls) as running the rollouts would.
+step_source = None
 
 # The step's tasks: a class with Tasks(args, log)'s surface (harness.Tasks, one harness). Set by
 # extras/harnesses.py for several --harness with weights.

@@ -1,6 +1,10 @@
-"""Data parallelism: DDP, a full copy of the policy per rank (torchrun). The loss is the same as in one
-process: DDP averages gradients over ranks, and train.py's weights already make the global sum.
-``--parallel fsdp`` shards the weights instead: each function here hands that mode to extras/fsdp.py.
+"""Data parallelism: DDP, a full copy of the policy on each rank (torchrun). The loss is the same as
+in one process: DDP averages gradients over ranks, and the trainer's sample weights already make the
+global sum.
+
+Another mode (``--parallel fsdp``: the weights, gradients and AdamW state sharded) is an extra
+registered in ``hooks.PARALLEL``: each function here hands such a mode to the extra's function of
+the same name.
 """
 
 import contextlib
@@ -8,63 +12,79 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from . import hooks
 from .algo import all_reduce
 
 
-def wrap(
-    model, parallel, world, offload=False, checkpointing=False, dtype=torch.float32, unused=False
-):
-    """The module to train: ``model`` itself (one process), DDP(model), or ``model`` sharded in place
-    (fsdp; ``offload``: the shards in CPU memory; ``dtype``: of its compute). ``unused``: parameters
-    that a backward leaves without gradients (--lora-per-harness: the other harnesses' adapters)."""
+def sharding(parallel: str):
+    """The extra that implements ``parallel`` (hooks.PARALLEL), or None for DDP."""
+    if parallel == "ddp":
+        return None
+    if parallel not in hooks.PARALLEL:
+        raise ValueError(hooks.missing(f"--parallel {parallel}", parallel))
+    return hooks.PARALLEL[parallel]
+
+
+def wrap(model, parallel, world, checkpointing=False, dtype=torch.float32, unused=False):
+    """The module to train: ``model`` itself (one process), DDP(model), or ``model`` sharded in
+    place by the extra of mode ``parallel`` (``dtype``: of its compute). ``unused``: some parameters
+    may get no gradient in a backward (--lora-per-harness: the other harnesses' adapters)."""
     # recompute each layer's activations in backward: memory for compute
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if parallel == "fsdp":
-        from .extras import fsdp
-
-        return fsdp.wrap(model, offload, dtype)
-    ddp = torch.nn.parallel.DistributedDataParallel
-    return ddp(model, find_unused_parameters=unused) if world > 1 else model
+    extra = sharding(parallel)
+    if extra is not None:
+        return extra.wrap(model, dtype)
+    if world == 1:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
 
 
 def accumulating(model, parallel: str, last: bool):
-    """Context for one micro-batch's backward: gradients are reduced over ranks only on the last one."""
-    if parallel == "fsdp":
-        model.set_requires_gradient_sync(last)
-    elif isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+    """Context for one micro-batch's backward: gradients are reduced over ranks only on the last
+    one."""
+    extra = sharding(parallel)
+    if extra is not None:
+        return extra.accumulating(model, last)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
         return model.no_sync()
     return contextlib.nullcontext()
 
 
-def pad_micro_batches(mbs: list, parallel: str) -> list:
-    """Pad with None (train.py runs a zero-loss step for None): a rank without samples runs one, and under
-    FSDP, where each forward and backward is a collective, every rank runs as many as the most has."""
-    n = int(all_reduce([len(mbs)], op=dist.ReduceOp.MAX)[0]) if parallel == "fsdp" else len(mbs)
-    return mbs + [None] * (max(n, 1) - len(mbs))
+def pad_micro_batches(micro_batches: list, parallel: str) -> list:
+    """Pad with None (the trainer runs a zero-loss micro-batch for None): a rank without samples runs
+    one, and under sharding, where each forward and backward is a collective, every rank runs as
+    many as the rank with the most."""
+    n = len(micro_batches)
+    if sharding(parallel) is not None:
+        n = int(all_reduce([n], op=dist.ReduceOp.MAX)[0])
+    return micro_batches + [None] * (max(n, 1) - len(micro_batches))
 
 
 def full_state_dict(model, parallel: str) -> dict:
-    """The whole model's weights for a checkpoint or a vLLM sync: the module's own tensors (no copy), or
-    under FSDP gathered into rank 0's host memory (a collective; the other ranks get {})."""
-    if parallel == "fsdp":
-        from .extras import fsdp
-
-        return fsdp.full_state_dict(model)
+    """The whole model's weights for a checkpoint or a vLLM sync: the module's own tensors (no
+    copy), or, sharded, gathered into rank 0's host memory (a collective; the other ranks get {})."""
+    extra = sharding(parallel)
+    if extra is not None:
+        return extra.full_state_dict(model)
     return getattr(model, "module", model).state_dict()
+
+
+def _names_in_order(model, opt) -> list[str]:
+    """The names of the optimizer's parameters, in its order (param_groups'; its state dict numbers
+    them so)."""
+    name_of = {id(p): n for n, p in getattr(model, "module", model).named_parameters()}
+    return [name_of[id(p)] for group in opt.param_groups for p in group["params"]]
 
 
 def optimizer_state(model, opt, parallel: str) -> dict:
     """The optimizer state to checkpoint, each parameter's keyed by its name (not by its place in the
     optimizer, which a resume with other flags may change: --lora-per-harness's adapters follow the
     --harness order): whole, on rank 0 (a collective under FSDP, which gathers the shards)."""
-    if parallel == "fsdp":
-        from .extras import fsdp
-
-        return fsdp.optimizer_state(model, opt)
-    name_of = {id(p): n for n, p in getattr(model, "module", model).named_parameters()}
-    # the optimizer's state dict numbers its parameters in param_groups' order
-    names = [name_of[id(p)] for group in opt.param_groups for p in group["params"]]
+    extra = sharding(parallel)
+    if extra is not None:
+        return extra.optimizer_state(model, opt)
+    names = _names_in_order(model, opt)
     state = opt.state_dict()
     return {
         "state": {names[i]: s for i, s in state["state"].items()},
@@ -77,17 +97,13 @@ def optimizer_state(model, opt, parallel: str) -> dict:
 def load_optimizer_state(model, opt, state: dict, parallel: str):
     """Restore ``optimizer_state``'s output by parameter name (under FSDP each rank takes its shard). A
     parameter without saved state (one that never had a gradient) starts fresh."""
-    if parallel == "fsdp":
-        from .extras import fsdp
-
-        return fsdp.load_optimizer_state(model, opt, state)
+    extra = sharding(parallel)
+    if extra is not None:
+        return extra.load_optimizer_state(model, opt, state)
     # checkpoints written before the state was keyed by name: in the optimizer's order
     if all(isinstance(i, int) for g in state["param_groups"] for i in g["params"]):
         return opt.load_state_dict(state)
-    name_of = {id(p): n for n, p in getattr(model, "module", model).named_parameters()}
-    index = {
-        name_of[id(p)]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
-    }
+    index = {name: i for i, name in enumerate(_names_in_order(model, opt))}
     # torch's loader pairs saved and current parameters by position: number the current ones in order
     groups, start = [], 0
     for group, saved in zip(opt.param_groups, state["param_groups"]):

@@ -42,14 +42,15 @@ class RunDir:
         rows = [asdict(r) | {"advantage": advantages.get(r.rollout_id)} for r in results]
         records.write_jsonl(self.file("rollouts", name), rows)
 
-    def append_metrics(self, row: dict, loggers=None):
+    def append_metrics(self, row: dict, sinks=()):
         """One line of metrics.jsonl (None: not measured; NaN and inf, which JSON lacks, too), also to
-        the loggers. The file is written last: a row in it has been logged everywhere."""
+        the other sinks (hooks.METRIC_SINKS). The file is written last: a row in it has been logged
+        everywhere."""
         if self.rank:
             return
         row = records.finite(row)
-        if loggers:
-            loggers.log(row)
+        for sink in sinks:
+            sink.log(row)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 

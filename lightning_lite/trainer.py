@@ -1,69 +1,155 @@
-"""The trainer's side of a step: the policy (and its reference and served copies), AdamW, and one
-update: samples -> micro-batches -> logprobs -> loss -> backward -> optimizer step.
+"""The trainer's side of a step: the policy, AdamW, and one update.
 
-    learner = Learner(args, tok, device, dtype, world, master, resume_dir, log)
-    metrics, grad_norm, skipped = learner.update(samples, step, has_signal)
+    config = TrainConfig.from_flags(args)
+    learner = Learner(config, tok, device, dtype, world, master, resume_dir, log, adapter=None)
+    metrics, grad_norm, skipped = learner.update(samples, step, has_signal, results)
 
-``args`` are train.py's flags (README: the training knobs); algo.py holds the math.
+One update: samples -> micro-batches -> logprobs -> loss -> backward -> one AdamW step. algo.py
+holds the math; this file holds which copies of the policy exist and who owns them:
+
+- ``model``, the policy that is trained, in fp32 (the master weights; autocast computes in --dtype).
+  Under a model adapter (--lora) it is the frozen base in --dtype with fp32 adapters.
+- ``served``, what the embedded backend serves: ``model`` itself, unless its parameters change
+  while rollouts run (--async), are shards (FSDP) or use an attention decoding lacks (flex). Then
+  it is a copy of its own, which each weight sync refreshes with what training changed
+  (``trained``). vLLM always serves its own copy, in its own processes.
+- ``ref_model``, the reference of the KL term (--kl-coef > 0), frozen. Under a model adapter there
+  is none: the reference is ``model`` with its adapters switched off.
+
+The loss of a micro-batch is multiplied by the world size before backward: DDP and FSDP average
+gradients over ranks, and the sample weights (algo.sample_weights) already make the global sum.
 """
 
+import contextlib
+import glob
 import math
 import os
 import sys
+from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 from tqdm import tqdm
 
-from . import algo, parallel
-from .extras import grammar, lora
+from . import algo, hooks, parallel
 from .models import load_model
 from .records import Sample, common_prefix
 
-# train.py's flags that are policy_loss's options of the same names
-LOSS_FLAGS = ("loss", "clip_low", "clip_high", "clip_ratio_c", "tis_cap", "kl_coef")
+
+@dataclass
+class TrainConfig:
+    """The knobs the Learner reads: train.py's flags of the same names (README: the training knobs)."""
+
+    model: str
+    steps: int
+    lr: float
+    warmup_steps: int
+    lr_schedule: str
+    weight_decay: float
+    grad_clip: float
+    # the most tokens one forward takes, its samples packed as a prefix tree
+    micro_batch_tokens: int
+    # each sample its own padded row instead of a packed tree
+    no_tree: bool
+    attn: Optional[str]
+    parallel: str
+    activation_checkpointing: bool
+    max_model_len: Optional[int]
+    keep_checkpoints: int
+    # the loss: policy_loss's options of the same names, and the normalization
+    loss: str
+    clip_low: float
+    clip_high: float
+    clip_ratio_c: float
+    tis_cap: float
+    kl_coef: float
+    norm: str
+    norm_const: float
+    # who serves the policy while it trains: does the embedded backend need a copy of its own
+    backend: str
+    async_steps: int
+    # the most updates between sampling a token and training it (a check on every update)
+    max_staleness: int = 0
+
+    @classmethod
+    def from_flags(cls, args, **overrides) -> "TrainConfig":
+        """The config of train.py's parsed flags (an argparse Namespace), with ``overrides``."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values.update(overrides)
+        return cls(**values)
+
+
+# the TrainConfig fields that are policy_loss's options of the same names
+LOSS_OPTIONS = ("loss", "clip_low", "clip_high", "clip_ratio_c", "tis_cap", "kl_coef")
 
 
 class Learner:
-    def __init__(self, args, tok, device, dtype, world: int, master: bool, resume_dir, log):
-        self.args, self.tok, self.device, self.dtype, self.log = args, tok, device, dtype, log
-        self.world, self.master = world, master
-        fsdp = args.parallel == "fsdp"
-        # fp32: the master weights (--lora: the base frozen in --dtype, fp32 adapters)
+    def __init__(
+        self,
+        config: TrainConfig,
+        tok,
+        device,
+        dtype,
+        world: int,
+        master: bool,
+        resume_dir,
+        log,
+        adapter=None,
+    ):
+        self.config = config
+        self.tok = tok
+        self.device = device
+        self.dtype = dtype
+        self.log = log
+        self.world = world
+        self.master = master
+        # A model adapter (--lora, extras/lora.py: hooks.adapter): a frozen base with trained
+        # adapters. It wraps the loaded base (wrap), gives the KL reference (reference: a context
+        # yielding the model to score with), says whether a backward leaves some parameters without
+        # gradients (unused_parameters), and, when its adapters train apart (trains_apart), makes
+        # the update itself (update). None: the whole model trains.
+        self.adapter = adapter
+        fsdp = config.parallel == "fsdp"
         self.model = self.load(resume_dir, torch.float32)
         # The reference and served copies hold the weights as the trainer's forward sees them:
         # FSDP gathers them in --dtype, DDP's autocast casts fp32 weights op by op.
-        held = dtype if fsdp else torch.float32
+        if fsdp:
+            held = dtype
+        else:
+            held = torch.float32
         self.ref_model = None
-        # (--lora: the reference is the model with its adapters disabled)
-        if args.kl_coef > 0 and not args.lora:
-            self.ref_model = load_model(args.model, device, held, args.max_model_len)
+        if config.kl_coef > 0 and self.adapter is None:
+            self.ref_model = load_model(config.model, device, held, config.max_model_len)
             self.ref_model.requires_grad_(False)
-        # The embedded backend serves the trained module itself, unless its parameters are FSDP
-        # shards, change while rollouts run (--async), or use an attention decoding lacks (flex):
-        # then a copy of its own, which each weight sync refreshes. vLLM always has its own.
         self.served = self.model
-        if args.backend == "hf" and (fsdp or args.async_steps or args.attn == "flex_attention"):
+        own_copy = fsdp or config.async_steps or config.attn == "flex_attention"
+        if config.backend == "hf" and own_copy:
             self.served = self.load(resume_dir, held)
-        for net in [m for m in (self.model, self.ref_model) if m is not None and args.attn]:
-            net.set_attn_implementation(args.attn)
-        if not args.no_tree and (why := algo.tree_unsupported(self.model.config)):
+        for net in (self.model, self.ref_model):
+            if net is not None and config.attn:
+                net.set_attn_implementation(config.attn)
+        why = algo.tree_unsupported(self.model.config)
+        if not config.no_tree and why:
             log(
                 f"training each sample as its own row (--no-tree): this model cannot run a packed tree, {why}"
             )
-            args.no_tree = True
-        offload, checkpointing = args.fsdp_offload, args.activation_checkpointing
-        unused = bool(args.lora_per_harness)
+            config.no_tree = True
+        # parameters that a backward may leave without gradients (--lora-per-harness: the adapters
+        # of the harnesses whose samples it does not see), which DDP must be told of
+        unused = self.adapter is not None and self.adapter.unused_parameters
         self.train_model = parallel.wrap(
-            self.model, args.parallel, world, offload, checkpointing, dtype, unused
+            self.model, config.parallel, world, config.activation_checkpointing, dtype, unused
         )
         if self.ref_model is not None and fsdp:
             # sharded like the policy, without an optimizer: its forwards are collectives too
-            parallel.wrap(self.ref_model, "fsdp", world, offload, dtype=dtype)
+            parallel.wrap(self.ref_model, "fsdp", world, dtype=dtype)
         # after sharding: AdamW's state is over the shards
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, args.lr, (0.9, 0.99), weight_decay=args.weight_decay)
-        # What training changes, by name: the parameters AdamW updates (under LoRA every adapter, active
-        # or not). A weight sync into the served copy copies these; the rest is the same in both copies.
+        betas = (0.9, 0.99)
+        self.opt = torch.optim.AdamW(params, config.lr, betas, weight_decay=config.weight_decay)
+        # What training changes, by name: the parameters AdamW updates (under LoRA every adapter,
+        # active or not). A weight sync into the served copy copies these; the rest is the same in
+        # both copies.
         updated = {id(p) for p in params}
         self.trained = {n: p for n, p in self.model.named_parameters() if id(p) in updated}
         self.start_step = 0
@@ -72,34 +158,52 @@ class Learner:
             # page cache's one copy (12 bytes/param) and each takes its part (FSDP) or all (DDP)
             path = os.path.join(resume_dir, "trainer_state.pt")
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-            parallel.load_optimizer_state(self.model, self.opt, state["optimizer"], args.parallel)
+            parallel.load_optimizer_state(self.model, self.opt, state["optimizer"], config.parallel)
             self.start_step = state["step"]
             log(f"resumed from {resume_dir} at step {self.start_step}")
 
     def load(self, resume_dir, dtype):
-        """The policy: the last checkpoint's, or the base model (--lora: in --dtype, trained and served
-        alike, with its adapters)."""
-        a = self.args
-        if not a.lora:
-            return load_model(resume_dir or a.model, self.device, dtype, a.max_model_len)
-        base = load_model(a.model, self.device, self.dtype, a.max_model_len)
-        return lora.wrap(base, a, resume_dir)
+        """The policy: the last checkpoint's, or the base model. Under a model adapter: the base in
+        --dtype, trained and served alike, with its adapters (fresh, or the checkpoint's)."""
+        config = self.config
+        # peft's layout: the first adapter's config in the folder, or each in a folder of its name
+        adapters = []
+        if resume_dir:
+            adapters = glob.glob(
+                os.path.join(resume_dir, "**", "adapter_config.json"), recursive=True
+            )
+        if self.adapter is None and adapters:
+            sys.exit(
+                f"--resume: {resume_dir} holds adapters, not a model (a --lora run's): resume with "
+                "the checkpoint's flags, or start a new run in another --out"
+            )
+        if self.adapter is None:
+            return load_model(resume_dir or config.model, self.device, dtype, config.max_model_len)
+        base = load_model(config.model, self.device, self.dtype, config.max_model_len)
+        return self.adapter.wrap(base, resume_dir)
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then constant or cosine down to 10%."""
-        a = self.args
-        if step < a.warmup_steps:
-            return a.lr * (step + 1) / a.warmup_steps
-        t = min(1.0, (step - a.warmup_steps) / max(1, a.steps - a.warmup_steps))
-        cosine = 0.1 + 0.45 * (1 + math.cos(math.pi * t))
-        return a.lr * (cosine if a.lr_schedule == "cosine" else 1.0)
+        config = self.config
+        if step < config.warmup_steps:
+            return config.lr * (step + 1) / config.warmup_steps
+        done = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        cosine = 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
+        if config.lr_schedule == "cosine":
+            return config.lr * cosine
+        return config.lr
 
-    def update(self, samples: list[Sample], step: int, has_signal: bool):
+    def update(self, samples: list[Sample], step: int, has_signal: bool, results=()):
         """Loss, backward and AdamW on the step's samples; skipped, saying why, when nothing carries
-        a signal or the gradient is not finite. Returns (metrics, gradient norm, why skipped)."""
+        a signal or the gradient is not finite. Returns (metrics, gradient norm, why skipped). A model
+        adapter that trains apart (--lora-per-harness: each harness's adapter on its own rollouts,
+        ``results`` say whose) makes the update itself, through the steps below."""
+        if self.adapter is not None and self.adapter.trains_apart:
+            return self.adapter.update(self, samples, results, step)
         if not has_signal:
             self.log(
-                f"step {step + 1}: every rollout failed or every group has zero advantage; skipping the update"
+                f"step {step + 1}: every rollout failed or every group has zero advantage; "
+                "skipping the update"
             )
             return {}, None, "no_signal"
         self.start_update(step)
@@ -110,13 +214,15 @@ class Learner:
 
     def start_update(self, step: int):
         self.model.train()
-        for g in self.opt.param_groups:
-            g["lr"] = self.lr_at(step)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(step)
 
     def clip(self, params: list, step: int, what="the gradient norm") -> tuple[float, str | None]:
         """Clip ``params``' gradients (reduced over ranks) to --grad-clip by their norm. Returns (the
-        norm, why skipped): a non-finite norm drops their gradients, so the AdamW step leaves them be."""
-        grad_norm = parallel.scalar(torch.nn.utils.clip_grad_norm_(params, self.args.grad_clip))
+        norm, why skipped): a non-finite norm drops their gradients, so the AdamW step leaves them
+        be."""
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
+        grad_norm = parallel.scalar(norm)
         if math.isfinite(grad_norm):
             return grad_norm, None
         # one NaN/inf gradient would make every weight NaN
@@ -137,105 +243,159 @@ class Learner:
 
     def micro_batches(self, samples: list[Sample], weights: list[float]) -> list:
         """Sorted by tokens (a rollout's leaves and a group's samples side by side: neighbours share
-        prefixes), cut into micro-batches of at most --micro-batch-tokens: packed, each sample adding
-        what follows its common prefix with the one before (exactly ``algo.pack``'s row when
-        sorted), or, --no-tree, padded [B, T]."""
-        limit, batches, size, prev = self.args.micro_batch_tokens, [], 0, []
+        prefixes), cut into micro-batches of at most --micro-batch-tokens. Packed, each sample adds
+        what follows its common prefix with the one before (exactly ``algo.pack``'s row when sorted);
+        with --no-tree each micro-batch is padded to [B, T]."""
+        limit = self.config.micro_batch_tokens
+        batches = []
+        size = 0
+        previous = []
         for i in sorted(range(len(samples)), key=lambda i: samples[i].tokens):
-            t = samples[i].tokens
-            if self.args.no_tree:
+            tokens = samples[i].tokens
+            if not batches:
+                grown = 0
+            elif self.config.no_tree:
                 # rows: B x the longest
-                longest = max(len(samples[j].tokens) for j in batches[-1] + [i]) if batches else 0
-                grown = longest * (len(batches[-1]) + 1) if batches else 0
+                longest = max(len(samples[j].tokens) for j in batches[-1] + [i])
+                grown = longest * (len(batches[-1]) + 1)
             else:
-                grown = size + len(t) - common_prefix(prev, t)
+                grown = size + len(tokens) - common_prefix(previous, tokens)
             if batches and grown <= limit:
                 batches[-1].append(i)
                 size = grown
             else:
                 batches.append([i])
-                size = len(t)
-            prev = t
+                size = len(tokens)
+            previous = tokens
         return [([samples[i] for i in mb], [weights[i] for i in mb]) for mb in batches]
 
     def backward(self, samples: list[Sample], version: int, sync: bool = True) -> dict:
-        """Loss and backward over this rank's micro-batches (gradients summed over ranks by DDP or
-        FSDP after the last one; ``sync`` False: not yet, more backward passes follow). Metrics, with
-        the trained tokens and their mean |trainer - rollout logprob| by staleness (updates since
-        they were sampled)."""
-        a, tok, model = self.args, self.tok, self.model
-        # the most updates between sampling a token and training it
-        max_age = a.steps if a.from_calls else a.async_steps
+        """Loss and backward over this rank's micro-batches. The gradients are summed over ranks by
+        DDP or FSDP after the last one (``sync`` False: not yet, more backward passes follow).
+        Returns the metrics, with the trained tokens and their mean |trainer - rollout logprob| by
+        staleness (the updates since they were sampled)."""
+        config = self.config
+        tok = self.tok
+        model = self.model
+        max_age = config.max_staleness
         # the denominators are all-reduced before any backward: exact under any micro-batch split
         denoms = algo.global_denominators(samples)
-        weights = algo.sample_weights(samples, a.norm, denoms, a.norm_const)
+        weights = algo.sample_weights(samples, config.norm, denoms, config.norm_const)
         # FSDP: every rank runs as many forwards as the others (None: a zero-weight one)
-        mbs = parallel.pad_micro_batches(self.micro_batches(samples, weights), a.parallel)
+        batches = self.micro_batches(samples, weights)
+        batches = parallel.pad_micro_batches(batches, config.parallel)
         flex = model.config._attn_implementation == "flex_attention"
-        # the grammars' masks are over the model's vocabulary; bf16 and fp16 run under autocast
-        vocab, autocast = model.config.vocab_size, self.dtype != torch.float32
-        # [2, age]: tokens and their summed |dlogp| by staleness; fwd, constrained, forced tokens
-        stale, counts, rows = torch.zeros(2, max_age + 1, dtype=torch.float64), torch.zeros(3), []
+        # flex_attention compiles for each new shape: its rows are padded to one
+        pad_to = 1
+        if flex:
+            pad_to = config.micro_batch_tokens
+        pad_id = tok.pad_token_id or 0
+        # bf16 runs under autocast over the fp32 weights
+        autocast = self.dtype != torch.float32
+        with_kl = config.kl_coef > 0
+        loss_options = {k: getattr(config, k) for k in LOSS_OPTIONS}
+        # summed over micro-batches: [age] tokens and their summed |dlogp| by staleness; tokens forwarded,
+        # tokens a grammar constrained, tokens it forced
+        tokens_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
+        dlogp_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
+        fwd_tokens = constrained_tokens = forced_tokens = 0
+        rows = []
         quiet = not (self.master and sys.stderr.isatty())
-        for i, mb in enumerate(tqdm(mbs, desc="train", unit="mb", leave=False, disable=quiet)):
-            pad = mb is None
-            mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0]) if pad else mb
-            # the masks a grammar sampled under (a forced call's schema), replayed: scored under them
-            masks = [grammar.sample_masks(s, tok, vocab) if s.grammars else None for s in mb[0]]
-            # flex_attention compiles for each new shape: its rows are padded to one
-            pad_to, pad_id = a.micro_batch_tokens if flex else 1, tok.pad_token_id or 0
-            options = dict(pad_id=pad_id, tree=not a.no_tree, pad_to=pad_to, masks=masks)
-            b = algo.collate(*mb, self.device, **options)
-            last = sync and i == len(mbs) - 1
-            with parallel.accumulating(self.train_model, a.parallel, last=last):
+        for i, mb in enumerate(tqdm(batches, desc="train", unit="mb", leave=False, disable=quiet)):
+            padding = mb is None
+            if padding:
+                # a zero-weight micro-batch of one two-token sample: this rank's share of a collective
+                mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0])
+            masks = [self.grammar_masks(s) for s in mb[0]]
+            options = dict(pad_id=pad_id, tree=not config.no_tree, pad_to=pad_to, masks=masks)
+            batch = algo.collate(*mb, self.device, **options)
+            last = sync and i == len(batches) - 1
+            with parallel.accumulating(self.train_model, config.parallel, last=last):
                 with torch.autocast(self.device.type, self.dtype, enabled=autocast):
                     # [B, T]
-                    logprobs = algo.trainer_logprobs(self.train_model, b)
-                    with torch.no_grad(), lora.base_only(model, a.lora and a.kl_coef > 0):
-                        ref_model = self.ref_model or model
-                        ref = algo.trainer_logprobs(ref_model, b) if a.kl_coef > 0 else None
-                # [B, T] each, weights [B]
-                batch = (b[k] for k in ("old_logprobs", "advantages", "loss_mask", "weights"))
-                loss_options = {k: getattr(a, k) for k in LOSS_FLAGS}
-                loss, m = algo.policy_loss(logprobs, *batch, ref_logprobs=ref, **loss_options)
+                    logprobs = algo.trainer_logprobs(self.train_model, batch)
+                    ref = None
+                    if with_kl:
+                        with torch.no_grad(), self.reference() as ref_model:
+                            ref = algo.trainer_logprobs(ref_model, batch)
+                # [B, T] each, and the sample weights [B]
+                loss, m = algo.policy_loss(
+                    logprobs,
+                    batch["old_logprobs"],
+                    batch["advantages"],
+                    batch["loss_mask"],
+                    batch["weights"],
+                    ref_logprobs=ref,
+                    **loss_options,
+                )
                 # DDP and FSDP average gradients over ranks; the weights already make the global sum
                 (loss * self.world).backward()
-            if pad:
+            if padding:
                 continue
             rows.append(m)
-            constrained = sum(len(x[0]) for x in masks if x)
-            forced = sum(grammar.forced(x[1]) for x in masks if x)
-            counts += torch.tensor([b["fwd_tokens"], constrained, forced])
-            on = b["loss_mask"] > 0
+            fwd_tokens += batch["fwd_tokens"]
+            for x in masks:
+                if x is not None:
+                    constrained_tokens += len(x[0])
+                    forced_tokens += hooks.grammar.forced(x[1])
+            trained = batch["loss_mask"] > 0
             # [N]: each trained token's staleness
-            age = version - b["version"][on]
+            age = version - batch["version"][trained]
             if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= max_age:
                 raise RuntimeError(
-                    f"a token sampled {int(age.max())} updates ago, more than --async {a.async_steps} allows"
+                    f"a token sampled {int(age.max())} updates ago, more than the {max_age} "
+                    f"updates this run allows (--async {config.async_steps})"
                 )
-            dlogp = (logprobs - b["old_logprobs"])[on].abs().detach().double()
-            stale[0] += torch.bincount(age, minlength=max_age + 1).double().cpu()
-            stale[1] += torch.bincount(age, dlogp, minlength=max_age + 1).cpu()
-        *by_age, fwd, constrained, forced = algo.all_reduce(
-            stale.view(-1).tolist() + counts.tolist()
-        )
-        n, total = torch.tensor(by_age).view(2, -1).tolist()
+            dlogp = (logprobs - batch["old_logprobs"])[trained].abs().detach().double()
+            tokens_by_age += torch.bincount(age, minlength=max_age + 1).double().cpu()
+            dlogp_by_age += torch.bincount(age, dlogp, minlength=max_age + 1).cpu()
+        sums = tokens_by_age.tolist() + dlogp_by_age.tolist()
+        sums += [fwd_tokens, constrained_tokens, forced_tokens]
+        sums = algo.all_reduce(sums)
+        tokens_by_age = sums[: max_age + 1]
+        dlogp_by_age = sums[max_age + 1 : 2 * (max_age + 1)]
+        fwd_tokens, constrained_tokens, forced_tokens = sums[2 * (max_age + 1) :]
+        staleness = {age: int(n) for age, n in enumerate(tokens_by_age) if n}
+        dlogp_by_staleness = {
+            age: dlogp_by_age[age] / n for age, n in enumerate(tokens_by_age) if n
+        }
         return {
             **algo.reduce_metrics(rows),
-            "fwd_tokens": int(fwd),
-            "constrained_tokens": int(constrained),
-            "forced_tokens": int(forced),
-            "staleness": {k: int(x) for k, x in enumerate(n) if x},
-            "dlogp_by_staleness": {k: d / x for k, (x, d) in enumerate(zip(n, total)) if x},
+            "fwd_tokens": int(fwd_tokens),
+            "constrained_tokens": int(constrained_tokens),
+            "forced_tokens": int(forced_tokens),
+            "staleness": staleness,
+            "dlogp_by_staleness": dlogp_by_staleness,
         }
+
+    def reference(self):
+        """A context that gives the KL term's reference: the frozen initial model, or under a model
+        adapter the policy with its adapters switched off."""
+        if self.adapter is not None:
+            return self.adapter.reference(self.model)
+        return contextlib.nullcontext(self.ref_model)
+
+    def grammar_masks(self, sample: Sample):
+        """The masks a grammar sampled ``sample``'s constrained tokens under (a forced call's schema),
+        replayed so that the trainer scores them as the sampler drew them: (positions, [n, W] packed
+        masks), or None when no grammar constrained it."""
+        if not sample.grammars:
+            return None
+        if hooks.grammar is None:
+            raise RuntimeError(
+                hooks.missing("training on calls sampled under a grammar", "grammar")
+            )
+        return hooks.grammar.sample_masks(sample, self.tok, self.model.config.vocab_size)
 
     def save(self, step: int, run, config: dict) -> str | None:
         """A checkpoint of the trained weights (under --async the served copy is a step behind) and
         the optimizer state: every rank helps gather them (FSDP), rank 0 writes them."""
-        weights = parallel.full_state_dict(self.model, self.args.parallel)
-        optim = parallel.optimizer_state(self.model, self.opt, self.args.parallel)
+        weights = parallel.full_state_dict(self.model, self.config.parallel)
+        optim = parallel.optimizer_state(self.model, self.opt, self.config.parallel)
         if not self.master:
             return None
         # the served copy is of the plain class: the checkpoint loads anywhere
-        checkpoint = (self.served, self.tok, weights, optim, self.dtype, config)
-        return run.save_checkpoint(step, *checkpoint, self.args.keep_checkpoints)
+        keep = self.config.keep_checkpoints
+        return run.save_checkpoint(
+            step, self.served, self.tok, weights, optim, self.dtype, config, keep
+        )

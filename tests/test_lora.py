@@ -13,14 +13,14 @@ import pytest
 import torch
 
 
-from lightning_lite import algo
+from lightning_lite import algo, hooks
 from lightning_lite.apis import Sampling
 from lightning_lite.backends import HFBackend
 from lightning_lite.extras import lora
 from lightning_lite.models import load_model
 from lightning_lite.records import Sample
 from lightning_lite.rundir import RunDir
-from lightning_lite.trainer import Learner
+from lightning_lite.trainer import Learner, TrainConfig
 from conftest import ROOT
 from test_train import rows, run
 
@@ -30,14 +30,28 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def flags(**kw):
     base = dict(lora=8, lora_alpha=None, lora_targets=None, model="smollm2", backend="hf")
     base |= dict(lora_rslora=False, lora_per_harness=None, harness=["calc"], vllm_sleep=False)
-    base |= dict(group_across_harnesses=False)
     return argparse.Namespace(**{**base, **kw})
+
+
+def an_adapter(names=None, **kw):
+    """The adapter --lora's flags ``kw`` ask for: "default", or one per harness of ``names``."""
+    adapter = lora.LoRA(flags(lora_per_harness=bool(names), **kw))
+    if names:
+        adapter.names = list(names)
+    return adapter
+
+
+@pytest.fixture(autouse=True)
+def no_adapter_left_behind():
+    """lora.check sets hooks.adapter, as train.py wants it: each test leaves none behind."""
+    yield
+    hooks.adapter = None
 
 
 @pytest.fixture(scope="module")
 def adapted():
     """SmolLM2 with rank-8 adapters that change its outputs (peft starts lora_B at 0: no change)."""
-    net = lora.wrap(load_model("smollm2"), flags()).eval()
+    net = lora.wrap(load_model("smollm2"), an_adapter()).eval()
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in net.named_parameters():
@@ -64,7 +78,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(adapted, model, t
 
 def test_targets_and_alpha_choose_the_layers_and_the_scale():
     net = lora.wrap(
-        load_model("smollm2"), flags(lora=4, lora_alpha=16.0, lora_targets="q_proj,v_proj")
+        load_model("smollm2"), an_adapter(lora=4, lora_alpha=16.0, lora_targets="q_proj,v_proj")
     )
     trainable = {n: p.numel() for n, p in net.named_parameters() if p.requires_grad}
     # rank 4 on q (576 -> 576) and v (576 -> 192) of 30 layers: 4 x (1152 + 768) a layer
@@ -117,7 +131,7 @@ def test_one_batch_serves_each_harness_its_adapter_with_the_trainers_logprobs(to
     """--lora-per-harness: the embedded backend decodes a batch that mixes two adapters (peft's adapter_names),
     each rollout through its harness's; the trainer, training one adapter at a time (lora.activate), scores
     each reply as it was sampled, to the 1e-5 level, and under the other adapter it does not."""
-    net = lora.wrap(load_model("smollm2"), flags(lora_per_harness=["planner", "coder"]))
+    net = lora.wrap(load_model("smollm2"), an_adapter(["planner", "coder"]))
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in net.named_parameters():
@@ -151,7 +165,6 @@ def test_one_batch_serves_each_harness_its_adapter_with_the_trainers_logprobs(to
         (dict(lora_targets="qproj"), "q_proj"),
         (dict(lora=None, lora_alpha=32.0), "add --lora RANK"),
         (dict(backend="vllm", lora=600), "rank 512 at most"),
-        (dict(vllm_sleep=True), "--vllm-sleep drops the base model"),
         (dict(lora=None, lora_per_harness=True, harness=["calc", "search"]), "add --lora RANK"),
         (dict(lora_per_harness=True), "name two or more --harness"),
         (dict(lora_targets="q_proj,vproj"), "'vproj' names no module of llama"),
@@ -162,10 +175,6 @@ def test_one_batch_serves_each_harness_its_adapter_with_the_trainers_logprobs(to
         (dict(lora_alpha=-16.0), "alpha must be > 0"),
         (dict(lora_rslora=True), "give --lora-alpha too"),
         (dict(lora=None, lora_alpha=0.0), "--lora-alpha shape adapters: add --lora RANK"),
-        (
-            dict(lora_per_harness=True, harness=["calc", "search"], group_across_harnesses=True),
-            "one adapter's rewards the baseline of another's",
-        ),
     ],
 )
 def test_bad_lora_flags_exit_before_anything_starts_naming_the_fix(kw, says):
@@ -174,8 +183,24 @@ def test_bad_lora_flags_exit_before_anything_starts_naming_the_fix(kw, says):
     assert says in str(e.value)
 
 
+def test_lora_refuses_what_other_features_would_break():
+    """Refusals that need another feature's state: harnesses grouped across (their Tasks), vLLM
+    servers put to sleep (the vLLM extra's start, before any server starts)."""
+    from lightning_lite.extras import vllm
+
+    tasks = argparse.Namespace(groups_across=True, names=lambda: ["calc", "search"])
+    with pytest.raises(SystemExit) as e:
+        an_adapter(["calc", "search"]).name_after(tasks)
+    assert "one adapter's rewards the baseline of another's" in str(e.value)
+    learner = argparse.Namespace(model=argparse.Namespace(config=None), dtype=None)
+    learner.adapter = an_adapter()
+    with pytest.raises(SystemExit) as e:
+        vllm.start(argparse.Namespace(vllm_sleep=True), learner, None, torch.device("cpu"))
+    assert "--vllm-sleep drops the base model" in str(e.value)
+
+
 def test_rslora_scales_by_alpha_over_the_square_root_of_the_rank():
-    net = lora.wrap(load_model("smollm2"), flags(lora=16, lora_alpha=8.0, lora_rslora=True))
+    net = lora.wrap(load_model("smollm2"), an_adapter(lora=16, lora_alpha=8.0, lora_rslora=True))
     assert net.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == 8.0 / 4
     lora.check(flags(lora=16, lora_alpha=8.0, lora_rslora=True), ddp=False, cuda=False)
 
@@ -191,12 +216,13 @@ def learner_flags(**kw):
     return flags(**{**base, **kw})
 
 
-def a_learner(tok, **kw):
-    """A Learner of SmolLM2 with an adapter per harness, the same one whenever it is made (seeded)."""
+def a_learner(tok, names, resume_dir=None, **kw):
+    """A Learner of SmolLM2 with an adapter per harness of ``names``, the same one whenever it is made
+    (seeded)."""
     torch.manual_seed(0)
-    return Learner(
-        learner_flags(**kw), tok, torch.device("cpu"), torch.float32, 1, True, None, print
-    )
+    config = TrainConfig.from_flags(learner_flags(**kw))
+    cpu = torch.device("cpu")
+    return Learner(config, tok, cpu, torch.float32, 1, True, resume_dir, print, an_adapter(names))
 
 
 def harness_batch(learner, names: list, advantages: dict):
@@ -240,8 +266,8 @@ def test_one_pass_trains_every_adapter_as_the_per_harness_loop_did(tok, kl):
     names = ["planner", "coder", "idle"]
     advantages = {"planner": 1.0, "coder": -0.7, "idle": 0.0}
     one, loop = (
-        a_learner(tok, lora_per_harness=names, kl_coef=kl),
-        a_learner(tok, lora_per_harness=names, kl_coef=kl),
+        a_learner(tok, names, kl_coef=kl),
+        a_learner(tok, names, kl_coef=kl),
     )
     samples, results = harness_batch(one, names, advantages)
     before = {name: adapter_weights(one.model, name) for name in names}
@@ -277,7 +303,7 @@ def test_a_sync_copies_every_adapter_into_the_served_copy(tok, kl):
     trained or frozen, active or not (peft's disable_adapter, the KL reference, leaves all but the active
     one frozen: a sync once skipped them, and harness A was sampled from its first adapter all run long)."""
     names = ["planner", "coder"]
-    learner = a_learner(tok, lora_per_harness=names, kl_coef=kl, async_steps=1)
+    learner = a_learner(tok, names, kl_coef=kl, async_steps=1)
     assert learner.served is not learner.model
     samples, results = harness_batch(learner, names, {"planner": 1.0, "coder": 0.5})
     lora.update_all(learner, samples, results, 0, names)
@@ -306,38 +332,42 @@ def test_a_resume_restores_each_adapters_adamw_state_by_name_and_refuses_other_a
     were restored by position: swapping two harnesses swapped their adapters' moments); a resume whose
     adapters differ from the checkpoint's is refused, saying what differs."""
     names = ["planner", "coder"]
-    learner = a_learner(tok, lora_per_harness=names)
+    learner = a_learner(tok, names)
     samples, results = harness_batch(learner, names, {"planner": 1.0, "coder": 0.5})
     lora.update_all(learner, samples, results, 0, names)
-    ckpt = learner.save(1, RunDir(str(tmp_path), 0, False), vars(learner.args))
+    recorded = vars(learner_flags(lora_per_harness=True))
+    ckpt = learner.save(1, RunDir(str(tmp_path), 0, False), recorded)
     moments = {n: learner.opt.state[p]["exp_avg"].clone() for n, p in learner.trained.items()}
-    swapped = learner_flags(lora_per_harness=names[::-1])
-    lora.check_resume(swapped, ckpt)
+    lora.check_resume(an_adapter(names[::-1]), ckpt)
     torch.manual_seed(1)
-    resumed = Learner(swapped, tok, torch.device("cpu"), torch.float32, 1, True, ckpt, print)
+    resumed = a_learner(tok, names[::-1], resume_dir=ckpt)
     assert resumed.start_step == 1 and list(resumed.trained) != list(learner.trained)
     for n, p in resumed.trained.items():
         assert torch.equal(resumed.opt.state[p]["exp_avg"], moments[n]), n
         assert torch.equal(p, learner.trained[n]), n
-    for kw, says in [
+    for adapter, says in [
         (
-            dict(lora_per_harness=["planner", "critic"]),
+            an_adapter(["planner", "critic"]),
             "adapters ['coder', 'planner'] (now ['critic', 'planner'])",
         ),
-        (dict(lora_per_harness=names, lora=4), "--lora 8 (now 4)"),
-        (dict(lora_per_harness=names, lora_alpha=8.0), "--lora-alpha 16 (now 8.0)"),
-        (dict(lora_per_harness=names, lora_targets="q_proj"), "--lora-targets all decoder linears"),
-        (dict(lora_per_harness=None, lora=None), "--lora 8 (now None)"),
+        (an_adapter(names, lora=4), "--lora 8 (now 4)"),
+        (an_adapter(names, lora_alpha=8.0), "--lora-alpha 16 (now 8.0)"),
+        (an_adapter(names, lora_targets="q_proj"), "--lora-targets all decoder linears"),
     ]:
         with pytest.raises(SystemExit) as e:
-            lora.check_resume(learner_flags(**kw), ckpt)
+            lora.check_resume(adapter, ckpt)
         assert says in str(e.value) and "holds other adapters" in str(e.value), str(e.value)
+    # without --lora: the checkpoint holds adapters, not a model
+    config = TrainConfig.from_flags(learner_flags())
+    with pytest.raises(SystemExit) as e:
+        Learner(config, tok, torch.device("cpu"), torch.float32, 1, True, ckpt, print)
+    assert "holds adapters" in str(e.value)
 
 
 def test_merge_keeps_the_runs_served_context(tok, tmp_path):
     """A run served past the model's context (--max-model-len: YaRN) merges into a model with that
     context and RoPE scaling, computing what the run's adapted model computed."""
-    adapted = lora.wrap(load_model("smollm2", max_model_len=16384), flags())
+    adapted = lora.wrap(load_model("smollm2", max_model_len=16384), an_adapter())
     with torch.no_grad():
         for name, p in adapted.named_parameters():
             if "lora_B" in name:

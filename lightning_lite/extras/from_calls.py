@@ -1,14 +1,17 @@
 """train.py --from-calls: train on calls recorded before (by proxy.py --out, or by a train.py run) instead of running
-a harness. The hook is a step source: ``load`` reads and checks the recorded runs once, and ``Recorded.step`` stands
-in for the harness step, returning the same (groups, results, calls) as running the rollouts would.
+a harness. Its seam is ``hooks.step_source``, set when --from-calls is given: ``load`` reads and checks the
+recorded runs once, and ``Recorded.step`` stands in for the harness step, returning the same (groups, results,
+calls) as running the rollouts would.
 """
 
+import functools
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .. import hooks
 from ..harness import RolloutResult, fail_rollouts_the_backend_failed
 from ..records import Call, find_batches, read_calls, read_jsonl
 
@@ -19,6 +22,20 @@ def check(args, ddp: bool, cuda: bool):
             "--from-calls trains on calls recorded before: --async (rollouts while training) has "
             "none to run"
         )
+    if args.from_calls:
+        hooks.step_source = functools.partial(
+            _load_for,
+            dirs=args.from_calls,
+            model=args.model,
+            loss=args.loss,
+            adv=args.adv,
+            sft_min_reward=args.sft_min_reward,
+        )
+
+
+def _load_for(tokenizer, log, *, dirs, model, loss, adv, sft_min_reward) -> "Recorded":
+    """``load`` with the tokenizer's vocabulary (hooks.step_source)."""
+    return load(dirs, model, len(tokenizer), loss, adv, sft_min_reward, log)
 
 
 HELP = (

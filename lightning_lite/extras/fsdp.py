@@ -1,11 +1,12 @@
 """FSDP2 (``--parallel fsdp``; README: models bigger than one GPU): weights, gradients and AdamW state
-sharded over the ranks, one shard unit per decoder layer. The hook is parallel.py: each of its functions
-hands the fsdp mode to the one of the same name here. The loss is the same as under DDP; every forward and
+sharded over the ranks, one shard unit per decoder layer. Its seam: ``hooks.PARALLEL["fsdp"]`` is this
+module, and each of parallel.py's functions hands the fsdp mode to the one of the same name here. The loss is the same as under DDP; every forward and
 backward gathers weights from all ranks (hence parallel.pad_micro_batches), and the parameters are shards
 (DTensors): ``full_state_dict`` and ``optimizer_state`` gather them for vLLM and checkpoints (the embedded
 backend's own copy gathers them one at a time: backends.copy_weights).
 """
 
+import contextlib
 import sys
 
 import torch
@@ -14,8 +15,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+from .. import hooks
+
 # whole on rank 0, in host memory: no GPU holds a second copy of the model
 _GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# --fsdp-offload: the shards, their gradients and AdamW state in CPU memory (set by check)
+offload = False
 
 
 def check(args, ddp: bool, cuda: bool):
@@ -29,6 +34,8 @@ def check(args, ddp: bool, cuda: bool):
             "--parallel fsdp shards over ranks: start it with torchrun --nproc_per_node N "
             "(N >= 2); one process trains whole"
         )
+    global offload
+    offload = args.fsdp_offload
 
 
 def add_args(parser):
@@ -38,9 +45,9 @@ def add_args(parser):
     group.add_argument("--fsdp-offload", action="store_true", help=help)
 
 
-def wrap(model, offload: bool = False, dtype: torch.dtype = torch.float32):
-    """Shard ``model`` in place and return it; ``offload`` keeps parameters, gradients and optimizer
-    state in CPU memory. ``dtype`` bf16: the weights are gathered and computed with in bf16; the shards
+def wrap(model, dtype: torch.dtype = torch.float32):
+    """Shard ``model`` in place and return it; --fsdp-offload keeps parameters, gradients and
+    optimizer state in CPU memory. ``dtype`` bf16: the weights are gathered and computed with in bf16; the shards
     (master weights) and the gradient reductions stay fp32."""
     precision = fsdp2.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = fsdp2.CPUOffloadPolicy() if offload else fsdp2.OffloadPolicy()
@@ -50,6 +57,12 @@ def wrap(model, offload: bool = False, dtype: torch.dtype = torch.float32):
         fsdp2.fully_shard(layer, **policy)
     fsdp2.fully_shard(model, **policy)
     return model
+
+
+def accumulating(model, last: bool):
+    """Context for one micro-batch's backward: gradients are reduced over ranks on the last one."""
+    model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
 
 
 def full_state_dict(model) -> dict:
@@ -69,3 +82,6 @@ def load_optimizer_state(model, opt, state: dict):
     no saved state (torch's loader gives it a zero state at step 1)."""
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, opt, state, options=options)
+
+
+hooks.PARALLEL["fsdp"] = sys.modules[__name__]

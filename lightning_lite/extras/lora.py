@@ -3,10 +3,12 @@ adapters (fp32) on every decoder linear layer or ``--lora-targets``. The embedde
 adapted module; the KL reference is it with its adapters disabled; checkpoints hold the adapters
 (peft's format) and their AdamW state, keyed by parameter name.
 
-Hooks: trainer.Learner calls ``wrap`` after loading the base and ``base_only`` around the reference;
-train.py sends vLLM ``adapters`` at a sync and calls ``check_resume`` before a --resume loads anything.
---lora-per-harness: an adapter per harness, named as it, that serves its rollouts (the backends'
-``adapter_of``) and trains on them alone (``update_all``: every adapter in one backward pass).
+Its seam: ``check`` sets ``hooks.adapter`` to a :class:`LoRA` when --lora is given, the model
+adapter trainer.Learner asks to wrap the loaded base (``wrap``, after ``check_resume``), to give the
+KL reference (``reference``: the adapters switched off) and, with an adapter per harness, to make the
+update (``update``); vLLM's sync sends its ``weights``. --lora-per-harness: an adapter per harness,
+named as it, that serves its rollouts (``serving``: the backends' ``adapter_of``) and trains on them
+alone (``update_all``: every adapter in one backward pass).
 
     python -m lightning_lite.extras.lora merge CHECKPOINT OUT   # base + adapters: a plain transformers model
 """
@@ -18,6 +20,7 @@ import sys
 
 import torch
 
+from .. import hooks
 from ..algo import all_reduce
 
 ALPHA_HELP = "adapters scale by alpha / rank (default 2 x rank)"
@@ -62,18 +65,10 @@ def check(args, ddp: bool, cuda: bool):
             "--lora-rslora scales by alpha / sqrt(rank), where 2 x rank would give "
             f"{2 * args.lora**0.5:.1f}: give --lora-alpha too (e.g. 16)"
         )
-    if args.lora_per_harness and len(args.harness) < 2:
+    if args.lora_per_harness and len(args.harness or []) < 2:
         sys.exit("--lora-per-harness gives each --harness an adapter: name two or more --harness")
-    if args.lora_per_harness and args.group_across_harnesses:
-        sys.exit(
-            "--group-across-harnesses with --lora-per-harness would make one adapter's rewards "
-            "the baseline of another's: each adapter's rollouts are grouped on their own, so "
-            "leave out one of the two"
-        )
     if args.backend == "vllm" and args.lora > 512:
         sys.exit(f"--lora {args.lora}: vLLM serves adapters of rank 512 at most")
-    if args.vllm_sleep:
-        sys.exit("--vllm-sleep drops the base model the adapters need: leave it out with --lora")
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -87,8 +82,9 @@ def check(args, ddp: bool, cuda: bool):
         meta = AutoModelForCausalLM.from_config(config)
     if args.lora_targets:
         check_targets(meta, args.lora_targets.split(","), args.backend)
-    one = argparse.Namespace(**{**vars(args), "lora_per_harness": None})
-    wrap(meta, one)
+    adapter = LoRA(args)
+    adapter.wrap(meta)
+    hooks.adapter = adapter
 
 
 def check_targets(model, targets: list, backend: str):
@@ -122,7 +118,7 @@ def _linear_names(model) -> str:
     return ",".join(sorted(names))
 
 
-def check_resume(args, resume_dir):
+def check_resume(adapter: "LoRA", resume_dir):
     """A --resume goes on with the adapters its checkpoint holds: one whose adapters (their names),
     rank, alpha, rsLoRA or targets differ from the checkpoint's is refused, saying what differs. The
     --harness order may change: the AdamW state is restored by parameter name."""
@@ -130,7 +126,8 @@ def check_resume(args, resume_dir):
         return
     path = os.path.join(resume_dir, "trainer_state.pt")
     saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["args"]
-    then, now = _adapter_shape(saved), _adapter_shape(vars(args))
+    then = _adapter_shape(saved, _saved_adapters(resume_dir))
+    now = _adapter_shape(adapter.flags, adapter.names)
     differ = [
         f"{key} {then[key]} (now {now.get(key)})" for key in then if then[key] != now.get(key)
     ]
@@ -141,28 +138,99 @@ def check_resume(args, resume_dir):
         )
 
 
-def _adapter_shape(flags: dict) -> dict:
+def _saved_adapters(checkpoint: str) -> list:
+    """The names of the adapters a checkpoint holds, as peft lays them out: "default" in the folder
+    itself, any other in a folder of its name."""
+    names = []
+    if os.path.exists(os.path.join(checkpoint, "adapter_config.json")):
+        names.append("default")
+    for name in os.listdir(checkpoint):
+        if os.path.exists(os.path.join(checkpoint, name, "adapter_config.json")):
+            names.append(name)
+    return names
+
+
+def _adapter_shape(flags: dict, names: list) -> dict:
     """What a run's flags make of its adapters, comparable across runs (their order aside)."""
     rank = flags.get("lora")
     if rank is None:
         return {"--lora": None}
     targets = flags.get("lora_targets")
+    if targets:
+        targets = sorted(targets.split(","))
+    else:
+        targets = "all decoder linears"
     return {
         "--lora": rank,
         "--lora-alpha": flags.get("lora_alpha") or 2 * rank,
         "--lora-rslora": bool(flags.get("lora_rslora")),
-        "--lora-targets": sorted(targets.split(",")) if targets else "all decoder linears",
-        "adapters": sorted(flags.get("lora_per_harness") or ["default"]),
+        "--lora-targets": targets,
+        "adapters": sorted(names),
     }
 
 
-def wrap(model, args, resume_dir=None):
+class LoRA:
+    """The model adapter that --lora asks for (``hooks.adapter``; trainer.Learner says what it asks of
+    it): rank-``rank`` adapters named ``names``, "default", or one per harness."""
+
+    def __init__(self, args):
+        # the run's flags, as a checkpoint records them (check_resume compares them)
+        self.flags = vars(args)
+        self.rank = args.lora
+        self.alpha = args.lora_alpha or 2 * args.lora
+        self.rslora = args.lora_rslora
+        self.targets = args.lora_targets
+        # --lora-per-harness: named after the harnesses once they are loaded (name_after)
+        self.per_harness = args.lora_per_harness
+        self.names = ["default"]
+        # a backward leaves the other harnesses' adapters without gradients; they train apart
+        self.unused_parameters = self.per_harness
+        self.trains_apart = self.per_harness
+
+    def name_after(self, tasks):
+        """--lora-per-harness: an adapter per harness of ``tasks`` (harness.Tasks), named as it. Its
+        rollouts must be grouped apart from other harnesses' (``tasks.groups_across`` False): one
+        adapter's rewards must not be another's baseline."""
+        if not self.per_harness:
+            return
+        if getattr(tasks, "groups_across", False):
+            sys.exit(
+                "--group-across-harnesses with --lora-per-harness would make one adapter's "
+                "rewards the baseline of another's: each adapter's rollouts are grouped on their "
+                "own, so leave out one of the two"
+            )
+        self.names = tasks.names()
+
+    def serving(self, harness: str):
+        """The adapter that serves a rollout of ``harness``, by the name its endpoint and the backend
+        know it by; None: the one adapter, active in the served model."""
+        if self.per_harness:
+            return harness
+        return None
+
+    def wrap(self, model, resume_dir=None):
+        check_resume(self, resume_dir)
+        return wrap(model, self, resume_dir)
+
+    @contextlib.contextmanager
+    def reference(self, model):
+        """The KL term's reference: ``model`` with its adapters switched off."""
+        with base_only(model, True):
+            yield model
+
+    def update(self, learner, samples: list, results: list, step: int):
+        return update_all(learner, samples, results, step, self.names)
+
+    def weights(self, model, dtype: torch.dtype) -> dict:
+        return adapters(model, dtype)
+
+
+def wrap(model, adapter: LoRA, resume_dir=None):
     """``model`` frozen, with fresh adapters or ``resume_dir``'s, trainable and in fp32 (peft's
-    default): "default", or one per harness (--lora-per-harness, which train.py sets to the
-    harnesses' names)."""
+    default), named ``adapter.names``: "default", or one per harness."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    names = args.lora_per_harness or ["default"]
+    names = adapter.names
     if resume_dir:
         # peft's layout: "default" in the folder itself, another adapter in a folder of its name
         folder = lambda name: os.path.join(resume_dir, "" if name == "default" else name)
@@ -171,11 +239,13 @@ def wrap(model, args, resume_dir=None):
             model.load_adapter(folder(name), name, is_trainable=True)
         # serving (peft mixes adapters in a batch in eval mode only); Learner.update trains
         return activate(model, names[0]).eval()
-    targets = args.lora_targets.split(",") if args.lora_targets else "all-linear"
+    targets = "all-linear"
+    if adapter.targets:
+        targets = adapter.targets.split(",")
     config = LoraConfig(
-        r=args.lora,
-        lora_alpha=args.lora_alpha or 2 * args.lora,
-        use_rslora=args.lora_rslora,
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        use_rslora=adapter.rslora,
         target_modules=targets,
         lora_dropout=0.0,
     )
@@ -186,7 +256,7 @@ def wrap(model, args, resume_dir=None):
         return activate(model, names[0]).eval()
     except ValueError as e:
         sys.exit(
-            f"--lora-targets {args.lora_targets}: {e} (its linear layers: {_linear_names(model)})"
+            f"--lora-targets {adapter.targets}: {e} (its linear layers: {_linear_names(model)})"
         )
 
 
@@ -220,7 +290,7 @@ def update_all(learner, samples: list, results: list, step: int, names: list):
     """
     harness_of = {r.rollout_id: r.harness for r in results}
     samples_of = {name: [s for s in samples if harness_of[s.rollout_id] == name] for name in names}
-    kl = learner.args.kl_coef > 0
+    kl = learner.config.kl_coef > 0
     # one decision on every rank: the adapters with a signal on any of them
     signal = all_reduce([sum(kl or any(s.advantages) for s in samples_of[name]) for name in names])
     training = [name for name, n in zip(names, signal) if n > 0]

@@ -1,8 +1,9 @@
-"""vLLM servers as the backend (README: GPUs: vLLM). The hook is the backend class: ``VLLMBackend`` has
-HFBackend's surface (generate, pause/resume, sync_weights, close, version, max_model_len, stats), plus
-``sleep``. train.py chooses it with ``--backend vllm`` and gets it from ``start``; proxy.py from ``--vllm-url``.
+"""vLLM servers as the backend (README: GPUs: vLLM). Its seam is the backend class: ``VLLMBackend`` has
+HFBackend's surface (generate, pause/resume, payload, sync_weights, make_room, close, version,
+max_model_len, stats), plus ``sleep``. train.py chooses it with ``--backend vllm`` and gets it from
+``start`` (``hooks.BACKENDS["vllm"]``); proxy.py from ``--vllm-url``.
 
-    backend = start(args, model.config, dtype, model_dir, device)   # rank 0 starts the servers
+    backend = start(args, learner, resume_dir, device)               # rank 0 starts the servers
     gen = await backend.generate(prompt_ids, sampling, rollout_id="r1")
     backend.sync_weights(state_dict, version=1)                     # rank 0 writes, the servers reload
 """
@@ -25,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import hooks, parallel
 from ..backends import Generation, PauseGate, max_reply_tokens, served_state_dict
 from ..chat import Sampling
 from ..models import resolve
@@ -69,11 +71,17 @@ def add_args(parser):
     )
 
 
-def start(args, config, dtype: torch.dtype, resume_dir, device: torch.device) -> "VLLMBackend":
+def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
     """train.py's vLLM backend: rank 0 starts ``--vllm-servers`` of ``resume_dir`` or --model (placed by
-    ``placement``), unless ``--vllm-url`` names running ones; every rank's proxy sends to the same servers;
-    rank 0 writes the weight syncs, in ``dtype`` (the trainer's compute). ``config``: the trained model's
-    (context, RoPE). --lora: the servers serve the base model and load each sync's adapters."""
+    ``placement``), unless ``--vllm-url`` names running ones; every rank's proxy sends to the same
+    servers; rank 0 writes the weight syncs, in the trainer's compute dtype. The trained model's config
+    gives the context and RoPE. Under a model adapter (--lora) the servers serve the base model and
+    load each sync's adapters."""
+    config = learner.model.config
+    dtype = learner.dtype
+    adapter = learner.adapter
+    if args.vllm_sleep and adapter is not None:
+        sys.exit("--vllm-sleep drops the base model the adapters need: leave it out with --lora")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not args.vllm_url and local_world < world:
@@ -93,12 +101,17 @@ def start(args, config, dtype: torch.dtype, resume_dir, device: torch.device) ->
         extra = args.vllm_args.split()
         # the CPU build has no sleep mode
         sleep = ["--enable-sleep-mode"] if args.vllm_sleep and torch.cuda.is_available() else []
-        lora = lora_flags(args.lora, len(args.lora_per_harness or ["default"]))
+        lora = []
+        if adapter is not None:
+            lora = lora_flags(adapter.rank, len(adapter.names))
         # --vllm-args after ours: they may override
         flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + lora + extra + sleep
         places = _places(args, device, local_world, extra)
         python, n = args.vllm_python, args.vllm_servers
-        model_dir = resolve(args.model if args.lora or not resume_dir else resume_dir)
+        model_dir = resolve(resume_dir or args.model)
+        if adapter is not None:
+            # the checkpoint holds adapters: the servers serve the base model
+            model_dir = resolve(args.model)
         backend = VLLMBackend.spawn(model_dir, n, python, flags, log_dir=args.out, places=places)
         urls, key = backend.urls, backend.api_key
     if world > 1:
@@ -108,7 +121,13 @@ def start(args, config, dtype: torch.dtype, resume_dir, device: torch.device) ->
         urls, key = shared
     sync_dir = os.path.join(os.path.abspath(args.out), "weights")
     backend = backend or VLLMBackend(urls, sync_dir, api_key=key, writes_weights=rank == 0)
-    backend.dtype, backend.lora = dtype, bool(args.lora)
+    backend.dtype = dtype
+    backend.adapter = adapter
+    backend.sleep_while_training = args.vllm_sleep
+    backend.parallel = args.parallel
+    # servers a user started may serve other weights (a previous run's, before --resume); under an
+    # adapter they serve the base model until they load the adapters
+    backend.first_sync = bool(args.vllm_url) or adapter is not None
     if args.vllm_url and context and backend.max_model_len != args.max_model_len:
         sys.exit(
             f"--max-model-len {args.max_model_len}: start the --vllm-url servers with "
@@ -205,8 +224,14 @@ class VLLMBackend(PauseGate):
         self.model_name = models[0]["id"]
         self.max_model_len = min(m["max_model_len"] for m in models)
         self.version, self.paused, self.sleeping = 0, False, False
-        # --lora: the servers serve the base model, and adapter NAME of version K as "NAME-vK"
-        self.lora, self.lora_loaded = False, None
+        # train.py's (start): --vllm-sleep, the run's --parallel, and whether the first step must
+        # sync the trained weights before any rollout
+        self.sleep_while_training = False
+        self.parallel = "ddp"
+        self.first_sync = False
+        # a model adapter (--lora): the servers serve the base model, and adapter NAME of version K
+        # as "NAME-vK"
+        self.adapter, self.lora_loaded = None, None
         # --lora-per-harness: a rollout id's adapter (None: "default")
         self.adapter_of = None
         # the calls sent out and not answered yet
@@ -268,7 +293,7 @@ class VLLMBackend(PauseGate):
             url = self.urls[zlib.crc32(rollout_id.encode()) % len(self.urls)]
             body = self._request_body(prompt_ids, sampling, max_new, on_token is not None)
             adapter = self.adapter_of(rollout_id) if self.adapter_of else "default"
-            body["model"] = f"{adapter}-v{version}" if self.lora else self.model_name
+            body["model"] = f"{adapter}-v{version}" if self.adapter else self.model_name
             ids, logprobs, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
                 headers = _auth(self.api_key)
@@ -313,6 +338,19 @@ class VLLMBackend(PauseGate):
             body["structured_outputs"] = {"grammar": sampling.grammar}
         return body
 
+    def payload(self, learner):
+        """What a weight sync sends the servers: the adapters alone under a model adapter, else the
+        whole model (FSDP's shards gathered into rank 0's host memory: a collective)."""
+        if self.adapter is not None:
+            return self.adapter.weights(learner.model, self.dtype)
+        return parallel.full_state_dict(learner.model, self.parallel)
+
+    def make_room(self):
+        """Before training: with --vllm-sleep the servers on the training GPUs free their memory (rank
+        0 puts them to sleep)."""
+        if self.sleep_while_training and self.writes_weights:
+            self.sleep()
+
     def sleep(self):
         """Free the servers' GPU memory (--vllm-sleep): sleep level 2 drops KV cache and weights; the
         next ``sync_weights`` wakes them and loads the new weights."""
@@ -327,13 +365,16 @@ class VLLMBackend(PauseGate):
         cache) wake in two steps, after the file is written (the trainer's copies are gone by then): the
         weights, reloaded, then the KV cache."""
         self.pause()
+        if self.sleep_while_training and torch.cuda.is_available():
+            # what training freed goes back to the GPU before the servers wake
+            torch.cuda.empty_cache()
         model = model if self.writes_weights else None
         if self.sleeping and model is None:
             raise ValueError(
                 "the servers slept at level 2 and dropped their weights: sync_weights needs the model"
             )
         version = self.version + 1 if version is None else version
-        if model is not None and self.lora:
+        if model is not None and self.adapter is not None:
             self._load_adapters(model, version)
         elif model is not None:
             self._write(served_state_dict(model))
@@ -487,3 +528,6 @@ async def _choices(response, stream: bool):
     async for line in response.content:
         if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
             yield json.loads(line[5:])["choices"][0]
+
+
+hooks.BACKENDS["vllm"] = start

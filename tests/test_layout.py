@@ -1,0 +1,178 @@
+"""The core stands alone (DESIGN.md: the core and its extras): no core module imports an extra, at any
+depth, and with lightning_lite/extras/ deleted train.py trains a step and proxy.py serves a chat
+completion, plain and streamed; a flag or a request that needs a missing extra says which file."""
+
+import ast
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import ROOT
+
+SMOLLM2 = os.path.join(
+    os.environ.get("LIGHTNING_LITE_CACHE", os.path.expanduser("~/.cache/lightning-lite")), "smollm2"
+)
+
+
+def extras_imports(path: str) -> list[str]:
+    """Each line of ``path``, a module of lightning_lite/, that imports lightning_lite.extras (or a
+    module in it), anywhere in the file: at the top, in a function, behind an if."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            # relative to lightning_lite/: "from .extras import x", "from . import extras"
+            module = node.module or ""
+            if node.level == 1:
+                module = "lightning_lite." + module if module else "lightning_lite"
+            names = [module] + [f"{module}.{alias.name}" for alias in node.names]
+        if any(name.startswith("lightning_lite.extras") for name in names):
+            found.append((node.lineno, f"{os.path.relpath(path, ROOT)}:{node.lineno}"))
+    return [where for _, where in sorted(found)]
+
+
+def test_no_core_module_imports_an_extra():
+    core = sorted(glob.glob(os.path.join(ROOT, "lightning_lite", "*.py")))
+    assert len(core) > 10
+    bad = [line for path in core for line in extras_imports(path)]
+    assert not bad, (
+        f"the core imports lightning_lite.extras at {', '.join(bad)}: register through hooks.py"
+    )
+
+
+def test_the_layout_test_finds_an_import_at_any_depth(tmp_path):
+    """The check above is not vacuous: it finds a function-local import and a relative one."""
+    path = tmp_path / "m.py"
+    path.write_text(
+        "def f():\n    from .extras import lora\n\n\nimport lightning_lite.extras.vllm\n"
+    )
+    assert [line.rsplit(":", 1)[1] for line in extras_imports(str(path))] == ["2", "5"]
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """The project copied without lightning_lite/extras/ (and without any installed copy in the way:
+    the scripts import lightning_lite from their own folder)."""
+    if not os.path.isdir(SMOLLM2):
+        pytest.skip(f"no converted model at {SMOLLM2} (make venv converts it)")
+    root = tmp_path_factory.mktemp("bare") / "lightning-lite"
+    ignore = shutil.ignore_patterns(
+        ".venv*", ".git", "runs", "__pycache__", ".harnesses", "*.egg-info"
+    )
+    shutil.copytree(ROOT, root, ignore=ignore)
+    shutil.rmtree(root / "lightning_lite" / "extras")
+    return root
+
+
+def run_bare(bare, *argv, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, *argv], cwd=bare, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_train_runs_a_step_with_no_extras(bare):
+    out = bare / "runs" / "one"
+    argv = [
+        "train.py",
+        "--harness",
+        "calc",
+        "--model",
+        SMOLLM2,
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+    ]
+    argv += ["--group-size", "2", "--eval-tasks", "0", "--max-new-tokens", "24", "--out", str(out)]
+    done = run_bare(bare, *argv)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1] and rows[0]["rollouts"] == 4
+    # the rollouts ran through the bare proxy (calls recorded), and the copy imported itself
+    assert os.path.getsize(out / "calls" / "step_0.jsonl") > 0
+    assert "lightning_lite/extras" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--lora", "8"], "--lora needs lightning_lite/extras/lora.py"),
+        (["--backend", "vllm"], "--backend vllm needs lightning_lite/extras/vllm.py"),
+        (["--parallel", "fsdp"], "--parallel fsdp needs lightning_lite/extras/fsdp.py"),
+        (["--from-calls", "runs/x"], "--from-calls needs lightning_lite/extras/from_calls.py"),
+        (["--harness", "calc", "--harness", "search"], "lightning_lite/extras/harnesses.py"),
+    ],
+)
+def test_a_flag_of_a_missing_extra_names_its_file(bare, flags, says):
+    done = run_bare(bare, "train.py", "--model", SMOLLM2, "--steps", "0", *flags, timeout=300)
+    assert done.returncode != 0 and says in done.stderr + done.stdout, done.stderr[-2000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict):
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_proxy_serves_chat_completions_with_no_extras(bare, tmp_path):
+    port = free_port()
+    argv = [sys.executable, "proxy.py", "--model", SMOLLM2, "--port", str(port)]
+    argv += ["--out", str(tmp_path / "proxy")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen(
+        argv, cwd=bare, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+                time.sleep(0.5)
+        chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8}
+        status, body = post(url + "/v1/chat/completions", chat)
+        assert status == 200, body
+        assert json.loads(body)["choices"][0]["message"]["role"] == "assistant"
+        status, body = post(url + "/v1/chat/completions", {**chat, "stream": True})
+        assert status == 200 and body.rstrip().endswith("data: [DONE]"), body
+        assert '"delta"' in body
+        # a route of a missing extra: a 404 in OpenAI's shape, and the server keeps serving
+        status, body = post(url + "/v1/messages", {"model": "m", "messages": [], "max_tokens": 1})
+        assert status == 404 and "error" in json.loads(body), body
+        # a forced tool call without the grammar extra: its arguments unconstrained, still served
+        tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+        forced = {"type": "function", "function": {"name": "calc"}}
+        status, body = post(
+            url + "/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": forced}
+        )
+        assert status == 200, body
+        calls = [json.loads(line) for line in open(tmp_path / "proxy" / "calls.jsonl")]
+        assert len(calls) == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -418,7 +418,6 @@ def resolve_call_rewards(results: list[RolloutResult], calls_of: dict, posted) -
             why = "name a call by its index in the rollout or its reply's id"
             r.reward = None
             r.error = f"rewards for calls it does not have: {unknown[:3]} ({why})"
-        if r.reward is None:
-            r.call_rewards = {}
-        else:
+        r.call_rewards = {}
+        if r.reward is not None:
             r.call_rewards = {index_of[k]: v for k, v in rewards.items()}

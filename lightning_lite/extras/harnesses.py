@@ -161,15 +161,8 @@ def make_tasks(args, log) -> Tasks:
     targeted = any(":" in item.partition("=")[0] for item in args.harness_arg)
     if len(args.harness) > 1 or weighted or targeted or args.group_across_harnesses:
         return SeveralTasks(args, log)
-    return Tasks(
-        args.harness,
-        args.harness_arg,
-        args.batch_size,
-        args.group_size,
-        args.eval_tasks,
-        args.seed,
-        log,
-    )
+    sizes = dict(batch_size=args.batch_size, group_size=args.group_size, eval_tasks=args.eval_tasks)
+    return Tasks(args.harness, args.harness_arg, **sizes, seed=args.seed, log=log)
 
 
 hooks.tasks = make_tasks

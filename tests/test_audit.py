@@ -238,7 +238,7 @@ def test_auditor_flags_escapes_in_sandboxed_rollouts_and_zeroes_flagged_rewards(
 
     for r in results:
         r.flags = proxy_flags(r.rollout_id)
-    audit.flag_rollouts(results, calls_of, proxy_flags, decode)
+    audit.flag_rollouts(results, calls_of, decode)
     a, b, c, d = results
     assert [f["kind"] for f in a.flags] == ["route", "escape"] and a.flags[1][
         "what"

@@ -208,9 +208,9 @@ def setup(harnesses, args, server, log):
     auditor = Auditor(harnesses, args.out, server.port)
 
 
-def flag_rollouts(results, calls_of, proxy_flags, decode):
-    """hooks.ROLLOUT_FILTERS: the audit's flags on a batch of rollouts. ``proxy_flags`` is not read:
-    what the proxy refused a rollout is in its ``flags`` already (train.py)."""
+def flag_rollouts(results, calls_of, decode):
+    """hooks.ROLLOUT_FILTERS: the audit's flags on a batch of rollouts, after what the proxy refused
+    each (train.py put those in its ``flags``)."""
     auditor.flag(results, calls_of, decode)
 
 

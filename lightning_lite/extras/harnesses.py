@@ -22,7 +22,9 @@ def add_args(parser):
 
 
 def check(args, ddp: bool, cuda: bool):
-    if args.group_across_harnesses and len(args.harness) < 2:
+    # None: no --harness given (train.py's default comes after the checks)
+    harness_specs = args.harness or []
+    if args.group_across_harnesses and len(harness_specs) < 2:
         sys.exit(
             "--group-across-harnesses groups the rollouts of several --harness that run the "
             "same tasks: give two or more"

@@ -51,13 +51,20 @@ def split_weight(spec: str) -> tuple[str, float]:
     return match[1], float(match[2])
 
 
+def split_arg(item: str) -> tuple[str, str, str]:
+    """A --harness-arg: ``"search:k=1"`` -> ``("search", "k", "1")``; ``"k=1"`` -> ``("", "k",
+    "1")``, for every harness."""
+    key, _, value = item.partition("=")
+    target, _, name = key.rpartition(":")
+    return target, name, value
+
+
 def harness_kwargs(spec: str, items: list[str]) -> dict:
     """The keywords of the harness ``spec``: each ``--harness-arg K=V``, and each ``SPEC:K=V`` that
     names it."""
     kept = []
     for item in items:
-        key, _, value = item.partition("=")
-        target, _, name = key.rpartition(":")
+        target, name, value = split_arg(item)
         if target in ("", spec):
             kept.append(f"{name}={value}")
     return parse_kwargs(kept)
@@ -82,7 +89,7 @@ class SeveralTasks(Tasks):
             self.weights.append(weight)
         if any(w <= 0 for w in self.weights):
             sys.exit("a --harness WEIGHT must be > 0")
-        targets = {item.partition("=")[0].rpartition(":")[0] for item in args.harness_arg}
+        targets = {split_arg(item)[0] for item in args.harness_arg}
         unknown = targets - {"", *specs}
         if unknown:
             sys.exit(f"--harness-arg {sorted(unknown)[0]}:K=V names no --harness")
@@ -160,7 +167,7 @@ class SeveralTasks(Tasks):
 def make_tasks(args, log) -> Tasks:
     """train.py's step tasks: the core's for one harness with no weight, SeveralTasks otherwise."""
     weighted = any(WEIGHTED.fullmatch(spec) for spec in args.harness)
-    targeted = any(":" in item.partition("=")[0] for item in args.harness_arg)
+    targeted = any(split_arg(item)[0] for item in args.harness_arg)
     if len(args.harness) > 1 or weighted or targeted or args.group_across_harnesses:
         return SeveralTasks(args, log)
     sizes = dict(batch_size=args.batch_size, group_size=args.group_size, eval_tasks=args.eval_tasks)

@@ -147,9 +147,10 @@ group.add_argument("--no-tree", action="store_true", help="one padded row a samp
 group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)
 group.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help=PARALLEL_HELP)
 group.add_argument("--activation-checkpointing", action="store_true", help="memory for compute")
-for extra in extras:
-    if hasattr(extra, "add_args"):
-        extra.add_args(parser)
+# the extras with flags: each adds its group, and may check its flags once they are parsed (check)
+flagged = [extra for extra in extras if hasattr(extra, "add_args")]
+for extra in flagged:
+    extra.add_args(parser)
 args, unknown = parser.parse_known_args()
 for flag in unknown:
     # a flag of an extra this copy does not have (--lora of lora.py): name its file
@@ -201,7 +202,7 @@ if args.backend != "hf" and args.backend not in hooks.BACKENDS:
 if args.parallel != "ddp" and args.parallel not in hooks.PARALLEL:
     sys.exit(hooks.missing(f"--parallel {args.parallel}", args.parallel))
 # Each extra checks its own flags and, when they ask for it, fills its seams (--lora: the adapter).
-for extra in extras:
+for extra in flagged:
     if hasattr(extra, "check"):
         extra.check(args, ddp, cuda)
 # Recorded calls (--from-calls) train without a harness; --harness then names what evaluates.

@@ -72,7 +72,7 @@ def harness_kwargs(spec: str, items: list[str]) -> dict:
 
 class SeveralTasks(Tasks):
     """harness.Tasks for several harnesses, each drawn in proportion to its weight: a step's
-    batch_size tasks split over them (largest remainders first), or with ``across`` each task's
+    batch_size tasks split over them (largest remainders first), or with ``groups_across`` each task's
     group_size rollouts split over them, every harness running the same task id."""
 
     def __init__(self, args, log):
@@ -80,7 +80,7 @@ class SeveralTasks(Tasks):
         self.batch_size = args.batch_size
         self.group_size = args.group_size
         self.seed = args.seed
-        self.across = args.group_across_harnesses
+        self.groups_across = args.group_across_harnesses
         specs = []
         self.weights = []
         for item in args.harness:
@@ -106,14 +106,14 @@ class SeveralTasks(Tasks):
         self.by_id = {name: {t.id: t for t in tasks} for name, tasks in self.train.items()}
         first = self.train[self.harnesses[0].name]
         self.common = [t for t in first if all(t.id in ids for ids in self.by_id.values())]
-        if self.across and not self.common:
+        if self.groups_across and not self.common:
             names = ", ".join(self.by_id)
             sys.exit(f"--group-across-harnesses: harnesses {names} share no train task id")
         weights = ", ".join(f"{w:g}" for w in self.weights)
         each = f"each of the {len(self.harnesses)} harnesses (weights {weights})"
-        if self.across and 0 in share(self.group_size, self.weights):
+        if self.groups_across and 0 in share(self.group_size, self.weights):
             sys.exit(f"--group-size is too small to give {each} a rollout in every group")
-        if not self.across and 0 in share(self.batch_size, self.weights):
+        if not self.groups_across and 0 in share(self.batch_size, self.weights):
             sys.exit(f"--batch-size is too small to give {each} a task a step")
         for h, spec, weight in zip(self.harnesses, specs, self.weights):
             counts = f"{len(self.train[h.name])} train / {len(self.test[h.name])} test tasks"
@@ -121,7 +121,7 @@ class SeveralTasks(Tasks):
 
     def pick(self, step: int) -> list[list[tuple]]:
         """The step's batch_size groups (all ranks'), each group_size (harness, task, group id)."""
-        if self.across:
+        if self.groups_across:
             # one task list; each task's group split over the harnesses by weight
             members = []
             for harness, n in zip(self.harnesses, share(self.group_size, self.weights)):

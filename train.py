@@ -45,7 +45,8 @@ from lightning_lite.samples import build_batch_samples
 
 # ----------------------------------------------------------------------------- extras
 # The extras this script uses, imported in this order: a missing file is skipped, a broken one fails
-# loudly. Each fills its seams in lightning_lite/hooks.py; those with flags add their group below.
+# loudly. Each fills its seams in lightning_lite/hooks.py, and those with flags add their group to
+# the parser below.
 EXTRAS = [
     "embedded",  # --model smollm2: the embedded models, converted once
     "fast_decode",  # the embedded backend's decoding at agent-length contexts
@@ -61,23 +62,14 @@ EXTRAS = [
     "harnesses",  # several --harness, with weights
     "from_calls",  # --from-calls: train on recorded calls
     "programs",  # harnesses that are programs (SubprocessHarness)
-    "sandbox",  # where a program harness's rollouts run (before audit: it reads the sandbox)
+    "sandbox",  # where a program harness's rollouts run (before audit, which reads it)
     "audit",  # flags from harness patterns and sandbox escapes
     "loggers",  # TensorBoard, W&B
     "report",  # report.html after the run
 ]
 extras = hooks.load_extras(EXTRAS)
-# The flags an extra adds, by prefix: one of a missing extra is refused, naming its file.
-EXTRA_FLAGS = {
-    "--vllm": "vllm",
-    "--fsdp": "fsdp",
-    "--lora": "lora",
-    "--group-across-harnesses": "harnesses",
-    "--from-calls": "from_calls",
-    "--sandbox": "sandbox",
-    "--tensorboard": "loggers",
-    "--wandb": "loggers",
-}
+loaded = [module.__name__.rsplit(".", 1)[1] for module in extras]
+missing = [name for name in EXTRAS if name not in loaded]
 
 # ----------------------------------------------------------------------------- flags
 # The longer help texts (README: the training knobs; docs/ for each extra's flags).
@@ -155,18 +147,21 @@ group.add_argument("--no-tree", action="store_true", help="one padded row a samp
 group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)
 group.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help=PARALLEL_HELP)
 group.add_argument("--activation-checkpointing", action="store_true", help="memory for compute")
-for extra in extras:
-    if hasattr(extra, "add_args"):
-        extra.add_args(parser)
+# the extras with flags: each adds its group, and may check its flags once they are parsed (check)
+flagged = [extra for extra in extras if hasattr(extra, "add_args")]
+for extra in flagged:
+    extra.add_args(parser)
 args, unknown = parser.parse_known_args()
-loaded = [m.__name__.rsplit(".", 1)[1] for m in extras]
 for flag in unknown:
-    # a flag of an extra this copy does not have: name its file
-    for prefix, extra in EXTRA_FLAGS.items():
-        if flag.startswith(prefix) and extra not in loaded:
-            parser.error(hooks.missing(flag.split("=")[0], extra))
+    # a flag of an extra this copy does not have (--lora of lora.py): name its file
+    for name in missing:
+        if flag.startswith("--" + name.replace("_", "-")):
+            parser.error(hooks.missing(flag.split("=")[0], name))
 if unknown:
-    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    lacking = ""
+    if missing:
+        lacking = f" (this copy lacks the extras {', '.join(missing)}: it may be theirs)"
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}{lacking}")
 
 # ----------------------------------------------------------------------------- set-up
 ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -207,7 +202,7 @@ if args.backend != "hf" and args.backend not in hooks.BACKENDS:
 if args.parallel != "ddp" and args.parallel not in hooks.PARALLEL:
     sys.exit(hooks.missing(f"--parallel {args.parallel}", args.parallel))
 # Each extra checks its own flags and, when they ask for it, fills its seams (--lora: the adapter).
-for extra in extras:
+for extra in flagged:
     if hasattr(extra, "check"):
         extra.check(args, ddp, cuda)
 # Recorded calls (--from-calls) train without a harness; --harness then names what evaluates.
@@ -587,7 +582,11 @@ try:
         t0 = time.time()
         # something to learn from: an advantage, or the KL term on any sample
         has_signal = sums["signal"] > 0 or (sums["samples"] > 0 and args.kl_coef > 0)
-        metrics, grad_norm, skipped = learner.update(samples, step, has_signal, results)
+        if adapter is not None and adapter.trains_apart:
+            # each harness's adapter on its own samples, all in one pass (metrics as KEY/NAME)
+            metrics, grad_norm, skipped = adapter.update(learner, samples, results, step)
+        else:
+            metrics, grad_norm, skipped = learner.update(samples, step, has_signal)
         t_train = time.time() - t0
         # None: not measured (recorded calls were not generated here)
         gen_tok_s = None

@@ -43,8 +43,8 @@ RUN = (
 def lora_flags(rank, names=None, **kw) -> argparse.Namespace:
     """train.py's flags that extras/lora.py and trainer.Learner read, at train.py's defaults."""
     flags = dict(lora=rank, lora_alpha=None, lora_rslora=False, lora_targets=None)
-    flags |= dict(lora_per_harness=names, model="smollm2", backend="hf", parallel="ddp")
-    flags |= dict(async_steps=0, attn=None, no_tree=False, fsdp_offload=False, from_calls=None)
+    flags |= dict(lora_per_harness=bool(names), model="smollm2", backend="hf", parallel="ddp")
+    flags |= dict(async_steps=0, attn=None, no_tree=False, keep_checkpoints=2)
     flags |= dict(activation_checkpointing=False, max_model_len=None, steps=20, warmup_steps=0)
     flags |= dict(lr=1e-4, weight_decay=0.0, lr_schedule="constant", grad_clip=1.0)
     flags |= dict(micro_batch_tokens=4096, norm="rollout-mean", norm_const=1024, loss="ppo")
@@ -61,7 +61,8 @@ def params_and_copy(rank, copies):
 
     trained, served = (load_model("smollm2") for _ in range(2))
     if rank:
-        trained, served = lora.wrap(trained, lora_flags(rank)), lora.wrap(served, lora_flags(rank))
+        trained = lora.wrap(trained, lora.LoRA(lora_flags(rank)))
+        served = lora.wrap(served, lora.LoRA(lora_flags(rank)))
     # what trainer.Learner's sync copies (Learner.trained): the parameters AdamW updates
     updated = {n: p for n, p in trained.named_parameters() if p.requires_grad}
     seconds = []
@@ -167,7 +168,7 @@ def one_pass_against_loop(a, tok):
     import torch
 
     from lightning_lite.extras import lora
-    from lightning_lite.trainer import Learner
+    from lightning_lite.trainer import Learner, TrainConfig
 
     print()
     print(
@@ -180,7 +181,11 @@ def one_pass_against_loop(a, tok):
         for mode in ("loop", "one pass"):
             torch.manual_seed(0)
             flags = lora_flags(a.lora, names, micro_batch_tokens=a.micro_batch_tokens)
-            learner = Learner(flags, tok, torch.device("cpu"), torch.float32, 1, True, None, print)
+            adapter = lora.LoRA(flags)
+            adapter.names = names
+            config = TrainConfig.from_flags(flags)
+            cpu = torch.device("cpu")
+            learner = Learner(config, tok, cpu, torch.float32, 1, True, None, print, adapter)
             samples, results = synthetic_step(
                 learner, names, a.groups, a.prompt_tokens, a.reply_tokens
             )

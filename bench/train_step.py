@@ -56,7 +56,7 @@ def micro_batches(samples, weights, limit, tree):
     """train.py's micro-batches of at most ``limit`` tokens, packed as trees or padded rows.
     Learner.micro_batches reads only these two flags of its learner, so it is called on a stand-in
     that holds them: a real Learner would load the model again, with an optimizer."""
-    learner = SimpleNamespace(args=SimpleNamespace(micro_batch_tokens=limit, no_tree=not tree))
+    learner = SimpleNamespace(config=SimpleNamespace(micro_batch_tokens=limit, no_tree=not tree))
     return Learner.micro_batches(learner, samples, weights)
 
 

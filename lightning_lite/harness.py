@@ -1,11 +1,14 @@
-"""The harness interface, the harness loader, and the rollout runner (README: "Harnesses"). The trainer never
-looks inside a harness: it hands each rollout its own base URL and collects one reward per rollout.
+"""The harness interface, the harness loader, the step's tasks and the rollout runner (README:
+"Harnesses"). The trainer never looks inside a harness: it hands each rollout its own base URL and
+collects one reward per rollout.
 """
 
 import ast
 import asyncio
 import importlib.util
 import math
+import random
+import re
 import sys
 import time
 from collections import Counter
@@ -15,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from tqdm import tqdm
 
+from . import hooks
 from .records import UNANSWERED
 
 # examples/ lives next to lightning_lite/
@@ -44,7 +48,8 @@ class Endpoint:
     rollout_id: str
     # "http://127.0.0.1:PORT"; Anthropic clients use server_url + "/rollout/<route>"
     server_url: str
-    # "<rollout_id>.<token>" under train.py (the token makes the route this rollout's alone); the id otherwise
+    # "<rollout_id>.<token>" under train.py (the token makes the route this rollout's alone); the
+    # rollout id otherwise
     route: str = ""
     # the X-Reward-Key header of a reward POST: the harness's, never the agent's
     reward_key: str = ""
@@ -62,19 +67,15 @@ class Endpoint:
 
 
 class Harness:
-    """Write ``tasks(split)`` and ``async run(task, endpoint)``, which returns the reward (README "Harnesses"),
-    e.g. ``float(await ask(endpoint.base_url, task.prompt) == task.answer)``; or None when it POSTed one to
-    ``endpoint.reward_url``; or ``{"reward": R, "calls": {k: r_k}}`` to reward calls too (k: the call's index in
-    the rollout, or its reply's id). ``timeout`` (seconds), when set, caps a rollout below the runner's limit."""
+    """Write ``tasks(split)`` and ``async run(task, endpoint)``, which returns the reward (README
+    "Harnesses"), e.g. ``float(await ask(endpoint.base_url, task.prompt) == task.answer)``; or None
+    when it POSTed one to ``endpoint.reward_url``; or ``{"reward": R, "calls": {k: r_k}}`` to reward
+    calls too (k: the call's index in the rollout, or its reply's id). ``timeout`` (seconds), when
+    set, caps a rollout below the runner's limit. The extras read more fields when a harness sets
+    them: ``audit``, ``audit_results`` and ``zero_flagged`` (extras/audit.py)."""
 
     name = "base"
     timeout: Optional[float] = None
-    # The proxy-side audit (extras/audit.py; README "Sandboxes"): name -> regex over the model's replies and tool
-    # calls, and over the tool results the harness sent back; a match flags the rollout (rollouts/step_K.jsonl).
-    audit: dict[str, str] = {}
-    audit_results: dict[str, str] = {}
-    # True: a flagged rollout (audit, or a route the proxy refused it) gets reward 0
-    zero_flagged = False
 
     # split: "train" or "test"
     def tasks(self, split: str) -> list[Task]:
@@ -85,12 +86,14 @@ class Harness:
 
 
 def __getattr__(name: str):
-    """``lightning_lite.harness.SubprocessHarness``: a harness that is a program lives with its
-    sandboxes' extra (extras/programs.py)."""
+    """A name that moved: ``lightning_lite.harness.SubprocessHarness`` is in extras/programs.py."""
     if name == "SubprocessHarness":
-        from .extras.programs import SubprocessHarness
-
-        return SubprocessHarness
+        # ImportError, not AttributeError: `from lightning_lite.harness import SubprocessHarness`
+        # would replace an AttributeError's message with its own "cannot import name".
+        raise ImportError(
+            "SubprocessHarness moved to the extra of program harnesses: write "
+            "`from lightning_lite.extras.programs import SubprocessHarness`"
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -98,9 +101,10 @@ def __getattr__(name: str):
 
 
 def load_harness(spec: str, **kwargs) -> Harness:
-    """The harness ``spec`` names, built with ``kwargs``: ``"calc"`` (examples/calc/harness.py), a module
-    (``"my_pkg.harnesses"``) or a file (``"path/to/h.py"``), each with ``":Name"`` for a Harness subclass or a
-    function that returns one; without it, the one Harness subclass the module defines."""
+    """The harness ``spec`` names, built with ``kwargs``: ``"calc"`` (examples/calc/harness.py), a
+    module (``"my_pkg.harnesses"``) or a file (``"path/to/h.py"``), each with ``":Name"`` for a
+    Harness subclass or a function that returns one; without it, the one Harness subclass the module
+    defines."""
     target, _, attr = spec.partition(":")
     is_file = target.endswith(".py") or "/" in target
     path = Path(target) if is_file else REPO_ROOT / "examples" / target / "harness.py"
@@ -139,8 +143,9 @@ def _import_module(spec: str, target: str):
         if e.name != target and not target.startswith(f"{e.name}."):
             raise
     examples = sorted(p.parent.name for p in (REPO_ROOT / "examples").glob("*/harness.py"))
+    known = ", ".join(examples) or "none"
     raise ValueError(
-        f"no harness {spec!r}: not examples/{target}/harness.py (known: {', '.join(examples) or 'none'}) "
+        f"no harness {spec!r}: not examples/{target}/harness.py (known: {known}) "
         "and not an importable module"
     )
 
@@ -165,7 +170,8 @@ def _import_file(path: Path, module_name: str):
 
 
 def parse_kwargs(items: list[str]) -> dict:
-    """Harness arguments: ``["difficulty=2", "name=x"]`` -> ``{"difficulty": 2, "name": "x"}`` (Python literals)."""
+    """Harness arguments, Python literals: ``["difficulty=2", "name=x"]`` -> ``{"difficulty": 2,
+    "name": "x"}``."""
     out = {}
     for item in items:
         key, eq, value = item.partition("=")
@@ -176,6 +182,82 @@ def parse_kwargs(items: list[str]) -> dict:
         except (ValueError, SyntaxError):
             out[key] = value
     return out
+
+
+# ---------------------------------------------------------------------------- the step's tasks
+
+# "search:2": a spec with a WEIGHT (several harnesses: extras/harnesses.py). "file.py:Class" has
+# none.
+WEIGHTED = re.compile(r"(.+):(\d+(?:\.\d+)?)")
+
+
+class Tasks:
+    """Which tasks each step runs, for one harness (``--harness SPEC``, each ``--harness-arg K=V`` a
+    keyword of it): step k draws ``batch_size`` of its train tasks from a fixed shuffle per epoch,
+    and runs each ``group_size`` times, one advantage group. The same seed and step draw the same
+    tasks, so --resume goes on where the run stopped. extras/harnesses.py runs several harnesses."""
+
+    def __init__(self, specs, harness_args, batch_size, group_size, eval_tasks, seed, log):
+        weighted = [spec for spec in specs if WEIGHTED.fullmatch(spec)]
+        targeted = [item for item in harness_args if ":" in item.partition("=")[0]]
+        if len(specs) > 1 or weighted or targeted:
+            what = "several --harness, a --harness WEIGHT or a --harness-arg SPEC:K=V"
+            sys.exit(hooks.missing(what, "harnesses"))
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.seed = seed
+        # no spec: no harness (train.py --from-calls only draws)
+        self.harnesses = [load_harness(spec, **parse_kwargs(harness_args)) for spec in specs]
+        # harness name -> its tasks
+        self.train = {h.name: h.tasks("train") for h in self.harnesses}
+        self.test = {h.name: h.tasks("test")[:eval_tasks] for h in self.harnesses}
+        for h, spec in zip(self.harnesses, specs):
+            counts = f"{len(self.train[h.name])} train / {len(self.test[h.name])} test tasks"
+            log(f"harness {h.name} ({spec}): {counts}")
+
+    def names(self) -> list[str]:
+        return [h.name for h in self.harnesses]
+
+    def pick(self, step: int) -> list[list[tuple]]:
+        """The step's batch_size groups (all ranks'), each group_size (harness, task, group id)."""
+        groups = []
+        for h in self.harnesses:
+            for task in self.draw(self.train[h.name], step, self.batch_size):
+                groups.append([(h, task, f"{h.name}/{task.id}")] * self.group_size)
+        return groups
+
+    def draw(self, items: list, step: int, n: int) -> list:
+        """The step's n items of a fixed shuffle per epoch, so --resume sees the same order."""
+        epoch, k = divmod(step, max(1, len(items) // max(1, n)))
+        items = list(items)
+        random.Random(self.seed * 1000 + epoch).shuffle(items)
+        return items[k * n : (k + 1) * n]
+
+    def test_jobs(self) -> list[tuple]:
+        """The evaluation's (harness, task), each test task once."""
+        return [(h, t) for h in self.harnesses for t in self.test[h.name]]
+
+    def eval_row(self, results: list, seconds: float) -> dict:
+        """eval_reward, eval_success (reward >= 1), eval_tasks, eval_failed and eval_s over every
+        rank's results (a collective)."""
+        # torch only when evaluating: a harness module imports this file
+        from .algo import all_reduce
+
+        rewards = [r.reward for r in results if r.reward is not None]
+        successes = sum(reward >= 1.0 for reward in rewards)
+        sums = [len(results), sum(rewards), successes, len(results) - len(rewards)]
+        n, total, success, failed = all_reduce(sums)
+        return {
+            "eval_reward": total / max(1, n),
+            "eval_success": success / max(1, n),
+            "eval_tasks": int(n),
+            "eval_failed": int(failed),
+            "eval_s": round(seconds, 1),
+        }
+
+    def by_harness(self, row: dict, key: str) -> str:
+        """The log line's tail of each harness's ``key``: nothing with one harness."""
+        return ""
 
 
 # ---------------------------------------------------------------------------- running
@@ -199,13 +281,15 @@ class RolloutResult:
 
 
 def fail_rollouts_the_backend_failed(results: list[RolloutResult], calls) -> None:
-    """A rollout one of whose calls the backend failed (``finish_reason == "error"``) is failed, even if the
-    harness carried on and got a reward: part of its conversation was never sampled by the policy."""
+    """A rollout one of whose calls the backend failed (``finish_reason == "error"``) is failed,
+    even if the harness carried on and got a reward: part of its conversation was never sampled by
+    the policy."""
     broken = {c.rollout_id for c in calls if c.finish_reason == "error"}
     error = "the backend failed one of its calls (finish_reason 'error' in the calls file)"
     for result in results:
         if result.rollout_id in broken and result.error is None:
-            result.reward, result.error = None, error
+            result.reward = None
+            result.error = error
 
 
 def _finite(x) -> bool:
@@ -213,18 +297,23 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def _call_reward_ok(key, reward) -> bool:
+    # a call's index (not a bool) or its reply's id, and a finite reward
+    return isinstance(key, (int, str)) and not isinstance(key, bool) and _finite(reward)
+
+
 def parse_reward(returned) -> tuple[Optional[float], dict]:
-    """What ``run()`` returned -> (reward, call rewards): ``0.5`` -> ``(0.5, {})``, ``None`` -> ``(None, {})``,
-    ``{"reward": 1, "calls": {0: 0.2, "chatcmpl-7": 1}}`` -> ``(1, {0: 0.2, "chatcmpl-7": 1.0})``."""
+    """What ``run()`` returned -> (reward, call rewards): ``0.5`` -> ``(0.5, {})``, ``None`` ->
+    ``(None, {})``, ``{"reward": 1, "calls": {0: 0.2, "chatcmpl-7": 1}}`` -> ``(1, {0: 0.2,
+    "chatcmpl-7": 1.0})``."""
     if not isinstance(returned, dict):
         return returned, {}
     calls = returned.get("calls", {})
-    valid = lambda k, r: isinstance(k, (int, str)) and not isinstance(k, bool) and _finite(r)
-    calls_ok = isinstance(calls, dict) and all(valid(k, r) for k, r in calls.items())
+    calls_ok = isinstance(calls, dict) and all(_call_reward_ok(k, r) for k, r in calls.items())
     if set(returned) - {"reward", "calls"} or not calls_ok:
         raise ValueError(
-            f"run() returned {str(returned)[:200]}: want {{'reward': R, 'calls': {{k: r}}}}, k a call's index "
-            "in its rollout (int) or its reply's id (str), r a finite number"
+            f"run() returned {str(returned)[:200]}: want {{'reward': R, 'calls': {{k: r}}}}, "
+            "k a call's index in its rollout (int) or its reply's id (str), r a finite number"
         )
     return returned.get("reward"), {k: float(r) for k, r in calls.items()}
 
@@ -239,10 +328,13 @@ async def run_rollouts(
     progress: bool = True,
 ) -> list[RolloutResult]:
     """Run ``jobs`` (rollout id, task, harness) concurrently; one result per job, in order, e.g.
-    ``[RolloutResult("r0", "t0", 1.0, None, 2.1, harness="calc")]``. A rollout that raises, runs past ``timeout``
-    or ends without a reward (returned, or ``posted_reward``) fails: ``reward=None``, an ``error``."""
+    ``[RolloutResult("r0", "t0", 1.0, None, 2.1, harness="calc")]``. A rollout that raises, runs
+    past ``timeout`` or ends without a reward (returned, or ``posted_reward``) fails:
+    ``reward=None``, an ``error``."""
     semaphore = asyncio.Semaphore(max_concurrency)
-    rewards, failed = [], []
+    # the rewards of the rollouts done so far, and the ids of those that failed
+    rewards = []
+    failed = []
 
     async def run_one(rollout_id: str, task: Task, harness: Harness) -> RolloutResult:
         result = RolloutResult(rollout_id, task.id, None, None, 0.0, harness=harness.name)
@@ -258,15 +350,19 @@ async def run_rollouts(
             failed.append(rollout_id)
             # the end of a traceback says what happened
             message = " ".join(result.error.split())
-            message = message if len(message) <= 400 else "..." + message[-400:]
+            if len(message) > 400:
+                message = "..." + message[-400:]
             where = f"[{desc}] rollout {rollout_id} (task {task.id})"
             tqdm.write(f"{where} failed: {message}", file=sys.stderr)
         bar.update(1)
-        mean_reward = f"{sum(rewards) / len(rewards):.3f}" if rewards else "-"
+        mean_reward = "-"
+        if rewards:
+            mean_reward = f"{sum(rewards) / len(rewards):.3f}"
         bar.set_postfix(failed=len(failed), reward=mean_reward)
         return result
 
-    # the bar counts rollouts done, its postfix the failed ones and the mean reward so far; quiet in logs
+    # The bar counts the rollouts done, its postfix the failed ones and the mean reward so far.
+    # It is quiet in logs.
     quiet = not (progress and sys.stderr.isatty())
     with tqdm(
         total=len(jobs), desc=desc, disable=quiet, file=sys.stderr, dynamic_ncols=True
@@ -279,15 +375,22 @@ async def _reward_or_error(harness, task, rollout_id, endpoint_for, timeout, pos
     # the tighter of the runner's limit and the harness's own; None: no limit
     limit = min((t for t in (timeout, harness.timeout) if t), default=None)
     try:
-        # asyncio.timeout (not wait_for) tells our deadline apart from a TimeoutError raised inside the harness
+        # asyncio.timeout (not wait_for) tells our deadline apart from a TimeoutError raised inside
+        # the harness.
         async with asyncio.timeout(limit) as deadline:
             reward, call_rewards = parse_reward(await harness.run(task, endpoint_for(rollout_id)))
     except TimeoutError as e:
-        return None, f"timeout after {limit:g}s" if deadline.expired() else f"TimeoutError: {e}", {}
+        if deadline.expired():
+            return None, f"timeout after {limit:g}s", {}
+        return None, f"TimeoutError: {e}", {}
     # a crashed harness fails its rollout, not the step
     except (Exception, SystemExit) as e:
-        return None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, {}
-    reward = posted_reward(rollout_id) if reward is None else reward
+        error = type(e).__name__
+        if str(e):
+            error = f"{error}: {e}"
+        return None, error, {}
+    if reward is None:
+        reward = posted_reward(rollout_id)
     if reward is None:
         return None, "no reward (run() returned None and nothing was POSTed)", {}
     if not _finite(reward):
@@ -296,16 +399,25 @@ async def _reward_or_error(harness, task, rollout_id, endpoint_for, timeout, pos
 
 
 def resolve_call_rewards(results: list[RolloutResult], calls_of: dict, posted) -> None:
-    """Each rollout's call rewards (``posted(rollout_id)``: POSTed to the proxy, then those ``run()``
-    returned) keyed by call index: a call is named by its index or by its reply's id (a reply of
-    one choice). A reward for a call the rollout does not have fails the rollout."""
+    """Each rollout's call rewards (``posted(rollout_id)``: POSTed to the proxy, then those
+    ``run()`` returned) keyed by call index: a call is named by its index or by its reply's id (a
+    reply of one choice). A reward for a call the rollout does not have fails the rollout."""
     for r in results:
-        mine = [c for c in calls_of.get(r.rollout_id, []) if c.finish_reason not in UNANSWERED]
-        ids = Counter(c.reply_id for c in mine)
-        index_of = {c.index: c.index for c in mine}
-        index_of |= {c.reply_id: c.index for c in mine if ids[c.reply_id] == 1}
+        calls = calls_of.get(r.rollout_id, [])
+        answered = [c for c in calls if c.finish_reason not in UNANSWERED]
+        # A call's index names it, and so does its reply's id where no other call has that id.
+        ids = Counter(c.reply_id for c in answered)
+        index_of = {}
+        for c in answered:
+            index_of[c.index] = c.index
+            if ids[c.reply_id] == 1:
+                index_of[c.reply_id] = c.index
         rewards = {**posted(r.rollout_id), **r.call_rewards}
-        if r.reward is not None and (bad := [k for k in rewards if k not in index_of]):
+        unknown = [k for k in rewards if k not in index_of]
+        if r.reward is not None and unknown:
             why = "name a call by its index in the rollout or its reply's id"
-            r.reward, r.error = None, f"rewards for calls it does not have: {bad[:3]} ({why})"
-        r.call_rewards = {index_of[k]: v for k, v in rewards.items() if r.reward is not None}
+            r.reward = None
+            r.error = f"rewards for calls it does not have: {unknown[:3]} ({why})"
+        r.call_rewards = {}
+        if r.reward is not None:
+            r.call_rewards = {index_of[k]: v for k, v in rewards.items()}

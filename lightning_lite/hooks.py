@@ -69,13 +69,14 @@ adapter = None
 # (groups, results, calls) as running the rollouts would.
 step_source = None
 
-# The step's tasks: a class with Tasks(args, log)'s surface (harness.Tasks, one harness). Set by
-# extras/harnesses.py for several --harness with weights.
+# The step's tasks: a factory fn(args, log) -> an object of harness.Tasks's surface. None: harness.Tasks,
+# one harness (extras/harnesses.py adds several --harness, weights, grouping across them).
 tasks = None
 
 # Before the first rollout: fn(harnesses, args, server, log), e.g. each harness's sandbox.
 ROLLOUT_SETUP = []
-# After each batch of rollouts: fn(results, calls_of, proxy_flags, decode), e.g. the audit's flags.
+# After each batch of rollouts, whose flags hold what the proxy refused them:
+# fn(results, calls_of, decode), e.g. the audit's flags (extras/audit.py).
 ROLLOUT_FILTERS = []
 
 # Where each metrics row goes besides metrics.jsonl: a factory fn(args, config) -> an object with

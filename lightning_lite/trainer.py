@@ -2,7 +2,7 @@
 
     config = TrainConfig.from_flags(args)
     learner = Learner(config, tok, device, dtype, world, master, resume_dir, log, adapter=None)
-    metrics, grad_norm, skipped = learner.update(samples, step, has_signal, results)
+    metrics, grad_norm, skipped = learner.update(samples, step, has_signal)
 
 One update: samples -> micro-batches -> logprobs -> loss -> backward -> one AdamW step. algo.py
 holds the math; this file holds which copies of the policy exist and who owns them:
@@ -107,7 +107,8 @@ class Learner:
         # adapters. It wraps the loaded base (wrap), gives the KL reference (reference: a context
         # yielding the model to score with), says whether a backward leaves some parameters without
         # gradients (unused_parameters), and, when its adapters train apart (trains_apart), makes
-        # the update itself (update). None: the whole model trains.
+        # the update itself (update, which train.py calls instead of Learner.update). None: the
+        # whole model trains.
         self.adapter = adapter
         fsdp = config.parallel == "fsdp"
         self.model = self.load(resume_dir, torch.float32)
@@ -193,13 +194,10 @@ class Learner:
             return config.lr * cosine
         return config.lr
 
-    def update(self, samples: list[Sample], step: int, has_signal: bool, results=()):
+    def update(self, samples: list[Sample], step: int, has_signal: bool):
         """Loss, backward and AdamW on the step's samples; skipped, saying why, when nothing carries
-        a signal or the gradient is not finite. Returns (metrics, gradient norm, why skipped). A model
-        adapter that trains apart (--lora-per-harness: each harness's adapter on its own rollouts,
-        ``results`` say whose) makes the update itself, through the steps below."""
-        if self.adapter is not None and self.adapter.trains_apart:
-            return self.adapter.update(self, samples, results, step)
+        a signal or the gradient is not finite. Returns (metrics, gradient norm, why skipped). (A
+        model adapter whose adapters train apart makes its update from the steps below.)"""
         if not has_signal:
             self.log(
                 f"step {step + 1}: every rollout failed or every group has zero advantage; "

@@ -7,8 +7,9 @@ import zlib
 import aiohttp
 import openai
 
-from lightning_lite.harness import Harness, SubprocessHarness, Task
+from lightning_lite.extras.programs import SubprocessHarness
 from lightning_lite.extras.sandbox import Sandbox
+from lightning_lite.harness import Harness, Task
 
 TOPICS = ["cats", "rain", "bread", "trains", "the sea", "music", "snow", "books"]
 

@@ -203,19 +203,25 @@ def test_escape_patterns_flag_what_a_sandboxed_agent_must_not_name():
 
 
 def test_auditor_flags_escapes_in_sandboxed_rollouts_and_zeroes_flagged_rewards():
-    """train.py's flagging: the proxy's flags first, then the audit's; escapes only where a sandbox runs the
-    rollouts (kind "escape"); a zero_flagged harness's flagged rollout gets reward 0 and no call rewards, a failed
-    one stays failed, an unflagged one keeps its reward."""
+    """train.py's flagging through the hooks: the proxy's flags first (train.py puts them in), then
+    the audit's; escapes only where a sandbox runs the rollouts (kind "escape"); a zero_flagged
+    harness's flagged rollout gets reward 0 and no call rewards, a failed one stays failed, an
+    unflagged one keeps its reward. A harness without the audit's fields is read as having none."""
     from types import SimpleNamespace
 
-    from lightning_lite.extras.audit import Auditor
+    from lightning_lite import hooks
+    from lightning_lite.extras import audit
     from lightning_lite.harness import RolloutResult
 
-    boxed = SimpleNamespace(name="boxed", audit={}, audit_results={}, zero_flagged=True)
-    host = SimpleNamespace(
-        name="host", audit={"reads": "cat "}, audit_results={}, zero_flagged=False
-    )
-    auditor = Auditor([boxed, host], {"boxed": "bwrap", "host": "none"}, "/work/runs/x", 8000)
+    bwrap = SimpleNamespace(name="bwrap")
+    boxed = SimpleNamespace(name="boxed", audit={}, zero_flagged=True, sandbox=bwrap)
+    host = SimpleNamespace(name="host", audit={"reads": "cat "})
+    assert audit.setup in hooks.ROLLOUT_SETUP and audit.flag_rollouts in hooks.ROLLOUT_FILTERS
+    run_args = SimpleNamespace(out="/work/runs/x")
+    bad = SimpleNamespace(name="bad", audit_results={"unclosed": "(tests"})
+    with pytest.raises(ValueError, match="audit pattern 'unclosed'"):
+        audit.setup([host, bad], run_args, SimpleNamespace(port=8000), print)
+    audit.setup([boxed, host], run_args, SimpleNamespace(port=8000), print)
     cmd = bash("cat /work/runs/x/metrics.jsonl")
     calls_of = {rid: [call(0, ids(TASK), "", [cmd])] for rid in ("a", "b", "c", "d")}
     results = [
@@ -226,7 +232,13 @@ def test_auditor_flags_escapes_in_sandboxed_rollouts_and_zeroes_flagged_rewards(
     ]
     calls_of["d"] = [call(0, ids(TASK), "done")]
     refused = {"kind": "route", "what": "another rollout's route"}
-    auditor.flag(results, calls_of, lambda rid: [refused] if rid == "a" else [], decode)
+
+    def proxy_flags(rollout_id):
+        return [refused] if rollout_id == "a" else []
+
+    for r in results:
+        r.flags = proxy_flags(r.rollout_id)
+    audit.flag_rollouts(results, calls_of, decode)
     a, b, c, d = results
     assert [f["kind"] for f in a.flags] == ["route", "escape"] and a.flags[1][
         "what"

@@ -9,16 +9,17 @@ import time
 
 import pytest
 
+from lightning_lite.extras.programs import SubprocessHarness
+from lightning_lite.extras.sandbox import Sandbox
 from lightning_lite.harness import (
     Endpoint,
     Harness,
-    SubprocessHarness,
     Task,
+    Tasks,
     load_harness,
     parse_kwargs,
     run_rollouts,
 )
-from lightning_lite.extras.sandbox import Sandbox
 from openai_stub import StubServer
 
 
@@ -340,3 +341,27 @@ def test_parse_kwargs():
     }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_kwargs(["difficulty"])
+
+
+def test_one_harness_draws_its_step_tasks_and_more_needs_the_extra():
+    """harness.Tasks: step k's groups are batch_size tasks of a fixed shuffle per epoch, each run
+    group_size times under one group id; the same seed and step draw the same tasks. Several
+    harnesses, a WEIGHT or a SPEC:K=V are refused, naming extras/harnesses.py."""
+    tasks = Tasks(["calc"], ["difficulty=2"], 4, 2, 3, 7, lambda *line: None)
+    assert tasks.names() == ["calc"] and tasks.harnesses[0].difficulty == 2
+    groups = tasks.pick(5)
+    drawn = tasks.draw(tasks.train["calc"], 5, 4)
+    assert [[(h.name, t.id, g) for h, t, g in group] for group in groups] == [
+        [("calc", t.id, f"calc/{t.id}")] * 2 for t in drawn
+    ]
+    assert tasks.pick(5) == groups and tasks.pick(6) != groups
+    assert [t.id for _, t in tasks.test_jobs()] == [t.id for t in tasks.test["calc"]]
+    assert len(tasks.test_jobs()) == 3 and tasks.by_harness({}, "reward") == ""
+    for specs, items in ((["calc", "search"], []), (["calc:2"], []), (["calc"], ["calc:k=1"])):
+        with pytest.raises(SystemExit, match="needs lightning_lite/extras/harnesses.py"):
+            Tasks(specs, items, 4, 2, 3, 7, print)
+
+
+def test_subprocess_harness_moved_and_the_error_says_where():
+    with pytest.raises(ImportError, match="from lightning_lite.extras.programs import"):
+        from lightning_lite.harness import SubprocessHarness  # noqa: F401

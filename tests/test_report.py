@@ -6,6 +6,7 @@ own browser download needs the internet); without them the browser test skips: `
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -51,7 +52,7 @@ def call(rid, index, prompt, response, parent=None, hint=None):
 
 def report(run_dir):
     return subprocess.run(
-        [sys.executable, "-m", "lightning_lite.report", str(run_dir)],
+        [sys.executable, "-m", "lightning_lite.extras.report", str(run_dir)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -306,6 +307,35 @@ def test_a_folder_that_is_no_run_says_what_is_expected(tmp_path):
     )
     empty = report(tmp_path)
     assert empty.returncode == 2 and f"{tmp_path} has no metrics.jsonl" in empty.stderr
+
+
+def test_train_py_writes_the_report_and_the_loggers_through_the_hooks(run, tmp_path, capsys):
+    """After training, train.py's rank 0 runs hooks.AFTER_RUN (the report, saying where it is);
+    each metrics row goes to the sinks hooks.METRIC_SINKS opens: none without their flags."""
+    from types import SimpleNamespace
+
+    from lightning_lite import hooks
+    from lightning_lite.extras import loggers
+    from lightning_lite.extras import report as report_extra
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run["dir"], run_dir)
+    assert report_extra.after_run in hooks.AFTER_RUN
+    report_extra.after_run(str(run_dir))
+    page = run_dir / "report.html"
+    said = f"wrote {page}: plots and trajectories, open it in a browser"
+    assert capsys.readouterr().out.strip() == said
+    assert page.read_text() == (run["dir"] / "report.html").read_text().replace(
+        str(run["dir"]), str(run_dir)
+    )
+    assert loggers.open_loggers in hooks.METRIC_SINKS
+    flags = SimpleNamespace(tensorboard=False, wandb=None, out=str(tmp_path))
+    assert loggers.open_loggers(flags, {}) is None
+    flags.tensorboard = True
+    sink = loggers.open_loggers(flags, {})
+    sink.log({"step": 1, "reward": 0.5, "not measured": None})
+    sink.close()
+    assert os.listdir(tmp_path / "tensorboard")
 
 
 def test_page_in_headless_chromium(run, tmp_path):

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from lightning_lite.extras import sandbox
-from lightning_lite.harness import SubprocessHarness, Task, run_rollouts
+from lightning_lite.extras.programs import SubprocessHarness
+from lightning_lite.harness import Task, run_rollouts
 from lightning_lite.proxy import Proxy, ProxyServer
 from test_faults import FakeBackend
 

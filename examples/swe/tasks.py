@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import Optional
 
 from examples.swe import instances as swe
-from lightning_lite.harness import REPO_ROOT, Endpoint, SubprocessHarness, Task
+from lightning_lite.extras.programs import SubprocessHarness
 from lightning_lite.extras.sandbox import Sandbox
+from lightning_lite.harness import REPO_ROOT, Endpoint, Task
 
 # ---------------------------------------------------------------------------- bug families
 # Each family(rng) returns a dict:

@@ -1,17 +1,18 @@
-"""The harnesses a run trains through, and which of their tasks each step runs (docs/training.md:
-several harnesses). One harness is the plain case; several (``--harness search:2 --harness calc``)
-draw a step's tasks in proportion to their weights, each with its own metrics (``reward/NAME``),
-and ``--group-across-harnesses`` puts every harness's rollouts of one task id in one advantage group.
+"""Several harnesses in one run (docs/training.md: several harnesses). ``--harness search:2
+--harness calc`` draws a step's tasks in proportion to the weights, and each harness has its own
+metrics (``reward/NAME``, ``eval_reward/NAME``); ``--group-across-harnesses`` puts every harness's
+rollouts of one task id in one advantage group. One harness with no weight is the core's
+(harness.Tasks).
 
-The hook: train.py asks ``Tasks.pick(step)`` for the step's groups of (harness, task, group id).
+The hook: ``hooks.tasks``, the factory of the object train.py asks for each step's groups
+(``pick(step)``).
 """
 
-import random
-import re
 import sys
 
-from .. import algo
-from ..harness import load_harness, parse_kwargs
+from .. import hooks
+from ..algo import all_reduce
+from ..harness import WEIGHTED, Tasks, load_harness, parse_kwargs
 
 
 def add_args(parser):
@@ -21,7 +22,9 @@ def add_args(parser):
 
 
 def check(args, ddp: bool, cuda: bool):
-    if args.group_across_harnesses and (len(args.harness) < 2 or args.from_calls):
+    # None: no --harness given (train.py's default comes after the checks)
+    harness_specs = args.harness or []
+    if args.group_across_harnesses and len(harness_specs) < 2:
         sys.exit(
             "--group-across-harnesses groups the rollouts of several --harness that run the "
             "same tasks: give two or more"
@@ -29,108 +32,146 @@ def check(args, ddp: bool, cuda: bool):
 
 
 def share(total: int, weights: list[float]) -> list[int]:
-    """``total`` split in proportion to ``weights``, largest remainders first: share(4, [3, 1]) == [3, 1]."""
+    """``total`` split in proportion to ``weights``, largest remainders first:
+    ``share(4, [3, 1]) == [3, 1]``."""
     raw = [total * w / sum(weights) for w in weights]
-    n = [int(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: n[i] - raw[i])[: total - sum(n)]:
-        n[i] += 1
-    return n
+    counts = [int(x) for x in raw]
+    # the largest remainders get the rest, one each
+    by_remainder = sorted(range(len(raw)), key=lambda i: counts[i] - raw[i])
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
-class Tasks:
+def split_weight(spec: str) -> tuple[str, float]:
+    """``"search:2"`` -> ``("search", 2.0)``; ``"file.py:Class"`` -> ``("file.py:Class", 1.0)``."""
+    match = WEIGHTED.fullmatch(spec)
+    if match is None:
+        return spec, 1.0
+    return match[1], float(match[2])
+
+
+def split_arg(item: str) -> tuple[str, str, str]:
+    """A --harness-arg: ``"search:k=1"`` -> ``("search", "k", "1")``; ``"k=1"`` -> ``("", "k",
+    "1")``, for every harness."""
+    key, _, value = item.partition("=")
+    target, _, name = key.rpartition(":")
+    return target, name, value
+
+
+def harness_kwargs(spec: str, items: list[str]) -> dict:
+    """The keywords of the harness ``spec``: each ``--harness-arg K=V``, and each ``SPEC:K=V`` that
+    names it."""
+    kept = []
+    for item in items:
+        target, name, value = split_arg(item)
+        if target in ("", spec):
+            kept.append(f"{name}={value}")
+    return parse_kwargs(kept)
+
+
+class SeveralTasks(Tasks):
+    """harness.Tasks for several harnesses, each drawn in proportion to its weight: a step's
+    batch_size tasks split over them (largest remainders first), or with ``groups_across`` each task's
+    group_size rollouts split over them, every harness running the same task id."""
+
     def __init__(self, args, log):
-        self.args = args
-        # "search:2" -> ("search", 2.0); "file.py:Class" keeps its class
-        specs = [
-            (m[1], float(m[2])) if (m := re.fullmatch(r"(.+):(\d+(?:\.\d+)?)", h)) else (h, 1.0)
-            for h in args.harness
-        ]
-        self.weights = [w for _, w in specs]
-        # "K=V" goes to every harness, "SPEC:K=V" to that one
-        items = [(k.rpartition(":"), v) for k, _, v in (i.partition("=") for i in args.harness_arg)]
-        if unknown := {key[0] for key, _ in items} - {"", *(spec for spec, _ in specs)}:
-            sys.exit(f"--harness-arg {sorted(unknown)[0]}:K=V names no --harness")
+        # harness.Tasks's fields (its own __init__ loads one harness), then the weights
+        self.batch_size = args.batch_size
+        self.group_size = args.group_size
+        self.seed = args.seed
+        self.groups_across = args.group_across_harnesses
+        specs = []
+        self.weights = []
+        for item in args.harness:
+            spec, weight = split_weight(item)
+            specs.append(spec)
+            self.weights.append(weight)
         if any(w <= 0 for w in self.weights):
             sys.exit("a --harness WEIGHT must be > 0")
+        targets = {split_arg(item)[0] for item in args.harness_arg}
+        unknown = targets - {"", *specs}
+        if unknown:
+            sys.exit(f"--harness-arg {sorted(unknown)[0]}:K=V names no --harness")
         self.harnesses = []
-        for spec, _ in specs:
-            kwargs = parse_kwargs([f"{key[2]}={v}" for key, v in items if key[0] in ("", spec)])
-            h = load_harness(spec, **kwargs)
+        for spec in specs:
+            harness = load_harness(spec, **harness_kwargs(spec, args.harness_arg))
             # metrics are kept by name
-            if h.name in self.names():
-                h.name = f"{h.name}{len(self.harnesses)}"
-            self.harnesses.append(h)
+            if harness.name in self.names():
+                harness.name = f"{harness.name}{len(self.harnesses)}"
+            self.harnesses.append(harness)
         self.train = {h.name: h.tasks("train") for h in self.harnesses}
         self.test = {h.name: h.tasks("test")[: args.eval_tasks] for h in self.harnesses}
+        # harness name -> task id -> its task; the task ids every harness has, in the first's order
         self.by_id = {name: {t.id: t for t in tasks} for name, tasks in self.train.items()}
-        first = self.train[self.harnesses[0].name] if self.harnesses else []
+        first = self.train[self.harnesses[0].name]
         self.common = [t for t in first if all(t.id in ids for ids in self.by_id.values())]
-        across = args.group_across_harnesses
-        if across and not self.common:
-            sys.exit(
-                f"--group-across-harnesses: harnesses {', '.join(self.by_id)} share no train task id"
-            )
-        total = args.group_size if across else args.batch_size
-        if self.harnesses and 0 in share(total, self.weights):
-            what = "a rollout in every group" if across else "a task a step"
-            weights = ", ".join(f"{w:g}" for w in self.weights)
-            sys.exit(
-                f"{'--group-size' if across else '--batch-size'} is too small to give each of the "
-                f"{len(self.harnesses)} harnesses (weights {weights}) {what}"
-            )
-        for h, (spec, w) in zip(self.harnesses, specs):
-            log(
-                f"harness {h.name} ({spec}, weight {w:g}): {len(self.train[h.name])} train / "
-                f"{len(self.test[h.name])} test tasks"
-            )
-
-    def names(self) -> list[str]:
-        return [h.name for h in self.harnesses]
+        if self.groups_across and not self.common:
+            names = ", ".join(self.by_id)
+            sys.exit(f"--group-across-harnesses: harnesses {names} share no train task id")
+        weights = ", ".join(f"{w:g}" for w in self.weights)
+        each = f"each of the {len(self.harnesses)} harnesses (weights {weights})"
+        if self.groups_across and 0 in share(self.group_size, self.weights):
+            sys.exit(f"--group-size is too small to give {each} a rollout in every group")
+        if not self.groups_across and 0 in share(self.batch_size, self.weights):
+            sys.exit(f"--batch-size is too small to give {each} a task a step")
+        for h, spec, weight in zip(self.harnesses, specs, self.weights):
+            counts = f"{len(self.train[h.name])} train / {len(self.test[h.name])} test tasks"
+            log(f"harness {h.name} ({spec}, weight {weight:g}): {counts}")
 
     def pick(self, step: int) -> list[list[tuple]]:
-        """The step's --batch-size groups (all ranks'), each --group-size of (harness, task, group id)."""
-        a = self.args
-        if a.group_across_harnesses:
+        """The step's batch_size groups (all ranks'), each group_size (harness, task, group id)."""
+        if self.groups_across:
             # one task list; each task's group split over the harnesses by weight
-            split = share(a.group_size, self.weights)
-            members = [h for h, n in zip(self.harnesses, split) for _ in range(n)]
-            tasks = self.draw(self.common, step, a.batch_size)
-            return [[(h, self.by_id[h.name][t.id], t.id) for h in members] for t in tasks]
-        split = share(a.batch_size, self.weights)
-        return [
-            [(h, t, f"{h.name}/{t.id}")] * a.group_size
-            for h, n in zip(self.harnesses, split)
-            for t in self.draw(self.train[h.name], step, n)
-        ]
-
-    def draw(self, items: list, step: int, n: int) -> list:
-        """The step's n items of a fixed shuffle per epoch, so --resume sees the same order."""
-        epoch, k = divmod(step, max(1, len(items) // max(1, n)))
-        items = list(items)
-        random.Random(self.args.seed * 1000 + epoch).shuffle(items)
-        return items[k * n : (k + 1) * n]
-
-    def test_jobs(self) -> list[tuple]:
-        return [(h, t) for h in self.harnesses for t in self.test[h.name]]
+            members = []
+            for harness, n in zip(self.harnesses, share(self.group_size, self.weights)):
+                members += [harness] * n
+            groups = []
+            for task in self.draw(self.common, step, self.batch_size):
+                groups.append([(h, self.by_id[h.name][task.id], task.id) for h in members])
+            return groups
+        groups = []
+        for harness, n in zip(self.harnesses, share(self.batch_size, self.weights)):
+            for task in self.draw(self.train[harness.name], step, n):
+                groups.append([(harness, task, f"{harness.name}/{task.id}")] * self.group_size)
+        return groups
 
     def eval_row(self, results: list, seconds: float) -> dict:
-        """eval_reward and eval_success over every rank's results, and each harness's (/NAME)."""
-        row = {}
-        for name in [""] + (self.names() if len(self.harnesses) > 1 else []):
-            mine = [r for r in results if r.harness == name or not name]
-            ok = [r.reward for r in mine if r.reward is not None]
-            sums = [len(mine), sum(ok), sum(r >= 1.0 for r in ok), len(mine) - len(ok)]
-            n, total, success, failed = algo.all_reduce(sums)
-            suffix = f"/{name}" if name else ""
-            row["eval_reward" + suffix] = total / max(1, n)
-            row["eval_success" + suffix] = success / max(1, n)
-            if not name:
-                row.update(eval_tasks=int(n), eval_failed=int(failed), eval_s=round(seconds, 1))
+        """harness.Tasks's row, and with two harnesses or more each one's eval_reward/NAME and
+        eval_success/NAME."""
+        row = super().eval_row(results, seconds)
+        if len(self.harnesses) < 2:
+            return row
+        for name in self.names():
+            rewards = [r.reward for r in results if r.harness == name and r.reward is not None]
+            ran = sum(r.harness == name for r in results)
+            successes = sum(reward >= 1.0 for reward in rewards)
+            n, total, success = all_reduce([ran, sum(rewards), successes])
+            row[f"eval_reward/{name}"] = total / max(1, n)
+            row[f"eval_success/{name}"] = success / max(1, n)
         return row
 
     def by_harness(self, row: dict, key: str) -> str:
-        """The log line's tail with several harnesses: ' | calc 0.500 | search 0.250'."""
+        """The log line's tail with two harnesses or more: ``" | calc 0.500 | search 0.250"``
+        (``-``: not measured)."""
+        tail = ""
         if len(self.harnesses) < 2:
-            return ""
-        show = lambda v: "-" if v is None else f"{v:.3f}"
-        return "".join(f" | {name} {show(row.get(f'{key}/{name}'))}" for name in self.names())
+            return tail
+        for name in self.names():
+            value = row.get(f"{key}/{name}")
+            shown = "-" if value is None else f"{value:.3f}"
+            tail += f" | {name} {shown}"
+        return tail
+
+
+def make_tasks(args, log) -> Tasks:
+    """train.py's step tasks: the core's for one harness with no weight, SeveralTasks otherwise."""
+    weighted = any(WEIGHTED.fullmatch(spec) for spec in args.harness)
+    targeted = any(split_arg(item)[0] for item in args.harness_arg)
+    if len(args.harness) > 1 or weighted or targeted or args.group_across_harnesses:
+        return SeveralTasks(args, log)
+    sizes = dict(batch_size=args.batch_size, group_size=args.group_size, eval_tasks=args.eval_tasks)
+    return Tasks(args.harness, args.harness_arg, **sizes, seed=args.seed, log=log)
+
+
+hooks.tasks = make_tasks

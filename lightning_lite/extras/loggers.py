@@ -1,11 +1,14 @@
 """Metrics to TensorBoard and Weights & Biases besides metrics.jsonl (docs/training.md: loggers).
 
-The hook: train.py's rank 0 opens ``Loggers`` and every metrics row goes to ``Loggers.log``
-(numbers only: a None, not measured, is left out) before metrics.jsonl.
+The hook: at import this file adds ``open_loggers`` to ``hooks.METRIC_SINKS``; train.py's rank 0
+opens it, and every metrics row goes to ``Loggers.log`` (numbers only: a None, not measured, is
+left out) besides metrics.jsonl.
 """
 
 import os
 import sys
+
+from .. import hooks
 
 
 def add_args(parser):
@@ -18,8 +21,9 @@ def add_args(parser):
 
 class Loggers:
     def __init__(self, args, config: dict):
-        # imported only when asked for
-        self.tensorboard = self.wandb = None
+        # each imported only when asked for
+        self.tensorboard = None
+        self.wandb = None
         try:
             if args.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
@@ -49,3 +53,13 @@ class Loggers:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def open_loggers(args, config: dict):
+    """hooks.METRIC_SINKS: the Loggers that --tensorboard and --wandb ask for; None without them."""
+    if not args.tensorboard and not args.wandb:
+        return None
+    return Loggers(args, config)
+
+
+hooks.METRIC_SINKS.append(open_loggers)

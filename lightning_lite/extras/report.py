@@ -1,14 +1,19 @@
 """One HTML page to look at a training run (README: "Seeing a run"):
 
-    python -m lightning_lite.report RUN_DIR        # writes RUN_DIR/report.html
+    python -m lightning_lite.extras.report RUN_DIR        # writes RUN_DIR/report.html
 
-metrics.jsonl says *that* the reward moved; the recorded calls say *why*. The trajectories are built into samples
-by ``samples.build_samples`` exactly as train.py built them, so what is highlighted as trainable is what was
-trained. The page is one file that opens without a network (layout and script: report.html).
+metrics.jsonl says *that* the reward moved; the recorded calls say *why*. The trajectories are built
+into samples by ``samples.build_samples`` exactly as train.py built them, so what is highlighted as
+trainable is what was trained. The page is one file that opens without a network (layout and
+script: report.html).
 
 A long agent run records gigabytes of prompt tokens, so the page keeps the trajectories of at most
-``--max-batches`` batches (one step_K or eval_K, all ranks) and stores each sample as the ids after its longest
-prefix shared with another sample of the batch (a system prompt once per batch), gzip-compressed.
+``--max-batches`` batches (one step_K or eval_K, all ranks) and stores each sample as the ids after
+its longest prefix shared with another sample of the batch (a system prompt once per batch),
+gzip-compressed.
+
+The hook: at import this file adds ``after_run`` to ``hooks.AFTER_RUN``: train.py's rank 0 writes
+the report of the run it just finished.
 """
 
 import argparse
@@ -22,6 +27,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from .. import hooks
 from ..records import Call, common_prefix, find_batches, finite, read_calls, read_jsonl
 from ..samples import build_samples
 
@@ -51,14 +57,24 @@ def rollout_view(
     calls = sorted(calls, key=lambda c: c.index)
     view = {**info, "calls": [], "samples": [], "samples_error": None}
     for c in calls:
-        row = dict(index=c.index, parent=c.parent, split=c.split, choice=c.choice)
-        row |= dict(finish=c.finish_reason, prompt=len(c.prompt_ids), response=len(c.response_ids))
-        view["calls"].append(row | dict(latency=c.latency_s, version=c.model_version))
+        row = {
+            "index": c.index,
+            "parent": c.parent,
+            "split": c.split,
+            "choice": c.choice,
+            "finish": c.finish_reason,
+            "prompt": len(c.prompt_ids),
+            "response": len(c.response_ids),
+            "latency": c.latency_s,
+            "version": c.model_version,
+        }
+        view["calls"].append(row)
     # a malformed record: show the rollout, say why it has no samples
     try:
         samples = build_samples(calls, max_seq_len)[0]
     except ValueError as e:
-        samples, view["samples_error"] = [], str(e)
+        samples = []
+        view["samples_error"] = str(e)
     for s in samples:
         view["samples"].append(dict(seq=len(seqs), calls=s.calls, mask=s.loss_mask, split=s.split))
         seqs.append(s.tokens)
@@ -82,19 +98,23 @@ def build_batch(files: dict[str, list[str]], max_seq_len: Optional[int]) -> dict
     """One batch's rollouts (from rollouts/ when the run wrote it, else from the calls alone)."""
     calls_of: dict[str, list[Call]] = defaultdict(list)
     # whole prompts: the page draws where each call's prompt ends
-    for c in (c for path in files["calls"] for c in read_calls(path, whole=True)):
-        calls_of[c.rollout_id].append(c)
+    for path in files["calls"]:
+        for c in read_calls(path, whole=True):
+            calls_of[c.rollout_id].append(c)
     infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path)}
     # a rollout with no line in rollouts/: all but its id unknown
-    fields = "rollout_id task_id harness reward call_rewards error seconds advantage".split()
+    unknown = dict.fromkeys(["task_id", "harness", "reward", "error", "seconds", "advantage"])
     for rid in calls_of:
-        infos.setdefault(rid, {**dict.fromkeys(fields), "rollout_id": rid, "call_rewards": {}})
+        infos.setdefault(rid, {"rollout_id": rid, **unknown, "call_rewards": {}})
     seqs: list[list[int]] = []
     rollouts = [
         rollout_view(calls_of.get(rid, []), info, max_seq_len, seqs) for rid, info in infos.items()
     ]
-    out = {"rollouts": rollouts, "seqs": share_prefixes(seqs)}
-    return out | {"has_rollouts_file": bool(files["rollouts"])}
+    return {
+        "rollouts": rollouts,
+        "seqs": share_prefixes(seqs),
+        "has_rollouts_file": bool(files["rollouts"]),
+    }
 
 
 def token_texts(model: Optional[str], ids: set[int]) -> Optional[dict[int, str]]:
@@ -119,24 +139,43 @@ def pack(obj) -> str:
 
 
 def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
-    """Write RUN_DIR/report.html; return its path, how many batches it holds, how many were found."""
+    """Write RUN_DIR/report.html; return its path, how many batches it holds, how many were
+    found."""
     config_path = os.path.join(run_dir, "config.json")
-    exists = os.path.isfile(config_path)
-    config = json.load(open(config_path), parse_constant=lambda _: None) if exists else {}
-    # the page's data is JSON: no NaN
+    # The page's data is JSON: no NaN, in the config or in the metrics.
+    config = {}
+    if os.path.isfile(config_path):
+        config = json.load(open(config_path), parse_constant=lambda _: None)
     metrics = [finite(row) for row in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
     found = find_batches(run_dir)
     kept = spread(list(found), max_batches)
-    batches, ids, quiet = [], set(), not sys.stderr.isatty()
+    batches = []
+    # the token ids the kept batches hold: the page shows each one's text
+    ids = set()
+    quiet = not sys.stderr.isatty()
     for kind, k in tqdm(kept, desc="report: building samples", unit="batch", disable=quiet):
-        batch = build_batch(found[(kind, k)], config.get("max_seq_len") if kind == "step" else None)
+        # an eval's samples were never trained on: none is cut
+        max_seq_len = None
+        if kind == "step":
+            max_seq_len = config.get("max_seq_len")
+        batch = build_batch(found[(kind, k)], max_seq_len)
         ids.update(t for seq in batch["seqs"] for t in seq["tail"])
-        label, metrics_step = batch_label(kind, k), k + 1 if kind == "step" else k
-        batches.append(dict(kind=kind, label=label, metrics_step=metrics_step, blob=pack(batch)))
-    texts = token_texts(config.get("model"), ids) if ids else {}
+        # the metrics row of a step's update is step K + 1; an eval's is its step
+        metrics_step = k
+        if kind == "step":
+            metrics_step = k + 1
+        batch_row = {"kind": kind, "label": batch_label(kind, k), "metrics_step": metrics_step}
+        batches.append({**batch_row, "blob": pack(batch)})
+    texts = {}
+    if ids:
+        texts = token_texts(config.get("model"), ids)
     data = {"run_dir": os.path.abspath(run_dir), "config": config, "metrics": metrics}
-    data |= {"batches": batches, "batches_found": len(found)}
-    data["vocab"] = pack(texts) if texts is not None else None
+    data["batches"] = batches
+    data["batches_found"] = len(found)
+    # None: the tokenizer could not be loaded (the page shows ids)
+    data["vocab"] = None
+    if texts is not None:
+        data["vocab"] = pack(texts)
     # "</" inside a <script> would end it early (a config string, a token text).
     script = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     out = os.path.join(run_dir, "report.html")
@@ -147,7 +186,7 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     what = "Write RUN_DIR/report.html: plots, config and a trajectory browser of a train.py run."
-    ap = argparse.ArgumentParser(prog="python -m lightning_lite.report", description=what)
+    ap = argparse.ArgumentParser(prog="python -m lightning_lite.extras.report", description=what)
     help = "the --out folder of a train.py run (config.json, metrics.jsonl, calls/, rollouts/)"
     ap.add_argument("run_dir", help=help)
     help = "keep trajectories of at most this many steps/evals, evenly spaced (0: all); default 20"
@@ -164,6 +203,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     kept += " (--max-batches 0 keeps all)" if n < total else ""
     print(f"wrote {path} ({os.path.getsize(path) / 1e6:.2f} MB; {kept})")
 
+
+def after_run(run_dir: str) -> None:
+    """hooks.AFTER_RUN: the report of the run train.py just finished."""
+    print(f"wrote {write_report(run_dir)[0]}: plots and trajectories, open it in a browser")
+
+
+hooks.AFTER_RUN.append(after_run)
 
 if __name__ == "__main__":
     main()

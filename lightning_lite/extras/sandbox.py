@@ -1,14 +1,18 @@
-"""Sandboxes for the programs a rollout runs (README "Sandboxes"). The hook: a SubprocessHarness runs its command
-through its ``sandbox`` attribute, any object whose ``wrap`` turns a command into the host command that runs it
-inside, with exactly the environment given; ``make(kind)`` gives one, ``setup`` gives train.py's harnesses theirs::
+"""Sandboxes for the programs a rollout runs (README "Sandboxes"). The hook: a SubprocessHarness
+(extras/programs.py) runs its command through its ``sandbox`` attribute, any object whose ``wrap``
+turns a command into the host command that runs it inside, with exactly the environment given.
+``make(kind)`` gives one; at import this file adds ``setup`` to ``hooks.ROLLOUT_SETUP``, which gives
+train.py's program harnesses theirs (``--sandbox``)::
 
-    >>> make("bwrap", hide=["runs/x"]).wrap(["python3", "agent.py"], {"PATH": "/usr/bin"}, "/tmp/ll-r0/repo",
-    ...                                      socket="/tmp/ll-proxy-1/0.sock", port=8000)
-    ['bwrap', '--ro-bind', '/', '/', ..., 'python3', '.../sandbox.py', '/tmp/ll-proxy-1/0.sock', '8000', '--', 'python3', 'agent.py']
+    >>> make("bwrap", hide=["runs/x"]).wrap(["python3", "agent.py"], {"PATH": "/usr/bin"},
+    ...     "/tmp/ll-r0/repo", socket="/tmp/ll-proxy-1/0.sock", port=8000)
+    ['bwrap', '--ro-bind', '/', '/', ..., 'python3', '.../sandbox.py', '/tmp/ll-proxy-1/0.sock',
+     '8000', '--', 'python3', 'agent.py']
 
-With ``socket`` and ``port``, 127.0.0.1:``port`` inside is bridged to the proxy's Unix socket ``socket``, so a
-harness's base URL stays ``http://127.0.0.1:PORT/...`` though nothing else is reachable. The bridge is this file run
-as a script by the sandbox's own ``python3`` (standard library only, Python >= 3.8): any image with Python has it.
+With ``socket`` and ``port``, 127.0.0.1:``port`` inside is bridged to the proxy's Unix socket
+``socket``, so a harness's base URL stays ``http://127.0.0.1:PORT/...`` though nothing else is
+reachable. The bridge is this file run as a script by the sandbox's own ``python3`` (standard
+library only, Python >= 3.8): any image with Python has it.
 """
 
 import contextlib
@@ -24,7 +28,8 @@ from typing import Optional
 
 # the bridge: this file, run inside the sandbox
 HERE = os.path.abspath(__file__)
-# the sandboxes that reach the proxy through its Unix socket (and so get an Endpoint.socket of their own)
+# The sandboxes that reach the proxy through its Unix socket, and so get an Endpoint.socket of their
+# own.
 BRIDGED = ("bwrap", "docker")
 
 
@@ -46,46 +51,55 @@ class Sandbox:
     name = "none"
 
     def wrap(self, cmd: list[str], env: dict, cwd: str, **options) -> list[str]:
-        """The host argv that runs ``cmd`` in read-write ``cwd`` with exactly ``env``; of the ``options``, each
-        sandbox uses what applies to it: read-write ``binds``, read-only ``ro_binds``, never ``hide``;
-        127.0.0.1:``port`` bridged to ``socket``; docker's ``image``, ``limits`` (Limits), container ``name``."""
+        """The host argv that runs ``cmd`` in read-write ``cwd`` with exactly ``env``. Of the
+        ``options``, each sandbox uses what applies to it: read-write ``binds``, read-only
+        ``ro_binds``, never ``hide``; 127.0.0.1:``port`` bridged to ``socket``; docker's ``image``,
+        ``limits`` (Limits), container ``name``."""
         return ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *cmd]
 
     def kill(self, name: Optional[str]):
-        """Stop what may outlive the host process once it is killed (a container); nothing here."""
+        """Stop what may outlive the host process once it is killed (a container): nothing here."""
 
 
 def _bridged(bridge: str, socket: Optional[str], port: Optional[int], cmd: list[str]) -> list[str]:
-    """``cmd`` under the bridge (this file at ``bridge`` inside, run by the sandbox's python3) when bridged."""
-    return ["python3", bridge, socket, str(port), "--", *cmd] if socket else list(cmd)
+    """``cmd`` under the bridge (this file at ``bridge`` inside, run by the sandbox's python3) when
+    there is a ``socket`` to bridge to."""
+    if not socket:
+        return list(cmd)
+    return ["python3", bridge, socket, str(port), "--", *cmd]
 
 
 class Bwrap(Sandbox):
-    """bubblewrap: the system read-only, the trainer's HOME, /tmp and /run private, no network, no other process."""
+    """bubblewrap: the system read-only; the trainer's HOME, /tmp and /run private; no network, no
+    other process."""
 
     name = "bwrap"
-    # its own namespaces: no network but loopback, no other process, a new session (no terminal to inject into)
-    UNSHARE = "--unshare-pid --unshare-net --unshare-ipc --unshare-uts --unshare-cgroup-try".split()
-    UNSHARE += "--die-with-parent --new-session --clearenv".split()
+    # Its own namespaces: no network but loopback, no other process, a new session (no terminal to
+    # inject into).
+    UNSHARE = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
+    UNSHARE += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv"]
 
     def __init__(self, hide=()):
         self.hide = [os.path.abspath(p) for p in hide]
 
     def wrap(self, cmd, env, cwd, *, binds=(), ro_binds=(), hide=(), socket=None, port=None, **_):
         argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        # Order matters: a later mount covers an earlier one. Private dirs first (HOME holds the trainer's
-        # tokens and keys; /run the Docker socket), then what the program needs from them read-only (its
-        # interpreter, the repo it runs from), then what it must never see (the run's out dir, a harness's
-        # answers), then what it needs from inside those (its venv in a hidden repo), then what it may write.
+        # Order matters: a later mount covers an earlier one. Private dirs first (HOME holds the
+        # trainer's tokens and keys; /run the Docker socket), then what the program needs from them
+        # read-only (its interpreter, the repo it runs from), then what it must never see (the run's
+        # out dir, a harness's answers), then what it needs from inside those (its venv in a hidden
+        # repo), then what it may write.
         hidden = [os.path.abspath(d) for d in (*self.hide, *hide)]
-        # the proxy's socket and the bridge too
-        ro_binds = [*ro_binds, socket, HERE] if socket else ro_binds
-        is_hidden = lambda d: any(os.path.commonpath([os.path.abspath(d), h]) == h for h in hidden)
-        inside = [d for d in ro_binds if is_hidden(d)]
+        if socket:
+            # the proxy's socket and the bridge too
+            ro_binds = [*ro_binds, socket, HERE]
+        inside = [d for d in ro_binds if _under(d, hidden)]
         for d in (os.path.expanduser("~"), "/tmp", "/var/tmp", "/run"):
-            argv += ["--tmpfs", d] if os.path.isdir(d) else []
+            if os.path.isdir(d):
+                argv += ["--tmpfs", d]
         for d in ro_binds:
-            argv += ["--ro-bind-try", d, d] if d not in inside else []
+            if d not in inside:
+                argv += ["--ro-bind-try", d, d]
         hidden = [d for d in hidden if os.path.isdir(d)]
         for d in hidden:
             argv += ["--tmpfs", d]
@@ -93,7 +107,7 @@ class Bwrap(Sandbox):
             argv += ["--ro-bind-try", d, d]
         for d in (cwd, *binds):
             argv += ["--bind", d, d]
-        # read-only once its mount points exist: a write there fails, as anywhere but its own dirs
+        # Read-only once its mount points exist: a write there fails, as anywhere but its own dirs.
         for d in hidden:
             argv += ["--remount-ro", d]
         argv += [*self.UNSHARE, "--chdir", cwd]
@@ -102,24 +116,39 @@ class Bwrap(Sandbox):
         return argv + ["--", *_bridged(HERE, socket, port, cmd)]
 
 
+def _under(path: str, dirs: list[str]) -> bool:
+    """Whether ``path`` is one of ``dirs`` (absolute) or inside one."""
+    path = os.path.abspath(path)
+    return any(os.path.commonpath([path, d]) == d for d in dirs)
+
+
 class Docker(Sandbox):
-    """A container of ``image`` (docker or podman): only its image, the binds, and no network at all."""
+    """A container of ``image`` (docker or podman): only its image, the binds, and no network at
+    all."""
 
     name = "docker"
     # no network, no capabilities, no setuid gains; removed when it exits
-    OPTIONS = "run --rm -i --network none --cap-drop ALL --security-opt no-new-privileges".split()
+    OPTIONS = ["run", "--rm", "-i", "--network", "none", "--cap-drop", "ALL"]
+    OPTIONS += ["--security-opt", "no-new-privileges"]
 
     def __init__(self, image: Optional[str] = None, cli: str = "docker"):
-        self.image, self.cli = image, cli
+        # the default image, for tasks that name none
+        self.image = image
+        # docker or podman
+        self.cli = cli
 
     def wrap(self, cmd, env, cwd, *, binds=(), ro_binds=(), socket=None, port=None, **options):
-        image, name = options.get("image") or self.image, options.get("name")
+        image = options.get("image") or self.image
+        name = options.get("name")
         limits = options.get("limits") or Limits()
         if not image:
             raise ValueError(
-                "the docker sandbox needs an image: the task's, the harness's `image`, or --sandbox-image"
+                "the docker sandbox needs an image: the task's, the harness's `image`, "
+                "or --sandbox-image"
             )
-        argv = [self.cli, *self.OPTIONS, "-w", cwd, *(["--name", name] if name else [])]
+        argv = [self.cli, *self.OPTIONS, "-w", cwd]
+        if name:
+            argv += ["--name", name]
         for d in (cwd, *binds):
             argv += ["-v", f"{d}:{d}"]
         # docker would create a missing one
@@ -127,13 +156,19 @@ class Docker(Sandbox):
             argv += ["-v", f"{d}:{d}:ro"]
         if socket:
             argv += ["-v", f"{socket}:/ll/proxy.sock", "-v", f"{HERE}:/ll/sandbox.py:ro"]
-        argv += ["--cpus", str(limits.cpus)] if limits.cpus else []
-        argv += ["--memory", limits.memory] if limits.memory else []
-        argv += ["--pids-limit", str(limits.pids)] if limits.pids else []
+        if limits.cpus:
+            argv += ["--cpus", str(limits.cpus)]
+        if limits.memory:
+            argv += ["--memory", limits.memory]
+        if limits.pids:
+            argv += ["--pids-limit", str(limits.pids)]
         for k, v in env.items():
             argv += ["-e", f"{k}={v}"]
-        bridge_socket = "/ll/proxy.sock" if socket else None
-        return argv + [image, *_bridged("/ll/sandbox.py", bridge_socket, port, cmd)]
+        # the proxy's socket as mounted inside, when there is one
+        inner_socket = None
+        if socket:
+            inner_socket = "/ll/proxy.sock"
+        return argv + [image, *_bridged("/ll/sandbox.py", inner_socket, port, cmd)]
 
     def kill(self, name):
         # killing the client leaves the container running
@@ -142,7 +177,8 @@ class Docker(Sandbox):
 
 
 class Template(Sandbox):
-    """A command template with ``{argv}`` (and maybe ``{name}``, ``{image}``, ``{cwd}``): a Kubernetes pod, say."""
+    """A command template with ``{argv}`` (and maybe ``{name}``, ``{image}``, ``{cwd}``): a
+    Kubernetes pod, say."""
 
     name = "template"
 
@@ -151,14 +187,22 @@ class Template(Sandbox):
             raise ValueError(
                 f"a sandbox command template needs {{argv}} (where the command goes): {template!r}"
             )
-        self.template, self.image, self.kill_template = shlex.split(template), image, kill
+        self.template = shlex.split(template)
+        self.image = image
+        # a command template with {name} that stops what a killed rollout left running
+        self.kill_template = kill
 
     def wrap(self, cmd, env, cwd, *, image=None, name=None, **_):
         assignments = shlex.join(f"{k}={v}" for k, v in env.items())
         inner = f"cd {shlex.quote(cwd)} && exec env -i {assignments} {shlex.join(cmd)}"
         fields = {"name": name or "", "image": image or self.image or "", "cwd": cwd}
-        argv = ["sh", "-c", inner]
-        return [a for w in self.template for a in (argv if w == "{argv}" else [w.format(**fields)])]
+        argv = []
+        for word in self.template:
+            if word == "{argv}":
+                argv += ["sh", "-c", inner]
+            else:
+                argv.append(word.format(**fields))
+        return argv
 
     def kill(self, name):
         if self.kill_template and name:
@@ -167,23 +211,24 @@ class Template(Sandbox):
 
 
 def make(kind: str = "auto", hide=(), image: Optional[str] = None) -> Sandbox:
-    """``auto`` (bwrap where it works, else an error that says how to get it), ``bwrap``, ``docker``, ``podman``,
-    ``none``, or a command template with ``{argv}``. ``hide``: paths bwrap keeps from the program (the run's out
-    dir); ``image``: docker's default image for tasks that name none."""
+    """``auto`` (bwrap where it works, else an error that says how to get it), ``bwrap``,
+    ``docker``, ``podman``, ``none``, or a command template with ``{argv}``. ``hide``: paths bwrap
+    keeps from the program (the run's out dir); ``image``: docker's default image for tasks that
+    name none."""
     if kind == "none":
         return Sandbox()
     if kind in ("auto", "bwrap"):
         problem = _bwrap_problem()
         if problem:
             raise ValueError(
-                f"the bwrap sandbox does not work here: {problem}. Install bubblewrap (apt-get install "
-                "bubblewrap, or make setup-sandbox), or run rollouts unsandboxed with --sandbox none"
+                f"the bwrap sandbox does not work here: {problem}. Install bubblewrap "
+                "(apt-get install bubblewrap, or make setup-sandbox), or run rollouts unsandboxed "
+                "with --sandbox none"
             )
         return Bwrap(hide)
     if kind in ("docker", "podman"):
         cli = shutil.which(kind)
-        info = cli and subprocess.run([cli, "info"], capture_output=True, timeout=60)
-        if not info or info.returncode != 0:
+        if not cli or subprocess.run([cli, "info"], capture_output=True, timeout=60).returncode:
             raise ValueError(
                 f"{kind} is not installed or its daemon is not running (`{kind} info` failed): "
                 "make setup-sandbox installs and starts Docker here"
@@ -192,7 +237,8 @@ def make(kind: str = "auto", hide=(), image: Optional[str] = None) -> Sandbox:
     if "{argv}" in kind:
         return Template(kind, image)
     raise ValueError(
-        f"unknown sandbox {kind!r}: use auto, bwrap, docker, podman, none or a command template with {{argv}}"
+        f"unknown sandbox {kind!r}: use auto, bwrap, docker, podman, none or a command template "
+        "with {argv}"
     )
 
 
@@ -201,14 +247,16 @@ def _bwrap_problem() -> Optional[str]:
         return "bwrap is not installed"
     probe = "bwrap --ro-bind / / --dev /dev --proc /proc --unshare-pid --unshare-net -- true"
     result = subprocess.run(probe.split(), capture_output=True, text=True, timeout=60)
-    return result.stderr.strip() or f"exit code {result.returncode}" if result.returncode else None
+    if result.returncode == 0:
+        return None
+    return result.stderr.strip() or f"exit code {result.returncode}"
 
 
 # ---------------------------------------------------------------------------- train.py's set-up
 
 
-HELP = "where a program harness's rollouts run: auto (bwrap, else an error that says how to install it),"
-HELP += " bwrap, docker, podman, none (the host), or a command template with {argv}"
+HELP = "where a program harness's rollouts run: auto (bwrap, else an error that says how to install"
+HELP += " it), bwrap, docker, podman, none (the host), or a command template with {argv}"
 
 
 def add_args(parser):
@@ -218,24 +266,26 @@ def add_args(parser):
     group.add_argument("--sandbox-image", help="docker's image for tasks that name none")
 
 
-def setup(harnesses, kind: str, image: Optional[str], out_dir: str, log) -> dict[str, str]:
-    """Give each program harness that chose no sandbox of its own ``make(kind)`` (bwrap hides ``out_dir``) and
-    ``log`` where it runs; exit with the reason when ``kind`` does not work here. Returns {harness name: the
-    sandbox its rollouts run in}, e.g. ``{"calc": "none", "swe": "bwrap"}``: a Python harness runs in this
-    process (its tools are its own code: no program to sandbox)."""
-    from lightning_lite.extras.programs import SubprocessHarness
-
+def setup(harnesses, args, server, log):
+    """hooks.ROLLOUT_SETUP: give each program harness (one with a ``sandbox`` attribute) that chose
+    none of its own ``make(args.sandbox)`` (bwrap hides ``args.out``), and ``log`` where it runs;
+    exit with the reason when that kind does not work here. A harness whose sandbox reaches the
+    proxy through a Unix socket is marked ``bridged``: train.py gives each of its rollouts a socket.
+    A Python harness runs in train.py's process (its tools are its own code: no program to
+    sandbox)."""
     for harness in harnesses:
-        if isinstance(harness, SubprocessHarness) and harness.sandbox is None:
+        if not hasattr(harness, "sandbox"):
+            continue
+        if harness.sandbox is None:
             try:
-                harness.sandbox = make(kind, hide=[out_dir], image=image)
+                harness.sandbox = make(args.sandbox, hide=[args.out], image=args.sandbox_image)
             except ValueError as e:
-                sys.exit(f"--sandbox {kind}: {e}")
+                sys.exit(f"--sandbox {args.sandbox}: {e}")
             log(f"{harness.name}'s rollouts run in sandbox {harness.sandbox.name}")
-    return {h.name: getattr(getattr(h, "sandbox", None), "name", "none") for h in harnesses}
+        harness.bridged = getattr(harness.sandbox, "name", "none") in BRIDGED
 
 
-# ---------------------------------------------------------------------------- the bridge (runs inside)
+# ---------------------------------------------------------------------------- the bridge (inside)
 
 
 def _pump(source, destination):
@@ -249,7 +299,8 @@ def _pump(source, destination):
 
 
 def bridge(unix_path: str, port: int, cmd: list[str]) -> int:
-    """Forward 127.0.0.1:``port`` to ``unix_path`` while ``cmd`` runs; its exit code (128 + N for signal N)."""
+    """Forward 127.0.0.1:``port`` to ``unix_path`` while ``cmd`` runs; return its exit code
+    (128 + N for signal N)."""
     server = socketlib.create_server(("127.0.0.1", port))
 
     def serve():
@@ -269,6 +320,11 @@ def bridge(unix_path: str, port: int, cmd: list[str]) -> int:
     return 128 - code if code < 0 else code
 
 
-# python3 sandbox.py UNIX_SOCKET PORT -- CMD...
+# python3 sandbox.py UNIX_SOCKET PORT -- CMD...: the bridge, inside a sandbox (standard library
+# only). Imported, it gives train.py's program harnesses their sandboxes.
 if __name__ == "__main__":
     sys.exit(bridge(sys.argv[1], int(sys.argv[2]), sys.argv[4:]))
+else:
+    from lightning_lite import hooks
+
+    hooks.ROLLOUT_SETUP.append(setup)

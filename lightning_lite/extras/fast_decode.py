@@ -23,9 +23,8 @@ from .. import hooks
 
 class RoomyLayer(DynamicLayer):
     """A cache layer whose keys and values are views into buffers with room for 256 more tokens:
-    appending writes one column instead of copying the cache. When the batching code replaces .keys
-    and .values (it pads, trims and selects rows), the next update copies them into a new buffer
-    once."""
+    appending writes one column instead of copying the cache. When the batching code replaces them
+    (it pads, trims and selects rows), the next update copies them into a new buffer once."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         # [B, H_kv, n, D] cached, [B, H_kv, m, D] new
@@ -63,8 +62,7 @@ AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
 
 
 def install(model):
-    """Decode ``model`` with ``_grouped_sdpa`` where it runs transformers' SDPA (the same
-    attention)."""
+    """Run ``model``'s SDPA as ``_grouped_sdpa``: the same attention, decoded faster."""
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation("grouped_sdpa")
 

@@ -52,7 +52,7 @@ def _gguf_path(name: str) -> str:
 
 
 def prepare(name: str = "smollm2") -> str:
-    """The transformers directory of embedded model ``name``, converted from its GGUF at first use."""
+    """The transformers directory of embedded model ``name``, converted from its GGUF once."""
     out = os.path.join(cache_dir(), name)
     if os.path.exists(os.path.join(out, "config.json")):
         return out

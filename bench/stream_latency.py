@@ -19,6 +19,9 @@ import time
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# smollm2 by name and its fast decoding: extras, which train.py and proxy.py load too.
+import lightning_lite.extras.embedded  # noqa: E402, F401
+import lightning_lite.extras.fast_decode  # noqa: E402, F401
 
 PROMPT = "Tell me a long story about a dragon who learns to bake bread."
 # The defaults --smoke sets (tests/test_bench.py runs it): a few seconds on a CPU.

@@ -34,6 +34,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# --model smollm2 by name needs the embedded-model extra (train.py and proxy.py load it too).
+import lightning_lite.extras.embedded  # noqa: E402, F401
 from lightning_lite import algo  # noqa: E402
 from lightning_lite.models import load_model, load_tokenizer  # noqa: E402
 from lightning_lite.records import Call, read_calls  # noqa: E402

@@ -1,8 +1,25 @@
-"""Advantages and the policy-gradient loss, exact under DDP and gradient accumulation: a sum of ``weight * token_loss``
-with weights from counts over the whole global batch (``global_denominators``). train.py's step is the order of this
-file. A rank without samples must still call the collectives and backward a zero loss, or the others wait.
+"""Advantages and the policy-gradient loss, exact under DDP and gradient accumulation. The loss is a
+sum of ``weight * token_loss``, with weights from counts over the whole global batch
+(``global_denominators``): no micro-batch and no rank divides by a count of its own. A rank without
+samples must still call the collectives and backward a zero loss, or the others wait. train.py's
+step follows the order of this file. Besides torch it imports only records.py.
 
-The path to read first: --adv grpo, --loss ppo, --norm rollout-mean; the other choices are each a line or a branch.
+What the algorithm is (the default path: --adv grpo, --norm rollout-mean, --loss ppo; each other
+choice is a line or a branch):
+
+    compute_advantages, gather_rewards    rewards -> one advantage per rollout, or per call
+    assign_advantages                     -> one advantage per trainable token
+    global_denominators, sample_weights   each sample's weight: the loss normalization
+    policy_loss, clip_range               the loss of a micro-batch, and its metrics as sums
+    reduce_metrics                        the metrics of the step, over micro-batches and ranks
+
+How the model is run, exactly as it sampled (the trainer's logprobs are the sampler's):
+
+    pack, collate                         samples -> one row, a prefix tree (shared prefixes once)
+    tree_unsupported, tree_mask           the attention mask of that tree
+    sampling_support, sampled_logprobs    logprobs under the top-k / top-p distribution sampled
+    unpack_bits                           grammar masks, applied as the sampler applied them
+    trainer_logprobs                      the forward: the LM head only where a token is trained
 """
 
 import math
@@ -15,16 +32,23 @@ from torch.utils.checkpoint import checkpoint
 
 from .records import Sample, common_prefix
 
-# grpo-step and returns give each call its own advantage (from call_rewards), the others one per rollout
+# grpo-step and returns give each call its own advantage (from call_rewards), the others one per
+# rollout.
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce", "grpo-step", "returns")
 LOSSES = ("ppo", "gspo", "tis", "sft")
-# The one place for the default (clip_low, clip_high) of each clipped loss (clip_range); GSPO's is its paper's (a
-# sequence ratio moves far less than a token's)
+# The one place for the default (clip_low, clip_high) of each clipped loss (clip_range); GSPO's is
+# its paper's (a sequence ratio moves far less than a token's).
 CLIP = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
-NORMS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-NORMS += ("rollout-mean",)
-# A rollout's advantage: one number (grpo, dr_grpo, rloo, reinforce), or {call index: number} for a per-call
-# estimator (grpo-step, returns); assign_advantages turns either into one advantage per token.
+NORMS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "rollout-mean",
+)
+# A rollout's advantage: one number (grpo, dr_grpo, rloo, reinforce), or {call index: number} for a
+# per-call estimator (grpo-step, returns); assign_advantages turns either into one advantage per
+# token.
 Advantage = Union[float, dict[int, float]]
 
 
@@ -51,30 +75,37 @@ def compute_advantages(
     calls: Optional[dict] = None,
     gamma: float = 1.0,
 ) -> tuple[dict[str, Advantage], dict]:
-    """One advantage per rollout, or per call; return ({rollout_id: advantage or {call index: advantage}}, stats).
+    """One advantage per rollout, or per call; returns ({rollout_id: advantage, or {call index:
+    advantage}}, stats).
 
-    ``rewards[rid] is None`` marks a failed rollout: left out before any statistic and missing from the
-    result (not trained). A group is the rollouts of one task (``groups[rid]``). For rewards [1, 0, 0]:
+    ``rewards[rid] is None`` marks a failed rollout: left out before any statistic and missing from
+    the result (not trained). A group is the rollouts of one task (``groups[rid]``). For rewards
+    [1, 0, 0]:
 
-        grpo       (r - mean) / (std + eps), std with n-1:  mean 1/3, std 0.577 -> [1.155, -0.577, -0.577]
-        dr_grpo    r - mean                                                     -> [0.667, -0.333, -0.333]
-        rloo       r - mean of the others = n/(n-1) (r - mean)                  -> [1, -0.5, -0.5]
+        grpo       (r - mean) / (std + eps), std with n-1: mean 1/3, std 0.577
+                                                          -> [1.155, -0.577, -0.577]
+        dr_grpo    r - mean                               -> [0.667, -0.333, -0.333]
+        rloo       r - mean of the others = n/(n-1) (r - mean)  -> [1, -0.5, -0.5]
         reinforce  r - mean over the whole batch (all groups)
 
-    Per call (``call_rewards[rid]``: {call index: reward}, ``calls[rid]``: the rollout's answered call indices),
-    each call's advantage reaches exactly the tokens it sampled (``assign_advantages``):
+    Per call (``call_rewards[rid]``: {call index: reward}; ``calls[rid]``: the rollout's answered
+    call indices), each call's advantage reaches exactly the tokens it sampled
+    (``assign_advantages``):
 
-        grpo-step  grpo of the rollout rewards + (r_k - m) / (s + eps), m and s (n-1) over every call reward of the
-                   group (0 for a call without one, or fewer than two, all equal). Rewards [1, 0], calls rewarded
-                   {0: 1} and {0: 0, 1: 0}: m 1/3, s 0.577 -> {0: 0.707 + 1.155} and {0: -0.707 - 0.577, 1: -1.284}
-        returns    G_k = r_k + gamma G_k+1 over the rollout's calls in index order, its reward added to the last
-                   call's; A_k = G_k - the group's mean G_0 (a rollout's whole return). gamma 0.5, rewards [1, 0],
-                   {0: 0.2} and {}, two calls each: G {0: 0.7, 1: 1} and {0: 0, 1: 0} -> {0: 0.35, 1: 0.65} and
-                   {0: -0.35, 1: -0.35}. With gamma 1 and no call rewards it is dr_grpo.
+        grpo-step  grpo of the rollout rewards + (r_k - m) / (s + eps), m and s (n-1) over every
+                   call reward of the group (0 for a call without one, or fewer than two, all
+                   equal). Rewards [1, 0], calls rewarded {0: 1} and {0: 0, 1: 0}: m 1/3, s 0.577
+                   -> {0: 0.707 + 1.155} and {0: -0.707 - 0.577, 1: -1.284}
+        returns    G_k = r_k + gamma G_k+1 over the rollout's calls in index order, its reward
+                   added to the last call's; A_k = G_k - the group's mean G_0 (a rollout's whole
+                   return). gamma 0.5, rewards [1, 0], {0: 0.2} and {}, two calls each:
+                   G {0: 0.7, 1: 1} and {0: 0, 1: 0} -> {0: 0.35, 1: 0.65} and {0: -0.35, 1: -0.35}.
+                   With gamma 1 and no call rewards it is dr_grpo.
 
-    A group whose rewards (and call rewards) are all equal (one rollout too) gets 0 from a group baseline,
-    reinforce r - batch mean; it is counted, and ``drop_zero_variance`` drops it unless it has one rollout
-    (README: the table). Under DDP pass all ranks' rewards (``gather_rewards``): the batch mean is global.
+    A group whose rewards (and call rewards) are all equal (one rollout too) gets 0 from a group
+    baseline, and reinforce r - batch mean; it is counted, and ``drop_zero_variance`` drops it
+    unless it has one rollout (README: the table). Under DDP pass all ranks' rewards
+    (``gather_rewards``): the batch mean is global.
     """
     # 1. the rollouts that did not fail, each in its group
     ok = _checked_rewards(rewards, groups, estimator, calls)
@@ -115,7 +146,8 @@ def _checked_rewards(rewards, groups, estimator, calls) -> dict[str, float]:
         raise ValueError(f"unknown advantage estimator {estimator!r}; pick one of {ESTIMATORS}")
     if estimator in ("grpo-step", "returns") and calls is None:
         raise ValueError(
-            f"{estimator} gives each call an advantage: pass calls, each rollout's answered call indices"
+            f"{estimator} gives each call an advantage: pass calls, each rollout's answered call "
+            "indices"
         )
     ok = {rid: float(r) for rid, r in rewards.items() if r is not None}
     if bad := [rid for rid, r in ok.items() if not math.isfinite(r)]:
@@ -142,8 +174,8 @@ def _group_advantages(r: list[float], estimator: str, batch_mean: float, eps: fl
     return [(x - mean) / (_std(r) + eps) for x in r]
 
 
-# grpo-step: each call's advantage is its rollout's + its own reward normalized over every call reward of the group
-# (``step_rewards``); 0 for a call without one.
+# grpo-step: each call's advantage is its rollout's + its own reward normalized over every call
+# reward of the group (``step_rewards``); 0 for a call without one.
 def _plus_call_rewards(adv, rids, calls, call_rewards, step_rewards, eps) -> list[dict[int, float]]:
     m, s = _mean(step_rewards), _std(step_rewards)
 
@@ -153,12 +185,14 @@ def _plus_call_rewards(adv, rids, calls, call_rewards, step_rewards, eps) -> lis
     return [{k: a + own(rid, k) for k in calls.get(rid, ())} for rid, a in zip(rids, adv)]
 
 
-# returns: each call's return G_k minus the group's mean whole return (G_0); a rollout's reward is added to its last
-# call's.
+# returns: each call's return G_k minus the group's mean whole return (G_0); a rollout's reward is
+# added to its last call's.
 def _returns(r, rids, calls, call_rewards, gamma) -> list[dict[int, float]]:
     returns = []
     for reward, rid in zip(r, rids):
-        ks, g, ret = sorted(calls.get(rid, ())), 0.0, {}
+        ks = sorted(calls.get(rid, ()))
+        g = 0.0
+        ret = {}
         for k in reversed(ks):
             g = call_rewards[rid].get(k, 0.0) + (reward if k == ks[-1] else 0.0) + gamma * g
             ret[k] = g
@@ -168,8 +202,8 @@ def _returns(r, rids, calls, call_rewards, gamma) -> list[dict[int, float]]:
 
 
 def gather_rewards(*dicts: dict) -> tuple[dict, ...]:
-    """The union of every rank's ``dicts`` (rewards, groups, ...), each on its own (unchanged without
-    torch.distributed). Collective."""
+    """The union of every rank's ``dicts`` (rewards, groups, ...), each on its own (unchanged
+    without torch.distributed). Collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return dicts
     out: list = [None] * dist.get_world_size()
@@ -178,10 +212,10 @@ def gather_rewards(*dicts: dict) -> tuple[dict, ...]:
 
 
 def assign_advantages(samples: list[Sample], advantages: dict[str, Advantage]) -> list[Sample]:
-    """Set each sample's per-token ``advantages``: its rollout's advantage, or (``advantages[rid]`` a dict, a per-call
-    estimator) that of the call that sampled the token, whichever sample holds it; drop samples without one (failed,
-    zero-variance dropped). A sample [p p a a p b] (mask 0 0 1 1 0 1, calls a: 0, b: 1) under {0: 0.5, 1: -1}
-    gets [0 0 0.5 0.5 0 -1]."""
+    """Set each sample's per-token ``advantages``: its rollout's advantage, or (``advantages[rid]``
+    a dict, a per-call estimator) that of the call that sampled the token, whichever sample holds
+    it; drop samples without one (failed, zero-variance dropped). A sample [p p a a p b] (mask 0 0 1
+    1 0 1, calls a: 0, b: 1) under {0: 0.5, 1: -1} gets [0 0 0.5 0.5 0 -1]."""
     kept = [s for s in samples if s.rollout_id in advantages]
     for s in kept:
         adv = advantages[s.rollout_id]
@@ -212,8 +246,9 @@ def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
 
 
 def global_denominators(samples: list[Sample]) -> dict:
-    """Over the global batch (every rank calls it, with its own samples: a collective): ``tokens``, trainable
-    tokens; ``samples``, ``rollouts``: those with one or more. A rollout's samples must all be on one rank."""
+    """Over the global batch (every rank calls it, with its own samples: a collective): ``tokens``,
+    the trainable tokens; ``samples`` and ``rollouts``, those with one or more. A rollout's samples
+    must all be on one rank."""
     n = [sum(s.loss_mask) for s in samples]
     rollouts = {s.rollout_id for s, k in zip(samples, n) if k > 0}
     tokens, nseq, nroll = all_reduce([sum(n), sum(k > 0 for k in n), len(rollouts)])
@@ -221,20 +256,23 @@ def global_denominators(samples: list[Sample]) -> dict:
 
 
 def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const=None) -> list[float]:
-    """Each sample's weight per trainable token: the loss is the sum of ``weight * token_loss`` (README: the
-    normalization table). N_* from ``global_denominators``; n_s, n_r a sample's, its rollout's trainable tokens:
+    """Each sample's weight per trainable token: the loss is the sum of ``weight * token_loss``
+    (README: the normalization table). N_* from ``global_denominators``; n_s and n_r are a
+    sample's and its rollout's trainable tokens:
 
-        token-mean 1/N_tokens   seq-mean-token-mean 1/(N_samples n_s)   seq-mean-token-sum 1/N_samples
-        seq-mean-token-sum-norm 1/(N_samples C)   rollout-mean 1/(N_rollouts n_r)
+        token-mean 1/N_tokens   seq-mean-token-mean 1/(N_samples n_s)
+        seq-mean-token-sum 1/N_samples   seq-mean-token-sum-norm 1/(N_samples C)
+        rollout-mean 1/(N_rollouts n_r)
 
-    C: ``norm_const``, a fixed token budget (Dr. GRPO's generation budget; a batch-dependent one brings a length bias).
+    C is ``norm_const``, a fixed token budget (Dr. GRPO's generation budget; a batch-dependent one
+    brings a length bias).
     """
     if norm not in NORMS:
         raise ValueError(f"unknown loss normalization {norm!r}; pick one of {NORMS}")
     if norm == "seq-mean-token-sum-norm" and not (norm_const and norm_const > 0):
         raise ValueError(
-            "seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the most tokens a "
-            "rollout may generate"
+            "seq-mean-token-sum-norm needs norm_const > 0: a fixed token budget such as the most "
+            "tokens a rollout may generate"
         )
     n = [sum(s.loss_mask) for s in samples]
     per_rollout: Counter = Counter()
@@ -251,31 +289,40 @@ def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const=No
     return [1.0 / divisor(s, k) if k else 0.0 for s, k in zip(samples, n)]
 
 
-# ----------------------------------------------------------------------------- the loss
+# ----------------------------------------------------------------------------- the exact forward
 
 
 def pack(seqs: list[list[int]]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
-    """Lay token sequences out as one prefix tree, each distinct prefix once, depth first: returns (tokens, depth,
-    end, where). ``where[i][t]``: the packed index of ``seqs[i][t]``; ``depth``: its position in its own sequence
-    (the position id); ``end[j]``: one past the last index below j, so j is an ancestor of q, or q, exactly when
-    ``j <= q < end[j]`` (the attention mask). Sorted sequences are laid out depth first by appending each one's
-    tokens after its longest common prefix with the one before.
+    """Lay token sequences out as one prefix tree, each distinct prefix once, depth first: returns
+    (tokens, depth, end, where). ``where[i][t]`` is the packed index of ``seqs[i][t]``; ``depth``
+    its position in its own sequence (the position id); ``end[j]`` one past the last index below j,
+    so j is an ancestor of q, or q, exactly when ``j <= q < end[j]`` (the attention mask). Sorted
+    sequences are laid out depth first by appending each one's tokens after its longest common
+    prefix with the one before.
 
     >>> pack([[1, 2, 3], [5], [1, 2, 4]])
     ([1, 2, 3, 4, 5], [0, 1, 2, 2, 0], [4, 4, 3, 4, 5], [[0, 1, 2], [4], [0, 1, 3]])
     """
-    tokens, depth, end, where, prev = [], [], [], [[]] * len(seqs), None
+    # The packed row: each token, its depth, and one past the last index below it.
+    tokens, depth, end = [], [], []
+    # where[i]: the packed index of each token of seqs[i].
+    where = [[]] * len(seqs)
+    # The sequence laid out before this one (in sorted order).
+    prev = None
     for i in sorted(range(len(seqs)), key=lambda i: seqs[i]):
-        path = [] if prev is None else where[prev][: common_prefix(seqs[prev], seqs[i])]
+        path = []
+        if prev is not None:
+            path = where[prev][: common_prefix(seqs[prev], seqs[i])]
         for t in seqs[i][len(path) :]:
             path.append(len(tokens))
             tokens.append(t)
             depth.append(len(path) - 1)
             end.append(0)
-        # the sequences after this one that share j come later: the last one sets end[j]
+        # The sequences after this one that share j come later: the last one sets end[j].
         for j in path:
             end[j] = path[-1] + 1
-        where[i], prev = path, i
+        where[i] = path
+        prev = i
     return tokens, depth, end, where
 
 
@@ -290,14 +337,18 @@ def collate(
     masks: Optional[list] = None,
 ) -> dict:
     """One micro-batch as tensors: the samples right-padded to [B, T] (``weights``: [B]), and what
-    the model runs, ``input_ids`` [R, L]: with ``tree`` the samples ``pack``ed into one row (``depth`` [1, L], ``end``
-    [L]; padded to a multiple of ``pad_to`` with tokens that see only themselves), else the [B, T] rows themselves.
-    ``where`` [B, T]: the flat index into ``input_ids`` of each sample position; ``fwd_tokens``: the real tokens run.
-    ``masks``: per sample None or (positions, [n, W] packed grammar masks: grammar.sample_masks) -> ``allowed`` [M, W],
-    all of them, and ``allowed_at`` [B, T]: each position's row in it, -1 where no grammar constrained the token."""
+    the model runs, ``input_ids`` [R, L]: with ``tree`` the samples ``pack``ed into one row
+    (``depth`` [1, L], ``end`` [L]; padded to a multiple of ``pad_to`` with tokens that see only
+    themselves), else the [B, T] rows themselves. ``where`` [B, T] is the flat index into
+    ``input_ids`` of each sample position; ``fwd_tokens`` the real tokens run.
+
+    ``masks``: per sample None or (positions, [n, W] packed grammar masks, as the grammar extra's
+    sample_masks gives them) -> ``allowed`` [M, W], all of them, and ``allowed_at`` [B, T], each
+    position's row in it, -1 where no grammar constrained the token."""
     B, T = len(samples), max(len(s.tokens) for s in samples)
-    # the grammar masks: allowed [M, W] stacked, allowed_at [B, T] each position's row (-1: none)
-    allowed_at, rows = torch.full((B, T), -1, dtype=torch.long), []
+    # The grammar masks: allowed [M, W] stacked, allowed_at [B, T] each position's row (-1: none).
+    allowed_at = torch.full((B, T), -1, dtype=torch.long)
+    rows = []
     for i, m in enumerate(masks or ()):
         if m is not None and len(m[0]):
             allowed_at[i, m[0]] = torch.arange(len(m[0])) + sum(map(len, rows))
@@ -321,13 +372,17 @@ def collate(
         "allowed_at": allowed_at.to(device),
         "allowed": torch.cat(rows).to(device) if rows else None,
     }
-    # without tree the model runs the padded rows themselves: input_ids [B, T], (i, t) at flat index i T + t
-    b["input_ids"], b["depth"], b["end"] = b["tokens"], None, None
+    # Without tree the model runs the padded rows themselves: input_ids [B, T], (i, t) at flat index
+    # i T + t.
+    b["input_ids"] = b["tokens"]
+    b["depth"] = None
+    b["end"] = None
     b["where"] = torch.arange(B * T, device=device).view(B, T)
     b["fwd_tokens"] = sum(len(s.tokens) for s in samples)
     if not tree:
         return b
-    # one packed row [1, L], L = n + extra: `extra` pad tokens, each its own root (end = itself + 1)
+    # One packed row [1, L], L = n + extra: `extra` pad tokens, each its own root (its end is
+    # itself + 1).
     tokens, depth, end, where = pack([s.tokens for s in samples])
     n = len(tokens)
     extra = -n % pad_to
@@ -342,40 +397,47 @@ def collate(
 
 
 def tree_unsupported(config) -> Optional[str]:
-    """Why a model cannot run a packed tree (``tree_mask``), or None: its attention must take a mask (sdpa, eager,
-    flex_attention) and every layer must be attention (full or sliding window; a recurrent layer, as Qwen3.5's
-    linear attention, reads the row in order, not as a tree)."""
+    """Why a model cannot run a packed tree (``tree_mask``), or None: its attention must take a mask
+    (sdpa, eager, flex_attention) and every layer must be attention (full or sliding window; a
+    recurrent layer, as Qwen3.5's linear attention, reads the row in order, not as a tree)."""
     impl = getattr(config, "_attn_implementation", None)
     attention = {"full_attention", "sliding_attention"}
     if kinds := set(getattr(config, "layer_types", None) or ()) - attention:
         return f"its {sorted(kinds)} layers are not attention over a mask"
+    # grouped_sdpa is sdpa, as extras/fast_decode.py installs it for the embedded backend.
     if impl not in ("sdpa", "grouped_sdpa", "eager", "flex_attention"):
         return f"its attention ({impl}) takes no arbitrary mask; sdpa, eager and flex_attention do"
     return None
 
 
 def tree_mask(config, depth: torch.Tensor, end: torch.Tensor):
-    """The attention mask of a packed row (``collate``): q sees kv exactly when kv is q or an ancestor of q, and
-    in a sliding-window layer also ``depth[q] - depth[kv] < sliding_window`` (the window counts positions in q's own
-    sequence, not packed indices). In the form the model's attention takes: [1, 1, L, L] bool (sdpa), additive
-    float (eager) or a FlexAttention BlockMask (O(L^2 / 128^2) memory: the one for long rows on GPUs); a dict by
-    layer type when the model mixes full and sliding layers, as Gemma and gpt-oss do.
+    """The attention mask of a packed row (``collate``): q sees kv exactly when kv is q or an
+    ancestor of q, and in a sliding-window layer also ``depth[q] - depth[kv] < sliding_window`` (the
+    window counts positions in q's own sequence, not packed indices). In the form the model's
+    attention takes: [1, 1, L, L] bool (sdpa), additive float (eager) or a FlexAttention BlockMask
+    (O(L^2 / 128^2) memory: the one for long rows on GPUs); a dict by layer type when the model
+    mixes full and sliding layers, as Gemma and gpt-oss do.
 
-    For ``pack([[1, 2, 3], [1, 2, 4]])`` (end [4, 4, 3, 4]) the row of token 4 (index 3) sees indices 0, 1, 3."""
+    For ``pack([[1, 2, 3], [1, 2, 4]])`` (end [4, 4, 3, 4]) token 4 (index 3) sees indices 0, 1, 3.
+    """
     if why := tree_unsupported(config):
         raise ValueError(f"this model cannot train a packed tree: {why}; pass --no-tree")
-    impl, L, window = config._attn_implementation, len(end), getattr(config, "sliding_window", None)
+    impl = config._attn_implementation
+    L = len(end)
+    window = getattr(config, "sliding_window", None)
     default = "sliding_attention" if window else "full_attention"
     types = getattr(config, "layer_types", None) or [default]
 
-    # q sees kv: kv is q or an ancestor of q (pack's end), within the window in a sliding layer
+    # q sees kv: kv is q or an ancestor of q (pack's end), within the window in a sliding layer.
     def sees(q, kv, sliding):
         m = (kv <= q) & (q < end[kv])
-        return m & (depth[0, q] - depth[0, kv] < window) if sliding else m
+        if not sliding:
+            return m
+        return m & (depth[0, q] - depth[0, kv] < window)
 
     def build(sliding):
-        # FlexAttention: compiled, it never builds the [L, L] mask; new closures of the same code and shapes do not
-        # recompile (flex's either)
+        # FlexAttention: compiled, it never builds the [L, L] mask; new closures of the same code
+        # and shapes do not recompile (flex's either).
         if impl == "flex_attention":
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -390,52 +452,66 @@ def tree_mask(config, depth: torch.Tensor, end: torch.Tensor):
         return torch.zeros(m.shape, device=m.device).masked_fill(~m, -math.inf)
 
     masks = {k: build(k == "sliding_attention") for k in set(types)}
-    return masks if len(masks) > 1 else next(iter(masks.values()))
+    if len(masks) == 1:
+        return masks[types[0]]
+    return masks
 
 
 def sampling_support(x, top_k, top_p, m: int = 1024) -> torch.Tensor:
-    """The tokens that top-k, then top-p sampling may draw: [N, V] logits already divided by the temperature,
-    [N] ``top_k`` (<= 0: off) and ``top_p`` (1.0: off) -> [N, V] bool.
+    """The tokens that top-k, then top-p sampling may draw: [N, V] logits already divided by the
+    temperature, [N] ``top_k`` (<= 0: off) and ``top_p`` (1.0: off) -> [N, V] bool.
 
-    top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the most probable of those
-    until their renormalized mass reaches top_p (at least one): either way ``x >= (the n-th largest)`` for
-    some n. The sampler (backends.sample_token) calls it too: both agree on the rule by construction.
+    top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the most probable
+    of those until their renormalized mass reaches top_p (at least one): either way ``x >= (the
+    n-th largest)`` for some n. The sampler (backends.sample_token) calls it too: both agree on the
+    rule by construction. It looks at the ``m`` largest logits first, and again at more for the
+    rows they do not settle.
 
     >>> sampling_support(torch.tensor([[3., 2., 1., 0.]]), torch.tensor([3]), torch.tensor([0.7]))
-    tensor([[ True,  True, False, False]])   # top-3 probs .67 .24 .09: mass before the 3rd is .91 >= .7
+    tensor([[ True,  True, False, False]])   # top-3 probs .67 .24 .09: mass before the 3rd is .91
     """
-    V, m = x.shape[-1], min(x.shape[-1], m)
+    V = x.shape[-1]
+    m = min(V, m)
     cut_k = (top_k > 0) & (top_k < V)
-    # [N, m] the m largest logits, sorted, largest first. The support nearly always lies in them: a top-m costs
-    # ~1/40 of sorting a 50k vocabulary.
-    sx = x.topk(m, -1).values
+    # [N, m] the m largest logits, sorted, largest first. The support nearly always lies in them: a
+    # top-m costs ~1/40 of sorting a 50k vocabulary.
+    largest = x.topk(m, -1).values
     # [N, m] the top-k among the m largest, ties included; their logsumexp (all V without a top-k)
-    inside = ~cut_k[:, None] | (sx >= sx.gather(-1, (top_k.clamp(1, m) - 1)[:, None]))
-    lse = torch.where(cut_k, sx.masked_fill(~inside, -math.inf).logsumexp(-1), x.logsumexp(-1))
-    # [N, m] probabilities renormalized over the top-k; top-p keeps those whose mass before them is < top_p
-    p = (sx - lse[:, None]).exp() * inside
-    n_p = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)
+    kth = largest.gather(-1, (top_k.clamp(1, m) - 1)[:, None])
+    inside = ~cut_k[:, None] | (largest >= kth)
+    lse = torch.where(cut_k, largest.masked_fill(~inside, -math.inf).logsumexp(-1), x.logsumexp(-1))
+    # [N, m] probabilities renormalized over the top-k; top-p keeps those whose mass before them is
+    # below top_p.
+    p = (largest - lse[:, None]).exp() * inside
+    n_top_p = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1).clamp(min=1)
     # [N] how many of the largest are kept; keep [N, V]: x at least the n-th largest
-    n = torch.where(top_p < 1.0, torch.minimum(inside.sum(-1), n_p), inside.sum(-1))
-    keep = (x >= sx.gather(-1, (n - 1)[:, None])) | (n == V)[:, None]
-    # The m largest settle a row if they hold its top-k (else lse is short) and its top-p cut (n < m).
-    redo = (m < V) & ~((~cut_k | (top_k <= m)) & torch.where(top_p < 1.0, n < m, cut_k))
-    # only those rows again, with all V (a sort) or, top-k alone, the k largest
+    n = torch.where(top_p < 1.0, torch.minimum(inside.sum(-1), n_top_p), inside.sum(-1))
+    keep = (x >= largest.gather(-1, (n - 1)[:, None])) | (n == V)[:, None]
+    # The m largest settle a row when they hold its top-k (else lse falls short) and its cut: the
+    # top-p cut before the m-th, or with top-k alone, the k-th. A row with neither keeps all V.
+    holds_top_k = ~cut_k | (top_k <= m)
+    holds_cut = torch.where(top_p < 1.0, n < m, cut_k)
+    redo = ~(holds_top_k & holds_cut) & (m < V)
+    # Only those rows again: with top-k alone over the k largest, else over all V (a sort).
     if redo.any():
-        r = redo.nonzero()[:, 0]
-        pure_k = bool((cut_k[r] & (top_p[r] >= 1.0)).all())
-        keep[r] = sampling_support(x[r], top_k[r], top_p[r], int(top_k[r].max()) if pure_k else V)
+        rows = redo.nonzero()[:, 0]
+        width = V
+        if bool((cut_k[rows] & (top_p[rows] >= 1.0)).all()):
+            width = int(top_k[rows].max())
+        keep[rows] = sampling_support(x[rows], top_k[rows], top_p[rows], width)
     return keep
 
 
 def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
-    """[N, W] int32 bitmasks (bit j of word i: token 32 i + j, as llguidance packs them) -> [N, n] bool.
+    """[N, W] int32 bitmasks (bit j of word i: token 32 i + j, as llguidance packs them) -> [N, n]
+    bool.
 
     >>> unpack_bits(torch.tensor([[5]], dtype=torch.int32), 4)
     tensor([[ True, False,  True, False]])
     """
-    # Unpacked by byte (little-endian, as every platform torch runs on: bit b of byte m is token 8 m + b), so the
-    # widest intermediate is one byte per token: [1024, 152k] is 155 MB, where 32-bit shifts made 620 MB.
+    # Unpacked by byte (little-endian, as every platform torch runs on: bit b of byte m is token
+    # 8 m + b), so the widest intermediate is one byte per token: [1024, 152k] is 155 MB, where
+    # 32-bit shifts made 620 MB.
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     # [N, 4 W, 1] bytes -> [N, 4 W, 8] bits -> [N, 32 W] -> the first n
     as_bytes = bits.contiguous().view(torch.uint8)[:, :, None]
@@ -443,10 +519,11 @@ def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed=None) -> torch.Tensor:
-    """[N, V] logits, [N] tokens and the settings that sampled each -> [N] logprob of each token under the
-    distribution it was drawn from: softmax(logits / T) on the top-k / top-p support (``sampling_support``),
-    renormalized; greedy (T = 0) under softmax(logits), as the sampler reports it. ``allowed`` [N, V] bool: a grammar's masks (grammar.py), applied first, as the sampler applied them; a token
-    the grammar forces (the only one allowed) gets logprob 0, and no gradient.
+    """[N, V] logits, [N] tokens and the settings that sampled each -> [N] logprob of each token
+    under the distribution it was drawn from: softmax(logits / T) on the top-k / top-p support
+    (``sampling_support``), renormalized; greedy (T = 0) under softmax(logits), as the sampler
+    reports it. ``allowed`` [N, V] bool holds a grammar's masks, applied first, as the sampler
+    applied them; a token the grammar forces (the only one allowed) gets logprob 0, and no gradient.
 
     For logits [2, 1, 0], token 0, T 1: no truncation -0.408; top_k 2 -> -0.313; top_p 0.5 -> 0.0;
     allowed [T, F, T] -> -0.127 (softmax over [2, 0]).
@@ -459,8 +536,9 @@ def sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed=None) ->
     greedy = temperature <= 0
     x = logits / torch.where(greedy, 1.0, temperature)[:, None]
     lse = x.logsumexp(-1)
-    # The rows sampled under top-k / top-p: normalized over their support alone, recomputed on these logits (no
-    # gradient through its choice) and always holding the token (DESIGN.md: why recompute).
+    # The rows sampled under top-k / top-p: normalized over their support alone, recomputed on these
+    # logits (no gradient through its choice) and always holding the token (DESIGN.md: why
+    # recompute).
     cut = (~greedy & ((top_k > 0) | (top_p < 1.0))).nonzero()[:, 0]
     if len(cut):
         with torch.no_grad():
@@ -470,7 +548,8 @@ def sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed=None) ->
     return x.gather(-1, tokens[:, None])[:, 0] - lse
 
 
-# Stands in for the LM head during the model's forward, which then returns the hidden states it gave it.
+# Stands in for the LM head during the model's forward, which then returns the hidden states it
+# gave it.
 class _Hidden(torch.nn.Module):
     h = None
 
@@ -483,17 +562,19 @@ class _Hidden(torch.nn.Module):
 def _head_logprobs(h, head, tokens, temperature, top_k, top_p, at, table):
     logits = h if head is None else head(h)
     allowed = None
-    # grammar-constrained tokens: their rows of the packed masks (collate's allowed_at, allowed)
+    # Grammar-constrained tokens: their rows of the packed masks (collate's allowed_at, allowed).
     if table is not None and bool((at >= 0).any()):
         allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
         allowed[at >= 0] = unpack_bits(table[at[at >= 0]], logits.shape[-1])
     return sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed)
 
 
-# ``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model gave it, or None
-# when the model changes the head's output (Gemma2's softcapping, Cohere's logit_scale).
+# ``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model
+# gave it, or None when the model changes the head's output (Gemma2's softcapping, Cohere's
+# logit_scale).
 def _forward_without_head(net, raw, head, **inputs) -> Optional[torch.Tensor]:
-    raw.set_output_embeddings(hidden := _Hidden())
+    hidden = _Hidden()
+    raw.set_output_embeddings(hidden)
     try:
         out = net(**inputs).logits
     finally:
@@ -502,57 +583,70 @@ def _forward_without_head(net, raw, head, **inputs) -> Optional[torch.Tensor]:
 
 
 def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
-    """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a transformers causal LM,
-    maybe in DDP or FSDP), each under the sampling settings of the call that drew it (``sampled_logprobs``); 0.0
-    elsewhere. The model runs a packed tree (every shared prefix, a GRPO group's prompt or a rollout's history,
-    computed once) or the padded rows; memory is one chunk's [chunk, V] logits whatever the sample length.
+    """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a
+    transformers causal LM, maybe in DDP or FSDP), each under the sampling settings of the call that
+    drew it (``sampled_logprobs``); 0.0 elsewhere. The model runs a packed tree (every shared
+    prefix, a GRPO group's prompt or a rollout's history, computed once) or the padded rows; memory
+    is one chunk's [chunk, V] logits whatever the sample length.
     """
     tokens, loss_mask, ids = b["tokens"], b["loss_mask"], b["input_ids"]
     L = ids.shape[1]
-    # The LM head runs only at the positions that predict a trainable token, `chunk` of them at a time and
-    # recomputed in backward: the numbers unchanged.
-    # 1. Which positions to run the head at. Token t is predicted at position t - 1 (token 0 never is): on [B, T-1];
-    #    src [N]: the flat index into ids [R, L] of the position predicting each of the N trainable tokens. keep [K]:
-    #    the distinct columns among them, sorted; col [N]: each one's index into keep.
+    # The LM head runs only at the positions that predict a trainable token, `chunk` of them at a
+    # time and recomputed in backward: the numbers unchanged.
+    # 1. Which positions to run the head at. Token t is predicted at position t - 1 (token 0 never
+    #    is): on [B, T-1]. src [N]: the flat index into ids [R, L] of the position predicting each
+    #    of the N trainable tokens. keep [K]: the distinct columns among them, sorted; col [N]: each
+    #    one's index into keep.
     on = loss_mask[:, 1:] > 0
     src = b["where"][:, :-1][on]
     keep, col = torch.unique(src % L, return_inverse=True)
     raw = getattr(net, "module", net)
     inputs = dict(input_ids=ids, logits_to_keep=keep, use_cache=False)
-    # a packed tree: each token at its depth, seeing only its ancestors
+    # A packed tree: each token at its depth, seeing only its ancestors.
     if b["end"] is not None:
         mask = tree_mask(raw.config, b["depth"], b["end"])
         inputs.update(position_ids=b["depth"], attention_mask=mask)
-    # 2. The forward, through DDP's or FSDP's wrapper, its head swapped out: out [R, K, H] hidden states, the head
-    #    run per chunk below (FSDP leaves the root's weights gathered after its forward). A model found to change
-    #    its head's output is marked (ll_full_logits) and from then on runs whole: out [R, K, V] logits.
-    full_logits = getattr(raw, "ll_full_logits", False)
-    head = None if full_logits else getattr(raw, "get_output_embeddings", lambda: None)()
+    # 2. The forward, through DDP's or FSDP's wrapper, its head swapped out: out [R, K, H] hidden
+    #    states, the head run per chunk below (FSDP leaves the root's weights gathered after its
+    #    forward). A model found to change its head's output is marked (ll_full_logits) and from
+    #    then on runs whole: out [R, K, V] logits.
+    head = None
+    if not getattr(raw, "ll_full_logits", False) and hasattr(raw, "get_output_embeddings"):
+        head = raw.get_output_embeddings()
     out = _forward_without_head(net, raw, head, **inputs) if head is not None else None
     if out is None:
         if head is not None:
-            # remembered on the model: later calls skip the trial forward
+            # Remembered on the model: later calls skip the trial forward.
             raw.ll_full_logits = True
-        head, out = None, net(**inputs).logits
-    # 3. Per trainable token ([N] each): its hidden state (or logits), token, settings and grammar row; the head and
-    #    the logprobs in chunks of `chunk` tokens, recomputed in backward (checkpoint).
+        head = None
+        out = net(**inputs).logits
+    # 3. Per trainable token ([N] each): its hidden state (or logits), token, settings and grammar
+    #    row; the head and the logprobs in chunks of `chunk` tokens, recomputed in backward
+    #    (checkpoint).
     per_token = [out[src // L, col], tokens[:, 1:][on]]
     per_token += [b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p", "allowed_at")]
     logprobs = [
         checkpoint(_head_logprobs, h, head, *rest, b["allowed"], use_reentrant=False)
         for h, *rest in zip(*(x.split(chunk) for x in per_token))
     ]
-    # 4. Back to [B, T]: the N logprobs at the trainable positions, 0.0 elsewhere
+    # 4. Back to [B, T]: the N logprobs at the trainable positions, 0.0 elsewhere.
     lp = torch.cat(logprobs).to(loss_mask.dtype)
     return loss_mask.new_zeros(loss_mask.shape).masked_scatter(loss_mask > 0, lp)
 
 
+# ----------------------------------------------------------------------------- the loss
+
+
 def clip_range(loss: str, clip_low=None, clip_high=None) -> tuple[Optional[float], Optional[float]]:
-    """The clip range a loss runs with: each bound given, or the loss's default (``CLIP``; None for a loss that does
-    not clip). The one place the default is resolved: ``policy_loss`` and train.py (its config.json) both call it:
-    ``clip_range("gspo", clip_high=1e-3) == (3e-4, 1e-3)``."""
+    """The clip range a loss runs with: each bound given, or the loss's default (``CLIP``; None for
+    a loss that does not clip). The one place the default is resolved: ``policy_loss`` and train.py
+    (its config.json) both call it: ``clip_range("gspo", clip_high=1e-3) == (3e-4, 1e-3)``."""
     low, high = CLIP.get(loss, (None, None))
-    return (low if clip_low is None else clip_low, high if clip_high is None else clip_high)
+    if clip_low is not None:
+        low = clip_low
+    if clip_high is not None:
+        high = clip_high
+    return low, high
 
 
 def policy_loss(
@@ -569,18 +663,21 @@ def policy_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     clip_ratio_c: float = 3.0,
 ) -> tuple[torch.Tensor, dict]:
-    """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``). [B, T]:
-    ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout), ``loss_mask``, ``ref_logprobs``,
-    ``advantages`` (or [B], one per sample); [B]: ``weights`` (``sample_weights``). With r = exp(logprobs -
-    old_logprobs), advantage A:
+    """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``).
+    [B, T]: ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout),
+    ``loss_mask``, ``ref_logprobs``, ``advantages`` (or [B], one per sample); [B]: ``weights``
+    (``sample_weights``). With r = exp(logprobs - old_logprobs), advantage A:
 
-        ppo   -min(r A, clip(r, 1-clip_low, 1+clip_high) A)          per token; for A < 0 at most -clip_ratio_c A
-        gspo  the same with r the sample's exp(mean log-ratio over its trainable tokens), one per sample
+        ppo   -min(r A, clip(r, 1-clip_low, 1+clip_high) A) per token; for A < 0 at most
+              -clip_ratio_c A
+        gspo  the same with r the sample's exp(mean log-ratio over its trainable tokens), one per
+              sample
         tis   -min(r, tis_cap) A logprobs: REINFORCE, truncated importance weight (no grad)
-        sft   -logprobs: supervised, the advantage unused (train.py keeps the rollouts it should imitate)
+        sft   -logprobs: supervised, the advantage unused (train.py keeps the rollouts it should
+              imitate)
 
-    plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0. A clip bound left None
-    is the loss's default (``clip_range``).
+    plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0. A clip
+    bound left None is the loss's default (``clip_range``).
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown policy loss {loss!r}; pick one of {LOSSES}")
@@ -591,9 +688,10 @@ def policy_loss(
     # [B, T] mask and advantages (a [B] advantage: one per sample, [B, 1])
     mask = loss_mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)
-    adv = adv[:, None] if adv.dim() == 1 else adv
-    # [B, T] log-ratio: 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a bug) from
-    # overflowing
+    if adv.dim() == 1:
+        adv = adv[:, None]
+    # [B, T] log-ratio: 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a
+    # bug) from overflowing.
     log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
     ratio = log_ratio.exp()
     # 1. each token's loss [B, T], and whether it was clipped (no gradient)
@@ -604,29 +702,34 @@ def policy_loss(
         tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
         was_clipped = ratio > tis_cap
     else:
-        tok_loss, was_clipped = -logprobs, mask < 0
+        tok_loss = -logprobs
+        # sft clips nothing.
+        was_clipped = mask < 0
     # 2. the KL penalty, k3 estimator [B, T]
     kl = None
     if kl_coef > 0:
         d = (ref_logprobs - logprobs) * mask
         kl = d.exp() - d - 1
         tok_loss = tok_loss + kl_coef * kl
-    # 3. agg_loss: the sum of weight * token loss over the trainable tokens, each sample's weight [B] being
-    #    1 / its denominator over the global batch (sample_weights): no division here, none per micro-batch
+    # 3. agg_loss: the sum of weight * token loss over the trainable tokens, each sample's weight
+    #    [B] being 1 / its denominator over the global batch (sample_weights): no division here,
+    #    none per micro-batch.
     total = (tok_loss * weights.to(logprobs.dtype)[:, None] * mask).sum()
     return total, _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl)
 
 
 # ppo and gspo: [B, T] token losses and whether each was clipped; ``clip``: (clip_low, clip_high).
 def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
-    # ppo: the token's ratio [B, T]; gspo: the sample's [B, 1], exp(mean log-ratio over its trainable tokens)
+    # ppo: the token's ratio [B, T]; gspo: the sample's [B, 1], exp(mean log-ratio over its
+    # trainable tokens)
     r = ratio
     if loss == "gspo":
         r = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
     clipped = r.clamp(1 - clip[0], 1 + clip[1])
     tok_loss = -torch.min(r * adv, clipped * adv)
-    # Dual clip: for A < 0 the clip leaves r |A| unbounded above, and one stale or mismatched token could set the
-    # update; a ratio above clip_ratio_c counts as clip_ratio_c (no gradient). A = -1, r = 5: 5 -> 3.
+    # Dual clip: for A < 0 the clip leaves r |A| unbounded above, and one stale or mismatched token
+    # could set the update; a ratio above clip_ratio_c counts as clip_ratio_c (no gradient). A = -1,
+    # r = 5: 5 -> 3.
     tok_loss = torch.where(adv < 0, torch.minimum(tok_loss, -clip_ratio_c * adv), tok_loss)
     was_clipped = (clipped * adv < r * adv) | ((adv < 0) & (r > clip_ratio_c))
     return tok_loss.expand_as(mask), was_clipped.expand_as(mask)
@@ -636,7 +739,11 @@ def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
 @torch.no_grad()
 def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -> dict:
     on = mask > 0
-    r, p, q = ratio[on].double(), old_logprobs[on].double().exp(), logprobs[on].double().exp()
+    # Over the trainable tokens: the ratio, the rollout's (p) and the trainer's (q) probabilities,
+    # and |logprobs - old_logprobs|.
+    r = ratio[on].double()
+    p = old_logprobs[on].double().exp()
+    q = logprobs[on].double().exp()
     dlp = (logprobs - old_logprobs)[on].double().abs()
     return {
         "loss": total.detach().double(),
@@ -646,40 +753,54 @@ def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -
         "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(),
         "dlogp_sum": dlp.sum(),
         "kl_sum": kl[on].double().sum() if kl is not None else r.sum() * 0,
-        # Pearson correlation of rollout vs trainer token probabilities, from sums.
-        **{k + "_sum": x.sum() for k, x in dict(p=p, q=q, pp=p * p, qq=q * q, pq=p * q).items()},
+        # The Pearson correlation of the rollout's and the trainer's token probabilities, from sums.
+        "p_sum": p.sum(),
+        "q_sum": q.sum(),
+        "pp_sum": (p * p).sum(),
+        "qq_sum": (q * q).sum(),
+        "pq_sum": (p * q).sum(),
         "ratio_min": r.min() if r.numel() else r.new_tensor(math.inf),
         "ratio_max": r.max() if r.numel() else r.new_tensor(-math.inf),
         "dlogp_max": dlp.max() if r.numel() else r.new_tensor(-math.inf),
     }
 
 
-# policy_loss's metrics that add up over micro-batches and ranks
-_SUMS = ("loss", "tokens", "clipped", "ratio_sum", "ratio_out", "dlogp_sum", "kl_sum")
-_SUMS += ("p_sum", "q_sum", "pp_sum", "qq_sum", "pq_sum")
+# policy_loss's metrics that are extremes over micro-batches and ranks; every other one is a sum.
+_MINIMA = ("ratio_min",)
+_MAXIMA = ("ratio_max", "dlogp_max")
 
 
 def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
-    """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank without samples
-    passes []) into the global loss, tokens and the metrics the README lists (clip_frac, ratio_*, prob_corr, ...)."""
+    """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank
+    without samples passes []) into the global loss, tokens and the metrics the README lists
+    (clip_frac, ratio_*, prob_corr, ...)."""
+    # A rank without samples joins the all-reduce with an empty micro-batch's metrics: zero sums,
+    # and extremes of nothing (inf, -inf).
+    if not metrics:
+        empty = torch.zeros(0, 0)
+        metrics = [_loss_metrics(torch.zeros(()), empty, empty, empty, empty, empty, None)]
+    sums = tuple(k for k in metrics[0] if k not in _MINIMA + _MAXIMA)
     kinds = (
-        (_SUMS, dist.ReduceOp.SUM, torch.sum, 0.0),
-        (("ratio_min",), dist.ReduceOp.MIN, torch.amin, math.inf),
-        (("ratio_max", "dlogp_max"), dist.ReduceOp.MAX, torch.amax, -math.inf),
+        (sums, dist.ReduceOp.SUM, torch.sum),
+        (_MINIMA, dist.ReduceOp.MIN, torch.amin),
+        (_MAXIMA, dist.ReduceOp.MAX, torch.amax),
     )
     agg = {}
-    for keys, op, fn, empty in kinds:
-        rows = [torch.stack([m[k] for k in keys]) for m in metrics]
-        rows = rows or [torch.tensor([empty] * len(keys))]
-        # one device->host copy per kind, not one per number
-        vals = fn(torch.stack(rows), 0).tolist()
-        agg.update(zip(keys, all_reduce(vals, op)))
+    for keys, op, fn in kinds:
+        rows = torch.stack([torch.stack([m[k] for k in keys]) for m in metrics])
+        # One device->host copy per kind, not one per number.
+        agg.update(zip(keys, all_reduce(fn(rows, 0).tolist(), op)))
     n = max(agg["tokens"], 1.0)
     cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]
     var = (n * agg["pp_sum"] - agg["p_sum"] ** 2) * (n * agg["qq_sum"] - agg["q_sum"] ** 2)
-    # per trainable token: metric -> the sum it divides
-    means = {"clip_frac": "clipped", "ratio_mean": "ratio_sum", "ratio_out_frac": "ratio_out"}
-    means.update(dlogp_mean="dlogp_sum", kl_mean="kl_sum")
+    # Per trainable token: metric -> the sum it divides.
+    means = {
+        "clip_frac": "clipped",
+        "ratio_mean": "ratio_sum",
+        "ratio_out_frac": "ratio_out",
+        "dlogp_mean": "dlogp_sum",
+        "kl_mean": "kl_sum",
+    }
     return {
         **{k: agg[k] for k in ("loss", "tokens", "ratio_min", "ratio_max", "dlogp_max")},
         **{name: agg[k] / n for name, k in means.items()},

@@ -1,14 +1,20 @@
-"""Inference backends: prompt token ids in, response token ids + logprobs out. Every backend has the same
-small surface, so the proxy never knows which one serves it:
+"""Inference backends: prompt token ids in, response token ids and their logprobs out. Every backend
+has the same small surface, so the proxy never knows which one serves it:
 
-    gen = await backend.generate(prompt_ids, Sampling(max_tokens=64, temperature=1.0), on_token=None)
+    gen = await backend.generate(prompt_ids, Sampling(max_tokens=64, temperature=1.0))
     gen.response_ids, gen.logprobs, gen.finish_reason, gen.text, gen.version
     backend.pause(); ...train...; backend.sync_weights(model, version=1); backend.resume()
     backend.version, backend.max_model_len, backend.stats, backend.close()
 
-``HFBackend`` is the embedded one (README: the embedded backend): a transformers model in this process
-(CPU, or one GPU), for decoder-only models with full attention (Llama, SmolLM, Qwen2/2.5/3, Mistral
-without sliding window). extras/vllm.py's ``VLLMBackend`` sends the same token ids to vLLM servers.
+``HFBackend`` is the embedded one (README: the embedded backend): a transformers model in this
+process (CPU, or one GPU), for decoder-only models with full attention (Llama, SmolLM, Qwen2/2.5/3,
+Mistral without sliding window). extras/vllm.py's ``VLLMBackend`` sends the same token ids to vLLM
+servers.
+
+Two extras add to HFBackend through lightning_lite/hooks.py, and it runs without either:
+``hooks.fast_decode`` (extras/fast_decode.py) makes decoding at agent-length contexts fast, and
+``hooks.grammar`` (extras/grammar.py) gives the ``Matcher`` that a request with a grammar is sampled
+under.
 """
 
 import asyncio
@@ -23,7 +29,7 @@ import torch
 from torch.nn import functional as F
 from transformers.cache_utils import DynamicCache
 
-from .extras import fast_decode, grammar
+from . import hooks
 from .algo import sampling_support
 from .chat import Sampling
 from .models import eos_ids
@@ -47,15 +53,18 @@ def sample_token(
 ) -> tuple[int, float]:
     """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled*
     distribution: softmax(logits / T) on the top-k / top-p support (``algo.sampling_support``, the
-    trainer's rule too), renormalized, so the trainer's importance ratio compares like with like. Greedy
-    (T = 0) is not a distribution; it reports the logprob under softmax(logits). ``allowed`` [V] bool: a
-    grammar's mask (grammar.Matcher), applied first, as vLLM applies it before its sampler.
+    trainer's rule too), renormalized, so the trainer's importance ratio compares like with like.
+    Greedy (T = 0) is not a distribution; it reports the logprob under softmax(logits). ``allowed``
+    [V] bool is a grammar's mask (a ``Matcher``'s), applied first, as vLLM applies it before its
+    sampler.
 
     >>> sample_token(torch.tensor([0.0, 0.0, 10.0]), Sampling(temperature=0))
     (2, -9.08e-05)
     """
     # [V]
-    x = logits.float() if allowed is None else logits.float().masked_fill(~allowed, float("-inf"))
+    x = logits.float()
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
     if s.temperature > 0:
         x = x / s.temperature
         if s.top_k > 0 or s.top_p < 1.0:
@@ -69,12 +78,11 @@ def sample_token(
 
 
 class PauseGate:
-    """pause() and resume() of every backend. A subclass sets ``paused``, ``_cond`` (a Condition) and
-    ``_inflight``: the running batch (HF), the calls sent out (vLLM)."""
+    """pause() and resume() of every backend. A subclass sets ``paused``, ``_cond`` (a Condition)
+    and ``_inflight``: the running batch (HF), the calls sent out (vLLM)."""
 
     def pause(self):
-        """New work waits; returns when the work in flight has finished (before training touches the
-        weights)."""
+        """New work waits; returns once the work in flight is done (before training runs)."""
         with self._cond:
             self.paused = True
             while self._inflight:
@@ -87,7 +95,7 @@ class PauseGate:
 
 
 def max_reply_tokens(prompt_ids: list[int], sampling: Sampling, max_model_len: int) -> int:
-    """How many tokens a reply may have: ``max_tokens``, at most what the prompt leaves of the context."""
+    """How many tokens a reply may have: ``max_tokens``, at most what the prompt leaves."""
     room = max_model_len - len(prompt_ids)
     if not prompt_ids or room < 1:
         raise ValueError(
@@ -98,21 +106,23 @@ def max_reply_tokens(prompt_ids: list[int], sampling: Sampling, max_model_len: i
 
 
 def served_state_dict(model) -> dict:
-    """The weights to serve: a module's (unwrapped from DDP), or a full state dict (gathered from FSDP)."""
+    """The weights to serve: a module's (unwrapped from DDP), or a state dict (gathered by FSDP)."""
     return model if isinstance(model, dict) else getattr(model, "module", model).state_dict()
 
 
-# each layer's (keys, values), [1, H_kv, n, D] each: the KV cache of n tokens
+# Each layer's (keys, values), [1, H_kv, n, D] each: the KV cache of n tokens.
 KV = list[tuple[torch.Tensor, torch.Tensor]]
+# HFBackend.stats's counters.
+STATS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens", "cancelled", "batches")
 
 
 @torch.no_grad()
 def copy_weights(source, dst):
-    """Load ``source``'s weights into ``dst``, a plain copy of the trained model. ``source`` is a module
-    (DDP-wrapped or FSDP-sharded: all of its state dict is copied) or a dict of named tensors (those
-    alone: under LoRA the adapters, whose frozen base is the same in both copies). FSDP's shards
-    (DTensors; every rank calls this then) are gathered, copied and freed one at a time: no rank holds
-    the whole model twice."""
+    """Load ``source``'s weights into ``dst``, a plain copy of the trained model. ``source`` is a
+    module (DDP-wrapped or FSDP-sharded: all of its state dict is copied) or a dict of named tensors
+    (those alone: under LoRA the adapters, whose frozen base is the same in both copies). FSDP's
+    shards (DTensors; every rank calls this then) are gathered, copied and freed one at a time: no
+    rank holds the whole model twice."""
     targets = dst.state_dict()
     for name, value in served_state_dict(source).items():
         targets[name].copy_(value.full_tensor() if hasattr(value, "full_tensor") else value)
@@ -121,25 +131,27 @@ def copy_weights(source, dst):
 @dataclass
 class _Request:
     prompt_ids: list[int]
-    # max_tokens: at most what the prompt leaves of the context
+    # Its max_tokens is at most what the prompt leaves of the context.
     sampling: Sampling
-    # of the caller's event loop
+    # The future the caller awaits, on the caller's event loop.
     future: asyncio.Future
-    # called on the request's event loop with each sampled id
+    # Called on the caller's event loop with each sampled id (streaming).
     on_token: Optional[Callable[[int], None]]
-    # --lora-per-harness: the LoRA adapter that serves it
+    # The LoRA adapter that serves it, under --lora-per-harness.
     adapter: Optional[str] = None
-    # sampling.seed's generator; sampling.grammar's state
+    # The random generator seeded by sampling.seed, when it has a seed.
     generator: Optional[torch.Generator] = None
-    matcher: Optional[grammar.Matcher] = None
+    # The state of sampling.grammar, when it has one: a hooks.grammar.Matcher.
+    matcher: Optional[object] = None
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
 
 class HFBackend(PauseGate):
     """Embedded transformers backend: one worker thread decodes the requests together (continuous
-    batching), reusing the KV cache of prompts seen before (a prefix cache of ``prefix_cache_tokens``).
-    ``dtype`` bf16: every forward runs under bf16 autocast, as the trainer's does (train.py --dtype)."""
+    batching), reusing the KV cache of prompts seen before (a prefix cache of
+    ``prefix_cache_tokens``). With ``dtype`` bf16 every forward runs under bf16 autocast, as the
+    trainer's does (train.py --dtype)."""
 
     def __init__(
         self,
@@ -150,24 +162,29 @@ class HFBackend(PauseGate):
         prefix_cache_tokens: int = 32768,
         dtype: torch.dtype = torch.float32,
     ):
-        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dtype = dtype
         self.device = next(model.parameters()).device
-        # the same attention, without copying KV heads in decoding (extras/fast_decode.py)
-        fast_decode.install(model)
+        # The same attention, without copying KV heads in decoding (extras/fast_decode.py).
+        if hooks.fast_decode is not None:
+            hooks.fast_decode.install(model)
         default_len = getattr(model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or default_len)
-        self.max_batch_size, self.prefix_cache_tokens = max_batch_size, prefix_cache_tokens
+        self.max_batch_size = max_batch_size
+        self.prefix_cache_tokens = prefix_cache_tokens
         self.eos_ids = eos_ids(tokenizer, model.generation_config)
         self.version = 0
-        # --lora-per-harness: a rollout id's adapter; a batch mixes them (peft's adapter_names)
+        # The routing seam of --lora-per-harness (train.py sets it): a rollout id -> the name of the
+        # adapter that serves it. A batch may mix adapters (peft's adapter_names).
         self.adapter_of = None
-        # served since the start (GET /status); busy_s: seconds spent decoding
-        counts = "requests prompt_tokens cached_tokens generated_tokens cancelled batches".split()
-        self.stats = Counter(dict.fromkeys(counts, 0), busy_s=0.0)
-        # (adapter, token ids, their KV), the least recently used first
+        # What was served since the start (GET /status); busy_s is the seconds spent decoding.
+        self.stats = Counter(dict.fromkeys(STATS, 0), busy_s=0.0)
+        # The prefix cache: (adapter, token ids, their KV) entries, the least recently used first.
         self._prefix: list[tuple[Optional[str], list[int], KV]] = []
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
+        # _inflight: a batch is decoding.
         self.paused = self._inflight = self._closed = False
         self._thread = threading.Thread(target=self._worker, name="hf-backend", daemon=True)
         self._thread.start()
@@ -181,8 +198,8 @@ class HFBackend(PauseGate):
         on_token: Optional[Callable[[int], None]] = None,
         rollout_id: str = "",
     ) -> Generation:
-        """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is sampled
-        (streaming). ``rollout_id``: its adapter's (``adapter_of``), and vLLM's server's."""
+        """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is
+        sampled (streaming). ``rollout_id`` picks its adapter (``adapter_of``) or vLLM server."""
         max_tokens = max_reply_tokens(prompt_ids, sampling, self.max_model_len)
         sampling = replace(sampling, max_tokens=max_tokens)
         future = asyncio.get_running_loop().create_future()
@@ -191,8 +208,11 @@ class HFBackend(PauseGate):
         if sampling.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(sampling.seed)
         if sampling.grammar:
+            # Only extras/grammar.py sets a grammar (the proxy's constrain), and it sets the hook.
+            if hooks.grammar is None:
+                raise RuntimeError(hooks.missing("a request with a grammar", "grammar"))
             vocab_size = self.model.config.vocab_size
-            request.matcher = grammar.Matcher(sampling.grammar, self.tokenizer, vocab_size)
+            request.matcher = hooks.grammar.Matcher(sampling.grammar, self.tokenizer, vocab_size)
         with self._cond:
             if self._closed:
                 raise RuntimeError("backend is closed")
@@ -201,15 +221,15 @@ class HFBackend(PauseGate):
         return await future
 
     def pause(self):
-        """As PauseGate's; the prefix KV cache goes too: the weights are about to change (training, a
-        sync), and training gets its memory (up to ``prefix_cache_tokens`` of KV)."""
+        """As PauseGate's; the prefix KV cache goes too: the weights are about to change (training,
+        a sync), and training gets its memory (up to ``prefix_cache_tokens`` of KV)."""
         super().pause()
         self._prefix.clear()
 
     def sync_weights(self, model=None, version: Optional[int] = None):
-        """Pause (the running batch finishes on the old weights; no other starts), then serve ``model``'s
-        weights: when it is the module served, only the stale caches go; else they are copied in
-        (``copy_weights``: a module, DDP-wrapped or FSDP-sharded, or a state dict)."""
+        """Pause (the running batch finishes on the old weights; no other starts), then serve
+        ``model``'s weights: when it is the module served, only the stale caches go; else they are
+        copied in (``copy_weights``: a module, DDP-wrapped or FSDP-sharded, or a state dict)."""
         self.pause()
         if model is not None and model is not self.model:
             copy_weights(model, self.model)
@@ -234,7 +254,7 @@ class HFBackend(PauseGate):
                 self._inflight = True
             t0 = time.time()
             try:
-                # autocast is per thread: it is entered here, in the thread that runs the model
+                # Autocast is per thread: it is entered here, in the thread that runs the model.
                 bf16 = self.dtype != torch.float32
                 with torch.autocast(self.device.type, self.dtype, enabled=bf16):
                     self._run()
@@ -246,15 +266,16 @@ class HFBackend(PauseGate):
 
     @torch.inference_mode()
     def _run(self):
-        """Decode until no request is left, admitting new requests at every step (continuous batching):
-        a row that finishes is answered at once and leaves the batch, so an agent's next turn can join
-        while the others still decode."""
-        # no weight sync can happen while a batch runs: all its replies are of this version
-        batch, version = _Batch(self.device), self.version
+        """Decode until no request is left, admitting new requests at every step (continuous
+        batching): a row that finishes is answered at once and leaves the batch, so an agent's next
+        turn can join while the others still decode."""
+        batch = _Batch(self.device)
+        # No weight sync can happen while a batch runs: all its replies are of this version.
+        version = self.version
         while True:
             new = self._take(self.max_batch_size - len(batch.rows))
             try:
-                # prefill each on its own (after a cached prefix), then join the batch
+                # Prefill each on its own (after a cached prefix), then join the batch.
                 for request in new:
                     batch.add(request, *self._prefill(request))
                 if not batch.rows:
@@ -264,7 +285,7 @@ class HFBackend(PauseGate):
                     batch.keep(keep)
                 if batch.rows:
                     batch.step(self.model)
-            # a backend failure fails these requests (the proxy reports it), never silently
+            # A backend failure fails these requests (the proxy reports it), never silently.
             except Exception as e:
                 for request in batch.rows + new:
                     _answer(request.future, e)
@@ -275,7 +296,7 @@ class HFBackend(PauseGate):
         with self._cond:
             if self.paused:
                 return []
-            # the others' clients went away
+            # The others' clients went away.
             live = [r for r in self._pending if not r.future.cancelled()]
             self.stats["cancelled"] += len(self._pending) - len(live)
             new, self._pending = live[:room], live[room:]
@@ -285,36 +306,39 @@ class HFBackend(PauseGate):
     def _prefill(self, request: _Request) -> tuple[DynamicCache, torch.Tensor]:
         """The prompt's KV cache (batch 1) and the logits [V] of the first reply token."""
         hit, kv = self._lookup(request.prompt_ids, request.adapter)
-        # [1, T - hit]: its positions follow the cache's (kv None: an empty cache)
+        # [1, T - hit]: its positions follow the cache's (kv None is an empty cache).
         rest = torch.tensor([request.prompt_ids[hit:]], device=self.device)
         cache = DynamicCache(ddp_cache_data=kv)
         inputs = dict(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
         out = self.model(**inputs, **_adapters([request]))
         self.stats.update(prompt_tokens=len(request.prompt_ids), cached_tokens=hit)
-        # Requests that arrive together often share a prompt (a GRPO group): the next one reuses this one.
+        # Requests that arrive together often share a prompt (a GRPO group): the next one reuses
+        # this one.
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         self._store(request.prompt_ids, kv, request.adapter)
         return cache, out.logits[0, -1]
 
     def _sample_next(self, batch: "_Batch", j: int, version: int) -> bool:
-        """Sample row j's next token; False when its request is over (answered, or its client gone)."""
+        """Sample row j's next token; False when its request is over (answered, or client gone)."""
         request = batch.rows[j]
-        allowed = request.matcher.allowed().to(self.device) if request.matcher else None
+        allowed = None
+        if request.matcher is not None:
+            allowed = request.matcher.allowed().to(self.device)
         token, logprob = sample_token(batch.last[j], request.sampling, request.generator, allowed)
-        if request.matcher:
+        if request.matcher is not None:
             request.matcher.consume(token)
         request.response_ids.append(token)
         request.logprobs.append(logprob)
         if request.on_token:
             request.future.get_loop().call_soon_threadsafe(request.on_token, token)
         self.stats["generated_tokens"] += 1
-        # the client went away (the proxy cancels its call): stop generating
+        # The client went away (the proxy cancels its call): stop generating.
         if request.future.cancelled():
             self.stats["cancelled"] += 1
             return False
         done = self._finish(request, token)
         if done:
-            # the cache holds prompt + response[:-1]: keep it for this conversation's next turn
+            # The cache holds prompt + response[:-1]: keep it for this conversation's next turn.
             ids = request.prompt_ids + request.response_ids[:-1]
             self._store(ids, batch.row_cache(j), request.adapter)
             generation = Generation(request.response_ids, request.logprobs, *done, version)
@@ -322,68 +346,83 @@ class HFBackend(PauseGate):
         return done is None
 
     def _finish(self, request: _Request, token: int) -> Optional[tuple[str, str]]:
-        """(finish_reason, text) when ``request``, which just sampled ``token``, is done; else None."""
+        """(finish_reason, text) once ``request``, which sampled ``token``, is done; else None."""
+        ended = token in self.eos_ids
         full = len(request.response_ids) >= request.sampling.max_tokens
-        reason = "stop" if token in self.eos_ids else "length" if full else None
-        # no stop string to look for: no need to decode
-        if not (reason or request.sampling.stop):
+        # No stop string to look for: no need to decode.
+        if not (ended or full or request.sampling.stop):
             return None
         text = self.tokenizer.decode(request.response_ids, skip_special_tokens=True)
         cut = min((text.find(s) for s in request.sampling.stop if s in text), default=None)
         if cut is not None:
             return "stop", text[:cut]
-        return (reason, text) if reason else None
+        if ended:
+            return "stop", text
+        if full:
+            return "length", text
+        return None
 
     # ------------------------------------------------------------------ the prefix cache
 
     def _lookup(self, ids: list[int], adapter=None) -> tuple[int, Optional[KV]]:
-        """Longest cached prefix of ``ids`` (under ``adapter``), of 8 tokens or more (leaving at least
-        one token to prefill): its length and its KV, each layer's keys and values [1, H_kv, n, D]."""
-        common = [
-            len(os.path.commonprefix([t, ids[:-1]])) * (a == adapter) for a, t, _ in self._prefix
-        ]
-        n = max(common, default=0)
+        """The longest cached prefix of ``ids`` under ``adapter``, of 8 tokens or more, leaving at
+        least one token to prefill: its length n and its KV, [1, H_kv, n, D] per layer."""
+        # Only the entries of the same adapter: another adapter's KV is another model's.
+        entries = [entry for entry in self._prefix if entry[0] == adapter]
+        lengths = [len(os.path.commonprefix([cached, ids[:-1]])) for _, cached, _ in entries]
+        n = max(lengths, default=0)
         if n < 8:
             return 0, None
-        # to the end: now the most recently used
-        self._prefix.append(entry := self._prefix.pop(common.index(n)))
-        return n, [(keys[:, :, :n], values[:, :, :n]) for keys, values in entry[2]]
+        best = entries[lengths.index(n)]
+        # To the end: now the most recently used.
+        self._prefix = [entry for entry in self._prefix if entry is not best] + [best]
+        return n, [(keys[:, :, :n], values[:, :, :n]) for keys, values in best[2]]
 
     def _store(self, ids: list[int], kv: KV, adapter=None):
-        """Remember the KV of ``ids`` (under ``adapter``); entries that are a prefix of it become
-        redundant and leave."""
+        """Remember the KV of ``ids`` under ``adapter``; the same adapter's entries that are a
+        prefix of ``ids`` become redundant and leave."""
         if len(ids) > self.prefix_cache_tokens:
             return
-        redundant = lambda a, toks: a == adapter and ids[: len(toks)] == toks
-        self._prefix = [entry for entry in self._prefix if not redundant(*entry[:2])]
+        self._prefix = [
+            (entry_adapter, cached, cached_kv)
+            for entry_adapter, cached, cached_kv in self._prefix
+            if entry_adapter != adapter or ids[: len(cached)] != cached
+        ]
         self._prefix.append((adapter, ids, kv))
-        while sum(len(toks) for _, toks, _ in self._prefix) > self.prefix_cache_tokens:
-            # the least recently used
+        while sum(len(cached) for _, cached, _ in self._prefix) > self.prefix_cache_tokens:
+            # The least recently used leaves.
             self._prefix.pop(0)
 
 
 class _Batch:
-    """The requests decoding together, their KV caches left-padded to one length T so that every row's
-    next token goes into the same column: each layer's keys and values are [B, H_kv, T, D]. Row j's own
-    cache is its last ``lengths[j]`` columns, and ``lengths[j]`` is also the position of its next token.
-    ``last`` [B, V]: each row's latest logits."""
+    """The requests decoding together, their KV caches left-padded to one length T so that every
+    row's next token goes into the same column: each layer's keys and values are [B, H_kv, T, D].
+    Row j's own cache is its last ``lengths[j]`` columns, and ``lengths[j]`` is also the position
+    of its next token."""
 
     def __init__(self, device):
         self.device = device
-        self.rows, self.lengths = [], []
-        self.cache = self.last = None
+        self.rows: list[_Request] = []
+        self.lengths: list[int] = []
+        # The batch's DynamicCache, once a request has joined.
+        self.cache = None
+        # [B, V]: each row's latest logits.
+        self.last = None
 
     def add(self, request: _Request, cache: DynamicCache, logits: torch.Tensor):
-        """Join a prefilled request: its own cache [1, H_kv, n, D] and the logits after its prompt [V]."""
+        """Join a prefilled request: its own cache [1, H_kv, n, D] and the logits [V] after it."""
         self.rows.append(request)
         self.lengths.append(cache.get_seq_length())
         if len(self.rows) == 1:
-            # appends in place (extras/fast_decode.py)
-            for layer in cache.layers:
-                layer.__class__ = fast_decode.RoomyLayer
-            self.cache, self.last = cache, logits[None]
+            # Layers that append in place (extras/fast_decode.py); else transformers' DynamicLayer,
+            # which copies the whole cache at each token.
+            if hooks.fast_decode is not None:
+                for layer in cache.layers:
+                    layer.__class__ = hooks.fast_decode.RoomyLayer
+            self.cache = cache
+            self.last = logits[None]
             return
-        # left-pad the batch or the newcomer to the longer of the two, T columns:
+        # Left-pad the batch or the newcomer to the longer of the two, T columns:
         # [B, H_kv, T, D] + [1, H_kv, T, D] -> [B + 1, H_kv, T, D]
         T = max(self.cache.get_seq_length(), self.lengths[-1])
         for mine, theirs in zip(self.cache.layers, cache.layers):
@@ -402,15 +441,17 @@ class _Batch:
     def keep(self, keep: list[int]):
         """Keep only rows ``keep``, then drop the columns that are padding for every row left."""
         self.rows, self.lengths = [self.rows[j] for j in keep], [self.lengths[j] for j in keep]
-        # the batch is over (add() starts a new one)
+        # The batch is over (add() starts a new one).
         if not self.rows:
             return
         index = torch.tensor(keep, device=self.device)
         self.cache.batch_select_indices(index)
         self.last = self.last[index]
         trim = self.cache.get_seq_length() - max(self.lengths)
-        for layer in self.cache.layers if trim > 0 else []:
-            layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
+        if trim > 0:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, trim:]
+                layer.values = layer.values[:, :, trim:]
 
     def step(self, model):
         """Feed each row its latest sampled token; the logits for the next one land in ``last``."""
@@ -421,28 +462,33 @@ class _Batch:
         # [B, T + 1]: 1 on each row's own columns, the last ``lengths[j]``
         T = self.cache.get_seq_length() + 1
         mask = (torch.arange(T, device=self.device) >= T - 1 - positions).long()
-        # [B, V]
         inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=positions)
-        inputs |= dict(past_key_values=self.cache, use_cache=True, **_adapters(self.rows))
-        self.last = model(**inputs).logits[:, -1]
+        out = model(**inputs, past_key_values=self.cache, use_cache=True, **_adapters(self.rows))
+        # [B, V]
+        self.last = out.logits[:, -1]
 
 
 def _adapters(rows: list) -> dict:
-    """--lora-per-harness: the forward's argument that runs each row through its adapter."""
+    """The forward's argument that runs each row through its adapter (--lora-per-harness: peft's
+    adapter_names); none without adapters."""
     return {"adapter_names": [r.adapter for r in rows]} if rows[0].adapter else {}
 
 
 def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:
-    """[B, H_kv, n, D] -> [B, H_kv, T, D], zeros in the first T - n columns (the mask hides them)."""
+    """[B, H_kv, n, D] -> [B, H_kv, T, D], zeros in the first T - n columns (masked out)."""
     return F.pad(x, (0, 0, T - x.shape[2], 0)) if x.shape[2] < T else x
 
 
 def _answer(future: asyncio.Future, value):
-    """From the worker thread, on the caller's event loop: the request's answer, ``value``, raised there
-    when it is an exception (not once the request is cancelled)."""
+    """From the worker thread, on the caller's event loop: the request's answer, ``value``, raised
+    there when it is an exception (not once the request is cancelled)."""
 
     def settle():
-        if not future.done():
-            (future.set_exception if isinstance(value, BaseException) else future.set_result)(value)
+        if future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
 
     future.get_loop().call_soon_threadsafe(settle)

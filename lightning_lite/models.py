@@ -1,11 +1,16 @@
-"""Load the policy model and its tokenizer (an embedded model by name: extras/embedded.py;
-``python -m lightning_lite.models --prepare`` converts it once, as make venv does)."""
+"""Load the policy model and its tokenizer from a transformers directory, or a hub name where a hub
+is reachable. The resolvers in ``hooks.MODEL_RESOLVERS`` map other names to a directory:
+extras/embedded.py's maps the embedded models (smollm2, the default, and gemma3-270m) to the
+directory it converts each into once.
+"""
 
 import contextlib
 import os
 from typing import Optional
 
 import torch
+
+from . import hooks
 
 
 def cache_dir() -> str:
@@ -15,11 +20,22 @@ def cache_dir() -> str:
 
 
 def resolve(model: str) -> str:
-    """Map a --model value to something from_pretrained accepts: an embedded model's name to its
-    converted directory (extras/embedded.py), anything else as it is."""
-    from .extras import embedded
-
-    return embedded.prepare(model) if model in embedded.EMBEDDED else model
+    """Map a --model value to what from_pretrained accepts: the directory that the first resolver of
+    ``hooks.MODEL_RESOLVERS`` maps it to, or else the value as it is when it is a directory or a hub
+    name (namespace/name). Any other value is an error that says what this copy knows."""
+    for resolver in hooks.MODEL_RESOLVERS:
+        path = resolver(model)
+        if path is not None:
+            return path
+    if os.path.isdir(model) or "/" in model:
+        return model
+    if not hooks.MODEL_RESOLVERS:
+        what = f"--model {model} (a name, not a directory or a hub name such as namespace/name)"
+        raise ValueError(hooks.missing(what, "embedded"))
+    raise ValueError(
+        f"--model {model} is not a directory, a hub name (namespace/name), nor a name that a "
+        "resolver of hooks.MODEL_RESOLVERS knows (extras/embedded.py: the embedded models)"
+    )
 
 
 def load_tokenizer(model: str):
@@ -29,13 +45,14 @@ def load_tokenizer(model: str):
 
 
 def eos_ids(tokenizer, generation_config=None) -> set[int]:
-    """Every token id that ends the model's turn: generation_config's EOS ids (Llama 3: <|eot_id|> and <|eom_id|>;
-    Qwen: <|im_end|> and <|endoftext|>; gpt-oss: <|return|> and <|call|>) and the tokenizer's. One definition for
-    both backends and the renderer. ``generation_config``: the model's, or read from the tokenizer's folder."""
+    """Every token id that ends the model's turn: generation_config's EOS ids (Llama 3: <|eot_id|>
+    and <|eom_id|>; Qwen: <|im_end|> and <|endoftext|>; gpt-oss: <|return|> and <|call|>) and the
+    tokenizer's. One definition for both backends and the renderer. ``generation_config`` is the
+    model's, or else read from the tokenizer's folder."""
     if generation_config is None:
         from transformers import GenerationConfig
 
-        # no generation_config.json: the tokenizer's EOS alone
+        # Without a generation_config.json, the tokenizer's EOS alone.
         with contextlib.suppress(OSError, ValueError):
             generation_config = GenerationConfig.from_pretrained(tokenizer.name_or_path)
     eos = getattr(generation_config, "eos_token_id", None)
@@ -49,9 +66,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     max_model_len: Optional[int] = None,
 ):
-    """Load a causal LM. ``max_model_len`` beyond the context it was trained for extends it with YaRN RoPE scaling
-    (factor max_model_len / trained length). YaRN, not dynamic NTK: its rotation does not depend on the length so far,
-    so a growing conversation's KV cache and the trainer's one-pass forward see the same positions: exact logprobs."""
+    """Load a causal LM. ``max_model_len`` beyond the context it was trained for extends it with
+    YaRN RoPE scaling (factor max_model_len / trained length). YaRN, not dynamic NTK: its rotation
+    does not depend on the length so far, so a growing conversation's KV cache and the trainer's
+    one-pass forward see the same positions, and the logprobs are exact."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve(model)
@@ -61,16 +79,12 @@ def load_model(
         rope = dict(getattr(config, "rope_parameters", None) or {})
         if rope.get("rope_type", "default") != "default":
             raise ValueError(
-                f"{model} already scales RoPE ({rope.get('rope_type')}); --max-model-len {max_model_len} "
-                f"exceeds its max_position_embeddings {trained}: use at most {trained}"
+                f"{model} already scales RoPE ({rope.get('rope_type')}); --max-model-len "
+                f"{max_model_len} exceeds its max_position_embeddings {trained}: "
+                f"use at most {trained}"
             )
         rope.update(rope_type="yarn", factor=max_model_len / trained)
         rope["original_max_position_embeddings"] = trained
-        config.rope_parameters, config.max_position_embeddings = rope, max_model_len
+        config.rope_parameters = rope
+        config.max_position_embeddings = max_model_len
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
-
-
-if __name__ == "__main__":
-    from lightning_lite.extras.embedded import main
-
-    main()

@@ -34,6 +34,7 @@ else echo "no GPU here (torch.cuda.device_count() is 0): run it on a GPU machine
 make_model() {
   $PY - "$1" "$2" <<'EOF'
 import sys, torch, transformers
+import lightning_lite.extras.embedded  # the embedded model by name
 from lightning_lite.models import load_tokenizer
 size, out = sys.argv[1], sys.argv[2]
 tok = load_tokenizer("smollm2")

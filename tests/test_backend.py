@@ -5,6 +5,7 @@ import math
 import threading
 import time
 
+import pytest
 import torch
 
 from lightning_lite.backends import sample_token
@@ -223,3 +224,48 @@ def test_decoding_reads_kv_heads_in_place_with_the_same_numbers():
             for layer in (roomy.layers[0], plain.layers[0]):
                 layer.keys, layer.values = layer.keys[:, :, 5:], layer.values[:, :, 5:]
     assert roomy.layers[0]._buf[0].shape[2] - roomy.get_seq_length() <= 256  # room, not a doubling
+
+
+def test_without_the_fast_decode_extra_the_backend_decodes_the_same_tokens(
+    backend, tok, model, monkeypatch
+):
+    """extras/fast_decode.py is optional: without it (hooks.fast_decode None) the batch keeps
+    transformers' own attention and cache layers, and a batch of two greedy replies is the same."""
+    from lightning_lite import hooks
+    from lightning_lite.backends import HFBackend
+
+    prompts = [tok.encode(_prompt(tok, q)) for q in ["What is 4+4?", "Name three fruits."]]
+
+    def replies(b):
+        async def go():
+            greedy = Sampling(max_tokens=8, temperature=0)
+            return await asyncio.gather(*[b.generate(p, greedy) for p in prompts])
+
+        return asyncio.run(go())
+
+    fast = replies(backend)
+    fast_decode = hooks.fast_decode
+    monkeypatch.setattr(hooks, "fast_decode", None)
+    model.set_attn_implementation("sdpa")
+    plain = HFBackend(model, tok)
+    try:
+        slow = replies(plain)
+    finally:
+        plain.close()
+        fast_decode.install(model)
+    assert model.config._attn_implementation == "grouped_sdpa"
+    for a, b in zip(fast, slow):
+        assert a.response_ids == b.response_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_a_grammar_without_the_grammar_extra_fails_its_request(backend, tok, monkeypatch):
+    """Only extras/grammar.py sets a request's grammar; without it such a request fails, naming
+    the file, and the backend serves the next one."""
+    from lightning_lite import hooks
+
+    monkeypatch.setattr(hooks, "grammar", None)
+    p = tok.encode(_prompt(tok, "Say yes."))
+    with pytest.raises(RuntimeError, match="extras/grammar.py"):
+        asyncio.run(backend.generate(p, Sampling(max_tokens=2, grammar='start: "yes"')))
+    assert len(asyncio.run(backend.generate(p, Sampling(max_tokens=2))).response_ids) >= 1

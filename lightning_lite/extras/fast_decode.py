@@ -1,10 +1,16 @@
-"""Decoding at agent-length contexts, for the embedded backend (backends.HFBackend calls ``install(model)``; its
-batch's cache layers become ``RoomyLayer``s). Two copies per decode step dominate once the context is long (8k
-tokens, 135M model: ~1.5 GB of memory traffic per token against 0.5 GB of weights): DynamicCache appends by
-torch.cat, copying the whole cache, and transformers' SDPA repeats every KV head for each of its query heads
-whenever a mask is given, which batched decoding always does. The layer appends in place; the attention groups
+"""Decoding at agent-length contexts, for the embedded backend. Imported, this module sets
+``hooks.fast_decode`` to itself: backends.HFBackend then calls ``install(model)``, and its batch's
+cache layers become ``RoomyLayer``s. Without it the backend decodes with transformers' own attention
+and cache layers: the same numbers, slower at long contexts.
+
+Two copies per decode step dominate once the context is long (8k tokens, 135M model: ~1.5 GB of
+memory traffic per token against 0.5 GB of weights): DynamicCache appends by torch.cat, copying the
+whole cache, and transformers' SDPA repeats every KV head for each of its query heads whenever a
+mask is given, which batched decoding always does. The layer appends in place; the attention groups
 query heads instead.
 """
+
+import sys
 
 from torch.nn import functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -12,29 +18,34 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .. import hooks
+
 
 class RoomyLayer(DynamicLayer):
-    """A cache layer whose keys/values are views into buffers with room for 256 more tokens: appending
-    writes one column instead of copying the cache. When the batching code replaces .keys/.values (it
-    pads, trims and selects rows), the next update copies them into a new buffer once."""
+    """A cache layer whose keys and values are views into buffers with room for 256 more tokens:
+    appending writes one column instead of copying the cache. When the batching code replaces them
+    (it pads, trims and selects rows), the next update copies them into a new buffer once."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         # [B, H_kv, n, D] cached, [B, H_kv, m, D] new
         n, m = self.keys.shape[-2], key_states.shape[-2]
         buf = getattr(self, "_buf", None)
-        # the first update, no room left, or .keys replaced (a new tensor: padded, trimmed, rows selected)
+        # The first update, no room left, or .keys replaced (a new tensor: padded, trimmed, rows
+        # selected): a copy with room for m + 256 more columns.
         if buf is None or buf[0].shape[2] < n + m or buf[0].data_ptr() != self.keys.data_ptr():
-            # a copy with room for m + 256 more columns
-            self._buf = buf = tuple(F.pad(t, (0, 0, 0, m + 256)) for t in (self.keys, self.values))
-        buf[0][:, :, n : n + m], buf[1][:, :, n : n + m] = key_states, value_states
+            buf = tuple(F.pad(t, (0, 0, 0, m + 256)) for t in (self.keys, self.values))
+            self._buf = buf
+        buf[0][:, :, n : n + m] = key_states
+        buf[1][:, :, n : n + m] = value_states
         self.keys, self.values = buf[0][:, :, : n + m], buf[1][:, :, : n + m]
         return self.keys, self.values
 
 
 def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
-    """transformers' SDPA, except that a decode step (one query token per row) reads each KV head once:
-    the query heads that share a KV head are laid out as that head's query positions (all rows' positions
-    see the same keys under the same mask), which is exactly attention with repeated KV heads."""
+    """transformers' SDPA, except that a decode step (one query token per row) reads each KV head
+    once: the query heads that share a KV head are laid out as that head's query positions (all
+    rows' positions see the same keys under the same mask), which is exactly attention with repeated
+    KV heads."""
     n_rep = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or n_rep == 1:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
@@ -51,6 +62,9 @@ AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
 
 
 def install(model):
-    """Decode ``model`` with ``_grouped_sdpa`` where it runs transformers' SDPA (the same attention)."""
+    """Run ``model``'s SDPA as ``_grouped_sdpa``: the same attention, decoded faster."""
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation("grouped_sdpa")
+
+
+hooks.fast_decode = sys.modules[__name__]

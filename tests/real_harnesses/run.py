@@ -40,11 +40,18 @@ sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]
 from aiohttp import web  # noqa: E402
 
 from commands import HARNESSES, command  # noqa: E402
+from lightning_lite import hooks  # noqa: E402
 from lightning_lite.models import load_tokenizer  # noqa: E402
 from lightning_lite.proxy import Proxy, ProxyServer  # noqa: E402
 from lightning_lite.records import read_calls  # noqa: E402
 from lightning_lite.samples import build_samples  # noqa: E402
 from scripted import ScriptedBackend  # noqa: E402
+
+# The extras proxy.py serves with: the other APIs' routes, tool-call formats, grammars for forced
+# calls, the embedded model by name and its fast decoding.
+hooks.load_extras(
+    ["responses", "anthropic", "completions", "tool_formats", "grammar", "embedded", "fast_decode"]
+)
 
 TASK = "Run `echo hello` in the shell, then reply Done."
 RID = re.compile(r"^/rollout/([^/]+)(/.*)?$")

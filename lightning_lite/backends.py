@@ -81,6 +81,13 @@ class PauseGate:
     """pause() and resume() of every backend. A subclass sets ``paused``, ``_cond`` (a Condition)
     and ``_inflight``: the running batch (HF), the calls sent out (vLLM)."""
 
+    # train.py syncs the trained weights before the first rollout when the backend may serve others
+    # (vLLM servers a user started)
+    first_sync = False
+
+    def make_room(self):
+        """Before training: free what training needs (vLLM's --vllm-sleep). Nothing by default."""
+
     def pause(self):
         """New work waits; returns once the work in flight is done (before training runs)."""
         with self._cond:
@@ -225,6 +232,14 @@ class HFBackend(PauseGate):
         a sync), and training gets its memory (up to ``prefix_cache_tokens`` of KV)."""
         super().pause()
         self._prefix.clear()
+
+    def payload(self, learner):
+        """What a weight sync from ``learner`` (trainer.Learner) hands ``sync_weights``: the trained
+        module itself when this backend serves it (nothing to copy), else what training changed
+        (``learner.trained``), to copy into the served copy."""
+        if self.model is learner.model:
+            return learner.model
+        return learner.trained
 
     def sync_weights(self, model=None, version: Optional[int] = None):
         """Pause (the running batch finishes on the old weights; no other starts), then serve

@@ -72,14 +72,40 @@ def bare(tmp_path_factory):
     )
     shutil.copytree(ROOT, root, ignore=ignore)
     shutil.rmtree(root / "lightning_lite" / "extras")
+    # An editable install of this checkout finds lightning_lite.extras here through its import hook,
+    # even from the copy: the copy's processes start without it.
+    site = root.parent / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in f.__module__]\n"
+    )
     return root
 
 
-def run_bare(bare, *argv, timeout=600):
+def bare_env(bare) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(bare.parent / "site")
+    return env
+
+
+def run_bare(bare, *argv, timeout=600):
     return subprocess.run(
-        [sys.executable, *argv], cwd=bare, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *argv],
+        cwd=bare,
+        env=bare_env(bare),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
+
+
+def test_the_copy_has_no_extras(bare):
+    """The other tests of the copy test what they say: lightning_lite is the copy's, without extras."""
+    code = "import importlib.util, lightning_lite; print(lightning_lite.__file__); "
+    code += "print(importlib.util.find_spec('lightning_lite.extras'))"
+    done = run_bare(bare, "-c", code)
+    assert done.stdout.split() == [str(bare / "lightning_lite" / "__init__.py"), "None"], done
 
 
 def test_train_runs_a_step_with_no_extras(bare):

@@ -285,10 +285,12 @@ def client_finish(call, reply) -> str:
     return "stop" if call.capped else call.finish_reason
 
 
-def error_body(api: str, message: str, type_: str = "invalid_request_error", param=None, code=None):
-    if api == "anthropic":
-        return {"type": "error", "error": {"type": type_, "message": message}}
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def error_body(status: int, message: str, param=None, code=None) -> dict:
+    """OpenAI's error body for an HTTP status (the proxy's errors but other APIs' shapes: hooks.ERROR_SHAPES)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def openai_head(kind: str, prefix: str, req: Request, model: str) -> dict:
@@ -367,4 +369,4 @@ class ChatReply:
         return b"".join(out) + b"data: [DONE]\n\n"
 
     def error(self, message: str) -> bytes:
-        return sse(error_body("chat", message, "server_error")) + b"data: [DONE]\n\n"
+        return sse(error_body(500, message)) + b"data: [DONE]\n\n"

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import toolcalls
+from . import hooks, toolcalls
 from .records import common_prefix
 from .toolcalls import parse_arguments
 
@@ -241,17 +241,22 @@ class Renderer:
         self.specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
         self.think = think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
-        self.format, self.native_tools, self.native_calls = "hermes", False, False
-        self.short_ids = self.string_args = self.merge_roles = False
+        self.format = "hermes"
+        self.native_tools = False
+        self.native_calls = False
+        # the names of the dialects (hooks.TEMPLATE_DIALECTS) the template's messages are written in
+        self.dialects: list[str] = []
         self.turn_close = self._probe_turn_close()
         call = self._probe_native_call()
         self.format = self._choose_format(call, tool_format)
-        # A list without calls (Granite 3.x): the template's list asks for the model's own format, which only
-        # --tool-format can name; without it the list goes into the system prompt with the format it asks for.
+        # A list without calls (Granite 3.x): the template's list asks for the model's own format, which
+        # only --tool-format can name; without it the list goes into the system prompt with the format
+        # it asks for.
         self.native_tools = self.native_tools and (self.native_calls or bool(tool_format))
-        # Must two user (or system) messages in a row be merged? The Hermes fallback writes tool results as user
-        # turns, clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them.
-        self.merge_roles = self._rendered(PROBE_USER + PROBE_USER, [], True) is None
+        # Two user messages in a row: the Hermes fallback writes tool results as user turns, and clients
+        # send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them.
+        two_users = PROBE_USER + PROBE_USER
+        self._with_dialect(lambda: self._rendered(two_users, [], True) is not None)
         self.per_message = self._probe_per_message()
 
     def _probe_turn_close(self) -> str:
@@ -267,27 +272,41 @@ class Renderer:
         return text[text.rindex(self.SENTINEL) + len(self.SENTINEL) :]
 
     def _probe_native_call(self) -> Optional[str]:
-        """The template's text for a call after its generation prompt where it renders calls (``native_calls``), else
-        None; whether it renders the tool list (``native_tools``: DeepSeek-R1's renders calls but no list, Granite
-        3.x's the list but no calls). Some templates want call ids of their own shape (Mistral: 9 alphanumerics):
-        then every id is written in that shape (``short_ids``)."""
+        """The template's text for a call after its generation prompt where it renders calls
+        (``native_calls``), else None; whether it renders the tool list (``native_tools``: DeepSeek-R1's
+        renders calls but no list, Granite 3.x's the list but no calls). Some templates render calls
+        only in a dialect of their own (Mistral's 9-alphanumeric ids): then every call is written so."""
         self.native_tools = self.native_calls = True
-        lists = False
-        # (R1-style templates write the arguments as given: they want a JSON string)
-        for self.short_ids, self.string_args in ((False, False), (True, False), (False, True)):
+        # what the probe saw: the call's text, and whether the tool list came before it
+        seen = {"call": None, "lists": False}
+
+        def renders_call() -> bool:
             head = self._rendered(PROBE_USER, [PROBE_TOOL], True)
             full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
             if head is None or full is None:
-                continue
-            call = call_text(head, full)
+                return False
+            seen["call"] = call_text(head, full)
             # the tool list before the call, rendered in both
-            lists = lists or self.SENTINEL in full[: len(full) - len(call)]
-            if "llval" in call and self._calls_again(call):
-                self.native_tools = lists
-                return call
-        self.native_calls = self.short_ids = self.string_args = False
-        self.native_tools = lists
-        return None
+            seen["lists"] = seen["lists"] or self.SENTINEL in full[: len(full) - len(seen["call"])]
+            return "llval" in seen["call"] and self._calls_again(seen["call"])
+
+        self.native_calls = self._with_dialect(renders_call)
+        self.native_tools = seen["lists"]
+        return seen["call"] if self.native_calls else None
+
+    def _with_dialect(self, renders) -> bool:
+        """Does ``renders()`` hold, as the template's messages are written now or in one more dialect
+        (hooks.TEMPLATE_DIALECTS, tried in order)? The first such dialect is kept."""
+        if renders():
+            return True
+        for name in hooks.TEMPLATE_DIALECTS:
+            if name in self.dialects:
+                continue
+            self.dialects.append(name)
+            if renders():
+                return True
+            self.dialects.pop()
+        return False
 
     def _choose_format(self, call_text: Optional[str], tool_format: Optional[str]) -> str:
         """``tool_format`` if given, else the format the call text is in (Hermes without native tools)."""
@@ -297,7 +316,7 @@ class Renderer:
             shown = call_text.replace(self.SENTINEL, "get_weather")[:160]
             raise ValueError(
                 f"{self.template} writes tool calls in a format lightning-lite does not parse: {shown!r}; if the "
-                f"model writes one of {', '.join(toolcalls.FORMATS)}, name it with --tool-format"
+                f"model writes one of {', '.join(toolcalls.format_names())}, name it with --tool-format"
             )
         # an unknown name raises here, at start-up
         toolcalls.format_of(fmt := tool_format or detected or "hermes")
@@ -334,7 +353,8 @@ class Renderer:
         call in the format? DeepSeek-R1's drops the opening there. Each call is read up to the turn close, as the
         model's EOS ends it. (Kimi's parser reads no call before its id is named: nothing to compare there.)"""
         fmt = toolcalls.detect(call)
-        if not fmt or toolcalls.format_of(fmt).named_ids:
+        # a format that rewrites the messages (Kimi's call ids): its calls are read as it writes them
+        if not fmt or toolcalls.format_of(fmt).messages:
             return True
         head = self._rendered(self._probe_calls(), [PROBE_TOOL], True)
         twice = self._rendered(self._probe_calls(rounds=2), [PROBE_TOOL], False)
@@ -347,7 +367,7 @@ class Renderer:
         """A user message, then ``rounds`` times an assistant message calling the SENTINEL tool and its result."""
         out = list(PROBE_USER)
         for k in range(rounds):
-            id = ("a1b2c3d4" if self.short_ids else "call_0123456789abcdef0123456") + str(k)
+            id = "call_0123456789abcdef0123456" + str(k)
             call = {"id": id, "name": self.SENTINEL, "arguments": {"llarg": "llval"}}
             out.append({"role": "assistant", "content": content, "tool_calls": [call]})
             out.append({"role": "tool", "content": "r", "tool_call_id": id})
@@ -368,17 +388,21 @@ class Renderer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def new_id(self) -> str:
-        """A tool-call id for a parsed call, in the shape the template accepts."""
-        return self._id("call_" + uuid.uuid4().hex[:24])
+        """A tool-call id for a parsed call, as the template's dialects write it."""
+        result = {"role": "tool", "content": "", "tool_call_id": "call_" + uuid.uuid4().hex[:24]}
+        return self._in_dialects([result])[0]["tool_call_id"]
 
-    def _id(self, i: str) -> str:
-        return _short_id(i) if self.short_ids else i
+    def _in_dialects(self, messages: list[dict]) -> list[dict]:
+        """The template's messages written in its dialects (hooks.TEMPLATE_DIALECTS), in order."""
+        for name in self.dialects:
+            messages = hooks.TEMPLATE_DIALECTS[name](messages)
+        return messages
 
     def _template_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         """The messages as the template takes them: OpenAI's shape (arguments as a dict) where it renders calls, else
         the Hermes convention's text: calls written in the format (``toolcalls.write``), results in a user turn's
         ``<tool_response>`` tags. A tool list the template does not render goes into the system prompt."""
-        form, out, named = toolcalls.format_of(self.format), [], {}
+        out = []
         if tools and not self.native_tools:
             has_system = bool(messages) and messages[0]["role"] == "system"
             system = messages[0]["content"] + "\n\n" if has_system else ""
@@ -393,11 +417,6 @@ class Renderer:
                 else:
                     out.append({"role": "user", "content": text})
                 continue
-            # Gemma, Mistral: roles must alternate (the text convention's tool results are user turns)
-            mergeable = m["role"] in ("user", "system") or not self.native_calls
-            if self.merge_roles and mergeable and _same_role(out, m):
-                out[-1] = _merged(out[-1], m)
-                continue
             message = {"role": m["role"], "content": m["content"]}
             if not self.native_calls:
                 calls = (
@@ -410,19 +429,15 @@ class Renderer:
             if m.get("reasoning"):
                 message["reasoning_content"] = message["thinking"] = m["reasoning"]
             for t in m.get("tool_calls") or ():
-                # Kimi: an id holds its call's name, functions.NAME:K for the conversation's K-th call
-                if form.named_ids and not t["id"].startswith("functions."):
-                    named.setdefault(t["id"], f"functions.{t['name']}:{len(named)}")
-                call = {"id": named.get(t["id"]) or self._id(t["id"]), "type": "function"}
-                function = _parsed(t)
-                if self.string_args:
-                    function["arguments"] = _json(function["arguments"])
-                message.setdefault("tool_calls", []).append({**call, "function": function})
+                call = {"id": t["id"], "type": "function", "function": _parsed(t)}
+                message.setdefault("tool_calls", []).append(call)
             if m["role"] == "tool":
-                i = m.get("tool_call_id", "")
-                message["tool_call_id"] = named.get(i) or self._id(i)
-            out.append(form.adjust(m, message) if form.adjust else message)
-        return out
+                message["tool_call_id"] = m.get("tool_call_id", "")
+            out.append(message)
+        # then as the template's dialects and the format's own templates take them (Kimi's ids)
+        out = self._in_dialects(out)
+        form = toolcalls.format_of(self.format)
+        return form.messages(out) if form.messages else out
 
     def _tools_prompt(self, tools: list[dict]) -> str:
         """The tool list in the system prompt (TOOLS_PROMPT), how to call one in the format the model writes."""
@@ -583,15 +598,6 @@ def call_text(head: str, full: str) -> str:
     return full[n:]
 
 
-def _same_role(out: list[dict], m: dict) -> bool:
-    return bool(out) and out[-1]["role"] == m["role"]
-
-
-def _merged(previous: dict, m: dict) -> dict:
-    """Two messages in a row of one role as one (a template that wants roles to alternate: Gemma, Mistral)."""
-    return {**previous, "content": previous["content"] + "\n\n" + m["content"]}
-
-
 def _parsed(call: dict) -> dict:
     """A call's name and arguments, the arguments a dict where they are JSON (as templates take them)."""
     return {"name": call["name"], "arguments": parse_arguments(call["arguments"])}
@@ -604,14 +610,3 @@ def _json(value) -> str:
 def _after(text: str, head: str) -> Optional[str]:
     """What ``text`` adds to ``head``; None when it does not start with it."""
     return text[len(head) :] if text.startswith(head) else None
-
-
-def _short_id(s: str) -> str:
-    """``s`` as 9 alphanumerics (Mistral's templates accept no other tool-call id): kept when it is one, otherwise
-    a hash of it, so a call and its result keep matching ids. The Anthropic API hands the proxy's ids out as
-    ``toolu_`` + the id: they come back as the id the model sampled."""
-    if len(core := s.removeprefix("toolu_")) == 9 and core.isalnum():
-        return core
-    n = int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
-    alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-    return "".join(alphabet[(n >> (6 * i)) % 62] for i in range(9))

@@ -27,6 +27,12 @@ ERROR_SHAPES = {}
 # registers the other families' formats.
 TOOL_FORMATS = {}
 
+# What some chat templates want of the messages besides OpenAI's shape, name -> fn(messages) ->
+# messages (extras/tool_formats.py: Mistral's 9-character call ids, DeepSeek-R1's arguments as a JSON
+# string, Gemma's alternating roles). chat.Renderer probes them in order where a template refuses a
+# probe, and keeps the first that makes it render. Empty: every template takes OpenAI's shape.
+TEMPLATE_DIALECTS = {}
+
 # Constrained decoding (extras/grammar.py): an object with
 #   constrain(req, renderer, opened) -> the text a forced reply begins with; it sets req.sampling.grammar;
 #   Matcher(grammar, tokenizer, n_vocab), the sampler's state: .allowed() -> [V] bool, .consume(token);

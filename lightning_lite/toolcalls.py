@@ -14,13 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-# The --tool-format choices: "hermes" is below, each other name is an entry of extras/tool_formats.FORMATS.
-FORMATS = tuple(
-    "hermes qwen3_coder llama3 mistral mistral_v11 deepseek deepseek_v31 harmony granite glm "
-    "longcat minimax minimax_m3 deepseek_v32 deepseek_v4 minicpm solar hy3_preview hy3 hunyuan "
-    "nemotron gigachat tool_calls_json intern longcat_json command_r olmo3 lfm2 minicpm3 step3 "
-    "gemma4 kimi functionary seed_oss function_tags".split()
-)
+from . import hooks
+
 # detect(): the name of the call a template renders, with the arguments {"llarg": "llval"}
 SENTINEL = "LLSENTINEL7f3a"
 
@@ -43,10 +38,9 @@ class Format:
     whole: Optional[Callable[[str, bool], dict]] = None
     # What opens a reply that is JSON (response_format), where the format has a place for it.
     json_reply: str = ""
-    # One message as the template takes it, from the normalized one: (message, template's message) -> that.
-    adjust: Optional[Callable[[dict, dict], dict]] = None
-    # A call's id holds its name, functions.NAME:K (Kimi): the ids of calls in the history are written so.
-    named_ids: bool = False
+    # The messages as the family's templates take them, from OpenAI's shape where the template renders
+    # calls (gpt-oss's reasoning beside a call, Kimi's call ids): messages -> messages.
+    messages: Optional[Callable[[list[dict]], list[dict]]] = None
     # Arguments written a parameter at a time, not as one JSON object: the text before a value ({name}: the key),
     # after it, between two parameters, around a string (before, after, sep="", quote=""): a string is then text.
     param: Optional[tuple[str, ...]] = None
@@ -161,16 +155,26 @@ HERMES = Format(
 )
 
 
-def format_of(name: Optional[str]) -> Optional[Format]:
-    """The format named ``name`` (None: no calls): the one place a format is looked up. The other families' are in
-    extras/tool_formats.py, imported when one is first asked for."""
-    if name in (None, "hermes"):
-        return HERMES if name else None
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; use one of {', '.join(FORMATS)}")
-    from .extras.tool_formats import FORMATS as others
+hooks.TOOL_FORMATS["hermes"] = HERMES
 
-    return others[name]
+
+def format_names() -> list[str]:
+    """The --tool-format choices: every registered format, in the order detect() tries them."""
+    return list(hooks.TOOL_FORMATS)
+
+
+def format_of(name: Optional[str]) -> Optional[Format]:
+    """The format named ``name`` (None: no calls): the one place a format is looked up, in
+    hooks.TOOL_FORMATS (Hermes here; the other families' from extras/tool_formats.py)."""
+    if name is None:
+        return None
+    if name not in hooks.TOOL_FORMATS:
+        message = f"unknown tool-call format {name!r}; use one of {', '.join(format_names())}"
+        # only Hermes registered: the families' formats are not loaded
+        if len(hooks.TOOL_FORMATS) == 1:
+            message += "; " + hooks.missing("every other family's format", "tool_formats")
+        raise ValueError(message)
+    return hooks.TOOL_FORMATS[name]
 
 
 def split_think(text: str, think, opened: bool) -> tuple[str, str, bool]:
@@ -243,4 +247,5 @@ def detect(rendered: str) -> Optional[str]:
     before, _, after = rendered.partition(SENTINEL)
     if "llval" not in rendered:
         return None
-    return next((name for name in FORMATS if format_of(name).detect(before, after)), None)
+    found = (name for name, form in hooks.TOOL_FORMATS.items() if form.detect(before, after))
+    return next(found, None)

@@ -451,8 +451,11 @@ def test_error_types_follow_each_apis_status():
     """Every error answer takes its type from its status, as OpenAI and Anthropic document them."""
     from lightning_lite.proxy import _error
 
+    # a path of each API
+    paths = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
+
     def kind(api, status):
-        return json.loads(_error(api, status, "m").text)["error"]["type"]
+        return json.loads(_error(paths[api], status, "m").text)["error"]["type"]
 
     statuses = (400, 401, 404, 405, 413, 429, 502, 504)
     assert [kind("anthropic", s) for s in statuses] == [
@@ -468,8 +471,8 @@ def test_error_types_follow_each_apis_status():
     assert [kind("openai", s) for s in statuses] == ["invalid_request_error"] * 5 + [
         "rate_limit_error"
     ] + ["server_error"] * 2
-    assert _error("openai", 429, "m", retry_after=2.5).headers["Retry-After"] == "2.5"
-    assert "Retry-After" not in _error("anthropic", 502, "m").headers
+    assert _error(paths["openai"], 429, "m", retry_after=2.5).headers["Retry-After"] == "2.5"
+    assert "Retry-After" not in _error(paths["anthropic"], 502, "m").headers
 
 
 def test_reward_endpoint(server):

@@ -1,16 +1,30 @@
-"""The OpenAI Responses API (``/v1/responses``, what Codex sends; README "Serving and recording"). Its hook: the
-line ``"/v1/responses"`` of proxy.ROUTES; a request becomes the same :class:`~chat.Request` as a chat
-completion's and takes the same path (``Proxy.converse``). ``previous_response_id`` names an earlier response of
-the same rollout: its conversation (input + output) is kept in the rollout's memo for this API."""
+"""The OpenAI Responses API (``/v1/responses``, what Codex sends; README "Serving and recording"). Its
+hook, filled at the bottom: the route ``"/v1/responses"`` in hooks.ROUTES. A request becomes the same
+:class:`~chat.Request` as a chat completion's and takes the same path (``Proxy.converse``).
+``previous_response_id`` names an earlier response of the same rollout: its conversation (input +
+output) is kept in the rollout's memo for this API."""
 
 import json
 import time
 import uuid
 from typing import Any, Callable, Optional
 
-from ..apis import client_finish, convert, expect, json_object, must_be, response_format, rest
-from ..apis import settings, sse, text_of, tools_of
+from .. import hooks
+from ..apis import (
+    client_finish,
+    convert,
+    expect,
+    json_object,
+    must_be,
+    response_format,
+    rest,
+    settings,
+    sse,
+    text_of,
+    tools_of,
+)
 from ..chat import ROLES, BadRequest, Request, parse_arguments
+from ..proxy import conversation
 
 
 def open_responses(body: Any, memo: dict, proxy):
@@ -232,3 +246,6 @@ class ResponsesReply:
 
     def error(self, message: str) -> bytes:
         return self._event("error", code="server_error", message=message, param=None)
+
+
+hooks.ROUTES["/v1/responses"] = conversation("responses", open_responses)

@@ -1,5 +1,5 @@
-"""Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in ``FORMATS``, the table
-toolcalls.py looks a format up in (its one hook). How each family writes one call:
+"""Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in ``FORMATS``.
+How each family writes one call:
 
     qwen3_coder   <tool_call>\\n<function=N>\\n<parameter=A>\\nV\\n</parameter>\\n</function>\\n</tool_call>   Qwen3-Coder, Qwen3.5
     llama3        {"name": N, "parameters": {...}}  (the whole reply, maybe after <|python_tag|>)   Llama 3.1-3.3
@@ -15,15 +15,19 @@ toolcalls.py looks a format up in (its one hook). How each family writes one cal
     olmo3, lfm2   Python calls [N(a="v")]; gemma4  <|tool_call>call:N{a:<|"|>v<|"|>}; kimi  functions.N:K ids; hunyuan
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced and detected.
-qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions here, its entry in ``FORMATS``, its name in ``toolcalls.FORMATS``.
+qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions here, its entry in
+``FORMATS``. Its hook, filled at the bottom: every entry of ``FORMATS`` into hooks.TOOL_FORMATS, in order
+(after Hermes, the core's): the order toolcalls.detect() tries them in, and --tool-format lists them in.
 """
 
 import ast
+import hashlib
 import json
 import re
 from dataclasses import replace
 from typing import Optional
 
+from .. import hooks
 from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
 from ..toolcalls import JSON_CALL_OPENING, calls_in, up_to
 
@@ -199,12 +203,94 @@ def harmony(text: str, partial: bool) -> dict:
     return {"content": _join(content), "reasoning": _join(reasoning), "tool_calls": calls}
 
 
-def harmony_message(message: dict, rendered: dict) -> dict:
-    """gpt-oss's template refuses content and reasoning both next to a call: they share its one slot, the analysis."""
-    if message.get("reasoning") and message.get("tool_calls") and message["content"]:
-        thinking = message["reasoning"] + "\n\n" + message["content"]
-        return {**rendered, "content": "", "thinking": thinking}
-    return rendered
+def harmony_messages(messages: list[dict]) -> list[dict]:
+    """gpt-oss's template refuses content and reasoning both next to a call: they share its one slot, the
+    analysis."""
+    out = []
+    for m in messages:
+        if m.get("thinking") and m.get("tool_calls") and m["content"]:
+            m = {**m, "content": "", "thinking": m["thinking"] + "\n\n" + m["content"]}
+        out.append(m)
+    return out
+
+
+def kimi_messages(messages: list[dict]) -> list[dict]:
+    """Kimi's templates name a call by its id, functions.NAME:K for the conversation's K-th call: other
+    ids are written so, a call's and its result's alike."""
+    named, out = {}, []
+    for m in messages:
+        calls = []
+        for call in m.get("tool_calls") or ():
+            if not call["id"].startswith("functions."):
+                name = call["function"]["name"]
+                named.setdefault(call["id"], f"functions.{name}:{len(named)}")
+            calls.append({**call, "id": named.get(call["id"], call["id"])})
+        if calls:
+            m = {**m, "tool_calls": calls}
+        if m["role"] == "tool":
+            m = {**m, "tool_call_id": named.get(m["tool_call_id"], m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
+# ----------------------------------------------------------------------------- templates' dialects
+# What some templates want of the messages besides OpenAI's shape (hooks.TEMPLATE_DIALECTS): chat.Renderer
+# probes which a template needs, and writes every conversation in them.
+
+
+def short_id(s: str) -> str:
+    """``s`` as 9 alphanumerics (Mistral's templates accept no other tool-call id): kept when it is one,
+    otherwise a hash of it, so a call and its result keep matching ids. The Anthropic API hands the
+    proxy's ids out as ``toolu_`` + the id: they come back as the id the model sampled."""
+    core = s.removeprefix("toolu_")
+    if len(core) == 9 and core.isalnum():
+        return core
+    n = int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return "".join(alphabet[(n >> (6 * i)) % 62] for i in range(9))
+
+
+def short_ids(messages: list[dict]) -> list[dict]:
+    """Every call id as 9 alphanumerics (``short_id``; Mistral)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": short_id(c["id"])} for c in m["tool_calls"]]}
+        if m["role"] == "tool":
+            m = {**m, "tool_call_id": short_id(m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
+def string_args(messages: list[dict]) -> list[dict]:
+    """Each call's arguments as a JSON string: DeepSeek-R1's templates write them as given."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                arguments = json.dumps(c["function"]["arguments"], ensure_ascii=False)
+                calls.append({**c, "function": {**c["function"], "arguments": arguments}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def merge_roles(messages: list[dict]) -> list[dict]:
+    """Two messages in a row of one role as one, but for tool results and calls: Gemma's and Mistral's
+    templates want roles to alternate (and the Hermes fallback writes tool results as user turns). A
+    turn of tool results is not merged into the turn before it: a result with no call before it stays
+    the template's to refuse."""
+    out = []
+    for m in messages:
+        results = m["role"] == "tool" or m["content"].startswith("<tool_response>")
+        mergeable = not results and not m.get("tool_calls")
+        previous = out[-1] if out else {}
+        if mergeable and previous.get("role") == m["role"] and not previous.get("tool_calls"):
+            out[-1] = {**previous, "content": previous["content"] + "\n\n" + m["content"]}
+        else:
+            out.append(m)
+    return out
 
 
 MISTRAL = Format(
@@ -395,7 +481,7 @@ FORMATS = {
         detect=lambda before, after: before.endswith("to=functions."),
         whole=harmony,
         json_reply="<|channel|>final<|message|>",
-        adjust=harmony_message,
+        messages=harmony_messages,
     ),
     "granite": json_tagged("<|tool_call|>", listed=True),
     "glm": glm(),
@@ -450,7 +536,7 @@ FORMATS = {
         detect=lambda before, after: KIMI_OPEN in before,
         blocks=regex_blocks(region(KIMI_BEGIN, KIMI_END), each(KIMI_CALL, kimi_call)),
         stream=up_to(KIMI_BEGIN),
-        named_ids=True,
+        messages=kimi_messages,
     ),
     "functionary": Format(
         call=("<function=", ">", "</function>"),
@@ -462,3 +548,8 @@ FORMATS = {
     "seed_oss": tagged("<function=", ">\n", "\n</function>", CODER_PARAM, SEED_BLOCK),
     "function_tags": tagged("<function=", ">\n", "\n</function>", CODER_PARAM),
 }
+
+hooks.TOOL_FORMATS.update(FORMATS)
+hooks.TEMPLATE_DIALECTS.update(
+    short_ids=short_ids, string_args=string_args, merge_roles=merge_roles
+)

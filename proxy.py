@@ -1,11 +1,18 @@
-"""Serve the policy model behind an OpenAI-compatible endpoint and record every call, without training.
+"""Serve the policy model behind an OpenAI-compatible endpoint and record every call, no training.
 
     python proxy.py --model smollm2 --port 8000 --out runs/proxy
 
-Point any harness at http://127.0.0.1:8000/rollout/<rollout_id>/v1 (or plain /v1: rollout "default").
-Every answered call is appended to OUT/calls.jsonl, and every reward POSTed to /rollout/<id>/reward (a
-rollout's, or one call's with "call") to OUT/rewards.jsonl; `python train.py --from-calls OUT` trains on them,
-`python -m lightning_lite.samples OUT/calls.jsonl --out OUT/samples.jsonl` turns them into training samples.
+Point any harness at http://127.0.0.1:8000/rollout/<rollout_id>/v1 (or plain /v1: rollout
+"default"). Every answered call is appended to OUT/calls.jsonl, and every reward POSTed to
+/rollout/<id>/reward (a rollout's, or one call's with "call") to OUT/rewards.jsonl. To train on
+them:
+
+    python train.py --from-calls OUT
+
+or to turn them into training samples:
+
+    python -m lightning_lite.samples OUT/calls.jsonl --out OUT/samples.jsonl
+
 Ctrl-C stops it cleanly.
 """
 
@@ -39,7 +46,8 @@ PROXY_EXTRAS = [
 
 
 def parse_args(extras: dict) -> argparse.Namespace:
-    """The flags; ``extras``: the extras loaded, by name (--tool-format's choices are theirs too)."""
+    """The flags; ``extras``: the extras loaded, by name (--tool-format's choices are theirs
+    too)."""
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     add = parser.add_argument

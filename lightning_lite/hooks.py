@@ -42,8 +42,10 @@ TEMPLATE_DIALECTS = {}
 grammar = None
 
 # Per-rollout isolation (extras/isolation.py): a factory of the object Proxy keeps when asked for
-# rollout_tokens. It admits each request (admit), opens each rollout's route (open_rollout), holds the
-# harness's reward key (reward_key) and what each rollout was refused (flags), and forgets a step
+# rollout_tokens. It admits each request (admit(request, rollout_id, reward) -> rollout id), opens
+# each rollout's route (open_rollout(rollout_id) -> route) and Unix socket (open_socket(server,
+# rollout_id) -> path; close_sockets(rollout_ids=None), None: all), holds the harness's reward key
+# (reward_key) and what each rollout was refused (flags: rollout id -> list), and forgets a step
 # (reset). None: every rollout id is served as it is, and a reward is taken from anyone.
 isolation = None
 

@@ -2,9 +2,10 @@
 routes and records: README "Serving and recording").
 
 State. The proxy keeps one :class:`Session` per rollout id: the :class:`~chat.Turn` of each call it
-answered, which lets the next call of the rollout reuse the tokens the model sampled (chat.Renderer),
-and the rewards POSTed for it. The trainer marks its steps with ``set_output`` (the calls file each
-step records into) and ``reset`` (forget the sessions); rollout ids are not reused across steps.
+answered, which lets the next call of the rollout reuse the tokens the model sampled
+(chat.Renderer), and the rewards POSTed for it. The trainer marks its steps with ``set_output`` (the
+calls file each step records into) and ``reset`` (forget the sessions); rollout ids are not reused
+across steps.
 
 Threads. Requests are served on the proxy's own event loop (``ProxyServer`` runs it in a background
 thread; ``python proxy.py`` in its main thread); the backend decodes on its worker thread and hands
@@ -47,7 +48,8 @@ ROLLOUT_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 @dataclass
 class CallsFile:
-    """A calls file the proxy records into (path None: none), and each rollout's next call index in it."""
+    """A calls file the proxy records into (path None: none), and each rollout's next call index in
+    it."""
 
     path: Optional[str]
     next: dict[str, int] = field(default_factory=dict)
@@ -55,7 +57,8 @@ class CallsFile:
 
 @dataclass
 class Session:
-    """What the proxy keeps of one rollout until :meth:`Proxy.reset` (a call in flight keeps its session)."""
+    """What the proxy keeps of one rollout until :meth:`Proxy.reset` (a call in flight keeps its
+    session)."""
 
     # its answered calls, for token reuse (chat.Renderer.build_prompt)
     turns: list[Turn] = field(default_factory=list)
@@ -94,8 +97,9 @@ class Exchange:
 
 
 def conversation(api: str, open_api):
-    """A route served by :meth:`Proxy.converse`. ``open_api(body, memo, proxy) -> (Request, new_writer)``:
-    ``memo`` is the rollout's dict for this API, ``new_writer(n_prompt)`` the reply writer (apis.py)."""
+    """A route served by :meth:`Proxy.converse`. ``open_api(body, memo, proxy) -> (Request,
+    new_writer)``: ``memo`` is the rollout's dict for this API, ``new_writer(n_prompt)`` the reply
+    writer (apis.py)."""
 
     async def handler(proxy: "Proxy", request: web.Request):
         return await proxy.converse(request, api, open_api)
@@ -140,7 +144,8 @@ class Proxy:
         # the EOS set generation stops on: the backend's (HFBackend), else models.eos_ids
         stop_ids = getattr(backend, "eos_ids", None) or eos_ids(tokenizer)
         self.renderer = Renderer(tokenizer, stop_ids, tool_format, keep_history_tokens)
-        # reuse_tokens False: render every prompt fresh (a bench comparison: proxy.py --no-reuse-tokens)
+        # reuse_tokens False: render every prompt fresh (a bench comparison: proxy.py
+        # --no-reuse-tokens)
         self.reuse_tokens = reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
@@ -161,8 +166,9 @@ class Proxy:
     # ------------------------------------------------------------------ used by the trainer
 
     def set_output(self, path: Optional[str]):
-        """Append calls to ``path`` from now on (train.py switches files every step). A session's calls, also one
-        in flight after the switch, go to the file current when it began; in a file with calls they number on."""
+        """Append calls to ``path`` from now on (train.py switches files every step). A session's
+        calls, also one in flight after the switch, go to the file current when it began; in a file
+        with calls they number on."""
         with self._lock:
             for session in self.sessions.values():
                 session.out = session.out or self._out
@@ -181,8 +187,9 @@ class Proxy:
                 open(path, "a").close()
 
     def reset(self):
-        """Forget the sessions (between training steps; rollout ids are not reused). A call still in flight holds
-        its session, recorded into the file current when it began; a straggler's next call gets a 403."""
+        """Forget the sessions (between training steps; rollout ids are not reused). A call still in
+        flight holds its session, recorded into the file current when it began; a straggler's next
+        call gets a 403."""
         with self._lock:
             for session in self.sessions.values():
                 session.out = session.out or self._out
@@ -191,7 +198,8 @@ class Proxy:
             self.isolation.reset()
 
     def flags(self, rollout_id: str) -> list[dict]:
-        """What the rollout tried that was refused (extras/isolation.py); none without rollout_tokens."""
+        """What the rollout tried that was refused (extras/isolation.py); none without
+        rollout_tokens."""
         if self.isolation is None:
             return []
         return self.isolation.flags.get(rollout_id, [])
@@ -234,8 +242,8 @@ class Proxy:
         return stream
 
     def build_prompt(self, exchange: Exchange):
-        """The prompt ids: the conversation rendered, reusing the sampled tokens of the turn it extends, then
-        the text a forced tool call or JSON reply begins with."""
+        """The prompt ids: the conversation rendered, reusing the sampled tokens of the turn it
+        extends, then the text a forced tool call or JSON reply begins with."""
         req, turns = exchange.req, exchange.session.turns
         # hashes only the messages new since the latest turn
         exchange.fps = fingerprints(req.messages, req.tools, turns[-1] if turns else None)
@@ -258,8 +266,8 @@ class Proxy:
         self.admit(exchange.prompt_ids)
 
     async def generate_streaming(self, exchange: Exchange, writer, stream):
-        """The generations, and what of the reply the stream sent: with a stream of one choice, the reply's
-        visible reasoning and text are written as they are sampled."""
+        """The generations, and what of the reply the stream sent: with a stream of one choice, the
+        reply's visible reasoning and text are written as they are sampled."""
         req, forced, opened = exchange.req, exchange.forced, exchange.opened
         visible = ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
         if stream is None or req.n > 1:
@@ -293,7 +301,8 @@ class Proxy:
         text = exchange.forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop)
         reply = self.renderer.parse_reply(text, req.parse_tools, exchange.opened)
         call = self.record(exchange, gen, choice, reply, reply_id)
-        # the turn: its request, its reply and ids, how its prompt was built (on the turn it extends)
+        # the turn: its request, its reply and ids, how its prompt was built (on the turn it
+        # extends)
         parent = next((t for t in reversed(turns) if t.index == exchange.parent), None)
         ids = call.prompt_ids, call.response_ids
         turn = Turn(
@@ -308,7 +317,8 @@ class Proxy:
     # ------------------------------------------------------------------ steps the extras share
 
     async def read(self, request: web.Request, reward: bool = False) -> tuple[str, Any]:
-        """The rollout the request is for (admitted by extras/isolation.py under rollout_tokens), its body."""
+        """The rollout the request is for (admitted by extras/isolation.py under rollout_tokens),
+        its body."""
         rollout_id = request.match_info.get("rid", "default")
         message = f"invalid rollout id {rollout_id[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]"
         apis.expect(ROLLOUT_ID.match(rollout_id), message, None, "invalid_rollout_id")
@@ -332,8 +342,8 @@ class Proxy:
         return capped
 
     def admit(self, prompt_ids: list[int]):
-        """May this prompt be served now? Not during a weight sync when calls are told to come back later (429),
-        never when it does not fit the model's context (400)."""
+        """May this prompt be served now? Not during a weight sync when calls are told to come back
+        later (429), never when it does not fit the model's context (400)."""
         if self.pause_retry_after is not None and self.backend.paused:
             message = "the policy's weights are being updated; retry shortly"
             raise BackendError(message, 429, self.pause_retry_after)
@@ -344,8 +354,9 @@ class Proxy:
             raise BadRequest(message, "messages", "context_length_exceeded")
 
     async def generate(self, exchange: Exchange, on_token=None) -> list:
-        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set). A backend
-        that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is recorded as ``error``."""
+        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set).
+        A backend that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is
+        recorded as ``error``."""
         req, rollout_id, seed = exchange.req, exchange.rollout_id, exchange.req.sampling.seed
         samplings = [
             req.sampling if seed is None else replace(req.sampling, seed=seed + i)
@@ -381,7 +392,8 @@ class Proxy:
             raise BackendError(message, 504 if timeout else 502) from e
 
     def record(self, exchange: Exchange, gen, choice: int, reply=None, reply_id=None) -> Call:
-        """Append the call to its session's calls file, numbered on after the rollout's calls already there."""
+        """Append the call to its session's calls file, numbered on after the rollout's calls
+        already there."""
         session, rollout_id, sampling = exchange.session, exchange.rollout_id, exchange.req.sampling
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must
         # see the truncation
@@ -428,18 +440,20 @@ class Proxy:
     # ------------------------------------------------------------------ the other routes
 
     async def post_reward(self, request: web.Request):
-        """``{"reward": x}``: the rollout's reward, or with ``"call"`` one call's (its index or its reply's
-        id); ``"task"`` groups rollouts under train.py --from-calls. A bare number is ``{"reward": x}``."""
+        """``{"reward": x}``: the rollout's reward, or with ``"call"`` one call's (its index or its
+        reply's id); ``"task"`` groups rollouts under train.py --from-calls. A bare number is
+        ``{"reward": x}``."""
         rollout_id, body = await self.read(request, reward=True)
         body = body if isinstance(body, dict) else {"reward": body}
         reward, call, task = body.get("reward"), body.get("call"), body.get("task")
         is_number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
-        message = 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward one call)'
+        message = 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward '
+        message += "one call)"
         apis.expect(is_number and math.isfinite(reward), message, "reward", "invalid_type")
         task_ok = task is None or isinstance(task, str)
         message = (
-            "a reward has the keys reward, call (a call's index or reply id) and task (a string: rollouts "
-            "of one task form one advantage group under train.py --from-calls)"
+            "a reward has the keys reward, call (a call's index or reply id) and task (a string: "
+            "rollouts of one task form one advantage group under train.py --from-calls)"
         )
         # its code: "invalid_value"
         apis.expect(task_ok and set(body) <= {"reward", "call", "task"}, message, None)
@@ -459,7 +473,8 @@ class Proxy:
         return web.json_response(line)
 
     def _rewarded_call(self, session: Session, rollout_id: str, call: Any) -> int:
-        """A call of this rollout, named by its index (in its calls file) or by the id its reply had."""
+        """A call of this rollout, named by its index (in its calls file) or by the id its reply
+        had."""
         n = (session.out or self._out).next.get(rollout_id, 0)
         is_index = isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n
         by_id = isinstance(call, str)
@@ -485,14 +500,15 @@ class Proxy:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler):
-        """Every route: the API key when one is set, the bound on requests at once; every 4xx/5xx carries an
-        error body in the API's own format, and the server keeps serving."""
+        """Every route: the API key when one is set, the bound on requests at once; every 4xx/5xx
+        carries an error body in the API's own format, and the server keeps serving."""
         path = request.path
         auth = request.headers.get("Authorization", "")
         bearer = auth[:7].lower() == "bearer "
         key = auth[7:].strip() if bearer else request.headers.get("x-api-key", "")
         if self.api_key and not hmac.compare_digest(key.encode(), self.api_key.encode()):
-            message = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+            message = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or "
+            message += "'x-api-key: KEY'"
             return _error(path, 401, message, code="invalid_api_key")
         if self.active >= self.max_requests:
             message = f"the proxy is handling {self.active} requests (its limit); retry shortly"
@@ -540,8 +556,8 @@ class Proxy:
 
 
 class BackendError(Exception):
-    """The backend failed a call (502), timed out (504) or is paused for a weight sync (429, before any stream
-    begins): an error body, or an error event in a begun stream."""
+    """The backend failed a call (502), timed out (504) or is paused for a weight sync (429, before
+    any stream begins): an error body, or an error event in a begun stream."""
 
     def __init__(self, message: str, status: int = 502, retry_after: Optional[float] = None):
         super().__init__(message)
@@ -593,9 +609,9 @@ class ProxyServer:
         return f"{self.url}/rollout/{rollout_id}/v1"
 
     def endpoint(self, rollout_id: str, model: str, socket=False, api_key="sk-lightning-lite"):
-        """A new rollout's endpoint: with ``rollout_tokens``, its base URL carries a token only it knows
-        and its harness gets the reward key; ``socket``: a Unix socket of its own too, for a sandbox to
-        bridge (both extras/isolation.py)."""
+        """A new rollout's endpoint: with ``rollout_tokens``, its base URL carries a token only it
+        knows and its harness gets the reward key; ``socket``: a Unix socket of its own too, for a
+        sandbox to bridge (both extras/isolation.py)."""
         isolation = self.proxy.isolation
         if isolation is None:
             if socket:

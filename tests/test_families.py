@@ -267,7 +267,8 @@ DETECTED = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_detection(family, tok):
     r = Renderer(family_tokenizer(tok, family))
-    short_ids, merge_roles = ("short_ids" in r.dialects), ("merge_roles" in r.dialects)
+    short_ids = "short_ids" in r.dialects
+    merge_roles = "merge_roles" in r.dialects
     assert (r.native_tools, r.format, r.think, short_ids, merge_roles) == DETECTED[family]
     assert (
         any(r.turn_close.startswith(e) for e in FAMILIES[family][3]) or family == "fixture:gpt_oss"
@@ -673,7 +674,9 @@ def converse(
         assert len(set(ids)) == len(ids)
         if isinstance(api, Chat):
             assert all(
-                re.fullmatch("[A-Za-z0-9]{9}" if "short_ids" in fam.r.dialects else "call_[0-9a-f]{24}", i)
+                re.fullmatch(
+                    "[A-Za-z0-9]{9}" if "short_ids" in fam.r.dialects else "call_[0-9a-f]{24}", i
+                )
                 for i in ids
             ), ids
         for d in j.get("deltas", []):  # no tool-call markup leaks into streamed content

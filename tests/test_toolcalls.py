@@ -8,7 +8,15 @@ import os
 import pytest
 
 from lightning_lite.chat import think_tags
-from lightning_lite.toolcalls import SENTINEL, detect, forced, format_names, format_of, parse, visible
+from lightning_lite.toolcalls import (
+    SENTINEL,
+    detect,
+    forced,
+    format_names,
+    format_of,
+    parse,
+    visible,
+)
 
 # every registered format (conftest loaded extras/tool_formats.py), in detection order
 FORMATS = format_names()

@@ -1,8 +1,8 @@
 """Anthropic Messages (``/v1/messages``, what Claude Code sends; README "Serving and recording") and
-its ``/v1/messages/count_tokens``. Its hooks, filled at the bottom: the routes ``"/v1/messages"`` and
-``"/v1/messages/count_tokens"`` in hooks.ROUTES, and Anthropic's error body on them in
-hooks.ERROR_SHAPES. A request becomes the same :class:`~chat.Request` as a chat completion's and takes
-the same path (``Proxy.converse``)."""
+its ``/v1/messages/count_tokens``. Its hooks, filled at the bottom: the routes ``"/v1/messages"``
+and ``"/v1/messages/count_tokens"`` in hooks.ROUTES, and Anthropic's error body on them in
+hooks.ERROR_SHAPES. A request becomes the same :class:`~chat.Request` as a chat completion's and
+takes the same path (``Proxy.converse``)."""
 
 import json
 import uuid
@@ -29,7 +29,8 @@ from ..proxy import conversation
 
 
 def open_messages(body: Any, memo: dict, proxy):
-    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's length."""
+    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's
+    length."""
     req = parse_anthropic_request(body, memo)
     return req, lambda n_prompt: AnthropicReply(req, proxy.model_name, n_prompt)
 
@@ -54,14 +55,16 @@ ERROR_TYPES = {
 
 
 def error_body(status: int, message: str, param=None, code=None) -> dict:
-    """Anthropic's error body for an HTTP status (its hook: hooks.ERROR_SHAPES); it has no param or code."""
+    """Anthropic's error body for an HTTP status (its hook: hooks.ERROR_SHAPES); it has no param or
+    code."""
     kind = "api_error" if status >= 500 else "invalid_request_error"
     kind = ERROR_TYPES.get(status, kind)
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _to_messages(m: Any, i: int) -> list[dict]:
-    """One Anthropic message -> one tool message per tool_result block, then the turn's text and calls."""
+    """One Anthropic message -> one tool message per tool_result block, then the turn's text and
+    calls."""
     where, out = f"messages[{i}]", []
     expect(isinstance(m, dict), f"'{where}' must be an object", where)
     role = m.get("role")
@@ -159,8 +162,8 @@ class AnthropicReply:
         return _event("content_block_delta", index=self.index, delta=delta)
 
     def _delta(self, kind: str, delta: str) -> bytes:
-        """``delta`` in the open block of this kind ("thinking" or "text"), closing the other and starting
-        this one first."""
+        """``delta`` in the open block of this kind ("thinking" or "text"), closing the other and
+        starting this one first."""
         block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
         out = b"" if self.open == kind else self._start(block)
         return out + self._block_delta({"type": kind + "_delta", kind: delta})

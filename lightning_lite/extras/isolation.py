@@ -1,12 +1,13 @@
-"""Rollout isolation, for training runs whose agents must reach nothing but their own rollout (train.py;
-README "Sandboxes"). Each rollout is served under a route only it knows, ``/rollout/<id>.<token>/v1``; rewards
-are taken only with the harness's key (header X-Reward-Key), which no agent sees; a sandboxed rollout reaches
-the proxy through a Unix socket of its own (its sandbox's bridge, sandbox.py, connects 127.0.0.1:PORT inside
-to it), so whatever comes through it is that rollout's doing: what the proxy refuses it is flagged on it.
+"""Rollout isolation, for training runs whose agents must reach nothing but their own rollout
+(train.py; README "Sandboxes"). Each rollout is served under a route only it knows,
+``/rollout/<id>.<token>/v1``; rewards are taken only with the harness's key (header X-Reward-Key),
+which no agent sees; a sandboxed rollout reaches the proxy through a Unix socket of its own (its
+sandbox's bridge, sandbox.py, connects 127.0.0.1:PORT inside to it), so whatever comes through it is
+that rollout's doing: what the proxy refuses it is flagged on it.
 
-Its hook, filled at the bottom: ``hooks.isolation = Isolation``. ``Proxy(rollout_tokens=True)`` keeps
-one as ``proxy.isolation``, which admits every request (``Proxy.read``), opens each rollout's route
-and, for ``ProxyServer.endpoint(socket=True)``, its socket (:class:`RolloutSockets`)."""
+Its hook, filled at the bottom: ``hooks.isolation = Isolation``. ``Proxy(rollout_tokens=True)``
+keeps one as ``proxy.isolation``, which admits every request (``Proxy.read``), opens each rollout's
+route and, for ``ProxyServer.endpoint(socket=True)``, its socket (:class:`RolloutSockets`)."""
 
 import hmac
 import itertools
@@ -23,7 +24,8 @@ from ..chat import BadRequest
 
 
 class Isolation:
-    """The routes of the rollouts opened this step, the harness's reward key, what each rollout was refused.
+    """The routes of the rollouts opened this step, the harness's reward key, what each rollout was
+    refused.
 
     >>> isolation = Isolation(); isolation.open_rollout("r1")   # 'r1.x1y2...': served at /rollout/r1.x1y2.../v1
     """
@@ -65,8 +67,9 @@ class Isolation:
         self.tokens, self.flags = {}, {}
 
     def admit(self, request: web.Request, rollout_id: str, reward: bool = False) -> str:
-        """The rollout a request is for, or a 403. A call's route is ``<id>.<token>``, and a rollout's own
-        socket carries only its calls; a reward (route ``<id>``) needs the reward key and an open rollout."""
+        """The rollout a request is for, or a 403. A call's route is ``<id>.<token>``, and a
+        rollout's own socket carries only its calls; a reward (route ``<id>``) needs the reward key
+        and an open rollout."""
         if reward:
             key = request.headers.get("X-Reward-Key", "").encode()
             if not hmac.compare_digest(key, self.reward_key.encode()):
@@ -119,7 +122,8 @@ class RolloutSockets:
         path = os.path.join(self.dir, f"{next(self.names)}.sock")
         site = web.UnixSite(self.server.runner, path)
         self.server.run(site.start())
-        self.sites[rollout_id], self.owners[path] = (site, path), rollout_id
+        self.sites[rollout_id] = (site, path)
+        self.owners[path] = rollout_id
         return path
 
     def close(self, rollout_ids):

@@ -1,11 +1,18 @@
-"""Serve the policy model behind an OpenAI-compatible endpoint and record every call, without training.
+"""Serve the policy model behind an OpenAI-compatible endpoint and record every call, no training.
 
     python proxy.py --model smollm2 --port 8000 --out runs/proxy
 
-Point any harness at http://127.0.0.1:8000/rollout/<rollout_id>/v1 (or plain /v1: rollout "default").
-Every answered call is appended to OUT/calls.jsonl, and every reward POSTed to /rollout/<id>/reward (a
-rollout's, or one call's with "call") to OUT/rewards.jsonl; `python train.py --from-calls OUT` trains on them,
-`python -m lightning_lite.samples OUT/calls.jsonl --out OUT/samples.jsonl` turns them into training samples.
+Point any harness at http://127.0.0.1:8000/rollout/<rollout_id>/v1 (or plain /v1: rollout
+"default"). Every answered call is appended to OUT/calls.jsonl, and every reward POSTed to
+/rollout/<id>/reward (a rollout's, or one call's with "call") to OUT/rewards.jsonl. To train on
+them:
+
+    python train.py --from-calls OUT
+
+or to turn them into training samples:
+
+    python -m lightning_lite.samples OUT/calls.jsonl --out OUT/samples.jsonl
+
 Ctrl-C stops it cleanly.
 """
 
@@ -17,14 +24,30 @@ import os
 import torch
 from aiohttp import web
 
+from lightning_lite import hooks
 from lightning_lite.backends import HFBackend
-from lightning_lite.extras.vllm import VLLMBackend
 from lightning_lite.models import load_model, load_tokenizer
 from lightning_lite.proxy import Proxy
-from lightning_lite.toolcalls import FORMATS
+from lightning_lite.toolcalls import format_names
+
+# The extras this script serves with, each lightning_lite/extras/NAME.py: it fills its hooks when
+# loaded (hooks.py), before the flags are parsed, and one whose file is missing is left out. Without
+# any: chat completions of Hermes-format models, forced calls unconstrained, and no --vllm-url.
+PROXY_EXTRAS = [
+    "responses",
+    "anthropic",
+    "completions",
+    "tool_formats",
+    "grammar",
+    "fast_decode",
+    "embedded",
+    "vllm",
+]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(extras: dict) -> argparse.Namespace:
+    """The flags; ``extras``: the extras loaded, by name (--tool-format's choices are theirs
+    too)."""
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     add = parser.add_argument
@@ -41,9 +64,11 @@ def parse_args() -> argparse.Namespace:
     add("--max-requests", type=int, default=1024, help="requests handled at once; more get 429")
     add("--vllm-url", nargs="+", metavar="URL", help="serve from these vLLM servers (same model)")
     add("--no-reuse-tokens", action="store_true", help="render every prompt fresh (a bench only)")
-    add("--tool-format", choices=FORMATS, help="tool-call format (default: the template's)")
+    add("--tool-format", choices=format_names(), help="tool-call format (default: the template's)")
     add("--keep-history-tokens", action="store_true", help="reuse turns the template re-renders")
     args = parser.parse_args()
+    if args.vllm_url and "vllm" not in extras:
+        parser.error(hooks.missing("--vllm-url", "vllm"))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         parser.error(
             f"--host {args.host} exposes the model beyond this machine: set --api-key (or LL_API_KEY) too"
@@ -58,21 +83,33 @@ def parse_args() -> argparse.Namespace:
 
 
 def main():
-    args = parse_args()
+    loaded = hooks.load_extras(PROXY_EXTRAS)
+    extras = {module.__name__.rsplit(".", 1)[-1]: module for module in loaded}
+    args = parse_args(extras)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.makedirs(args.out, exist_ok=True)
     json.dump({"model": args.model}, open(os.path.join(args.out, "proxy.json"), "w"))
     tok = load_tokenizer(args.model)
     if args.vllm_url:
-        backend = VLLMBackend(args.vllm_url, sync_dir=os.path.join(args.out, "weights"))
+        backend = extras["vllm"].VLLMBackend(
+            args.vllm_url, sync_dir=os.path.join(args.out, "weights")
+        )
     else:
         model = load_model(args.model, args.device, max_model_len=args.max_model_len).eval()
         backend = HFBackend(model, tok, args.max_batch_size, max_model_len=args.max_model_len)
-    # the flags of Proxy's options of the same names
-    flags = "max_new_tokens call_timeout api_key max_requests tool_format keep_history_tokens"
-    options = {k: getattr(args, k) for k in flags.split()}
-    options |= dict(model_name=args.model, out_dir=args.out, reuse_tokens=not args.no_reuse_tokens)
-    proxy = Proxy(backend, tok, **options)
+    proxy = Proxy(
+        backend,
+        tok,
+        model_name=args.model,
+        out_dir=args.out,
+        reuse_tokens=not args.no_reuse_tokens,
+        max_new_tokens=args.max_new_tokens,
+        call_timeout=args.call_timeout,
+        api_key=args.api_key,
+        max_requests=args.max_requests,
+        tool_format=args.tool_format,
+        keep_history_tokens=args.keep_history_tokens,
+    )
     print(proxy.renderer.describe(), flush=True)
     url = f"http://{args.host}:{args.port}"
     where = f"{url}/v1 (per rollout: /rollout/<id>/v1); recording to {args.out}/calls.jsonl"

@@ -1,14 +1,15 @@
-"""Chat completions: its request -> the internal :class:`~chat.Request` (one conversation of normalized messages,
-README "Serving and recording"), and the internal reply -> its answer; the helpers every API shape shares (the
-others, Anthropic Messages, Responses and /v1/completions, are in ``extras/``).
+"""Chat completions: its request -> the internal :class:`~chat.Request` (one conversation of
+normalized messages, README "Serving and recording"), and the internal reply -> its answer; the
+helpers every API shape shares (the others, Anthropic Messages, Responses and /v1/completions, are
+in ``extras/``).
 
-A reply writer (``ChatReply``; the extras' ``AnthropicReply``, ``ResponsesReply``) turns the answered calls into
-the JSON body (``body(answers)``) or server-sent events: ``start()`` before the first token, ``reasoning(delta)``
-and ``text(delta)`` as they are sampled (all reasoning before any text), ``end(answers, sent, sent_reasoning)``
-for what was not sent yet (tool calls are sent whole, once parsed), ``error(message)`` when the backend fails
-mid-stream. ``answers`` are (call, reply) pairs: the recorded Call and the parsed assistant message
-(``{"role", "content", "reasoning"?, "tool_calls"?}``); ``sent``, ``sent_reasoning``: what was streamed already.
-"""
+A reply writer (``ChatReply``; the extras' ``AnthropicReply``, ``ResponsesReply``) turns the
+answered calls into the JSON body (``body(answers)``) or server-sent events: ``start()`` before the
+first token, ``reasoning(delta)`` and ``text(delta)`` as they are sampled (all reasoning before any
+text), ``end(answers, sent, sent_reasoning)`` for what was not sent yet (tool calls are sent whole,
+once parsed), ``error(message)`` when the backend fails mid-stream. ``answers`` are (call, reply)
+pairs: the recorded Call and the parsed assistant message (``{"role", "content", "reasoning"?,
+"tool_calls"?}``); ``sent``, ``sent_reasoning``: what was streamed already."""
 
 import ast
 import json
@@ -25,10 +26,11 @@ from .records import common_prefix
 
 
 def convert(items: list, convert_item: Callable[[Any, int], list[dict]], memo: Optional[dict]):
-    """``convert_item(items[i], i)`` for every item, concatenated. ``memo`` (None, or a dict the caller keeps for
-    one conversation) holds the previous request's items and what they became: the items this request starts
-    with again (equal, compared in C) reuse it, so appending a turn converts only the new items. The messages
-    returned are shared between requests: never modify one.
+    """``convert_item(items[i], i)`` for every item, concatenated. ``memo`` (None, or a dict the
+    caller keeps for one conversation) holds the previous request's items and what they became: the
+    items this request starts with again (equal, compared in C) reuse it, so appending a turn
+    converts only the new items. The messages returned are shared between requests: never modify
+    one.
 
     >>> memo = {}; convert(["a", "b"], lambda it, i: [{"content": it}], memo)
     [{'content': 'a'}, {'content': 'b'}]
@@ -43,7 +45,8 @@ def convert(items: list, convert_item: Callable[[Any, int], list[dict]], memo: O
 
 
 def expect(cond: bool, message: str, param: Optional[str], code: Optional[str] = None):
-    """A 400 with ``message`` unless ``cond``; its code: "invalid_type" for a "must be", else "invalid_value"."""
+    """A 400 with ``message`` unless ``cond``; its code: "invalid_type" for a "must be", else
+    "invalid_value"."""
     if not cond:
         code = code or ("invalid_type" if "must be" in message else "invalid_value")
         raise BadRequest(message, param, code)
@@ -87,7 +90,8 @@ def _number(key: str, value: Any, lo: float, hi: float, default, integer: bool =
 
 
 def settings(body: dict, max_tokens: Any, stop: Any) -> dict:
-    """The Request's ``sampling``, ``stream`` and ``model``. ``max_tokens``, ``stop``: their values (names vary)."""
+    """The Request's ``sampling``, ``stream`` and ``model``. ``max_tokens``, ``stop``: their values
+    (names vary)."""
     max_tokens = _number("max_tokens", max_tokens, 1, math.inf, None, integer=True)
     stop = [stop] if isinstance(stop, str) else stop or []
     strings = isinstance(stop, list) and all(isinstance(s, str) for s in stop)
@@ -107,7 +111,8 @@ def settings(body: dict, max_tokens: Any, stop: Any) -> dict:
 
 
 def openai_settings(body: dict) -> dict:
-    """``settings`` + OpenAI's ``n`` (each choice is sampled and recorded as its own call) and ``include_usage``."""
+    """``settings`` + OpenAI's ``n`` (each choice is sampled and recorded as its own call) and
+    ``include_usage``."""
     stream_options = body.get("stream_options") or {}
     must_be(isinstance(stream_options, dict), "stream_options", "an object")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -117,9 +122,9 @@ def openai_settings(body: dict) -> dict:
 
 
 def tools_of(body: dict) -> dict:
-    """``tools`` and ``tool_choice`` in any API's shape -> the Request's ``tools``, ``parse_tools``, ``force_tool``.
-    Tools the model cannot call (server tools: web_search, namespace, Anthropic's bash_...: a type other than
-    "function" and no input_schema) are left out."""
+    """``tools`` and ``tool_choice`` in any API's shape -> the Request's ``tools``, ``parse_tools``,
+    ``force_tool``. Tools the model cannot call (server tools: web_search, namespace, Anthropic's
+    bash_...: a type other than "function" and no input_schema) are left out."""
     tools = body.get("tools") or []
     must_be(isinstance(tools, list), "tools", "a list")
     out = []
@@ -150,8 +155,9 @@ def tools_of(body: dict) -> dict:
 
 
 def response_format(fmt: Any, param: str) -> dict:
-    """A JSON reply asked for -> the Request's ``response_schema``: chat's ``{"type": "json_schema", "json_schema":
-    {"schema"}}``, the Responses API's and Anthropic's ``{"type": "json_schema", "schema"}``, ``{"type": "json_object"}``."""
+    """A JSON reply asked for -> the Request's ``response_schema``: chat's ``{"type": "json_schema",
+    "json_schema": {"schema"}}``, the Responses API's and Anthropic's ``{"type": "json_schema",
+    "schema"}``, ``{"type": "json_object"}``."""
     if fmt is None:
         return {}
     must_be(isinstance(fmt, dict), param, "an object")
@@ -205,7 +211,8 @@ def _message(m: Any, i: int) -> dict:
 
 
 def _calls(tool_calls: Any, param: str) -> dict:
-    """Chat tool calls ``[{"id", "function": {"name", "arguments"}}]`` -> ``{"tool_calls": [{"id", "name", "arguments"}]}``."""
+    """Chat tool calls ``[{"id", "function": {"name", "arguments"}}]`` -> ``{"tool_calls": [{"id",
+    "name", "arguments"}]}``."""
     must_be(isinstance(tool_calls, list), param, "a list")
     calls = []
     for j, call in enumerate(tool_calls):
@@ -223,8 +230,9 @@ CALLS_AS_TEXT = re.compile(r"\s*Calling tools:\s*(\[.*\])\s*", re.DOTALL)
 
 
 def _calls_as_text(content: str) -> dict:
-    """smolagents sends the tool calls it received back as text, ``Calling tools:\n[{'id': ..., 'function': {...}}]``
-    (a Python repr): read them back as tool calls, so the turn matches the reply the proxy gave (README)."""
+    """smolagents sends the tool calls it received back as text, ``Calling tools:\n[{'id': ...,
+    'function': {...}}]`` (a Python repr): read them back as tool calls, so the turn matches the
+    reply the proxy gave (README)."""
     match = CALLS_AS_TEXT.fullmatch(content)
     try:
         calls = ast.literal_eval(match.group(1)) if match else None
@@ -235,7 +243,8 @@ def _calls_as_text(content: str) -> dict:
 
 
 def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
-    """Validate a /v1/chat/completions body. Unknown fields (reasoning_effort, metadata, ...) are ignored."""
+    """Validate a /v1/chat/completions body. Unknown fields (reasoning_effort, metadata, ...) are
+    ignored."""
     body, messages = messages_of(body)
     # {"enable_thinking": false}, ...
     template_kwargs = body.get("chat_template_kwargs")
@@ -252,7 +261,8 @@ def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
 
 
 def open_chat(body: Any, memo: dict, proxy):
-    """The chat completions route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's length."""
+    """The chat completions route's hook for ``Proxy.converse``: the Request, and its writer given
+    the prompt's length."""
     req = parse_chat_request(body, memo)
     return req, lambda n_prompt: ChatReply(req, proxy.model_name, n_prompt, proxy.tok)
 
@@ -278,21 +288,26 @@ def usage(n_prompt: int, answers) -> dict:
 
 
 def client_finish(call, reply) -> str:
-    """What the client is told (README): "tool_calls" whenever it got calls to run, even from a cut reply; a reply
-    the proxy's own cap cut (``capped``) as finished, not "length", which the record keeps."""
+    """What the client is told (README): "tool_calls" whenever it got calls to run, even from a cut
+    reply; a reply the proxy's own cap cut (``capped``) as finished, not "length", which the record
+    keeps."""
     if reply.get("tool_calls"):
         return "tool_calls"
     return "stop" if call.capped else call.finish_reason
 
 
-def error_body(api: str, message: str, type_: str = "invalid_request_error", param=None, code=None):
-    if api == "anthropic":
-        return {"type": "error", "error": {"type": type_, "message": message}}
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def error_body(status: int, message: str, param=None, code=None) -> dict:
+    """OpenAI's error body for an HTTP status (the proxy's errors but other APIs' shapes:
+    hooks.ERROR_SHAPES)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def openai_head(kind: str, prefix: str, req: Request, model: str) -> dict:
-    """What every chunk (and body) of an OpenAI reply starts with: its id, object, creation time and model."""
+    """What every chunk (and body) of an OpenAI reply starts with: its id, object, creation time and
+    model."""
     head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time())}
     return head | {"model": req.model or model}
 
@@ -367,4 +382,4 @@ class ChatReply:
         return b"".join(out) + b"data: [DONE]\n\n"
 
     def error(self, message: str) -> bytes:
-        return sse(error_body("chat", message, "server_error")) + b"data: [DONE]\n\n"
+        return sse(error_body(500, message)) + b"data: [DONE]\n\n"

@@ -1,5 +1,13 @@
-"""Chat: one :class:`Request` (apis.py maps every API onto it) -> prompt ids, reusing the tokens the model sampled
-(README "Reuse of sampled tokens"); sampled text -> a reply (toolcalls.py); ``ContentStream``: what may stream.
+"""Chat: one :class:`Request` (apis.py maps every API onto it) -> prompt ids; sampled text -> a reply
+(toolcalls.py); ``ContentStream``: what of a reply may stream while it is sampled.
+
+Why it exists: rendering a conversation through the chat template again often does not give back the
+ids the model sampled (a template rewrites earlier turns, the tokenizer splits text otherwise), and
+training needs the exact ids. So the :class:`Renderer` finds the latest turn a request extends (by
+its messages' fingerprints) and appends only the new messages' ids to that turn's prompt + response
+ids: call k+1's prompt starts with call k's exact ids (README "Reuse of sampled tokens"). At start-up
+it probes what the template renders, to learn its tool-call format; for a ChatML/Hermes model only
+``build_prompt`` and ``parse_reply`` matter.
 
 Example (SmolLM2, no native tool support)::
 
@@ -20,14 +28,20 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import toolcalls
+from . import hooks, toolcalls
 from .records import common_prefix
 from .toolcalls import parse_arguments
 
 log = logging.getLogger("lightning_lite.chat")
 # a message's role -> the role it has here
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-ROLES |= {"tool": "tool", "function": "tool"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",
+}
 
 
 class BadRequest(Exception):
@@ -54,9 +68,10 @@ class Sampling:
 
 @dataclass
 class Request:
-    """One API request in the shape every API maps to. ``messages`` are normalized: ``{"role", "content": str}``
-    plus ``tool_calls: [{"id", "name", "arguments": dict | str}]`` on assistant messages and ``tool_call_id`` on
-    tool messages. ``prompt_ids`` is set instead of messages for the completions API."""
+    """One API request in the shape every API maps to. ``messages`` are normalized: ``{"role",
+    "content": str}`` plus ``tool_calls: [{"id", "name", "arguments": dict | str}]`` on assistant
+    messages and ``tool_call_id`` on tool messages. ``prompt_ids`` is set instead of messages for
+    the completions API."""
 
     messages: list[dict] = field(default_factory=list)
     # [{"name", "description", "parameters"}]
@@ -101,8 +116,9 @@ For each function call, return a json object with function name and arguments wi
 
 
 class ContentStream:
-    """What of a reply may be sent while it is still being sampled: reasoning and content, each always a prefix of
-    what ``parse_reply`` makes of the whole reply (toolcalls.visible; here, a stop string and its start are held).
+    """What of a reply may be sent while it is still being sampled: reasoning and content, each
+    always a prefix of what ``parse_reply`` makes of the whole reply (toolcalls.visible; here, a
+    stop string and its start are held).
 
     >>> s = ContentStream(renderer, stops=[], parse_tools=True)
     >>> s.feed(ids_of("Let me"))  ->  ("", "Let me");   s.feed(ids_of("Let me <tool"))  ->  ("", "")
@@ -128,15 +144,16 @@ class ContentStream:
         return new_reasoning, new_content
 
 
-# ----------------------------------------------------------------------------- finding the turn a request extends
+# ------------------------------------------------------------ finding the turn a request extends
 
 THINK_BLOCK = re.compile(r"\A\s*(<((?:\w+:)?think)>.*?</\2>|\[THINK\].*?\[/THINK\])", re.DOTALL)
 
 
 def message_key(m: dict) -> str:
-    """What identifies a normalized message: role, stripped content, tool calls by name and parsed arguments
-    (not their ids, nor how the arguments' JSON was formatted, nor reasoning: echoed in its own field, in the
-    content, or dropped, it is the same reply; whether the template renders it as sampled is build_prompt's call)."""
+    """What identifies a normalized message: role, stripped content, tool calls by name and parsed
+    arguments (not their ids, nor how the arguments' JSON was formatted, nor reasoning: echoed in
+    its own field, in the content, or dropped, it is the same reply; whether the template renders it
+    as sampled is build_prompt's call)."""
     content = m.get("content") or ""
     content = (THINK_BLOCK.sub("", content) if m["role"] == "assistant" else content).strip()
     # the length keeps content and tool calls apart
@@ -148,15 +165,17 @@ def message_key(m: dict) -> str:
 
 
 def extend_fingerprint(fingerprint: bytes, m: dict) -> bytes:
-    """The fingerprint of a conversation whose fingerprint was ``fingerprint``, extended by the message ``m``."""
+    """The fingerprint of a conversation whose fingerprint was ``fingerprint``, extended by the
+    message ``m``."""
     data = fingerprint + message_key(m).encode(errors="surrogatepass")
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"] = None):
-    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` (by ``message_key``): the earlier turn a request
-    extends is found by a dictionary lookup. ``known``: the session's latest turn, whose fingerprints of the
-    messages this request shares with it (equal dicts, compared in C) are reused: an append hashes only its new ones.
+    """``fps[k]`` identifies ``tools`` and ``messages[:k]`` (by ``message_key``): the earlier turn a
+    request extends is found by a dictionary lookup. ``known``: the session's latest turn, whose
+    fingerprints of the messages this request shares with it (equal dicts, compared in C) are
+    reused: an append hashes only its new ones.
 
     >>> fingerprints([{"role": "user", "content": "hi "}], []) == fingerprints([{"role": "user", "content": "hi"}], [])
     True
@@ -173,11 +192,12 @@ def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"
 
 
 class Turn:
-    """What a session remembers of one answered call (DESIGN.md "The ids decide"): the reply, the ids its prompt
-    adds to its ``parent`` turn's prompt + response (``tail``: each id held once), its response ids, the forced
-    opening (tool_choice), ``fp_request`` (what a retry starts with) and ``fp`` (with the reply: what an extension
-    starts with). Only the latest turn keeps ``messages``, ``tools``, ``fps``: the caller drops them from the turn
-    before when it adds one (fingerprints() reuses only the latest turn's, so memory stays linear)."""
+    """What a session remembers of one answered call (DESIGN.md "The ids decide"): the reply, the
+    ids its prompt adds to its ``parent`` turn's prompt + response (``tail``: each id held once),
+    its response ids, the forced opening (tool_choice), ``fp_request`` (what a retry starts with)
+    and ``fp`` (with the reply: what an extension starts with). Only the latest turn keeps
+    ``messages``, ``tools``, ``fps``: the caller drops them from the turn before when it adds one
+    (fingerprints() reuses only the latest turn's, so memory stays linear)."""
 
     def __init__(
         self,
@@ -200,7 +220,8 @@ class Turn:
         self.size = len(prompt_ids) + len(response_ids)
 
     def tokens(self) -> list[int]:
-        """Prompt + response ids, root first: what a call extending this turn starts with (a loop: chains are long)."""
+        """Prompt + response ids, root first: what a call extending this turn starts with (a loop:
+        chains are long)."""
         parts, turn = [], self
         while turn is not None:
             parts += [turn.response_ids, turn.tail]
@@ -210,22 +231,24 @@ class Turn:
 
 # ----------------------------------------------------------------------------- rendering
 
-# What the probes of a template render: a user message, a tool, and a call of it (arguments {"llarg": "llval"}).
+# What the probes of a template render: a user message, a tool, and a call of it (arguments
+# {"llarg": "llval"}).
 PROBE_USER = [{"role": "user", "content": "x"}]
 PROBE_PARAMETERS = {"type": "object", "properties": {"llarg": {"type": "string"}}}
 PROBE_TOOL = {"name": toolcalls.SENTINEL, "description": "d", "parameters": PROBE_PARAMETERS}
 
 
 class Renderer:
-    """Chat template + tool-call format of one tokenizer, probed once at start-up by what the template renders
-    (DESIGN.md "The template decides the format")."""
+    """Chat template + tool-call format of one tokenizer, probed once at start-up by what the
+    template renders (DESIGN.md "The template decides the format")."""
 
     SENTINEL = toolcalls.SENTINEL
 
     def __init__(self, tokenizer, eos_ids=None, tool_format=None, keep_history_tokens=False):
-        """``eos_ids``: every token that ends the model's turn, the set generation stops on (models.eos_ids).
-        ``tool_format``: override the detected format. ``keep_history_tokens``: reuse the sampled tokens of an
-        echoed turn even where the template renders it differently (see ``build_prompt``)."""
+        """``eos_ids``: every token that ends the model's turn, the set generation stops on
+        (models.eos_ids). ``tool_format``: override the detected format. ``keep_history_tokens``:
+        reuse the sampled tokens of an echoed turn even where the template renders it differently
+        (see ``build_prompt``)."""
         self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
         # as start-up messages name it: by its model
         name = getattr(tokenizer, "name_or_path", None) or "this model"
@@ -241,70 +264,96 @@ class Renderer:
         self.specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
         self.think = think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
-        self.format, self.native_tools, self.native_calls = "hermes", False, False
-        self.short_ids = self.string_args = self.merge_roles = False
+        self.format = "hermes"
+        self.native_tools = False
+        self.native_calls = False
+        # the names of the dialects (hooks.TEMPLATE_DIALECTS) the template's messages are written in
+        self.dialects: list[str] = []
         self.turn_close = self._probe_turn_close()
         call = self._probe_native_call()
         self.format = self._choose_format(call, tool_format)
-        # A list without calls (Granite 3.x): the template's list asks for the model's own format, which only
-        # --tool-format can name; without it the list goes into the system prompt with the format it asks for.
+        # A list without calls (Granite 3.x): the template's list asks for the model's own format,
+        # which only --tool-format can name; without it the list goes into the system prompt with
+        # the format it asks for.
         self.native_tools = self.native_tools and (self.native_calls or bool(tool_format))
-        # Must two user (or system) messages in a row be merged? The Hermes fallback writes tool results as user
-        # turns, clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them.
-        self.merge_roles = self._rendered(PROBE_USER + PROBE_USER, [], True) is None
+        # Two user messages in a row: the Hermes fallback writes tool results as user turns, and
+        # clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses
+        # them.
+        two_users = PROBE_USER + PROBE_USER
+        self._with_dialect(lambda: self._rendered(two_users, [], True) is not None)
         self.per_message = self._probe_per_message()
 
     def _probe_turn_close(self) -> str:
-        """The text a template writes after an assistant message's content (ChatML: "<|im_end|>\\n")."""
+        """The text a template writes after an assistant message's content (ChatML:
+        "<|im_end|>\\n")."""
         reply = {"role": "assistant", "content": self.SENTINEL}
         text = self._rendered(PROBE_USER + [reply], [], False)
         if text is None or self.SENTINEL not in text:
             why = self.refusal if text is None else "it leaves out the assistant message's text"
             raise ValueError(
-                f"{self.template} cannot render a plain user/assistant conversation of text ({why}); serve a "
-                "chat model whose template can, or set tokenizer.chat_template to one"
+                f"{self.template} cannot render a plain user/assistant conversation of text "
+                f"({why}); serve a chat model whose template can, or set tokenizer.chat_template "
+                "to one"
             )
         return text[text.rindex(self.SENTINEL) + len(self.SENTINEL) :]
 
     def _probe_native_call(self) -> Optional[str]:
-        """The template's text for a call after its generation prompt where it renders calls (``native_calls``), else
-        None; whether it renders the tool list (``native_tools``: DeepSeek-R1's renders calls but no list, Granite
-        3.x's the list but no calls). Some templates want call ids of their own shape (Mistral: 9 alphanumerics):
-        then every id is written in that shape (``short_ids``)."""
+        """The template's text for a call after its generation prompt where it renders calls
+        (``native_calls``), else None; whether it renders the tool list (``native_tools``:
+        DeepSeek-R1's renders calls but no list, Granite 3.x's the list but no calls). Some
+        templates render calls only in a dialect of their own (Mistral's 9-alphanumeric ids): then
+        every call is written so."""
         self.native_tools = self.native_calls = True
-        lists = False
-        # (R1-style templates write the arguments as given: they want a JSON string)
-        for self.short_ids, self.string_args in ((False, False), (True, False), (False, True)):
+        # what the probe saw: the call's text, and whether the tool list came before it
+        seen = {"call": None, "lists": False}
+
+        def renders_call() -> bool:
             head = self._rendered(PROBE_USER, [PROBE_TOOL], True)
             full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
             if head is None or full is None:
-                continue
-            call = call_text(head, full)
+                return False
+            seen["call"] = call_text(head, full)
             # the tool list before the call, rendered in both
-            lists = lists or self.SENTINEL in full[: len(full) - len(call)]
-            if "llval" in call and self._calls_again(call):
-                self.native_tools = lists
-                return call
-        self.native_calls = self.short_ids = self.string_args = False
-        self.native_tools = lists
-        return None
+            seen["lists"] = seen["lists"] or self.SENTINEL in full[: len(full) - len(seen["call"])]
+            return "llval" in seen["call"] and self._calls_again(seen["call"])
+
+        self.native_calls = self._with_dialect(renders_call)
+        self.native_tools = seen["lists"]
+        return seen["call"] if self.native_calls else None
+
+    def _with_dialect(self, renders) -> bool:
+        """Does ``renders()`` hold, as the template's messages are written now or in one more
+        dialect (hooks.TEMPLATE_DIALECTS, tried in order)? The first such dialect is kept."""
+        if renders():
+            return True
+        for name in hooks.TEMPLATE_DIALECTS:
+            if name in self.dialects:
+                continue
+            self.dialects.append(name)
+            if renders():
+                return True
+            self.dialects.pop()
+        return False
 
     def _choose_format(self, call_text: Optional[str], tool_format: Optional[str]) -> str:
-        """``tool_format`` if given, else the format the call text is in (Hermes without native tools)."""
+        """``tool_format`` if given, else the format the call text is in (Hermes without native
+        tools)."""
         detected = toolcalls.detect(call_text) if call_text else None
         # never served as if it were another format: the harness would get its calls back as text
         if call_text and not detected and not tool_format:
             shown = call_text.replace(self.SENTINEL, "get_weather")[:160]
             raise ValueError(
-                f"{self.template} writes tool calls in a format lightning-lite does not parse: {shown!r}; if the "
-                f"model writes one of {', '.join(toolcalls.FORMATS)}, name it with --tool-format"
+                f"{self.template} writes tool calls in a format lightning-lite does not parse: "
+                f"{shown!r}; if the model writes one of {', '.join(toolcalls.format_names())}, "
+                "name it with --tool-format"
             )
         # an unknown name raises here, at start-up
         toolcalls.format_of(fmt := tool_format or detected or "hermes")
         return fmt
 
     def _rendered(self, messages, tools, add_generation_prompt) -> Optional[str]:
-        """The template's text for a probe, None where the template refuses it (why: ``refusal``)."""
+        """The template's text for a probe, None where the template refuses it (why:
+        ``refusal``)."""
         try:
             return self.render_text(messages, tools, add_generation_prompt)
         except BadRequest as e:
@@ -312,9 +361,10 @@ class Renderer:
             return None
 
     def _probe_per_message(self) -> bool:
-        """Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text of the
-        messages after a turn can be rendered without the whole conversation before it. Templates that rewrite
-        earlier turns (Qwen3 drops <think> from them) fail this probe and render in full."""
+        """Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the
+        text of the messages after a turn can be rendered without the whole conversation before it.
+        Templates that rewrite earlier turns (Qwen3 drops <think> from them) fail this probe and
+        render in full."""
         system = [{"role": "system", "content": "s"}]
         probe = system + self._probe_calls("<think>\nt\n</think>\n\na")
         probe += [{"role": "tool", "content": "r2", "tool_call_id": probe[-1]["tool_call_id"]}]
@@ -330,11 +380,14 @@ class Renderer:
             return False
 
     def _calls_again(self, call: str) -> bool:
-        """Does the template write a call after a tool result as it wrote the first, so that the history keeps every
-        call in the format? DeepSeek-R1's drops the opening there. Each call is read up to the turn close, as the
-        model's EOS ends it. (Kimi's parser reads no call before its id is named: nothing to compare there.)"""
+        """Does the template write a call after a tool result as it wrote the first, so that the
+        history keeps every call in the format? DeepSeek-R1's drops the opening there. Each call is
+        read up to the turn close, as the model's EOS ends it. (Kimi's parser reads no call before
+        its id is named: nothing to compare there.)"""
         fmt = toolcalls.detect(call)
-        if not fmt or toolcalls.format_of(fmt).named_ids:
+        # a format that rewrites the messages (Kimi's call ids): its calls are read as it writes
+        # them
+        if not fmt or toolcalls.format_of(fmt).messages:
             return True
         head = self._rendered(self._probe_calls(), [PROBE_TOOL], True)
         twice = self._rendered(self._probe_calls(rounds=2), [PROBE_TOOL], False)
@@ -344,10 +397,11 @@ class Renderer:
         return None not in (head, twice) and count(call) > 0 and count(call_text(head, twice)) > 0
 
     def _probe_calls(self, content: str = "", rounds: int = 1) -> list[dict]:
-        """A user message, then ``rounds`` times an assistant message calling the SENTINEL tool and its result."""
+        """A user message, then ``rounds`` times an assistant message calling the SENTINEL tool and
+        its result."""
         out = list(PROBE_USER)
         for k in range(rounds):
-            id = ("a1b2c3d4" if self.short_ids else "call_0123456789abcdef0123456") + str(k)
+            id = "call_0123456789abcdef0123456" + str(k)
             call = {"id": id, "name": self.SENTINEL, "arguments": {"llarg": "llval"}}
             out.append({"role": "assistant", "content": content, "tool_calls": [call]})
             out.append({"role": "tool", "content": "r", "tool_call_id": id})
@@ -368,17 +422,22 @@ class Renderer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def new_id(self) -> str:
-        """A tool-call id for a parsed call, in the shape the template accepts."""
-        return self._id("call_" + uuid.uuid4().hex[:24])
+        """A tool-call id for a parsed call, as the template's dialects write it."""
+        result = {"role": "tool", "content": "", "tool_call_id": "call_" + uuid.uuid4().hex[:24]}
+        return self._in_dialects([result])[0]["tool_call_id"]
 
-    def _id(self, i: str) -> str:
-        return _short_id(i) if self.short_ids else i
+    def _in_dialects(self, messages: list[dict]) -> list[dict]:
+        """The template's messages written in its dialects (hooks.TEMPLATE_DIALECTS), in order."""
+        for name in self.dialects:
+            messages = hooks.TEMPLATE_DIALECTS[name](messages)
+        return messages
 
     def _template_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
-        """The messages as the template takes them: OpenAI's shape (arguments as a dict) where it renders calls, else
-        the Hermes convention's text: calls written in the format (``toolcalls.write``), results in a user turn's
-        ``<tool_response>`` tags. A tool list the template does not render goes into the system prompt."""
-        form, out, named = toolcalls.format_of(self.format), [], {}
+        """The messages as the template takes them: OpenAI's shape (arguments as a dict) where it
+        renders calls, else the Hermes convention's text: calls written in the format
+        (``toolcalls.write``), results in a user turn's ``<tool_response>`` tags. A tool list the
+        template does not render goes into the system prompt."""
+        out = []
         if tools and not self.native_tools:
             has_system = bool(messages) and messages[0]["role"] == "system"
             system = messages[0]["content"] + "\n\n" if has_system else ""
@@ -393,11 +452,6 @@ class Renderer:
                 else:
                     out.append({"role": "user", "content": text})
                 continue
-            # Gemma, Mistral: roles must alternate (the text convention's tool results are user turns)
-            mergeable = m["role"] in ("user", "system") or not self.native_calls
-            if self.merge_roles and mergeable and _same_role(out, m):
-                out[-1] = _merged(out[-1], m)
-                continue
             message = {"role": m["role"], "content": m["content"]}
             if not self.native_calls:
                 calls = (
@@ -410,22 +464,19 @@ class Renderer:
             if m.get("reasoning"):
                 message["reasoning_content"] = message["thinking"] = m["reasoning"]
             for t in m.get("tool_calls") or ():
-                # Kimi: an id holds its call's name, functions.NAME:K for the conversation's K-th call
-                if form.named_ids and not t["id"].startswith("functions."):
-                    named.setdefault(t["id"], f"functions.{t['name']}:{len(named)}")
-                call = {"id": named.get(t["id"]) or self._id(t["id"]), "type": "function"}
-                function = _parsed(t)
-                if self.string_args:
-                    function["arguments"] = _json(function["arguments"])
-                message.setdefault("tool_calls", []).append({**call, "function": function})
+                call = {"id": t["id"], "type": "function", "function": _parsed(t)}
+                message.setdefault("tool_calls", []).append(call)
             if m["role"] == "tool":
-                i = m.get("tool_call_id", "")
-                message["tool_call_id"] = named.get(i) or self._id(i)
-            out.append(form.adjust(m, message) if form.adjust else message)
-        return out
+                message["tool_call_id"] = m.get("tool_call_id", "")
+            out.append(message)
+        # then as the template's dialects and the format's own templates take them (Kimi's ids)
+        out = self._in_dialects(out)
+        form = toolcalls.format_of(self.format)
+        return form.messages(out) if form.messages else out
 
     def _tools_prompt(self, tools: list[dict]) -> str:
-        """The tool list in the system prompt (TOOLS_PROMPT), how to call one in the format the model writes."""
+        """The tool list in the system prompt (TOOLS_PROMPT), how to call one in the format the
+        model writes."""
         listed = "\n".join(_json({"type": "function", "function": t}) for t in tools)
         prompt = TOOLS_PROMPT.format(tools=listed)
         if self.format == "hermes":
@@ -434,8 +485,9 @@ class Renderer:
         return prompt[: prompt.index("For each")] + f"Write each function call as here:\n{example}"
 
     def render_text(self, messages, tools, add_generation_prompt=True, template_kwargs=None) -> str:
-        """The template's text for a conversation. A template that refuses it (Llama's single tool call, roles that
-        must alternate, ids of the wrong shape) is the client's error: a BadRequest with the template's message."""
+        """The template's text for a conversation. A template that refuses it (Llama's single tool
+        call, roles that must alternate, ids of the wrong shape) is the client's error: a BadRequest
+        with the template's message."""
         kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
         if self.native_tools and tools:
             kwargs["tools"] = [{"type": "function", "function": t} for t in tools]
@@ -448,13 +500,15 @@ class Renderer:
             raise BadRequest(message, "messages", "template_error") from None
 
     def build_prompt(self, messages, tools, history, reuse=True, fps=None, template_kwargs=None):
-        """Prompt ids for ``messages``, reusing the sampled tokens of an earlier turn it extends where the template
-        renders that turn as sampled (DESIGN.md "Reuse what was sampled"). Returns ``(prompt_ids, parent, split)``:
-        the call whose prompt + response ids it starts with, or why none (None: nothing to extend). ``fps``: the
-        request's fingerprints if known. ``reuse=False``: render fresh (it still merges if that starts with them)."""
+        """Prompt ids for ``messages``, reusing the sampled tokens of an earlier turn it extends
+        where the template renders that turn as sampled (DESIGN.md "Reuse what was sampled").
+        Returns ``(prompt_ids, parent, split)``: the call whose prompt + response ids it starts
+        with, or why none (None: nothing to extend). ``fps``: the request's fingerprints if known.
+        ``reuse=False``: render fresh (it still merges if that starts with them)."""
         kw = template_kwargs or {}
         fps = fps or fingerprints(messages, tools, history[-1] if history else None)
-        # The latest turn whose messages + reply this request starts with, the longest such (fps include the tools).
+        # The latest turn whose messages + reply this request starts with, the longest such (fps
+        # include the tools).
         by_fp = {t.fp: t for t in history}
         k = next((k for k in range(len(messages), 0, -1) if fps[k] in by_fp), 0)
         parent = by_fp[fps[k]] if k else None
@@ -470,27 +524,29 @@ class Renderer:
             return (ids, parent.index, None) if extends else (ids, None, "template_mismatch")
         if not history:
             return ids, None, None
-        # Did it resend an earlier request's messages (or start with them), with another reply than it got? The
-        # fingerprints include the tools: with other tools the prompt starts otherwise, a new thread (as
-        # samples.py would tell from the ids).
+        # Did it resend an earlier request's messages (or start with them), with another reply than
+        # it got? The fingerprints include the tools: with other tools the prompt starts otherwise,
+        # a new thread (as samples.py would tell from the ids).
         asked = {t.fp_request for t in history}
         k = next((k for k in range(len(messages), 0, -1) if fps[k] in asked), None)
         split = "new_thread" if k is None else "retry" if k == len(messages) else "rewrote_history"
         return ids, None, split
 
     def _extend(self, parent: Turn, messages, k: int, tools, kw):
-        """(``parent``'s prompt + response ids + the ids of the messages after its reply ``messages[k - 1]``, where
-        the template renders that turn as sampled, else None; the whole conversation's text if rendered on the way)."""
+        """(``parent``'s prompt + response ids + the ids of the messages after its reply
+        ``messages[k - 1]``, where the template renders that turn as sampled, else None; the whole
+        conversation's text if rendered on the way)."""
         turn, new, full = self._texts(messages, k, tools, kw, self.per_message)
         full = None if self.per_message else full
-        # The sampled turn is reused when the template's text for it starts with what was sampled; the rest of
-        # that text (its turn close, minus an EOS the model sampled) is the glue before the new messages.
+        # The sampled turn is reused when the template's text for it starts with what was sampled;
+        # the rest of that text (its turn close, minus an EOS the model sampled) is the glue before
+        # the new messages.
         sampled = parent.forced + self.tok.decode(parent.response_ids, skip_special_tokens=False)
         glue = turn[len(sampled) :] if turn is not None and turn.startswith(sampled) else None
         if glue is None and self.keep_history_tokens:
             glue = self._kept_turn_glue(parent)
-        # The template rewrites that turn once more follows: render what follows it after the turn as sampled,
-        # reasoning too (Qwen3 writes an empty think block otherwise).
+        # The template rewrites that turn once more follows: render what follows it after the turn
+        # as sampled, reasoning too (Qwen3 writes an empty think block otherwise).
         if glue is not None and new is None and self.keep_history_tokens:
             reasoning = parent.reply.get("reasoning")
             echoed = {**messages[k - 1], **({"reasoning": reasoning} if reasoning else {})}
@@ -500,9 +556,10 @@ class Renderer:
         return parent.tokens() + self.encode(glue + new), full
 
     def _kept_turn_glue(self, parent: Turn) -> str:
-        """The text after a turn the template renders otherwise, kept as sampled (``keep_history_tokens``): the
-        template's turn close, less the end marker it starts with when the model sampled one (gpt-oss ends a call
-        with <|call|>, its turn close is <|return|>)."""
+        """The text after a turn the template renders otherwise, kept as sampled
+        (``keep_history_tokens``): the template's turn close, less the end marker it starts with
+        when the model sampled one (gpt-oss ends a call with <|call|>, its turn close is
+        <|return|>)."""
         glue = self.turn_close
         if parent.response_ids and parent.response_ids[-1] in self.eos_ids:
             ends = (self.tok.decode([e]) for e in self.eos_ids)
@@ -510,11 +567,12 @@ class Renderer:
         return glue
 
     def _texts(self, messages: list[dict], k: int, tools, kw: dict, per_message: bool):
-        """Three renderings cut into: the template's text for the assistant turn ``messages[k - 1]``, from after the
-        generation prompt to the end of its turn close (what the model must have sampled for the history to render
-        as sampled); its text for ``messages[k:]`` + the generation prompt after ``messages[:k]`` (None where it
-        renders those k otherwise once more follows); the last rendering. ``per_message``: ``messages[:k]`` is
-        stood in for by the system prompt, a user message and message k-1, which render alike, at a flat cost."""
+        """Three renderings cut into: the template's text for the assistant turn ``messages[k -
+        1]``, from after the generation prompt to the end of its turn close (what the model must
+        have sampled for the history to render as sampled); its text for ``messages[k:]`` + the
+        generation prompt after ``messages[:k]`` (None where it renders those k otherwise once more
+        follows); the last rendering. ``per_message``: ``messages[:k]`` is stood in for by the
+        system prompt, a user message and message k-1, which render alike, at a flat cost."""
         if per_message:
             system = messages[:1] if messages[0]["role"] == "system" and k > 1 else []
             context = system + PROBE_USER + [messages[k - 1]]
@@ -526,25 +584,29 @@ class Renderer:
         return _after(head, before), _after(full, head), full
 
     def opens_reasoning(self, prompt_ids: list[int]) -> bool:
-        """Does the prompt end inside a reasoning block (Qwen3.5's and DeepSeek-R1's generation prompt opens it)?"""
+        """Does the prompt end inside a reasoning block (Qwen3.5's and DeepSeek-R1's generation
+        prompt opens it)?"""
         end = self.tok.decode(prompt_ids[-8:], skip_special_tokens=False)
         return bool(self.think) and end.rstrip().endswith(self.think[0])
 
     def forced_prefix(self, force_tool: Optional[str], opened=False, json_reply=False) -> str:
-        """The text the prompt ends with for a forced call, or for a reply that is JSON (``json_reply``), else ""."""
+        """The text the prompt ends with for a forced call, or for a reply that is JSON
+        (``json_reply``), else ""."""
         forced = force_tool is not None or json_reply
         return toolcalls.forced(self.format, force_tool, opened, self.think) if forced else ""
 
     def sampled_text(self, response_ids: list[int], stops: list[str]) -> str:
-        """The reply as the parser reads it: special tokens kept (Mistral's [TOOL_CALLS], Llama's <|python_tag|>,
-        harmony's markers), without the EOS that ended it, cut at the stop string that ended it."""
+        """The reply as the parser reads it: special tokens kept (Mistral's [TOOL_CALLS], Llama's
+        <|python_tag|>, harmony's markers), without the EOS that ended it, cut at the stop string
+        that ended it."""
         if response_ids and response_ids[-1] in self.eos_ids:
             response_ids = response_ids[:-1]
         text = self.tok.decode(response_ids, skip_special_tokens=False)
         return text[: min([text.find(s) for s in stops if s in text], default=len(text))]
 
     def parse_reply(self, text: str, parse_tools: bool, opened: bool = False) -> dict:
-        """The assistant message for a sampled text, parsed in the template's format, special tokens dropped::
+        """The assistant message for a sampled text, parsed in the template's format, special tokens
+        dropped::
 
         '<think>hm</think>Sure.<tool_call>\\n{"name": "f", "arguments": {}}\\n</tool_call>'  (Qwen3)
         -> {"role": "assistant", "content": "Sure.", "reasoning": "hm",
@@ -565,8 +627,8 @@ class Renderer:
 
 
 def think_tags(template_source: str) -> Optional[tuple[str, str]]:
-    """The think-tag pair a chat template uses (``<think>``, Magistral's ``[THINK]``, Seed-OSS's ``<seed:think>``,
-    MiniMax M3's ``<mm:think>``), None when it has none."""
+    """The think-tag pair a chat template uses (``<think>``, Magistral's ``[THINK]``, Seed-OSS's
+    ``<seed:think>``, MiniMax M3's ``<mm:think>``), None when it has none."""
     if "[THINK]" in template_source:
         return ("[THINK]", "[/THINK]")
     m = re.search(r"</?((?:\w+:)?think)>", template_source)
@@ -574,26 +636,19 @@ def think_tags(template_source: str) -> Optional[tuple[str, str]]:
 
 
 def call_text(head: str, full: str) -> str:
-    """What ``full`` (a history that ends in the assistant's turn) writes where it leaves ``head`` (the generation
-    prompt), from the tag or line where they part: a generation prompt may open a block the history's turns lack (a
-    think block, open or empty; Cohere's ``<|START_THINKING|>``; Apriel's "Here are my reasoning steps:").
-    call_text("<|A|>\\n<think>\\n", "<|A|>\\n<tool_call>{}") -> "<tool_call>{}" """
+    """What ``full`` (a history that ends in the assistant's turn) writes where it leaves ``head``
+    (the generation prompt), from the tag or line where they part: a generation prompt may open a
+    block the history's turns lack (a think block, open or empty; Cohere's ``<|START_THINKING|>``;
+    Apriel's "Here are my reasoning steps:"). call_text("<|A|>\\n<think>\\n",
+    "<|A|>\\n<tool_call>{}") -> "<tool_call>{}" """
     n = len(os.path.commonprefix([head, full]))
     n = n if n == len(head) else max(head.rfind(">", 0, n), head.rfind("\n", 0, n)) + 1
     return full[n:]
 
 
-def _same_role(out: list[dict], m: dict) -> bool:
-    return bool(out) and out[-1]["role"] == m["role"]
-
-
-def _merged(previous: dict, m: dict) -> dict:
-    """Two messages in a row of one role as one (a template that wants roles to alternate: Gemma, Mistral)."""
-    return {**previous, "content": previous["content"] + "\n\n" + m["content"]}
-
-
 def _parsed(call: dict) -> dict:
-    """A call's name and arguments, the arguments a dict where they are JSON (as templates take them)."""
+    """A call's name and arguments, the arguments a dict where they are JSON (as templates take
+    them)."""
     return {"name": call["name"], "arguments": parse_arguments(call["arguments"])}
 
 
@@ -604,14 +659,3 @@ def _json(value) -> str:
 def _after(text: str, head: str) -> Optional[str]:
     """What ``text`` adds to ``head``; None when it does not start with it."""
     return text[len(head) :] if text.startswith(head) else None
-
-
-def _short_id(s: str) -> str:
-    """``s`` as 9 alphanumerics (Mistral's templates accept no other tool-call id): kept when it is one, otherwise
-    a hash of it, so a call and its result keep matching ids. The Anthropic API hands the proxy's ids out as
-    ``toolu_`` + the id: they come back as the id the model sampled."""
-    if len(core := s.removeprefix("toolu_")) == 9 and core.isalnum():
-        return core
-    n = int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
-    alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-    return "".join(alphabet[(n >> (6 * i)) % 62] for i in range(9))

@@ -27,6 +27,12 @@ ERROR_SHAPES = {}
 # registers the other families' formats.
 TOOL_FORMATS = {}
 
+# What some chat templates want of the messages besides OpenAI's shape, name -> fn(messages) ->
+# messages (extras/tool_formats.py: Mistral's 9-character call ids, DeepSeek-R1's arguments as a JSON
+# string, Gemma's alternating roles). chat.Renderer probes them in order where a template refuses a
+# probe, and keeps the first that makes it render. Empty: every template takes OpenAI's shape.
+TEMPLATE_DIALECTS = {}
+
 # Constrained decoding (extras/grammar.py): an object with
 #   constrain(req, renderer, opened) -> the text a forced reply begins with; it sets req.sampling.grammar;
 #   Matcher(grammar, tokenizer, n_vocab), the sampler's state: .allowed() -> [V] bool, .consume(token);
@@ -36,8 +42,10 @@ TOOL_FORMATS = {}
 grammar = None
 
 # Per-rollout isolation (extras/isolation.py): a factory of the object Proxy keeps when asked for
-# rollout_tokens. It admits each request (admit), opens each rollout's route (open_rollout), holds the
-# harness's reward key (reward_key) and what each rollout was refused (flags), and forgets a step
+# rollout_tokens. It admits each request (admit(request, rollout_id, reward) -> rollout id), opens
+# each rollout's route (open_rollout(rollout_id) -> route) and Unix socket (open_socket(server,
+# rollout_id) -> path; close_sockets(rollout_ids=None), None: all), holds the harness's reward key
+# (reward_key) and what each rollout was refused (flags: rollout id -> list), and forgets a step
 # (reset). None: every rollout id is served as it is, and a reward is taken from anyone.
 isolation = None
 

@@ -1,9 +1,22 @@
-"""The proxy: an OpenAI-compatible HTTP endpoint that serves the policy and records every call (its routes and
-records: README "Serving and recording"). One call, in :meth:`Proxy.converse`: the request is parsed (apis.py;
-bad input: a 4xx in the API's format) -> its prompt ids built, reusing the tokens an earlier call of the rollout
-sampled (chat.Renderer) -> its response ids + logprobs generated (streamed as server-sent events as the tokens
-are sampled, when asked) -> its :class:`Call` appended to ``calls.jsonl`` -> the reply sent. The routes are the
-table ``ROUTES``; the trainer drives the proxy in-process (``ProxyServer``), ``python proxy.py`` on its own.
+"""The proxy: an OpenAI-compatible HTTP endpoint that serves the policy and records every call (its
+routes and records: README "Serving and recording").
+
+State. The proxy keeps one :class:`Session` per rollout id: the :class:`~chat.Turn` of each call it
+answered, which lets the next call of the rollout reuse the tokens the model sampled
+(chat.Renderer), and the rewards POSTed for it. The trainer marks its steps with ``set_output`` (the
+calls file each step records into) and ``reset`` (forget the sessions); rollout ids are not reused
+across steps.
+
+Threads. Requests are served on the proxy's own event loop (``ProxyServer`` runs it in a background
+thread; ``python proxy.py`` in its main thread); the backend decodes on its worker thread and hands
+each sampled token back to that loop; the trainer calls ``set_output``, ``reset``, ``reward`` and
+``flags`` from its own thread, hence ``_lock`` around the sessions and the calls file.
+
+One call, in :meth:`Proxy.converse`: the request is parsed (apis.py; bad input: a 4xx in the API's
+shape) -> its prompt ids are built, reusing the tokens an earlier call of the rollout sampled -> its
+response ids and logprobs are generated (streamed as server-sent events while sampled, when asked)
+-> its :class:`~records.Call` is appended to ``calls.jsonl`` -> the reply is sent. The routes are
+hooks.ROUTES: the chat completions route here, the other APIs' from the extras.
 """
 
 import asyncio
@@ -23,10 +36,8 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from . import apis
+from . import apis, hooks
 from .chat import BadRequest, ContentStream, Renderer, Request, Turn, fingerprints
-from .extras import anthropic, completions, responses
-from .extras.isolation import Isolation, RolloutSockets
 from .harness import Endpoint
 from .models import eos_ids
 from .records import Call, prepare_append, to_json
@@ -37,7 +48,8 @@ ROLLOUT_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 @dataclass
 class CallsFile:
-    """A calls file the proxy records into (path None: none), and each rollout's next call index in it."""
+    """A calls file the proxy records into (path None: none), and each rollout's next call index in
+    it."""
 
     path: Optional[str]
     next: dict[str, int] = field(default_factory=dict)
@@ -45,7 +57,8 @@ class CallsFile:
 
 @dataclass
 class Session:
-    """What the proxy keeps of one rollout until :meth:`Proxy.reset` (a call in flight keeps its session)."""
+    """What the proxy keeps of one rollout until :meth:`Proxy.reset` (a call in flight keeps its
+    session)."""
 
     # its answered calls, for token reuse (chat.Renderer.build_prompt)
     turns: list[Turn] = field(default_factory=list)
@@ -84,8 +97,9 @@ class Exchange:
 
 
 def conversation(api: str, open_api):
-    """A route served by :meth:`Proxy.converse`. ``open_api(body, memo, proxy) -> (Request, new_writer)``:
-    ``memo`` is the rollout's dict for this API, ``new_writer(n_prompt)`` the reply writer (apis.py)."""
+    """A route served by :meth:`Proxy.converse`. ``open_api(body, memo, proxy) -> (Request,
+    new_writer)``: ``memo`` is the rollout's dict for this API, ``new_writer(n_prompt)`` the reply
+    writer (apis.py)."""
 
     async def handler(proxy: "Proxy", request: web.Request):
         return await proxy.converse(request, api, open_api)
@@ -93,16 +107,7 @@ def conversation(api: str, open_api):
     return handler
 
 
-# POST routes, under "/" and "/rollout/<id>": path -> handler(proxy, request). All but the first
-# are the extras'.
-ROUTES = {
-    "/v1/chat/completions": conversation("chat", apis.open_chat),
-    # ?beta=true too
-    "/v1/messages": conversation("anthropic", anthropic.open_messages),
-    "/v1/messages/count_tokens": anthropic.count_tokens,
-    "/v1/responses": conversation("responses", responses.open_responses),
-    "/v1/completions": completions.complete,
-}
+hooks.ROUTES["/v1/chat/completions"] = conversation("chat", apis.open_chat)
 
 
 class Proxy:
@@ -123,19 +128,33 @@ class Proxy:
         keep_history_tokens: bool = False,
         rollout_tokens: bool = False,
     ):
-        """Options as proxy.py's flags of the same names, see their help; train.py's: ``pause_retry_after``,
-        ``rollout_tokens`` (each rollout served under a token of its own: extras/isolation.py)."""
-        self.backend, self.tok, self.model_name = backend, tokenizer, model_name
-        self.max_new_tokens, self.call_timeout, self.api_key = max_new_tokens, call_timeout, api_key
-        self.max_requests, self.active, self.pause_retry_after = max_requests, 0, pause_retry_after
+        """Options as proxy.py's flags of the same names, see their help; train.py's:
+        ``pause_retry_after``, ``rollout_tokens`` (each rollout served under a token of its own:
+        extras/isolation.py)."""
+        self.backend = backend
+        self.tok = tokenizer
+        self.model_name = model_name
+        self.max_new_tokens = max_new_tokens
+        self.call_timeout = call_timeout
+        self.api_key = api_key
+        self.max_requests = max_requests
+        # requests being handled now (_guard)
+        self.active = 0
+        self.pause_retry_after = pause_retry_after
         # the EOS set generation stops on: the backend's (HFBackend), else models.eos_ids
         stop_ids = getattr(backend, "eos_ids", None) or eos_ids(tokenizer)
         self.renderer = Renderer(tokenizer, stop_ids, tool_format, keep_history_tokens)
-        # reuse_tokens False: render every prompt fresh (a bench comparison: proxy.py --no-reuse-tokens)
-        self.reuse_tokens, self.max_body = reuse_tokens, int(max_body_mb * 2**20)
+        # reuse_tokens False: render every prompt fresh (a bench comparison: proxy.py
+        # --no-reuse-tokens)
+        self.reuse_tokens = reuse_tokens
+        self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
         # None: any rollout id is served, and rewards from anyone (proxy.py)
-        self.isolation = Isolation() if rollout_tokens else None
+        self.isolation = None
+        if rollout_tokens:
+            if hooks.isolation is None:
+                raise ValueError(hooks.missing("rollout_tokens", "isolation"))
+            self.isolation = hooks.isolation()
         # backend errors (the last 100; all counted): reported, never trained on
         self.failures, self.n_failures = deque(maxlen=100), 0
         # set_output runs on the trainer's thread, record on the loop's
@@ -147,8 +166,9 @@ class Proxy:
     # ------------------------------------------------------------------ used by the trainer
 
     def set_output(self, path: Optional[str]):
-        """Append calls to ``path`` from now on (train.py switches files every step). A session's calls, also one
-        in flight after the switch, go to the file current when it began; in a file with calls they number on."""
+        """Append calls to ``path`` from now on (train.py switches files every step). A session's
+        calls, also one in flight after the switch, go to the file current when it began; in a file
+        with calls they number on."""
         with self._lock:
             for session in self.sessions.values():
                 session.out = session.out or self._out
@@ -167,17 +187,22 @@ class Proxy:
                 open(path, "a").close()
 
     def reset(self):
-        """Forget the sessions (between training steps; rollout ids are not reused). A call still in flight holds
-        its session, recorded into the file current when it began; a straggler's next call gets a 403."""
+        """Forget the sessions (between training steps; rollout ids are not reused). A call still in
+        flight holds its session, recorded into the file current when it began; a straggler's next
+        call gets a 403."""
         with self._lock:
             for session in self.sessions.values():
                 session.out = session.out or self._out
             self.sessions = {}
-        if self.isolation:
+        if self.isolation is not None:
             self.isolation.reset()
 
     def flags(self, rollout_id: str) -> list[dict]:
-        return self.isolation.flags.get(rollout_id, []) if self.isolation else []
+        """What the rollout tried that was refused (extras/isolation.py); none without
+        rollout_tokens."""
+        if self.isolation is None:
+            return []
+        return self.isolation.flags.get(rollout_id, [])
 
     def reward(self, rollout_id: str) -> Optional[float]:
         """The reward POSTed for the rollout; None: no such session, or no reward posted."""
@@ -217,8 +242,8 @@ class Proxy:
         return stream
 
     def build_prompt(self, exchange: Exchange):
-        """The prompt ids: the conversation rendered, reusing the sampled tokens of the turn it extends, then
-        the text a forced tool call or JSON reply begins with."""
+        """The prompt ids: the conversation rendered, reusing the sampled tokens of the turn it
+        extends, then the text a forced tool call or JSON reply begins with."""
         req, turns = exchange.req, exchange.session.turns
         # hashes only the messages new since the latest turn
         exchange.fps = fingerprints(req.messages, req.tools, turns[-1] if turns else None)
@@ -227,18 +252,22 @@ class Proxy:
         )
         # the generation prompt opened a reasoning block
         exchange.opened = self.renderer.opens_reasoning(ids)
-        # constrained decoding (extras/grammar.py), only where the request asks for it
-        if req.force_tool is not None or req.response_schema is not None:
-            from .extras import grammar
-
-            exchange.forced = grammar.constrain(req, self.renderer, exchange.opened)
+        # A forced call or JSON reply: its opening text ends the prompt, and its arguments follow
+        # their schema where constrained decoding is loaded (extras/grammar.py).
+        json_reply = req.response_schema is not None
+        if hooks.grammar is not None and (req.force_tool is not None or json_reply):
+            exchange.forced = hooks.grammar.constrain(req, self.renderer, exchange.opened)
+        else:
+            exchange.forced = self.renderer.forced_prefix(
+                req.force_tool, exchange.opened, json_reply
+            )
         forced_ids = self.renderer.encode(exchange.forced) if exchange.forced else []
         exchange.prompt_ids = ids + forced_ids
         self.admit(exchange.prompt_ids)
 
     async def generate_streaming(self, exchange: Exchange, writer, stream):
-        """The generations, and what of the reply the stream sent: with a stream of one choice, the reply's
-        visible reasoning and text are written as they are sampled."""
+        """The generations, and what of the reply the stream sent: with a stream of one choice, the
+        reply's visible reasoning and text are written as they are sampled."""
         req, forced, opened = exchange.req, exchange.forced, exchange.opened
         visible = ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
         if stream is None or req.n > 1:
@@ -272,7 +301,8 @@ class Proxy:
         text = exchange.forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop)
         reply = self.renderer.parse_reply(text, req.parse_tools, exchange.opened)
         call = self.record(exchange, gen, choice, reply, reply_id)
-        # the turn: its request, its reply and ids, how its prompt was built (on the turn it extends)
+        # the turn: its request, its reply and ids, how its prompt was built (on the turn it
+        # extends)
         parent = next((t for t in reversed(turns) if t.index == exchange.parent), None)
         ids = call.prompt_ids, call.response_ids
         turn = Turn(
@@ -287,11 +317,12 @@ class Proxy:
     # ------------------------------------------------------------------ steps the extras share
 
     async def read(self, request: web.Request, reward: bool = False) -> tuple[str, Any]:
-        """The rollout the request is for (admitted by extras/isolation.py under rollout_tokens), its body."""
+        """The rollout the request is for (admitted by extras/isolation.py under rollout_tokens),
+        its body."""
         rollout_id = request.match_info.get("rid", "default")
         message = f"invalid rollout id {rollout_id[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]"
         apis.expect(ROLLOUT_ID.match(rollout_id), message, None, "invalid_rollout_id")
-        if self.isolation:
+        if self.isolation is not None:
             rollout_id = self.isolation.admit(request, rollout_id, reward)
         return rollout_id, await self.body(request)
 
@@ -311,8 +342,8 @@ class Proxy:
         return capped
 
     def admit(self, prompt_ids: list[int]):
-        """May this prompt be served now? Not during a weight sync when calls are told to come back later (429),
-        never when it does not fit the model's context (400)."""
+        """May this prompt be served now? Not during a weight sync when calls are told to come back
+        later (429), never when it does not fit the model's context (400)."""
         if self.pause_retry_after is not None and self.backend.paused:
             message = "the policy's weights are being updated; retry shortly"
             raise BackendError(message, 429, self.pause_retry_after)
@@ -323,8 +354,9 @@ class Proxy:
             raise BadRequest(message, "messages", "context_length_exceeded")
 
     async def generate(self, exchange: Exchange, on_token=None) -> list:
-        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set). A backend
-        that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is recorded as ``error``."""
+        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set).
+        A backend that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is
+        recorded as ``error``."""
         req, rollout_id, seed = exchange.req, exchange.rollout_id, exchange.req.sampling.seed
         samplings = [
             req.sampling if seed is None else replace(req.sampling, seed=seed + i)
@@ -360,25 +392,38 @@ class Proxy:
             raise BackendError(message, 504 if timeout else 502) from e
 
     def record(self, exchange: Exchange, gen, choice: int, reply=None, reply_id=None) -> Call:
-        """Append the call to its session's calls file, numbered on after the rollout's calls already there."""
+        """Append the call to its session's calls file, numbered on after the rollout's calls
+        already there."""
         session, rollout_id, sampling = exchange.session, exchange.rollout_id, exchange.req.sampling
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must
         # see the truncation
-        tool = reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop"
-        # fields as the exchange and the request's sampling have them
-        asked = {f: getattr(exchange, f) for f in ("api", "prompt_ids", "parent", "split")}
-        sampled = {f: getattr(sampling, f) for f in ("temperature", "top_p", "top_k", "grammar")}
+        finish_reason = gen.finish_reason
+        if reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop":
+            finish_reason = "tool_calls"
         with self._lock:
             out = session.out = session.out or self._out
-            fields = dict(rollout_id=rollout_id, index=out.next.get(rollout_id, 0), choice=choice)
-            fields |= dict(model_version=gen.version, response=reply, reply_id=reply_id)
-            fields |= dict(response_ids=gen.response_ids, response_logprobs=gen.logprobs)
-            fields |= dict(
-                finish_reason="tool_calls" if tool else gen.finish_reason, created=exchange.created
+            call = Call(
+                rollout_id=rollout_id,
+                index=out.next.get(rollout_id, 0),
+                choice=choice,
+                api=exchange.api,
+                prompt_ids=exchange.prompt_ids,
+                parent=exchange.parent,
+                split=exchange.split,
+                model_version=gen.version,
+                response=reply,
+                reply_id=reply_id,
+                response_ids=gen.response_ids,
+                response_logprobs=gen.logprobs,
+                finish_reason=finish_reason,
+                created=exchange.created,
+                capped=exchange.capped and gen.finish_reason == "length",
+                latency_s=round(time.time() - exchange.created, 4),
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                grammar=sampling.grammar,
             )
-            fields |= dict(capped=exchange.capped and gen.finish_reason == "length")
-            fields |= dict(latency_s=round(time.time() - exchange.created, 4))
-            call = Call(**fields, **asked, **sampled)
             out.next[rollout_id] = call.index + 1
             if reply_id:
                 session.replies.setdefault(reply_id, []).append(call.index)
@@ -395,18 +440,20 @@ class Proxy:
     # ------------------------------------------------------------------ the other routes
 
     async def post_reward(self, request: web.Request):
-        """``{"reward": x}``: the rollout's reward, or with ``"call"`` one call's (its index or its reply's
-        id); ``"task"`` groups rollouts under train.py --from-calls. A bare number is ``{"reward": x}``."""
+        """``{"reward": x}``: the rollout's reward, or with ``"call"`` one call's (its index or its
+        reply's id); ``"task"`` groups rollouts under train.py --from-calls. A bare number is
+        ``{"reward": x}``."""
         rollout_id, body = await self.read(request, reward=True)
         body = body if isinstance(body, dict) else {"reward": body}
         reward, call, task = body.get("reward"), body.get("call"), body.get("task")
         is_number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
-        message = 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward one call)'
+        message = 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward '
+        message += "one call)"
         apis.expect(is_number and math.isfinite(reward), message, "reward", "invalid_type")
         task_ok = task is None or isinstance(task, str)
         message = (
-            "a reward has the keys reward, call (a call's index or reply id) and task (a string: rollouts "
-            "of one task form one advantage group under train.py --from-calls)"
+            "a reward has the keys reward, call (a call's index or reply id) and task (a string: "
+            "rollouts of one task form one advantage group under train.py --from-calls)"
         )
         # its code: "invalid_value"
         apis.expect(task_ok and set(body) <= {"reward", "call", "task"}, message, None)
@@ -426,7 +473,8 @@ class Proxy:
         return web.json_response(line)
 
     def _rewarded_call(self, session: Session, rollout_id: str, call: Any) -> int:
-        """A call of this rollout, named by its index (in its calls file) or by the id its reply had."""
+        """A call of this rollout, named by its index (in its calls file) or by the id its reply
+        had."""
         n = (session.out or self._out).next.get(rollout_id, 0)
         is_index = isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n
         by_id = isinstance(call, str)
@@ -452,25 +500,26 @@ class Proxy:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler):
-        """Every route: the API key when one is set, the bound on requests at once; every 4xx/5xx carries an
-        error body in the API's own format, and the server keeps serving."""
-        api = "anthropic" if "/v1/messages" in request.path else "openai"
+        """Every route: the API key when one is set, the bound on requests at once; every 4xx/5xx
+        carries an error body in the API's own format, and the server keeps serving."""
+        path = request.path
         auth = request.headers.get("Authorization", "")
         bearer = auth[:7].lower() == "bearer "
         key = auth[7:].strip() if bearer else request.headers.get("x-api-key", "")
         if self.api_key and not hmac.compare_digest(key.encode(), self.api_key.encode()):
-            message = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-            return _error(api, 401, message, code="invalid_api_key")
+            message = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or "
+            message += "'x-api-key: KEY'"
+            return _error(path, 401, message, code="invalid_api_key")
         if self.active >= self.max_requests:
             message = f"the proxy is handling {self.active} requests (its limit); retry shortly"
-            return _error(api, 429, message, code="too_many_requests", retry_after=1)
+            return _error(path, 429, message, code="too_many_requests", retry_after=1)
         self.active += 1
         try:
             return await handler(request)
         except BadRequest as e:
-            return _error(api, e.status, e.message, e.param, e.code)
+            return _error(path, e.status, e.message, e.param, e.code)
         except BackendError as e:
-            return _error(api, e.status, str(e), retry_after=e.retry_after)
+            return _error(path, e.status, str(e), retry_after=e.retry_after)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -479,14 +528,16 @@ class Proxy:
             messages[405] = f"method {request.method} is not allowed on {request.path}"
             messages[413] = f"request body too large (limit {self.max_body} bytes)"
             codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-            return _error(api, e.status, messages.get(e.status, e.reason), code=codes.get(e.status))
+            return _error(
+                path, e.status, messages.get(e.status, e.reason), code=codes.get(e.status)
+            )
         finally:
             self.active -= 1
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[self._guard])
         for prefix in ("", "/rollout/{rid}"):
-            for path, handler in ROUTES.items():
+            for path, handler in hooks.ROUTES.items():
                 app.router.add_post(prefix + path, functools.partial(handler, self))
             # GET and HEAD: harnesses probe their base URL (Claude Code)
             app.router.add_get(prefix or "/", self.health)
@@ -505,22 +556,20 @@ class Proxy:
 
 
 class BackendError(Exception):
-    """The backend failed a call (502), timed out (504) or is paused for a weight sync (429, before any stream
-    begins): an error body, or an error event in a begun stream."""
+    """The backend failed a call (502), timed out (504) or is paused for a weight sync (429, before
+    any stream begins): an error body, or an error event in a begun stream."""
 
     def __init__(self, message: str, status: int = 502, retry_after: Optional[float] = None):
         super().__init__(message)
         self.status, self.retry_after = status, retry_after
 
 
-def _error(api: str, status: int, message: str, param=None, code=None, retry_after=None):
-    """An error response in the API's own format (Anthropic's error types, or OpenAI's)."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    if api == "anthropic":
-        kind = anthropic.error_type(status)
-    elif status == 429:
-        kind = "rate_limit_error"
-    body = apis.error_body(api, message, kind, param, code)
+def _error(path: str, status: int, message: str, param=None, code=None, retry_after=None):
+    """An error response to a request for ``path``, in its API's own shape: an entry of
+    hooks.ERROR_SHAPES whose fragment the path holds (Anthropic's), else OpenAI's."""
+    shapes = [shape for fragment, shape in hooks.ERROR_SHAPES.items() if fragment in path]
+    error_body = shapes[0] if shapes else apis.error_body
+    body = error_body(status, message, param, code)
     headers = {"Retry-After": f"{retry_after:g}"} if retry_after else None
     return web.json_response(body, status=status, headers=headers)
 
@@ -545,30 +594,37 @@ class ProxyServer:
         self.proxy, self.host, self.port = proxy, host, port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
-        # unix_sockets: sandboxed rollouts' own Unix sockets (extras/isolation.py), once one is asked
-        self.runner, self.unix_sockets = None, None
+        self.runner = None
 
     def run(self, coroutine):
         """Run ``coroutine`` on the proxy's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def close_sockets(self, rollout_ids):
-        if self.unix_sockets:
-            self.unix_sockets.close(rollout_ids)
+        """Close these rollouts' own Unix sockets (extras/isolation.py), once they are done."""
+        if self.proxy.isolation is not None:
+            self.proxy.isolation.close_sockets(rollout_ids)
 
     def base_url(self, rollout_id: str) -> str:
         return f"{self.url}/rollout/{rollout_id}/v1"
 
     def endpoint(self, rollout_id: str, model: str, socket=False, api_key="sk-lightning-lite"):
-        """A new rollout's endpoint: with ``rollout_tokens``, its base URL carries a token only it knows and
-        its harness gets the reward key; ``socket``: a Unix socket of its own too, for a sandbox to bridge."""
-        isolation, socket_path = self.proxy.isolation, None
-        route = isolation.open_rollout(rollout_id) if isolation else rollout_id
-        if socket:
-            self.unix_sockets = self.unix_sockets or RolloutSockets(self)
-            socket_path = self.unix_sockets.open(rollout_id)
-        reward_key = isolation.reward_key if isolation else ""
+        """A new rollout's endpoint: with ``rollout_tokens``, its base URL carries a token only it
+        knows and its harness gets the reward key; ``socket``: a Unix socket of its own too, for a
+        sandbox to bridge (both extras/isolation.py)."""
+        isolation = self.proxy.isolation
+        if isolation is None:
+            if socket:
+                message = (
+                    "a rollout's own Unix socket (socket=True) needs Proxy(rollout_tokens=True)"
+                )
+                raise ValueError(message + " and lightning_lite/extras/isolation.py")
+            url = self.base_url(rollout_id)
+            return Endpoint(url, api_key, model, rollout_id, self.url, route=rollout_id)
+        route = isolation.open_rollout(rollout_id)
+        socket_path = isolation.open_socket(self, rollout_id) if socket else None
         url = self.base_url(route)
+        reward_key = isolation.reward_key
         return Endpoint(url, api_key, model, rollout_id, self.url, route, reward_key, socket_path)
 
     def start(self) -> "ProxyServer":
@@ -586,8 +642,8 @@ class ProxyServer:
         self.url = f"http://{self.host}:{self.port}"
 
     def stop(self):
-        if self.unix_sockets:
-            self.unix_sockets.close_all()
+        if self.proxy.isolation is not None:
+            self.proxy.isolation.close_sockets()
         if self.runner is not None:
             self.run(self.runner.cleanup())
             self.runner = None

@@ -1,12 +1,12 @@
-"""Tool calls in sampled text (chat.Renderer.sampled_text): the Hermes format, and the one place every format is
-looked up (``format_of``; the other families' are in extras/tool_formats.py). Hermes::
+"""Tool calls in sampled text (chat.Renderer.sampled_text): the Hermes format, and the one place
+every format is looked up (``format_of``, in hooks.TOOL_FORMATS; the other families' are in
+extras/tool_formats.py). Hermes::
 
     parse("hermes", 'Sure.\\n<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>')
     -> {"content": "Sure.", "reasoning": "", "tool_calls": [{"name": "f", "arguments": '{"x": 1}'}]}
 
-Reasoning: a think-tag pair (``think``) at the start of the reply; ``opened``: the generation prompt opened it,
-so the text starts inside (Qwen3.5, DeepSeek-R1).
-"""
+Reasoning: a think-tag pair (``think``) at the start of the reply; ``opened``: the generation prompt
+opened it, so the text starts inside (Qwen3.5, DeepSeek-R1)."""
 
 import ast
 import json
@@ -14,13 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-# The --tool-format choices: "hermes" is below, each other name is an entry of extras/tool_formats.FORMATS.
-FORMATS = tuple(
-    "hermes qwen3_coder llama3 mistral mistral_v11 deepseek deepseek_v31 harmony granite glm "
-    "longcat minimax minimax_m3 deepseek_v32 deepseek_v4 minicpm solar hy3_preview hy3 hunyuan "
-    "nemotron gigachat tool_calls_json intern longcat_json command_r olmo3 lfm2 minicpm3 step3 "
-    "gemma4 kimi functionary seed_oss function_tags".split()
-)
+from . import hooks
+
 # detect(): the name of the call a template renders, with the arguments {"llarg": "llval"}
 SENTINEL = "LLSENTINEL7f3a"
 
@@ -29,26 +24,29 @@ SENTINEL = "LLSENTINEL7f3a"
 class Format:
     """One family's way of writing tool calls: a few small functions and strings."""
 
-    # One call's text around its name and its arguments: what opens a forced call (``forced``) and what a
-    # constrained call's grammar writes around the arguments (extras/grammar.py).
+    # One call's text around its name and its arguments: what opens a forced call (``forced``) and
+    # what a constrained call's grammar writes around the arguments (extras/grammar.py).
     call: tuple[str, str, str]
-    # Is this the format, given a template's rendering of the SENTINEL call before and after the name?
+    # Is this the format, given a template's rendering of the SENTINEL call before and after the
+    # name?
     detect: Callable[[str, str], bool]
-    # blocks and stream are needed unless the format parses the whole reply itself (whole).
-    # (start, end, calls) of each call block of a reply that parses: the content is the text around them.
+    # blocks and stream are needed unless the format parses the whole reply itself (whole). (start,
+    # end, calls) of each call block of a reply that parses: the content is the text around them.
     blocks: Optional[Callable[[str], list[tuple[int, int, list[dict]]]]] = None
-    # What of a growing reply's content may stream: up_to(where a call begins), or all of it or nothing (Llama 3).
+    # What of a growing reply's content may stream: up_to(where a call begins), or all of it or
+    # nothing (Llama 3).
     stream: Optional[Callable[[str], str]] = None
-    # A format that parses the whole reply itself, reasoning included: (text, partial) -> parse()'s dict.
+    # A format that parses the whole reply itself, reasoning included: (text, partial) -> parse()'s
+    # dict.
     whole: Optional[Callable[[str, bool], dict]] = None
     # What opens a reply that is JSON (response_format), where the format has a place for it.
     json_reply: str = ""
-    # One message as the template takes it, from the normalized one: (message, template's message) -> that.
-    adjust: Optional[Callable[[dict, dict], dict]] = None
-    # A call's id holds its name, functions.NAME:K (Kimi): the ids of calls in the history are written so.
-    named_ids: bool = False
-    # Arguments written a parameter at a time, not as one JSON object: the text before a value ({name}: the key),
-    # after it, between two parameters, around a string (before, after, sep="", quote=""): a string is then text.
+    # The messages as the family's templates take them, from OpenAI's shape where the template
+    # renders calls (gpt-oss's reasoning beside a call, Kimi's call ids): messages -> messages.
+    messages: Optional[Callable[[list[dict]], list[dict]]] = None
+    # Arguments written a parameter at a time, not as one JSON object: the text before a value
+    # ({name}: the key), after it, between two parameters, around a string (before, after, sep="",
+    # quote=""): a string is then text.
     param: Optional[tuple[str, ...]] = None
 
 
@@ -63,8 +61,12 @@ def dumps(value) -> str:
 
 
 def write(fmt: str, name: str, arguments) -> str:
-    """One call as the format writes it (a history whose template drops calls, a prompt's example), from its parts:
-    write("hermes", "f", {"x": 1}) -> '<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>'."""
+    """One call as the format writes it (a history whose template drops calls, a prompt's example),
+    from its parts::
+
+        write("hermes", "f", {"x": 1})
+        -> '<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>'
+    """
     form = format_of(fmt)
     start, between, end = form.call
     if not form.param or not isinstance(arguments, dict):
@@ -77,8 +79,8 @@ def write(fmt: str, name: str, arguments) -> str:
 
 
 def call_from_json(obj) -> Optional[dict]:
-    """``{"name", "arguments" | "parameters", "id"?}``, or OpenAI's ``{"id", "type", "function": {...}}`` (Falcon3)
-    -> a call; None when it is not one."""
+    """``{"name", "arguments" | "parameters", "id"?}``, or OpenAI's ``{"id", "type", "function":
+    {...}}`` (Falcon3) -> a call; None when it is not one."""
     if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
         obj = {"id": obj.get("id"), **obj["function"]}
     obj = {**obj, "name": obj.get("name", obj.get("tool_name"))} if isinstance(obj, dict) else obj
@@ -88,7 +90,8 @@ def call_from_json(obj) -> Optional[dict]:
 
 
 def parse_arguments(args):
-    """Tool-call arguments -> a dict where they are JSON (compact and pretty JSON compare equal), else as given."""
+    """Tool-call arguments -> a dict where they are JSON (compact and pretty JSON compare equal),
+    else as given."""
     try:
         return json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError:
@@ -104,8 +107,8 @@ def python_literal(text: str):
 
 
 def calls_in(text: str) -> Optional[list[dict]]:
-    """A call or a list of calls written as JSON, or as a Python literal (arguments as a Python dict: Apriel) -> the
-    calls; None unless every one is a call."""
+    """A call or a list of calls written as JSON, or as a Python literal (arguments as a Python
+    dict: Apriel) -> the calls; None unless every one is a call."""
     value = parse_arguments(text)
     value = python_literal(text) if isinstance(value, str) else value
     calls = [call_from_json(o) for o in (value if isinstance(value, list) else [value])]
@@ -113,13 +116,15 @@ def calls_in(text: str) -> Optional[list[dict]]:
 
 
 def hold_back(text: str, markers) -> str:
-    """``text`` without a tail that may be the start of one of ``markers``: hold_back("a <tool", ["<tool_call>"]) -> "a "."""
+    """``text`` without a tail that may be the start of one of ``markers``: hold_back("a <tool",
+    ["<tool_call>"]) -> "a "."""
     n = max([k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])], default=0)
     return text[: len(text) - n]
 
 
 def up_to(opener: str) -> Callable[[str], str]:
-    """A ``Format.stream``: the content up to where a call begins, less a tail that may be its start."""
+    """A ``Format.stream``: the content up to where a call begins, less a tail that may be its
+    start."""
     return lambda text: text[: text.find(opener)] if opener in text else hold_back(text, [opener])
 
 
@@ -130,8 +135,9 @@ PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DO
 
 
 def tag_body(body: str) -> Optional[list[dict]]:
-    """One ``<tool_call>`` body: Hermes JSON or Qwen3-Coder's ``<function=N><parameter=A>V</parameter></function>``
-    (both formats read both; a parameter is a JSON value where it parses, else text). None: not a call."""
+    """One ``<tool_call>`` body: Hermes JSON or Qwen3-Coder's
+    ``<function=N><parameter=A>V</parameter></function>`` (both formats read both; a parameter is a
+    JSON value where it parses, else text). None: not a call."""
     if body.startswith(("{", "[")):
         return calls_in(body)
     m = FUNCTION_RE.fullmatch(body)
@@ -146,8 +152,8 @@ def hermes_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
     return [(m.start(), m.end(), calls) for m, calls in found if calls]
 
 
-# detect(): a call written as JSON up to its name's value, {"name": " (after "tool_call_id" too: StepFun; in OpenAI's
-# shape: Falcon3), maybe in a list
+# detect(): a call written as JSON up to its name's value, {"name": " (after "tool_call_id" too:
+# StepFun; in OpenAI's shape: Falcon3), maybe in a list
 JSON_CALL_OPENING = (
     r'\[?\s*\{\s*(?:"tool_call_id"\s*:\s*"[^"]*",\s*)?(?:"id"\s*:\s*"[^"]*",\s*"type"\s*:\s*"function",\s*'
     r'"function"\s*:\s*\{\s*)?"(?:tool_)?name"\s*:\s*"$'
@@ -161,20 +167,31 @@ HERMES = Format(
 )
 
 
-def format_of(name: Optional[str]) -> Optional[Format]:
-    """The format named ``name`` (None: no calls): the one place a format is looked up. The other families' are in
-    extras/tool_formats.py, imported when one is first asked for."""
-    if name in (None, "hermes"):
-        return HERMES if name else None
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; use one of {', '.join(FORMATS)}")
-    from .extras.tool_formats import FORMATS as others
+hooks.TOOL_FORMATS["hermes"] = HERMES
 
-    return others[name]
+
+def format_names() -> list[str]:
+    """The --tool-format choices: every registered format, in the order detect() tries them."""
+    return list(hooks.TOOL_FORMATS)
+
+
+def format_of(name: Optional[str]) -> Optional[Format]:
+    """The format named ``name`` (None: no calls): the one place a format is looked up, in
+    hooks.TOOL_FORMATS (Hermes here; the other families' from extras/tool_formats.py)."""
+    if name is None:
+        return None
+    if name not in hooks.TOOL_FORMATS:
+        message = f"unknown tool-call format {name!r}; use one of {', '.join(format_names())}"
+        # only Hermes registered: the families' formats are not loaded
+        if len(hooks.TOOL_FORMATS) == 1:
+            message += "; " + hooks.missing("every other family's format", "tool_formats")
+        raise ValueError(message)
+    return hooks.TOOL_FORMATS[name]
 
 
 def split_think(text: str, think, opened: bool) -> tuple[str, str, bool]:
-    """(reasoning, rest, closed) for a think block at the start of the reply; unclosed, all of it is reasoning.
+    """(reasoning, rest, closed) for a think block at the start of the reply; unclosed, all of it is
+    reasoning.
 
     >>> split_think("<think>hm</think>Hi", ("<think>", "</think>"), False)
     ('hm', 'Hi', True)
@@ -191,9 +208,9 @@ def split_think(text: str, think, opened: bool) -> tuple[str, str, bool]:
 
 
 def parse(fmt: Optional[str], text: str, think=None, opened: bool = False) -> dict:
-    """Sampled text -> ``{"content", "reasoning", "tool_calls": [{"id"?, "name", "arguments": JSON str}]}``, content
-    and reasoning stripped. A call whose body does not parse stays in the content: the harness sees what the model
-    wrote. ``fmt`` None: no calls (tool_choice "none")."""
+    """Sampled text -> ``{"content", "reasoning", "tool_calls": [{"id"?, "name", "arguments": JSON
+    str}]}``, content and reasoning stripped. A call whose body does not parse stays in the content:
+    the harness sees what the model wrote. ``fmt`` None: no calls (tool_choice "none")."""
     form = format_of(fmt)
     if form and form.whole:
         return form.whole(text, False)
@@ -207,9 +224,10 @@ def parse(fmt: Optional[str], text: str, think=None, opened: bool = False) -> di
 
 
 def visible(fmt: Optional[str], text: str, think=None, opened: bool = False) -> tuple[str, str]:
-    """(reasoning, content) that may be streamed while ``text`` still grows: each is a prefix of what ``parse``
-    gives for any longer text. Held back: a character split across tokens, the start of a marker, trailing
-    whitespace, and everything from the first call opening on (a call is sent whole, once parsed)."""
+    """(reasoning, content) that may be streamed while ``text`` still grows: each is a prefix of
+    what ``parse`` gives for any longer text. Held back: a character split across tokens, the start
+    of a marker, trailing whitespace, and everything from the first call opening on (a call is sent
+    whole, once parsed)."""
     text = text.rstrip("\ufffd")
     form = format_of(fmt)
     if form and form.whole:
@@ -225,22 +243,26 @@ def visible(fmt: Optional[str], text: str, think=None, opened: bool = False) -> 
 
 
 def forced(fmt: str, name: Optional[str], opened=False, think=("<think>", "</think>")) -> str:
-    """Text that opens a forced call (tool_choice) at the end of the prompt, and before the sampled text when
-    parsing. ``name`` "": the model picks the tool; None: a reply in JSON (response_format); ``opened``: the
-    prompt opened a think block, closed first. Hermes: '<tool_call>\\n{"name": "f", "arguments":' for "f"."""
+    """Text that opens a forced call (tool_choice) at the end of the prompt, and before the sampled
+    text when parsing. ``name`` "": the model picks the tool; None: a reply in JSON
+    (response_format); ``opened``: the prompt opened a think block, closed first. Hermes:
+    '<tool_call>\\n{"name": "f", "arguments":' for "f"."""
     form = format_of(fmt)
     start, before_args, _ = form.call
     opening = form.json_reply if name is None else start + (name + before_args if name else "")
     close_reasoning = think[1] + "\n\n" if opened and think and not form.whole else ""
-    # No space after the last ':': the model's own first token carries it (' {'), as the template writes it.
+    # No space after the last ':': the model's own first token carries it (' {'), as the template
+    # writes it.
     return close_reasoning + opening.rstrip(" ")
 
 
 def detect(rendered: str) -> Optional[str]:
-    """The format of a chat template, from its rendering of an assistant turn holding one call named ``SENTINEL``
-    with arguments ``{"llarg": "llval"}``; None when it did not render the call or in no known way."""
+    """The format of a chat template, from its rendering of an assistant turn holding one call named
+    ``SENTINEL`` with arguments ``{"llarg": "llval"}``; None when it did not render the call or in
+    no known way."""
     # Kimi's templates write no name, only the call's id
     before, _, after = rendered.partition(SENTINEL)
     if "llval" not in rendered:
         return None
-    return next((name for name in FORMATS if format_of(name).detect(before, after)), None)
+    found = (name for name, form in hooks.TOOL_FORMATS.items() if form.detect(before, after))
+    return next(found, None)

@@ -16,7 +16,8 @@ import requests
 from lightning_lite import apis
 from lightning_lite.extras import anthropic, responses
 from lightning_lite.backends import Generation
-from lightning_lite.chat import Renderer, _short_id
+from lightning_lite.chat import Renderer
+from lightning_lite.extras.tool_formats import short_id
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import full_prompt, read_calls
 from lightning_lite.samples import build_batch_samples
@@ -266,7 +267,9 @@ DETECTED = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_detection(family, tok):
     r = Renderer(family_tokenizer(tok, family))
-    assert (r.native_tools, r.format, r.think, r.short_ids, r.merge_roles) == DETECTED[family]
+    short_ids = "short_ids" in r.dialects
+    merge_roles = "merge_roles" in r.dialects
+    assert (r.native_tools, r.format, r.think, short_ids, merge_roles) == DETECTED[family]
     assert (
         any(r.turn_close.startswith(e) for e in FAMILIES[family][3]) or family == "fixture:gpt_oss"
     )  # its turns close with <|end|>
@@ -671,7 +674,9 @@ def converse(
         assert len(set(ids)) == len(ids)
         if isinstance(api, Chat):
             assert all(
-                re.fullmatch("[A-Za-z0-9]{9}" if fam.r.short_ids else "call_[0-9a-f]{24}", i)
+                re.fullmatch(
+                    "[A-Za-z0-9]{9}" if "short_ids" in fam.r.dialects else "call_[0-9a-f]{24}", i
+                )
                 for i in ids
             ), ids
         for d in j.get("deltas", []):  # no tool-call markup leaks into streamed content
@@ -1100,8 +1105,8 @@ def test_mistral_takes_any_client_id_as_nine_alphanumerics(family, families):
             else ("toolu_01A09q90qw90lq917835lq9",)
         ):
             assert (
-                re.fullmatch("[A-Za-z0-9]{9}", _short_id(client_id))
-                and prompt.count(_short_id(client_id)) == 2
+                re.fullmatch("[A-Za-z0-9]{9}", short_id(client_id))
+                and prompt.count(short_id(client_id)) == 2
             ), prompt  # call, result
 
 

@@ -451,8 +451,11 @@ def test_error_types_follow_each_apis_status():
     """Every error answer takes its type from its status, as OpenAI and Anthropic document them."""
     from lightning_lite.proxy import _error
 
+    # a path of each API
+    paths = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
+
     def kind(api, status):
-        return json.loads(_error(api, status, "m").text)["error"]["type"]
+        return json.loads(_error(paths[api], status, "m").text)["error"]["type"]
 
     statuses = (400, 401, 404, 405, 413, 429, 502, 504)
     assert [kind("anthropic", s) for s in statuses] == [
@@ -468,8 +471,8 @@ def test_error_types_follow_each_apis_status():
     assert [kind("openai", s) for s in statuses] == ["invalid_request_error"] * 5 + [
         "rate_limit_error"
     ] + ["server_error"] * 2
-    assert _error("openai", 429, "m", retry_after=2.5).headers["Retry-After"] == "2.5"
-    assert "Retry-After" not in _error("anthropic", 502, "m").headers
+    assert _error(paths["openai"], 429, "m", retry_after=2.5).headers["Retry-After"] == "2.5"
+    assert "Retry-After" not in _error(paths["anthropic"], 502, "m").headers
 
 
 def test_reward_endpoint(server):
@@ -663,3 +666,39 @@ def test_samples_cli_on_calls_recorded_by_the_proxy(server, tmp_path):
         assert len(s["tokens"]) == len(s["loss_mask"]) == len(s["logprobs"])
         assert all(lp == 0.0 for m, lp in zip(s["loss_mask"], s["logprobs"]) if not m)
     assert sum(sum(s["loss_mask"]) for s in mine) == sum(len(c.response_ids) for c in calls)
+
+
+def test_the_core_takes_its_plain_path_where_an_extra_is_missing(tok, monkeypatch):
+    """hooks.grammar None: a forced call is opened by the prompt alone, its arguments unconstrained;
+    hooks.isolation None: rollout_tokens is refused naming extras/isolation.py; a rollout's own socket
+    needs rollout_tokens; an unknown tool-call format lists the registered ones."""
+    from types import SimpleNamespace
+
+    from lightning_lite import hooks, toolcalls
+    from lightning_lite.apis import parse_chat_request
+    from lightning_lite.proxy import Exchange, Proxy, ProxyServer, Session
+
+    backend = SimpleNamespace(max_model_len=8192, paused=False, eos_ids=None)
+    proxy = Proxy(backend, tok)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "2+3?"}], "tools": tools}
+    body["tool_choice"] = {"type": "function", "function": {"name": "calc"}}
+    monkeypatch.setattr(hooks, "grammar", None)
+    req = parse_chat_request(body, {})
+    exchange = Exchange("r", Session(), "chat", req)
+    proxy.build_prompt(exchange)
+    assert exchange.forced == '<tool_call>\n{"name": "calc", "arguments":'
+    assert req.sampling.grammar is None
+    assert tok.decode(exchange.prompt_ids).endswith(exchange.forced)
+    with pytest.raises(
+        ValueError, match="needs Proxy.rollout_tokens=True. and .*extras/isolation.py"
+    ):
+        ProxyServer(proxy).endpoint("r", "m", socket=True)
+    monkeypatch.setattr(hooks, "isolation", None)
+    with pytest.raises(ValueError, match="rollout_tokens needs lightning_lite/extras/isolation.py"):
+        Proxy(backend, tok, rollout_tokens=True)
+    with pytest.raises(ValueError, match="unknown tool-call format 'nope'; use one of hermes, "):
+        toolcalls.format_of("nope")
+    monkeypatch.setattr(hooks, "TOOL_FORMATS", {"hermes": toolcalls.HERMES})
+    with pytest.raises(ValueError, match="needs lightning_lite/extras/tool_formats.py"):
+        toolcalls.format_of("mistral")

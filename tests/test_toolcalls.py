@@ -8,7 +8,18 @@ import os
 import pytest
 
 from lightning_lite.chat import think_tags
-from lightning_lite.toolcalls import FORMATS, SENTINEL, detect, forced, format_of, parse, visible
+from lightning_lite.toolcalls import (
+    SENTINEL,
+    detect,
+    forced,
+    format_names,
+    format_of,
+    parse,
+    visible,
+)
+
+# every registered format (conftest loaded extras/tool_formats.py), in detection order
+FORMATS = format_names()
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "fixtures", "templates")
 THINK = ("<think>", "</think>")
@@ -388,10 +399,18 @@ def test_minimax_m3_values_and_namespaced_think_tags():
 
 
 def test_the_format_names_are_the_formats_in_the_table():
-    """--tool-format's choices (toolcalls.FORMATS) name Hermes and every format of extras/tool_formats.py."""
+    """--tool-format's choices (toolcalls.format_names(), hooks.TOOL_FORMATS) name Hermes and every format of
+    extras/tool_formats.py, in the order detect() tries them (the one the hand-kept tuple had)."""
     from lightning_lite.extras import tool_formats
 
-    assert FORMATS == ("hermes", *tool_formats.FORMATS)
+    assert FORMATS == ["hermes", *tool_formats.FORMATS]
+    assert FORMATS == [
+        *("hermes", "qwen3_coder", "llama3", "mistral", "mistral_v11", "deepseek", "deepseek_v31"),
+        *("harmony", "granite", "glm", "longcat", "minimax", "minimax_m3", "deepseek_v32"),
+        *("deepseek_v4", "minicpm", "solar", "hy3_preview", "hy3", "hunyuan", "nemotron"),
+        *("gigachat", "tool_calls_json", "intern", "longcat_json", "command_r", "olmo3", "lfm2"),
+        *("minicpm3", "step3", "gemma4", "kimi", "functionary", "seed_oss", "function_tags"),
+    ]
 
 
 def test_hermes_keeps_the_earlier_parser_behaviour():

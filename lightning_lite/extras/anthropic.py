@@ -1,7 +1,8 @@
-"""Anthropic Messages (``/v1/messages``, what Claude Code sends; README "Serving and recording") and its
-``/v1/messages/count_tokens``. Its hooks: the lines ``"/v1/messages"`` and ``"/v1/messages/count_tokens"`` of
-proxy.ROUTES; a request becomes the same :class:`~chat.Request` as a chat completion's and takes the same path
-(``Proxy.converse``); errors take Anthropic's shape (proxy._error)."""
+"""Anthropic Messages (``/v1/messages``, what Claude Code sends; README "Serving and recording") and
+its ``/v1/messages/count_tokens``. Its hooks, filled at the bottom: the routes ``"/v1/messages"``
+and ``"/v1/messages/count_tokens"`` in hooks.ROUTES, and Anthropic's error body on them in
+hooks.ERROR_SHAPES. A request becomes the same :class:`~chat.Request` as a chat completion's and
+takes the same path (``Proxy.converse``)."""
 
 import json
 import uuid
@@ -9,13 +10,27 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from ..apis import client_finish, convert, error_body, expect, messages_of, must_be, response_format
-from ..apis import rest, settings, sse, text_of, tools_of
+from .. import hooks
+from ..apis import (
+    client_finish,
+    convert,
+    expect,
+    messages_of,
+    must_be,
+    response_format,
+    rest,
+    settings,
+    sse,
+    text_of,
+    tools_of,
+)
 from ..chat import BadRequest, Request, parse_arguments
+from ..proxy import conversation
 
 
 def open_messages(body: Any, memo: dict, proxy):
-    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's length."""
+    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's
+    length."""
     req = parse_anthropic_request(body, memo)
     return req, lambda n_prompt: AnthropicReply(req, proxy.model_name, n_prompt)
 
@@ -27,15 +42,29 @@ async def count_tokens(proxy, request: web.Request):
     return web.json_response({"input_tokens": len(prompt_ids)})
 
 
-def error_type(status: int) -> str:
-    """The type of Anthropic's error body for an HTTP status (proxy._error)."""
-    types = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
-    types |= {413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error"}
-    return types.get(status, "api_error" if status >= 500 else "invalid_request_error")
+# The type of Anthropic's error body for an HTTP status; other statuses: api_error from 500 on,
+# invalid_request_error below.
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+}
+
+
+def error_body(status: int, message: str, param=None, code=None) -> dict:
+    """Anthropic's error body for an HTTP status (its hook: hooks.ERROR_SHAPES); it has no param or
+    code."""
+    kind = "api_error" if status >= 500 else "invalid_request_error"
+    kind = ERROR_TYPES.get(status, kind)
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _to_messages(m: Any, i: int) -> list[dict]:
-    """One Anthropic message -> one tool message per tool_result block, then the turn's text and calls."""
+    """One Anthropic message -> one tool message per tool_result block, then the turn's text and
+    calls."""
     where, out = f"messages[{i}]", []
     expect(isinstance(m, dict), f"'{where}' must be an object", where)
     role = m.get("role")
@@ -133,8 +162,8 @@ class AnthropicReply:
         return _event("content_block_delta", index=self.index, delta=delta)
 
     def _delta(self, kind: str, delta: str) -> bytes:
-        """``delta`` in the open block of this kind ("thinking" or "text"), closing the other and starting
-        this one first."""
+        """``delta`` in the open block of this kind ("thinking" or "text"), closing the other and
+        starting this one first."""
         block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
         out = b"" if self.open == kind else self._start(block)
         return out + self._block_delta({"type": kind + "_delta", kind: delta})
@@ -178,4 +207,10 @@ class AnthropicReply:
         return b"".join(out)
 
     def error(self, message: str) -> bytes:
-        return sse(error_body("anthropic", message, "api_error"), "error")
+        return sse(error_body(500, message), "error")
+
+
+# Its routes (``?beta=true`` too), and its errors' shape on them.
+hooks.ROUTES["/v1/messages"] = conversation("anthropic", open_messages)
+hooks.ROUTES["/v1/messages/count_tokens"] = count_tokens
+hooks.ERROR_SHAPES["/v1/messages"] = error_body

@@ -1,13 +1,16 @@
-"""/v1/completions: a prompt (text or token ids) in, its continuation out, no chat template. Its hook: the route
-``"/v1/completions": completions.complete`` in proxy.ROUTES. Each choice is recorded as its own call."""
+"""/v1/completions: a prompt (text or token ids) in, its continuation out, no chat template. Its
+hook, filled at the bottom: the route ``"/v1/completions"`` in hooks.ROUTES. Each choice is recorded
+as its own call."""
 
 import re
 from typing import Any
 
 from aiohttp import web
 
+from .. import hooks
 from ..apis import client_finish, expect, json_object, openai_head, openai_settings, sse, usage
 from ..chat import BadRequest, Request
+from ..proxy import Exchange, Session, sse_start
 
 
 def parse_completions_request(body: Any) -> Request:
@@ -29,9 +32,8 @@ def parse_completions_request(body: Any) -> Request:
 
 
 async def complete(proxy, request: web.Request):
-    """The route: parse -> the prompt's ids -> generate -> record -> reply (a stream is sent once generated)."""
-    from ..proxy import Exchange, Session, sse_start
-
+    """The route: parse -> the prompt's ids -> generate -> record -> reply (a stream is sent once
+    generated)."""
     rollout_id, body = await proxy.read(request)
     req = parse_completions_request(body)
     prompt_ids = req.prompt_ids if req.prompt_ids is not None else proxy.tok.encode(req.prompt_text)
@@ -53,7 +55,8 @@ async def complete(proxy, request: web.Request):
 
 
 class CompletionsReply:
-    """/v1/completions: ``answers`` are (call, text) pairs; a stream is sent once generated, in word-sized pieces."""
+    """/v1/completions: ``answers`` are (call, text) pairs; a stream is sent once generated, in
+    word-sized pieces."""
 
     def __init__(self, req: Request, model: str, n_prompt: int, tok=None):
         self.req, self.n_prompt, self.tok = req, n_prompt, tok
@@ -84,3 +87,6 @@ class CompletionsReply:
         if self.req.include_usage:
             out.append(sse({**self.head, "choices": [], "usage": usage(self.n_prompt, answers)}))
         return b"".join(out) + b"data: [DONE]\n\n"
+
+
+hooks.ROUTES["/v1/completions"] = complete

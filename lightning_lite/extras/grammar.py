@@ -20,12 +20,14 @@ tool-call format it reads only ``Format.call``, the call's text around its argum
 
 import json
 import re
+import sys
 from typing import Optional
 
 import llguidance
 import llguidance.hf
 import torch
 
+from .. import hooks
 from ..algo import unpack_bits
 from ..chat import BadRequest
 from ..records import Sample
@@ -221,3 +223,8 @@ def sample_masks(s: Sample, tok, n_vocab: int) -> Optional[tuple[list[int], torc
 def forced(masks: torch.Tensor) -> int:
     """How many of these packed masks allow a single token: tokens the grammar forced (logprob 0, no gradient)."""
     return int((unpack_bits(masks, 32 * masks.shape[1]).sum(1) == 1).sum())
+
+
+# Its hook: the proxy constrains forced calls through this module, the backend samples under its
+# Matcher, the trainer replays its sample_masks (hooks.grammar).
+hooks.grammar = sys.modules[__name__]

@@ -1,22 +1,36 @@
-"""The OpenAI Responses API (``/v1/responses``, what Codex sends; README "Serving and recording"). Its hook: the
-line ``"/v1/responses"`` of proxy.ROUTES; a request becomes the same :class:`~chat.Request` as a chat
-completion's and takes the same path (``Proxy.converse``). ``previous_response_id`` names an earlier response of
-the same rollout: its conversation (input + output) is kept in the rollout's memo for this API."""
+"""The OpenAI Responses API (``/v1/responses``, what Codex sends; README "Serving and recording").
+Its hook, filled at the bottom: the route ``"/v1/responses"`` in hooks.ROUTES. A request becomes the
+same :class:`~chat.Request` as a chat completion's and takes the same path (``Proxy.converse``).
+``previous_response_id`` names an earlier response of the same rollout: its conversation (input +
+output) is kept in the rollout's memo for this API."""
 
 import json
 import time
 import uuid
 from typing import Any, Callable, Optional
 
-from ..apis import client_finish, convert, expect, json_object, must_be, response_format, rest
-from ..apis import settings, sse, text_of, tools_of
+from .. import hooks
+from ..apis import (
+    client_finish,
+    convert,
+    expect,
+    json_object,
+    must_be,
+    response_format,
+    rest,
+    settings,
+    sse,
+    text_of,
+    tools_of,
+)
 from ..chat import ROLES, BadRequest, Request, parse_arguments
+from ..proxy import conversation
 
 
 def open_responses(body: Any, memo: dict, proxy):
-    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's length. The
-    writer keeps the answered conversation under its response id (``memo["responses"]``), for a request that
-    continues it."""
+    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's
+    length. The writer keeps the answered conversation under its response id
+    (``memo["responses"]``), for a request that continues it."""
     conversations = memo.setdefault("responses", {})
 
     def previous(response_id: str) -> list[dict]:
@@ -108,7 +122,8 @@ class ResponsesReply:
     def __init__(
         self, req: Request, model: str, n_prompt: int, previous_id=None, conversations=None
     ):
-        """``conversations``: response id -> its conversation, where this one's is kept once answered."""
+        """``conversations``: response id -> its conversation, where this one's is kept once
+        answered."""
         self.req, self.n_prompt, self.seq, self.model = req, n_prompt, 0, req.model or model
         self.id, self.msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         self.created, self.previous_id = int(time.time()), previous_id
@@ -176,7 +191,8 @@ class ResponsesReply:
         return created + self._event("response.in_progress", response=response)
 
     def _begin(self, kind: str, item: dict, part: dict) -> bytes:
-        """Unless an item of this kind is open: end the reasoning if open, then add the item and its part."""
+        """Unless an item of this kind is open: end the reasoning if open, then add the item and its
+        part."""
         if self.open == kind:
             return b""
         out = self._done(self._reasoning_item(self.thought)) if self.open == "reasoning" else b""
@@ -197,8 +213,8 @@ class ResponsesReply:
         return out + self._event("response.output_text.delta", **at, delta=delta, logprobs=[])
 
     def _done(self, item: dict) -> bytes:
-        """The events that end the open item (the reasoning or the message): its text, its content part,
-        itself."""
+        """The events that end the open item (the reasoning or the message): its text, its content
+        part, itself."""
         part, at = item["content"][0], self._at(item["id"])
         logprobs = {"logprobs": []} if item["type"] == "message" else {}
         out = self._event(f"response.{part['type']}.done", **at, text=part["text"], **logprobs)
@@ -232,3 +248,6 @@ class ResponsesReply:
 
     def error(self, message: str) -> bytes:
         return self._event("error", code="server_error", message=message, param=None)
+
+
+hooks.ROUTES["/v1/responses"] = conversation("responses", open_responses)

@@ -1,5 +1,5 @@
-"""Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in ``FORMATS``, the table
-toolcalls.py looks a format up in (its one hook). How each family writes one call:
+"""Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in
+``FORMATS``. How each family writes one call:
 
     qwen3_coder   <tool_call>\\n<function=N>\\n<parameter=A>\\nV\\n</parameter>\\n</function>\\n</tool_call>   Qwen3-Coder, Qwen3.5
     llama3        {"name": N, "parameters": {...}}  (the whole reply, maybe after <|python_tag|>)   Llama 3.1-3.3
@@ -14,16 +14,20 @@ toolcalls.py looks a format up in (its one hook). How each family writes one cal
     nemotron, gigachat, tool_calls_json, intern, longcat_json   JSON after a marker (``json_tagged``): <TOOLCALL>[...]
     olmo3, lfm2   Python calls [N(a="v")]; gemma4  <|tool_call>call:N{a:<|"|>v<|"|>}; kimi  functions.N:K ids; hunyuan
 
-Both mistral names and both deepseek names parse either shape; they differ in how a call is forced and detected.
-qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions here, its entry in ``FORMATS``, its name in ``toolcalls.FORMATS``.
-"""
+Both mistral names and both deepseek names parse either shape; they differ in how a call is forced
+and detected. qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions
+here, its entry in ``FORMATS``. Its hook, filled at the bottom: every entry of ``FORMATS`` into
+hooks.TOOL_FORMATS, in order (after Hermes, the core's): the order toolcalls.detect() tries them in,
+and --tool-format lists them in."""
 
 import ast
+import hashlib
 import json
 import re
 from dataclasses import replace
 from typing import Optional
 
+from .. import hooks
 from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
 from ..toolcalls import JSON_CALL_OPENING, calls_in, up_to
 
@@ -33,7 +37,13 @@ DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 DS_CLOSE = DS_CALL_END + DS_END
 HARMONY_MARKERS = (
-    "<|start|> <|channel|> <|message|> <|constrain|> <|end|> <|call|> <|return|>".split()
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|constrain|>",
+    "<|end|>",
+    "<|call|>",
+    "<|return|>",
 )
 
 DS_UNIT = re.compile(
@@ -48,7 +58,8 @@ CALL_SEPARATORS = re.compile(r"[\s;]*")
 
 
 def json_call_after(before: str) -> Optional[str]:
-    """For ``detect``: the rendering before a call written as JSON (``[{"name": "``), stripped; None if not JSON."""
+    """For ``detect``: the rendering before a call written as JSON (``[{"name": "``), stripped; None
+    if not JSON."""
     m = re.search(JSON_CALL_OPENING, before)
     return before[: m.start()].rstrip() if m else None
 
@@ -71,14 +82,16 @@ def json_calls(text: str, i: int):
 
 
 def regex_blocks(pattern: re.Pattern, read):
-    """A ``Format.blocks``: each match of ``pattern`` whose group 1 ``read`` turns into calls (None: not calls)."""
+    """A ``Format.blocks``: each match of ``pattern`` whose group 1 ``read`` turns into calls (None:
+    not calls)."""
     return lambda text: [
         (m.start(), m.end(), c) for m in pattern.finditer(text) if (c := read(m.group(1)))
     ]
 
 
 def flex(text: str) -> str:
-    """A regex for the literal ``text`` in which each run of whitespace may be any whitespace, or none."""
+    """A regex for the literal ``text`` in which each run of whitespace may be any whitespace, or
+    none."""
     return r"\s*".join(map(re.escape, re.split(r"\s+", text)))
 
 
@@ -88,7 +101,8 @@ def region(start: str, end: str) -> re.Pattern:
 
 
 def each(unit: re.Pattern, read):
-    """A region's calls: every match of ``unit`` read into one (``read(match)``, None: not a call), nothing else."""
+    """A region's calls: every match of ``unit`` read into one (``read(match)``, None: not a call),
+    nothing else."""
 
     def calls(text: str) -> Optional[list[dict]]:
         found = [read(m) for m in unit.finditer(text)]
@@ -103,7 +117,8 @@ def dict_call(name: str, arguments: str, id: Optional[str] = None) -> Optional[d
 
 
 def marker_blocks(marker: str, read):
-    """A ``Format.blocks``: each ``marker`` followed by what ``read(text, i)`` parses into ``(calls, end)``."""
+    """A ``Format.blocks``: each ``marker`` followed by what ``read(text, i)`` parses into ``(calls,
+    end)``."""
 
     def blocks(text: str):
         out, i = [], text.find(marker)
@@ -141,9 +156,12 @@ def deepseek_call(m: re.Match) -> Optional[dict]:
 
 
 def llama3_blocks(text: str):
-    """Calls only when the whole reply is call JSON (``;``- or space-separated): prose with JSON in it is content.
+    """Calls only when the whole reply is call JSON (``;``- or space-separated): prose with JSON in
+    it is content.
 
-    '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}' -> two calls; 'Use {"name": ...}' -> none."""
+    '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}' -> two calls
+    'Use {"name": ...}' -> none
+    """
     rest, i, calls = text.strip().removeprefix(PYTHON_TAG), 0, []
     while (i := CALL_SEPARATORS.match(rest, i).end()) < len(rest):
         value = json_at(rest, i)
@@ -168,9 +186,10 @@ def _join(parts: list[str]) -> str:
 
 
 def harmony(text: str, partial: bool) -> dict:
-    """gpt-oss messages ``[<|start|>assistant]<|channel|>C [to=R] ...<|message|>BODY<|end|>``: the analysis channel
-    is the reasoning, a recipient (``to=functions.N``) makes a call, the rest (final, preambles) is the content.
-    ``partial``: the text is still growing, so stop before the first call or unfinished header."""
+    """gpt-oss messages ``[<|start|>assistant]<|channel|>C [to=R] ...<|message|>BODY<|end|>``: the
+    analysis channel is the reasoning, a recipient (``to=functions.N``) makes a call, the rest
+    (final, preambles) is the content. ``partial``: the text is still growing, so stop before the
+    first call or unfinished header."""
     text = hold_back(text, HARMONY_MARKERS) if partial else text
     reasoning, content, calls = [], [], []
     segments = text.split("<|start|>")
@@ -199,12 +218,94 @@ def harmony(text: str, partial: bool) -> dict:
     return {"content": _join(content), "reasoning": _join(reasoning), "tool_calls": calls}
 
 
-def harmony_message(message: dict, rendered: dict) -> dict:
-    """gpt-oss's template refuses content and reasoning both next to a call: they share its one slot, the analysis."""
-    if message.get("reasoning") and message.get("tool_calls") and message["content"]:
-        thinking = message["reasoning"] + "\n\n" + message["content"]
-        return {**rendered, "content": "", "thinking": thinking}
-    return rendered
+def harmony_messages(messages: list[dict]) -> list[dict]:
+    """gpt-oss's template refuses content and reasoning both next to a call: they share its one
+    slot, the analysis."""
+    out = []
+    for m in messages:
+        if m.get("thinking") and m.get("tool_calls") and m["content"]:
+            m = {**m, "content": "", "thinking": m["thinking"] + "\n\n" + m["content"]}
+        out.append(m)
+    return out
+
+
+def kimi_messages(messages: list[dict]) -> list[dict]:
+    """Kimi's templates name a call by its id, functions.NAME:K for the conversation's K-th call:
+    other ids are written so, a call's and its result's alike."""
+    named, out = {}, []
+    for m in messages:
+        calls = []
+        for call in m.get("tool_calls") or ():
+            if not call["id"].startswith("functions."):
+                name = call["function"]["name"]
+                named.setdefault(call["id"], f"functions.{name}:{len(named)}")
+            calls.append({**call, "id": named.get(call["id"], call["id"])})
+        if calls:
+            m = {**m, "tool_calls": calls}
+        if m["role"] == "tool":
+            m = {**m, "tool_call_id": named.get(m["tool_call_id"], m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
+# ----------------------------------------------------------------------------- templates' dialects
+# What some templates want of the messages besides OpenAI's shape (hooks.TEMPLATE_DIALECTS):
+# chat.Renderer probes which a template needs, and writes every conversation in them.
+
+
+def short_id(s: str) -> str:
+    """``s`` as 9 alphanumerics (Mistral's templates accept no other tool-call id): kept when it is
+    one, otherwise a hash of it, so a call and its result keep matching ids. The Anthropic API hands
+    the proxy's ids out as ``toolu_`` + the id: they come back as the id the model sampled."""
+    core = s.removeprefix("toolu_")
+    if len(core) == 9 and core.isalnum():
+        return core
+    n = int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return "".join(alphabet[(n >> (6 * i)) % 62] for i in range(9))
+
+
+def short_ids(messages: list[dict]) -> list[dict]:
+    """Every call id as 9 alphanumerics (``short_id``; Mistral)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": short_id(c["id"])} for c in m["tool_calls"]]}
+        if m["role"] == "tool":
+            m = {**m, "tool_call_id": short_id(m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
+def string_args(messages: list[dict]) -> list[dict]:
+    """Each call's arguments as a JSON string: DeepSeek-R1's templates write them as given."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                arguments = json.dumps(c["function"]["arguments"], ensure_ascii=False)
+                calls.append({**c, "function": {**c["function"], "arguments": arguments}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def merge_roles(messages: list[dict]) -> list[dict]:
+    """Two messages in a row of one role as one, but for tool results and calls: Gemma's and
+    Mistral's templates want roles to alternate (and the Hermes fallback writes tool results as user
+    turns). A turn of tool results is not merged into the turn before it: a result with no call
+    before it stays the template's to refuse."""
+    out = []
+    for m in messages:
+        results = m["role"] == "tool" or m["content"].startswith("<tool_response>")
+        mergeable = not results and not m.get("tool_calls")
+        previous = out[-1] if out else {}
+        if mergeable and previous.get("role") == m["role"] and not previous.get("tool_calls"):
+            out[-1] = {**previous, "content": previous["content"] + "\n\n" + m["content"]}
+        else:
+            out.append(m)
+    return out
 
 
 MISTRAL = Format(
@@ -222,11 +323,12 @@ DEEPSEEK = Format(
 
 
 def tagged(start: str, between: str, end: str, param: tuple[str, str], block=("", "")) -> Format:
-    """Calls as tags, a tag a parameter (GLM, MiniMax, DeepSeek-V3.2 and V4, MiniCPM): ``block[0]``, then for each call
-    ``start`` NAME ``between`` its parameters ``end``, then ``block[1]``. A parameter: ``param[0]`` with its key for
-    {name}, its value (JSON where it parses, else text; one newline around it is the tags'), ``param[1]``. A run of
-    whitespace in them may be any, or none: GLM 4.5's ``<tool_call>f\\n<arg_key>city</arg_key>\\n<arg_value>Paris
-    </arg_value>\\n</tool_call>`` and GLM 5's, without the newlines, are both f({"city": "Paris"})."""
+    """Calls as tags, a tag a parameter (GLM, MiniMax, DeepSeek-V3.2 and V4, MiniCPM): ``block[0]``,
+    then for each call ``start`` NAME ``between`` its parameters ``end``, then ``block[1]``. A
+    parameter: ``param[0]`` with its key for {name}, its value (JSON where it parses, else text; one
+    newline around it is the tags'), ``param[1]``. A run of whitespace in them may be any, or none:
+    GLM 4.5's ``<tool_call>f\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n</tool_call>``
+    and GLM 5's, without the newlines, are both f({"city": "Paris"})."""
     key_start, key_end = param[0].split("{name}")
     # DeepSeek's string="true" | "false" after the key: any attributes
     key_end = r'"[^>]*>' if key_end.startswith('"') else flex(key_end.rstrip())
@@ -238,7 +340,8 @@ def tagged(start: str, between: str, end: str, param: tuple[str, str], block=(""
     )
 
     def value(text: str):
-        """A parameter's value; MiniMax M3 writes an object's as its keys' tags, a list's as <item> tags."""
+        """A parameter's value; MiniMax M3 writes an object's as its keys' tags, a list's as <item>
+        tags."""
         inner = param_re.findall(text) if "{name}" in param[1] else []
         if not inner or param_re.sub("", text).strip():
             return parse_arguments(text)
@@ -260,8 +363,8 @@ def tagged(start: str, between: str, end: str, param: tuple[str, str], block=(""
 
 
 def glm(prefix: str = "", suffix: str = "", sep: str = "", block: bool = False) -> Format:
-    """GLM's calls (Ring, Laguna, HyperCLOVAX too), its tags with a ``prefix`` (LongCat) or ``suffix`` and a ``sep``
-    tag after the name inside a ``block`` (Hy3)."""
+    """GLM's calls (Ring, Laguna, HyperCLOVAX too), its tags with a ``prefix`` (LongCat) or
+    ``suffix`` and a ``sep`` tag after the name inside a ``block`` (Hy3)."""
     tag = lambda name, close="": f"<{close}{prefix}{name}{suffix}>"
     key = tag("arg_key") + "{name}" + tag("arg_key", "/") + "\n" + tag("arg_value")
     blocked = (tag("tool_calls") + "\n", "\n" + tag("tool_calls", "/")) if block else ("", "")
@@ -278,7 +381,8 @@ def dsml(block: str) -> Format:
 
 def json_tagged(start: str, end: str = "", listed: bool = False) -> Format:
     """Calls as JSON (a list of them where ``listed``) after ``start``, up to ``end``: Nemotron's
-    ``<TOOLCALL>[{"name": N, "arguments": {...}}]</TOOLCALL>``; the arguments may be a Python dict (Apriel)."""
+    ``<TOOLCALL>[{"name": N, "arguments": {...}}]</TOOLCALL>``; the arguments may be a Python dict
+    (Apriel)."""
 
     read = lambda body: calls_in(body.strip())
     left, right = ("[", "]") if listed else ("", "")
@@ -288,7 +392,8 @@ def json_tagged(start: str, end: str = "", listed: bool = False) -> Format:
 
 
 class _JsonConstants(ast.NodeTransformer):
-    """JSON's true, false and null as Python's constants: OLMo 3's templates write them into Python calls."""
+    """JSON's true, false and null as Python's constants: OLMo 3's templates write them into Python
+    calls."""
 
     def visit_Name(self, node):
         constants = {"true": True, "false": False, "null": None}
@@ -296,7 +401,8 @@ class _JsonConstants(ast.NodeTransformer):
 
 
 def pythonic_calls(body: str) -> Optional[list[dict]]:
-    """``[f(a=1), g()]``, or one call a line, with literal keyword arguments (OLMo 3, LFM2.5) -> calls, else None."""
+    """``[f(a=1), g()]``, or one call a line, with literal keyword arguments (OLMo 3, LFM2.5) ->
+    calls, else None."""
     try:
         source = body.strip().removeprefix("```python").removesuffix("```")
         tree = _JsonConstants().visit(ast.parse(source))
@@ -313,8 +419,9 @@ def pythonic_calls(body: str) -> Optional[list[dict]]:
 
 
 def pythonic(start: str, end: str, listed: bool = False, sep: str = ", ") -> Format:
-    """Python calls between ``start`` and ``end`` (in a list where ``listed``); a forced call's arguments are JSON
-    values, which Python reads too (JSON's constants as ``_JsonConstants`` reads them)."""
+    """Python calls between ``start`` and ``end`` (in a list where ``listed``); a forced call's
+    arguments are JSON values, which Python reads too (JSON's constants as ``_JsonConstants`` reads
+    them)."""
     detect = lambda before, after: bool(re.search(flex(start) + r"\[?\Z", before))
     left, right = ("[", "]") if listed else ("", "")
     call = (start + left, "(", ")" + right + end)
@@ -322,7 +429,8 @@ def pythonic(start: str, end: str, listed: bool = False, sep: str = ", ") -> For
     return Format(call, detect, blocks, up_to(start), param=("{name}=", "", sep))
 
 
-# Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>, strings quoted by <|"|>, keys bare
+# Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>, strings quoted by <|"|>, keys
+# bare
 GEMMA4_CALL = re.compile(r"<\|tool_call>call:([^{\s]+)(\{.*?\})(?:<tool_call\|>|\Z)", re.S)
 GEMMA4_JSON = re.compile(r'<\|"\|>(.*?)<\|"\|>|(?<=[{,])\s*([A-Za-z_][\w.-]*)\s*(?=:)', re.S)
 
@@ -360,7 +468,8 @@ MINIMAX_PARAM = ('<parameter name="{name}">', "</parameter>\n")
 MINIMAX_BLOCK = ("<minimax:tool_call>\n", "</minimax:tool_call>")
 MINIMAX_M3 = (M3 + "<{name}>", M3 + "</{name}>"), (M3 + "<tool_call>\n", M3 + "</tool_call>")
 SOLAR_PARAM = ("<|tool_arg:start|>{name}<|tool_arg:value|>", "<|tool_arg:end|>\n")
-# A format that parses as another does (either of its shapes) differs in how a call is forced and detected.
+# A format that parses as another does (either of its shapes) differs in how a call is forced and
+# detected.
 FORMATS = {
     "qwen3_coder": replace(
         HERMES,
@@ -395,7 +504,7 @@ FORMATS = {
         detect=lambda before, after: before.endswith("to=functions."),
         whole=harmony,
         json_reply="<|channel|>final<|message|>",
-        adjust=harmony_message,
+        messages=harmony_messages,
     ),
     "granite": json_tagged("<|tool_call|>", listed=True),
     "glm": glm(),
@@ -450,7 +559,7 @@ FORMATS = {
         detect=lambda before, after: KIMI_OPEN in before,
         blocks=regex_blocks(region(KIMI_BEGIN, KIMI_END), each(KIMI_CALL, kimi_call)),
         stream=up_to(KIMI_BEGIN),
-        named_ids=True,
+        messages=kimi_messages,
     ),
     "functionary": Format(
         call=("<function=", ">", "</function>"),
@@ -462,3 +571,8 @@ FORMATS = {
     "seed_oss": tagged("<function=", ">\n", "\n</function>", CODER_PARAM, SEED_BLOCK),
     "function_tags": tagged("<function=", ">\n", "\n</function>", CODER_PARAM),
 }
+
+hooks.TOOL_FORMATS.update(FORMATS)
+hooks.TEMPLATE_DIALECTS.update(
+    short_ids=short_ids, string_args=string_args, merge_roles=merge_roles
+)

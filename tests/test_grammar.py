@@ -91,7 +91,9 @@ def follows(grammar_text, tok, text):
         return False
 
 
-@pytest.mark.parametrize("fmt", [f for f in toolcalls.format_names() if toolcalls.format_of(f).call])
+@pytest.mark.parametrize(
+    "fmt", [f for f in toolcalls.format_names() if toolcalls.format_of(f).call]
+)
 def test_each_formats_grammar_takes_the_call_its_template_writes_and_nothing_off_schema(tok, fmt):
     """What follows toolcalls.forced() for a named tool and for "required" (any of two tools): the template's own
     call text (which toolcalls.parse reads back) and nothing with arguments off the schema."""

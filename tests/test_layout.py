@@ -173,13 +173,16 @@ def test_proxy_serves_chat_completions_with_no_extras(bare, tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
+        # up once its /health answers, and it is this copy's proxy (not another on a reused port)
         for _ in range(600):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if json.loads(r.read())["model"] == SMOLLM2:
+                        break
             except OSError:
-                assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8}
         status, body = post(url + "/v1/chat/completions", chat)
         assert status == 200, body

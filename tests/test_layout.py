@@ -183,6 +183,8 @@ def test_proxy_serves_chat_completions_with_no_extras(bare, tmp_path):
             except OSError:
                 pass
             time.sleep(0.5)
+        else:
+            pytest.fail("the copy's proxy.py did not answer /health within 5 minutes")
         chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8}
         status, body = post(url + "/v1/chat/completions", chat)
         assert status == 200, body

@@ -42,6 +42,7 @@ from lightning_lite.records import UNANSWERED, read_calls
 from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_rates
 from lightning_lite.trainer import Learner, TrainConfig
 from lightning_lite.samples import build_batch_samples
+from lightning_lite.toolcalls import format_names
 
 # ----------------------------------------------------------------------------- extras
 # The extras this script uses, imported in this order: a missing file is skipped, a broken one fails
@@ -112,7 +113,7 @@ group.add_argument("--backend", default="hf", choices=["hf", "vllm"], help=BACKE
 group.add_argument("--proxy-host", default="127.0.0.1", help=HOST_HELP)
 group.add_argument("--pause-retry-after", type=float, help=PAUSE_HELP)
 group.add_argument(
-    "--tool-format", choices=list(hooks.TOOL_FORMATS), help="default: detected from the template"
+    "--tool-format", choices=format_names(), help="default: detected from the template"
 )
 group.add_argument("--keep-history-tokens", action="store_true", help=HISTORY_HELP)
 group.add_argument(

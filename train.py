@@ -245,7 +245,8 @@ if adapter is not None:
 resume_dir = run.latest_checkpoint() if args.resume else None
 if args.resume and not resume_dir:
     log(f"--resume: no checkpoint in {run.checkpoints}, starting from step 0")
-# the most updates between sampling a token and training it: recorded calls were sampled by version 0
+# the most updates between sampling a token and training it: recorded calls were sampled by version
+# 0
 max_staleness = args.async_steps
 if recorded:
     max_staleness = args.steps
@@ -268,7 +269,7 @@ if master:
         if sink is not None:
             sinks.append(sink)
 
-# ----------------------------------------------------------------------------- backend, proxy, harnesses
+# ----------------------------------------------------------------------------- backend, proxy
 if args.backend == "hf":
     backend = HFBackend(learner.served, tok, args.max_batch_size, args.max_model_len, dtype=dtype)
 else:
@@ -302,7 +303,7 @@ def rollouts(jobs, name):
     proxy.set_output(run.file("calls", name))
     t0 = time.time()
     harness_of = {rid: harness for rid, _, harness in jobs}
-    # --lora-per-harness: the adapter that serves each rollout, which its endpoint names as its model
+    # --lora-per-harness: the adapter that serves each rollout, named as the model of its endpoint
     adapter_of = {}
     if adapter is not None:
         adapter_of = {rid: adapter.serving(h.name) for rid, h in harness_of.items()}

@@ -1,13 +1,13 @@
-"""Chat: one :class:`Request` (apis.py maps every API onto it) -> prompt ids; sampled text -> a reply
-(toolcalls.py); ``ContentStream``: what of a reply may stream while it is sampled.
+"""Chat: one :class:`Request` (apis.py maps every API onto it) -> prompt ids; sampled text -> a
+reply (toolcalls.py); ``ContentStream``: what of a reply may stream while it is sampled.
 
 Why it exists: rendering a conversation through the chat template again often does not give back the
 ids the model sampled (a template rewrites earlier turns, the tokenizer splits text otherwise), and
 training needs the exact ids. So the :class:`Renderer` finds the latest turn a request extends (by
 its messages' fingerprints) and appends only the new messages' ids to that turn's prompt + response
-ids: call k+1's prompt starts with call k's exact ids (README "Reuse of sampled tokens"). At start-up
-it probes what the template renders, to learn its tool-call format; for a ChatML/Hermes model only
-``build_prompt`` and ``parse_reply`` matter.
+ids: call k+1's prompt starts with call k's exact ids (README "Reuse of sampled tokens"). At
+start-up it probes what the template renders, to learn its tool-call format; for a ChatML/Hermes
+model only ``build_prompt`` and ``parse_reply`` matter.
 
 Example (SmolLM2, no native tool support)::
 

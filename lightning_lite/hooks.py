@@ -1,11 +1,12 @@
-"""The seams where an optional feature (an extra, lightning_lite/extras/) adds behaviour to the core.
+"""The seams where an optional feature (an extra, lightning_lite/extras/) adds behaviour to the
+core.
 
-Each seam is a plain dict, list or slot that the core reads at the one place named beside it. Each is
-empty or None by default, and then the core takes its plain path: with lightning_lite/extras/ deleted,
-train.py and proxy.py still run end to end. An extra imports the core, and fills its seams when it is
-imported; train.py and proxy.py import the extras they use from one visible list (``load_extras``).
-The import direction is one way, extra -> core: no core module imports an extra (tests/test_layout.py
-checks it).
+Each seam is a plain dict, list or slot that the core reads at the one place named beside it. Each
+is empty or None by default, and then the core takes its plain path: with lightning_lite/extras/
+deleted, train.py and proxy.py still run end to end. An extra imports the core, and fills its seams
+when it is imported; train.py and proxy.py import the extras they use from one visible list
+(``load_extras``). The import direction is one way, extra -> core: no core module imports an extra
+(tests/test_layout.py checks it).
 
 A flag that needs a missing extra is refused at start-up, naming the file (``missing``); a request
 that needs one gets a 4xx in its API's own shape.
@@ -28,17 +29,22 @@ ERROR_SHAPES = {}
 TOOL_FORMATS = {}
 
 # What some chat templates want of the messages besides OpenAI's shape, name -> fn(messages) ->
-# messages (extras/tool_formats.py: Mistral's 9-character call ids, DeepSeek-R1's arguments as a JSON
-# string, Gemma's alternating roles). chat.Renderer probes them in order where a template refuses a
-# probe, and keeps the first that makes it render. Empty: every template takes OpenAI's shape.
+# messages (extras/tool_formats.py: Mistral's 9-character call ids, DeepSeek-R1's arguments as a
+# JSON string, Gemma's alternating roles). chat.Renderer probes them in order where a template
+# refuses a probe, and keeps the first that makes it render. Empty: every template takes OpenAI's
+# shape.
 TEMPLATE_DIALECTS = {}
 
 # Constrained decoding (extras/grammar.py): an object with
-#   constrain(req, renderer, opened) -> the text a forced reply begins with; it sets req.sampling.grammar;
-#   Matcher(grammar, tokenizer, n_vocab), the sampler's state: .allowed() -> [V] bool, .consume(token);
-#   sample_masks(sample, tokenizer, n_vocab) -> (positions, [n, W] packed masks) or None, the trainer's
-#   replay of what a sample's tokens were sampled under; forced(masks) -> how many allowed one token.
-# None: a forced tool call is opened by the prompt alone (its name), and its arguments are not constrained.
+#   constrain(req, renderer, opened) -> the text a forced reply begins with (it sets
+#     req.sampling.grammar);
+#   Matcher(grammar, tokenizer, n_vocab), the sampler's state: .allowed() -> [V] bool and
+#     .consume(token);
+#   sample_masks(sample, tokenizer, n_vocab) -> (positions, [n, W] packed masks) or None, the
+#     trainer's replay of what a sample's tokens were sampled under;
+#   forced(masks) -> how many of the masks allowed one token alone.
+# None: a forced tool call is opened by the prompt alone (its name), and its arguments are not
+# constrained.
 grammar = None
 
 # Per-rollout isolation (extras/isolation.py): a factory of the object Proxy keeps when asked for
@@ -50,9 +56,9 @@ grammar = None
 isolation = None
 
 # ----------------------------------------------------------------------------- the embedded backend
-# Decoding at agent-length contexts (extras/fast_decode.py): an object with install(model), called once
-# by HFBackend, and RoomyLayer, the class the running batch's KV-cache layers take. None: transformers'
-# own attention and cache layers.
+# Decoding at agent-length contexts (extras/fast_decode.py): an object with install(model), called
+# once by HFBackend, and RoomyLayer, the class the running batch's KV-cache layers take. None:
+# transformers' own attention and cache layers.
 fast_decode = None
 
 # --model names that are not directories: fn(name) -> a directory, or None when the name is not its
@@ -60,16 +66,17 @@ fast_decode = None
 MODEL_RESOLVERS = []
 
 # ----------------------------------------------------------------------------- train.py
-# --backend choices besides "hf": name -> start(args, learner, tokenizer, resume_dir, device) -> a backend
-# with HFBackend's surface.
+# --backend choices besides "hf": name -> start(args, learner, resume_dir, device) -> a backend with
+# HFBackend's surface (extras/vllm.py).
 BACKENDS = {}
 
-# --parallel choices besides "ddp": name -> an object with wrap(model, dtype), full_state_dict(model),
-# optimizer_state(model, opt), load_optimizer_state(model, opt, state) (extras/fsdp.py).
+# --parallel choices besides "ddp": name -> an object with wrap(model, dtype), accumulating(model,
+# last), full_state_dict(model), optimizer_state(model, opt) and load_optimizer_state(model, opt,
+# state) (extras/fsdp.py).
 PARALLEL = {}
 
-# A model adapter (extras/lora.py under --lora), set when its flags ask for one: see trainer.Learner for
-# what it must provide. None: the whole model is trained.
+# A model adapter (extras/lora.py under --lora), set when its flags ask for one: see trainer.Learner
+# for what it must provide. None: the whole model is trained.
 adapter = None
 
 # Another source of a step's rollouts than running the harnesses (--from-calls, set when its flag is
@@ -77,8 +84,9 @@ adapter = None
 # (groups, results, calls) as running the rollouts would.
 step_source = None
 
-# The step's tasks: a factory fn(args, log) -> an object of harness.Tasks's surface. None: harness.Tasks,
-# one harness (extras/harnesses.py adds several --harness, weights, grouping across them).
+# The step's tasks: a factory fn(args, log) -> an object of harness.Tasks's surface. None:
+# harness.Tasks, one harness (extras/harnesses.py adds several --harness, weights, grouping across
+# them).
 tasks = None
 
 # Before the first rollout: fn(harnesses, args, server, log), e.g. each harness's sandbox.
@@ -96,8 +104,9 @@ AFTER_RUN = []
 
 
 def load_extras(names: list[str]) -> list:
-    """Import each extra named (lightning_lite/extras/NAME.py), which fills its seams here; one whose file
-    is missing is skipped, and one that fails to import fails loudly. Returns the modules imported."""
+    """Import each extra named (lightning_lite/extras/NAME.py), which fills its seams here; one
+    whose file is missing is skipped, and one that fails to import fails loudly. Returns the modules
+    imported."""
     loaded = []
     if importlib.util.find_spec("lightning_lite.extras") is None:
         return loaded
@@ -110,4 +119,7 @@ def load_extras(names: list[str]) -> list:
 
 def missing(what: str, extra: str) -> str:
     """The message for a flag or request that needs an extra this copy does not have."""
-    return f"{what} needs lightning_lite/extras/{extra}.py, which this copy of lightning-lite does not have"
+    return (
+        f"{what} needs lightning_lite/extras/{extra}.py, which this copy of lightning-lite does "
+        "not have"
+    )

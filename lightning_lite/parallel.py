@@ -52,9 +52,9 @@ def accumulating(model, parallel: str, last: bool):
 
 
 def pad_micro_batches(micro_batches: list, parallel: str) -> list:
-    """Pad with None (the trainer runs a zero-loss micro-batch for None): a rank without samples runs
-    one, and under sharding, where each forward and backward is a collective, every rank runs as
-    many as the rank with the most."""
+    """Pad with None (the trainer runs a zero-loss micro-batch for None): a rank without samples
+    runs one, and under sharding, where each forward and backward is a collective, every rank runs
+    as many as the rank with the most."""
     n = len(micro_batches)
     if sharding(parallel) is not None:
         n = int(all_reduce([n], op=dist.ReduceOp.MAX)[0])
@@ -63,7 +63,8 @@ def pad_micro_batches(micro_batches: list, parallel: str) -> list:
 
 def full_state_dict(model, parallel: str) -> dict:
     """The whole model's weights for a checkpoint or a vLLM sync: the module's own tensors (no
-    copy), or, sharded, gathered into rank 0's host memory (a collective; the other ranks get {})."""
+    copy), or, sharded, gathered into rank 0's host memory (a collective; the other ranks get {}).
+    """
     extra = sharding(parallel)
     if extra is not None:
         return extra.full_state_dict(model)
@@ -78,9 +79,9 @@ def _names_in_order(model, opt) -> list[str]:
 
 
 def optimizer_state(model, opt, parallel: str) -> dict:
-    """The optimizer state to checkpoint, each parameter's keyed by its name (not by its place in the
-    optimizer, which a resume with other flags may change: --lora-per-harness's adapters follow the
-    --harness order): whole, on rank 0 (a collective under FSDP, which gathers the shards)."""
+    """The optimizer state to checkpoint, each parameter's keyed by its name (not by its place in
+    the optimizer, which a resume with other flags may change: --lora-per-harness's adapters follow
+    the --harness order): whole, on rank 0 (a collective under FSDP, which gathers the shards)."""
     extra = sharding(parallel)
     if extra is not None:
         return extra.optimizer_state(model, opt)
@@ -95,8 +96,8 @@ def optimizer_state(model, opt, parallel: str) -> dict:
 
 
 def load_optimizer_state(model, opt, state: dict, parallel: str):
-    """Restore ``optimizer_state``'s output by parameter name (under FSDP each rank takes its shard). A
-    parameter without saved state (one that never had a gradient) starts fresh."""
+    """Restore ``optimizer_state``'s output by parameter name (under FSDP each rank takes its
+    shard). A parameter without saved state (one that never had a gradient) starts fresh."""
     extra = sharding(parallel)
     if extra is not None:
         return extra.load_optimizer_state(model, opt, state)
@@ -104,7 +105,8 @@ def load_optimizer_state(model, opt, state: dict, parallel: str):
     if all(isinstance(i, int) for g in state["param_groups"] for i in g["params"]):
         return opt.load_state_dict(state)
     index = {name: i for i, name in enumerate(_names_in_order(model, opt))}
-    # torch's loader pairs saved and current parameters by position: number the current ones in order
+    # torch's loader pairs saved and current parameters by position: number the current ones in
+    # order
     groups, start = [], 0
     for group, saved in zip(opt.param_groups, state["param_groups"]):
         groups.append({**saved, "params": list(range(start, start + len(group["params"])))})

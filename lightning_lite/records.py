@@ -1,7 +1,6 @@
-"""The two JSONL contracts of DESIGN.md as plain dataclasses: ``calls.jsonl`` (one :class:`Call` per line) and
-``samples.jsonl`` (one :class:`Sample`). A crashed run leaves every line it finished readable, and ``jq`` or
-``pandas.read_json(path, lines=True)`` read them as they are.
-"""
+"""The two JSONL contracts of DESIGN.md as plain dataclasses: ``calls.jsonl`` (one :class:`Call` per
+line) and ``samples.jsonl`` (one :class:`Sample`). A crashed run leaves every line it finished
+readable, and ``jq`` or ``pandas.read_json(path, lines=True)`` read them as they are."""
 
 import dataclasses
 import json
@@ -15,8 +14,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 # Why a call did not simply extend an earlier call of its rollout (see samples.py).
 SPLIT_REASONS = ("rewrote_history", "template_mismatch", "new_thread", "retry")
-# Calls the proxy recorded but did not answer: the backend failed ("error": the rollout fails) or the
-# client went away ("cancelled"). Their response is empty; samples skip them.
+# Calls the proxy recorded but did not answer: the backend failed ("error": the rollout fails) or
+# the client went away ("cancelled"). Their response is empty; samples skip them.
 UNANSWERED = ("error", "cancelled")
 # A run folder's per-batch files (train.py): calls|rollouts/step_K or eval_K, .rankR under DDP.
 RUN_FILE = re.compile(r"(step|eval)_(\d+)(?:\.rank\d+)?\.jsonl")
@@ -24,8 +23,8 @@ RUN_FILE = re.compile(r"(step|eval)_(\d+)(?:\.rank\d+)?\.jsonl")
 
 @dataclass
 class Call:
-    """One LLM call, token-exact: the ids the backend consumed and sampled, and their logprobs under the
-    distribution they were sampled from (each field: README, the calls.jsonl table)."""
+    """One LLM call, token-exact: the ids the backend consumed and sampled, and their logprobs under
+    the distribution they were sampled from (each field: README, the calls.jsonl table)."""
 
     rollout_id: str
     index: int
@@ -55,7 +54,8 @@ class Call:
     response: Optional[dict] = None
     # with prompt_ids None: the prompt ids after the parent's prompt + response
     prompt_tail: Optional[list[int]] = None
-    # the id the API gave its reply (chatcmpl-..., msg_..., resp_...): a reward may name the call by it
+    # the id the API gave its reply (chatcmpl-..., msg_..., resp_...): a reward may name the call by
+    # it
     reply_id: Optional[str] = None
     # the grammar its response was sampled under (grammar.py: a forced call, a response_format)
     grammar: Optional[str] = None
@@ -63,10 +63,11 @@ class Call:
 
 @dataclass
 class Sample:
-    """One training sequence, a leaf of a rollout's prefix tree: ``loss_mask[i] == 1`` exactly where ``tokens[i]``
-    was sampled and is trained here, ``logprobs[i]``, ``temperature[i]``, ``top_k[i]``, ``top_p[i]`` its rollout
-    logprob and the settings it was sampled with (0.0, 1.0, 0, 1.0 where the mask is 0), ``call[i]`` the call that
-    sampled it: a per-call reward reaches exactly that call's tokens."""
+    """One training sequence, a leaf of a rollout's prefix tree: ``loss_mask[i] == 1`` exactly where
+    ``tokens[i]`` was sampled and is trained here, ``logprobs[i]``, ``temperature[i]``,
+    ``top_k[i]``, ``top_p[i]`` its rollout logprob and the settings it was sampled with (0.0, 1.0,
+    0, 1.0 where the mask is 0), ``call[i]`` the call that sampled it: a per-call reward reaches
+    exactly that call's tokens."""
 
     rollout_id: str
     tokens: list[int]
@@ -91,8 +92,8 @@ class Sample:
 
 def to_json(obj: Any, **replace: Any) -> str:
     """One JSONL line for a dataclass or dict, with the fields in ``replace`` replaced or added."""
-    # A shallow dict: dataclasses.asdict deep-copies every list element by element, which made writing
-    # one 32k-token call 20 ms (the fields are already plain JSON values).
+    # A shallow dict: dataclasses.asdict deep-copies every list element by element, which made
+    # writing one 32k-token call 20 ms (the fields are already plain JSON values).
     if dataclasses.is_dataclass(obj):
         obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     return json.dumps({**obj, **replace}, separators=(",", ":"))
@@ -117,7 +118,8 @@ def write_jsonl(path: str, items: Iterable[Any]) -> None:
 
 def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
     """Yield the objects of a JSONL file. A last line cut short by a crash (no newline, not JSON) is
-    skipped with a warning: every line before it was complete. A bad line anywhere else is an error."""
+    skipped with a warning: every line before it was complete. A bad line anywhere else is an error.
+    """
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -137,8 +139,9 @@ def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
 
 
 def read_calls(path: str, whole: bool = False) -> list[Call]:
-    """The calls of a calls.jsonl file, as written: a call that extends its parent keeps ``prompt_ids`` None and
-    ``prompt_tail`` (n turns of L tokens hold L ids, not n * L / 2). ``whole``: every call with its whole prompt."""
+    """The calls of a calls.jsonl file, as written: a call that extends its parent keeps
+    ``prompt_ids`` None and ``prompt_tail`` (n turns of L tokens hold L ids, not n * L / 2).
+    ``whole``: every call with its whole prompt."""
     calls, seen = [], {}
     for d in read_jsonl(path):
         c = from_dict(Call, d)
@@ -169,9 +172,9 @@ def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
 
 
 def common_prefix(a: list, b: list) -> int:
-    """How many leading elements ``a`` and ``b`` share: ``common_prefix([1, 2, 3], [1, 2, 4]) == 2``. Compared in C,
-    on slices: the shorter length first (one list extending the other, the usual case: one comparison), else a
-    binary search."""
+    """How many leading elements ``a`` and ``b`` share: ``common_prefix([1, 2, 3], [1, 2, 4]) ==
+    2``. Compared in C, on slices: the shorter length first (one list extending the other, the usual
+    case: one comparison), else a binary search."""
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:
         return hi
@@ -182,8 +185,9 @@ def common_prefix(a: list, b: list) -> int:
 
 
 def full_prompt(call: Call, calls: dict[int, Call]) -> list[int]:
-    """The whole prompt ids of ``call``: its parents' prompt + response ids, then its ``prompt_tail``.
-    ``calls``: the calls of its rollout by index (``{c.index: c for c in calls_of_the_rollout}``)."""
+    """The whole prompt ids of ``call``: its parents' prompt + response ids, then its
+    ``prompt_tail``. ``calls``: the calls of its rollout by index (``{c.index: c for c in
+    calls_of_the_rollout}``)."""
     parts = []
     while call.prompt_ids is None:
         if call.parent not in calls:
@@ -202,9 +206,10 @@ _HEAD = re.compile(rb'\{"rollout_id":"([^"\\]*)","index":(\d+)[,}]')
 
 
 def prepare_append(path: str) -> tuple[dict[str, int], int]:
-    """Make a calls file ready for a writer that appends to it (a restarted proxy); return (each rollout's
-    next free call index there: one past its highest, bytes cut off). A torn last line (its writer was
-    killed mid-line) is cut off: the next record would be glued onto it, and the file unreadable."""
+    """Make a calls file ready for a writer that appends to it (a restarted proxy); return (each
+    rollout's next free call index there: one past its highest, bytes cut off). A torn last line
+    (its writer was killed mid-line) is cut off: the next record would be glued onto it, and the
+    file unreadable."""
     nxt: dict[str, int] = {}
     if not os.path.exists(path):
         return nxt, 0

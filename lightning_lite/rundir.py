@@ -43,9 +43,9 @@ class RunDir:
         records.write_jsonl(self.file("rollouts", name), rows)
 
     def append_metrics(self, row: dict, sinks=()):
-        """One line of metrics.jsonl (None: not measured; NaN and inf, which JSON lacks, too), also to
-        the other sinks (hooks.METRIC_SINKS). The file is written last: a row in it has been logged
-        everywhere."""
+        """One line of metrics.jsonl (None: not measured; NaN and inf, which JSON lacks, too), also
+        to the other sinks (hooks.METRIC_SINKS). The file is written last: a row in it has been
+        logged everywhere."""
         if self.rank:
             return
         row = records.finite(row)
@@ -84,8 +84,9 @@ class RunDir:
         return evaluated
 
     def save_checkpoint(self, step, model, tok, weights, optim, dtype, config, keep: int) -> str:
-        """Weights in transformers format (written by ``model``'s plain class, so it loads anywhere),
-        the optimizer state and the step, written whole to a temporary folder, then renamed."""
+        """Weights in transformers format (written by ``model``'s plain class, so it loads
+        anywhere), the optimizer state and the step, written whole to a temporary folder, then
+        renamed."""
         final = os.path.join(self.checkpoints, f"step_{step}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,8 +126,9 @@ def per(a, b):
 
 
 def counts(results, calls, merge_stats: Counter) -> dict:
-    """Sums over ``results`` (a rank's, or one harness's of them), their calls and samples.build_samples's
-    merge statistics: summed over ranks, ``step_rates`` makes the row's numbers of them."""
+    """Sums over ``results`` (a rank's, or one harness's of them), their calls and
+    samples.build_samples's merge statistics: summed over ranks, ``step_rates`` makes the row's
+    numbers of them."""
     # None: an unrewarded trace (sft)
     rewarded = [r.reward for r in results if r.error is None and r.reward is not None]
     n = dict(rollouts=len(results), failed=sum(r.error is not None for r in results))

@@ -1,8 +1,10 @@
-"""Recorded calls -> training samples: one prefix tree per rollout, one sample per leaf, ``loss_mask`` 1 exactly
-on sampled tokens (DESIGN.md "Retokenization and merging"; example: ``build_samples``).
+"""Recorded calls -> training samples: one prefix tree per rollout, one sample per leaf,
+``loss_mask`` 1 exactly on sampled tokens (DESIGN.md "Retokenization and merging"; example:
+``build_samples``).
 
-A call hangs under its recorded ``parent`` (no id compared), else under the earlier call whose prompt + response
-is the longest prefix of its prompt; a call that extends nothing starts a new root (a "split"), counted by reason:
+A call hangs under its recorded ``parent`` (no id compared), else under the earlier call whose
+prompt + response is the longest prefix of its prompt; a call that extends nothing starts a new root
+(a "split"), counted by reason:
 
     rewrote_history    its prompt starts with an earlier call's prompt, not with that call's response (history edited)
     template_mismatch  the proxy matched the messages, but the template renders the sampled turn otherwise
@@ -31,10 +33,9 @@ def build_samples(calls: list[Call], max_seq_len=None) -> tuple[list[Sample], Co
         2: prompt [9]          response [8]     extends nothing -> split_new_thread
         -> samples [1 2 3 4 5 6] mask [0 0 1 1 0 1]  and  [9 8] mask [0 1]
 
-    ``max_seq_len``: a longer sample is cut after the last call response that fits (never inside a response),
-    or dropped when even its first call does not fit (counted: ``truncated``, ``dropped``); the tokens cut off
-    are trained nowhere (unless another leaf holds them).
-    """
+    ``max_seq_len``: a longer sample is cut after the last call response that fits (never inside a
+    response), or dropped when even its first call does not fit (counted: ``truncated``,
+    ``dropped``); the tokens cut off are trained nowhere (unless another leaf holds them)."""
     # 1. the answered calls in index order (a failed or cancelled call: nothing to train)
     unanswered = sum(c.finish_reason in UNANSWERED for c in calls)
     stats = Counter(rollouts=1, calls=len(calls), unanswered=unanswered)
@@ -79,9 +80,9 @@ def _check(c: Call) -> None:
         )
 
 
-# One rollout's calls as a prefix tree. Each call holds only its ids after the call it extends (``tail``; a
-# root: its whole prompt), so a call's prompt + response ids are the segments up its path, never copied:
-# root tail, root response, ..., its tail, its response.
+# One rollout's calls as a prefix tree. Each call holds only its ids after the call it extends
+# (``tail``; a root: its whole prompt), so a call's prompt + response ids are the segments up its
+# path, never copied: root tail, root response, ..., its tail, its response.
 class _Tree:
     def __init__(self, by_index: dict[int, Call]):
         self.by_index = by_index
@@ -102,8 +103,9 @@ class _Tree:
             yield self.by_index[i]
             i = self.up[i]
 
-    # Whether ``ids`` start with call i's prompt + response ids (``prompt_only``: its prompt ids). Compared
-    # segment by segment from the end of call i's ids back to its root's first, slices of ``ids`` only.
+    # Whether ``ids`` start with call i's prompt + response ids (``prompt_only``: its prompt ids).
+    # Compared segment by segment from the end of call i's ids back to its root's first, slices of
+    # ``ids`` only.
     def starts_with(self, ids: list[int], i: int, prompt_only: bool = False) -> bool:
         segments = (seg for c in self.lineage(i) for seg in (c.response_ids, self.tail[c.index]))
         end = self.size[i]
@@ -117,16 +119,18 @@ class _Tree:
             end -= len(seg)
         return True
 
-    # Whether the earlier call ``e`` had the same prompt as ``c``: with ``ids`` (c's prompt), compared to
-    # e's; without (c hangs under the parent the proxy recorded), the same parent and the same tail.
+    # Whether the earlier call ``e`` had the same prompt as ``c``: with ``ids`` (c's prompt),
+    # compared to e's; without (c hangs under the parent the proxy recorded), the same parent and
+    # the same tail.
     def same_prompt(self, e: Call, c: Call, ids: Optional[list[int]]) -> bool:
         if ids is None:
             return self.up[e.index] == c.parent and self.tail[e.index] == self.tail[c.index]
         prompt_len = self.size[e.index] - len(e.response_ids)
         return prompt_len == len(ids) and self.starts_with(ids, e.index, prompt_only=True)
 
-    # Hang call ``c``: under its recorded parent, else under the longest call its prompt extends, else as a
-    # new root (a split, counted by reason); an earlier attempt at the same prompt leaves the tree.
+    # Hang call ``c``: under its recorded parent, else under the longest call its prompt extends,
+    # else as a new root (a split, counted by reason); an earlier attempt at the same prompt leaves
+    # the tree.
     def add(self, c: Call, stats: Counter) -> None:
         ids = None
         if c.parent in self.kept:
@@ -137,10 +141,10 @@ class _Tree:
         else:
             # placed by its ids (its claimed parent, if any, left the tree as a retried attempt)
             ids = c.prompt_ids if c.prompt_ids is not None else full_prompt(c, self.by_index)
-        # A retry: the same prompt ids again, from an earlier request (the n choices of one request, indices
-        # index - choice .. index, are siblings, not retries). The earlier attempt is dropped unless something
-        # already continued from it (then the harness used it: both stay, as branches). Checked before extension,
-        # as that prompt also extends its parent.
+        # A retry: the same prompt ids again, from an earlier request (the n choices of one request,
+        # indices index - choice .. index, are siblings, not retries). The earlier attempt is
+        # dropped unless something already continued from it (then the harness used it: both stay,
+        # as branches). Checked before extension, as that prompt also extends its parent.
         first_of_request = c.index - c.choice
         earlier = [e for e in self.kept.values() if e.index < first_of_request]
         retried = [e for e in earlier if self.same_prompt(e, c, ids)]
@@ -153,7 +157,8 @@ class _Tree:
             longest_first = sorted(self.kept, key=lambda i: -self.size[i])
             extends = next((i for i in longest_first if self.starts_with(ids, i)), None)
             self.up[c.index], self.tail[c.index] = extends, ids[self.size[extends] :]
-            # The first root of a rollout is not a split, nor is choice 1.. of a request (a sibling).
+            # The first root of a rollout is not a split, nor is choice 1.. of a request (a
+            # sibling).
             if extends is None and (retried or self.kept and c.choice == 0):
                 self.split[c.index] = self.split_reason(c, ids, retried)
                 # a retry is counted above
@@ -171,8 +176,8 @@ class _Tree:
             return "rewrote_history"
         return "new_thread"
 
-    # (tokens, its calls root first) of each leaf, cut to ``max_seq_len``; the longest first (ties: the
-    # smaller token ids).
+    # (tokens, its calls root first) of each leaf, cut to ``max_seq_len``; the longest first (ties:
+    # the smaller token ids).
     def leaf_paths(self, max_seq_len: Optional[int], stats: Counter) -> list[tuple]:
         children = {self.up[i] for i in self.kept}
         paths = []
@@ -186,15 +191,15 @@ class _Tree:
                     continue
             tokens = [t for c in path for seg in (self.tail[c.index], c.response_ids) for t in seg]
             paths.append((tokens, path))
-        # A sampled token on several leaves' paths is trained once, in the longest leaf (ties: the smaller token
-        # ids): a rule that does not depend on which branch the harness sent first, so per-sample normalizations
-        # (seq-mean-token-mean) weigh it the same in every run.
+        # A sampled token on several leaves' paths is trained once, in the longest leaf (ties: the
+        # smaller token ids): a rule that does not depend on which branch the harness sent first, so
+        # per-sample normalizations (seq-mean-token-mean) weigh it the same in every run.
         paths.sort(key=lambda p: (-len(p[0]), p[0]))
         return paths
 
 
-# The sample of one leaf: its calls' responses trainable, but those ``trained`` in a longer leaf already
-# (added to it); None when nothing is left to train.
+# The sample of one leaf: its calls' responses trainable, but those ``trained`` in a longer leaf
+# already (added to it); None when nothing is left to train.
 def _sample(tokens: list[int], path: list[Call], tree: _Tree, trained: set) -> Optional[Sample]:
     n = len(tokens)
     # every per-token list as where the mask is 0
@@ -216,7 +221,8 @@ def _sample(tokens: list[int], path: list[Call], tree: _Tree, trained: set) -> O
 
 
 def build_batch_samples(calls: Iterable[Call], max_seq_len=None) -> tuple[list[Sample], Counter]:
-    """``build_samples`` of each rollout (in order of first appearance): all samples and the summed stats."""
+    """``build_samples`` of each rollout (in order of first appearance): all samples and the summed
+    stats."""
     by_rollout: dict[str, list[Call]] = defaultdict(list)
     for c in calls:
         by_rollout[c.rollout_id].append(c)

@@ -38,7 +38,8 @@ from .records import Sample, common_prefix
 
 @dataclass
 class TrainConfig:
-    """The knobs the Learner reads: train.py's flags of the same names (README: the training knobs)."""
+    """The knobs the Learner reads: train.py's flags of the same names (README: the training
+    knobs)."""
 
     model: str
     steps: int
@@ -132,7 +133,8 @@ class Learner:
         why = algo.tree_unsupported(self.model.config)
         if not config.no_tree and why:
             log(
-                f"training each sample as its own row (--no-tree): this model cannot run a packed tree, {why}"
+                "training each sample as its own row (--no-tree): this model cannot run a packed "
+                f"tree, {why}"
             )
             config.no_tree = True
         # parameters that a backward may leave without gradients (--lora-per-harness: the adapters
@@ -216,9 +218,9 @@ class Learner:
             group["lr"] = self.lr_at(step)
 
     def clip(self, params: list, step: int, what="the gradient norm") -> tuple[float, str | None]:
-        """Clip ``params``' gradients (reduced over ranks) to --grad-clip by their norm. Returns (the
-        norm, why skipped): a non-finite norm drops their gradients, so the AdamW step leaves them
-        be."""
+        """Clip ``params``' gradients (reduced over ranks) to --grad-clip by their norm. Returns
+        (the norm, why skipped): a non-finite norm drops their gradients, so the AdamW step leaves
+        them be."""
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
         grad_norm = parallel.scalar(norm)
         if math.isfinite(grad_norm):
@@ -233,8 +235,8 @@ class Learner:
         return grad_norm, "nonfinite_grad"
 
     def finish_update(self):
-        """One AdamW step (parameters without gradients stay as they are), then the gradients' memory
-        is free for the rollouts (and woken vLLM servers)."""
+        """One AdamW step (parameters without gradients stay as they are), then the gradients'
+        memory is free for the rollouts (and woken vLLM servers)."""
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.model.eval()
@@ -242,8 +244,8 @@ class Learner:
     def micro_batches(self, samples: list[Sample], weights: list[float]) -> list:
         """Sorted by tokens (a rollout's leaves and a group's samples side by side: neighbours share
         prefixes), cut into micro-batches of at most --micro-batch-tokens. Packed, each sample adds
-        what follows its common prefix with the one before (exactly ``algo.pack``'s row when sorted);
-        with --no-tree each micro-batch is padded to [B, T]."""
+        what follows its common prefix with the one before (exactly ``algo.pack``'s row when
+        sorted); with --no-tree each micro-batch is padded to [B, T]."""
         limit = self.config.micro_batch_tokens
         batches = []
         size = 0
@@ -292,8 +294,8 @@ class Learner:
         autocast = self.dtype != torch.float32
         with_kl = config.kl_coef > 0
         loss_options = {k: getattr(config, k) for k in LOSS_OPTIONS}
-        # summed over micro-batches: [age] tokens and their summed |dlogp| by staleness; tokens forwarded,
-        # tokens a grammar constrained, tokens it forced
+        # summed over micro-batches: [age] tokens and their summed |dlogp| by staleness; tokens
+        # forwarded, tokens a grammar constrained, tokens it forced
         tokens_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
         dlogp_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
         fwd_tokens = constrained_tokens = forced_tokens = 0
@@ -302,7 +304,8 @@ class Learner:
         for i, mb in enumerate(tqdm(batches, desc="train", unit="mb", leave=False, disable=quiet)):
             padding = mb is None
             if padding:
-                # a zero-weight micro-batch of one two-token sample: this rank's share of a collective
+                # a zero-weight micro-batch of one two-token sample: this rank's share of a
+                # collective
                 mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0])
             masks = [self.grammar_masks(s) for s in mb[0]]
             options = dict(pad_id=pad_id, tree=not config.no_tree, pad_to=pad_to, masks=masks)
@@ -374,9 +377,9 @@ class Learner:
         return contextlib.nullcontext(self.ref_model)
 
     def grammar_masks(self, sample: Sample):
-        """The masks a grammar sampled ``sample``'s constrained tokens under (a forced call's schema),
-        replayed so that the trainer scores them as the sampler drew them: (positions, [n, W] packed
-        masks), or None when no grammar constrained it."""
+        """The masks a grammar sampled ``sample``'s constrained tokens under (a forced call's
+        schema), replayed so that the trainer scores them as the sampler drew them: (positions, [n,
+        W] packed masks), or None when no grammar constrained it."""
         if not sample.grammars:
             return None
         if hooks.grammar is None:

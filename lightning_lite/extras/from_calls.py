@@ -1,8 +1,7 @@
-"""train.py --from-calls: train on calls recorded before (by proxy.py --out, or by a train.py run) instead of running
-a harness. Its seam is ``hooks.step_source``, set when --from-calls is given: ``load`` reads and checks the
-recorded runs once, and ``Recorded.step`` stands in for the harness step, returning the same (groups, results,
-calls) as running the rollouts would.
-"""
+"""train.py --from-calls: train on calls recorded before (by proxy.py --out, or by a train.py run)
+instead of running a harness. Its seam is ``hooks.step_source``, set when --from-calls is given:
+``load`` reads and checks the recorded runs once, and ``Recorded.step`` stands in for the harness
+step, returning the same (groups, results, calls) as running the rollouts would."""
 
 import functools
 import json
@@ -50,11 +49,12 @@ def add_args(parser) -> None:
 
 
 def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, dict]]:
-    """What ``run_dir`` recorded: proxy.py's (calls.jsonl, rewards.jsonl, proxy.json) or a train.py run's (calls/ and
-    rollouts/ of its steps, not its evaluations; config.json). Returns (the model that served them, the calls,
-    {rollout id: {"reward": R or None, "calls": {call index: r}, "group": a task id or None}}), a rollout only when it
-    was rewarded; of two rewards for one rollout or call the last counts. A train.py run's rollouts keep their GRPO
-    groups (the task, in its step); failed ones are left out."""
+    """What ``run_dir`` recorded: proxy.py's (calls.jsonl, rewards.jsonl, proxy.json) or a train.py
+    run's (calls/ and rollouts/ of its steps, not its evaluations; config.json). Returns (the model
+    that served them, the calls, {rollout id: {"reward": R or None, "calls": {call index: r},
+    "group": a task id or None}}), a rollout only when it was rewarded; of two rewards for one
+    rollout or call the last counts. A train.py run's rollouts keep their GRPO groups (the task, in
+    its step); failed ones are left out."""
     rewards: dict[str, dict] = {}
     metas = [os.path.join(run_dir, name) for name in ("proxy.json", "config.json")]
     meta = next((path for path in metas if os.path.exists(path)), None)
@@ -93,8 +93,8 @@ def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, di
 
 @dataclass
 class Recorded:
-    """The recorded rollouts to train on: rollout id -> {"reward", "calls": call rewards}, rollout id -> its calls,
-    advantage group -> its rollout ids."""
+    """The recorded rollouts to train on: rollout id -> {"reward", "calls": call rewards}, rollout
+    id -> its calls, advantage group -> its rollout ids."""
 
     rewards: dict[str, dict] = field(default_factory=dict)
     calls: dict[str, list[Call]] = field(default_factory=dict)
@@ -103,8 +103,9 @@ class Recorded:
     def step(
         self, step: int, rank: int, world: int, batch_size: int, draw: Callable
     ) -> tuple[dict, list[RolloutResult], list[Call]]:
-        """This rank's share of the step's ``batch_size`` groups (``draw(items, step, n)`` picks them, as it picks a
-        harness's tasks): ({rollout id: its group}, results, calls), as a harness step returns them."""
+        """This rank's share of the step's ``batch_size`` groups (``draw(items, step, n)`` picks
+        them, as it picks a harness's tasks): ({rollout id: its group}, results, calls), as a
+        harness step returns them."""
         picked = {
             rid: group
             for group in draw(list(self.groups), step, batch_size)[rank::world]
@@ -136,9 +137,10 @@ def load(
     sft_min_reward: Optional[float],
     log: Callable = print,
 ) -> Recorded:
-    """Read every recorded run in ``dirs`` and check it can be trained exactly (else exit, saying why): sampled by
-    ``model`` (their logprobs are the old policy's) unless ``loss`` is sft, token ids within ``vocab_size``. A
-    rollout is kept when rewarded (or, under sft without ``sft_min_reward``, always: a trace to imitate)."""
+    """Read every recorded run in ``dirs`` and check it can be trained exactly (else exit, saying
+    why): sampled by ``model`` (their logprobs are the old policy's) unless ``loss`` is sft, token
+    ids within ``vocab_size``. A rollout is kept when rewarded (or, under sft without
+    ``sft_min_reward``, always: a trace to imitate)."""
     from ..models import resolve
 
     recorded = Recorded()
@@ -179,7 +181,8 @@ def load(
             key = f"d{j}.{rid}" if len(dirs) > 1 else rid
             for c in rollout_calls:
                 c.rollout_id = key
-            # rewarded per call only: the rollout's reward is 0; unrewarded (sft): None, trained, not counted in reward
+            # rewarded per call only: the rollout's reward is 0; unrewarded (sft): None, trained,
+            # not counted in reward
             reward = 0.0 if info["reward"] is None and rid in rewards else info["reward"]
             recorded.rewards[key] = {"reward": reward, "calls": info["calls"]}
             recorded.calls[key] = rollout_calls

@@ -1,10 +1,10 @@
-"""FSDP2 (``--parallel fsdp``; README: models bigger than one GPU): weights, gradients and AdamW state
-sharded over the ranks, one shard unit per decoder layer. Its seam: ``hooks.PARALLEL["fsdp"]`` is this
-module, and each of parallel.py's functions hands the fsdp mode to the one of the same name here. The loss is the same as under DDP; every forward and
-backward gathers weights from all ranks (hence parallel.pad_micro_batches), and the parameters are shards
-(DTensors): ``full_state_dict`` and ``optimizer_state`` gather them for vLLM and checkpoints (the embedded
-backend's own copy gathers them one at a time: backends.copy_weights).
-"""
+"""FSDP2 (``--parallel fsdp``; README: models bigger than one GPU): weights, gradients and AdamW
+state sharded over the ranks, one shard unit per decoder layer. Its seam: ``hooks.PARALLEL["fsdp"]``
+is this module, and each of parallel.py's functions hands the fsdp mode to the one of the same name
+here. The loss is the same as under DDP; every forward and backward gathers weights from all ranks
+(hence parallel.pad_micro_batches), and the parameters are shards (DTensors): ``full_state_dict``
+and ``optimizer_state`` gather them for vLLM and checkpoints (the embedded backend's own copy
+gathers them one at a time: backends.copy_weights)."""
 
 import contextlib
 import sys
@@ -47,8 +47,8 @@ def add_args(parser):
 
 def wrap(model, dtype: torch.dtype = torch.float32):
     """Shard ``model`` in place and return it; --fsdp-offload keeps parameters, gradients and
-    optimizer state in CPU memory. ``dtype`` bf16: the weights are gathered and computed with in bf16; the shards
-    (master weights) and the gradient reductions stay fp32."""
+    optimizer state in CPU memory. ``dtype`` bf16: the weights are gathered and computed with in
+    bf16; the shards (master weights) and the gradient reductions stay fp32."""
     precision = fsdp2.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = fsdp2.CPUOffloadPolicy() if offload else fsdp2.OffloadPolicy()
     policy = {"mp_policy": precision, "offload_policy": offload_policy}
@@ -66,8 +66,8 @@ def accumulating(model, last: bool):
 
 
 def full_state_dict(model) -> dict:
-    """The whole model's weights (a collective), gathered one tensor at a time into rank 0's host memory;
-    the other ranks get {}."""
+    """The whole model's weights (a collective), gathered one tensor at a time into rank 0's host
+    memory; the other ranks get {}."""
     return get_model_state_dict(model, options=_GATHERED)
 
 
@@ -77,9 +77,9 @@ def optimizer_state(model, opt) -> dict:
 
 
 def load_optimizer_state(model, opt, state: dict):
-    """Restore ``optimizer_state``'s output (keyed by parameter name): each rank takes its shard of the
-    whole. strict=False: a parameter that never had a gradient (an adapter without a signal so far) has
-    no saved state (torch's loader gives it a zero state at step 1)."""
+    """Restore ``optimizer_state``'s output (keyed by parameter name): each rank takes its shard of
+    the whole. strict=False: a parameter that never had a gradient (an adapter without a signal so
+    far) has no saved state (torch's loader gives it a zero state at step 1)."""
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, opt, state, options=options)
 

@@ -1,22 +1,24 @@
-"""Constrained decoding: a forced tool call (tool_choice a named function or "required") or a JSON ``response_format``
-follows its JSON schema, because each token is drawn under a grammar's mask (llguidance, the library vLLM's
-"guidance" backend uses). The mask is part of the sampling distribution: a token the grammar forces has
-probability 1 there, so the trainer scores the tokens under the same mask, replayed over the recorded ids (a
-grammar's masks depend only on the ids before: the same masks, DESIGN.md "Constrained calls").
+"""Constrained decoding: a forced tool call (tool_choice a named function or "required") or a JSON
+``response_format`` follows its JSON schema, because each token is drawn under a grammar's mask
+(llguidance, the library vLLM's "guidance" backend uses). The mask is part of the sampling
+distribution: a token the grammar forces has probability 1 there, so the trainer scores the tokens
+under the same mask, replayed over the recorded ids (a grammar's masks depend only on the ids
+before: the same masks, DESIGN.md "Constrained calls").
 
     g = tool_grammar("hermes", tools, "calculator", tok)   # what follows toolcalls.forced("hermes", "calculator"):
         start: " " %json {...its parameters...} "}\\n</tool_call>"
     m = Matcher(g, tok, n_vocab)       # the sampler: m.allowed() -> [V] bool, m.consume(token)
     replay(g, response_ids, tok, n_vocab)  # the trainer: [n, ceil(V / 32)] int32, each position's mask, packed
 
-Arguments are written as ``json.dumps`` writes them (", " and ": ", no other whitespace), as chat templates render
-them: the same text the history renders later, and no free whitespace for a small model to wander in; an object
-that lists its properties has no others unless its schema says so (``_closed``).
+Arguments are written as ``json.dumps`` writes them (", " and ": ", no other whitespace), as chat
+templates render them: the same text the history renders later, and no free whitespace for a small
+model to wander in; an object that lists its properties has no others unless its schema says so
+(``_closed``).
 
-How it reaches the core: the proxy calls ``constrain``, which puts ``tool_grammar``'s or ``json_grammar``'s text
-into ``Sampling.grammar``, a backend samples under its ``Matcher``, the trainer replays ``sample_masks``; of a
-tool-call format it reads only ``Format.call``, the call's text around its arguments (toolcalls.format_of).
-"""
+How it reaches the core: the proxy calls ``constrain``, which puts ``tool_grammar``'s or
+``json_grammar``'s text into ``Sampling.grammar``, a backend samples under its ``Matcher``, the
+trainer replays ``sample_masks``; of a tool-call format it reads only ``Format.call``, the call's
+text around its arguments (toolcalls.format_of)."""
 
 import json
 import re
@@ -34,13 +36,15 @@ from ..records import Sample
 from ..toolcalls import format_of
 
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-# (id(tokenizer), n_vocab) -> (tokenizer, its llguidance tokenizer, its special tokens' pattern, their ids)
+# (id(tokenizer), n_vocab) -> (tokenizer, its llguidance tokenizer, its special tokens' pattern,
+# their ids)
 _TOKENIZERS: dict = {}
 
 
 def _ll(tok, n_vocab: Optional[int] = None):
-    """The llguidance tokenizer of ``tok`` (~1 s to build: once per process), as vLLM builds it: ``n_vocab`` ids (the
-    model's logits; default the tokenizer's), its EOS; and a pattern of the special tokens, which a grammar names by id."""
+    """The llguidance tokenizer of ``tok`` (~1 s to build: once per process), as vLLM builds it:
+    ``n_vocab`` ids (the model's logits; default the tokenizer's), its EOS; and a pattern of the
+    special tokens, which a grammar names by id."""
     key = (id(tok), n_vocab or len(tok))
     if key not in _TOKENIZERS:
         ll = llguidance.hf.from_tokenizer(tok, max(n_vocab or 0, len(tok)))
@@ -54,8 +58,9 @@ def _ll(tok, n_vocab: Optional[int] = None):
 
 
 def _text(s: str, tok) -> str:
-    """Grammar for the literal text ``s``: a special token by id (the model samples it as that token; its text is not
-    text to llguidance), the rest as quoted strings (none: "").  '}<|call|>' -> '"}" <[200012]>'."""
+    """Grammar for the literal text ``s``: a special token by id (the model samples it as that
+    token; its text is not text to llguidance), the rest as quoted strings (none: "").  '}<|call|>'
+    -> '"}" <[200012]>'."""
     _, pattern, special = _ll(tok)
     parts, pos = [], 0
     for m in pattern.finditer(s) if pattern else ():
@@ -67,8 +72,9 @@ def _text(s: str, tok) -> str:
 
 
 def _closed(schema):
-    """``schema`` with ``additionalProperties: false`` wherever it lists properties and says nothing of others (as
-    OpenAI's strict mode): a small model otherwise fills a call with keys of its own invention."""
+    """``schema`` with ``additionalProperties: false`` wherever it lists properties and says nothing
+    of others (as OpenAI's strict mode): a small model otherwise fills a call with keys of its own
+    invention."""
     if isinstance(schema, list):
         return [_closed(x) for x in schema]
     if not isinstance(schema, dict):
@@ -85,13 +91,15 @@ def _json(schema) -> str:
 
 
 def json_grammar(schema: dict) -> str:
-    """A reply that is one JSON value following ``schema`` (``response_format``), then the end of the turn."""
+    """A reply that is one JSON value following ``schema`` (``response_format``), then the end of
+    the turn."""
     return "start: " + _json(schema)
 
 
 def _until(close: str, tok, name: str) -> tuple[str, list[str]]:
-    """Any text up to ``close``, then ``close``: a special token is not text, so it simply follows a lexeme of text;
-    other text ends the lexeme at its first occurrence, which the lexeme includes. -> (the value, lexemes)."""
+    """Any text up to ``close``, then ``close``: a special token is not text, so it simply follows a
+    lexeme of text; other text ends the lexeme at its first occurrence, which the lexeme includes.
+    -> (the value, lexemes)."""
     if _ll(tok)[1] and _ll(tok)[1].fullmatch(close):
         return f"{name} {_text(close, tok)}", [f"{name}: /(?s:.*)/"]
     regex = "".join(
@@ -101,9 +109,10 @@ def _until(close: str, tok, name: str) -> tuple[str, list[str]]:
 
 
 def _params(schema: dict, tok, k: int, param: tuple) -> tuple[str, list[str]]:
-    """Arguments written a parameter at a time (``Format.param``: Qwen3-Coder's ``<parameter=A>\\nV\\n</parameter>\\n``,
-    OLMo 3's ``A=V, B=W``), the required ones first: a string value is any text up to the closing tag or quote,
-    else JSON; another value JSON of its property's schema. -> (the rule's body, lexemes)."""
+    """Arguments written a parameter at a time (``Format.param``: Qwen3-Coder's
+    ``<parameter=A>\\nV\\n</parameter>\\n``, OLMo 3's ``A=V, B=W``), the required ones first: a
+    string value is any text up to the closing tag or quote, else JSON; another value JSON of its
+    property's schema. -> (the rule's body, lexemes)."""
     before, after, sep, quote = (*param, "", "")[:4]
     props, required = schema.get("properties") or {}, set(schema.get("required") or [])
     # what a property's "$ref" points into
@@ -130,9 +139,9 @@ def _params(schema: dict, tok, k: int, param: tuple) -> tuple[str, list[str]]:
 
 
 def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
-    """The grammar of what the model writes after ``toolcalls.forced(fmt, name)``: one call of the tool ``name`` (of
-    any of ``tools`` when ""), its arguments following the tool's ``parameters`` schema, closed as the template closes
-    a call; then the end of the turn."""
+    """The grammar of what the model writes after ``toolcalls.forced(fmt, name)``: one call of the
+    tool ``name`` (of any of ``tools`` when ""), its arguments following the tool's ``parameters``
+    schema, closed as the template closes a call; then the end of the turn."""
     rules, lexemes = [], []
     for k, t in enumerate(x for x in tools if x["name"] == name or not name):
         schema = t.get("parameters") if isinstance(t.get("parameters"), dict) else {}
@@ -146,7 +155,8 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
             lexemes += more
             rule = f"{_text(head + between, tok) if head else ''} {params} {_text(after, tok)}"
         else:
-            # named: forced() wrote the name and `between` less a trailing space (the model's token carries it)
+            # named: forced() wrote the name and `between` less a trailing space (the model's token
+            # carries it)
             lead = head + between if head else between[len(between.rstrip(" ")) :]
             rule = " ".join(x for x in (_text(lead, tok), _json(schema), _text(after, tok)) if x)
         rules.append(f"call{k}: {rule.strip()}")
@@ -155,9 +165,10 @@ def tool_grammar(fmt: str, tools: list[dict], name: str, tok) -> str:
 
 
 def constrain(req, renderer, opened: bool) -> str:
-    """A request's forced call or JSON reply: its grammar put into ``req.sampling``, the text its reply is forced
-    to begin with returned. The forced call's arguments follow their tool's schema, a response_format's JSON its
-    schema; a schema llguidance cannot compile is a 400 with its message."""
+    """A request's forced call or JSON reply: its grammar put into ``req.sampling``, the text its
+    reply is forced to begin with returned. The forced call's arguments follow their tool's schema,
+    a response_format's JSON its schema; a schema llguidance cannot compile is a 400 with its
+    message."""
     fmt, tok = renderer.format, renderer.tok
     param, rules = "response_format", json_grammar(req.response_schema or {})
     if req.force_tool is not None:
@@ -171,13 +182,15 @@ def constrain(req, renderer, opened: bool) -> str:
 
 
 def check(grammar: str, tok) -> Optional[str]:
-    """None when llguidance compiles ``grammar`` for ``tok``, else its message (a schema it cannot follow)."""
+    """None when llguidance compiles ``grammar`` for ``tok``, else its message (a schema it cannot
+    follow)."""
     lark = llguidance.grammar_from("lark", grammar)
     return llguidance.LLMatcher.validate_grammar(lark, _ll(tok)[0]) or None
 
 
 class Matcher:
-    """One reply's grammar state: the tokens it allows next, as [V] bool (V: ``n_vocab``, the model's logits)."""
+    """One reply's grammar state: the tokens it allows next, as [V] bool (V: ``n_vocab``, the
+    model's logits)."""
 
     def __init__(self, grammar: str, tok, n_vocab: int):
         self.ll, self.n_vocab = _ll(tok, n_vocab)[0], n_vocab
@@ -199,7 +212,8 @@ class Matcher:
 
 
 def replay(grammar: str, ids: list[int], tok, n_vocab: int) -> torch.Tensor:
-    """The packed mask each of ``ids`` was drawn under (the trainer's side of ``Matcher``): [len(ids), W] int32."""
+    """The packed mask each of ``ids`` was drawn under (the trainer's side of ``Matcher``):
+    [len(ids), W] int32."""
     m, rows = Matcher(grammar, tok, n_vocab), []
     for t in ids:
         rows.append(m.packed())
@@ -208,9 +222,9 @@ def replay(grammar: str, ids: list[int], tok, n_vocab: int) -> torch.Tensor:
 
 
 def sample_masks(s: Sample, tok, n_vocab: int) -> Optional[tuple[list[int], torch.Tensor]]:
-    """(positions, [n, W] packed masks) of ``s``'s grammar-constrained trainable tokens, for ``algo.collate``: each
-    constrained call's masks replayed over its response, which the sample holds whole (samples.build_samples); None
-    when it has none."""
+    """(positions, [n, W] packed masks) of ``s``'s grammar-constrained trainable tokens, for
+    ``algo.collate``: each constrained call's masks replayed over its response, which the sample
+    holds whole (samples.build_samples); None when it has none."""
     pos, rows = [], []
     for k, g in s.grammars.items():
         # its response: one run of positions
@@ -221,7 +235,8 @@ def sample_masks(s: Sample, tok, n_vocab: int) -> Optional[tuple[list[int], torc
 
 
 def forced(masks: torch.Tensor) -> int:
-    """How many of these packed masks allow a single token: tokens the grammar forced (logprob 0, no gradient)."""
+    """How many of these packed masks allow a single token: tokens the grammar forced (logprob 0, no
+    gradient)."""
     return int((unpack_bits(masks, 32 * masks.shape[1]).sum(1) == 1).sum())
 
 

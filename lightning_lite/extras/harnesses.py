@@ -72,8 +72,8 @@ def harness_kwargs(spec: str, items: list[str]) -> dict:
 
 class SeveralTasks(Tasks):
     """harness.Tasks for several harnesses, each drawn in proportion to its weight: a step's
-    batch_size tasks split over them (largest remainders first), or with ``groups_across`` each task's
-    group_size rollouts split over them, every harness running the same task id."""
+    batch_size tasks split over them (largest remainders first), or with ``groups_across`` each
+    task's group_size rollouts split over them, every harness running the same task id."""
 
     def __init__(self, args, log):
         # harness.Tasks's fields (its own __init__ loads one harness), then the weights

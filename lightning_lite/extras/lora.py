@@ -1,17 +1,17 @@
-"""LoRA (``--lora RANK``; docs/training.md#lora): the base model frozen in --dtype, AdamW over peft's
-adapters (fp32) on every decoder linear layer or ``--lora-targets``. The embedded backend serves the
-adapted module; the KL reference is it with its adapters disabled; checkpoints hold the adapters
-(peft's format) and their AdamW state, keyed by parameter name.
+"""LoRA (``--lora RANK``; docs/training.md#lora): the base model frozen in --dtype, AdamW over
+peft's adapters (fp32) on every decoder linear layer or ``--lora-targets``. The embedded backend
+serves the adapted module; the KL reference is it with its adapters disabled; checkpoints hold the
+adapters (peft's format) and their AdamW state, keyed by parameter name.
 
 Its seam: ``check`` sets ``hooks.adapter`` to a :class:`LoRA` when --lora is given, the model
 adapter trainer.Learner asks to wrap the loaded base (``wrap``, after ``check_resume``), to give the
-KL reference (``reference``: the adapters switched off) and, with an adapter per harness, to make the
-update (``update``); vLLM's sync sends its ``weights``. --lora-per-harness: an adapter per harness,
-named as it, that serves its rollouts (``serving``: the backends' ``adapter_of``) and trains on them
-alone (``update_all``: every adapter in one backward pass).
+KL reference (``reference``: the adapters switched off) and, with an adapter per harness, to make
+the update (``update``); vLLM's sync sends its ``weights``. --lora-per-harness: an adapter per
+harness, named as it, that serves its rollouts (``serving``: the backends' ``adapter_of``) and
+trains on them alone (``update_all``: every adapter in one backward pass).
 
-    python -m lightning_lite.extras.lora merge CHECKPOINT OUT   # base + adapters: a plain transformers model
-"""
+python -m lightning_lite.extras.lora merge CHECKPOINT OUT   # base + adapters: a plain transformers
+model"""
 
 import argparse
 import contextlib
@@ -170,8 +170,8 @@ def _adapter_shape(flags: dict, names: list) -> dict:
 
 
 class LoRA:
-    """The model adapter that --lora asks for (``hooks.adapter``; trainer.Learner says what it asks of
-    it): rank-``rank`` adapters named ``names``, "default", or one per harness."""
+    """The model adapter that --lora asks for (``hooks.adapter``; trainer.Learner says what it asks
+    of it): rank-``rank`` adapters named ``names``, "default", or one per harness."""
 
     def __init__(self, args):
         # the run's flags, as a checkpoint records them (check_resume compares them)
@@ -202,8 +202,8 @@ class LoRA:
         self.names = tasks.names()
 
     def serving(self, harness: str):
-        """The adapter that serves a rollout of ``harness``, by the name its endpoint and the backend
-        know it by; None: the one adapter, active in the served model."""
+        """The adapter that serves a rollout of ``harness``, by the name its endpoint and the
+        backend know it by; None: the one adapter, active in the served model."""
         if self.per_harness:
             return harness
         return None
@@ -261,8 +261,8 @@ def wrap(model, adapter: LoRA, resume_dir=None):
 
 
 def adapter_of_param(param_name: str):
-    """The adapter a parameter belongs to, by peft's names (``...q_proj.lora_A.NAME.weight``), or None
-    for the base model's."""
+    """The adapter a parameter belongs to, by peft's names (``...q_proj.lora_A.NAME.weight``), or
+    None for the base model's."""
     parts = param_name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.startswith("lora_"):
@@ -271,8 +271,8 @@ def adapter_of_param(param_name: str):
 
 
 def activate(model, name: str):
-    """Training's forwards go through adapter ``name``; all stay trainable (peft's set_adapter freezes
-    the others), and AdamW skips those without gradients."""
+    """Training's forwards go through adapter ``name``; all stay trainable (peft's set_adapter
+    freezes the others), and AdamW skips those without gradients."""
     model.set_adapter(name)
     for n, p in model.named_parameters():
         p.requires_grad_(adapter_of_param(n) is not None)
@@ -284,10 +284,9 @@ def update_all(learner, samples: list, results: list, step: int, names: list):
 
     Each harness's samples run through its adapter with their own loss denominators, as if that
     adapter trained alone; the gradients of all adapters accumulate and reduce over ranks once; each
-    adapter is clipped by its own gradient norm; one AdamW step updates them all. An adapter without a
-    signal this step (no advantage on any rank, no KL term) is left out: it and its AdamW moments stay
-    as they are. Returns the metrics, as keys ending in /NAME.
-    """
+    adapter is clipped by its own gradient norm; one AdamW step updates them all. An adapter without
+    a signal this step (no advantage on any rank, no KL term) is left out: it and its AdamW moments
+    stay as they are. Returns the metrics, as keys ending in /NAME."""
     harness_of = {r.rollout_id: r.harness for r in results}
     samples_of = {name: [s for s in samples if harness_of[s.rollout_id] == name] for name in names}
     kl = learner.config.kl_coef > 0
@@ -314,8 +313,9 @@ def update_all(learner, samples: list, results: list, step: int, names: list):
 
 
 def adapters(model, dtype: torch.dtype) -> dict:
-    """What vLLM servers load at a sync: {name: (its peft config, its weights in ``dtype``, the served
-    one, as peft names them)}. FSDP's shards are gathered (a collective: every rank calls it)."""
+    """What vLLM servers load at a sync: {name: (its peft config, its weights in ``dtype``, the
+    served one, as peft names them)}. FSDP's shards are gathered (a collective: every rank calls
+    it)."""
     from peft import get_peft_model_state_dict
 
     full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()

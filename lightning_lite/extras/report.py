@@ -146,7 +146,11 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     config = {}
     if os.path.isfile(config_path):
         config = json.load(open(config_path), parse_constant=lambda _: None)
-    metrics = [finite(row) for row in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    metrics = []
+    # a run of --steps 0 with no evaluation has no rows
+    if os.path.isfile(metrics_path):
+        metrics = [finite(row) for row in read_jsonl(metrics_path)]
     found = find_batches(run_dir)
     kept = spread(list(found), max_batches)
     batches = []
@@ -192,6 +196,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     help = "keep trajectories of at most this many steps/evals, evenly spaced (0: all); default 20"
     ap.add_argument("--max-batches", type=int, default=20, help=help)
     args = ap.parse_args(argv)
+    # a run's --model may be an embedded model's name, its tokenizer resolved by that extra
+    hooks.load_extras(["embedded"])
     if not os.path.isfile(os.path.join(args.run_dir, "metrics.jsonl")):
         why = " has no metrics.jsonl" if os.path.isdir(args.run_dir) else ": no such folder"
         ap.error(

@@ -327,8 +327,9 @@ def tagged(start: str, between: str, end: str, param: tuple[str, str], block=(""
     then for each call ``start`` NAME ``between`` its parameters ``end``, then ``block[1]``. A
     parameter: ``param[0]`` with its key for {name}, its value (JSON where it parses, else text; one
     newline around it is the tags'), ``param[1]``. A run of whitespace in them may be any, or none:
-    GLM 4.5's ``<tool_call>f\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n</tool_call>``
-    and GLM 5's, without the newlines, are both f({"city": "Paris"})."""
+    GLM 4.5's
+    ``<tool_call>f\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n</tool_call>`` and GLM
+    5's, without the newlines, are both f({"city": "Paris"})."""
     key_start, key_end = param[0].split("{name}")
     # DeepSeek's string="true" | "false" after the key: any attributes
     key_end = r'"[^>]*>' if key_end.startswith('"') else flex(key_end.rstrip())

@@ -1,5 +1,5 @@
-"""vLLM servers as the backend (README: GPUs: vLLM). Its seam is the backend class: ``VLLMBackend`` has
-HFBackend's surface (generate, pause/resume, payload, sync_weights, make_room, close, version,
+"""vLLM servers as the backend (README: GPUs: vLLM). Its seam is the backend class: ``VLLMBackend``
+has HFBackend's surface (generate, pause/resume, payload, sync_weights, make_room, close, version,
 max_model_len, stats), plus ``sleep``. train.py chooses it with ``--backend vllm`` and gets it from
 ``start`` (``hooks.BACKENDS["vllm"]``); proxy.py from ``--vllm-url``.
 
@@ -72,11 +72,11 @@ def add_args(parser):
 
 
 def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
-    """train.py's vLLM backend: rank 0 starts ``--vllm-servers`` of ``resume_dir`` or --model (placed by
-    ``placement``), unless ``--vllm-url`` names running ones; every rank's proxy sends to the same
-    servers; rank 0 writes the weight syncs, in the trainer's compute dtype. The trained model's config
-    gives the context and RoPE. Under a model adapter (--lora) the servers serve the base model and
-    load each sync's adapters."""
+    """train.py's vLLM backend: rank 0 starts ``--vllm-servers`` of ``resume_dir`` or --model
+    (placed by ``placement``), unless ``--vllm-url`` names running ones; every rank's proxy sends to
+    the same servers; rank 0 writes the weight syncs, in the trainer's compute dtype. The trained
+    model's config gives the context and RoPE. Under a model adapter (--lora) the servers serve the
+    base model and load each sync's adapters."""
     config = learner.model.config
     dtype = learner.dtype
     adapter = learner.adapter
@@ -137,8 +137,9 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
 
 
 def _places(args, device: torch.device, local_world: int, extra: list) -> Optional[list]:
-    """Where each started server runs (see ``placement``): none on vLLM's CPU build; on GPUs server k on
-    GPU k unless --vllm-gpus, in ids as CUDA_VISIBLE_DEVICES takes them (a server's replaces ours)."""
+    """Where each started server runs (see ``placement``): none on vLLM's CPU build; on GPUs server
+    k on GPU k unless --vllm-gpus, in ids as CUDA_VISIBLE_DEVICES takes them (a server's replaces
+    ours)."""
     if not torch.cuda.is_available():
         return None
     every = ",".join(map(str, range(torch.cuda.device_count())))
@@ -155,7 +156,8 @@ def _places(args, device: torch.device, local_world: int, extra: list) -> Option
 
 def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: list = ()) -> list:
     """Each started server's (environment, arguments) for ``VLLMBackend.spawn``: one per GPU set,
-    tensor-parallel over it, with ``share`` of each GPU's memory (default 0.3 beside the trainer, 0.9 alone).
+    tensor-parallel over it, with ``share`` of each GPU's memory (default 0.3 beside the trainer,
+    0.9 alone).
 
     >>> placement(["0", "4,5"], trainer_gpus=["0", "1"])  # the trainer on GPUs 0 and 1
     [({'CUDA_VISIBLE_DEVICES': '0'}, ['--gpu-memory-utilization', '0.3', '--tensor-parallel-size', '1']),
@@ -199,11 +201,12 @@ _GRAMMAR_HINT = (
 
 class VLLMBackend(PauseGate):
     """vLLM OpenAI servers behind HFBackend's surface: token ids in and out of ``/v1/completions``;
-    ``sync_weights`` writes safetensors into ``sync_dir`` (a folder the servers can read) for every server
-    to reload in place. The servers need ``--logprobs-mode processed_logprobs``, ``VLLM_SERVER_DEV_MODE=1``
-    (the weight-sync routes) and, for grammars, ``--structured-outputs-config '{"backend": "guidance"}'``.
-    ``api_key`` (default $VLLM_API_KEY) goes with every request. ``writes_weights`` False (train.py's ranks
-    but 0): a sync only moves the version."""
+    ``sync_weights`` writes safetensors into ``sync_dir`` (a folder the servers can read) for every
+    server to reload in place. The servers need ``--logprobs-mode processed_logprobs``,
+    ``VLLM_SERVER_DEV_MODE=1`` (the weight-sync routes) and, for grammars,
+    ``--structured-outputs-config '{"backend": "guidance"}'``. ``api_key`` (default $VLLM_API_KEY)
+    goes with every request. ``writes_weights`` False (train.py's ranks but 0): a sync only moves
+    the version."""
 
     def __init__(
         self, urls: list[str], sync_dir: str, procs=None, api_key=None, writes_weights=True
@@ -211,7 +214,8 @@ class VLLMBackend(PauseGate):
         self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
         self.api_key = api_key or os.environ.get("VLLM_API_KEY")
         self.writes_weights = writes_weights
-        # of the weight-sync file (train.py: --dtype's, half of fp32 in bf16); None: the weights' own
+        # of the weight-sync file (train.py: --dtype's, half of fp32 in bf16); None: the weights'
+        # own
         self.dtype = None
         served = lambda url: _http(url + "/v1/models", timeout=30, key=self.api_key)["data"][0]
         try:
@@ -242,16 +246,16 @@ class VLLMBackend(PauseGate):
     def spawn(
         cls, model_dir: str, n=1, python="python", args=None, timeout=900, log_dir=".", places=None
     ):
-        """Start ``n`` servers of ``model_dir`` with server flags ``args`` (or one per ``places`` entry: the
-        environment and arguments that put it on its GPUs) as subprocesses, logs in ``log_dir``/vllm_K.log;
-        wait until healthy (``timeout`` seconds)."""
+        """Start ``n`` servers of ``model_dir`` with server flags ``args`` (or one per ``places``
+        entry: the environment and arguments that put it on its GPUs) as subprocesses, logs in
+        ``log_dir``/vllm_K.log; wait until healthy (``timeout`` seconds)."""
         import secrets
         import subprocess
 
         procs, urls, key = [], [], secrets.token_urlsafe(32)
-        # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on vLLM's CPU build, which otherwise reserves 92% of
-        # memory (GPU builds ignore it). The key in VLLM_API_KEY, not --api-key: ps shows command lines
-        # to every user, environments only to their own.
+        # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on vLLM's CPU build, which otherwise reserves 92%
+        # of memory (GPU builds ignore it). The key in VLLM_API_KEY, not --api-key: ps shows command
+        # lines to every user, environments only to their own.
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
         env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": key}
         env |= {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
@@ -277,8 +281,8 @@ class VLLMBackend(PauseGate):
         on_token: Optional[Callable[[int], None]] = None,
         rollout_id: str = "",
     ) -> Generation:
-        """As HFBackend's; a rollout's calls all go to one server (its prefix cache), chosen by its id,
-        and --lora's to its adapter."""
+        """As HFBackend's; a rollout's calls all go to one server (its prefix cache), chosen by its
+        id, and --lora's to its adapter."""
         import aiohttp
 
         max_new = max_reply_tokens(prompt_ids, sampling, self.max_model_len)
@@ -324,16 +328,17 @@ class VLLMBackend(PauseGate):
                 self._cond.notify_all()
 
     def _request_body(self, prompt_ids, sampling: Sampling, max_new: int, stream: bool) -> dict:
-        """Every sampling field explicit, the penalties and min_p neutral: vLLM fills an unset one from the
-        model's generation_config.json (Qwen2.5's repetition_penalty 1.05), a distribution the trainer never
-        scores."""
+        """Every sampling field explicit, the penalties and min_p neutral: vLLM fills an unset one
+        from the model's generation_config.json (Qwen2.5's repetition_penalty 1.05), a distribution
+        the trainer never scores."""
         s = sampling
         body = {"prompt": list(prompt_ids), "max_tokens": max_new}
         body |= {"seed": s.seed, "temperature": s.temperature, "top_p": s.top_p}
         body |= {"top_k": s.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0}
         body |= {"presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": s.stop, "logprobs": 0}
         body |= {"return_token_ids": True, "stream": stream}
-        # the servers' guidance backend (llguidance) masks as grammar.Matcher does; the trainer replays it
+        # the servers' guidance backend (llguidance) masks as grammar.Matcher does; the trainer
+        # replays it
         if sampling.grammar:
             body["structured_outputs"] = {"grammar": sampling.grammar}
         return body
@@ -346,24 +351,24 @@ class VLLMBackend(PauseGate):
         return parallel.full_state_dict(learner.model, self.parallel)
 
     def make_room(self):
-        """Before training: with --vllm-sleep the servers on the training GPUs free their memory (rank
-        0 puts them to sleep)."""
+        """Before training: with --vllm-sleep the servers on the training GPUs free their memory
+        (rank 0 puts them to sleep)."""
         if self.sleep_while_training and self.writes_weights:
             self.sleep()
 
     def sleep(self):
-        """Free the servers' GPU memory (--vllm-sleep): sleep level 2 drops KV cache and weights; the
-        next ``sync_weights`` wakes them and loads the new weights."""
+        """Free the servers' GPU memory (--vllm-sleep): sleep level 2 drops KV cache and weights;
+        the next ``sync_weights`` wakes them and loads the new weights."""
         self.pause()
         for url in self.urls:
             _http(url + "/sleep?level=2", {}, key=self.api_key)
         self.sleeping = True
 
     def sync_weights(self, model=None, version: Optional[int] = None):
-        """Every server serves ``model``'s weights (a module, a full state dict or, --lora, the adapters:
-        ``lora.adapters``'s; None: only the version moves). Sleeping servers (level 2: no weights, no KV
-        cache) wake in two steps, after the file is written (the trainer's copies are gone by then): the
-        weights, reloaded, then the KV cache."""
+        """Every server serves ``model``'s weights (a module, a full state dict or, --lora, the
+        adapters: ``lora.adapters``'s; None: only the version moves). Sleeping servers (level 2: no
+        weights, no KV cache) wake in two steps, after the file is written (the trainer's copies are
+        gone by then): the weights, reloaded, then the KV cache."""
         self.pause()
         if self.sleep_while_training and torch.cuda.is_available():
             # what training freed goes back to the GPU before the servers wake
@@ -390,8 +395,8 @@ class VLLMBackend(PauseGate):
 
     def _load_adapters(self, adapters: dict, version: int):
         """--lora: every server loads each adapter (peft's files, from ``lora.adapters``) as
-        "NAME-v{version}", then drops the previous version's. A new name each time: vLLM's prefix cache
-        is keyed by it. A server that refuses one stops the run with what it said."""
+        "NAME-v{version}", then drops the previous version's. A new name each time: vLLM's prefix
+        cache is keyed by it. A server that refuses one stops the run with what it said."""
         from safetensors.torch import save_file
 
         old, self.lora_loaded = self.lora_loaded, version
@@ -417,8 +422,8 @@ class VLLMBackend(PauseGate):
             shutil.rmtree(os.path.join(self.sync_dir, f"v{old}"))
 
     def _write(self, state_dict: dict):
-        """``sync_dir``/model.safetensors, in ``self.dtype``. Tied embeddings share storage: written once,
-        under its first name (vLLM re-ties it)."""
+        """``sync_dir``/model.safetensors, in ``self.dtype``. Tied embeddings share storage: written
+        once, under its first name (vLLM re-ties it)."""
         from safetensors.torch import save_file
 
         first = {v.data_ptr(): (k, v) for k, v in reversed(state_dict.items())}
@@ -450,7 +455,8 @@ def _free_port() -> int:
 
 
 def _wait_healthy(procs: list, urls: list, timeout: float, log_dir: str):
-    """Until every server answers /health; a server that exits or does not answer in time fails it all."""
+    """Until every server answers /health; a server that exits or does not answer in time fails it
+    all."""
     t0 = time.time()
     for k, (proc, url) in enumerate(zip(procs, urls)):
         log = os.path.join(log_dir, f"vllm_{k}.log")
@@ -471,16 +477,17 @@ def _wait_healthy(procs: list, urls: list, timeout: float, log_dir: str):
 
 
 def _sync_dir(model_dir: str) -> str:
-    """A new folder for the weight syncs of servers on this machine: in memory (/dev/shm) when it holds the
-    weights twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by default), else on
-    disk. A hub name (no folder here) has no size to check."""
+    """A new folder for the weight syncs of servers on this machine: in memory (/dev/shm) when it
+    holds the weights twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by
+    default), else on disk. A hub name (no folder here) has no size to check."""
     need = 2 * sum(map(os.path.getsize, glob.glob(glob.escape(model_dir) + "/*.safetensors")))
     in_memory = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need
     return tempfile.mkdtemp(prefix="lightning-lite-weights-", dir="/dev/shm" if in_memory else None)
 
 
 def _die_with_parent():
-    """In a started server: get SIGTERM when the trainer dies, however it dies (Linux PR_SET_PDEATHSIG)."""
+    """In a started server: get SIGTERM when the trainer dies, however it dies (Linux
+    PR_SET_PDEATHSIG)."""
     import ctypes
     import signal
 
@@ -498,9 +505,9 @@ def _http(
     key: Optional[str] = None,
     route_needs: str = "VLLM_SERVER_DEV_MODE=1",
 ):
-    """GET (or POST ``body`` as JSON, with API ``key``): the answer, parsed when JSON (the LoRA routes
-    answer text). Errors name the URL and what the server said; a route it does not have (404) says
-    what a server must be started with to have it (``route_needs``)."""
+    """GET (or POST ``body`` as JSON, with API ``key``): the answer, parsed when JSON (the LoRA
+    routes answer text). Errors name the URL and what the server said; a route it does not have
+    (404) says what a server must be started with to have it (``route_needs``)."""
     import urllib.error
     import urllib.request
 

@@ -108,6 +108,14 @@ def conversation(api: str, open_api):
 
 
 hooks.ROUTES["/v1/chat/completions"] = conversation("chat", apis.open_chat)
+# The other APIs' routes and the extras that serve them: a request to one this copy lacks is told
+# which file it needs.
+EXTRA_ROUTES = {
+    "/v1/messages": "anthropic",
+    "/v1/messages/count_tokens": "anthropic",
+    "/v1/responses": "responses",
+    "/v1/completions": "completions",
+}
 
 
 class Proxy:
@@ -524,6 +532,10 @@ class Proxy:
                 raise
             where = f"{request.method} {request.path}"
             messages = {404: f"no route {where}; see GET /v1/models and the README for the routes"}
+            for route, extra in EXTRA_ROUTES.items():
+                if request.path.endswith(route) and route not in hooks.ROUTES:
+                    # an API whose extra this copy does not have
+                    messages[404] = hooks.missing(f"{where} (its API)", extra)
             messages[405] = f"method {request.method} is not allowed on {request.path}"
             messages[413] = f"request body too large (limit {self.max_body} bytes)"
             codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}

@@ -1,16 +1,20 @@
-"""Recorded calls -> training samples: one prefix tree per rollout, one sample per leaf,
-``loss_mask`` 1 exactly on sampled tokens (DESIGN.md "Retokenization and merging"; example:
-``build_samples``).
+"""Recorded calls -> training samples. The invariant: every sampled token is trained exactly once,
+in the longest leaf that holds it, so the per-sample normalizations do not depend on the order of
+a tree's branches; ``loss_mask`` is 1 exactly on sampled tokens (DESIGN.md "Retokenization and
+merging"; a worked example: ``build_samples``).
 
-A call hangs under its recorded ``parent`` (no id compared), else under the earlier call whose
-prompt + response is the longest prefix of its prompt; a call that extends nothing starts a new root
-(a "split"), counted by reason:
+A rollout's calls form a prefix tree, and each leaf is one sample. A call hangs under its recorded
+``parent`` (the proxy's word is trusted: no ids are compared), else under the earlier call whose
+prompt + response is the longest prefix of its prompt. A call that extends nothing starts a new
+root (a "split"), counted by reason:
 
-    rewrote_history    its prompt starts with an earlier call's prompt, not with that call's response (history edited)
-    template_mismatch  the proxy matched the messages, but the template renders the sampled turn otherwise
+    rewrote_history    its prompt starts with an earlier call's prompt, not with that call's
+                       response (the harness edited its history)
+    template_mismatch  the proxy matched the messages, but the template renders the sampled turn
+                       otherwise
     new_thread         an unrelated conversation (title generation, sub-agents)
-    retry              the same prompt ids again: the earlier attempt is dropped unless a later call continued it
-                       (the ``n`` choices of one request are siblings instead)
+    retry              the same prompt ids again: the earlier attempt is dropped unless a later
+                       call continued it (the ``n`` choices of one request are siblings instead)
 
     python -m lightning_lite.samples CALLS.jsonl --out SAMPLES.jsonl [--max-seq-len N]
 """

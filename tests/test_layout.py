@@ -194,7 +194,8 @@ def test_proxy_serves_chat_completions_with_no_extras(bare, tmp_path):
         assert '"delta"' in body
         # a route of a missing extra: a 404 in OpenAI's shape, and the server keeps serving
         status, body = post(url + "/v1/messages", {"model": "m", "messages": [], "max_tokens": 1})
-        assert status == 404 and "error" in json.loads(body), body
+        assert status == 404, body
+        assert "needs lightning_lite/extras/anthropic.py" in json.loads(body)["error"]["message"]
         # a forced tool call without the grammar extra: its arguments unconstrained, still served
         tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
         forced = {"type": "function", "function": {"name": "calc"}}

@@ -167,9 +167,8 @@ def test_proxy_serves_chat_completions_with_no_extras(bare, tmp_path):
     port = free_port()
     argv = [sys.executable, "proxy.py", "--model", SMOLLM2, "--port", str(port)]
     argv += ["--out", str(tmp_path / "proxy")]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen(
-        argv, cwd=bare, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        argv, cwd=bare, env=bare_env(bare), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -60,6 +60,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # --model smollm2 by name needs the embedded-model extra (train.py and proxy.py load it too).
 import lightning_lite.extras.embedded  # noqa: E402, F401
+import lightning_lite.extras.tool_formats  # noqa: E402, F401
+import lightning_lite.extras.grammar  # noqa: E402, F401
+import lightning_lite.extras.fast_decode  # noqa: E402, F401
 
 REPLY = "The capital of France is Paris."
 TOOL_REPLY = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la src"}}\n</tool_call>'

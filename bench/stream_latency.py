@@ -21,6 +21,9 @@ import requests
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # smollm2 by name and its fast decoding: extras, which train.py and proxy.py load too.
 import lightning_lite.extras.embedded  # noqa: E402, F401
+import lightning_lite.extras.responses  # noqa: E402, F401
+import lightning_lite.extras.anthropic  # noqa: E402, F401
+import lightning_lite.extras.completions  # noqa: E402, F401
 import lightning_lite.extras.fast_decode  # noqa: E402, F401
 
 PROMPT = "Tell me a long story about a dragon who learns to bake bread."

@@ -118,7 +118,14 @@ def load_extras(names: list[str]) -> list:
 
 
 def missing(what: str, extra: str) -> str:
-    """The message for a flag or request that needs an extra this copy does not have."""
+    """The message for a flag or request that needs an extra this process has not loaded: one this
+    copy does not have, or (a script of one's own) one it has not imported."""
+    if importlib.util.find_spec("lightning_lite.extras") is not None:
+        if importlib.util.find_spec(f"lightning_lite.extras.{extra}") is not None:
+            return (
+                f"{what} needs lightning_lite/extras/{extra}.py, which this process has not "
+                f"loaded: import lightning_lite.extras.{extra} first"
+            )
     return (
         f"{what} needs lightning_lite/extras/{extra}.py, which this copy of lightning-lite does "
         "not have"

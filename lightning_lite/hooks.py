@@ -117,6 +117,25 @@ def load_extras(names: list[str]) -> list:
     return loaded
 
 
+def parse_args(parser, names: list[str], loaded: list):
+    """``parser``'s flags, parsed. A flag that no parser knows is refused: one that starts as an
+    extra's name (--lora of lora.py) that is not ``loaded`` names the extra's file; any other names
+    the extras of ``names`` that this process lacks."""
+    args, unknown = parser.parse_known_args()
+    have = [module.__name__.rsplit(".", 1)[1] for module in loaded]
+    lacking = [name for name in names if name not in have]
+    for flag in unknown:
+        for name in lacking:
+            if flag.startswith("--" + name.replace("_", "-")):
+                parser.error(missing(flag.split("=")[0], name))
+    if unknown:
+        maybe = ""
+        if lacking:
+            maybe = f" (this copy lacks the extras {', '.join(lacking)}: it may be theirs)"
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{maybe}")
+    return args
+
+
 def missing(what: str, extra: str) -> str:
     """The message for a flag or request that needs an extra this process has not loaded: one this
     copy does not have, or (a script of one's own) one it has not imported."""

@@ -20,36 +20,59 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from . import records
+from . import hooks, records
 from .records import SPLIT_REASONS, find_batches, read_jsonl
 
 
 class RunDir:
     def __init__(self, out: str, rank: int, ddp: bool):
-        self.out, self.rank, self.ddp = out, rank, ddp
+        self.out = out
+        self.rank = rank
+        # under DDP each rank writes files of its own
+        self.ddp = ddp
         self.metrics_path = os.path.join(out, "metrics.jsonl")
         self.checkpoints = os.path.join(out, "checkpoints")
         os.makedirs(os.path.join(out, "calls"), exist_ok=True)
+        # where each metrics row goes besides metrics.jsonl (``start``)
+        self.sinks = []
+
+    def start(self, args, config: dict):
+        """Write config.json (the flags as they ran) and open the metrics sinks that
+        hooks.METRIC_SINKS makes of the flags (extras/loggers.py: TensorBoard, W&B), on rank 0."""
+        if self.rank:
+            return
+        with open(os.path.join(self.out, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        for make_sink in hooks.METRIC_SINKS:
+            sink = make_sink(args, config)
+            if sink is not None:
+                self.sinks.append(sink)
+
+    def close(self):
+        for sink in self.sinks:
+            sink.close()
 
     def file(self, kind: str, name: str) -> str:
         """A step's (or an evaluation's) calls or rollouts: one file per rank under DDP."""
-        name += f".rank{self.rank}" if self.ddp else ""
+        if self.ddp:
+            name += f".rank{self.rank}"
         return os.path.join(self.out, kind, name + ".jsonl")
 
     def save_rollouts(self, name: str, results: list, advantages: dict):
         """One line per rollout: the harness's RolloutResult and its advantage (a number, {call
         index: number} for a per-call estimator, or null: not trained)."""
-        rows = [asdict(r) | {"advantage": advantages.get(r.rollout_id)} for r in results]
+        rows = []
+        for result in results:
+            rows.append({**asdict(result), "advantage": advantages.get(result.rollout_id)})
         records.write_jsonl(self.file("rollouts", name), rows)
 
-    def append_metrics(self, row: dict, sinks=()):
+    def append_metrics(self, row: dict):
         """One line of metrics.jsonl (None: not measured; NaN and inf, which JSON lacks, too), also
-        to the other sinks (hooks.METRIC_SINKS). The file is written last: a row in it has been
-        logged everywhere."""
+        to the other sinks. The file is written last: a row in it has been logged everywhere."""
         if self.rank:
             return
         row = records.finite(row)
-        for sink in sinks:
+        for sink in self.sinks:
             sink.log(row)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -67,14 +90,20 @@ class RunDir:
         every rank's files (that attempt may have had another world size), the others wait.
         Returns the steps whose evaluation is done."""
         exists = os.path.exists(self.metrics_path)
-        # read_jsonl skips a torn last line; a Ctrl-C may have logged a row twice: once each
-        old = read_jsonl(self.metrics_path) if resumed and exists else []
+        old = []
+        if resumed and exists:
+            # read_jsonl skips a torn last line
+            old = read_jsonl(self.metrics_path)
+        # (step, is an evaluation) -> its row: a row a Ctrl-C logged twice is kept once
         rows = {(r["step"], "eval_reward" in r): r for r in old if r["step"] <= start_step}
         evaluated = {step for step, is_eval in rows if is_eval}
-        for (kind, k), files in find_batches(self.out).items() if self.rank == 0 else ():
-            if kind == "step" and k >= start_step or kind == "eval" and k not in evaluated:
-                for path in files["calls"] + files["rollouts"]:
-                    os.remove(path)
+        if self.rank == 0:
+            for (kind, k), files in find_batches(self.out).items():
+                rerun_step = kind == "step" and k >= start_step
+                cut_short = kind == "eval" and k not in evaluated
+                if rerun_step or cut_short:
+                    for path in files["calls"] + files["rollouts"]:
+                        os.remove(path)
         if self.rank == 0 and exists:
             # a new file, then a rename: a kill here loses no row
             records.write_jsonl(self.metrics_path + ".tmp", rows.values())
@@ -101,28 +130,58 @@ class RunDir:
         os.replace(tmp, final)
         with open(os.path.join(self.checkpoints, "latest"), "w") as f:
             f.write(f"step_{step}")
-        names = [n for n in os.listdir(self.checkpoints) if re.fullmatch(r"step_\d+", n)]
-        for name in sorted(names, key=lambda n: -int(n[5:]))[keep:] if keep else ():
-            shutil.rmtree(os.path.join(self.checkpoints, name))
+        if keep:
+            names = [n for n in os.listdir(self.checkpoints) if re.fullmatch(r"step_\d+", n)]
+            newest_first = sorted(names, key=lambda name: -int(name[len("step_") :]))
+            for name in newest_first[keep:]:
+                shutil.rmtree(os.path.join(self.checkpoints, name))
         return final
 
 
 # ---------------------------------------------------------------------- a step's numbers
-# the metrics row's counts (summed over ranks) and what the loss reports (algo.policy_loss)
-COUNTED = "rollouts failed flagged calls samples trainable_tokens truncated dropped".split()
-LOSS_METRICS = "fwd_tokens constrained_tokens forced_tokens loss clip_frac ratio_mean".split()
-LOSS_METRICS += "ratio_min ratio_max prob_corr dlogp_mean dlogp_max ratio_out_frac".split()
-
-
-# merge statistics the row counts (samples.build_samples's)
-SPLITS = [f"split_{r}" for r in SPLIT_REASONS]
-RATES = [("reward", "reward", "rewarded"), ("success", "success", "rewarded")]
-RATES += [("calls_per_rollout", "calls", "rollouts"), ("merge_ratio", "tokens_unmerged", "tokens")]
+# The metrics row's counts, summed over ranks.
+COUNTED = [
+    "rollouts",
+    "failed",
+    "flagged",
+    "calls",
+    "samples",
+    "trainable_tokens",
+    "truncated",
+    "dropped",
+]
+# What the loss reports (algo.policy_loss), copied into the row.
+LOSS_METRICS = [
+    "fwd_tokens",
+    "constrained_tokens",
+    "forced_tokens",
+    "loss",
+    "clip_frac",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "prob_corr",
+    "dlogp_mean",
+    "dlogp_max",
+    "ratio_out_frac",
+]
+# The merge statistics the row counts (samples.build_samples's).
+SPLITS = [f"split_{reason}" for reason in SPLIT_REASONS]
+MERGED = ["tokens", "tokens_unmerged", "truncated", "dropped", *SPLITS]
+# The row's rates: (its key, the sum it divides, the sum it divides by).
+RATES = [
+    ("reward", "reward", "rewarded"),
+    ("success", "success", "rewarded"),
+    ("calls_per_rollout", "calls", "rollouts"),
+    ("merge_ratio", "tokens_unmerged", "tokens"),
+]
 
 
 def per(a, b):
     """a / b, or None where b is 0: not measured (a 0 would claim a measurement)."""
-    return a / b if b else None
+    if not b:
+        return None
+    return a / b
 
 
 def counts(results, calls, merge_stats: Counter) -> dict:
@@ -131,36 +190,70 @@ def counts(results, calls, merge_stats: Counter) -> dict:
     numbers of them."""
     # None: an unrewarded trace (sft)
     rewarded = [r.reward for r in results if r.error is None and r.reward is not None]
-    n = dict(rollouts=len(results), failed=sum(r.error is not None for r in results))
-    n |= dict(flagged=sum(bool(r.flags) for r in results), rewarded=len(rewarded))
-    n |= dict(reward=sum(rewarded), success=sum(x >= 1.0 for x in rewarded), calls=len(calls))
-    n["gen"] = sum(len(c.response_ids) for c in calls)
-    merged = ["tokens", "tokens_unmerged", "truncated", "dropped", *SPLITS]
-    return n | {k: merge_stats[k] for k in merged}
+    sums = {
+        "rollouts": len(results),
+        "failed": sum(r.error is not None for r in results),
+        "flagged": sum(bool(r.flags) for r in results),
+        "rewarded": len(rewarded),
+        "reward": sum(rewarded),
+        "success": sum(reward >= 1.0 for reward in rewarded),
+        "calls": len(calls),
+        "gen": sum(len(c.response_ids) for c in calls),
+    }
+    for key in MERGED:
+        sums[key] = merge_stats[key]
+    return sums
 
 
 def step_counts(results, calls, samples, merge_stats: dict, names: list, all_reduce) -> dict:
     """The step's sums over every rank: all of it, and each harness's (keys ending in /NAME) when
     there are several."""
-    n = counts(results, calls, sum(merge_stats.values(), Counter()))
-    n |= dict(samples=len(samples), signal=sum(any(s.advantages) for s in samples))
-    n |= dict(trainable_tokens=sum(sum(s.loss_mask) for s in samples))
-    n["kept_tokens"] = sum(len(s.tokens) for s in samples)
-    for name in names if len(names) > 1 else ():
-        mine = [r for r in results if r.harness == name]
-        ids, stats = {r.rollout_id for r in mine}, merge_stats.get(name, Counter())
-        sums = counts(mine, [c for c in calls if c.rollout_id in ids], stats)
-        n.update({f"{k}/{name}": v for k, v in sums.items()})
-    return dict(zip(n, all_reduce(list(n.values()))))
+    sums = counts(results, calls, sum(merge_stats.values(), Counter()))
+    sums["samples"] = len(samples)
+    sums["signal"] = sum(any(s.advantages) for s in samples)
+    sums["trainable_tokens"] = sum(sum(s.loss_mask) for s in samples)
+    sums["kept_tokens"] = sum(len(s.tokens) for s in samples)
+    if len(names) > 1:
+        for name in names:
+            mine = [r for r in results if r.harness == name]
+            ids = {r.rollout_id for r in mine}
+            its_calls = [c for c in calls if c.rollout_id in ids]
+            its_sums = counts(mine, its_calls, merge_stats.get(name, Counter()))
+            for key, value in its_sums.items():
+                sums[f"{key}/{name}"] = value
+    return dict(zip(sums, all_reduce(list(sums.values()))))
 
 
-def step_rates(n: dict, names: list) -> dict:
+def step_rates(sums: dict, names: list) -> dict:
     """The row's reward, success, calls per rollout, merge ratio and split counts from the sums."""
+    suffixes = [""]
+    if len(names) > 1:
+        suffixes += [f"/{name}" for name in names]
     row = {}
-    for suffix in [""] + [f"/{name}" for name in names if len(names) > 1]:
-        # the row's key, and the sums it divides
-        for key, a, b in RATES:
-            row[key + suffix] = per(n[a + suffix], n[b + suffix])
-        splits = {r: int(n[f"split_{r}{suffix}"]) for r in SPLIT_REASONS}
-        row["splits" + suffix] = {r: k for r, k in splits.items() if k}
+    for suffix in suffixes:
+        for key, numerator, denominator in RATES:
+            row[key + suffix] = per(sums[numerator + suffix], sums[denominator + suffix])
+        splits = {reason: int(sums[f"split_{reason}{suffix}"]) for reason in SPLIT_REASONS}
+        row["splits" + suffix] = {reason: k for reason, k in splits.items() if k}
     return row
+
+
+def shown(row: dict, key: str, spec: str) -> str:
+    """A metric as the step's line shows it; '-' where it was not measured."""
+    if row.get(key) is None:
+        return "-"
+    return format(row[key], spec)
+
+
+def step_line(row: dict) -> str:
+    """The step's log line (README: reading a log line) of its metrics row."""
+    return (
+        f"step {row['step']:4d} | reward {shown(row, 'reward', '.3f')} "
+        f"succ {shown(row, 'success', '.2f')} | fail {row['failed']} | samples {row['samples']} "
+        f"tok {row['trainable_tokens']} fwd {shown(row, 'fwd_tokens', 'd')} "
+        f"merge {shown(row, 'merge_ratio', '.2f')}x | loss {shown(row, 'loss', '+.4f')} "
+        f"gnorm {shown(row, 'grad_norm', '.3f')} clip {shown(row, 'clip_frac', '.3f')} "
+        f"|dlogp| {shown(row, 'dlogp_mean', '.4f')} | roll {row['t_rollout']:.1f}s "
+        f"({shown(row, 'gen_tok_s', '.0f')} tok/s) train {row['t_train']:.1f}s "
+        f"({shown(row, 'train_tok_s', '.0f')} tok/s) sync {row['t_sync']:.2f}s"
+    )

@@ -38,9 +38,10 @@ def _load_for(tokenizer, log, *, dirs, model, loss, adv, sft_min_reward) -> "Rec
 
 
 HELP = (
-    "train on the calls that proxy.py --out DIR (rewards POSTed while it served) or a train.py run"
+    "train on the calls that proxy.py --out DIR (rewards POSTed while it served) or a train.py run "
+    "recorded, instead of running a harness (README: Training from recorded calls); --harness "
+    "evaluates"
 )
-HELP += " recorded, instead of running a harness (README: Training from recorded calls); --harness evaluates"
 
 
 def add_args(parser) -> None:
@@ -56,14 +57,22 @@ def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, di
     rollout or call the last counts. A train.py run's rollouts keep their GRPO groups (the task, in
     its step); failed ones are left out."""
     rewards: dict[str, dict] = {}
-    metas = [os.path.join(run_dir, name) for name in ("proxy.json", "config.json")]
-    meta = next((path for path in metas if os.path.exists(path)), None)
-    model = json.load(open(meta)).get("model") if meta else None
+    # the model that served them: proxy.py's proxy.json or train.py's config.json names it
+    model = None
+    for name in ("proxy.json", "config.json"):
+        meta = os.path.join(run_dir, name)
+        if os.path.exists(meta):
+            with open(meta) as f:
+                model = json.load(f).get("model")
+            break
     # proxy.py's folder: the calls, and the rewards POSTed while it served
     if os.path.exists(os.path.join(run_dir, "calls.jsonl")):
         calls = read_calls(os.path.join(run_dir, "calls.jsonl"))
         path = os.path.join(run_dir, "rewards.jsonl")
-        for line in read_jsonl(path) if os.path.exists(path) else ():
+        lines = []
+        if os.path.exists(path):
+            lines = read_jsonl(path)
+        for line in lines:
             entry = rewards.setdefault(
                 line["rollout_id"], {"reward": None, "calls": {}, "group": None}
             )
@@ -86,7 +95,8 @@ def read_recorded(run_dir: str) -> tuple[Optional[str], list[Call], dict[str, di
                 }
     if not calls:
         raise ValueError(
-            f"{run_dir}: no calls.jsonl (proxy.py --out) and no calls/step_K.jsonl (train.py --out): not a recorded run"
+            f"{run_dir}: no calls.jsonl (proxy.py --out) and no calls/step_K.jsonl (train.py "
+            "--out): not a recorded run"
         )
     return model, calls, rewards
 
@@ -149,25 +159,33 @@ def load(
             served, calls, rewards = read_recorded(d)
         except (OSError, ValueError) as e:
             sys.exit(f"--from-calls {d}: {e}")
-        same_model = served and os.path.abspath(resolve(served)) == os.path.abspath(resolve(model))
+        same_model = False
+        if served:
+            same_model = os.path.abspath(resolve(served)) == os.path.abspath(resolve(model))
         if not same_model and loss != "sft":
-            who = served or "a model it does not name (no proxy.json, no config.json)"
-            hint = f', or, if you know they are {model}\'s, write {{"model": "{model}"}} to {d}/proxy.json'
+            who = served
+            hint = ""
+            if not served:
+                who = "a model it does not name (no proxy.json, no config.json)"
+                hint = f', or, if you know they are {model}\'s, write {{"model": "{model}"}} to '
+                hint += f"{d}/proxy.json"
             sys.exit(
-                f"--from-calls {d}: its calls were sampled by {who}, not --model {model}: their logprobs are "
-                f"another policy's. Learn from them with --loss sft (same tokenizer){'' if served else hint}"
+                f"--from-calls {d}: its calls were sampled by {who}, not --model {model}: their "
+                f"logprobs are another policy's. Learn from them with --loss sft (same "
+                f"tokenizer){hint}"
             )
-        if no_logprobs := [c for c in calls if len(c.response_logprobs) != len(c.response_ids)]:
-            if loss != "sft":
-                sys.exit(
-                    f"--from-calls {d}: {len(no_logprobs)} calls have no logprobs to take the ratio to; "
-                    "--loss sft trains on them"
-                )
-            for c in no_logprobs:
-                c.response_logprobs = [0.0] * len(c.response_ids)
+        no_logprobs = [c for c in calls if len(c.response_logprobs) != len(c.response_ids)]
+        if no_logprobs and loss != "sft":
+            sys.exit(
+                f"--from-calls {d}: {len(no_logprobs)} calls have no logprobs to take the ratio "
+                "to; --loss sft trains on them"
+            )
+        for c in no_logprobs:
+            c.response_logprobs = [0.0] * len(c.response_ids)
         if any(t >= vocab_size for c in calls for t in c.response_ids):
             sys.exit(
-                f"--from-calls {d}: token ids beyond this tokenizer's {vocab_size}: recorded with another tokenizer"
+                f"--from-calls {d}: token ids beyond this tokenizer's {vocab_size}: recorded with "
+                "another tokenizer"
             )
         calls_of: dict[str, list[Call]] = {}
         for c in calls:
@@ -177,30 +195,40 @@ def load(
             if rid not in rewards and not (loss == "sft" and sft_min_reward is None):
                 continue
             info = rewards.get(rid) or {"reward": None, "calls": {}, "group": None}
-            # several folders: their rollout ids may collide
-            key = f"d{j}.{rid}" if len(dirs) > 1 else rid
+            key = rid
+            if len(dirs) > 1:
+                # several folders: their rollout ids may collide
+                key = f"d{j}.{rid}"
             for c in rollout_calls:
                 c.rollout_id = key
-            # rewarded per call only: the rollout's reward is 0; unrewarded (sft): None, trained,
-            # not counted in reward
-            reward = 0.0 if info["reward"] is None and rid in rewards else info["reward"]
+                # sampled before this run began: by this run's version 0, a step's number of
+                # updates ago when it trains
+                c.model_version = 0
+            reward = info["reward"]
+            if reward is None and rid in rewards:
+                # rewarded per call only: the rollout's reward is 0 (unrewarded, under sft: None,
+                # trained and not counted in the reward)
+                reward = 0.0
             recorded.rewards[key] = {"reward": reward, "calls": info["calls"]}
             recorded.calls[key] = rollout_calls
-            group = f"d{j}/{info['group']}" if info["group"] else key
+            group = key
+            if info["group"]:
+                group = f"d{j}/{info['group']}"
             recorded.groups.setdefault(group, []).append(key)
     if not recorded.rewards:
         sys.exit(
-            f"--from-calls: no rewarded rollout in {' '.join(dirs)}: POST rewards to /rollout/<id>/reward while "
-            "proxy.py serves (README: Training from recorded calls), or imitate the traces with --loss sft"
+            f"--from-calls: no rewarded rollout in {' '.join(dirs)}: POST rewards to "
+            "/rollout/<id>/reward while proxy.py serves (README: Training from recorded calls), or "
+            "imitate the traces with --loss sft"
         )
     singletons = all(len(g) == 1 for g in recorded.groups.values())
     if loss != "sft" and adv in ("grpo", "dr_grpo", "rloo") and singletons:
         sys.exit(
-            f'--from-calls: every rollout is a group of its own (no "task" in the rewards POSTed), so --adv {adv} '
-            "gives each advantage 0: use --adv reinforce (the batch mean as baseline), or POST rewards with a task"
+            f'--from-calls: every rollout is a group of its own (no "task" in the rewards POSTed), '
+            f"so --adv {adv} gives each advantage 0: use --adv reinforce (the batch mean as "
+            "baseline), or POST rewards with a task"
         )
-    n_calls = sum(map(len, recorded.calls.values()))
-    log(
-        f"--from-calls: {len(recorded.rewards)} rollouts ({n_calls} calls) in {len(recorded.groups)} groups"
-    )
+    n_calls = sum(len(calls) for calls in recorded.calls.values())
+    n_rollouts = len(recorded.rewards)
+    log(f"--from-calls: {n_rollouts} rollouts ({n_calls} calls) in {len(recorded.groups)} groups")
     return recorded

@@ -48,22 +48,18 @@ class Generation:
 
 
 def sample_token(
-    logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None, allowed=None
+    logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None
 ) -> tuple[int, float]:
     """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled*
     distribution: softmax(logits / T) on the top-k / top-p support (``algo.sampling_support``, the
     trainer's rule too), renormalized, so the trainer's importance ratio compares like with like.
-    Greedy (T = 0) is not a distribution; it reports the logprob under softmax(logits). ``allowed``
-    [V] bool is a grammar's mask (a ``Matcher``'s), applied first, as vLLM applies it before its
-    sampler.
+    Greedy (T = 0) is not a distribution; it reports the logprob under softmax(logits).
 
     >>> sample_token(torch.tensor([0.0, 0.0, 10.0]), Sampling(temperature=0))
     (2, -9.08e-05)
     """
     # [V]
     x = logits.float()
-    if allowed is not None:
-        x = x.masked_fill(~allowed, float("-inf"))
     if s.temperature > 0:
         x = x / s.temperature
         if s.top_k > 0 or s.top_p < 1.0:
@@ -124,11 +120,10 @@ STATS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens", "canc
 
 @torch.no_grad()
 def copy_weights(source, dst):
-    """Load ``source``'s weights into ``dst``, a plain copy of the trained model. ``source`` is a
-    module (DDP-wrapped or FSDP-sharded: all of its state dict is copied) or a dict of named tensors
-    (those alone: under LoRA the adapters, whose frozen base is the same in both copies). FSDP's
-    shards (DTensors; every rank calls this then) are gathered, copied and freed one at a time: no
-    rank holds the whole model twice."""
+    """Load ``source``'s weights into ``dst``, a plain copy of the trained model: all of a module's
+    (DDP-wrapped, or FSDP-sharded: every rank calls this, and each DTensor is gathered, copied and
+    freed in turn, so no rank holds the whole model twice), or those of a dict of named tensors
+    (under LoRA the adapters alone, whose frozen base is the same in both copies)."""
     targets = dst.state_dict()
     for name, value in served_state_dict(source).items():
         targets[name].copy_(value.full_tensor() if hasattr(value, "full_tensor") else value)
@@ -341,10 +336,12 @@ class HFBackend(PauseGate):
     def _sample_next(self, batch: "_Batch", j: int, version: int) -> bool:
         """Sample row j's next token; False when its request is over (answered, or client gone)."""
         request = batch.rows[j]
-        allowed = None
+        logits = batch.last[j]
         if request.matcher is not None:
+            # The grammar's mask first, as vLLM applies it before its sampler.
             allowed = request.matcher.allowed().to(self.device)
-        token, logprob = sample_token(batch.last[j], request.sampling, request.generator, allowed)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        token, logprob = sample_token(logits, request.sampling, request.generator)
         if request.matcher is not None:
             request.matcher.consume(token)
         request.response_ids.append(token)

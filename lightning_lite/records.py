@@ -143,8 +143,7 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
     ``prompt_ids`` None and ``prompt_tail`` (n turns of L tokens hold L ids, not n * L / 2).
     ``whole``: every call with its whole prompt."""
     calls, seen = [], {}
-    for d in read_jsonl(path):
-        c = from_dict(Call, d)
+    for c in read_jsonl(path, Call):
         if c.prompt_ids is None:
             p = seen.get((c.rollout_id, c.parent))
             if p is None or c.prompt_tail is None:

@@ -3,9 +3,9 @@ has HFBackend's surface (generate, pause/resume, payload, sync_weights, make_roo
 max_model_len, stats), plus ``sleep``. train.py chooses it with ``--backend vllm`` and gets it from
 ``start`` (``hooks.BACKENDS["vllm"]``); proxy.py from ``--vllm-url``.
 
-    backend = start(args, learner, resume_dir, device)               # rank 0 starts the servers
+    backend = start(args, learner, resume_dir, device)          # rank 0 starts the servers
     gen = await backend.generate(prompt_ids, sampling, rollout_id="r1")
-    backend.sync_weights(state_dict, version=1)                     # rank 0 writes, the servers reload
+    backend.sync_weights(state_dict, version=1)                # rank 0 writes, the servers reload
 """
 
 import asyncio
@@ -89,8 +89,8 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
             "--backend vllm starts its servers on rank 0's node, at 127.0.0.1: "
             "over several nodes start them yourself and pass --vllm-url"
         )
-    # --max-model-len: the servers get the trainer's context and RoPE scaling (models.load_model: YaRN
-    # past the trained length), or every logprob differs
+    # --max-model-len: the servers get the trainer's context and RoPE scaling (models.load_model:
+    # YaRN past the trained length), or every logprob differs
     context = []
     if args.max_model_len:
         n = config.max_position_embeddings
@@ -169,7 +169,8 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: li
         # argparse takes abbreviations: --gpu-mem sets --gpu-memory-utilization
         if flag == "-tp" or len(flag) > 2 and any(f.startswith(flag) for f in ours):
             raise ValueError(
-                f"--vllm-args sets {arg}: give the GPUs and memory share as --vllm-gpus, --vllm-gpu-memory"
+                f"--vllm-args sets {arg}: give the GPUs and memory share as --vllm-gpus, "
+                "--vllm-gpu-memory"
             )
     places = []
     for gpu_set in gpu_sets:
@@ -376,7 +377,8 @@ class VLLMBackend(PauseGate):
         model = model if self.writes_weights else None
         if self.sleeping and model is None:
             raise ValueError(
-                "the servers slept at level 2 and dropped their weights: sync_weights needs the model"
+                "the servers slept at level 2 and dropped their weights: sync_weights needs the "
+                "model"
             )
         version = self.version + 1 if version is None else version
         if model is not None and self.adapter is not None:
@@ -443,7 +445,7 @@ class VLLMBackend(PauseGate):
             shutil.rmtree(self.sync_dir, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------- starting servers, HTTP
+# --------------------------------------------------------------------------- starting servers, HTTP
 
 
 def _free_port() -> int:

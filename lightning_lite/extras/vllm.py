@@ -183,8 +183,6 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: li
 
 def lora_flags(rank, adapters=1) -> list:
     """--lora RANK: the server flags for its adapters (vLLM takes ranks 1, 8, 16, ... 512)."""
-    if not rank:
-        return []
     rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
     return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(adapters)]
 

@@ -359,8 +359,7 @@ class VLLMBackend(PauseGate):
         """Free the servers' GPU memory (--vllm-sleep): sleep level 2 drops KV cache and weights;
         the next ``sync_weights`` wakes them and loads the new weights."""
         self.pause()
-        for url in self.urls:
-            _http(url + "/sleep?level=2", {}, key=self.api_key)
+        self._post("/sleep?level=2")
         self.sleeping = True
 
     def sync_weights(self, model=None, version: Optional[int] = None):
@@ -383,14 +382,13 @@ class VLLMBackend(PauseGate):
             self._load_adapters(model, version)
         elif model is not None:
             self._write(served_state_dict(model))
-            for url in self.urls:
-                if self.sleeping:
-                    _http(url + "/wake_up?tags=weights", {}, key=self.api_key)
-                reload = {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}
-                _http(url + "/collective_rpc", reload, key=self.api_key)
-                if self.sleeping:
-                    _http(url + "/wake_up?tags=kv_cache", {}, key=self.api_key)
-                _http(url + "/reset_prefix_cache", {}, key=self.api_key)
+            if self.sleeping:
+                self._post("/wake_up?tags=weights")
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}
+            self._post("/collective_rpc", reload)
+            if self.sleeping:
+                self._post("/wake_up?tags=kv_cache")
+            self._post("/reset_prefix_cache")
         self.sleeping, self.version = False, version
 
     def _load_adapters(self, adapters: dict, version: int):
@@ -404,22 +402,25 @@ class VLLMBackend(PauseGate):
             path = os.path.join(self.sync_dir, f"v{version}", name)
             config.save_pretrained(path)
             save_file(weights, os.path.join(path, "adapter_model.safetensors"))
-            for url in self.urls:
-                load = {"lora_name": f"{name}-v{version}", "lora_path": path}
-                needs = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
-                try:
-                    _http(url + "/v1/load_lora_adapter", load, key=self.api_key, route_needs=needs)
-                except RuntimeError as e:
-                    flags = shlex.join(lora_flags(config.r, len(adapters)))
-                    raise SystemExit(
-                        f"--lora: loading adapter {name!r} failed: {e}\n"
-                        f"(servers that load these adapters are started with {flags})"
-                    ) from None
-                if old is not None:
-                    unload = {"lora_name": f"{name}-v{old}"}
-                    _http(url + "/v1/unload_lora_adapter", unload, key=self.api_key)
+            load = {"lora_name": f"{name}-v{version}", "lora_path": path}
+            needs = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            try:
+                self._post("/v1/load_lora_adapter", load, route_needs=needs)
+            except RuntimeError as e:
+                flags = shlex.join(lora_flags(config.r, len(adapters)))
+                raise SystemExit(
+                    f"--lora: loading adapter {name!r} failed: {e}\n"
+                    f"(servers that load these adapters are started with {flags})"
+                ) from None
+            if old is not None:
+                self._post("/v1/unload_lora_adapter", {"lora_name": f"{name}-v{old}"})
         if old is not None:
             shutil.rmtree(os.path.join(self.sync_dir, f"v{old}"))
+
+    def _post(self, route: str, body: Optional[dict] = None, **kwargs):
+        """POST ``body`` (JSON, {} by default) to ``route`` of every server, with the API key."""
+        for url in self.urls:
+            _http(url + route, body or {}, key=self.api_key, **kwargs)
 
     def _write(self, state_dict: dict):
         """``sync_dir``/model.safetensors, in ``self.dtype``. Tied embeddings share storage: written

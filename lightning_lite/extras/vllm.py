@@ -216,14 +216,15 @@ class VLLMBackend(PauseGate):
         # of the weight-sync file (train.py: --dtype's, half of fp32 in bf16); None: the weights'
         # own
         self.dtype = None
-        served = lambda url: _http(url + "/v1/models", timeout=30, key=self.api_key)["data"][0]
         try:
-            models = [served(u) for u in self.urls]
+            answers = [_http(u + "/v1/models", timeout=30, key=self.api_key) for u in self.urls]
         except OSError as e:
             raise RuntimeError(
                 f"no vLLM server answers at {' '.join(self.urls)} ({e}): "
                 "start it (README: GPUs), or leave out --vllm-url"
             ) from None
+        # each server's one model: {"id": name, "max_model_len": n, ...}
+        models = [answer["data"][0] for answer in answers]
         self.model_name = models[0]["id"]
         self.max_model_len = min(m["max_model_len"] for m in models)
         self.version, self.paused, self.sleeping = 0, False, False
@@ -428,8 +429,9 @@ class VLLMBackend(PauseGate):
         from safetensors.torch import save_file
 
         first = {v.data_ptr(): (k, v) for k, v in reversed(state_dict.items())}
-        cast = lambda v: v.detach().to("cpu", self.dtype or v.dtype).contiguous()
-        out = {k: cast(v) for k, v in first.values()}
+        out = {}
+        for k, v in first.values():
+            out[k] = v.detach().to("cpu", self.dtype or v.dtype).contiguous()
         os.makedirs(self.sync_dir, exist_ok=True)
         save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
 

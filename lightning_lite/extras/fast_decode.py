@@ -28,46 +28,6 @@ from transformers.masking_utils import sdpa_mask
 from .. import hooks
 
 
-class RoomyLayer(DynamicLayer):
-    """A cache layer whose keys and values are views into buffers with room for 256 more tokens:
-    appending writes one column instead of copying the cache. When the batching code replaces them
-    (it pads, trims and selects rows), the next update copies them into a new buffer once."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        # [B, H_kv, n, D] cached, [B, H_kv, m, D] new
-        n, m = self.keys.shape[-2], key_states.shape[-2]
-        buf = getattr(self, "_buf", None)
-        # The first update, no room left, or .keys replaced (a new tensor: padded, trimmed, rows
-        # selected): a copy with room for m + 256 more columns.
-        if buf is None or buf[0].shape[2] < n + m or buf[0].data_ptr() != self.keys.data_ptr():
-            buf = tuple(F.pad(t, (0, 0, 0, m + 256)) for t in (self.keys, self.values))
-            self._buf = buf
-        buf[0][:, :, n : n + m] = key_states
-        buf[1][:, :, n : n + m] = value_states
-        self.keys, self.values = buf[0][:, :, : n + m], buf[1][:, :, : n + m]
-        return self.keys, self.values
-
-
-def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
-    """transformers' SDPA, except that a decode step (one query token per row) reads each KV head
-    once: the query heads that share a KV head are laid out as that head's query positions (all
-    rows' positions see the same keys under the same mask), which is exactly attention with repeated
-    KV heads."""
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or n_rep == 1:
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
-    # query [B, H, 1, D] -> [B, H_kv, n_rep, D]; key and value [B, H_kv, T, D]
-    B, H, _, D = query.shape
-    grouped = query.reshape(B, H // n_rep, n_rep, D)
-    out = F.scaled_dot_product_attention(grouped, key, value, mask, scale=scaling)
-    # -> [B, 1, H, D], as transformers' attention returns it
-    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("grouped_sdpa", _grouped_sdpa)
-AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
-
-
 class PrefixCache:
     """The KV of token sequences the backend prefilled or decoded (a prompt; a finished reply's
     prompt + response[:-1]), up to ``max_tokens`` tokens in all, the least recently used leaving
@@ -111,6 +71,46 @@ class PrefixCache:
 
     def clear(self):
         self.entries.clear()
+
+
+class RoomyLayer(DynamicLayer):
+    """A cache layer whose keys and values are views into buffers with room for 256 more tokens:
+    appending writes one column instead of copying the cache. When the batching code replaces them
+    (it pads, trims and selects rows), the next update copies them into a new buffer once."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # [B, H_kv, n, D] cached, [B, H_kv, m, D] new
+        n, m = self.keys.shape[-2], key_states.shape[-2]
+        buf = getattr(self, "_buf", None)
+        # The first update, no room left, or .keys replaced (a new tensor: padded, trimmed, rows
+        # selected): a copy with room for m + 256 more columns.
+        if buf is None or buf[0].shape[2] < n + m or buf[0].data_ptr() != self.keys.data_ptr():
+            buf = tuple(F.pad(t, (0, 0, 0, m + 256)) for t in (self.keys, self.values))
+            self._buf = buf
+        buf[0][:, :, n : n + m] = key_states
+        buf[1][:, :, n : n + m] = value_states
+        self.keys, self.values = buf[0][:, :, : n + m], buf[1][:, :, : n + m]
+        return self.keys, self.values
+
+
+def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
+    """transformers' SDPA, except that a decode step (one query token per row) reads each KV head
+    once: the query heads that share a KV head are laid out as that head's query positions (all
+    rows' positions see the same keys under the same mask), which is exactly attention with repeated
+    KV heads."""
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or n_rep == 1:
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+    # query [B, H, 1, D] -> [B, H_kv, n_rep, D]; key and value [B, H_kv, T, D]
+    B, H, _, D = query.shape
+    grouped = query.reshape(B, H // n_rep, n_rep, D)
+    out = F.scaled_dot_product_attention(grouped, key, value, mask, scale=scaling)
+    # -> [B, 1, H, D], as transformers' attention returns it
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("grouped_sdpa", _grouped_sdpa)
+AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
 
 
 def install(model):

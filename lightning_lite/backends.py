@@ -12,13 +12,12 @@ Mistral without sliding window). extras/vllm.py's ``VLLMBackend`` sends the same
 servers.
 
 Two extras add to HFBackend through lightning_lite/hooks.py, and it runs without either:
-``hooks.fast_decode`` (extras/fast_decode.py) makes decoding at agent-length contexts fast, and
-``hooks.grammar`` (extras/grammar.py) gives the ``Matcher`` that a request with a grammar is sampled
-under.
+``hooks.fast_decode`` (extras/fast_decode.py) makes decoding at agent-length contexts fast (a prefix
+KV cache, cache layers that append in place, grouped-query attention), and ``hooks.grammar``
+(extras/grammar.py) gives the ``Matcher`` that a request with a grammar is sampled under.
 """
 
 import asyncio
-import os
 import threading
 import time
 from collections import Counter
@@ -49,22 +48,18 @@ class Generation:
 
 
 def sample_token(
-    logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None, allowed=None
+    logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None
 ) -> tuple[int, float]:
     """Sample one token from ``logits`` [V] and return it with its logprob under the *sampled*
     distribution: softmax(logits / T) on the top-k / top-p support (``algo.sampling_support``, the
     trainer's rule too), renormalized, so the trainer's importance ratio compares like with like.
-    Greedy (T = 0) is not a distribution; it reports the logprob under softmax(logits). ``allowed``
-    [V] bool is a grammar's mask (a ``Matcher``'s), applied first, as vLLM applies it before its
-    sampler.
+    Greedy (T = 0) is not a distribution; it reports the logprob under softmax(logits).
 
     >>> sample_token(torch.tensor([0.0, 0.0, 10.0]), Sampling(temperature=0))
     (2, -9.08e-05)
     """
     # [V]
     x = logits.float()
-    if allowed is not None:
-        x = x.masked_fill(~allowed, float("-inf"))
     if s.temperature > 0:
         x = x / s.temperature
         if s.top_k > 0 or s.top_p < 1.0:
@@ -125,11 +120,10 @@ STATS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens", "canc
 
 @torch.no_grad()
 def copy_weights(source, dst):
-    """Load ``source``'s weights into ``dst``, a plain copy of the trained model. ``source`` is a
-    module (DDP-wrapped or FSDP-sharded: all of its state dict is copied) or a dict of named tensors
-    (those alone: under LoRA the adapters, whose frozen base is the same in both copies). FSDP's
-    shards (DTensors; every rank calls this then) are gathered, copied and freed one at a time: no
-    rank holds the whole model twice."""
+    """Load ``source``'s weights into ``dst``, a plain copy of the trained model: all of a module's
+    (DDP-wrapped, or FSDP-sharded: every rank calls this, and each DTensor is gathered, copied and
+    freed in turn, so no rank holds the whole model twice), or those of a dict of named tensors
+    (under LoRA the adapters alone, whose frozen base is the same in both copies)."""
     targets = dst.state_dict()
     for name, value in served_state_dict(source).items():
         targets[name].copy_(value.full_tensor() if hasattr(value, "full_tensor") else value)
@@ -156,9 +150,9 @@ class _Request:
 
 class HFBackend(PauseGate):
     """Embedded transformers backend: one worker thread decodes the requests together (continuous
-    batching), reusing the KV cache of prompts seen before (a prefix cache of
-    ``prefix_cache_tokens``). With ``dtype`` bf16 every forward runs under bf16 autocast, as the
-    trainer's does (train.py --dtype)."""
+    batching), reusing the KV cache of prompts seen before when extras/fast_decode.py gives a prefix
+    cache. With ``dtype`` bf16 every forward runs under bf16 autocast, as the trainer's does
+    (train.py --dtype)."""
 
     def __init__(
         self,
@@ -166,20 +160,22 @@ class HFBackend(PauseGate):
         tokenizer,
         max_batch_size: int = 32,
         max_model_len: Optional[int] = None,
-        prefix_cache_tokens: int = 32768,
         dtype: torch.dtype = torch.float32,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.device = next(model.parameters()).device
-        # The same attention, without copying KV heads in decoding (extras/fast_decode.py).
+        # The KV of the prompts seen before, which a prompt that extends one of them starts from
+        # (extras/fast_decode.py). None: every prompt is prefilled whole.
+        self.prefix_cache = None
         if hooks.fast_decode is not None:
+            # The same attention, without copying KV heads in decoding.
             hooks.fast_decode.install(model)
+            self.prefix_cache = hooks.fast_decode.PrefixCache()
         default_len = getattr(model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or default_len)
         self.max_batch_size = max_batch_size
-        self.prefix_cache_tokens = prefix_cache_tokens
         self.eos_ids = eos_ids(tokenizer, model.generation_config)
         self.version = 0
         # The routing seam of --lora-per-harness (train.py sets it): a rollout id -> the name of the
@@ -187,8 +183,6 @@ class HFBackend(PauseGate):
         self.adapter_of = None
         # What was served since the start (GET /status); busy_s is the seconds spent decoding.
         self.stats = Counter(dict.fromkeys(STATS, 0), busy_s=0.0)
-        # The prefix cache: (adapter, token ids, their KV) entries, the least recently used first.
-        self._prefix: list[tuple[Optional[str], list[int], KV]] = []
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
         # _inflight: a batch is decoding.
@@ -229,9 +223,10 @@ class HFBackend(PauseGate):
 
     def pause(self):
         """As PauseGate's; the prefix KV cache goes too: the weights are about to change (training,
-        a sync), and training gets its memory (up to ``prefix_cache_tokens`` of KV)."""
+        a sync), and training gets its memory."""
         super().pause()
-        self._prefix.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def payload(self, learner):
         """What a weight sync from ``learner`` (trainer.Learner) hands ``sync_weights``: the trained
@@ -320,26 +315,33 @@ class HFBackend(PauseGate):
 
     def _prefill(self, request: _Request) -> tuple[DynamicCache, torch.Tensor]:
         """The prompt's KV cache (batch 1) and the logits [V] of the first reply token."""
-        hit, kv = self._lookup(request.prompt_ids, request.adapter)
-        # [1, T - hit]: its positions follow the cache's (kv None is an empty cache).
+        # The longest cached prefix of the prompt: its length and KV (None: an empty cache).
+        hit = 0
+        kv = None
+        if self.prefix_cache is not None:
+            hit, kv = self.prefix_cache.lookup(request.prompt_ids, request.adapter)
+        # [1, T - hit]: its positions follow the cache's.
         rest = torch.tensor([request.prompt_ids[hit:]], device=self.device)
         cache = DynamicCache(ddp_cache_data=kv)
         inputs = dict(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
         out = self.model(**inputs, **_adapters([request]))
         self.stats.update(prompt_tokens=len(request.prompt_ids), cached_tokens=hit)
-        # Requests that arrive together often share a prompt (a GRPO group): the next one reuses
-        # this one.
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        self._store(request.prompt_ids, kv, request.adapter)
+        if self.prefix_cache is not None:
+            # Requests that arrive together often share a prompt (a GRPO group): the next one
+            # reuses this one.
+            kv = [(layer.keys, layer.values) for layer in cache.layers]
+            self.prefix_cache.store(request.prompt_ids, kv, request.adapter)
         return cache, out.logits[0, -1]
 
     def _sample_next(self, batch: "_Batch", j: int, version: int) -> bool:
         """Sample row j's next token; False when its request is over (answered, or client gone)."""
         request = batch.rows[j]
-        allowed = None
+        logits = batch.last[j]
         if request.matcher is not None:
+            # The grammar's mask first, as vLLM applies it before its sampler.
             allowed = request.matcher.allowed().to(self.device)
-        token, logprob = sample_token(batch.last[j], request.sampling, request.generator, allowed)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        token, logprob = sample_token(logits, request.sampling, request.generator)
         if request.matcher is not None:
             request.matcher.consume(token)
         request.response_ids.append(token)
@@ -352,13 +354,15 @@ class HFBackend(PauseGate):
             self.stats["cancelled"] += 1
             return False
         done = self._finish(request, token)
-        if done:
+        if done is None:
+            return True
+        if self.prefix_cache is not None:
             # The cache holds prompt + response[:-1]: keep it for this conversation's next turn.
             ids = request.prompt_ids + request.response_ids[:-1]
-            self._store(ids, batch.row_cache(j), request.adapter)
-            generation = Generation(request.response_ids, request.logprobs, *done, version)
-            _answer(request.future, generation)
-        return done is None
+            self.prefix_cache.store(ids, batch.row_cache(j), request.adapter)
+        generation = Generation(request.response_ids, request.logprobs, *done, version)
+        _answer(request.future, generation)
+        return False
 
     def _finish(self, request: _Request, token: int) -> Optional[tuple[str, str]]:
         """(finish_reason, text) once ``request``, which sampled ``token``, is done; else None."""
@@ -376,37 +380,6 @@ class HFBackend(PauseGate):
         if full:
             return "length", text
         return None
-
-    # ------------------------------------------------------------------ the prefix cache
-
-    def _lookup(self, ids: list[int], adapter=None) -> tuple[int, Optional[KV]]:
-        """The longest cached prefix of ``ids`` under ``adapter``, of 8 tokens or more, leaving at
-        least one token to prefill: its length n and its KV, [1, H_kv, n, D] per layer."""
-        # Only the entries of the same adapter: another adapter's KV is another model's.
-        entries = [entry for entry in self._prefix if entry[0] == adapter]
-        lengths = [len(os.path.commonprefix([cached, ids[:-1]])) for _, cached, _ in entries]
-        n = max(lengths, default=0)
-        if n < 8:
-            return 0, None
-        best = entries[lengths.index(n)]
-        # To the end: now the most recently used.
-        self._prefix = [entry for entry in self._prefix if entry is not best] + [best]
-        return n, [(keys[:, :, :n], values[:, :, :n]) for keys, values in best[2]]
-
-    def _store(self, ids: list[int], kv: KV, adapter=None):
-        """Remember the KV of ``ids`` under ``adapter``; the same adapter's entries that are a
-        prefix of ``ids`` become redundant and leave."""
-        if len(ids) > self.prefix_cache_tokens:
-            return
-        self._prefix = [
-            (entry_adapter, cached, cached_kv)
-            for entry_adapter, cached, cached_kv in self._prefix
-            if entry_adapter != adapter or ids[: len(cached)] != cached
-        ]
-        self._prefix.append((adapter, ids, kv))
-        while sum(len(cached) for _, cached, _ in self._prefix) > self.prefix_cache_tokens:
-            # The least recently used leaves.
-            self._prefix.pop(0)
 
 
 class _Batch:

@@ -332,9 +332,8 @@ async def run_rollouts(
     past ``timeout`` or ends without a reward (returned, or ``posted_reward``) fails:
     ``reward=None``, an ``error``."""
     semaphore = asyncio.Semaphore(max_concurrency)
-    # the rewards of the rollouts done so far, and the ids of those that failed
-    rewards = []
-    failed = []
+    # the results of the rollouts done so far
+    done = []
 
     async def run_one(rollout_id: str, task: Task, harness: Harness) -> RolloutResult:
         result = RolloutResult(rollout_id, task.id, None, None, 0.0, harness=harness.name)
@@ -344,21 +343,20 @@ async def run_rollouts(
                 harness, task, rollout_id, endpoint_for, timeout, posted_reward
             )
             result.seconds = time.monotonic() - start
-        if result.error is None:
-            rewards.append(result.reward)
-        else:
-            failed.append(rollout_id)
+        if result.error is not None:
             # the end of a traceback says what happened
             message = " ".join(result.error.split())
             if len(message) > 400:
                 message = "..." + message[-400:]
             where = f"[{desc}] rollout {rollout_id} (task {task.id})"
             tqdm.write(f"{where} failed: {message}", file=sys.stderr)
-        bar.update(1)
+        done.append(result)
+        rewards = [r.reward for r in done if r.error is None]
         mean_reward = "-"
         if rewards:
             mean_reward = f"{sum(rewards) / len(rewards):.3f}"
-        bar.set_postfix(failed=len(failed), reward=mean_reward)
+        bar.update(1)
+        bar.set_postfix(failed=len(done) - len(rewards), reward=mean_reward)
         return result
 
     # The bar counts the rollouts done, its postfix the failed ones and the mean reward so far.

@@ -57,8 +57,10 @@ isolation = None
 
 # ----------------------------------------------------------------------------- the embedded backend
 # Decoding at agent-length contexts (extras/fast_decode.py): an object with install(model), called
-# once by HFBackend, and RoomyLayer, the class the running batch's KV-cache layers take. None:
-# transformers' own attention and cache layers.
+# once by HFBackend; PrefixCache(), the KV of the prompts seen before (lookup(ids, adapter) -> (n,
+# KV or None), store(ids, kv, adapter), clear()); and RoomyLayer, the class the running batch's
+# KV-cache layers take. None: every prompt prefilled whole, transformers' own attention and cache
+# layers.
 fast_decode = None
 
 # --model names that are not directories: fn(name) -> a directory, or None when the name is not its

@@ -118,8 +118,7 @@ def write_jsonl(path: str, items: Iterable[Any]) -> None:
 
 def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
     """Yield the objects of a JSONL file. A last line cut short by a crash (no newline, not JSON) is
-    skipped with a warning: every line before it was complete. A bad line anywhere else is an error.
-    """
+    skipped with a warning: every line before it was complete. A bad line elsewhere is an error."""
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -128,9 +127,8 @@ def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
                 if not line.endswith("\n") and not f.read():
-                    warnings.warn(
-                        f"{path}:{lineno}: skipped a torn last line ({len(line)} bytes; the writer was killed mid-line)"
-                    )
+                    torn = f"a torn last line ({len(line)} bytes; the writer was killed mid-line)"
+                    warnings.warn(f"{path}:{lineno}: skipped {torn}")
                     return
                 raise ValueError(
                     f"{path}:{lineno}: not valid JSON ({e}); is this a calls/samples .jsonl file?"
@@ -143,8 +141,7 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
     ``prompt_ids`` None and ``prompt_tail`` (n turns of L tokens hold L ids, not n * L / 2).
     ``whole``: every call with its whole prompt."""
     calls, seen = [], {}
-    for d in read_jsonl(path):
-        c = from_dict(Call, d)
+    for c in read_jsonl(path, Call):
         if c.prompt_ids is None:
             p = seen.get((c.rollout_id, c.parent))
             if p is None or c.prompt_tail is None:
@@ -191,9 +188,8 @@ def full_prompt(call: Call, calls: dict[int, Call]) -> list[int]:
     parts = []
     while call.prompt_ids is None:
         if call.parent not in calls:
-            raise ValueError(
-                f"call {call.index} of rollout {call.rollout_id!r} extends call {call.parent}, which is not among its calls"
-            )
+            where = f"call {call.index} of rollout {call.rollout_id!r}"
+            raise ValueError(f"{where} extends call {call.parent}, which is not among its calls")
         parts.append(call.prompt_tail)
         call = calls[call.parent]
         parts.append(call.response_ids)

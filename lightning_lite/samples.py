@@ -48,8 +48,9 @@ def build_samples(calls: list[Call], max_seq_len=None) -> tuple[list[Sample], Co
     if len(tree.by_index) < len(calls):
         i = next(a.index for a, b in zip(calls, calls[1:]) if a.index == b.index)
         raise ValueError(
-            f"rollout {calls[0].rollout_id!r}: call index {i} twice; pass each rollout's calls once, from one "
-            "calls file (a proxy restarted on a file before calls were numbered after those on disk reuses indices)"
+            f"rollout {calls[0].rollout_id!r}: call index {i} twice; pass each rollout's calls "
+            "once, from one calls file (a proxy restarted on a file before calls were numbered "
+            "after those on disk reuses indices)"
         )
     # 2. each call hung in the prefix tree
     for c in calls:
@@ -73,9 +74,9 @@ def build_samples(calls: list[Call], max_seq_len=None) -> tuple[list[Sample], Co
 def _check(c: Call) -> None:
     if not (c.prompt_ids or c.parent is not None and c.prompt_tail is not None):
         raise ValueError(
-            f"rollout {c.rollout_id!r} call {c.index}: no prompt ids (empty prompt_ids, no parent + "
-            "prompt_tail); the first sampled token would have no context to be trained from. "
-            "Is the proxy recording prompt ids?"
+            f"rollout {c.rollout_id!r} call {c.index}: no prompt ids (empty prompt_ids, no "
+            "parent + prompt_tail); the first sampled token would have no context to be trained "
+            "from. Is the proxy recording prompt ids?"
         )
     if len(c.response_logprobs) != len(c.response_ids):
         raise ValueError(

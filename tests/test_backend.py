@@ -85,39 +85,31 @@ def test_prefix_cache_hit_gives_the_same_tokens(backend, tok):
 
 
 def test_prefix_cache_keeps_longest_prefixes_and_evicts_the_least_recently_used():
-    import types
-
-    from lightning_lite.backends import HFBackend
+    from lightning_lite.extras.fast_decode import PrefixCache
 
     def kv(n):
         return [(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1))]
 
-    c = types.SimpleNamespace(_prefix=[], prefix_cache_tokens=40)
+    c = PrefixCache(max_tokens=40)
     a, b = list(range(20)), list(range(100, 115))
-    HFBackend._store(c, a[:10], kv(10))
-    HFBackend._store(c, a, kv(20))  # extends the first entry: it replaces it
-    HFBackend._store(c, b, kv(15))
-    assert [t for _, t, _ in c._prefix] == [a, b]
-    n, hit = HFBackend._lookup(c, a + [7])
+    c.store(a[:10], kv(10))
+    c.store(a, kv(20))  # extends the first entry: it replaces it
+    c.store(b, kv(15))
+    assert [t for _, t, _ in c.entries] == [a, b]
+    n, hit = c.lookup(a + [7])
     assert n == 20 and hit[0][0].shape[2] == 20
-    assert HFBackend._lookup(c, a)[0] == 19  # one token is left to prefill
-    assert (
-        HFBackend._lookup(c, a[:7] + [0, 1])[0] == 0
-    )  # a shared prefix under 8 tokens is not worth it
-    HFBackend._store(
-        c, list(range(200, 210)), kv(10)
-    )  # 45 tokens > 40: b, the least recently used, leaves
-    assert [t[0] for _, t, _ in c._prefix] == [0, 200]
-    HFBackend._store(c, list(range(41)), kv(41))  # longer than the whole cache: not kept
-    assert [t[0] for _, t, _ in c._prefix] == [0, 200]
+    assert c.lookup(a)[0] == 19  # one token is left to prefill
+    assert c.lookup(a[:7] + [0, 1])[0] == 0  # a shared prefix under 8 tokens is not worth it
+    c.store(list(range(200, 210)), kv(10))  # 45 tokens > 40: b, the least recently used, leaves
+    assert [t[0] for _, t, _ in c.entries] == [0, 200]
+    c.store(list(range(41)), kv(41))  # longer than the whole cache: not kept
+    assert [t[0] for _, t, _ in c.entries] == [0, 200]
     # --lora-per-harness: another adapter's KV is another model's: never a hit, never redundant
-    c.prefix_cache_tokens = 60
-    HFBackend._store(c, a[:12], kv(12), "coder")
-    assert HFBackend._lookup(c, a[:12] + [7], "planner")[0] == 0
-    assert (
-        HFBackend._lookup(c, a + [7])[0] == 20 and HFBackend._lookup(c, a + [7], "coder")[0] == 12
-    )
-    assert [(x, t[0]) for x, t, _ in c._prefix] == [(None, 200), (None, 0), ("coder", 0)]
+    c.max_tokens = 60
+    c.store(a[:12], kv(12), "coder")
+    assert c.lookup(a[:12] + [7], "planner")[0] == 0
+    assert c.lookup(a + [7])[0] == 20 and c.lookup(a + [7], "coder")[0] == 12
+    assert [(x, t[0]) for x, t, _ in c.entries] == [(None, 200), (None, 0), ("coder", 0)]
 
 
 def test_eos_and_context_limit(backend, tok, model):
@@ -143,10 +135,10 @@ def test_eos_and_context_limit(backend, tok, model):
 def test_pause_holds_requests_and_sync_weights_bumps_version(backend, tok):
     p = tok.encode(_prompt(tok, "Hi"))
     asyncio.run(backend.generate(p, Sampling(max_tokens=2)))
-    assert backend._prefix
+    assert backend.prefix_cache.entries
     backend.pause()
     assert (
-        not backend._prefix
+        not backend.prefix_cache.entries
     )  # the KV cache is gone before training: the weights change, training gets the memory
     done = threading.Event()
     result = {}

@@ -101,11 +101,9 @@ def main():
     cli = parser.parse_args()
     if not cli.prepare:
         parser.print_help()
-    elif cli.model in EMBEDDED:
-        print(prepare(cli.model))
     else:
-        # Not an embedded model: nothing to convert.
-        print(cli.model)
+        # Its directory; a name that is not an embedded model's has nothing to convert.
+        print(resolve(cli.model) or cli.model)
 
 
 hooks.MODEL_RESOLVERS.append(resolve)

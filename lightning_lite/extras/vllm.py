@@ -3,9 +3,9 @@ has HFBackend's surface (generate, pause/resume, payload, sync_weights, make_roo
 max_model_len, stats), plus ``sleep``. train.py chooses it with ``--backend vllm`` and gets it from
 ``start`` (``hooks.BACKENDS["vllm"]``); proxy.py from ``--vllm-url``.
 
-    backend = start(args, learner, resume_dir, device)               # rank 0 starts the servers
+    backend = start(args, learner, resume_dir, device)          # rank 0 starts the servers
     gen = await backend.generate(prompt_ids, sampling, rollout_id="r1")
-    backend.sync_weights(state_dict, version=1)                     # rank 0 writes, the servers reload
+    backend.sync_weights(state_dict, version=1)                # rank 0 writes, the servers reload
 """
 
 import asyncio
@@ -89,8 +89,8 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
             "--backend vllm starts its servers on rank 0's node, at 127.0.0.1: "
             "over several nodes start them yourself and pass --vllm-url"
         )
-    # --max-model-len: the servers get the trainer's context and RoPE scaling (models.load_model: YaRN
-    # past the trained length), or every logprob differs
+    # --max-model-len: the servers get the trainer's context and RoPE scaling (models.load_model:
+    # YaRN past the trained length), or every logprob differs
     context = []
     if args.max_model_len:
         n = config.max_position_embeddings
@@ -169,7 +169,8 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: li
         # argparse takes abbreviations: --gpu-mem sets --gpu-memory-utilization
         if flag == "-tp" or len(flag) > 2 and any(f.startswith(flag) for f in ours):
             raise ValueError(
-                f"--vllm-args sets {arg}: give the GPUs and memory share as --vllm-gpus, --vllm-gpu-memory"
+                f"--vllm-args sets {arg}: give the GPUs and memory share as --vllm-gpus, "
+                "--vllm-gpu-memory"
             )
     places = []
     for gpu_set in gpu_sets:
@@ -182,8 +183,6 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: li
 
 def lora_flags(rank, adapters=1) -> list:
     """--lora RANK: the server flags for its adapters (vLLM takes ranks 1, 8, 16, ... 512)."""
-    if not rank:
-        return []
     rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
     return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(adapters)]
 
@@ -217,14 +216,15 @@ class VLLMBackend(PauseGate):
         # of the weight-sync file (train.py: --dtype's, half of fp32 in bf16); None: the weights'
         # own
         self.dtype = None
-        served = lambda url: _http(url + "/v1/models", timeout=30, key=self.api_key)["data"][0]
         try:
-            models = [served(u) for u in self.urls]
+            answers = [_http(u + "/v1/models", timeout=30, key=self.api_key) for u in self.urls]
         except OSError as e:
             raise RuntimeError(
                 f"no vLLM server answers at {' '.join(self.urls)} ({e}): "
                 "start it (README: GPUs), or leave out --vllm-url"
             ) from None
+        # each server's one model: {"id": name, "max_model_len": n, ...}
+        models = [answer["data"][0] for answer in answers]
         self.model_name = models[0]["id"]
         self.max_model_len = min(m["max_model_len"] for m in models)
         self.version, self.paused, self.sleeping = 0, False, False
@@ -360,8 +360,7 @@ class VLLMBackend(PauseGate):
         """Free the servers' GPU memory (--vllm-sleep): sleep level 2 drops KV cache and weights;
         the next ``sync_weights`` wakes them and loads the new weights."""
         self.pause()
-        for url in self.urls:
-            _http(url + "/sleep?level=2", {}, key=self.api_key)
+        self._post("/sleep?level=2")
         self.sleeping = True
 
     def sync_weights(self, model=None, version: Optional[int] = None):
@@ -376,21 +375,21 @@ class VLLMBackend(PauseGate):
         model = model if self.writes_weights else None
         if self.sleeping and model is None:
             raise ValueError(
-                "the servers slept at level 2 and dropped their weights: sync_weights needs the model"
+                "the servers slept at level 2 and dropped their weights: sync_weights needs the "
+                "model"
             )
         version = self.version + 1 if version is None else version
         if model is not None and self.adapter is not None:
             self._load_adapters(model, version)
         elif model is not None:
             self._write(served_state_dict(model))
-            for url in self.urls:
-                if self.sleeping:
-                    _http(url + "/wake_up?tags=weights", {}, key=self.api_key)
-                reload = {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}
-                _http(url + "/collective_rpc", reload, key=self.api_key)
-                if self.sleeping:
-                    _http(url + "/wake_up?tags=kv_cache", {}, key=self.api_key)
-                _http(url + "/reset_prefix_cache", {}, key=self.api_key)
+            if self.sleeping:
+                self._post("/wake_up?tags=weights")
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}
+            self._post("/collective_rpc", reload)
+            if self.sleeping:
+                self._post("/wake_up?tags=kv_cache")
+            self._post("/reset_prefix_cache")
         self.sleeping, self.version = False, version
 
     def _load_adapters(self, adapters: dict, version: int):
@@ -404,22 +403,25 @@ class VLLMBackend(PauseGate):
             path = os.path.join(self.sync_dir, f"v{version}", name)
             config.save_pretrained(path)
             save_file(weights, os.path.join(path, "adapter_model.safetensors"))
-            for url in self.urls:
-                load = {"lora_name": f"{name}-v{version}", "lora_path": path}
-                needs = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
-                try:
-                    _http(url + "/v1/load_lora_adapter", load, key=self.api_key, route_needs=needs)
-                except RuntimeError as e:
-                    flags = shlex.join(lora_flags(config.r, len(adapters)))
-                    raise SystemExit(
-                        f"--lora: loading adapter {name!r} failed: {e}\n"
-                        f"(servers that load these adapters are started with {flags})"
-                    ) from None
-                if old is not None:
-                    unload = {"lora_name": f"{name}-v{old}"}
-                    _http(url + "/v1/unload_lora_adapter", unload, key=self.api_key)
+            load = {"lora_name": f"{name}-v{version}", "lora_path": path}
+            needs = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            try:
+                self._post("/v1/load_lora_adapter", load, route_needs=needs)
+            except RuntimeError as e:
+                flags = shlex.join(lora_flags(config.r, len(adapters)))
+                raise SystemExit(
+                    f"--lora: loading adapter {name!r} failed: {e}\n"
+                    f"(servers that load these adapters are started with {flags})"
+                ) from None
+            if old is not None:
+                self._post("/v1/unload_lora_adapter", {"lora_name": f"{name}-v{old}"})
         if old is not None:
             shutil.rmtree(os.path.join(self.sync_dir, f"v{old}"))
+
+    def _post(self, route: str, body: Optional[dict] = None, **kwargs):
+        """POST ``body`` (JSON, {} by default) to ``route`` of every server, with the API key."""
+        for url in self.urls:
+            _http(url + route, body or {}, key=self.api_key, **kwargs)
 
     def _write(self, state_dict: dict):
         """``sync_dir``/model.safetensors, in ``self.dtype``. Tied embeddings share storage: written
@@ -427,8 +429,9 @@ class VLLMBackend(PauseGate):
         from safetensors.torch import save_file
 
         first = {v.data_ptr(): (k, v) for k, v in reversed(state_dict.items())}
-        cast = lambda v: v.detach().to("cpu", self.dtype or v.dtype).contiguous()
-        out = {k: cast(v) for k, v in first.values()}
+        out = {}
+        for k, v in first.values():
+            out[k] = v.detach().to("cpu", self.dtype or v.dtype).contiguous()
         os.makedirs(self.sync_dir, exist_ok=True)
         save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
 
@@ -443,7 +446,7 @@ class VLLMBackend(PauseGate):
             shutil.rmtree(self.sync_dir, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------- starting servers, HTTP
+# --------------------------------------------------------------------------- starting servers, HTTP
 
 
 def _free_port() -> int:

@@ -261,8 +261,7 @@ def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
 
 
 def open_chat(body: Any, memo: dict, proxy):
-    """The chat completions route's hook for ``Proxy.converse``: the Request, and its writer given
-    the prompt's length."""
+    """The chat completions route's ``open_api`` (proxy.conversation)."""
     req = parse_chat_request(body, memo)
     return req, lambda n_prompt: ChatReply(req, proxy.model_name, n_prompt, proxy.tok)
 

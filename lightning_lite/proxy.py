@@ -99,7 +99,7 @@ class Exchange:
 def conversation(api: str, open_api):
     """A route served by :meth:`Proxy.converse`. ``open_api(body, memo, proxy) -> (Request,
     new_writer)``: ``memo`` is the rollout's dict for this API, ``new_writer(n_prompt)`` the reply
-    writer (apis.py)."""
+    writer given the prompt's length (its methods: apis.py's docstring)."""
 
     async def handler(proxy: "Proxy", request: web.Request):
         return await proxy.converse(request, api, open_api)
@@ -201,8 +201,7 @@ class Proxy:
             self.isolation.reset()
 
     def flags(self, rollout_id: str) -> list[dict]:
-        """What the rollout tried that was refused (extras/isolation.py); none without
-        rollout_tokens."""
+        """What the rollout tried that was refused (extras/isolation.py; none without it)."""
         if self.isolation is None:
             return []
         return self.isolation.flags.get(rollout_id, [])

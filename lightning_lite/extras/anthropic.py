@@ -29,8 +29,7 @@ from ..proxy import conversation
 
 
 def open_messages(body: Any, memo: dict, proxy):
-    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's
-    length."""
+    """The route's ``open_api`` (proxy.conversation)."""
     req = parse_anthropic_request(body, memo)
     return req, lambda n_prompt: AnthropicReply(req, proxy.model_name, n_prompt)
 

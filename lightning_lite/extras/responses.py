@@ -28,9 +28,8 @@ from ..proxy import conversation
 
 
 def open_responses(body: Any, memo: dict, proxy):
-    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's
-    length. The writer keeps the answered conversation under its response id
-    (``memo["responses"]``), for a request that continues it."""
+    """The route's ``open_api`` (proxy.conversation). The writer keeps the answered conversation
+    under its response id (``memo["responses"]``), for a request that continues it."""
     conversations = memo.setdefault("responses", {})
 
     def previous(response_id: str) -> list[dict]:

@@ -434,8 +434,9 @@ class Proxy:
             if out.path:
                 # a call extending its parent is written as the ids after the parent's (read_calls)
                 parent = next((t for t in session.turns if t.index == exchange.parent), None)
-                cut = parent and call.prompt_ids[parent.size :]
-                tail = dict(prompt_ids=None, prompt_tail=cut) if parent else {}
+                tail = {}
+                if parent:
+                    tail = dict(prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :])
                 # opened per call: a call in flight when its session's file was switched goes there
                 with open(out.path, "a") as f:
                     f.write(to_json(call, **tail) + "\n")
@@ -480,12 +481,15 @@ class Proxy:
         """A call of this rollout, named by its index (in its calls file) or by the id its reply
         had."""
         n = session.out.next.get(rollout_id, 0)
-        is_index = isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n
+        if isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n:
+            return call
         by_id = isinstance(call, str)
-        indices = [call] if is_index else session.replies.get(call) if by_id else None
-        if indices and len(indices) == 1:
-            return indices[0]
-        restart = ", ids of replies before a proxy restart by index" if by_id else ""
+        # a reply of n choices is n calls: one of them is named by its index
+        if by_id and len(session.replies.get(call, [])) == 1:
+            return session.replies[call][0]
+        restart = ""
+        if by_id:
+            restart = ", ids of replies before a proxy restart by index"
         message = f"rollout {rollout_id!r} has no call {call!r}: name it by its index (0..{n - 1}) "
         message += f"or by the id of its reply (a reply of n choices: by index){restart}"
         raise BadRequest(message, "call", "not_found", 404)

@@ -70,15 +70,15 @@ def parse_args(extras: dict) -> argparse.Namespace:
     if args.vllm_url and "vllm" not in extras:
         parser.error(hooks.missing("--vllm-url", "vllm"))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        parser.error(
-            f"--host {args.host} exposes the model beyond this machine: set --api-key (or LL_API_KEY) too"
-        )
+        message = f"--host {args.host} exposes the model beyond this machine: "
+        parser.error(message + "set --api-key (or LL_API_KEY) too")
     # which model the calls in OUT are of: train.py --from-calls trains only on its own model's
     meta = os.path.join(args.out, "proxy.json")
-    if os.path.exists(meta) and (was := json.load(open(meta)).get("model")) != args.model:
-        parser.error(
-            f"{args.out} holds calls of model {was!r}, not {args.model!r}: record into another --out"
-        )
+    if os.path.exists(meta):
+        recorded = json.load(open(meta)).get("model")
+        if recorded != args.model:
+            message = f"{args.out} holds calls of model {recorded!r}, not {args.model!r}: "
+            parser.error(message + "record into another --out")
     return args
 
 

@@ -261,8 +261,7 @@ def parse_chat_request(body: Any, memo: Optional[dict] = None) -> Request:
 
 
 def open_chat(body: Any, memo: dict, proxy):
-    """The chat completions route's hook for ``Proxy.converse``: the Request, and its writer given
-    the prompt's length."""
+    """The chat completions route's ``open_api`` (proxy.conversation)."""
     req = parse_chat_request(body, memo)
     return req, lambda n_prompt: ChatReply(req, proxy.model_name, n_prompt, proxy.tok)
 
@@ -329,12 +328,14 @@ class ChatReply:
 
     def _choice(self, call, reply) -> dict:
         calls = self._tool_calls(reply)
-        message = {
-            "role": "assistant",
-            "content": reply["content"] if (reply["content"] or not calls) else None,
-            **({"reasoning_content": reply["reasoning"]} if reply.get("reasoning") else {}),
-            **({"tool_calls": calls} if calls else {}),
-        }
+        message = {"role": "assistant", "content": reply["content"]}
+        # a reply of tool calls only: content null, as OpenAI's
+        if calls and not reply["content"]:
+            message["content"] = None
+        if reply.get("reasoning"):
+            message["reasoning_content"] = reply["reasoning"]
+        if calls:
+            message["tool_calls"] = calls
         logprobs = None
         if self.req.logprobs:
             tokens = [self.tok.decode([t]) for t in call.response_ids]

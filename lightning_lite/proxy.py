@@ -69,7 +69,7 @@ class Session:
     call_rewards: dict[int, float] = field(default_factory=dict)
     # reply id -> its calls (n choices: several)
     replies: dict[str, list[int]] = field(default_factory=dict)
-    # where its calls go: the file current when it began (set by its first call, a switch, a reset)
+    # where its calls go: the calls file current when it began (Proxy.session), also after a switch
     out: Optional[CallsFile] = None
 
 
@@ -99,7 +99,7 @@ class Exchange:
 def conversation(api: str, open_api):
     """A route served by :meth:`Proxy.converse`. ``open_api(body, memo, proxy) -> (Request,
     new_writer)``: ``memo`` is the rollout's dict for this API, ``new_writer(n_prompt)`` the reply
-    writer (apis.py)."""
+    writer given the prompt's length (its methods: apis.py's docstring)."""
 
     async def handler(proxy: "Proxy", request: web.Request):
         return await proxy.converse(request, api, open_api)
@@ -178,8 +178,6 @@ class Proxy:
         calls, also one in flight after the switch, go to the file current when it began; in a file
         with calls they number on."""
         with self._lock:
-            for session in self.sessions.values():
-                session.out = session.out or self._out
             # each call was written (closed) as recorded; a crashed machine loses none of them now
             if self._out.path:
                 with open(self._out.path, "a") as f:
@@ -198,16 +196,12 @@ class Proxy:
         """Forget the sessions (between training steps; rollout ids are not reused). A call still in
         flight holds its session, recorded into the file current when it began; a straggler's next
         call gets a 403."""
-        with self._lock:
-            for session in self.sessions.values():
-                session.out = session.out or self._out
-            self.sessions = {}
+        self.sessions = {}
         if self.isolation is not None:
             self.isolation.reset()
 
     def flags(self, rollout_id: str) -> list[dict]:
-        """What the rollout tried that was refused (extras/isolation.py); none without
-        rollout_tokens."""
+        """What the rollout tried that was refused (extras/isolation.py; none without it)."""
         if self.isolation is None:
             return []
         return self.isolation.flags.get(rollout_id, [])
@@ -221,11 +215,16 @@ class Proxy:
 
     # ------------------------------------------------------------------ one call
 
+    def session(self, rollout_id: str) -> Session:
+        """The rollout's session, begun now if it has none: its calls go to the current calls
+        file."""
+        return self.sessions.setdefault(rollout_id, Session(out=self._out))
+
     async def converse(self, request: web.Request, api: str, open_api):
         """One chat-shaped call (chat completions, Anthropic Messages, Responses):
         parse -> build the prompt -> generate (streaming) -> record -> reply."""
         rollout_id, body = await self.read(request)
-        session = self.sessions.setdefault(rollout_id, Session())
+        session = self.session(rollout_id)
         req, new_writer = open_api(body, session.memo.setdefault(api, {}), self)
         exchange = Exchange(rollout_id, session, api, req, capped=self.cap(req))
         self.build_prompt(exchange)
@@ -332,11 +331,8 @@ class Proxy:
         apis.expect(ROLLOUT_ID.match(rollout_id), message, None, "invalid_rollout_id")
         if self.isolation is not None:
             rollout_id = self.isolation.admit(request, rollout_id, reward)
-        return rollout_id, await self.body(request)
-
-    async def body(self, request: web.Request) -> Any:
         try:
-            return json.loads(await request.read())
+            return rollout_id, json.loads(await request.read())
         # RecursionError: nested too deeply
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             message = f"the request body is not valid JSON ({e})"
@@ -409,7 +405,7 @@ class Proxy:
         if reply is not None and reply.get("tool_calls") and gen.finish_reason == "stop":
             finish_reason = "tool_calls"
         with self._lock:
-            out = session.out = session.out or self._out
+            out = session.out
             call = Call(
                 rollout_id=rollout_id,
                 index=out.next.get(rollout_id, 0),
@@ -438,8 +434,9 @@ class Proxy:
             if out.path:
                 # a call extending its parent is written as the ids after the parent's (read_calls)
                 parent = next((t for t in session.turns if t.index == exchange.parent), None)
-                cut = parent and call.prompt_ids[parent.size :]
-                tail = dict(prompt_ids=None, prompt_tail=cut) if parent else {}
+                tail = {}
+                if parent:
+                    tail = dict(prompt_ids=None, prompt_tail=call.prompt_ids[parent.size :])
                 # opened per call: a call in flight when its session's file was switched goes there
                 with open(out.path, "a") as f:
                     f.write(to_json(call, **tail) + "\n")
@@ -466,7 +463,7 @@ class Proxy:
         # its code: "invalid_value"
         apis.expect(task_ok and set(body) <= {"reward", "call", "task"}, message, None)
         line = {"rollout_id": rollout_id, "reward": float(reward)}
-        session = self.sessions.setdefault(rollout_id, Session())
+        session = self.session(rollout_id)
         if call is None:
             session.reward = line["reward"]
         else:
@@ -483,13 +480,16 @@ class Proxy:
     def _rewarded_call(self, session: Session, rollout_id: str, call: Any) -> int:
         """A call of this rollout, named by its index (in its calls file) or by the id its reply
         had."""
-        n = (session.out or self._out).next.get(rollout_id, 0)
-        is_index = isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n
+        n = session.out.next.get(rollout_id, 0)
+        if isinstance(call, int) and not isinstance(call, bool) and 0 <= call < n:
+            return call
         by_id = isinstance(call, str)
-        indices = [call] if is_index else session.replies.get(call) if by_id else None
-        if indices and len(indices) == 1:
-            return indices[0]
-        restart = ", ids of replies before a proxy restart by index" if by_id else ""
+        # a reply of n choices is n calls: one of them is named by its index
+        if by_id and len(session.replies.get(call, [])) == 1:
+            return session.replies[call][0]
+        restart = ""
+        if by_id:
+            restart = ", ids of replies before a proxy restart by index"
         message = f"rollout {rollout_id!r} has no call {call!r}: name it by its index (0..{n - 1}) "
         message += f"or by the id of its reply (a reply of n choices: by index){restart}"
         raise BadRequest(message, "call", "not_found", 404)
@@ -619,23 +619,16 @@ class ProxyServer:
         return f"{self.url}/rollout/{rollout_id}/v1"
 
     def endpoint(self, rollout_id: str, model: str, socket=False, api_key="sk-lightning-lite"):
-        """A new rollout's endpoint: with ``rollout_tokens``, its base URL carries a token only it
-        knows and its harness gets the reward key; ``socket``: a Unix socket of its own too, for a
-        sandbox to bridge (both extras/isolation.py)."""
-        isolation = self.proxy.isolation
-        if isolation is None:
-            if socket:
-                message = (
-                    "a rollout's own Unix socket (socket=True) needs Proxy(rollout_tokens=True)"
-                )
-                raise ValueError(message + " and lightning_lite/extras/isolation.py")
-            url = self.base_url(rollout_id)
-            return Endpoint(url, api_key, model, rollout_id, self.url, route=rollout_id)
-        route = isolation.open_rollout(rollout_id)
-        socket_path = isolation.open_socket(self, rollout_id) if socket else None
-        url = self.base_url(route)
-        reward_key = isolation.reward_key
-        return Endpoint(url, api_key, model, rollout_id, self.url, route, reward_key, socket_path)
+        """A new rollout's endpoint. With ``rollout_tokens`` (extras/isolation.py) its base URL
+        carries a token only it knows and its harness gets the reward key; ``socket``: a Unix socket
+        of its own too, for a sandbox to bridge."""
+        if self.proxy.isolation is not None:
+            return self.proxy.isolation.endpoint(self, rollout_id, model, socket, api_key)
+        if socket:
+            message = "a rollout's own Unix socket (socket=True) needs Proxy(rollout_tokens=True)"
+            raise ValueError(message + " and lightning_lite/extras/isolation.py")
+        url = self.base_url(rollout_id)
+        return Endpoint(url, api_key, model, rollout_id, self.url, route=rollout_id)
 
     def start(self) -> "ProxyServer":
         self._thread.start()

@@ -10,27 +10,13 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from .. import hooks
-from ..apis import (
-    client_finish,
-    convert,
-    expect,
-    messages_of,
-    must_be,
-    response_format,
-    rest,
-    settings,
-    sse,
-    text_of,
-    tools_of,
-)
+from .. import apis, hooks
 from ..chat import BadRequest, Request, parse_arguments
 from ..proxy import conversation
 
 
 def open_messages(body: Any, memo: dict, proxy):
-    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's
-    length."""
+    """The route's ``open_api`` (proxy.conversation)."""
     req = parse_anthropic_request(body, memo)
     return req, lambda n_prompt: AnthropicReply(req, proxy.model_name, n_prompt)
 
@@ -66,26 +52,26 @@ def _to_messages(m: Any, i: int) -> list[dict]:
     """One Anthropic message -> one tool message per tool_result block, then the turn's text and
     calls."""
     where, out = f"messages[{i}]", []
-    expect(isinstance(m, dict), f"'{where}' must be an object", where)
+    apis.expect(isinstance(m, dict), f"'{where}' must be an object", where)
     role = m.get("role")
     message = f"unknown role {role!r} in {where}; expected user, assistant or system"
-    expect(role in ("user", "assistant", "system"), message, where + ".role")
+    apis.expect(role in ("user", "assistant", "system"), message, where + ".role")
     texts, calls, thoughts, content = [], [], [], m.get("content")
     text_only = content is None or isinstance(content, str)
     blocks = [{"type": "text", "text": content or ""}] if text_only else content
     is_blocks = isinstance(blocks, list) and all(isinstance(b, dict) for b in blocks)
-    must_be(is_blocks, where + ".content", "a string or a list of content blocks")
+    apis.must_be(is_blocks, where + ".content", "a string or a list of content blocks")
     for j, block in enumerate(blocks):
         kind, at = block.get("type"), f"{where}.content[{j}]"
         if kind == "text":
-            texts.append(text_of([block], at))
+            texts.append(apis.text_of([block], at))
         elif kind == "tool_use" and role == "assistant":
             name, call_id = block.get("name"), str(block.get("id", ""))
-            expect(isinstance(name, str), f"'{at}.name' must be a string", at + ".name")
+            apis.expect(isinstance(name, str), f"'{at}.name' must be a string", at + ".name")
             calls.append({"id": call_id, "name": name, "arguments": block.get("input") or {}})
         # results come first in a user turn: one tool message each
         elif kind == "tool_result":
-            result = text_of(block.get("content"), at + ".content")
+            result = apis.text_of(block.get("content"), at + ".content")
             call_id = str(block.get("tool_use_id", ""))
             out.append({"role": "tool", "tool_call_id": call_id, "content": result})
         elif kind == "thinking" and isinstance(block.get("thinking"), str) and block["thinking"]:
@@ -105,25 +91,25 @@ def _to_messages(m: Any, i: int) -> list[dict]:
 
 def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
     """Validate a /v1/messages body (README: what Claude Code sends)."""
-    body, messages = messages_of(body)
+    body, messages = apis.messages_of(body)
     system = body.get("system")
-    system = [{"role": "system", "content": text_of(system, "system")}] if system else []
+    system = [{"role": "system", "content": apis.text_of(system, "system")}] if system else []
     # structured outputs: output_config.format, or the beta's output_format
     config = body.get("output_config") if isinstance(body.get("output_config"), dict) else None
     if config:
-        fmt = response_format(config.get("format"), "output_config.format")
+        fmt = apis.response_format(config.get("format"), "output_config.format")
     else:
-        fmt = response_format(body.get("output_format"), "output_format")
+        fmt = apis.response_format(body.get("output_format"), "output_format")
     return Request(
-        messages=system + convert(messages, _to_messages, memo),
-        **tools_of(body),
+        messages=system + apis.convert(messages, _to_messages, memo),
+        **apis.tools_of(body),
         **fmt,
-        **settings(body, body.get("max_tokens"), body.get("stop_sequences")),
+        **apis.settings(body, body.get("max_tokens"), body.get("stop_sequences")),
     )
 
 
 def _event(kind: str, **fields) -> bytes:
-    return sse({"type": kind, **fields}, kind)
+    return apis.sse({"type": kind, **fields}, kind)
 
 
 class AnthropicReply:
@@ -153,7 +139,8 @@ class AnthropicReply:
             args = args if isinstance(args, dict) else {}
             use_id = "toolu_" + tc["id"].removeprefix("call_")
             content.append({"type": "tool_use", "id": use_id, "name": tc["name"], "input": args})
-        return self._message(content, self.STOP[client_finish(call, reply)], len(call.response_ids))
+        stop_reason = self.STOP[apis.client_finish(call, reply)]
+        return self._message(content, stop_reason, len(call.response_ids))
 
     def start(self) -> bytes:
         return _event("message_start", message=self._message([], None, 0))
@@ -194,7 +181,7 @@ class AnthropicReply:
         for block in message["content"][self.index :]:
             kind = block["type"]
             if kind in ("thinking", "text"):
-                unsent = rest(block[kind], sent_reasoning if kind == "thinking" else sent)
+                unsent = apis.rest(block[kind], sent_reasoning if kind == "thinking" else sent)
                 out.append(self._delta(kind, unsent) if unsent or self.open != kind else b"")
             # a tool_use, sent whole: closed by the next block, or the end
             else:
@@ -207,7 +194,7 @@ class AnthropicReply:
         return b"".join(out)
 
     def error(self, message: str) -> bytes:
-        return sse(error_body(500, message), "error")
+        return apis.sse(error_body(500, message), "error")
 
 
 # Its routes (``?beta=true`` too), and its errors' shape on them.

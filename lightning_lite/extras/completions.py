@@ -10,7 +10,7 @@ from aiohttp import web
 from .. import hooks
 from ..apis import client_finish, expect, json_object, openai_head, openai_settings, sse, usage
 from ..chat import BadRequest, Request
-from ..proxy import Exchange, Session, sse_start
+from ..proxy import Exchange, sse_start
 
 
 def parse_completions_request(body: Any) -> Request:
@@ -41,7 +41,7 @@ async def complete(proxy, request: web.Request):
     if any(t < 0 or t >= vocab for t in prompt_ids):
         raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
     proxy.admit(prompt_ids)
-    session = proxy.sessions.setdefault(rollout_id, Session())
+    session = proxy.session(rollout_id)
     exchange = Exchange(rollout_id, session, "completions", req, proxy.cap(req), prompt_ids)
     generations = await proxy.generate(exchange)
     writer = CompletionsReply(req, proxy.model_name, len(prompt_ids), proxy.tok)

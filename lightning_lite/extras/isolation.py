@@ -6,8 +6,8 @@ sandbox's bridge, sandbox.py, connects 127.0.0.1:PORT inside to it), so whatever
 that rollout's doing: what the proxy refuses it is flagged on it.
 
 Its hook, filled at the bottom: ``hooks.isolation = Isolation``. ``Proxy(rollout_tokens=True)``
-keeps one as ``proxy.isolation``, which admits every request (``Proxy.read``), opens each rollout's
-route and, for ``ProxyServer.endpoint(socket=True)``, its socket (:class:`RolloutSockets`)."""
+keeps one as ``proxy.isolation``, which admits every request (``Proxy.read``) and gives each rollout
+its endpoint (``ProxyServer.endpoint``): its route and, with ``socket=True``, its socket."""
 
 import hmac
 import itertools
@@ -21,13 +21,16 @@ from aiohttp import web
 
 from .. import hooks
 from ..chat import BadRequest
+from ..harness import Endpoint
 
 
 class Isolation:
     """The routes of the rollouts opened this step, the harness's reward key, what each rollout was
-    refused.
+    refused, and the rollouts' own Unix sockets (sites of the ProxyServer, in a temporary directory
+    of their own).
 
-    >>> isolation = Isolation(); isolation.open_rollout("r1")   # 'r1.x1y2...': served at /rollout/r1.x1y2.../v1
+    >>> isolation.endpoint(server, "r1", "m", socket=True, api_key="k").base_url
+    'http://127.0.0.1:40123/rollout/r1.x1y2.../v1'   # and .socket: '/tmp/ll-proxy-x1y2/0.sock'
     """
 
     def __init__(self):
@@ -35,32 +38,55 @@ class Isolation:
         self.tokens: dict[str, str] = {}
         # a reward POST's X-Reward-Key (Endpoint.reward_key: the harness's, never the agent's)
         self.reward_key = secrets.token_urlsafe(24)
-        # a rollout's own Unix socket (RolloutSockets) -> its id
-        self.owners: dict[str, str] = {}
         # rollout id -> what it tried that was refused (Proxy.flags)
         self.flags: dict[str, list[dict]] = {}
-        # the rollouts' own Unix sockets, once one is asked for
-        self.sockets: Optional[RolloutSockets] = None
+        # rollout id -> (its site, its socket path); socket path -> rollout id
+        self.sites: dict[str, tuple] = {}
+        self.owners: dict[str, str] = {}
+        # the ProxyServer the sites are on, and their directory (short paths: a socket path has at
+        # most 107 bytes), once the first socket is asked for
+        self.server = None
+        self.dir: Optional[str] = None
+        self.names = itertools.count()
 
-    def open_rollout(self, rollout_id: str) -> str:
-        """A new rollout's route, ``<id>.<token>``: its base URL is ``/rollout/<id>.<token>/v1``."""
+    def endpoint(self, server, rollout_id: str, model: str, socket: bool, api_key: str) -> Endpoint:
+        """A new rollout's endpoint on ``server`` (a ProxyServer): its route ``<id>.<token>``, the
+        reward key, and with ``socket`` a Unix socket of its own."""
         self.tokens[rollout_id] = secrets.token_urlsafe(16)
-        return f"{rollout_id}.{self.tokens[rollout_id]}"
+        route = f"{rollout_id}.{self.tokens[rollout_id]}"
+        socket_path = None
+        if socket:
+            socket_path = self.open_socket(server, rollout_id)
+        url = server.base_url(route)
+        key = self.reward_key
+        return Endpoint(url, api_key, model, rollout_id, server.url, route, key, socket_path)
 
     def open_socket(self, server, rollout_id: str) -> str:
-        """A Unix socket of the rollout's own on ``server`` (a ProxyServer): its path."""
-        if self.sockets is None:
-            self.sockets = RolloutSockets(server, self.owners)
-        return self.sockets.open(rollout_id)
+        """A Unix socket of the rollout's own on ``server``: its path."""
+        if self.dir is None:
+            self.server = server
+            self.dir = tempfile.mkdtemp(prefix="ll-proxy-")
+        path = os.path.join(self.dir, f"{next(self.names)}.sock")
+        site = web.UnixSite(server.runner, path)
+        server.run(site.start())
+        self.sites[rollout_id] = (site, path)
+        self.owners[path] = rollout_id
+        return path
 
     def close_sockets(self, rollout_ids=None):
-        """Close these rollouts' sockets; None: all of them, for good (ProxyServer.stop)."""
-        if self.sockets is None:
-            return
+        """Close these rollouts' sockets; None: all of them and their directory, for good
+        (ProxyServer.stop)."""
+        closing = rollout_ids
         if rollout_ids is None:
-            self.sockets.close_all()
-        else:
-            self.sockets.close(rollout_ids)
+            closing = list(self.sites)
+        for rollout_id in closing:
+            if rollout_id in self.sites:
+                site, path = self.sites.pop(rollout_id)
+                self.server.run(site.stop())
+                del self.owners[path]
+                os.unlink(path)
+        if rollout_ids is None and self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def reset(self):
         """The step is over: no rollout is open any more (a straggler's next call gets a 403)."""
@@ -83,7 +109,8 @@ class Isolation:
         expected = self.tokens.get(rollout_id)
         if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
             self.refuse(request, "not a rollout of this run, or a wrong token")
-        if (owner := self.owner(request)) not in (None, rollout_id):
+        owner = self.owner(request)
+        if owner not in (None, rollout_id):
             self.refuse(request, f"rollout {owner} used the route of rollout {rollout_id}")
         return rollout_id
 
@@ -94,49 +121,12 @@ class Isolation:
 
     def refuse(self, request: web.Request, what: str):
         """403, and a flag on the rollout that sent it, when its socket tells."""
-        if owner := self.owner(request):
+        owner = self.owner(request)
+        if owner:
             attempt = f"{what}: {request.method} {request.path}"
             flag = {"kind": "route", "what": attempt, "call": None, "where": None, "match": None}
             self.flags.setdefault(owner, []).append(flag)
         raise BadRequest(f"{what}: use the base URL this rollout was given", None, "forbidden", 403)
-
-
-class RolloutSockets:
-    """The Unix sites of one ``ProxyServer``, one a rollout, in a temporary directory of their own.
-
-    >>> sockets = RolloutSockets(server, owners); sockets.open("r1")   # '/tmp/ll-proxy-x1y2/0.sock'
-    >>> sockets.close(["r1"])
-    """
-
-    def __init__(self, server, owners: dict[str, str]):
-        self.server = server
-        # rollout id -> (its site, its path)
-        self.sites = {}
-        # socket path -> rollout id, for Isolation.owner
-        self.owners = owners
-        # short paths: a socket path has at most 107 bytes
-        self.dir = tempfile.mkdtemp(prefix="ll-proxy-")
-        self.names = itertools.count()
-
-    def open(self, rollout_id: str) -> str:
-        path = os.path.join(self.dir, f"{next(self.names)}.sock")
-        site = web.UnixSite(self.server.runner, path)
-        self.server.run(site.start())
-        self.sites[rollout_id] = (site, path)
-        self.owners[path] = rollout_id
-        return path
-
-    def close(self, rollout_ids):
-        for rollout_id in rollout_ids:
-            if rollout_id in self.sites:
-                site, path = self.sites.pop(rollout_id)
-                self.server.run(site.stop())
-                del self.owners[path]
-                os.unlink(path)
-
-    def close_all(self):
-        self.close(list(self.sites))
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 hooks.isolation = Isolation

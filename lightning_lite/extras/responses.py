@@ -9,28 +9,14 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from .. import hooks
-from ..apis import (
-    client_finish,
-    convert,
-    expect,
-    json_object,
-    must_be,
-    response_format,
-    rest,
-    settings,
-    sse,
-    text_of,
-    tools_of,
-)
+from .. import apis, hooks
 from ..chat import ROLES, BadRequest, Request, parse_arguments
 from ..proxy import conversation
 
 
 def open_responses(body: Any, memo: dict, proxy):
-    """The route's hook for ``Proxy.converse``: the Request, and its writer given the prompt's
-    length. The writer keeps the answered conversation under its response id
-    (``memo["responses"]``), for a request that continues it."""
+    """The route's ``open_api`` (proxy.conversation). The writer keeps the answered conversation
+    under its response id (``memo["responses"]``), for a request that continues it."""
     conversations = memo.setdefault("responses", {})
 
     def previous(response_id: str) -> list[dict]:
@@ -55,19 +41,20 @@ def _part_texts(parts: Any) -> str:
 def _to_messages(item: Any, i: int) -> list[dict]:
     """One input item -> a message, or a tool call (no "role": joined to its turn by the caller)."""
     where = f"input[{i}]"
-    must_be(isinstance(item, dict), where, "an object")
+    apis.must_be(isinstance(item, dict), where, "an object")
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
         roles = ("user", "assistant", "system", "developer")
-        expect(role in roles, f"unknown role {role!r} in {where}", where + ".role")
-        return [{"role": ROLES[role], "content": text_of(item.get("content"), where + ".content")}]
+        apis.expect(role in roles, f"unknown role {role!r} in {where}", where + ".role")
+        content = apis.text_of(item.get("content"), where + ".content")
+        return [{"role": ROLES[role], "content": content}]
     if kind == "function_call":
-        must_be(isinstance(item.get("name"), str), where + ".name", "a string")
+        apis.must_be(isinstance(item.get("name"), str), where + ".name", "a string")
         arguments = parse_arguments(item.get("arguments", "{}"))
         return [{"id": str(item.get("call_id", "")), "name": item["name"], "arguments": arguments}]
     if kind == "function_call_output":
-        output = text_of(item.get("output"), where + ".output")
+        output = apis.text_of(item.get("output"), where + ".output")
         return [{"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": output}]
     # its reasoning_text parts, else its summary; encrypted only: nothing to read
     if kind == "reasoning":
@@ -82,16 +69,16 @@ def parse_responses_request(
 ) -> Request:
     """Validate a /v1/responses body. ``previous(id)``: the conversation (input + output) of this
     rollout's response."""
-    body = json_object(body)
+    body = apis.json_object(body)
     history, previous_id = [], body.get("previous_response_id")
     if previous_id is not None:
-        must_be(isinstance(previous_id, str), "previous_response_id", "a string")
+        apis.must_be(isinstance(previous_id, str), "previous_response_id", "a string")
         history = list(previous(previous_id))
     items = body.get("input", [])
     items = [{"role": "user", "content": items}] if isinstance(items, str) else items
-    expect(isinstance(items, list), "'input' must be a string or a list of items", "input")
+    apis.expect(isinstance(items, list), "'input' must be a string or a list of items", "input")
     # one assistant turn: its reasoning, its message, its calls (new dicts: memo's are shared)
-    for m in convert(items, _to_messages, memo):
+    for m in apis.convert(items, _to_messages, memo):
         last = history[-1] if history and history[-1]["role"] == "assistant" else None
         thought = last and last.keys() == {"role", "content", "reasoning"} and not last["content"]
         # a call joins the turn before it
@@ -105,15 +92,15 @@ def parse_responses_request(
             history[-1] = {**m, "reasoning": reasoning}
         else:
             history.append(m)
-    expect(history, "'input' must not be empty", "input")
+    apis.expect(history, "'input' must not be empty", "input")
     system = body.get("instructions")
-    system = [{"role": "system", "content": text_of(system, "instructions")}] if system else []
+    system = [{"role": "system", "content": apis.text_of(system, "instructions")}] if system else []
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     return Request(
         messages=system + history,
-        **tools_of(body),
-        **response_format(text.get("format"), "text.format"),
-        **settings(body, body.get("max_output_tokens"), None),
+        **apis.tools_of(body),
+        **apis.response_format(text.get("format"), "text.format"),
+        **apis.settings(body, body.get("max_output_tokens"), None),
         n_instructions=len(system),
     )
 
@@ -175,12 +162,12 @@ class ResponsesReply:
         if self.conversations is not None:
             # for previous_response_id; a new request's instructions replace these
             self.conversations[self.id] = self.req.messages[self.req.n_instructions :] + [reply]
-        status = "incomplete" if client_finish(call, reply) == "length" else "completed"
+        status = "incomplete" if apis.client_finish(call, reply) == "length" else "completed"
         return self._response(status, self._output(reply), call)
 
     def _event(self, kind: str, **fields) -> bytes:
         self.seq += 1
-        return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
+        return apis.sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
 
     def _at(self, item_id: str) -> dict:
         return dict(item_id=item_id, output_index=self.index, content_index=0)
@@ -240,7 +227,7 @@ class ResponsesReply:
             else:
                 reasoning = item["type"] == "reasoning"
                 send, done = (self.reasoning, sent_reasoning) if reasoning else (self.text, sent)
-                unsent = rest(item["content"][0]["text"], done)
+                unsent = apis.rest(item["content"][0]["text"], done)
                 out.append(send(unsent) if unsent or self.open != item["type"] else b"")
                 out.append(self._done(item))
         out.append(self._event(f"response.{response['status']}", response=response))

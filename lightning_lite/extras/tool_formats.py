@@ -28,8 +28,9 @@ from dataclasses import replace
 from typing import Optional
 
 from .. import hooks
+from ..chat import PROBE_TOOL, call_text
 from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
-from ..toolcalls import JSON_CALL_OPENING, calls_in, up_to
+from ..toolcalls import JSON_CALL_OPENING, calls_in, detect, format_of, parse, up_to
 
 PYTHON_TAG = "<|python_tag|>"
 M3 = "]<]minimax[>["
@@ -248,9 +249,10 @@ def kimi_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-# ----------------------------------------------------------------------------- templates' dialects
+# ----------------------------------------------------------------------------- templates' quirks
 # What some templates want of the messages besides OpenAI's shape (hooks.TEMPLATE_DIALECTS):
-# chat.Renderer probes which a template needs, and writes every conversation in them.
+# chat.Renderer probes which a template needs, and writes every conversation in them; and the check
+# of a template that renders calls (hooks.TEMPLATE_CHECKS).
 
 
 def short_id(s: str) -> str:
@@ -306,6 +308,28 @@ def merge_roles(messages: list[dict]) -> list[dict]:
         else:
             out.append(m)
     return out
+
+
+def calls_again(renderer, call: str) -> bool:
+    """Does the template write a call after a tool result as it wrote the first (``call``), so that
+    the history keeps every call in the format? DeepSeek-R1's drops the opening there. Each call is
+    read up to the turn close, as the model's EOS ends it. A format that rewrites the messages
+    (Kimi's call ids) reads its calls as it writes them: nothing to compare there."""
+    fmt = detect(call)
+    if not fmt or format_of(fmt).messages:
+        return True
+    head = renderer.rendered(renderer.probe_calls(), [PROBE_TOOL], True)
+    twice = renderer.rendered(renderer.probe_calls(rounds=2), [PROBE_TOOL], False)
+    if head is None or twice is None:
+        return False
+    close = renderer.turn_close.strip()
+
+    def calls(text: str) -> int:
+        if close:
+            text = text.split(close)[0]
+        return len(parse(fmt, text)["tool_calls"])
+
+    return calls(call) > 0 and calls(call_text(head, twice)) > 0
 
 
 MISTRAL = Format(
@@ -577,3 +601,4 @@ hooks.TOOL_FORMATS.update(FORMATS)
 hooks.TEMPLATE_DIALECTS.update(
     short_ids=short_ids, string_args=string_args, merge_roles=merge_roles
 )
+hooks.TEMPLATE_CHECKS.append(calls_again)

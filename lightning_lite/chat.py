@@ -261,8 +261,7 @@ class Renderer:
         self.think = think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
         self.format = "hermes"
-        self.native_tools = False
-        self.native_calls = False
+        self.native_tools = self.native_calls = True
         # the names of the dialects (hooks.TEMPLATE_DIALECTS) the template's messages are written in
         self.dialects: list[str] = []
         self.turn_close = self._probe_turn_close()
@@ -303,7 +302,6 @@ class Renderer:
         templates render calls only in a dialect of their own (Mistral's 9-alphanumeric ids): then
         every call is written so. A template that fails a check of hooks.TEMPLATE_CHECKS gets its
         calls written as text."""
-        self.native_tools = self.native_calls = True
         # what the probe saw: the call's text, and whether the tool list came before it
         seen = {"call": None, "lists": False}
 

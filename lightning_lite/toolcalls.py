@@ -98,19 +98,15 @@ def parse_arguments(args):
         return args
 
 
-def python_literal(text: str):
-    """The Python literal ``text`` is, else None."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return None
-
-
 def calls_in(text: str) -> Optional[list[dict]]:
     """A call or a list of calls written as JSON, or as a Python literal (arguments as a Python
     dict: Apriel) -> the calls; None unless every one is a call."""
     value = parse_arguments(text)
-    value = python_literal(text) if isinstance(value, str) else value
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
     calls = [call_from_json(o) for o in (value if isinstance(value, list) else [value])]
     return calls if calls and all(calls) else None
 

@@ -1,18 +1,7 @@
 """Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in
-``FORMATS``. How each family writes one call:
-
-    qwen3_coder   <tool_call>\\n<function=N>\\n<parameter=A>\\nV\\n</parameter>\\n</function>\\n</tool_call>   Qwen3-Coder, Qwen3.5
-    llama3        {"name": N, "parameters": {...}}  (the whole reply, maybe after <|python_tag|>)   Llama 3.1-3.3
-    mistral       [TOOL_CALLS][{"name": N, "arguments": {...}, "id": "abcdefghi"}]   Mistral v3, Nemo, Small 3.1
-    mistral_v11   [TOOL_CALLS]N[CALL_ID]ID[ARGS]{...}  ([CALL_ID]ID optional)          Small 3.2, Magistral, Devstral
-    deepseek      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>  R1, V3
-    deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>  V3.1
-    harmony       <|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>  gpt-oss
-    granite       <|tool_call|>[{"name": N, "arguments": {...}}]                         Granite 3.x
-    glm ... solar, seed_oss, function_tags   a tag a parameter (``tagged``): GLM 4.5-5.2 <tool_call>N<arg_key>A</arg_key>
-                  <arg_value>V</arg_value></tool_call>, LongCat, Hy3, MiniMax M2, M3 <invoke name=N>, DeepSeek-V3.2/V4 DSML, MiniCPM
-    nemotron, gigachat, tool_calls_json, intern, longcat_json   JSON after a marker (``json_tagged``): <TOOLCALL>[...]
-    olmo3, lfm2   Python calls [N(a="v")]; gemma4  <|tool_call>call:N{a:<|"|>v<|"|>}; kimi  functions.N:K ids; hunyuan
+``FORMATS``, a comment above each entry showing how its family writes one call (the families and
+their templates: docs/tool-calls.md), and the families' template quirks (hooks.TEMPLATE_DIALECTS,
+hooks.TEMPLATE_CHECKS).
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced
 and detected. qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions
@@ -496,12 +485,15 @@ SOLAR_PARAM = ("<|tool_arg:start|>{name}<|tool_arg:value|>", "<|tool_arg:end|>\n
 # A format that parses as another does (either of its shapes) differs in how a call is forced and
 # detected.
 FORMATS = {
+    # Qwen3-Coder, Qwen3.5:
+    # <tool_call>\n<function=N>\n<parameter=A>\nV\n</parameter>\n</function>\n</tool_call>
     "qwen3_coder": replace(
         HERMES,
         call=("<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"),
         detect=lambda before, after: bool(re.search(r"<tool_call>\s*<function=\Z", before)),
         param=CODER_PARAM,
     ),
+    # Llama 3.1-3.3: {"name": N, "parameters": {...}}, the whole reply, maybe after <|python_tag|>
     "llama3": Format(
         call=('{"name": "', '", "parameters": ', "}"),
         # JSON after <|python_tag|>, after the header, or first in the reply
@@ -512,18 +504,27 @@ FORMATS = {
         blocks=llama3_blocks,
         stream=llama3_stream,
     ),
+    # Mistral v3, Nemo, Small 3.1: [TOOL_CALLS][{"name": N, "arguments": {...}, "id": "abcdefghi"}]
     "mistral": MISTRAL,
+    # Small 3.2, Magistral, Devstral: [TOOL_CALLS]N[CALL_ID]ID[ARGS]{...} ([CALL_ID]ID optional)
     "mistral_v11": replace(
         MISTRAL,
         call=("[TOOL_CALLS]", "[ARGS]", ""),
         detect=lambda before, after: before.endswith("[TOOL_CALLS]"),
     ),
+    # DeepSeek R1, V3:
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\n{...}\n```
+    # <｜tool▁call▁end｜><｜tool▁calls▁end｜>
     "deepseek": DEEPSEEK,
+    # DeepSeek V3.1:
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
     "deepseek_v31": replace(
         DEEPSEEK,
         call=(DS_BEGIN + DS_CALL, DS_SEP, DS_CLOSE),
         detect=lambda before, after: after.startswith(DS_SEP),
     ),
+    # gpt-oss: <|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>commentary
+    # to=functions.N <|constrain|>json<|message|>{...}<|call|>
     "harmony": Format(
         call=("<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", "<|call|>"),
         detect=lambda before, after: before.endswith("to=functions."),
@@ -531,7 +532,11 @@ FORMATS = {
         json_reply="<|channel|>final<|message|>",
         messages=harmony_messages,
     ),
+    # Granite 3.x: <|tool_call|>[{"name": N, "arguments": {...}}]
     "granite": json_tagged("<|tool_call|>", listed=True),
+    # GLM 4.5-5.2: <tool_call>N<arg_key>A</arg_key><arg_value>V</arg_value></tool_call>; a tag a
+    # parameter (tagged) as LongCat, MiniMax M2 and M3 (<invoke name=N>), DeepSeek-V3.2 and V4
+    # (DSML), MiniCPM, Solar, Hy3 below
     "glm": glm(),
     "longcat": glm(prefix="longcat_"),
     "minimax": tagged('<invoke name="', '">\n', "</invoke>\n", MINIMAX_PARAM, MINIMAX_BLOCK),
@@ -554,12 +559,15 @@ FORMATS = {
         ),
         stream=up_to("<tool_calls>"),
     ),
+    # JSON after a marker (json_tagged): Nemotron <TOOLCALL>[...]</TOOLCALL>, GigaChat, Jamba,
+    # Intern-S1, LongCat, Command-R7B
     "nemotron": json_tagged("<TOOLCALL>", "</TOOLCALL>", listed=True),
     "gigachat": json_tagged("<|function_call|>"),
     "tool_calls_json": json_tagged("<tool_calls>", "</tool_calls>", listed=True),
     "intern": json_tagged("<|action_start|><|plugin|>\n", "<|action_end|>"),
     "longcat_json": json_tagged("<longcat_tool_call>\n", "\n</longcat_tool_call>"),
     "command_r": json_tagged("<|START_ACTION|>", "<|END_ACTION|>", listed=True),
+    # Python calls: OLMo 3 <function_calls>N(a="v")</function_calls>, LFM2.5 [N(a="v")], MiniCPM3
     "olmo3": pythonic("<function_calls>", "</function_calls>"),
     "lfm2": pythonic("<|tool_call_start|>", "<|tool_call_end|>", listed=True),
     "minicpm3": pythonic("<|tool_call_start|>\n```python\n", "\n```\n<|tool_call_end|>", sep=","),
@@ -570,6 +578,7 @@ FORMATS = {
         ('<steptml:parameter name="{name}">', "</steptml:parameter>"),
         ("<｜tool_calls_begin｜>\n", "<｜tool_calls_end｜>"),
     ),
+    # Gemma 4: <|tool_call>call:N{a:<|"|>v<|"|>}<tool_call|>
     "gemma4": Format(
         call=("<|tool_call>call:", "{", "}<tool_call|>"),
         param=("{name}:", "", ",", '<|"|>'),
@@ -579,6 +588,7 @@ FORMATS = {
         ),
         stream=up_to("<|tool_call>"),
     ),
+    # Kimi K2: the name in the call's id, functions.N:K
     "kimi": Format(
         call=(KIMI_OPEN + "functions.", ":0<|tool_call_argument_begin|>", KIMI_CLOSE),
         detect=lambda before, after: KIMI_OPEN in before,
@@ -586,6 +596,7 @@ FORMATS = {
         stream=up_to(KIMI_BEGIN),
         messages=kimi_messages,
     ),
+    # Functionary v3.1, Kanana: <function=N>{...}</function>
     "functionary": Format(
         call=("<function=", ">", "</function>"),
         detect=lambda before, after: before.endswith("<function=") and after.startswith(">{"),

@@ -345,8 +345,8 @@ class Renderer:
             shown = call_text.replace(SENTINEL, "get_weather")[:160]
             raise ValueError(
                 f"{self.template} writes tool calls in a format lightning-lite does not parse: "
-                f"{shown!r}; if the model writes one of {', '.join(toolcalls.format_names())}, "
-                "name it with --tool-format"
+                f"{shown!r}; name the format the model writes with --tool-format, "
+                f"{toolcalls.known_formats()}"
             )
         fmt = tool_format or detected or "hermes"
         # an unknown name raises here, at start-up

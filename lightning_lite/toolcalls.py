@@ -171,17 +171,22 @@ def format_names() -> list[str]:
     return list(hooks.TOOL_FORMATS)
 
 
+def known_formats() -> str:
+    """The registered formats, as a message names them; where Hermes is the only one, the file the
+    other families' are in."""
+    known = f"one of {', '.join(format_names())}"
+    if len(hooks.TOOL_FORMATS) == 1:
+        known += "; " + hooks.missing("every other family's format", "tool_formats")
+    return known
+
+
 def format_of(name: Optional[str]) -> Optional[Format]:
     """The format named ``name`` (None: no calls): the one place a format is looked up, in
     hooks.TOOL_FORMATS (Hermes here; the other families' from extras/tool_formats.py)."""
     if name is None:
         return None
     if name not in hooks.TOOL_FORMATS:
-        message = f"unknown tool-call format {name!r}; use one of {', '.join(format_names())}"
-        # only Hermes registered: the families' formats are not loaded
-        if len(hooks.TOOL_FORMATS) == 1:
-            message += "; " + hooks.missing("every other family's format", "tool_formats")
-        raise ValueError(message)
+        raise ValueError(f"unknown tool-call format {name!r}; use {known_formats()}")
     return hooks.TOOL_FORMATS[name]
 
 

@@ -219,23 +219,30 @@ def harmony_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def rewritten(messages: list[dict], call, result=None) -> list[dict]:
+    """The messages with each tool call (OpenAI's shape) as ``call(c)`` writes it, and each tool
+    result's ``tool_call_id`` as ``result(id)`` does (None: as it is)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [call(c) for c in m["tool_calls"]]}
+        if m["role"] == "tool" and result is not None:
+            m = {**m, "tool_call_id": result(m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
 def kimi_messages(messages: list[dict]) -> list[dict]:
     """Kimi's templates name a call by its id, functions.NAME:K for the conversation's K-th call:
     other ids are written so, a call's and its result's alike."""
-    named, out = {}, []
-    for m in messages:
-        calls = []
-        for call in m.get("tool_calls") or ():
-            if not call["id"].startswith("functions."):
-                name = call["function"]["name"]
-                named.setdefault(call["id"], f"functions.{name}:{len(named)}")
-            calls.append({**call, "id": named.get(call["id"], call["id"])})
-        if calls:
-            m = {**m, "tool_calls": calls}
-        if m["role"] == "tool":
-            m = {**m, "tool_call_id": named.get(m["tool_call_id"], m["tool_call_id"])}
-        out.append(m)
-    return out
+    named = {}
+
+    def named_call(c: dict) -> dict:
+        if not c["id"].startswith("functions."):
+            named.setdefault(c["id"], f"functions.{c['function']['name']}:{len(named)}")
+        return {**c, "id": named.get(c["id"], c["id"])}
+
+    return rewritten(messages, named_call, lambda id: named.get(id, id))
 
 
 # ----------------------------------------------------------------------------- templates' quirks
@@ -258,28 +265,17 @@ def short_id(s: str) -> str:
 
 def short_ids(messages: list[dict]) -> list[dict]:
     """Every call id as 9 alphanumerics (``short_id``; Mistral)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "id": short_id(c["id"])} for c in m["tool_calls"]]}
-        if m["role"] == "tool":
-            m = {**m, "tool_call_id": short_id(m["tool_call_id"])}
-        out.append(m)
-    return out
+    return rewritten(messages, lambda c: {**c, "id": short_id(c["id"])}, short_id)
 
 
 def string_args(messages: list[dict]) -> list[dict]:
     """Each call's arguments as a JSON string: DeepSeek-R1's templates write them as given."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = []
-            for c in m["tool_calls"]:
-                arguments = json.dumps(c["function"]["arguments"], ensure_ascii=False)
-                calls.append({**c, "function": {**c["function"], "arguments": arguments}})
-            m = {**m, "tool_calls": calls}
-        out.append(m)
-    return out
+
+    def with_string_args(c: dict) -> dict:
+        arguments = json.dumps(c["function"]["arguments"], ensure_ascii=False)
+        return {**c, "function": {**c["function"], "arguments": arguments}}
+
+    return rewritten(messages, with_string_args)
 
 
 def merge_roles(messages: list[dict]) -> list[dict]:

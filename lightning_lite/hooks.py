@@ -25,7 +25,7 @@ ROUTES = {}
 ERROR_SHAPES = {}
 
 # Tool-call formats by name (toolcalls.Format). The core registers "hermes"; extras/tool_formats.py
-# registers the other families' formats.
+# registers the other families' formats, and a "hermes" that reads their bodies in its tags too.
 TOOL_FORMATS = {}
 
 # What some chat templates want of the messages besides OpenAI's shape, name -> fn(messages) ->

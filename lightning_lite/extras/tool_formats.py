@@ -4,10 +4,11 @@ their templates: docs/tool-calls.md), and the families' template quirks (hooks.T
 hooks.TEMPLATE_CHECKS).
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced
-and detected. qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions
-here, its entry in ``FORMATS``. Its hook, filled at the bottom: every entry of ``FORMATS`` into
-hooks.TOOL_FORMATS, in order (after Hermes, the core's): the order toolcalls.detect() tries them in,
-and --tool-format lists them in."""
+and detected. qwen3_coder parses as Hermes does here (``HERMES_BODIES``: both read both bodies, and
+Python-dict arguments). A new format: its functions here, its entry in ``FORMATS``. Its hooks,
+filled at the bottom: ``HERMES_BODIES`` in the place of the core's Hermes, then every entry of
+``FORMATS`` into hooks.TOOL_FORMATS, in order: the order toolcalls.detect() tries them in, and
+--tool-format lists them in."""
 
 import ast
 import hashlib
@@ -18,8 +19,9 @@ from typing import Optional
 
 from .. import hooks
 from ..chat import PROBE_TOOL, call_text
-from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
-from ..toolcalls import JSON_CALL_OPENING, calls_in, detect, format_of, parse, up_to
+from ..toolcalls import HERMES, Format, call_from_json, calls_of, hold_back, make_call
+from ..toolcalls import JSON_CALL_OPENING, TOOL_CALL_RE, detect, format_of, parse, parse_arguments
+from ..toolcalls import up_to
 
 PYTHON_TAG = "<|python_tag|>"
 M3 = "]<]minimax[>["
@@ -65,10 +67,37 @@ def json_at(text: str, i: int):
 def json_calls(text: str, i: int):
     """A JSON call or list of calls at text[i:] -> (calls, end); None when it is not that."""
     value = json_at(text, i)
-    if not value:
-        return None
-    calls = [call_from_json(o) for o in (value[0] if isinstance(value[0], list) else [value[0]])]
-    return (calls, value[1]) if calls and all(calls) else None
+    calls = calls_of(value[0]) if value else None
+    return (calls, value[1]) if calls else None
+
+
+def literal_calls(text: str) -> Optional[list[dict]]:
+    """A call or a list of calls written as JSON, or as a Python literal (arguments as a Python
+    dict: Apriel) -> the calls; None unless every one is a call."""
+    value = parse_arguments(text)
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return calls_of(value)
+
+
+FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>)?", re.DOTALL)
+PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def tag_body(body: str) -> Optional[list[dict]]:
+    """One ``<tool_call>`` body: Hermes JSON (or a Python literal) or Qwen3-Coder's
+    ``<function=N><parameter=A>V</parameter></function>`` (hermes and qwen3_coder read both; a
+    parameter is a JSON value where it parses, else text). None: not a call."""
+    if body.startswith(("{", "[")):
+        return literal_calls(body)
+    m = FUNCTION_RE.fullmatch(body)
+    # anything but parameters inside: not a call
+    if m and not PARAMETER_RE.sub("", m.group(2)).strip():
+        params = {k.strip(): parse_arguments(v) for k, v in PARAMETER_RE.findall(m.group(2))}
+        return [make_call(m.group(1).strip(), params)]
 
 
 def regex_blocks(pattern: re.Pattern, read):
@@ -394,7 +423,7 @@ def json_tagged(start: str, end: str = "", listed: bool = False) -> Format:
     ``<TOOLCALL>[{"name": N, "arguments": {...}}]</TOOLCALL>``; the arguments may be a Python dict
     (Apriel)."""
 
-    read = lambda body: calls_in(body.strip())
+    read = lambda body: literal_calls(body.strip())
     left, right = ("[", "]") if listed else ("", "")
     call = (start + left + '{"name": "', '", "arguments": ', "}" + right + end)
     blocks = regex_blocks(region(start, end), read) if end else marker_blocks(start, json_calls)
@@ -478,13 +507,16 @@ MINIMAX_PARAM = ('<parameter name="{name}">', "</parameter>\n")
 MINIMAX_BLOCK = ("<minimax:tool_call>\n", "</minimax:tool_call>")
 MINIMAX_M3 = (M3 + "<{name}>", M3 + "</{name}>"), (M3 + "<tool_call>\n", M3 + "</tool_call>")
 SOLAR_PARAM = ("<|tool_arg:start|>{name}<|tool_arg:value|>", "<|tool_arg:end|>\n")
+# Hermes as other families write it too: a <tool_call> body may be Qwen3-Coder's, a call's arguments a
+# Python dict. It takes the core's place in hooks.TOOL_FORMATS (below).
+HERMES_BODIES = replace(HERMES, blocks=regex_blocks(TOOL_CALL_RE, tag_body))
 # A format that parses as another does (either of its shapes) differs in how a call is forced and
 # detected.
 FORMATS = {
     # Qwen3-Coder, Qwen3.5:
     # <tool_call>\n<function=N>\n<parameter=A>\nV\n</parameter>\n</function>\n</tool_call>
     "qwen3_coder": replace(
-        HERMES,
+        HERMES_BODIES,
         call=("<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"),
         detect=lambda before, after: bool(re.search(r"<tool_call>\s*<function=\Z", before)),
         param=CODER_PARAM,
@@ -604,6 +636,7 @@ FORMATS = {
     "function_tags": tagged("<function=", ">\n", "\n</function>", CODER_PARAM),
 }
 
+hooks.TOOL_FORMATS["hermes"] = HERMES_BODIES
 hooks.TOOL_FORMATS.update(FORMATS)
 hooks.TEMPLATE_DIALECTS.update(
     short_ids=short_ids, string_args=string_args, merge_roles=merge_roles

@@ -277,7 +277,7 @@ class Renderer:
         two_users = PROBE_USER + PROBE_USER
         alternates = not self._with_dialect(lambda: self.rendered(two_users, [], True) is not None)
         if alternates and not hooks.TEMPLATE_DIALECTS:
-            what = f"{self.template}, which wants user and assistant turns to alternate,"
+            what = f"{self.template}, which refuses two user messages in a row ({self.refusal}),"
             raise ValueError(hooks.missing(what, "tool_formats"))
         self.per_message = self._probe_per_message()
 
@@ -303,12 +303,13 @@ class Renderer:
         every call is written so. A template that fails a check of hooks.TEMPLATE_CHECKS gets its
         calls written as text."""
         # what the probe saw: the call's text, and whether the tool list came before it
-        seen = {"call": None, "lists": False}
+        seen = {"call": None, "lists": False, "refused": False}
 
         def renders_call() -> bool:
             head = self.rendered(PROBE_USER, [PROBE_TOOL], True)
             full = self.rendered(self.probe_calls(), [PROBE_TOOL], False)
             if head is None or full is None:
+                seen["refused"] = True
                 return False
             call = call_text(head, full)
             seen["call"] = call
@@ -319,6 +320,10 @@ class Renderer:
             return all(check(self, call) for check in hooks.TEMPLATE_CHECKS)
 
         self.native_calls = self._with_dialect(renders_call)
+        # Never served as if it took OpenAI's shape where it may want a dialect that is not loaded.
+        if seen["refused"] and not hooks.TEMPLATE_DIALECTS:
+            what = f"{self.template}, which refuses a tool call in OpenAI's shape ({self.refusal}),"
+            raise ValueError(hooks.missing(what, "tool_formats"))
         self.native_tools = seen["lists"]
         return seen["call"] if self.native_calls else None
 

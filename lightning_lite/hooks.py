@@ -31,8 +31,8 @@ TOOL_FORMATS = {}
 # What some chat templates want of the messages besides OpenAI's shape, name -> fn(messages) ->
 # messages (extras/tool_formats.py: Mistral's 9-character call ids, DeepSeek-R1's arguments as a
 # JSON string, Gemma's alternating roles). chat.Renderer probes them in order where a template
-# refuses a probe, and keeps the first that makes it render. Empty: every template takes OpenAI's
-# shape, and one that refuses two user messages in a row is refused at start-up.
+# refuses a probe, and keeps the first that makes it render. Empty: a template that refuses a probe
+# (a tool call in OpenAI's shape, two user messages in a row) is refused at start-up.
 TEMPLATE_DIALECTS = {}
 
 # Checks of a template that renders tool calls, fn(renderer, call) -> bool, call: the text of its

@@ -22,7 +22,6 @@ Example (SmolLM2, no native tool support)::
 import hashlib
 import json
 import os
-import logging
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -30,9 +29,8 @@ from typing import Optional
 
 from . import hooks, toolcalls
 from .records import common_prefix
-from .toolcalls import parse_arguments
+from .toolcalls import SENTINEL, dumps, parse_arguments
 
-log = logging.getLogger("lightning_lite.chat")
 # a message's role -> the role it has here
 ROLES = {
     "system": "system",
@@ -235,14 +233,12 @@ class Turn:
 # {"llarg": "llval"}).
 PROBE_USER = [{"role": "user", "content": "x"}]
 PROBE_PARAMETERS = {"type": "object", "properties": {"llarg": {"type": "string"}}}
-PROBE_TOOL = {"name": toolcalls.SENTINEL, "description": "d", "parameters": PROBE_PARAMETERS}
+PROBE_TOOL = {"name": SENTINEL, "description": "d", "parameters": PROBE_PARAMETERS}
 
 
 class Renderer:
     """Chat template + tool-call format of one tokenizer, probed once at start-up by what the
     template renders (DESIGN.md "The template decides the format")."""
-
-    SENTINEL = toolcalls.SENTINEL
 
     def __init__(self, tokenizer, eos_ids=None, tool_format=None, keep_history_tokens=False):
         """``eos_ids``: every token that ends the model's turn, the set generation stops on
@@ -265,8 +261,7 @@ class Renderer:
         self.think = think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
         self.format = "hermes"
-        self.native_tools = False
-        self.native_calls = False
+        self.native_tools = self.native_calls = True
         # the names of the dialects (hooks.TEMPLATE_DIALECTS) the template's messages are written in
         self.dialects: list[str] = []
         self.turn_close = self._probe_turn_close()
@@ -278,46 +273,57 @@ class Renderer:
         self.native_tools = self.native_tools and (self.native_calls or bool(tool_format))
         # Two user messages in a row: the Hermes fallback writes tool results as user turns, and
         # clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses
-        # them.
+        # them, and takes them in a dialect that merges them.
         two_users = PROBE_USER + PROBE_USER
-        self._with_dialect(lambda: self._rendered(two_users, [], True) is not None)
+        alternates = not self._with_dialect(lambda: self.rendered(two_users, [], True) is not None)
+        if alternates and not hooks.TEMPLATE_DIALECTS:
+            what = f"{self.template}, which refuses two user messages in a row ({self.refusal}),"
+            raise ValueError(hooks.missing(what, "tool_formats"))
         self.per_message = self._probe_per_message()
 
     def _probe_turn_close(self) -> str:
         """The text a template writes after an assistant message's content (ChatML:
         "<|im_end|>\\n")."""
-        reply = {"role": "assistant", "content": self.SENTINEL}
-        text = self._rendered(PROBE_USER + [reply], [], False)
-        if text is None or self.SENTINEL not in text:
+        reply = {"role": "assistant", "content": SENTINEL}
+        text = self.rendered(PROBE_USER + [reply], [], False)
+        if text is None or SENTINEL not in text:
             why = self.refusal if text is None else "it leaves out the assistant message's text"
             raise ValueError(
                 f"{self.template} cannot render a plain user/assistant conversation of text "
                 f"({why}); serve a chat model whose template can, or set tokenizer.chat_template "
                 "to one"
             )
-        return text[text.rindex(self.SENTINEL) + len(self.SENTINEL) :]
+        return text[text.rindex(SENTINEL) + len(SENTINEL) :]
 
     def _probe_native_call(self) -> Optional[str]:
         """The template's text for a call after its generation prompt where it renders calls
         (``native_calls``), else None; whether it renders the tool list (``native_tools``:
         DeepSeek-R1's renders calls but no list, Granite 3.x's the list but no calls). Some
         templates render calls only in a dialect of their own (Mistral's 9-alphanumeric ids): then
-        every call is written so."""
-        self.native_tools = self.native_calls = True
+        every call is written so. A template that fails a check of hooks.TEMPLATE_CHECKS gets its
+        calls written as text."""
         # what the probe saw: the call's text, and whether the tool list came before it
-        seen = {"call": None, "lists": False}
+        seen = {"call": None, "lists": False, "refused": False}
 
         def renders_call() -> bool:
-            head = self._rendered(PROBE_USER, [PROBE_TOOL], True)
-            full = self._rendered(self._probe_calls(), [PROBE_TOOL], False)
+            head = self.rendered(PROBE_USER, [PROBE_TOOL], True)
+            full = self.rendered(self.probe_calls(), [PROBE_TOOL], False)
             if head is None or full is None:
+                seen["refused"] = True
                 return False
-            seen["call"] = call_text(head, full)
+            call = call_text(head, full)
+            seen["call"] = call
             # the tool list before the call, rendered in both
-            seen["lists"] = seen["lists"] or self.SENTINEL in full[: len(full) - len(seen["call"])]
-            return "llval" in seen["call"] and self._calls_again(seen["call"])
+            seen["lists"] = seen["lists"] or SENTINEL in full[: len(full) - len(call)]
+            if "llval" not in call:
+                return False
+            return all(check(self, call) for check in hooks.TEMPLATE_CHECKS)
 
         self.native_calls = self._with_dialect(renders_call)
+        # Never served as if it took OpenAI's shape where it may want a dialect that is not loaded.
+        if seen["refused"] and not hooks.TEMPLATE_DIALECTS:
+            what = f"{self.template}, which refuses a tool call in OpenAI's shape ({self.refusal}),"
+            raise ValueError(hooks.missing(what, "tool_formats"))
         self.native_tools = seen["lists"]
         return seen["call"] if self.native_calls else None
 
@@ -341,17 +347,18 @@ class Renderer:
         detected = toolcalls.detect(call_text) if call_text else None
         # never served as if it were another format: the harness would get its calls back as text
         if call_text and not detected and not tool_format:
-            shown = call_text.replace(self.SENTINEL, "get_weather")[:160]
+            shown = call_text.replace(SENTINEL, "get_weather")[:160]
             raise ValueError(
                 f"{self.template} writes tool calls in a format lightning-lite does not parse: "
-                f"{shown!r}; if the model writes one of {', '.join(toolcalls.format_names())}, "
-                "name it with --tool-format"
+                f"{shown!r}; name the format the model writes with --tool-format, "
+                f"{toolcalls.known_formats()}"
             )
+        fmt = tool_format or detected or "hermes"
         # an unknown name raises here, at start-up
-        toolcalls.format_of(fmt := tool_format or detected or "hermes")
+        toolcalls.format_of(fmt)
         return fmt
 
-    def _rendered(self, messages, tools, add_generation_prompt) -> Optional[str]:
+    def rendered(self, messages, tools, add_generation_prompt) -> Optional[str]:
         """The template's text for a probe, None where the template refuses it (why:
         ``refusal``)."""
         try:
@@ -366,7 +373,7 @@ class Renderer:
         Templates that rewrite earlier turns (Qwen3 drops <think> from them) fail this probe and
         render in full."""
         system = [{"role": "system", "content": "s"}]
-        probe = system + self._probe_calls("<think>\nt\n</think>\n\na")
+        probe = system + self.probe_calls("<think>\nt\n</think>\n\na")
         probe += [{"role": "tool", "content": "r2", "tool_call_id": probe[-1]["tool_call_id"]}]
         probe += [{"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
         try:
@@ -379,30 +386,13 @@ class Renderer:
         except BadRequest:
             return False
 
-    def _calls_again(self, call: str) -> bool:
-        """Does the template write a call after a tool result as it wrote the first, so that the
-        history keeps every call in the format? DeepSeek-R1's drops the opening there. Each call is
-        read up to the turn close, as the model's EOS ends it. (Kimi's parser reads no call before
-        its id is named: nothing to compare there.)"""
-        fmt = toolcalls.detect(call)
-        # a format that rewrites the messages (Kimi's call ids): its calls are read as it writes
-        # them
-        if not fmt or toolcalls.format_of(fmt).messages:
-            return True
-        head = self._rendered(self._probe_calls(), [PROBE_TOOL], True)
-        twice = self._rendered(self._probe_calls(rounds=2), [PROBE_TOOL], False)
-        close = self.turn_close.strip()
-        cut = lambda text: text.split(close)[0] if close else text
-        count = lambda text: len(toolcalls.parse(fmt, cut(text))["tool_calls"])
-        return None not in (head, twice) and count(call) > 0 and count(call_text(head, twice)) > 0
-
-    def _probe_calls(self, content: str = "", rounds: int = 1) -> list[dict]:
+    def probe_calls(self, content: str = "", rounds: int = 1) -> list[dict]:
         """A user message, then ``rounds`` times an assistant message calling the SENTINEL tool and
         its result."""
         out = list(PROBE_USER)
         for k in range(rounds):
             id = "call_0123456789abcdef0123456" + str(k)
-            call = {"id": id, "name": self.SENTINEL, "arguments": {"llarg": "llval"}}
+            call = {"id": id, "name": SENTINEL, "arguments": {"llarg": "llval"}}
             out.append({"role": "assistant", "content": content, "tool_calls": [call]})
             out.append({"role": "tool", "content": "r", "tool_call_id": id})
         return out
@@ -477,7 +467,7 @@ class Renderer:
     def _tools_prompt(self, tools: list[dict]) -> str:
         """The tool list in the system prompt (TOOLS_PROMPT), how to call one in the format the
         model writes."""
-        listed = "\n".join(_json({"type": "function", "function": t}) for t in tools)
+        listed = "\n".join(dumps({"type": "function", "function": t}) for t in tools)
         prompt = TOOLS_PROMPT.format(tools=listed)
         if self.format == "hermes":
             return prompt
@@ -650,10 +640,6 @@ def _parsed(call: dict) -> dict:
     """A call's name and arguments, the arguments a dict where they are JSON (as templates take
     them)."""
     return {"name": call["name"], "arguments": parse_arguments(call["arguments"])}
-
-
-def _json(value) -> str:
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _after(text: str, head: str) -> Optional[str]:

@@ -25,15 +25,21 @@ ROUTES = {}
 ERROR_SHAPES = {}
 
 # Tool-call formats by name (toolcalls.Format). The core registers "hermes"; extras/tool_formats.py
-# registers the other families' formats.
+# registers the other families' formats, and a "hermes" that reads their bodies in its tags too.
 TOOL_FORMATS = {}
 
 # What some chat templates want of the messages besides OpenAI's shape, name -> fn(messages) ->
 # messages (extras/tool_formats.py: Mistral's 9-character call ids, DeepSeek-R1's arguments as a
 # JSON string, Gemma's alternating roles). chat.Renderer probes them in order where a template
-# refuses a probe, and keeps the first that makes it render. Empty: every template takes OpenAI's
-# shape.
+# refuses a probe, and keeps the first that makes it render. Empty: a template that refuses a probe
+# (a tool call in OpenAI's shape, two user messages in a row) is refused at start-up.
 TEMPLATE_DIALECTS = {}
+
+# Checks of a template that renders tool calls, fn(renderer, call) -> bool, call: the text of its
+# first call after the generation prompt (extras/tool_formats.py: a call after a tool result is
+# written as the first, which DeepSeek-R1's is not). chat.Renderer writes the calls of a template
+# that fails one as text. Empty: every template that renders a call is taken at its word.
+TEMPLATE_CHECKS = []
 
 # Constrained decoding (extras/grammar.py): an object with
 #   constrain(req, renderer, opened) -> the text a forced reply begins with (it sets

@@ -8,7 +8,6 @@ extras/tool_formats.py). Hermes::
 Reasoning: a think-tag pair (``think``) at the start of the reply; ``opened``: the generation prompt
 opened it, so the text starts inside (Qwen3.5, DeepSeek-R1)."""
 
-import ast
 import json
 import re
 from dataclasses import dataclass
@@ -98,19 +97,9 @@ def parse_arguments(args):
         return args
 
 
-def python_literal(text: str):
-    """The Python literal ``text`` is, else None."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return None
-
-
-def calls_in(text: str) -> Optional[list[dict]]:
-    """A call or a list of calls written as JSON, or as a Python literal (arguments as a Python
-    dict: Apriel) -> the calls; None unless every one is a call."""
-    value = parse_arguments(text)
-    value = python_literal(text) if isinstance(value, str) else value
+def calls_of(value) -> Optional[list[dict]]:
+    """A parsed call or list of calls (``call_from_json``) -> the calls; None unless every one is a
+    call."""
     calls = [call_from_json(o) for o in (value if isinstance(value, list) else [value])]
     return calls if calls and all(calls) else None
 
@@ -130,25 +119,12 @@ def up_to(opener: str) -> Callable[[str], str]:
 
 # An unclosed <tool_call> at the end (EOS right after the JSON) still counts.
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>)?", re.DOTALL)
-PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-
-
-def tag_body(body: str) -> Optional[list[dict]]:
-    """One ``<tool_call>`` body: Hermes JSON or Qwen3-Coder's
-    ``<function=N><parameter=A>V</parameter></function>`` (both formats read both; a parameter is a
-    JSON value where it parses, else text). None: not a call."""
-    if body.startswith(("{", "[")):
-        return calls_in(body)
-    m = FUNCTION_RE.fullmatch(body)
-    # anything but parameters inside: not a call
-    if m and not PARAMETER_RE.sub("", m.group(2)).strip():
-        params = {k.strip(): parse_arguments(v) for k, v in PARAMETER_RE.findall(m.group(2))}
-        return [make_call(m.group(1).strip(), params)]
 
 
 def hermes_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
-    found = ((m, tag_body(m.group(1))) for m in TOOL_CALL_RE.finditer(text))
+    """Each ``<tool_call>`` block whose body is a call or a list of calls written as JSON
+    (extras/tool_formats.py reads the other families' bodies there too)."""
+    found = ((m, calls_of(parse_arguments(m.group(1)))) for m in TOOL_CALL_RE.finditer(text))
     return [(m.start(), m.end(), calls) for m, calls in found if calls]
 
 
@@ -175,17 +151,22 @@ def format_names() -> list[str]:
     return list(hooks.TOOL_FORMATS)
 
 
+def known_formats() -> str:
+    """The registered formats, as a message names them; where Hermes is the only one, the file the
+    other families' are in."""
+    known = f"one of {', '.join(format_names())}"
+    if len(hooks.TOOL_FORMATS) == 1:
+        known += "; " + hooks.missing("every other family's format", "tool_formats")
+    return known
+
+
 def format_of(name: Optional[str]) -> Optional[Format]:
     """The format named ``name`` (None: no calls): the one place a format is looked up, in
     hooks.TOOL_FORMATS (Hermes here; the other families' from extras/tool_formats.py)."""
     if name is None:
         return None
     if name not in hooks.TOOL_FORMATS:
-        message = f"unknown tool-call format {name!r}; use one of {', '.join(format_names())}"
-        # only Hermes registered: the families' formats are not loaded
-        if len(hooks.TOOL_FORMATS) == 1:
-            message += "; " + hooks.missing("every other family's format", "tool_formats")
-        raise ValueError(message)
+        raise ValueError(f"unknown tool-call format {name!r}; use {known_formats()}")
     return hooks.TOOL_FORMATS[name]
 
 

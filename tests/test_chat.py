@@ -1,12 +1,15 @@
 """chat.py without a model: request parsing, tool-call parsing, rendering with and without native tool support."""
 
 import copy
+import os
 
 import pytest
 
 from lightning_lite.apis import parse_chat_request
 from lightning_lite.chat import BadRequest, Renderer, Turn, fingerprints
 from lightning_lite.records import common_prefix
+
+TEMPLATES = os.path.join(os.path.dirname(__file__), "fixtures", "templates")
 
 # A Qwen2.5-style template that renders tools and tool calls itself.
 NATIVE = (
@@ -416,3 +419,21 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
     m1 = m0 + [plain, {"role": "user", "content": "bye"}]
     ids, parent, _ = r.build_prompt(m1, [], [t0])
     assert parent == 0 and len(renders) == 3 and thinking.decode(ids) == render(m1, [])
+
+
+def test_without_the_dialects_a_template_that_wants_one_is_refused_naming_the_extra(
+    tok, monkeypatch
+):
+    """hooks.TEMPLATE_DIALECTS empty (extras/tool_formats.py not loaded): Mistral Nemo's template
+    (9-character call ids) and Gemma 3's (alternating roles) are refused at start-up, naming the
+    file, never served as if they took OpenAI's shape."""
+    from lightning_lite import hooks
+
+    monkeypatch.setattr(hooks, "TEMPLATE_DIALECTS", {})
+    for name in ("mistral_nemo", "gemma3"):
+        t = copy.deepcopy(tok)
+        t.chat_template = open(os.path.join(TEMPLATES, name + ".jinja")).read()
+        with pytest.raises(
+            ValueError, match="refuses a tool call in OpenAI's shape .*tool_formats.py"
+        ):
+            Renderer(t)

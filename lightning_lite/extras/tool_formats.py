@@ -1,24 +1,14 @@
 """Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in
-``FORMATS``. How each family writes one call:
-
-    qwen3_coder   <tool_call>\\n<function=N>\\n<parameter=A>\\nV\\n</parameter>\\n</function>\\n</tool_call>   Qwen3-Coder, Qwen3.5
-    llama3        {"name": N, "parameters": {...}}  (the whole reply, maybe after <|python_tag|>)   Llama 3.1-3.3
-    mistral       [TOOL_CALLS][{"name": N, "arguments": {...}, "id": "abcdefghi"}]   Mistral v3, Nemo, Small 3.1
-    mistral_v11   [TOOL_CALLS]N[CALL_ID]ID[ARGS]{...}  ([CALL_ID]ID optional)          Small 3.2, Magistral, Devstral
-    deepseek      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>  R1, V3
-    deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>  V3.1
-    harmony       <|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>  gpt-oss
-    granite       <|tool_call|>[{"name": N, "arguments": {...}}]                         Granite 3.x
-    glm ... solar, seed_oss, function_tags   a tag a parameter (``tagged``): GLM 4.5-5.2 <tool_call>N<arg_key>A</arg_key>
-                  <arg_value>V</arg_value></tool_call>, LongCat, Hy3, MiniMax M2, M3 <invoke name=N>, DeepSeek-V3.2/V4 DSML, MiniCPM
-    nemotron, gigachat, tool_calls_json, intern, longcat_json   JSON after a marker (``json_tagged``): <TOOLCALL>[...]
-    olmo3, lfm2   Python calls [N(a="v")]; gemma4  <|tool_call>call:N{a:<|"|>v<|"|>}; kimi  functions.N:K ids; hunyuan
+``FORMATS``, a comment above each entry showing how its family writes one call (the families and
+their templates: docs/tool-calls.md), and the families' template quirks (hooks.TEMPLATE_DIALECTS,
+hooks.TEMPLATE_CHECKS).
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced
-and detected. qwen3_coder parses as Hermes does (both read both bodies). A new format: its functions
-here, its entry in ``FORMATS``. Its hook, filled at the bottom: every entry of ``FORMATS`` into
-hooks.TOOL_FORMATS, in order (after Hermes, the core's): the order toolcalls.detect() tries them in,
-and --tool-format lists them in."""
+and detected. qwen3_coder parses as Hermes does here (``HERMES_BODIES``: both read both bodies, and
+Python-dict arguments). A new format: its functions here, its entry in ``FORMATS``. Its hooks,
+filled at the bottom: ``HERMES_BODIES`` in the place of the core's Hermes, then every entry of
+``FORMATS`` into hooks.TOOL_FORMATS, in order: the order toolcalls.detect() tries them in, and
+--tool-format lists them in."""
 
 import ast
 import hashlib
@@ -28,8 +18,10 @@ from dataclasses import replace
 from typing import Optional
 
 from .. import hooks
-from ..toolcalls import HERMES, Format, call_from_json, hold_back, make_call, parse_arguments
-from ..toolcalls import JSON_CALL_OPENING, calls_in, up_to
+from ..chat import PROBE_TOOL, call_text
+from ..toolcalls import HERMES, Format, call_from_json, calls_of, hold_back, make_call
+from ..toolcalls import JSON_CALL_OPENING, TOOL_CALL_RE, detect, format_of, parse, parse_arguments
+from ..toolcalls import up_to
 
 PYTHON_TAG = "<|python_tag|>"
 M3 = "]<]minimax[>["
@@ -75,10 +67,37 @@ def json_at(text: str, i: int):
 def json_calls(text: str, i: int):
     """A JSON call or list of calls at text[i:] -> (calls, end); None when it is not that."""
     value = json_at(text, i)
-    if not value:
-        return None
-    calls = [call_from_json(o) for o in (value[0] if isinstance(value[0], list) else [value[0]])]
-    return (calls, value[1]) if calls and all(calls) else None
+    calls = calls_of(value[0]) if value else None
+    return (calls, value[1]) if calls else None
+
+
+def literal_calls(text: str) -> Optional[list[dict]]:
+    """A call or a list of calls written as JSON, or as a Python literal (arguments as a Python
+    dict: Apriel) -> the calls; None unless every one is a call."""
+    value = parse_arguments(text)
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return calls_of(value)
+
+
+FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>)?", re.DOTALL)
+PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def tag_body(body: str) -> Optional[list[dict]]:
+    """One ``<tool_call>`` body: Hermes JSON (or a Python literal) or Qwen3-Coder's
+    ``<function=N><parameter=A>V</parameter></function>`` (hermes and qwen3_coder read both; a
+    parameter is a JSON value where it parses, else text). None: not a call."""
+    if body.startswith(("{", "[")):
+        return literal_calls(body)
+    m = FUNCTION_RE.fullmatch(body)
+    # anything but parameters inside: not a call
+    if m and not PARAMETER_RE.sub("", m.group(2)).strip():
+        params = {k.strip(): parse_arguments(v) for k, v in PARAMETER_RE.findall(m.group(2))}
+        return [make_call(m.group(1).strip(), params)]
 
 
 def regex_blocks(pattern: re.Pattern, read):
@@ -229,28 +248,36 @@ def harmony_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def kimi_messages(messages: list[dict]) -> list[dict]:
-    """Kimi's templates name a call by its id, functions.NAME:K for the conversation's K-th call:
-    other ids are written so, a call's and its result's alike."""
-    named, out = {}, []
+def rewritten(messages: list[dict], call, result=None) -> list[dict]:
+    """The messages with each tool call (OpenAI's shape) as ``call(c)`` writes it, and each tool
+    result's ``tool_call_id`` as ``result(id)`` does (None: as it is)."""
+    out = []
     for m in messages:
-        calls = []
-        for call in m.get("tool_calls") or ():
-            if not call["id"].startswith("functions."):
-                name = call["function"]["name"]
-                named.setdefault(call["id"], f"functions.{name}:{len(named)}")
-            calls.append({**call, "id": named.get(call["id"], call["id"])})
-        if calls:
-            m = {**m, "tool_calls": calls}
-        if m["role"] == "tool":
-            m = {**m, "tool_call_id": named.get(m["tool_call_id"], m["tool_call_id"])}
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [call(c) for c in m["tool_calls"]]}
+        if m["role"] == "tool" and result is not None:
+            m = {**m, "tool_call_id": result(m["tool_call_id"])}
         out.append(m)
     return out
 
 
-# ----------------------------------------------------------------------------- templates' dialects
+def kimi_messages(messages: list[dict]) -> list[dict]:
+    """Kimi's templates name a call by its id, functions.NAME:K for the conversation's K-th call:
+    other ids are written so, a call's and its result's alike."""
+    named = {}
+
+    def named_call(c: dict) -> dict:
+        if not c["id"].startswith("functions."):
+            named.setdefault(c["id"], f"functions.{c['function']['name']}:{len(named)}")
+        return {**c, "id": named.get(c["id"], c["id"])}
+
+    return rewritten(messages, named_call, lambda id: named.get(id, id))
+
+
+# ----------------------------------------------------------------------------- templates' quirks
 # What some templates want of the messages besides OpenAI's shape (hooks.TEMPLATE_DIALECTS):
-# chat.Renderer probes which a template needs, and writes every conversation in them.
+# chat.Renderer probes which a template needs, and writes every conversation in them; and the check
+# of a template that renders calls (hooks.TEMPLATE_CHECKS).
 
 
 def short_id(s: str) -> str:
@@ -267,28 +294,17 @@ def short_id(s: str) -> str:
 
 def short_ids(messages: list[dict]) -> list[dict]:
     """Every call id as 9 alphanumerics (``short_id``; Mistral)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "id": short_id(c["id"])} for c in m["tool_calls"]]}
-        if m["role"] == "tool":
-            m = {**m, "tool_call_id": short_id(m["tool_call_id"])}
-        out.append(m)
-    return out
+    return rewritten(messages, lambda c: {**c, "id": short_id(c["id"])}, short_id)
 
 
 def string_args(messages: list[dict]) -> list[dict]:
     """Each call's arguments as a JSON string: DeepSeek-R1's templates write them as given."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = []
-            for c in m["tool_calls"]:
-                arguments = json.dumps(c["function"]["arguments"], ensure_ascii=False)
-                calls.append({**c, "function": {**c["function"], "arguments": arguments}})
-            m = {**m, "tool_calls": calls}
-        out.append(m)
-    return out
+
+    def with_string_args(c: dict) -> dict:
+        arguments = json.dumps(c["function"]["arguments"], ensure_ascii=False)
+        return {**c, "function": {**c["function"], "arguments": arguments}}
+
+    return rewritten(messages, with_string_args)
 
 
 def merge_roles(messages: list[dict]) -> list[dict]:
@@ -306,6 +322,28 @@ def merge_roles(messages: list[dict]) -> list[dict]:
         else:
             out.append(m)
     return out
+
+
+def calls_again(renderer, call: str) -> bool:
+    """Does the template write a call after a tool result as it wrote the first (``call``), so that
+    the history keeps every call in the format? DeepSeek-R1's drops the opening there. Each call is
+    read up to the turn close, as the model's EOS ends it. A format that rewrites the messages
+    (Kimi's call ids) reads its calls as it writes them: nothing to compare there."""
+    fmt = detect(call)
+    if not fmt or format_of(fmt).messages:
+        return True
+    head = renderer.rendered(renderer.probe_calls(), [PROBE_TOOL], True)
+    twice = renderer.rendered(renderer.probe_calls(rounds=2), [PROBE_TOOL], False)
+    if head is None or twice is None:
+        return False
+    close = renderer.turn_close.strip()
+
+    def calls(text: str) -> int:
+        if close:
+            text = text.split(close)[0]
+        return len(parse(fmt, text)["tool_calls"])
+
+    return calls(call) > 0 and calls(call_text(head, twice)) > 0
 
 
 MISTRAL = Format(
@@ -385,7 +423,7 @@ def json_tagged(start: str, end: str = "", listed: bool = False) -> Format:
     ``<TOOLCALL>[{"name": N, "arguments": {...}}]</TOOLCALL>``; the arguments may be a Python dict
     (Apriel)."""
 
-    read = lambda body: calls_in(body.strip())
+    read = lambda body: literal_calls(body.strip())
     left, right = ("[", "]") if listed else ("", "")
     call = (start + left + '{"name": "', '", "arguments": ', "}" + right + end)
     blocks = regex_blocks(region(start, end), read) if end else marker_blocks(start, json_calls)
@@ -469,15 +507,21 @@ MINIMAX_PARAM = ('<parameter name="{name}">', "</parameter>\n")
 MINIMAX_BLOCK = ("<minimax:tool_call>\n", "</minimax:tool_call>")
 MINIMAX_M3 = (M3 + "<{name}>", M3 + "</{name}>"), (M3 + "<tool_call>\n", M3 + "</tool_call>")
 SOLAR_PARAM = ("<|tool_arg:start|>{name}<|tool_arg:value|>", "<|tool_arg:end|>\n")
+# Hermes as other families write it too: a <tool_call> body may be Qwen3-Coder's, a call's arguments a
+# Python dict. It takes the core's place in hooks.TOOL_FORMATS (below).
+HERMES_BODIES = replace(HERMES, blocks=regex_blocks(TOOL_CALL_RE, tag_body))
 # A format that parses as another does (either of its shapes) differs in how a call is forced and
 # detected.
 FORMATS = {
+    # Qwen3-Coder, Qwen3.5:
+    # <tool_call>\n<function=N>\n<parameter=A>\nV\n</parameter>\n</function>\n</tool_call>
     "qwen3_coder": replace(
-        HERMES,
+        HERMES_BODIES,
         call=("<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"),
         detect=lambda before, after: bool(re.search(r"<tool_call>\s*<function=\Z", before)),
         param=CODER_PARAM,
     ),
+    # Llama 3.1-3.3: {"name": N, "parameters": {...}}, the whole reply, maybe after <|python_tag|>
     "llama3": Format(
         call=('{"name": "', '", "parameters": ', "}"),
         # JSON after <|python_tag|>, after the header, or first in the reply
@@ -488,18 +532,27 @@ FORMATS = {
         blocks=llama3_blocks,
         stream=llama3_stream,
     ),
+    # Mistral v3, Nemo, Small 3.1: [TOOL_CALLS][{"name": N, "arguments": {...}, "id": "abcdefghi"}]
     "mistral": MISTRAL,
+    # Small 3.2, Magistral, Devstral: [TOOL_CALLS]N[CALL_ID]ID[ARGS]{...} ([CALL_ID]ID optional)
     "mistral_v11": replace(
         MISTRAL,
         call=("[TOOL_CALLS]", "[ARGS]", ""),
         detect=lambda before, after: before.endswith("[TOOL_CALLS]"),
     ),
+    # DeepSeek R1, V3:
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\n{...}\n```
+    # <｜tool▁call▁end｜><｜tool▁calls▁end｜>
     "deepseek": DEEPSEEK,
+    # DeepSeek V3.1:
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
     "deepseek_v31": replace(
         DEEPSEEK,
         call=(DS_BEGIN + DS_CALL, DS_SEP, DS_CLOSE),
         detect=lambda before, after: after.startswith(DS_SEP),
     ),
+    # gpt-oss: <|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>commentary
+    # to=functions.N <|constrain|>json<|message|>{...}<|call|>
     "harmony": Format(
         call=("<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", "<|call|>"),
         detect=lambda before, after: before.endswith("to=functions."),
@@ -507,7 +560,11 @@ FORMATS = {
         json_reply="<|channel|>final<|message|>",
         messages=harmony_messages,
     ),
+    # Granite 3.x: <|tool_call|>[{"name": N, "arguments": {...}}]
     "granite": json_tagged("<|tool_call|>", listed=True),
+    # GLM 4.5-5.2: <tool_call>N<arg_key>A</arg_key><arg_value>V</arg_value></tool_call>; a tag a
+    # parameter (tagged) as LongCat, MiniMax M2 and M3 (<invoke name=N>), DeepSeek-V3.2 and V4
+    # (DSML), MiniCPM, Solar, Hy3 below
     "glm": glm(),
     "longcat": glm(prefix="longcat_"),
     "minimax": tagged('<invoke name="', '">\n', "</invoke>\n", MINIMAX_PARAM, MINIMAX_BLOCK),
@@ -530,12 +587,15 @@ FORMATS = {
         ),
         stream=up_to("<tool_calls>"),
     ),
+    # JSON after a marker (json_tagged): Nemotron <TOOLCALL>[...]</TOOLCALL>, GigaChat, Jamba,
+    # Intern-S1, LongCat, Command-R7B
     "nemotron": json_tagged("<TOOLCALL>", "</TOOLCALL>", listed=True),
     "gigachat": json_tagged("<|function_call|>"),
     "tool_calls_json": json_tagged("<tool_calls>", "</tool_calls>", listed=True),
     "intern": json_tagged("<|action_start|><|plugin|>\n", "<|action_end|>"),
     "longcat_json": json_tagged("<longcat_tool_call>\n", "\n</longcat_tool_call>"),
     "command_r": json_tagged("<|START_ACTION|>", "<|END_ACTION|>", listed=True),
+    # Python calls: OLMo 3 <function_calls>N(a="v")</function_calls>, LFM2.5 [N(a="v")], MiniCPM3
     "olmo3": pythonic("<function_calls>", "</function_calls>"),
     "lfm2": pythonic("<|tool_call_start|>", "<|tool_call_end|>", listed=True),
     "minicpm3": pythonic("<|tool_call_start|>\n```python\n", "\n```\n<|tool_call_end|>", sep=","),
@@ -546,6 +606,7 @@ FORMATS = {
         ('<steptml:parameter name="{name}">', "</steptml:parameter>"),
         ("<｜tool_calls_begin｜>\n", "<｜tool_calls_end｜>"),
     ),
+    # Gemma 4: <|tool_call>call:N{a:<|"|>v<|"|>}<tool_call|>
     "gemma4": Format(
         call=("<|tool_call>call:", "{", "}<tool_call|>"),
         param=("{name}:", "", ",", '<|"|>'),
@@ -555,6 +616,7 @@ FORMATS = {
         ),
         stream=up_to("<|tool_call>"),
     ),
+    # Kimi K2: the name in the call's id, functions.N:K
     "kimi": Format(
         call=(KIMI_OPEN + "functions.", ":0<|tool_call_argument_begin|>", KIMI_CLOSE),
         detect=lambda before, after: KIMI_OPEN in before,
@@ -562,6 +624,7 @@ FORMATS = {
         stream=up_to(KIMI_BEGIN),
         messages=kimi_messages,
     ),
+    # Functionary v3.1, Kanana: <function=N>{...}</function>
     "functionary": Format(
         call=("<function=", ">", "</function>"),
         detect=lambda before, after: before.endswith("<function=") and after.startswith(">{"),
@@ -573,7 +636,9 @@ FORMATS = {
     "function_tags": tagged("<function=", ">\n", "\n</function>", CODER_PARAM),
 }
 
+hooks.TOOL_FORMATS["hermes"] = HERMES_BODIES
 hooks.TOOL_FORMATS.update(FORMATS)
 hooks.TEMPLATE_DIALECTS.update(
     short_ids=short_ids, string_args=string_args, merge_roles=merge_roles
 )
+hooks.TEMPLATE_CHECKS.append(calls_again)

@@ -106,10 +106,10 @@ class Learner:
         self.master = master
         # A model adapter (--lora, extras/lora.py: hooks.adapter): a frozen base with trained
         # adapters. It wraps the loaded base (wrap), gives the KL reference (reference: a context
-        # yielding the model to score with), says whether a backward leaves some parameters without
-        # gradients (unused_parameters), and, when its adapters train apart (trains_apart), makes
-        # the update itself (update, which train.py calls instead of Learner.update). None: the
-        # whole model trains.
+        # yielding the model to score with), and says whether its adapters train apart
+        # (trains_apart: a backward leaves the others without gradients, and it makes the update
+        # itself with update, which train.py calls instead of Learner.update). None: the whole
+        # model trains.
         self.adapter = adapter
         fsdp = config.parallel == "fsdp"
         self.model = self.load(resume_dir, torch.float32)
@@ -137,9 +137,9 @@ class Learner:
                 f"tree, {why}"
             )
             config.no_tree = True
-        # parameters that a backward may leave without gradients (--lora-per-harness: the adapters
-        # of the harnesses whose samples it does not see), which DDP must be told of
-        unused = self.adapter is not None and self.adapter.unused_parameters
+        # Adapters that train apart leave the others without gradients in a backward, which DDP must
+        # be told of.
+        unused = self.adapter is not None and self.adapter.trains_apart
         self.train_model = parallel.wrap(
             self.model, config.parallel, world, config.activation_checkpointing, dtype, unused
         )

@@ -40,9 +40,8 @@ TEMPLATE_DIALECTS = {}
 #     req.sampling.grammar);
 #   Matcher(grammar, tokenizer, n_vocab), the sampler's state: .allowed() -> [V] bool and
 #     .consume(token);
-#   sample_masks(sample, tokenizer, n_vocab) -> (positions, [n, W] packed masks) or None, the
-#     trainer's replay of what a sample's tokens were sampled under;
-#   forced(masks) -> how many of the masks allowed one token alone.
+#   Replay(samples, tokenizer, n_vocab), the trainer's replay of what a micro-batch's tokens were
+#     sampled under: algo.trainer_logprobs' ``allowed``, with the counts .constrained, .forced.
 # None: a forced tool call is opened by the prompt alone (its name), and its arguments are not
 # constrained.
 grammar = None

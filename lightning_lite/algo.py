@@ -709,74 +709,40 @@ def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
     return tok_loss.expand_as(mask), was_clipped.expand_as(mask)
 
 
-# The sums (and extremes) over the trainable tokens that ``reduce_metrics`` combines.
+# The sums over the trainable tokens that ``reduce_metrics`` combines.
 @torch.no_grad()
 def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -> dict:
     on = mask > 0
-    # Over the trainable tokens: the ratio, the rollout's (p) and the trainer's (q) probabilities,
-    # and |logprobs - old_logprobs|.
     r = ratio[on].double()
-    p = old_logprobs[on].double().exp()
-    q = logprobs[on].double().exp()
-    dlp = (logprobs - old_logprobs)[on].double().abs()
     return {
         "loss": total.detach().double(),
         "tokens": on.sum().double(),
         "clipped": was_clipped[on].sum().double(),
         "ratio_sum": r.sum(),
-        "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(),
-        "dlogp_sum": dlp.sum(),
+        "dlogp_sum": (logprobs - old_logprobs)[on].double().abs().sum(),
         "kl_sum": kl[on].double().sum() if kl is not None else r.sum() * 0,
-        # The Pearson correlation of the rollout's and the trainer's token probabilities, from sums.
-        "p_sum": p.sum(),
-        "q_sum": q.sum(),
-        "pp_sum": (p * p).sum(),
-        "qq_sum": (q * q).sum(),
-        "pq_sum": (p * q).sum(),
-        "ratio_min": r.min() if r.numel() else r.new_tensor(math.inf),
-        "ratio_max": r.max() if r.numel() else r.new_tensor(-math.inf),
-        "dlogp_max": dlp.max() if r.numel() else r.new_tensor(-math.inf),
     }
-
-
-# policy_loss's metrics that are extremes over micro-batches and ranks; every other one is a sum.
-_MINIMA = ("ratio_min",)
-_MAXIMA = ("ratio_max", "dlogp_max")
 
 
 def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
     """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank
-    without samples passes []) into the global loss, tokens and the metrics the README lists
-    (clip_frac, ratio_*, prob_corr, ...)."""
-    # A rank without samples joins the all-reduce with an empty micro-batch's metrics: zero sums,
-    # and extremes of nothing (inf, -inf).
+    without samples passes []) into the global loss, tokens and means per trainable token
+    (clip_frac, ratio_mean, dlogp_mean, kl_mean). The rollout-vs-trainer mismatch's other metrics
+    (prob_corr, the extremes) are an extra's (hooks.LOSS_METRICS: extras/mismatch.py)."""
+    # A rank without samples joins the all-reduce with an empty micro-batch's metrics: zero sums.
     if not metrics:
         empty = torch.zeros(0, 0)
         metrics = [_loss_metrics(torch.zeros(()), empty, empty, empty, empty, empty, None)]
-    sums = tuple(k for k in metrics[0] if k not in _MINIMA + _MAXIMA)
-    kinds = (
-        (sums, dist.ReduceOp.SUM, torch.sum),
-        (_MINIMA, dist.ReduceOp.MIN, torch.amin),
-        (_MAXIMA, dist.ReduceOp.MAX, torch.amax),
-    )
-    agg = {}
-    for keys, op, fn in kinds:
-        rows = torch.stack([torch.stack([m[k] for k in keys]) for m in metrics])
-        # One device->host copy per kind, not one per number.
-        agg.update(zip(keys, all_reduce(fn(rows, 0).tolist(), op)))
+    keys = list(metrics[0])
+    # One device->host copy, and one all-reduce.
+    sums = torch.stack([torch.stack([m[k] for k in keys]) for m in metrics]).sum(0)
+    agg = dict(zip(keys, all_reduce(sums.tolist())))
     n = max(agg["tokens"], 1.0)
-    cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]
-    var = (n * agg["pp_sum"] - agg["p_sum"] ** 2) * (n * agg["qq_sum"] - agg["q_sum"] ** 2)
-    # Per trainable token: metric -> the sum it divides.
-    means = {
-        "clip_frac": "clipped",
-        "ratio_mean": "ratio_sum",
-        "ratio_out_frac": "ratio_out",
-        "dlogp_mean": "dlogp_sum",
-        "kl_mean": "kl_sum",
-    }
     return {
-        **{k: agg[k] for k in ("loss", "tokens", "ratio_min", "ratio_max", "dlogp_max")},
-        **{name: agg[k] / n for name, k in means.items()},
-        "prob_corr": cov / math.sqrt(var) if var > 0 else float("nan"),
+        "loss": agg["loss"],
+        "tokens": agg["tokens"],
+        "clip_frac": agg["clipped"] / n,
+        "ratio_mean": agg["ratio_sum"] / n,
+        "dlogp_mean": agg["dlogp_sum"] / n,
+        "kl_mean": agg["kl_sum"] / n,
     }

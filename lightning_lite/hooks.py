@@ -78,6 +78,13 @@ PARALLEL = {}
 # for what it must provide. None: the whole model is trained.
 adapter = None
 
+# Loss metrics besides the loss's own (algo.reduce_metrics), e.g. the rollout-vs-trainer mismatch's
+# prob_corr and extremes (extras/mismatch.py): factories fn() -> an object with add(logprobs,
+# old_logprobs, loss_mask), given each micro-batch's [B, T] tensors, and result() -> {key: float},
+# the step's over all ranks (a collective: a rank without samples calls it too). trainer.Learner's
+# backward makes one of each per pass.
+LOSS_METRICS = []
+
 # Another source of a step's rollouts than running the harnesses (--from-calls, set when its flag is
 # given): fn(tokenizer, log) -> a source whose step(step, rank, world, batch_size, draw) returns
 # (groups, results, calls) as running the rollouts would.

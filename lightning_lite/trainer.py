@@ -288,6 +288,8 @@ class Learner:
         dlogp_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
         counts = {"fwd_tokens": 0, "constrained_tokens": 0, "forced_tokens": 0}
         rows = []
+        # The metrics an extra adds (hooks.LOSS_METRICS), over the same trainable tokens.
+        more_metrics = [make() for make in hooks.LOSS_METRICS]
         quiet = not (self.master and sys.stderr.isatty())
         for i, mb in enumerate(tqdm(batches, desc="train", unit="mb", leave=False, disable=quiet)):
             padding = mb is None
@@ -323,6 +325,8 @@ class Learner:
             if padding:
                 continue
             rows.append(m)
+            for metric in more_metrics:
+                metric.add(logprobs.detach(), batch["old_logprobs"], batch["loss_mask"])
             counts["fwd_tokens"] += batch["fwd_tokens"]
             if allowed is not None:
                 counts["constrained_tokens"] += allowed.constrained
@@ -342,8 +346,11 @@ class Learner:
         tokens_by_age = algo.all_reduce(tokens_by_age.tolist())
         dlogp_by_age = algo.all_reduce(dlogp_by_age.tolist())
         summed = algo.all_reduce(list(counts.values()))
+        metrics = algo.reduce_metrics(rows)
+        for metric in more_metrics:
+            metrics.update(metric.result())
         return {
-            **algo.reduce_metrics(rows),
+            **metrics,
             **{key: int(n) for key, n in zip(counts, summed)},
             "staleness": {age: int(n) for age, n in enumerate(tokens_by_age) if n},
             "dlogp_by_staleness": {

@@ -282,12 +282,16 @@ class Replay:
     def __call__(self, index: torch.Tensor, n_vocab: int) -> Optional[torch.Tensor]:
         """[n] flat positions in the batch's [B, T] -> [n, n_vocab] bool, what each token was drawn
         from (all of it where no grammar constrained the token), or None where none was."""
-        at = self.row_at.view(-1).to(index.device)[index]
+        # onto the model's device once, not once per chunk
+        if self.masks.device != index.device:
+            self.masks = self.masks.to(index.device)
+            self.row_at = self.row_at.to(index.device)
+        at = self.row_at.view(-1)[index]
         constrained = at >= 0
         if not bool(constrained.any()):
             return None
         allowed = torch.ones(len(index), n_vocab, dtype=torch.bool, device=index.device)
-        packed = self.masks.to(index.device)[at[constrained]]
+        packed = self.masks[at[constrained]]
         allowed[constrained] = unpack_bits(packed, n_vocab)
         return allowed
 

@@ -65,6 +65,7 @@ EXTRAS = [
     "programs",  # harnesses that are programs (SubprocessHarness)
     "sandbox",  # where a program harness's rollouts run (before audit, which reads it)
     "audit",  # flags from harness patterns and sandbox escapes
+    "mismatch",  # prob_corr and the ratio's and |dlogp|'s extremes in metrics.jsonl
     "loggers",  # TensorBoard, W&B
     "report",  # report.html after the run
 ]

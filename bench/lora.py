@@ -6,7 +6,7 @@
    weight sync copies into a served copy (backends.copy_weights of what AdamW trains, what --async and FSDP
    do each step; without them the embedded backend serves the trained module itself and copies nothing).
 2. An adapter per harness (--lora-per-harness), 2 and 4 harnesses: one update of every adapter as
-   ``lora.update_all`` trains them (one backward pass, one AdamW step) against the loop of one full update
+   ``lora.LoRA.update`` trains them (one backward pass, one AdamW step) against the loop of one full update
    per harness it replaced, on the same synthetic samples (per harness: --groups groups of 8 rollouts, a
    shared --prompt-tokens prompt and --reply-tokens sampled tokens each). Median seconds over --repeat
    updates after a warm-up, and the largest difference of the adapters' new weights between the two.
@@ -63,8 +63,8 @@ def params_and_copy(rank, copies):
 
     trained, served = (load_model("smollm2") for _ in range(2))
     if rank:
-        trained = lora.wrap(trained, lora.LoRA(lora_flags(rank)))
-        served = lora.wrap(served, lora.LoRA(lora_flags(rank)))
+        trained = lora.LoRA(lora_flags(rank)).wrap(trained)
+        served = lora.LoRA(lora_flags(rank)).wrap(served)
     # what trainer.Learner's sync copies (Learner.trained): the parameters AdamW updates
     updated = {n: p for n, p in trained.named_parameters() if p.requires_grad}
     seconds = []
@@ -146,7 +146,7 @@ def synthetic_step(learner, names, groups, prompt_tokens, reply_tokens):
 
 
 def per_harness_loop(learner, samples, results, step, names):
-    """What --lora-per-harness ran before ``lora.update_all``: a full update per harness, one after
+    """What --lora-per-harness ran before ``lora.LoRA.update``: a full update per harness, one after
     another (its own backward, gradient reduction, clipping and AdamW step)."""
     from lightning_lite.extras import lora
 
@@ -198,7 +198,7 @@ def one_pass_against_loop(a, tok):
                 if mode == "loop":
                     per_harness_loop(learner, samples, results, 0, names)
                 else:
-                    lora.update_all(learner, samples, results, 0, names)
+                    adapter.update(learner, samples, results, 0)
                 times.append(time.perf_counter() - t0)
                 if k == 0:
                     # the first update's weights, compared across the two modes

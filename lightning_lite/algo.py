@@ -18,7 +18,6 @@ How the model is run, exactly as it sampled (the trainer's logprobs are the samp
     pack, collate                         samples -> one row, a prefix tree (shared prefixes once)
     tree_unsupported, tree_mask           the attention mask of that tree
     sampling_support, sampled_logprobs    logprobs under the top-k / top-p distribution sampled
-    unpack_bits                           grammar masks, applied as the sampler applied them
     trainer_logprobs                      the forward: the LM head only where a token is trained
 """
 
@@ -334,25 +333,13 @@ def collate(
     pad_id: int = 0,
     tree: bool = True,
     pad_to: int = 1,
-    masks: Optional[list] = None,
 ) -> dict:
     """One micro-batch as tensors: the samples right-padded to [B, T] (``weights``: [B]), and what
     the model runs, ``input_ids`` [R, L]: with ``tree`` the samples ``pack``ed into one row
     (``depth`` [1, L], ``end`` [L]; padded to a multiple of ``pad_to`` with tokens that see only
     themselves), else the [B, T] rows themselves. ``where`` [B, T] is the flat index into
-    ``input_ids`` of each sample position; ``fwd_tokens`` the real tokens run.
-
-    ``masks``: per sample None or (positions, [n, W] packed grammar masks, as the grammar extra's
-    sample_masks gives them) -> ``allowed`` [M, W], all of them, and ``allowed_at`` [B, T], each
-    position's row in it, -1 where no grammar constrained the token."""
+    ``input_ids`` of each sample position; ``fwd_tokens`` the real tokens run."""
     B, T = len(samples), max(len(s.tokens) for s in samples)
-    # The grammar masks: allowed [M, W] stacked, allowed_at [B, T] each position's row (-1: none).
-    allowed_at = torch.full((B, T), -1, dtype=torch.long)
-    rows = []
-    for i, m in enumerate(masks or ()):
-        if m is not None and len(m[0]):
-            allowed_at[i, m[0]] = torch.arange(len(m[0])) + sum(map(len, rows))
-            rows.append(m[1])
 
     def padded(values, fill, type_=dtype):  # [B, T]
         lists = [list(x) + [fill] * (T - len(x)) for x in values]
@@ -369,8 +356,6 @@ def collate(
         "advantages": padded([s.advantages for s in samples], 0.0),
         # [B]
         "weights": torch.tensor(weights, dtype=dtype, device=device),
-        "allowed_at": allowed_at.to(device),
-        "allowed": torch.cat(rows).to(device) if rows else None,
     }
     # Without tree the model runs the padded rows themselves: input_ids [B, T], (i, t) at flat index
     # i T + t.
@@ -502,22 +487,6 @@ def sampling_support(x, top_k, top_p, m: int = 1024) -> torch.Tensor:
     return keep
 
 
-def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
-    """[N, W] int32 bitmasks (bit j of word i: token 32 i + j, as llguidance packs them) -> [N, n]
-    bool.
-
-    >>> unpack_bits(torch.tensor([[5]], dtype=torch.int32), 4)
-    tensor([[ True, False,  True, False]])
-    """
-    # Unpacked by byte (little-endian, as every platform torch runs on: bit b of byte m is token
-    # 8 m + b), so the widest intermediate is one byte per token: [1024, 152k] is 155 MB, where
-    # 32-bit shifts made 620 MB.
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    # [N, 4 W, 1] bytes -> [N, 4 W, 8] bits -> [N, 32 W] -> the first n
-    as_bytes = bits.contiguous().view(torch.uint8)[:, :, None]
-    return ((as_bytes >> shifts) & 1).view(torch.bool).flatten(1)[:, :n]
-
-
 def sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed=None) -> torch.Tensor:
     """[N, V] logits, [N] tokens and the settings that sampled each -> [N] logprob of each token
     under the distribution it was drawn from: softmax(logits / T) on the top-k / top-p support
@@ -558,15 +527,14 @@ class _Hidden(torch.nn.Module):
         return h
 
 
-# [n, H] hidden states (or [n, V] logits when ``head`` is None) -> [n] logprobs of ``tokens``.
-def _head_logprobs(h, head, tokens, temperature, top_k, top_p, at, table):
+# [n, H] hidden states (or [n, V] logits when ``head`` is None) -> [n] logprobs of ``tokens``, at
+# ``index`` in the batch (trainer_logprobs' ``allowed``).
+def _head_logprobs(h, head, tokens, temperature, top_k, top_p, index, allowed):
     logits = h if head is None else head(h)
-    allowed = None
-    # Grammar-constrained tokens: their rows of the packed masks (collate's allowed_at, allowed).
-    if table is not None and bool((at >= 0).any()):
-        allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-        allowed[at >= 0] = unpack_bits(table[at[at >= 0]], logits.shape[-1])
-    return sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed)
+    mask = None
+    if allowed is not None:
+        mask = allowed(index, logits.shape[-1])
+    return sampled_logprobs(logits, tokens, temperature, top_k, top_p, mask)
 
 
 # ``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model
@@ -582,12 +550,16 @@ def _forward_without_head(net, raw, head, **inputs) -> Optional[torch.Tensor]:
     return out if out is hidden.h else None
 
 
-def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
+def trainer_logprobs(net, b: dict, chunk: int = 1024, allowed=None) -> torch.Tensor:
     """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a
     transformers causal LM, maybe in DDP or FSDP), each under the sampling settings of the call that
     drew it (``sampled_logprobs``); 0.0 elsewhere. The model runs a packed tree (every shared
     prefix, a GRPO group's prompt or a rollout's history, computed once) or the padded rows; memory
     is one chunk's [chunk, V] logits whatever the sample length.
+
+    ``allowed``: the tokens a grammar allowed, replayed (hooks.grammar.Replay): fn(index [n],
+    n_vocab) -> [n, V] bool, or None where it constrained none of them; ``index`` is each token's
+    flat position i T + t in the batch's [B, T].
     """
     tokens, loss_mask, ids = b["tokens"], b["loss_mask"], b["input_ids"]
     L = ids.shape[1]
@@ -620,13 +592,15 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024) -> torch.Tensor:
             raw.ll_full_logits = True
         head = None
         out = net(**inputs).logits
-    # 3. Per trainable token ([N] each): its hidden state (or logits), token, settings and grammar
-    #    row; the head and the logprobs in chunks of `chunk` tokens, recomputed in backward
+    # 3. Per trainable token ([N] each): its hidden state (or logits), token, settings and flat
+    #    index; the head and the logprobs in chunks of `chunk` tokens, recomputed in backward
     #    (checkpoint).
+    index = torch.arange(tokens.numel(), device=tokens.device).view(tokens.shape)
     per_token = [out[src // L, col], tokens[:, 1:][on]]
-    per_token += [b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p", "allowed_at")]
+    per_token += [b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p")]
+    per_token.append(index[:, 1:][on])
     logprobs = [
-        checkpoint(_head_logprobs, h, head, *rest, b["allowed"], use_reentrant=False)
+        checkpoint(_head_logprobs, h, head, *rest, allowed, use_reentrant=False)
         for h, *rest in zip(*(x.split(chunk) for x in per_token))
     ]
     # 4. Back to [B, T]: the N logprobs at the trainable positions, 0.0 elsewhere.
@@ -735,74 +709,40 @@ def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
     return tok_loss.expand_as(mask), was_clipped.expand_as(mask)
 
 
-# The sums (and extremes) over the trainable tokens that ``reduce_metrics`` combines.
+# The sums over the trainable tokens that ``reduce_metrics`` combines.
 @torch.no_grad()
 def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -> dict:
     on = mask > 0
-    # Over the trainable tokens: the ratio, the rollout's (p) and the trainer's (q) probabilities,
-    # and |logprobs - old_logprobs|.
     r = ratio[on].double()
-    p = old_logprobs[on].double().exp()
-    q = logprobs[on].double().exp()
-    dlp = (logprobs - old_logprobs)[on].double().abs()
     return {
         "loss": total.detach().double(),
         "tokens": on.sum().double(),
         "clipped": was_clipped[on].sum().double(),
         "ratio_sum": r.sum(),
-        "ratio_out": ((r < 0.9) | (r > 1.1)).sum().double(),
-        "dlogp_sum": dlp.sum(),
+        "dlogp_sum": (logprobs - old_logprobs)[on].double().abs().sum(),
         "kl_sum": kl[on].double().sum() if kl is not None else r.sum() * 0,
-        # The Pearson correlation of the rollout's and the trainer's token probabilities, from sums.
-        "p_sum": p.sum(),
-        "q_sum": q.sum(),
-        "pp_sum": (p * p).sum(),
-        "qq_sum": (q * q).sum(),
-        "pq_sum": (p * q).sum(),
-        "ratio_min": r.min() if r.numel() else r.new_tensor(math.inf),
-        "ratio_max": r.max() if r.numel() else r.new_tensor(-math.inf),
-        "dlogp_max": dlp.max() if r.numel() else r.new_tensor(-math.inf),
     }
-
-
-# policy_loss's metrics that are extremes over micro-batches and ranks; every other one is a sum.
-_MINIMA = ("ratio_min",)
-_MAXIMA = ("ratio_max", "dlogp_max")
 
 
 def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
     """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank
-    without samples passes []) into the global loss, tokens and the metrics the README lists
-    (clip_frac, ratio_*, prob_corr, ...)."""
-    # A rank without samples joins the all-reduce with an empty micro-batch's metrics: zero sums,
-    # and extremes of nothing (inf, -inf).
+    without samples passes []) into the global loss, tokens and means per trainable token
+    (clip_frac, ratio_mean, dlogp_mean, kl_mean). The rollout-vs-trainer mismatch's other metrics
+    (prob_corr, the extremes) are an extra's (hooks.LOSS_METRICS: extras/mismatch.py)."""
+    # A rank without samples joins the all-reduce with an empty micro-batch's metrics: zero sums.
     if not metrics:
         empty = torch.zeros(0, 0)
         metrics = [_loss_metrics(torch.zeros(()), empty, empty, empty, empty, empty, None)]
-    sums = tuple(k for k in metrics[0] if k not in _MINIMA + _MAXIMA)
-    kinds = (
-        (sums, dist.ReduceOp.SUM, torch.sum),
-        (_MINIMA, dist.ReduceOp.MIN, torch.amin),
-        (_MAXIMA, dist.ReduceOp.MAX, torch.amax),
-    )
-    agg = {}
-    for keys, op, fn in kinds:
-        rows = torch.stack([torch.stack([m[k] for k in keys]) for m in metrics])
-        # One device->host copy per kind, not one per number.
-        agg.update(zip(keys, all_reduce(fn(rows, 0).tolist(), op)))
+    keys = list(metrics[0])
+    # One device->host copy, and one all-reduce.
+    sums = torch.stack([torch.stack([m[k] for k in keys]) for m in metrics]).sum(0)
+    agg = dict(zip(keys, all_reduce(sums.tolist())))
     n = max(agg["tokens"], 1.0)
-    cov = n * agg["pq_sum"] - agg["p_sum"] * agg["q_sum"]
-    var = (n * agg["pp_sum"] - agg["p_sum"] ** 2) * (n * agg["qq_sum"] - agg["q_sum"] ** 2)
-    # Per trainable token: metric -> the sum it divides.
-    means = {
-        "clip_frac": "clipped",
-        "ratio_mean": "ratio_sum",
-        "ratio_out_frac": "ratio_out",
-        "dlogp_mean": "dlogp_sum",
-        "kl_mean": "kl_sum",
-    }
     return {
-        **{k: agg[k] for k in ("loss", "tokens", "ratio_min", "ratio_max", "dlogp_max")},
-        **{name: agg[k] / n for name, k in means.items()},
-        "prob_corr": cov / math.sqrt(var) if var > 0 else float("nan"),
+        "loss": agg["loss"],
+        "tokens": agg["tokens"],
+        "clip_frac": agg["clipped"] / n,
+        "ratio_mean": agg["ratio_sum"] / n,
+        "dlogp_mean": agg["dlogp_sum"] / n,
+        "kl_mean": agg["kl_sum"] / n,
     }

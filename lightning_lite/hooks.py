@@ -46,9 +46,8 @@ TEMPLATE_CHECKS = []
 #     req.sampling.grammar);
 #   Matcher(grammar, tokenizer, n_vocab), the sampler's state: .allowed() -> [V] bool and
 #     .consume(token);
-#   sample_masks(sample, tokenizer, n_vocab) -> (positions, [n, W] packed masks) or None, the
-#     trainer's replay of what a sample's tokens were sampled under;
-#   forced(masks) -> how many of the masks allowed one token alone.
+#   Replay(samples, tokenizer, n_vocab), the trainer's replay of what a micro-batch's tokens were
+#     sampled under: algo.trainer_logprobs' ``allowed``, with the counts .constrained, .forced.
 # None: a forced tool call is opened by the prompt alone (its name), and its arguments are not
 # constrained.
 grammar = None
@@ -87,6 +86,13 @@ PARALLEL = {}
 # A model adapter (extras/lora.py under --lora), set when its flags ask for one: see trainer.Learner
 # for what it must provide. None: the whole model is trained.
 adapter = None
+
+# Loss metrics besides the loss's own (algo.reduce_metrics), e.g. the rollout-vs-trainer mismatch's
+# prob_corr and extremes (extras/mismatch.py): factories fn() -> an object with add(logprobs,
+# old_logprobs, loss_mask), given each micro-batch's [B, T] tensors, and result() -> {key: float},
+# the step's over all ranks (a collective: a rank without samples calls it too). trainer.Learner's
+# backward makes one of each per pass.
+LOSS_METRICS = []
 
 # Another source of a step's rollouts than running the harnesses (--from-calls, set when its flag is
 # given): fn(tokenizer, log) -> a source whose step(step, rank, world, batch_size, draw) returns

@@ -106,19 +106,18 @@ class Learner:
         self.master = master
         # A model adapter (--lora, extras/lora.py: hooks.adapter): a frozen base with trained
         # adapters. It wraps the loaded base (wrap), gives the KL reference (reference: a context
-        # yielding the model to score with), says whether a backward leaves some parameters without
-        # gradients (unused_parameters), and, when its adapters train apart (trains_apart), makes
-        # the update itself (update, which train.py calls instead of Learner.update). None: the
-        # whole model trains.
+        # yielding the model to score with), and says whether its adapters train apart
+        # (trains_apart: a backward leaves the others without gradients, and it makes the update
+        # itself with update, which train.py calls instead of Learner.update). None: the whole
+        # model trains.
         self.adapter = adapter
         fsdp = config.parallel == "fsdp"
         self.model = self.load(resume_dir, torch.float32)
         # The reference and served copies hold the weights as the trainer's forward sees them:
         # FSDP gathers them in --dtype, DDP's autocast casts fp32 weights op by op.
+        held = torch.float32
         if fsdp:
             held = dtype
-        else:
-            held = torch.float32
         self.ref_model = None
         if config.kl_coef > 0 and self.adapter is None:
             self.ref_model = load_model(config.model, device, held, config.max_model_len)
@@ -137,24 +136,22 @@ class Learner:
                 f"tree, {why}"
             )
             config.no_tree = True
-        # parameters that a backward may leave without gradients (--lora-per-harness: the adapters
-        # of the harnesses whose samples it does not see), which DDP must be told of
-        unused = self.adapter is not None and self.adapter.unused_parameters
+        # Adapters that train apart leave the others without gradients in a backward, which DDP must
+        # be told of.
+        unused = self.adapter is not None and self.adapter.trains_apart
         self.train_model = parallel.wrap(
             self.model, config.parallel, world, config.activation_checkpointing, dtype, unused
         )
         if self.ref_model is not None and fsdp:
             # sharded like the policy, without an optimizer: its forwards are collectives too
             parallel.wrap(self.ref_model, "fsdp", world, dtype=dtype)
-        # after sharding: AdamW's state is over the shards
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        betas = (0.9, 0.99)
-        self.opt = torch.optim.AdamW(params, config.lr, betas, weight_decay=config.weight_decay)
         # What training changes, by name: the parameters AdamW updates (under LoRA every adapter,
         # active or not). A weight sync into the served copy copies these; the rest is the same in
-        # both copies.
-        updated = {id(p) for p in params}
-        self.trained = {n: p for n, p in self.model.named_parameters() if id(p) in updated}
+        # both copies. Taken after sharding: AdamW's state is over the shards.
+        self.trained = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        params = list(self.trained.values())
+        betas = (0.9, 0.99)
+        self.opt = torch.optim.AdamW(params, config.lr, betas, weight_decay=config.weight_decay)
         self.start_step = 0
         if resume_dir:
             # mapped from the file into host memory, not onto the GPU: the ranks of a node share the
@@ -169,21 +166,19 @@ class Learner:
         """The policy: the last checkpoint's, or the base model. Under a model adapter: the base in
         --dtype, trained and served alike, with its adapters (fresh, or the checkpoint's)."""
         config = self.config
-        # peft's layout: the first adapter's config in the folder, or each in a folder of its name
-        adapters = []
+        if self.adapter is not None:
+            base = load_model(config.model, self.device, self.dtype, config.max_model_len)
+            return self.adapter.wrap(base, resume_dir)
+        # A --lora run's checkpoint holds peft's adapters, not a model: the first adapter's config
+        # in the folder, or each in a folder of its name.
         if resume_dir:
-            adapters = glob.glob(
-                os.path.join(resume_dir, "**", "adapter_config.json"), recursive=True
-            )
-        if self.adapter is None and adapters:
-            sys.exit(
-                f"--resume: {resume_dir} holds adapters, not a model (a --lora run's): resume with "
-                "the checkpoint's flags, or start a new run in another --out"
-            )
-        if self.adapter is None:
-            return load_model(resume_dir or config.model, self.device, dtype, config.max_model_len)
-        base = load_model(config.model, self.device, self.dtype, config.max_model_len)
-        return self.adapter.wrap(base, resume_dir)
+            pattern = os.path.join(resume_dir, "**", "adapter_config.json")
+            if glob.glob(pattern, recursive=True):
+                sys.exit(
+                    f"--resume: {resume_dir} holds adapters, not a model (a --lora run's): resume "
+                    "with the checkpoint's flags, or start a new run in another --out"
+                )
+        return load_model(resume_dir or config.model, self.device, dtype, config.max_model_len)
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then constant or cosine down to 10%."""
@@ -275,50 +270,46 @@ class Learner:
         Returns the metrics, with the trained tokens and their mean |trainer - rollout logprob| by
         staleness (the updates since they were sampled)."""
         config = self.config
-        tok = self.tok
-        model = self.model
         max_age = config.max_staleness
         # the denominators are all-reduced before any backward: exact under any micro-batch split
         denoms = algo.global_denominators(samples)
         weights = algo.sample_weights(samples, config.norm, denoms, config.norm_const)
         # FSDP: every rank runs as many forwards as the others (None: a zero-weight one)
-        batches = self.micro_batches(samples, weights)
-        batches = parallel.pad_micro_batches(batches, config.parallel)
-        flex = model.config._attn_implementation == "flex_attention"
+        batches = parallel.pad_micro_batches(self.micro_batches(samples, weights), config.parallel)
         # flex_attention compiles for each new shape: its rows are padded to one
         pad_to = 1
-        if flex:
+        if self.model.config._attn_implementation == "flex_attention":
             pad_to = config.micro_batch_tokens
-        pad_id = tok.pad_token_id or 0
-        # bf16 runs under autocast over the fp32 weights
-        autocast = self.dtype != torch.float32
-        with_kl = config.kl_coef > 0
+        options = dict(pad_id=self.tok.pad_token_id or 0, tree=not config.no_tree, pad_to=pad_to)
         loss_options = {k: getattr(config, k) for k in LOSS_OPTIONS}
-        # summed over micro-batches: [age] tokens and their summed |dlogp| by staleness; tokens
-        # forwarded, tokens a grammar constrained, tokens it forced
+        # Summed over micro-batches: by staleness, the trained tokens and their summed |dlogp|; the
+        # tokens forwarded, those a grammar constrained and those it forced.
         tokens_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
         dlogp_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
-        fwd_tokens = constrained_tokens = forced_tokens = 0
+        counts = {"fwd_tokens": 0, "constrained_tokens": 0, "forced_tokens": 0}
         rows = []
+        # The metrics an extra adds (hooks.LOSS_METRICS), over the same trainable tokens.
+        more_metrics = [make() for make in hooks.LOSS_METRICS]
         quiet = not (self.master and sys.stderr.isatty())
         for i, mb in enumerate(tqdm(batches, desc="train", unit="mb", leave=False, disable=quiet)):
             padding = mb is None
             if padding:
                 # a zero-weight micro-batch of one two-token sample: this rank's share of a
                 # collective
-                mb = ([Sample("pad", [tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0])
-            masks = [self.grammar_masks(s) for s in mb[0]]
-            options = dict(pad_id=pad_id, tree=not config.no_tree, pad_to=pad_to, masks=masks)
+                mb = ([Sample("pad", [self.tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0])
             batch = algo.collate(*mb, self.device, **options)
+            allowed = self.grammar_replay(mb[0])
             last = sync and i == len(batches) - 1
             with parallel.accumulating(self.train_model, config.parallel, last=last):
+                # bf16 runs under autocast over the fp32 weights
+                autocast = self.dtype != torch.float32
                 with torch.autocast(self.device.type, self.dtype, enabled=autocast):
                     # [B, T]
-                    logprobs = algo.trainer_logprobs(self.train_model, batch)
+                    logprobs = algo.trainer_logprobs(self.train_model, batch, allowed=allowed)
                     ref = None
-                    if with_kl:
+                    if config.kl_coef > 0:
                         with torch.no_grad(), self.reference() as ref_model:
-                            ref = algo.trainer_logprobs(ref_model, batch)
+                            ref = algo.trainer_logprobs(ref_model, batch, allowed=allowed)
                 # [B, T] each, and the sample weights [B]
                 loss, m = algo.policy_loss(
                     logprobs,
@@ -334,11 +325,12 @@ class Learner:
             if padding:
                 continue
             rows.append(m)
-            fwd_tokens += batch["fwd_tokens"]
-            for x in masks:
-                if x is not None:
-                    constrained_tokens += len(x[0])
-                    forced_tokens += hooks.grammar.forced(x[1])
+            for metric in more_metrics:
+                metric.add(logprobs.detach(), batch["old_logprobs"], batch["loss_mask"])
+            counts["fwd_tokens"] += batch["fwd_tokens"]
+            if allowed is not None:
+                counts["constrained_tokens"] += allowed.constrained
+                counts["forced_tokens"] += allowed.forced
             trained = batch["loss_mask"] > 0
             # [N]: each trained token's staleness
             age = version - batch["version"][trained]
@@ -350,23 +342,20 @@ class Learner:
             dlogp = (logprobs - batch["old_logprobs"])[trained].abs().detach().double()
             tokens_by_age += torch.bincount(age, minlength=max_age + 1).double().cpu()
             dlogp_by_age += torch.bincount(age, dlogp, minlength=max_age + 1).cpu()
-        sums = tokens_by_age.tolist() + dlogp_by_age.tolist()
-        sums += [fwd_tokens, constrained_tokens, forced_tokens]
-        sums = algo.all_reduce(sums)
-        tokens_by_age = sums[: max_age + 1]
-        dlogp_by_age = sums[max_age + 1 : 2 * (max_age + 1)]
-        fwd_tokens, constrained_tokens, forced_tokens = sums[2 * (max_age + 1) :]
-        staleness = {age: int(n) for age, n in enumerate(tokens_by_age) if n}
-        dlogp_by_staleness = {
-            age: dlogp_by_age[age] / n for age, n in enumerate(tokens_by_age) if n
-        }
+        # Summed over ranks (three small collectives).
+        tokens_by_age = algo.all_reduce(tokens_by_age.tolist())
+        dlogp_by_age = algo.all_reduce(dlogp_by_age.tolist())
+        summed = algo.all_reduce(list(counts.values()))
+        metrics = algo.reduce_metrics(rows)
+        for metric in more_metrics:
+            metrics.update(metric.result())
         return {
-            **algo.reduce_metrics(rows),
-            "fwd_tokens": int(fwd_tokens),
-            "constrained_tokens": int(constrained_tokens),
-            "forced_tokens": int(forced_tokens),
-            "staleness": staleness,
-            "dlogp_by_staleness": dlogp_by_staleness,
+            **metrics,
+            **{key: int(n) for key, n in zip(counts, summed)},
+            "staleness": {age: int(n) for age, n in enumerate(tokens_by_age) if n},
+            "dlogp_by_staleness": {
+                age: dlogp_by_age[age] / n for age, n in enumerate(tokens_by_age) if n
+            },
         }
 
     def reference(self):
@@ -376,17 +365,17 @@ class Learner:
             return self.adapter.reference(self.model)
         return contextlib.nullcontext(self.ref_model)
 
-    def grammar_masks(self, sample: Sample):
-        """The masks a grammar sampled ``sample``'s constrained tokens under (a forced call's
-        schema), replayed so that the trainer scores them as the sampler drew them: (positions, [n,
-        W] packed masks), or None when no grammar constrained it."""
-        if not sample.grammars:
+    def grammar_replay(self, samples: list[Sample]):
+        """The masks a grammar drew ``samples``' constrained tokens under (a forced call's schema),
+        replayed so that the trainer scores them as the sampler drew them (hooks.grammar.Replay:
+        trainer_logprobs' ``allowed``), or None when no grammar constrained them."""
+        if not any(s.grammars for s in samples):
             return None
         if hooks.grammar is None:
             raise RuntimeError(
                 hooks.missing("training on calls sampled under a grammar", "grammar")
             )
-        return hooks.grammar.sample_masks(sample, self.tok, self.model.config.vocab_size)
+        return hooks.grammar.Replay(samples, self.tok, self.model.config.vocab_size)
 
     def save(self, step: int, run, config: dict) -> str | None:
         """A checkpoint of the trained weights (under --async the served copy is a step behind) and

@@ -20,9 +20,20 @@ from lightning_lite.algo import (
     tree_mask,
     tree_unsupported,
 )
+from lightning_lite.extras.mismatch import Mismatch
 from lightning_lite.records import Sample
 
 approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-9)  # noqa: E731
+
+
+def mismatch(*micro_batches) -> dict:
+    """extras/mismatch.py's metrics (hooks.LOSS_METRICS) of micro-batches (logprobs, old_logprobs,
+    loss_mask), as trainer.Learner.backward adds them to reduce_metrics'."""
+    metric = Mismatch()
+    for logprobs, old_logprobs, loss_mask in micro_batches:
+        metric.add(logprobs.detach(), old_logprobs, loss_mask)
+    return metric.result()
+
 
 # group g1: a=1 b=0 c=0 (f failed); g2: d=1 e=1 (all equal); g3: h=0.5 alone
 REWARDS = {"a": 1.0, "b": 0.0, "c": 0.0, "f": None, "d": 1.0, "e": 1.0, "h": 0.5}
@@ -277,7 +288,7 @@ def test_ppo_by_hand():
     loss.backward()
     # d/dlogprob of -A r w where not clipped: -A r / 6; clipped tokens get no gradient
     assert new.grad.tolist() == [approx([-0.5 / 6, -1 / 6, 0.0]), approx([0.0, 1 / 6, 2 / 6])]
-    r = reduce_metrics([m])
+    r = {**reduce_metrics([m]), **mismatch((new, old, mask))}
     assert r["clip_frac"] == approx(2 / 6) and r["tokens"] == 6
     assert (r["ratio_min"], r["ratio_mean"], r["ratio_max"]) == (
         approx(0.5),
@@ -372,12 +383,13 @@ def test_kl_penalty_and_mismatch_metrics():
         policy_loss(lp, lp, one, torch.ones(1, 1), one, kl_coef=0.1)
     # probabilities 0.2 0.4 0.6 (rollout) vs 0.3 0.5 0.7 (trainer): a shift, Pearson 1
     p, q = torch.tensor([[0.2, 0.4, 0.6]]).double(), torch.tensor([[0.3, 0.5, 0.7]]).double()
-    _, m1 = policy_loss(q.log()[:, :2], p.log()[:, :2], one, torch.ones(1, 2), one)
-    _, m2 = policy_loss(q.log()[:, 2:], p.log()[:, 2:], one, torch.ones(1, 1), one)
-    r = reduce_metrics([m1, m2])  # over two micro-batches
+    # over two micro-batches (extras/mismatch.py)
+    r = mismatch(
+        (q.log()[:, :2], p.log()[:, :2], torch.ones(1, 2)),
+        (q.log()[:, 2:], p.log()[:, 2:], torch.ones(1, 1)),
+    )
     assert r["prob_corr"] == approx(1.0) and r["dlogp_max"] == approx(math.log(0.3 / 0.2))
-    _, m = policy_loss(q.flip(1).log(), p.log(), one, torch.ones(1, 3), one)
-    assert reduce_metrics([m])["prob_corr"] == approx(-1.0)
+    assert mismatch((q.flip(1).log(), p.log(), torch.ones(1, 3)))["prob_corr"] == approx(-1.0)
 
 
 def fixed_logits(logits):
@@ -564,7 +576,8 @@ def test_models_that_cannot_run_a_packed_tree_say_why():
 
 
 def test_reduce_metrics_of_a_rank_without_samples():
-    r = reduce_metrics([])  # such a rank still joins the all-reduce, with neutral values
+    # such a rank still joins the all-reduces, with neutral values
+    r = {**reduce_metrics([]), **Mismatch().result()}
     assert (
         r["tokens"] == 0
         and r["loss"] == 0

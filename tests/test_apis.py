@@ -242,9 +242,10 @@ def test_three_turn_tool_conversation_in_each_api_is_one_sample(kept, model, tok
     s = samples[
         0
     ]  # the forced calls' tokens under their grammars' replayed masks, as train.py scores them
-    b = collate(samples, [1.0], masks=[grammar.sample_masks(s, tok, model.config.vocab_size)])
+    b = collate(samples, [1.0])
+    replay = grammar.Replay(samples, tok, model.config.vocab_size)
     with torch.no_grad():
-        assert (trainer_logprobs(model, b) - b["old_logprobs"])[
+        assert (trainer_logprobs(model, b, allowed=replay) - b["old_logprobs"])[
             b["loss_mask"] > 0
         ].abs().max() < 2e-3
     assert sum(s.loss_mask) == sum(len(c.response_ids) for c in calls) and set(s.grammars) == {0, 1}

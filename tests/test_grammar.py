@@ -13,7 +13,8 @@ import torch
 
 from lightning_lite import toolcalls
 from lightning_lite.extras import grammar, tool_formats
-from lightning_lite.algo import collate, sampled_logprobs, trainer_logprobs, unpack_bits
+from lightning_lite.algo import collate, sampled_logprobs, trainer_logprobs
+from lightning_lite.extras.grammar import unpack_bits
 from lightning_lite.records import read_calls
 from lightning_lite.samples import build_batch_samples
 
@@ -403,8 +404,11 @@ def test_forced_calls_follow_their_schema_in_every_api_streaming_and_not(server,
     )  # every trained token was constrained
     with torch.no_grad():
         for use in (True, False):
-            b = collate(samples, [1.0] * len(samples), masks=masks if use else None)
-            d = (trainer_logprobs(model, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs()
+            b = collate(samples, [1.0] * len(samples))
+            replay = None
+            if use:
+                replay = grammar.Replay(samples, tok, model.config.vocab_size)
+            d = (trainer_logprobs(model, b, allowed=replay) - b["old_logprobs"])[b["loss_mask"] > 0].abs()
             print(
                 f"{'with' if use else 'without'} the masks: |dlogp| mean {d.mean():.2e} max {d.max():.2e} over {len(d)} tokens"
             )

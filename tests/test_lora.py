@@ -51,7 +51,7 @@ def no_adapter_left_behind():
 @pytest.fixture(scope="module")
 def adapted():
     """SmolLM2 with rank-8 adapters that change its outputs (peft starts lora_B at 0: no change)."""
-    net = lora.wrap(load_model("smollm2"), an_adapter()).eval()
+    net = an_adapter().wrap(load_model("smollm2")).eval()
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in net.named_parameters():
@@ -70,16 +70,15 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(adapted, model, t
     ids = torch.tensor([tok.encode("The capital of France is")])
     with torch.no_grad():
         plain, tuned = model(input_ids=ids).logits, adapted(input_ids=ids).logits
-        with lora.base_only(adapted, True):
+        with an_adapter().reference(adapted):
             base = adapted(input_ids=ids).logits
     assert (tuned - plain).abs().max() > 0.1
     assert torch.allclose(base, plain, atol=1e-5)
 
 
 def test_targets_and_alpha_choose_the_layers_and_the_scale():
-    net = lora.wrap(
-        load_model("smollm2"), an_adapter(lora=4, lora_alpha=16.0, lora_targets="q_proj,v_proj")
-    )
+    adapter = an_adapter(lora=4, lora_alpha=16.0, lora_targets="q_proj,v_proj")
+    net = adapter.wrap(load_model("smollm2"))
     trainable = {n: p.numel() for n, p in net.named_parameters() if p.requires_grad}
     # rank 4 on q (576 -> 576) and v (576 -> 192) of 30 layers: 4 x (1152 + 768) a layer
     assert sum(trainable.values()) == 30 * 4 * (1152 + 768)
@@ -131,7 +130,7 @@ def test_one_batch_serves_each_harness_its_adapter_with_the_trainers_logprobs(to
     """--lora-per-harness: the embedded backend decodes a batch that mixes two adapters (peft's adapter_names),
     each rollout through its harness's; the trainer, training one adapter at a time (lora.activate), scores
     each reply as it was sampled, to the 1e-5 level, and under the other adapter it does not."""
-    net = lora.wrap(load_model("smollm2"), an_adapter(["planner", "coder"]))
+    net = an_adapter(["planner", "coder"]).wrap(load_model("smollm2"))
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in net.named_parameters():
@@ -200,7 +199,7 @@ def test_lora_refuses_what_other_features_would_break():
 
 
 def test_rslora_scales_by_alpha_over_the_square_root_of_the_rank():
-    net = lora.wrap(load_model("smollm2"), an_adapter(lora=16, lora_alpha=8.0, lora_rslora=True))
+    net = an_adapter(lora=16, lora_alpha=8.0, lora_rslora=True).wrap(load_model("smollm2"))
     assert net.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == 8.0 / 4
     lora.check(flags(lora=16, lora_alpha=8.0, lora_rslora=True), ddp=False, cuda=False)
 
@@ -271,7 +270,7 @@ def test_one_pass_trains_every_adapter_as_the_per_harness_loop_did(tok, kl):
     )
     samples, results = harness_batch(one, names, advantages)
     before = {name: adapter_weights(one.model, name) for name in names}
-    row, _, _ = lora.update_all(one, samples, results, 0, names)
+    row, _, _ = one.adapter.update(one, samples, results, 0)
     for name in names:
         mine = [s for s in samples if s.rollout_id.startswith(name)]
         if kl or advantages[name]:
@@ -306,7 +305,7 @@ def test_a_sync_copies_every_adapter_into_the_served_copy(tok, kl):
     learner = a_learner(tok, names, kl_coef=kl, async_steps=1)
     assert learner.served is not learner.model
     samples, results = harness_batch(learner, names, {"planner": 1.0, "coder": 0.5})
-    lora.update_all(learner, samples, results, 0, names)
+    learner.adapter.update(learner, samples, results, 0)
     # frozen by hand, as peft leaves an inactive adapter: what a sync copies does not depend on it
     for p in adapter_params(learner, "planner"):
         p.requires_grad_(False)
@@ -334,7 +333,7 @@ def test_a_resume_restores_each_adapters_adamw_state_by_name_and_refuses_other_a
     names = ["planner", "coder"]
     learner = a_learner(tok, names)
     samples, results = harness_batch(learner, names, {"planner": 1.0, "coder": 0.5})
-    lora.update_all(learner, samples, results, 0, names)
+    learner.adapter.update(learner, samples, results, 0)
     recorded = vars(learner_flags(lora_per_harness=True))
     ckpt = learner.save(1, RunDir(str(tmp_path), 0, False), recorded)
     moments = {n: learner.opt.state[p]["exp_avg"].clone() for n, p in learner.trained.items()}
@@ -367,7 +366,7 @@ def test_a_resume_restores_each_adapters_adamw_state_by_name_and_refuses_other_a
 def test_merge_keeps_the_runs_served_context(tok, tmp_path):
     """A run served past the model's context (--max-model-len: YaRN) merges into a model with that
     context and RoPE scaling, computing what the run's adapted model computed."""
-    adapted = lora.wrap(load_model("smollm2", max_model_len=16384), an_adapter())
+    adapted = an_adapter().wrap(load_model("smollm2", max_model_len=16384))
     with torch.no_grad():
         for name, p in adapted.named_parameters():
             if "lora_B" in name:
@@ -400,7 +399,7 @@ def test_adapters_go_to_vllm_in_the_served_dtype_without_asking_a_hub(adapted, m
     monkeypatch.setattr(
         adapted.peft_config["default"], "base_model_name_or_path", "org/no-such-model"
     )
-    config, weights = lora.adapters(adapted, torch.bfloat16)["default"]
+    config, weights = an_adapter().weights(adapted, torch.bfloat16)["default"]
     assert config.r == 8 and len(weights) == 2 * 7 * 30
     assert all(w.dtype == torch.bfloat16 for w in weights.values())
     assert all(k.startswith("base_model.model.") and ".default." not in k for k in weights)

@@ -62,7 +62,8 @@ def teacher_forced_call(model, call, tok=None):
     """The trainer's logprobs of a call's response under the call's own sampling (temperature, top-k, top-p and, for a
     forced call or a JSON reply, its grammar's masks, replayed with ``tok``)."""
     from lightning_lite.extras import grammar
-    from lightning_lite.algo import sampled_logprobs, unpack_bits
+    from lightning_lite.algo import sampled_logprobs
+    from lightning_lite.extras.grammar import unpack_bits
 
     ids = torch.tensor([call.prompt_ids + call.response_ids])
     n, k = len(call.prompt_ids), len(call.response_ids)

@@ -24,7 +24,8 @@ import torch
 from conftest import ROOT
 
 from lightning_lite.extras import grammar
-from lightning_lite.algo import collate, trainer_logprobs, unpack_bits
+from lightning_lite.algo import collate, trainer_logprobs
+from lightning_lite.extras.grammar import unpack_bits
 from lightning_lite.extras.vllm import VLLMBackend
 from lightning_lite.chat import Sampling
 from lightning_lite.models import load_model, resolve
@@ -157,17 +158,11 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path, tok):
     yarn = load_model(
         "smollm2", max_model_len=16384
     )  # the forced calls' tokens under their grammars' replayed masks, as train.py
-    b = collate(
-        samples,
-        [1.0] * len(samples),
-        masks=[
-            grammar.sample_masks(s, tok, yarn.config.vocab_size) if s.grammars else None
-            for s in samples
-        ],
-    )
+    b = collate(samples, [1.0] * len(samples))
+    replay = grammar.Replay(samples, tok, yarn.config.vocab_size)
     with torch.no_grad():
         dlogp = float(
-            (trainer_logprobs(yarn, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs().mean()
+            (trainer_logprobs(yarn, b, allowed=replay) - b["old_logprobs"])[b["loss_mask"] > 0].abs().mean()
         )
     print(f"step 1's calls: mean |dlogp| {dlogp:.4f} against the trainer's YaRN model")
     assert dlogp < 0.1  # a server with plain RoPE: 0.23 on such replies
@@ -375,8 +370,11 @@ def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_
     with torch.no_grad():
         gaps = {}
         for use in (True, False):
-            b = collate(samples, [1.0] * len(samples), masks=masks if use else None)
-            gaps[use] = (trainer_logprobs(model, b) - b["old_logprobs"])[b["loss_mask"] > 0].abs()
+            b = collate(samples, [1.0] * len(samples))
+            replay = None
+            if use:
+                replay = grammar.Replay(samples, tok, model.config.vocab_size)
+            gaps[use] = (trainer_logprobs(model, b, allowed=replay) - b["old_logprobs"])[b["loss_mask"] > 0].abs()
     print(
         f"|dlogp| vs vLLM (bf16): under the replayed masks mean {gaps[True].mean():.4f} max {gaps[True].max():.3f}; "
         f"without: mean {gaps[False].mean():.3f} max {gaps[False].max():.2f}"

@@ -17,7 +17,7 @@ model to wander in; an object that lists its properties has no others unless its
 
 How it reaches the core: the proxy calls ``constrain``, which puts ``tool_grammar``'s or
 ``json_grammar``'s text into ``Sampling.grammar``, a backend samples under its ``Matcher``, the
-trainer replays ``sample_masks``; of a tool-call format it reads only ``Format.call``, the call's
+trainer scores under its ``Replay``; of a tool-call format it reads only ``Format.call``, the call's
 text around its arguments (toolcalls.format_of)."""
 
 import json
@@ -30,7 +30,6 @@ import llguidance.hf
 import torch
 
 from .. import hooks
-from ..algo import unpack_bits
 from ..chat import BadRequest
 from ..records import Sample
 from ..toolcalls import format_of
@@ -221,9 +220,25 @@ def replay(grammar: str, ids: list[int], tok, n_vocab: int) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, (n_vocab + 31) // 32, dtype=torch.int32)
 
 
+def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, W] int32 bitmasks (bit j of word i: token 32 i + j, as llguidance packs them) -> [N, n]
+    bool.
+
+    >>> unpack_bits(torch.tensor([[5]], dtype=torch.int32), 4)
+    tensor([[ True, False,  True, False]])
+    """
+    # Unpacked by byte (little-endian, as every platform torch runs on: bit b of byte m is token
+    # 8 m + b), so the widest intermediate is one byte per token: [1024, 152k] is 155 MB, where
+    # 32-bit shifts made 620 MB.
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    # [N, 4 W, 1] bytes -> [N, 4 W, 8] bits -> [N, 32 W] -> the first n
+    as_bytes = bits.contiguous().view(torch.uint8)[:, :, None]
+    return ((as_bytes >> shifts) & 1).view(torch.bool).flatten(1)[:, :n]
+
+
 def sample_masks(s: Sample, tok, n_vocab: int) -> Optional[tuple[list[int], torch.Tensor]]:
     """(positions, [n, W] packed masks) of ``s``'s grammar-constrained trainable tokens, for
-    ``algo.collate``: each constrained call's masks replayed over its response, which the sample
+    ``Replay``: each constrained call's masks replayed over its response, which the sample
     holds whole (samples.build_samples); None when it has none."""
     pos, rows = [], []
     for k, g in s.grammars.items():
@@ -240,6 +255,47 @@ def forced(masks: torch.Tensor) -> int:
     return int((unpack_bits(masks, 32 * masks.shape[1]).sum(1) == 1).sum())
 
 
+class Replay:
+    """The grammar masks that drew a micro-batch's constrained tokens, replayed over its samples'
+    recorded ids: algo.trainer_logprobs' ``allowed``, so that the trainer scores each token under
+    the mask the sampler drew it under. ``constrained`` counts those tokens, ``forced`` the ones a
+    mask allowed alone. One sample or more was sampled under a grammar (``Sample.grammars``)."""
+
+    def __init__(self, samples: list[Sample], tok, n_vocab: int):
+        width = max(len(s.tokens) for s in samples)
+        # [B, T]: each position's row of the stacked masks, -1 where no grammar constrained it
+        self.row_at = torch.full((len(samples), width), -1, dtype=torch.long)
+        rows = []
+        for i, s in enumerate(samples):
+            masks = sample_masks(s, tok, n_vocab)
+            if masks is None:
+                continue
+            positions, packed = masks
+            first_row = sum(len(r) for r in rows)
+            self.row_at[i, positions] = torch.arange(len(positions)) + first_row
+            rows.append(packed)
+        # [M, W]: every constrained token's packed mask
+        self.masks = torch.cat(rows)
+        self.constrained = len(self.masks)
+        self.forced = forced(self.masks)
+
+    def __call__(self, index: torch.Tensor, n_vocab: int) -> Optional[torch.Tensor]:
+        """[n] flat positions in the batch's [B, T] -> [n, n_vocab] bool, what each token was drawn
+        from (all of it where no grammar constrained the token), or None where none was."""
+        # onto the model's device once, not once per chunk
+        if self.masks.device != index.device:
+            self.masks = self.masks.to(index.device)
+            self.row_at = self.row_at.to(index.device)
+        at = self.row_at.view(-1)[index]
+        constrained = at >= 0
+        if not bool(constrained.any()):
+            return None
+        allowed = torch.ones(len(index), n_vocab, dtype=torch.bool, device=index.device)
+        packed = self.masks[at[constrained]]
+        allowed[constrained] = unpack_bits(packed, n_vocab)
+        return allowed
+
+
 # Its hook: the proxy constrains forced calls through this module, the backend samples under its
-# Matcher, the trainer replays its sample_masks (hooks.grammar).
+# Matcher, the trainer scores under its Replay (hooks.grammar).
 hooks.grammar = sys.modules[__name__]

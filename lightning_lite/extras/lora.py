@@ -8,7 +8,7 @@ adapter trainer.Learner asks to wrap the loaded base (``wrap``, after ``check_re
 KL reference (``reference``: the adapters switched off) and, with an adapter per harness, to make
 the update (``update``); vLLM's sync sends its ``weights``. --lora-per-harness: an adapter per
 harness, named as it, that serves its rollouts (``serving``: the backends' ``adapter_of``) and
-trains on them alone (``update_all``: every adapter in one backward pass).
+trains on them alone (``update``: every adapter in one backward pass).
 
 python -m lightning_lite.extras.lora merge CHECKPOINT OUT   # base + adapters: a plain transformers
 model"""
@@ -118,16 +118,16 @@ def _linear_names(model) -> str:
     return ",".join(sorted(names))
 
 
-def check_resume(adapter: "LoRA", resume_dir):
+def check_resume(adapter: "LoRA", resume_dir: str):
     """A --resume goes on with the adapters its checkpoint holds: one whose adapters (their names),
     rank, alpha, rsLoRA or targets differ from the checkpoint's is refused, saying what differs. The
     --harness order may change: the AdamW state is restored by parameter name."""
-    if not resume_dir:
-        return
     path = os.path.join(resume_dir, "trainer_state.pt")
     saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["args"]
-    then = _adapter_shape(saved, _saved_adapters(resume_dir))
-    now = _adapter_shape(adapter.flags, adapter.names)
+    then = {"--lora": None}
+    if saved.get("lora") is not None:
+        then = LoRA(argparse.Namespace(**saved)).shape(_saved_adapters(resume_dir))
+    now = adapter.shape(adapter.names)
     differ = [
         f"{key} {then[key]} (now {now.get(key)})" for key in then if then[key] != now.get(key)
     ]
@@ -139,34 +139,12 @@ def check_resume(adapter: "LoRA", resume_dir):
 
 
 def _saved_adapters(checkpoint: str) -> list:
-    """The names of the adapters a checkpoint holds, as peft lays them out: "default" in the folder
-    itself, any other in a folder of its name."""
+    """The names of the adapters a checkpoint holds, each where peft lays it out (``_folder``)."""
     names = []
-    if os.path.exists(os.path.join(checkpoint, "adapter_config.json")):
-        names.append("default")
-    for name in os.listdir(checkpoint):
-        if os.path.exists(os.path.join(checkpoint, name, "adapter_config.json")):
+    for name in ["default"] + os.listdir(checkpoint):
+        if os.path.exists(os.path.join(_folder(checkpoint, name), "adapter_config.json")):
             names.append(name)
     return names
-
-
-def _adapter_shape(flags: dict, names: list) -> dict:
-    """What a run's flags make of its adapters, comparable across runs (their order aside)."""
-    rank = flags.get("lora")
-    if rank is None:
-        return {"--lora": None}
-    targets = flags.get("lora_targets")
-    if targets:
-        targets = sorted(targets.split(","))
-    else:
-        targets = "all decoder linears"
-    return {
-        "--lora": rank,
-        "--lora-alpha": flags.get("lora_alpha") or 2 * rank,
-        "--lora-rslora": bool(flags.get("lora_rslora")),
-        "--lora-targets": targets,
-        "adapters": sorted(names),
-    }
 
 
 class LoRA:
@@ -174,8 +152,6 @@ class LoRA:
     of it): rank-``rank`` adapters named ``names``, "default", or one per harness."""
 
     def __init__(self, args):
-        # the run's flags, as a checkpoint records them (check_resume compares them)
-        self.flags = vars(args)
         self.rank = args.lora
         self.alpha = args.lora_alpha or 2 * args.lora
         self.rslora = args.lora_rslora
@@ -183,9 +159,23 @@ class LoRA:
         # --lora-per-harness: named after the harnesses once they are loaded (name_after)
         self.per_harness = args.lora_per_harness
         self.names = ["default"]
-        # a backward leaves the other harnesses' adapters without gradients; they train apart
-        self.unused_parameters = self.per_harness
+        # Each harness's adapter trains on its own samples (update): a backward leaves the others
+        # without gradients.
         self.trains_apart = self.per_harness
+
+    def shape(self, names: list) -> dict:
+        """What these flags make of adapters ``names``, comparable across runs (their order aside):
+        check_resume compares a checkpoint's with the run's."""
+        targets = "all decoder linears"
+        if self.targets:
+            targets = sorted(self.targets.split(","))
+        return {
+            "--lora": self.rank,
+            "--lora-alpha": self.alpha,
+            "--lora-rslora": bool(self.rslora),
+            "--lora-targets": targets,
+            "adapters": sorted(names),
+        }
 
     def name_after(self, tasks):
         """--lora-per-harness: an adapter per harness of ``tasks`` (harness.Tasks), named as it. Its
@@ -209,55 +199,112 @@ class LoRA:
         return None
 
     def wrap(self, model, resume_dir=None):
-        check_resume(self, resume_dir)
-        return wrap(model, self, resume_dir)
+        """``model`` frozen, with fresh adapters or ``resume_dir``'s (after ``check_resume``),
+        trainable and in fp32 (peft's default), named ``names``: "default", or one per harness."""
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        first, *others = self.names
+        if resume_dir:
+            check_resume(self, resume_dir)
+            path = _folder(resume_dir, first)
+            model = PeftModel.from_pretrained(model, path, first, is_trainable=True)
+            for name in others:
+                model.load_adapter(_folder(resume_dir, name), name, is_trainable=True)
+            # serving (peft mixes adapters in a batch in eval mode only); Learner.update trains
+            return activate(model, first).eval()
+        targets = "all-linear"
+        if self.targets:
+            targets = self.targets.split(",")
+        config = LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            use_rslora=self.rslora,
+            target_modules=targets,
+            lora_dropout=0.0,
+        )
+        try:
+            model = get_peft_model(model, config, adapter_name=first)
+        except ValueError as e:
+            sys.exit(
+                f"--lora-targets {self.targets}: {e} (its linear layers: {_linear_names(model)})"
+            )
+        for name in others:
+            model.add_adapter(name, config)
+        return activate(model, first).eval()
 
     @contextlib.contextmanager
     def reference(self, model):
-        """The KL term's reference: ``model`` with its adapters switched off."""
-        with base_only(model, True):
+        """The KL term's reference: ``model`` with its adapters disabled. It leaves trainable what
+        it found trainable: peft, re-enabling them, freezes every adapter but the active one."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        with model.disable_adapter():
             yield model
+        for p in trainable:
+            p.requires_grad_(True)
 
     def update(self, learner, samples: list, results: list, step: int):
-        return update_all(learner, samples, results, step, self.names)
+        """--lora-per-harness: every harness's adapter trained on its own samples, in one backward
+        pass.
+
+        Each harness's samples run through its adapter with their own loss denominators, as if that
+        adapter trained alone; the gradients of all adapters accumulate and reduce over ranks once;
+        each adapter is clipped by its own gradient norm; one AdamW step updates them all. An
+        adapter without a signal this step (no advantage on any rank, no KL term) is left out: it
+        and its AdamW moments stay as they are. Returns the metrics, as keys ending in /NAME."""
+        harness_of = {r.rollout_id: r.harness for r in results}
+        samples_of = {n: [s for s in samples if harness_of[s.rollout_id] == n] for n in self.names}
+        kl = learner.config.kl_coef > 0
+        # one decision on every rank: the adapters with a signal on any of them
+        signals = [sum(kl or any(s.advantages) for s in samples_of[name]) for name in self.names]
+        signals = all_reduce(signals)
+        training = [name for name, n in zip(self.names, signals) if n > 0]
+        row = {f"skipped/{name}": "no_signal" for name in self.names if name not in training}
+        if not training:
+            learner.log(f"step {step + 1}: no adapter has a signal; skipping the update")
+            return row, None, None
+        learner.start_update(step)
+        for i, name in enumerate(training):
+            activate(learner.model, name)
+            # the gradients reduce over ranks after the last adapter's last micro-batch
+            last = i == len(training) - 1
+            metrics = learner.backward(samples_of[name], version=step, sync=last)
+            row |= {f"{key}/{name}": value for key, value in metrics.items()}
+        params = [(adapter_of_param(n), p) for n, p in learner.model.named_parameters()]
+        for name in training:
+            its_params = [p for adapter, p in params if adapter == name]
+            grad_norm, skipped = learner.clip(its_params, step, f"adapter {name}'s gradient norm")
+            row |= {f"grad_norm/{name}": grad_norm, f"skipped/{name}": skipped}
+        learner.finish_update()
+        return row, None, None
 
     def weights(self, model, dtype: torch.dtype) -> dict:
-        return adapters(model, dtype)
+        """What vLLM servers load at a sync: {name: (its peft config, its weights in ``dtype``, the
+        served one, as peft names them)}. FSDP's shards are gathered (a collective: every rank calls
+        it)."""
+        from peft import get_peft_model_state_dict
+
+        trained = {}
+        for n, p in model.named_parameters():
+            if adapter_of_param(n) is None:
+                continue
+            if hasattr(p, "full_tensor"):
+                p = p.full_tensor()
+            trained[n] = p.detach().cpu().to(dtype)
+        # save_embedding_layers=False: the adapters alone ("auto" reads the base's config, even a
+        # hub's)
+        adapters = {}
+        for name, config in model.peft_config.items():
+            state = get_peft_model_state_dict(model, trained, name, save_embedding_layers=False)
+            adapters[name] = (config, state)
+        return adapters
 
 
-def wrap(model, adapter: LoRA, resume_dir=None):
-    """``model`` frozen, with fresh adapters or ``resume_dir``'s, trainable and in fp32 (peft's
-    default), named ``adapter.names``: "default", or one per harness."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    names = adapter.names
-    if resume_dir:
-        # peft's layout: "default" in the folder itself, another adapter in a folder of its name
-        folder = lambda name: os.path.join(resume_dir, "" if name == "default" else name)
-        model = PeftModel.from_pretrained(model, folder(names[0]), names[0], is_trainable=True)
-        for name in names[1:]:
-            model.load_adapter(folder(name), name, is_trainable=True)
-        # serving (peft mixes adapters in a batch in eval mode only); Learner.update trains
-        return activate(model, names[0]).eval()
-    targets = "all-linear"
-    if adapter.targets:
-        targets = adapter.targets.split(",")
-    config = LoraConfig(
-        r=adapter.rank,
-        lora_alpha=adapter.alpha,
-        use_rslora=adapter.rslora,
-        target_modules=targets,
-        lora_dropout=0.0,
-    )
-    try:
-        model = get_peft_model(model, config, adapter_name=names[0])
-        for name in names[1:]:
-            model.add_adapter(name, config)
-        return activate(model, names[0]).eval()
-    except ValueError as e:
-        sys.exit(
-            f"--lora-targets {adapter.targets}: {e} (its linear layers: {_linear_names(model)})"
-        )
+def _folder(checkpoint: str, name: str) -> str:
+    """Where a checkpoint holds adapter ``name``, as peft lays them out: "default" in the folder
+    itself, any other in a folder of its name."""
+    if name == "default":
+        return checkpoint
+    return os.path.join(checkpoint, name)
 
 
 def adapter_of_param(param_name: str):
@@ -279,69 +326,6 @@ def activate(model, name: str):
     return model
 
 
-def update_all(learner, samples: list, results: list, step: int, names: list):
-    """--lora-per-harness: every harness's adapter trained on its own samples, in one backward pass.
-
-    Each harness's samples run through its adapter with their own loss denominators, as if that
-    adapter trained alone; the gradients of all adapters accumulate and reduce over ranks once; each
-    adapter is clipped by its own gradient norm; one AdamW step updates them all. An adapter without
-    a signal this step (no advantage on any rank, no KL term) is left out: it and its AdamW moments
-    stay as they are. Returns the metrics, as keys ending in /NAME."""
-    harness_of = {r.rollout_id: r.harness for r in results}
-    samples_of = {name: [s for s in samples if harness_of[s.rollout_id] == name] for name in names}
-    kl = learner.config.kl_coef > 0
-    # one decision on every rank: the adapters with a signal on any of them
-    signal = all_reduce([sum(kl or any(s.advantages) for s in samples_of[name]) for name in names])
-    training = [name for name, n in zip(names, signal) if n > 0]
-    row = {f"skipped/{name}": "no_signal" for name in names if name not in training}
-    if not training:
-        learner.log(f"step {step + 1}: no adapter has a signal; skipping the update")
-        return row, None, None
-    learner.start_update(step)
-    for i, name in enumerate(training):
-        activate(learner.model, name)
-        # the gradients reduce over ranks after the last adapter's last micro-batch
-        metrics = learner.backward(samples_of[name], version=step, sync=i == len(training) - 1)
-        row |= {f"{key}/{name}": value for key, value in metrics.items()}
-    params = [(adapter_of_param(n), p) for n, p in learner.model.named_parameters()]
-    for name in training:
-        its_params = [p for adapter, p in params if adapter == name]
-        grad_norm, skipped = learner.clip(its_params, step, f"adapter {name}'s gradient norm")
-        row |= {f"grad_norm/{name}": grad_norm, f"skipped/{name}": skipped}
-    learner.finish_update()
-    return row, None, None
-
-
-def adapters(model, dtype: torch.dtype) -> dict:
-    """What vLLM servers load at a sync: {name: (its peft config, its weights in ``dtype``, the
-    served one, as peft names them)}. FSDP's shards are gathered (a collective: every rank calls
-    it)."""
-    from peft import get_peft_model_state_dict
-
-    full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-    trained = {n: full(p).to(dtype) for n, p in model.named_parameters() if adapter_of_param(n)}
-    # save_embedding_layers=False: the adapters alone ("auto" reads the base's config, even a hub's)
-    return {
-        name: (config, get_peft_model_state_dict(model, trained, name, save_embedding_layers=False))
-        for name, config in model.peft_config.items()
-    }
-
-
-@contextlib.contextmanager
-def base_only(model, on: bool):
-    """A context in which ``model`` computes as its base model (``on``): its adapters disabled. It
-    leaves trainable what it found trainable: peft, re-enabling them, freezes every adapter but the
-    active one."""
-    if not on:
-        yield
-        return
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    with model.disable_adapter():
-        yield
-    for p in trainable:
-        p.requires_grad_(True)
-
-
 def merge(checkpoint: str, out: str, model: str | None = None, adapter: str = "default"):
     """A checkpoint's adapter merged into the base model it was trained on (or ``model``): a plain
     transformers model in ``out``, in the run's --dtype, with the tokenizer, and with the run's
@@ -353,7 +337,7 @@ def merge(checkpoint: str, out: str, model: str | None = None, adapter: str = "d
 
     state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
     run = state["args"]
-    folder = os.path.join(checkpoint, "" if adapter == "default" else adapter)
+    folder = _folder(checkpoint, adapter)
     if not os.path.exists(os.path.join(folder, "adapter_config.json")):
         held = [n for n in os.listdir(checkpoint) if os.path.isdir(os.path.join(checkpoint, n))]
         sys.exit(

@@ -365,7 +365,7 @@ class VLLMBackend(PauseGate):
 
     def sync_weights(self, model=None, version: Optional[int] = None):
         """Every server serves ``model``'s weights (a module, a full state dict or, --lora, the
-        adapters: ``lora.adapters``'s; None: only the version moves). Sleeping servers (level 2: no
+        adapters: ``LoRA.weights``'; None: only the version moves). Sleeping servers (level 2: no
         weights, no KV cache) wake in two steps, after the file is written (the trainer's copies are
         gone by then): the weights, reloaded, then the KV cache."""
         self.pause()
@@ -393,7 +393,7 @@ class VLLMBackend(PauseGate):
         self.sleeping, self.version = False, version
 
     def _load_adapters(self, adapters: dict, version: int):
-        """--lora: every server loads each adapter (peft's files, from ``lora.adapters``) as
+        """--lora: every server loads each adapter (peft's files, from ``LoRA.weights``) as
         "NAME-v{version}", then drops the previous version's. A new name each time: vLLM's prefix
         cache is keyed by it. A server that refuses one stops the run with what it said."""
         from safetensors.torch import save_file

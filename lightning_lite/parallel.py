@@ -101,6 +101,9 @@ def load_optimizer_state(model, opt, state: dict, parallel: str):
     extra = sharding(parallel)
     if extra is not None:
         return extra.load_optimizer_state(model, opt, state)
+    # checkpoints written before the state was keyed by name: in the optimizer's order
+    if all(isinstance(i, int) for g in state["param_groups"] for i in g["params"]):
+        return opt.load_state_dict(state)
     index = {name: i for i, name in enumerate(_names_in_order(model, opt))}
     # torch's loader pairs saved and current parameters by position: number the current ones in
     # order

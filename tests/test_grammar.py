@@ -408,7 +408,9 @@ def test_forced_calls_follow_their_schema_in_every_api_streaming_and_not(server,
             replay = None
             if use:
                 replay = grammar.Replay(samples, tok, model.config.vocab_size)
-            d = (trainer_logprobs(model, b, allowed=replay) - b["old_logprobs"])[b["loss_mask"] > 0].abs()
+            d = (trainer_logprobs(model, b, allowed=replay) - b["old_logprobs"])[
+                b["loss_mask"] > 0
+            ].abs()
             print(
                 f"{'with' if use else 'without'} the masks: |dlogp| mean {d.mean():.2e} max {d.max():.2e} over {len(d)} tokens"
             )

@@ -162,7 +162,9 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path, tok):
     replay = grammar.Replay(samples, tok, yarn.config.vocab_size)
     with torch.no_grad():
         dlogp = float(
-            (trainer_logprobs(yarn, b, allowed=replay) - b["old_logprobs"])[b["loss_mask"] > 0].abs().mean()
+            (trainer_logprobs(yarn, b, allowed=replay) - b["old_logprobs"])[b["loss_mask"] > 0]
+            .abs()
+            .mean()
         )
     print(f"step 1's calls: mean |dlogp| {dlogp:.4f} against the trainer's YaRN model")
     assert dlogp < 0.1  # a server with plain RoPE: 0.23 on such replies
@@ -374,7 +376,9 @@ def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_
             replay = None
             if use:
                 replay = grammar.Replay(samples, tok, model.config.vocab_size)
-            gaps[use] = (trainer_logprobs(model, b, allowed=replay) - b["old_logprobs"])[b["loss_mask"] > 0].abs()
+            gaps[use] = (trainer_logprobs(model, b, allowed=replay) - b["old_logprobs"])[
+                b["loss_mask"] > 0
+            ].abs()
     print(
         f"|dlogp| vs vLLM (bf16): under the replayed masks mean {gaps[True].mean():.4f} max {gaps[True].max():.3f}; "
         f"without: mean {gaps[False].mean():.3f} max {gaps[False].max():.2f}"

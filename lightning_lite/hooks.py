@@ -54,11 +54,11 @@ grammar = None
 
 # Per-rollout isolation (extras/isolation.py): a factory of the object Proxy keeps when asked for
 # rollout_tokens. It admits each request (admit(request, rollout_id, reward) -> rollout id), gives
-# each rollout its endpoint (endpoint(server, rollout_id, model, socket, api_key) -> harness.Endpoint:
-# its route, the harness's reward key, with socket a Unix socket of its own), closes sockets
-# (close_sockets(rollout_ids=None), None: all), holds what each rollout was refused (flags: rollout
-# id -> list), and forgets a step (reset). None: every rollout id is served as it is, and a reward
-# is taken from anyone.
+# each rollout its endpoint (endpoint(server, rollout_id, model, socket, api_key) ->
+# harness.Endpoint: its route, the harness's reward key, with socket a Unix socket of its own),
+# closes sockets (close_sockets(rollout_ids=None), None: all), holds what each rollout was refused
+# (flags: rollout id -> list), and forgets a step (reset). None: every rollout id is served as it
+# is, and a reward is taken from anyone.
 isolation = None
 
 # ----------------------------------------------------------------------------- the embedded backend

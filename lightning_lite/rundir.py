@@ -150,7 +150,8 @@ COUNTED = [
     "truncated",
     "dropped",
 ]
-# What the loss reports (algo.policy_loss), copied into the row.
+# What Learner.update reports, copied into the row: the loss's own (algo.reduce_metrics), the
+# grammar's token counts, and the mismatch metrics of extras/mismatch.py (null without it).
 LOSS_METRICS = [
     "fwd_tokens",
     "constrained_tokens",

@@ -23,25 +23,22 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
-import os
 import random
-import signal
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from lightning_lite import algo, hooks, records
+from lightning_lite import algo, hooks, parallel, records
 from lightning_lite.backends import HFBackend
-from lightning_lite.harness import Tasks, fail_rollouts_the_backend_failed, resolve_call_rewards
-from lightning_lite.harness import run_rollouts
+from lightning_lite.harness import CtrlC, Tasks, run_rollouts, settle_rollouts
 from lightning_lite.models import load_tokenizer
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
 from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_line, step_rates
 from lightning_lite.trainer import Learner, TrainConfig
-from lightning_lite.samples import build_batch_samples
+from lightning_lite.samples import build_batch_samples, for_imitation
 from lightning_lite.toolcalls import format_names
 
 # ----------------------------------------------------------------------------- extras
@@ -111,9 +108,7 @@ group.add_argument("--max-batch-size", type=int, default=32, help=BATCH_HELP)
 group.add_argument("--backend", default="hf", choices=["hf", "vllm"], help=BACKEND_HELP)
 group.add_argument("--proxy-host", default="127.0.0.1", help=HOST_HELP)
 group.add_argument("--pause-retry-after", type=float, help=PAUSE_HELP)
-group.add_argument(
-    "--tool-format", choices=format_names(), help="default: detected from the template"
-)
+group.add_argument("--tool-format", choices=format_names(), help="default: the template's")
 group.add_argument("--keep-history-tokens", action="store_true", help=HISTORY_HELP)
 group.add_argument(
     "--async", dest="async_steps", type=int, nargs="?", const=1, default=0, help=ASYNC_HELP
@@ -141,7 +136,7 @@ group.add_argument("--weight-decay", type=float, default=0.0)
 group.add_argument("--grad-clip", type=float, default=1.0)
 group.add_argument("--micro-batch-tokens", type=int, default=4096, help=MICRO_HELP)
 group.add_argument(
-    "--max-seq-len", type=int, help="longer samples cut or dropped (default: context)"
+    "--max-seq-len", type=int, help="longer samples: cut or dropped (default: context)"
 )
 group.add_argument("--no-tree", action="store_true", help="one padded row a sample, not packed")
 group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)
@@ -155,21 +150,10 @@ for extra in flagged:
 args = hooks.parse_args(parser, EXTRAS, extras)
 
 # ----------------------------------------------------------------------------- set-up
-ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-if ddp:
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank = dist.get_rank()
-    world = dist.get_world_size()
-else:
-    rank = 0
-    world = 1
+# DDP under torchrun (NCCL on GPUs, gloo on CPUs), else one process
+ddp, rank, world, device = parallel.init(args.device)
 master = rank == 0
-cuda = args.device == "cuda"
-if cuda:
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-    torch.cuda.set_device(device)
-else:
-    device = torch.device(args.device)
+cuda = device.type == "cuda"
 # The one place each derived default is resolved (config.json records what ran).
 args.clip_low, args.clip_high = algo.clip_range(args.loss, args.clip_low, args.clip_high)
 args.norm_const = args.norm_const or args.max_new_tokens
@@ -216,18 +200,9 @@ tok = load_tokenizer(args.model)
 recorded = None
 if hooks.step_source is not None:
     recorded = hooks.step_source(tok, log)
-if hooks.tasks is not None:
-    tasks = hooks.tasks(args, log)
-else:
-    tasks = Tasks(
-        args.harness,
-        args.harness_arg,
-        args.batch_size,
-        args.group_size,
-        args.eval_tasks,
-        args.seed,
-        log,
-    )
+# one harness (harness.Tasks), or several with weights (extras/harnesses.py)
+make_tasks = hooks.tasks or Tasks.from_flags
+tasks = make_tasks(args, log)
 # --lora (extras/lora.py): the model adapter; None: the whole model trains
 adapter = hooks.adapter
 if adapter is not None:
@@ -242,10 +217,9 @@ if recorded:
     max_staleness = args.steps
 learner_config = TrainConfig.from_flags(args, max_staleness=max_staleness)
 learner = Learner(learner_config, tok, device, dtype, world, master, resume_dir, log, adapter)
-model = learner.model
 start_step = learner.start_step
 # a sample may be as long as the served context
-args.max_seq_len = args.max_seq_len or model.config.max_position_embeddings
+args.max_seq_len = args.max_seq_len or learner.model.config.max_position_embeddings
 args.no_tree = learner.config.no_tree
 evaluated = run.drop_after(start_step, resumed=bool(resume_dir))
 config = {**vars(args), "world_size": world, "start_step": start_step}
@@ -300,7 +274,6 @@ def rollouts(jobs, name):
         bridged = getattr(harness_of[rid], "bridged", False)
         return server.endpoint(rid, model_name, socket=bridged)
 
-    desc = name.replace("_", " ")
     results = asyncio.run(
         run_rollouts(
             jobs,
@@ -308,25 +281,16 @@ def rollouts(jobs, name):
             args.max_concurrency,
             args.rollout_timeout,
             posted_reward=proxy.reward,
-            desc=desc,
+            desc=name.replace("_", " "),
             progress=master,
         )
     )
     proxy.set_output(None)
     server.close_sockets([rid for rid, _, _ in jobs])
     calls = read_calls(run.file("calls", name))
-    calls_of = {}
-    for c in calls:
-        calls_of.setdefault(c.rollout_id, []).append(c)
-    resolve_call_rewards(results, calls_of, proxy.call_rewards)
-    for result in results:
-        # what the proxy refused the rollout (another's route, a reward of its own)
-        result.flags = proxy.flags(result.rollout_id)
-    # e.g. what the audit's patterns find in its calls (extras/audit.py)
-    for flag in hooks.ROLLOUT_FILTERS:
-        flag(results, calls_of, tok.decode)
+    # call rewards keyed by index, flags, failed where the backend failed a call
+    settle_rollouts(results, calls, proxy, tok.decode)
     proxy.reset()
-    fail_rollouts_the_backend_failed(results, calls)
     return results, calls, time.time() - t0
 
 
@@ -339,13 +303,7 @@ def step_rollouts(step):
         # written as a harness step's are: the report shows them, a later run reads them
         records.write_jsonl(run.file("calls", f"step_{step}"), calls)
         return groups, results, calls, time.time() - t0
-    jobs = []
-    groups = {}
-    for i, group in enumerate(tasks.pick(step)[rank::world]):
-        for g, (harness, task, group_id) in enumerate(group):
-            rollout_id = f"s{step}-r{rank}-t{i}-g{g}"
-            jobs.append((rollout_id, task, harness))
-            groups[rollout_id] = group_id
+    jobs, groups = tasks.jobs(step, rank, world)
     results, calls, seconds = rollouts(jobs, f"step_{step}")
     return groups, results, calls, seconds
 
@@ -387,22 +345,8 @@ def make_samples(results, calls):
         its_samples, stats[name] = build_batch_samples(its_calls, args.max_seq_len)
         samples += its_samples
     if args.loss == "sft":
-        for s in samples:
-            # -logprob under the model's own softmax, and without a grammar's mask: the model
-            # learns to write what the sampler's settings or a grammar made it write
-            n = len(s.tokens)
-            s.temperature = [1.0] * n
-            s.top_k = [0] * n
-            s.top_p = [1.0] * n
-            s.grammars = {}
+        samples = for_imitation(samples)
     return samples, stats
-
-
-def imitated(reward) -> bool:
-    """--loss sft: is a rollout with this reward one to imitate?"""
-    if args.sft_min_reward is None:
-        return True
-    return reward is not None and reward >= args.sft_min_reward
 
 
 def advantages(groups, results, calls):
@@ -411,7 +355,7 @@ def advantages(groups, results, calls):
     imitate."""
     finished = {r.rollout_id: r.reward for r in results if r.error is None}
     if args.loss == "sft":
-        return {rid: 1.0 for rid, reward in finished.items() if imitated(reward)}, {}
+        return algo.imitation_advantages(finished, args.sft_min_reward), {}
     answered = {}
     for c in calls:
         if c.finish_reason not in UNANSWERED:
@@ -441,18 +385,10 @@ def sync_weights(version):
     payload = backend.payload(learner)
     backend.pause()
     # every rank's calls have finished before anything reloads (vLLM servers are shared)
-    if ddp:
-        dist.barrier()
+    parallel.barrier()
     backend.sync_weights(payload, version=version)
-    if ddp:
-        dist.barrier()
+    parallel.barrier()
     backend.resume()
-
-
-def save(step):
-    path = learner.save(step, run, vars(args))
-    if path:
-        log(f"saved {path}")
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -470,40 +406,12 @@ def log_step(row, step):
     log(line)
 
 
-def make_room_for_training():
-    """No generation while the weights change (under --async the backend serves its own copy), and
-    the backend frees what training needs (--vllm-sleep). Returns the seconds it took."""
-    t0 = time.time()
-    if not worker:
-        backend.pause()
-    backend.make_room()
-    return time.time() - t0
-
-
 def eval_due(k):
     return k in (0, args.steps) or (args.eval_every > 0 and k % args.eval_every == 0)
 
 
-# A Ctrl-C marks the run interrupted and is checked at every step too: Python drops a
-# KeyboardInterrupt raised while a finalizer runs (a run once went on for 20 steps).
-interrupted = False
-
-
-def on_ctrl_c(signum, frame):
-    global interrupted
-    interrupted = True
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        raise KeyboardInterrupt from None
-    # in the rollouts' event loop: cancel them (their clients close), as asyncio.run would;
-    # then wake its select(), which the signal does not end
-    for t in asyncio.all_tasks(loop):
-        t.cancel()
-    loop.call_soon_threadsafe(lambda: None)
-
-
-signal.signal(signal.SIGINT, on_ctrl_c)
+# A Ctrl-C cancels the rollouts in flight and is checked at every step (harness.CtrlC).
+ctrl_c = CtrlC()
 # steps_done: the steps whose update is applied (or skipped), what a checkpoint holds
 step = start_step
 steps_done = start_step
@@ -516,7 +424,7 @@ try:
     if eval_due(start_step) and start_step not in evaluated:
         evaluate(start_step)
     for step in range(start_step, args.steps):
-        if interrupted:
+        if ctrl_c.pressed:
             raise KeyboardInterrupt
         t_step = time.time()
         # 1. rollouts. Under --async N those of the next N steps start now, in the background:
@@ -543,7 +451,13 @@ try:
             dropped = int(sums["dropped"])
             log(f"step {step + 1}: {dropped} samples dropped: a first turn > --max-seq-len")
         # 4-6. loss and backward, optimizer step
-        t_sleep = make_room_for_training()
+        t0 = time.time()
+        # No generation while the weights change (under --async the backend serves its own copy),
+        # and the backend frees what training needs (--vllm-sleep).
+        if not worker:
+            backend.pause()
+        backend.make_room()
+        t_sleep = time.time() - t0
         t0 = time.time()
         # something to learn from: an advantage, or the KL term on any sample
         has_signal = sums["signal"] > 0 or (sums["samples"] > 0 and args.kl_coef > 0)
@@ -599,8 +513,8 @@ try:
         if eval_due(step + 1):
             evaluate(step + 1)
         if args.save_every and (step + 1) % args.save_every == 0:
-            save(step + 1)
-    save(args.steps)
+            learner.save(step + 1, run, vars(args))
+    learner.save(args.steps, run, vars(args))
 except (KeyboardInterrupt, asyncio.CancelledError):
     # in step + 1, whose update may be applied already (steps_done): --resume goes on from there
     log(f"interrupted in step {step + 1}: saving a checkpoint of step {steps_done} before exiting")
@@ -608,7 +522,7 @@ except (KeyboardInterrupt, asyncio.CancelledError):
         run.append_metrics(unlogged)
     if worker:
         worker.shutdown(wait=False, cancel_futures=True)
-    save(steps_done)
+    learner.save(steps_done, run, vars(args))
     sys.exit(130)
 finally:
     server.stop()

@@ -64,6 +64,20 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
 
 
+def imitation_advantages(rewards: dict, min_reward: Optional[float] = None) -> dict:
+    """--loss sft: an advantage of 1 for each rollout to imitate, every finished one, or with
+    ``min_reward`` those rewarded at least that.
+
+    >>> imitation_advantages({"a": 1.0, "b": 0.2, "c": None}, min_reward=0.5)
+    {'a': 1.0}
+    """
+    kept = {}
+    for rollout_id, reward in rewards.items():
+        if min_reward is None or (reward is not None and reward >= min_reward):
+            kept[rollout_id] = 1.0
+    return kept
+
+
 def compute_advantages(
     rewards: dict[str, Optional[float]],
     groups: dict[str, str],

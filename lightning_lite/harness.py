@@ -9,6 +9,7 @@ import importlib.util
 import math
 import random
 import re
+import signal
 import sys
 import time
 from collections import Counter
@@ -215,6 +216,19 @@ class Tasks:
             counts = f"{len(self.train[h.name])} train / {len(self.test[h.name])} test tasks"
             log(f"harness {h.name} ({spec}): {counts}")
 
+    @classmethod
+    def from_flags(cls, args, log) -> "Tasks":
+        """The tasks of train.py's flags (an argparse Namespace): hooks.tasks's signature."""
+        return cls(
+            args.harness,
+            args.harness_arg,
+            args.batch_size,
+            args.group_size,
+            args.eval_tasks,
+            args.seed,
+            log,
+        )
+
     def names(self) -> list[str]:
         return [h.name for h in self.harnesses]
 
@@ -225,6 +239,18 @@ class Tasks:
             for task in self.draw(self.train[h.name], step, self.batch_size):
                 groups.append([(h, task, f"{h.name}/{task.id}")] * self.group_size)
         return groups
+
+    def jobs(self, step: int, rank: int, world: int) -> tuple[list[tuple], dict]:
+        """This rank's share of the step's groups as rollouts: [(rollout id, task, harness)] and
+        {rollout id: its advantage group}. The ids are unique in a run: "s{step}-r{rank}-t{i}-g{g}"."""
+        jobs = []
+        groups = {}
+        for i, group in enumerate(self.pick(step)[rank::world]):
+            for g, (harness, task, group_id) in enumerate(group):
+                rollout_id = f"s{step}-r{rank}-t{i}-g{g}"
+                jobs.append((rollout_id, task, harness))
+                groups[rollout_id] = group_id
+        return jobs, groups
 
     def draw(self, items: list, step: int, n: int) -> list:
         """The step's n items of a fixed shuffle per epoch, so --resume sees the same order."""
@@ -280,6 +306,23 @@ class RolloutResult:
     call_rewards: dict = field(default_factory=dict)
 
 
+def settle_rollouts(results: list[RolloutResult], calls: list, proxy, decode) -> None:
+    """What the records say of a batch of finished rollouts, once their calls are read back: each
+    one's call rewards keyed by call index (resolve_call_rewards), its flags (what ``proxy`` refused
+    it, then what hooks.ROLLOUT_FILTERS find in its calls, e.g. extras/audit.py's patterns), and
+    failed where the backend failed one of its calls."""
+    calls_of = {}
+    for c in calls:
+        calls_of.setdefault(c.rollout_id, []).append(c)
+    resolve_call_rewards(results, calls_of, proxy.call_rewards)
+    for result in results:
+        # another's route, a reward of its own (extras/isolation.py)
+        result.flags = proxy.flags(result.rollout_id)
+    for flag in hooks.ROLLOUT_FILTERS:
+        flag(results, calls_of, decode)
+    fail_rollouts_the_backend_failed(results, calls)
+
+
 def fail_rollouts_the_backend_failed(results: list[RolloutResult], calls) -> None:
     """A rollout one of whose calls the backend failed (``finish_reason == "error"``) is failed,
     even if the harness carried on and got a reward: part of its conversation was never sampled by
@@ -316,6 +359,28 @@ def parse_reward(returned) -> tuple[Optional[float], dict]:
             "k a call's index in its rollout (int) or its reply's id (str), r a finite number"
         )
     return returned.get("reward"), {k: float(r) for k, r in calls.items()}
+
+
+class CtrlC:
+    """Takes Ctrl-C while rollouts run (train.py): ``pressed`` is set, which the loop checks at
+    every step, since Python drops a KeyboardInterrupt raised while a finalizer runs (a run once
+    went on for 20 steps). Within the rollouts' event loop it cancels them (their clients close), as
+    asyncio.run would; outside it raises KeyboardInterrupt."""
+
+    def __init__(self):
+        self.pressed = False
+        signal.signal(signal.SIGINT, self.handle)
+
+    def handle(self, signum, frame):
+        self.pressed = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise KeyboardInterrupt from None
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        # the signal does not end the loop's select(): wake it
+        loop.call_soon_threadsafe(lambda: None)
 
 
 async def run_rollouts(

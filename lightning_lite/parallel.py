@@ -8,12 +8,36 @@ the same name.
 """
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
 
 from . import hooks
 from .algo import all_reduce
+
+
+def init(device_name: str) -> tuple[bool, int, int, torch.device]:
+    """(ddp, rank, world size, this rank's device). Under torchrun (WORLD_SIZE > 1) the process
+    group starts here: NCCL on GPUs, gloo on CPUs; each rank takes the GPU of its LOCAL_RANK."""
+    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = 0
+    world = 1
+    if ddp:
+        dist.init_process_group("nccl" if device_name == "cuda" else "gloo")
+        rank = dist.get_rank()
+        world = dist.get_world_size()
+    device = torch.device(device_name)
+    if device_name == "cuda":
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        torch.cuda.set_device(device)
+    return ddp, rank, world, device
+
+
+def barrier():
+    """Every rank waits here for the others (a no-op in one process)."""
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def sharding(parallel: str):

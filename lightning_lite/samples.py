@@ -239,6 +239,19 @@ def build_batch_samples(calls: Iterable[Call], max_seq_len=None) -> tuple[list[S
     return samples, stats
 
 
+def for_imitation(samples: list[Sample]) -> list[Sample]:
+    """The samples as --loss sft trains them: each token scored under the model's own softmax and
+    without a grammar's mask, so the model learns to write what the sampler's settings or a grammar
+    made it write."""
+    for s in samples:
+        n = len(s.tokens)
+        s.temperature = [1.0] * n
+        s.top_k = [0] * n
+        s.top_p = [1.0] * n
+        s.grammars = {}
+    return samples
+
+
 def format_stats(stats: Counter) -> str:
     n, merged = stats["unanswered"], stats["tokens"]
     unanswered = f"{n} unanswered (backend error, client gone)" if n else ""

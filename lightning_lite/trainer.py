@@ -379,13 +379,16 @@ class Learner:
 
     def save(self, step: int, run, config: dict) -> str | None:
         """A checkpoint of the trained weights (under --async the served copy is a step behind) and
-        the optimizer state: every rank helps gather them (FSDP), rank 0 writes them."""
+        the optimizer state: every rank helps gather them (FSDP), rank 0 writes them and says where
+        (the path; None on other ranks)."""
         weights = parallel.full_state_dict(self.model, self.config.parallel)
         optim = parallel.optimizer_state(self.model, self.opt, self.config.parallel)
         if not self.master:
             return None
         # the served copy is of the plain class: the checkpoint loads anywhere
         keep = self.config.keep_checkpoints
-        return run.save_checkpoint(
+        path = run.save_checkpoint(
             step, self.served, self.tok, weights, optim, self.dtype, config, keep
         )
+        self.log(f"saved {path}")
+        return path

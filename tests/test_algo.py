@@ -155,6 +155,15 @@ def test_per_call_estimators_by_hand():
         compute_advantages(REWARDS, GROUPS, "returns")
 
 
+def test_sft_imitates_every_finished_rollout_or_those_rewarded_at_least_the_threshold():
+    from lightning_lite.algo import imitation_advantages
+
+    rewards = {"a": 1.0, "b": 0.2, "c": 0.5}
+    assert imitation_advantages(rewards) == {"a": 1.0, "b": 1.0, "c": 1.0}
+    assert imitation_advantages(rewards, min_reward=0.5) == {"a": 1.0, "c": 1.0}
+    assert imitation_advantages(rewards, min_reward=2.0) == {}
+
+
 def test_per_call_advantages_reach_exactly_the_tokens_of_their_calls():
     """Calls 1 and 2 both continue call 0 (two leaves); call 3 starts over (a split). Call 0's tokens are trained once,
     in the longest leaf, with call 0's advantage; every trainable token has its own call's, prompts 0."""

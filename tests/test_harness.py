@@ -15,10 +15,12 @@ from lightning_lite.harness import (
     Endpoint,
     Harness,
     Task,
+    RolloutResult,
     Tasks,
     load_harness,
     parse_kwargs,
     run_rollouts,
+    settle_rollouts,
 )
 from openai_stub import StubServer
 
@@ -360,6 +362,65 @@ def test_one_harness_draws_its_step_tasks_and_more_needs_the_extra():
     for specs, items in ((["calc", "search"], []), (["calc:2"], []), (["calc"], ["calc:k=1"])):
         with pytest.raises(SystemExit, match="needs lightning_lite/extras/harnesses.py"):
             Tasks(specs, items, 4, 2, 3, 7, print)
+
+
+def test_a_ranks_jobs_are_its_share_of_the_groups_under_ids_unique_in_the_run():
+    """Tasks.jobs: rank r of w takes groups r, r + w, ...; each rollout's id names its step, rank,
+    group and place in the group, and maps to the group's id."""
+    tasks = Tasks(["calc"], [], 4, 2, 0, 7, lambda *line: None)
+    groups = tasks.pick(3)
+    jobs, group_of = tasks.jobs(3, 1, 2)
+    assert [rid for rid, _, _ in jobs] == [
+        "s3-r1-t0-g0",
+        "s3-r1-t0-g1",
+        "s3-r1-t1-g0",
+        "s3-r1-t1-g1",
+    ]
+    assert [task.id for _, task, _ in jobs] == [groups[k][0][1].id for k in (1, 1, 3, 3)]
+    assert group_of == {rid: groups[1 + 2 * int(rid[7])][0][2] for rid, _, _ in jobs}
+
+
+def test_settled_rollouts_carry_call_rewards_by_index_flags_and_the_backends_failures(
+    monkeypatch,
+):
+    """settle_rollouts: call rewards named by reply id end keyed by index, the proxy's refusals and
+    hooks.ROLLOUT_FILTERS's findings are the flags, and a rollout one of whose calls the backend
+    failed is failed, reward and all."""
+    from lightning_lite import hooks
+    from lightning_lite.records import Call
+
+    def call(rid, index, reply_id, finish="stop"):
+        return Call(
+            rollout_id=rid,
+            index=index,
+            api="chat",
+            model_version=0,
+            prompt_ids=[1],
+            response_ids=[2],
+            response_logprobs=[-0.1],
+            finish_reason=finish,
+            reply_id=reply_id,
+        )
+
+    results = [RolloutResult("a", "t", 1.0, None, 0.1), RolloutResult("b", "t", 0.5, None, 0.1)]
+    calls = [call("a", 0, "r0"), call("a", 1, "r1"), call("b", 0, "q0", finish="error")]
+
+    class Proxy:
+        def call_rewards(self, rid):
+            return {"r1": 0.25} if rid == "a" else {}
+
+        def flags(self, rid):
+            return [{"kind": "route"}] if rid == "b" else []
+
+    seen = []
+    # this test's filter alone (the audit's, which conftest's import registers, needs its set-up)
+    monkeypatch.setattr(
+        hooks, "ROLLOUT_FILTERS", [lambda rs, calls_of, decode: seen.append(sorted(calls_of))]
+    )
+    settle_rollouts(results, calls, Proxy(), decode=str)
+    assert results[0].call_rewards == {1: 0.25} and results[0].reward == 1.0
+    assert results[1].flags == [{"kind": "route"}] and seen == [["a", "b"]]
+    assert results[1].reward is None and "backend failed" in results[1].error
 
 
 def test_subprocess_harness_moved_and_the_error_says_where():

@@ -100,8 +100,8 @@ LOSS_METRICS = []
 step_source = None
 
 # The step's tasks: a factory fn(args, log) -> an object of harness.Tasks's surface. None:
-# harness.Tasks, one harness (extras/harnesses.py adds several --harness, weights, grouping across
-# them).
+# harness.Tasks.from_flags, one harness (extras/harnesses.py adds several --harness, weights,
+# grouping across them).
 tasks = None
 
 # Before the first rollout: fn(harnesses, args, server, log), e.g. each harness's sandbox.

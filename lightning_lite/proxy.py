@@ -370,9 +370,14 @@ class Proxy:
             self.backend.generate(exchange.prompt_ids, s, on_token=on_token, rollout_id=rollout_id)
             for s in samplings
         ]
+        gathered = asyncio.gather(*generations)
         try:
-            return await asyncio.wait_for(asyncio.gather(*generations), self.call_timeout)
+            return await asyncio.wait_for(gathered, self.call_timeout)
         except (asyncio.CancelledError, Exception) as e:
+            # Python 3.11's gather, once cancelled, ends with a CancelledError as its exception: it
+            # is taken here, or the loop logs "exception was never retrieved" for every such call.
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()
             # No answer: the client went away (its generation is cancelled with it) or the backend
             # failed. The calls are recorded as "cancelled" or "error", with an empty response:
             # never trained on.

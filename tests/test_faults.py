@@ -354,6 +354,26 @@ def test_other_rollouts_are_served_while_one_call_hangs(fake, tok):
     assert quick == [200] * 20 and slow == 504
 
 
+def test_a_client_that_leaves_is_recorded_cancelled_and_nothing_is_left_unretrieved(fake, caplog):
+    """A client that leaves mid-call (a rollout past its timeout) cancels its generation: the call is
+    recorded "cancelled", and the proxy's loop logs no "exception was never retrieved" (Python 3.11's
+    gather, once cancelled, holds a CancelledError for whoever awaited it)."""
+
+    async def leave():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as s:
+            with pytest.raises(asyncio.TimeoutError):
+                await s.post(f"{fake.url}/rollout/gone{CHAT}", json=GOOD)
+
+    fake.backend.mode = "hang"
+    asyncio.run(leave())
+    deadline = time.time() + 10
+    while not fake.calls() and time.time() < deadline:
+        time.sleep(0.05)
+    gc.collect()
+    assert [c.finish_reason for c in fake.calls()] == ["cancelled"]
+    assert "never retrieved" not in caplog.text
+
+
 def test_requests_over_the_limit_get_429_with_retry_after(tok, tmp_path):
     srv = ProxyServer(
         Proxy(FakeBackend(tok, delay=0.5), tok, out_dir=str(tmp_path), max_requests=2)

@@ -818,7 +818,7 @@ def functionary_v32_segment(text: str, i: int):
 def functionary_v32_blocks(text: str):
     """Functionary v3.2: ``all\\nCONTENT>>>NAME\\n{...}>>>NAME\\n{...}``, the first recipient
     right after the generation prompt's >>>. Each recipient is a block ("all": without calls)."""
-    first = functionary_v32_segment(text, 0)
+    first = functionary_v32_segment(text, SPACE.match(text).end())
     out = [(0, first[1], first[0])] if first else []
     first_end = out[0][1] if out else 0
     later = marker_blocks(">>>", functionary_v32_segment)(text)
@@ -828,8 +828,9 @@ def functionary_v32_blocks(text: str):
 def functionary_v32_stream(rest: str) -> str:
     """The content streams after "all", up to the next >>>; a reply that opens with a name is a
     call, and nothing of it streams."""
-    if rest.startswith("all\n"):
-        return up_to(">>>")(rest[len("all\n") :])
+    opening = rest.lstrip()
+    if opening.startswith("all\n"):
+        return up_to(">>>")(opening[len("all\n") :])
     return ""
 
 

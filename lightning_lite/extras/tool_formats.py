@@ -737,8 +737,12 @@ def streamed_up_to(*openers: str):
 
 def llama4_blocks(text: str):
     """Llama 4's template writes the content inside <|python_start|>...<|python_end|> and the calls
-    after it: each run of JSON calls after <|python_end|> is a block, and the <|python_start|> that
-    opened the content before it another, without calls."""
+    after it, as JSON: each run of JSON calls after <|python_end|> is a block, and the
+    <|python_start|> that opened the content before it another, without calls. Python calls inside
+    the tags (``[f(a=1)]``, as vLLM's llama4_pythonic reads Llama 4) are calls too."""
+    python = regex_blocks(region(PYTHON_START, PYTHON_END), pythonic_calls)(text)
+    if python:
+        return python
     out = []
     for start, end, calls in marker_blocks(PYTHON_END, json_call_run)(text):
         previous_end = out[-1][1] if out else 0
@@ -785,22 +789,38 @@ def quoted_bare_values(body: str) -> str:
     return BARE_VALUE.sub(quoted, body)
 
 
+def leading_call_list(text: str):
+    """A Python list of calls that opens ``text`` (after whitespace) -> (calls, where it ends); None
+    when it does not open with one. A value written bare, as baseten's template writes a string,
+    reads as that string."""
+    start = SPACE.match(text).end()
+    if not text.startswith("[", start):
+        return None
+    close = text.find("]", start)
+    while close >= 0:
+        body = text[start : close + 1]
+        calls = pythonic_calls(body) or pythonic_calls(quoted_bare_values(body))
+        if calls:
+            return calls, close + 1
+        close = text.find("]", close + 1)
+    return None
+
+
 def python_list_blocks(text: str):
-    """Calls only when the whole reply is a Python list of them, ``[f(a="v"), g()]`` (Typhoon 2.1,
-    baseten's Llama 3.2): prose with a list in it is content. A value written bare, as baseten's
-    template writes a string, reads as that string."""
-    body = text.strip()
-    if not (body.startswith("[") and body.endswith("]")):
-        return []
-    calls = pythonic_calls(body) or pythonic_calls(quoted_bare_values(body))
-    return [(0, len(text), calls)] if calls else []
+    """Calls only where a Python list of them opens the reply, ``[f(a="v"), g()]`` (Typhoon 2.1,
+    baseten's Llama 3.2; Typhoon's template writes the content after it): a list later in prose is
+    content."""
+    found = leading_call_list(text)
+    return [(0, found[1], found[0])] if found else []
 
 
 def python_list_stream(rest: str) -> str:
-    """A reply that starts as a list may be calls: all of it waits."""
-    if rest.lstrip().startswith("["):
-        return ""
-    return rest
+    """A reply that starts as a list may be calls: nothing streams until the list closes as calls,
+    then the content after them."""
+    if not rest.lstrip().startswith("["):
+        return rest
+    found = leading_call_list(rest)
+    return rest[found[1] :] if found else ""
 
 
 def functionary_v32_segment(text: str, i: int):
@@ -883,7 +903,9 @@ REFUSED_FORMATS = {
         call=(" " + HYPERCLOVAX_CALL + '\n[{"name": "', '", "arguments": ', "}]"),
         detect=json_after(HYPERCLOVAX_CALL),
         blocks=led_by(
-            marker_blocks(HYPERCLOVAX_CALL, closed_by(json_calls, "<|im_end|>")),
+            marker_blocks(
+                HYPERCLOVAX_CALL, closed_by(closed_by(json_calls, "<|im_end|>"), "<|stop|>")
+            ),
             r"(?:<\|im_end\|>\s*<\|im_start\|>assistant)?\s*",
         ),
         stream=streamed_up_to("<|im_end|>", HYPERCLOVAX_CALL),

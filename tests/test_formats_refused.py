@@ -23,7 +23,7 @@ import template_breadth  # noqa: E402
 
 import test_families  # noqa: E402
 
-from test_families import MERGED, SPLIT, converse, samples_of  # noqa: E402
+from test_families import MERGED, PARALLEL, SPLIT, converse, samples_of  # noqa: E402
 
 # template -> the format it is detected in
 TEMPLATES = {
@@ -219,10 +219,6 @@ def test_what_each_format_reads_besides_its_templates_call():
 # not reason)), as tests/test_families.py's FAMILIES, and the markers that are single tokens in the
 # family's tokenizer
 PROXY_FAMILIES = {
-    "step-audio-r1.1": (
-        ("stepfun-ai-Step-Audio-R1.1", None, "<|EOT|>", ["<|EOT|>"], {}),
-        ["<|BOT|>", "<|CALL_START|>", "<|CALL_END|>", "<think>", "</think>"],
-    ),
     "llama4": (
         (
             "trl-internal-testing-tiny-Llama4ForCausalLM",
@@ -232,6 +228,44 @@ PROXY_FAMILIES = {
             None,
         ),
         ["<|header_start|>", "<|header_end|>", "<|python_start|>", "<|python_end|>"],
+    ),
+    "apertus": (
+        (
+            "Apertus-8B-Instruct",
+            "<s>",
+            "<|assistant_end|>",
+            ["<|assistant_end|>", "<|tools_suffix|>"],
+            None,
+        ),
+        [
+            *("<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>"),
+            *("<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|tools_prefix|>"),
+        ],
+    ),
+    "solar-open": (
+        ("upstage-Solar-Open-100B", None, "<|end|>", ["<|end|>", "<|calls|>"], None),
+        [
+            *("<|begin|>", "<|content|>", "<|tool_calls|>", "<|tool_call:begin|>"),
+            *("<|tool_call:name|>", "<|tool_call:args|>", "<|tool_call:end|>"),
+        ],
+    ),
+    "gigachat3": (
+        ("GigaChat3-10B-A1.8B", "<s>", "</s>", ["</s>"], None),
+        ["<|role_sep|>", "<|message_sep|>"],
+    ),
+    "hyperclovax-think-14b": (
+        (
+            "naver-hyperclovax-HyperCLOVAX-SEED-Think-14B",
+            None,
+            "<|endofturn|>",
+            ["<|endofturn|>", "<|stop|>"],
+            None,
+        ),
+        ["<|im_start|>", "<|im_end|>"],
+    ),
+    "typhoon2.1": (
+        ("typhoon-ai-typhoon2.1-gemma3-4b", "<bos>", "<eos>", ["<end_of_turn>", "<eos>"], None),
+        ["<start_of_turn>"],
     ),
     "functionary-v3.2": (
         (
@@ -243,14 +277,15 @@ PROXY_FAMILIES = {
         ),
         ["<|start_header_id|>", "<|end_header_id|>"],
     ),
+    "step-audio-r1.1": (
+        ("stepfun-ai-Step-Audio-R1.1", None, "<|EOT|>", ["<|EOT|>"], {}),
+        ["<|BOT|>", "<|CALL_START|>", "<|CALL_END|>", "<think>", "</think>"],
+    ),
 }
-# family -> samples for PLAN's 3 calls: reasoning echoed, dropped; --keep-history-tokens (dropped)
-PROXY_SAMPLES = {
-    # its template drops reasoning from every turn: as DeepSeek-R1's
-    "step-audio-r1.1": (SPLIT, SPLIT, MERGED),
-    "llama4": (MERGED, MERGED, MERGED),
-    "functionary-v3.2": (MERGED, MERGED, MERGED),
-}
+# family -> samples for PLAN's 3 calls: reasoning echoed, dropped; --keep-history-tokens (dropped).
+# All merge but Step-Audio's, whose template drops reasoning from every turn (as DeepSeek-R1's).
+PROXY_SAMPLES = {name: (MERGED, MERGED, MERGED) for name in PROXY_FAMILIES}
+PROXY_SAMPLES["step-audio-r1.1"] = (SPLIT, SPLIT, MERGED)
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +331,14 @@ def test_a_tool_conversation_through_the_proxy_is_token_exact(proxies, name):
     rid, plain = converse(fam)
     srid, streamed = converse(fam, stream=True)
     assert streamed == plain and samples_of(fam, srid) == samples_of(fam, rid)
+
+
+@pytest.mark.parametrize("name", [n for n in PROXY_FAMILIES if n != "gigachat3"])
+def test_parallel_calls_through_the_proxy(proxies, name):
+    """Two calls in one reply come back as two calls (GigaChat 3's template renders only a turn's
+    first call: docs/tool-calls.md)."""
+    fam = proxies(name)
+    rid, got = converse(fam, PARALLEL)
+    assert len(got[0][2]) == 2
+    # two replies: one sample, or two where the template drops the first's reasoning
+    assert samples_of(fam, rid)[0] == (1 if PROXY_SAMPLES[name][0] == MERGED else 2)

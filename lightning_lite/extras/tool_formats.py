@@ -652,9 +652,12 @@ hooks.TEMPLATE_CHECKS.append(calls_again)
 # own template renders. They are tried after every format above, so that none of them takes a
 # template that one of those reads.
 
-PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
-TOOLS_PREFIX, TOOLS_SUFFIX = "<|tools_prefix|>", "<|tools_suffix|>"
-GIGACHAT3_CALL, MESSAGE_SEP = "function call<|role_sep|>", "<|message_sep|>"
+PYTHON_START = "<|python_start|>"
+PYTHON_END = "<|python_end|>"
+TOOLS_PREFIX = "<|tools_prefix|>"
+TOOLS_SUFFIX = "<|tools_suffix|>"
+GIGACHAT3_CALL = "function call<|role_sep|>"
+MESSAGE_SEP = "<|message_sep|>"
 HYPERCLOVAX_CALL = "-> tool/function_call"
 SOLAR_OPEN_BLOCK = ("<|tool_calls|>", "<|calls|>")
 SOLAR_OPEN_CALL = re.compile(
@@ -680,13 +683,17 @@ PYTHON_LITERAL = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null|T
 def json_call_run(text: str, i: int):
     """JSON calls one after another at text[i:] (Llama 4's template writes them with nothing
     between; ``;`` or whitespace may be) -> (calls, end); None when there is none."""
-    calls, end = [], i
+    calls = []
+    end = i
     while True:
         found = json_calls(text, CALL_SEPARATORS.match(text, end).end())
         if not found:
             break
-        calls, end = calls + found[0], found[1]
-    return (calls, end) if calls else None
+        calls = calls + found[0]
+        end = found[1]
+    if not calls:
+        return None
+    return calls, end
 
 
 def closed_by(read, close: str):
@@ -713,11 +720,15 @@ def led_by(blocks, lead: str):
 
     def with_lead(text: str):
         out = []
+        previous_end = 0
         for start, end, calls in blocks(text):
-            previous_end = out[-1][1] if out else 0
+            # the lead is searched for between the block before and this one
             m = ending.search(text, previous_end, start)
-            begin = m.start() if m else start
+            begin = start
+            if m:
+                begin = m.start()
             out.append((begin, end, calls))
+            previous_end = end
         return out
 
     return with_lead
@@ -744,12 +755,13 @@ def llama4_blocks(text: str):
     if python:
         return python
     out = []
+    previous_end = 0
     for start, end, calls in marker_blocks(PYTHON_END, json_call_run)(text):
-        previous_end = out[-1][1] if out else 0
         opener = text.rfind(PYTHON_START, previous_end, start)
         if opener >= 0:
             out.append((opener, opener + len(PYTHON_START), []))
         out.append((start, end, calls))
+        previous_end = end
     return out
 
 
@@ -789,6 +801,31 @@ def quoted_bare_values(body: str) -> str:
     return BARE_VALUE.sub(quoted, body)
 
 
+def closing_bracket(text: str, start: int) -> int:
+    """Where the bracket at text[start] is closed, brackets and quoted strings inside skipped; -1
+    while it is not."""
+    depth = 0
+    quote = ""
+    k = start
+    while k < len(text):
+        c = text[k]
+        if quote and c == "\\":
+            # the escaped character is skipped with it
+            k += 1
+        elif quote and c == quote:
+            quote = ""
+        elif not quote and c in "\"'":
+            quote = c
+        elif not quote and c in "([{":
+            depth += 1
+        elif not quote and c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return k
+        k += 1
+    return -1
+
+
 def leading_call_list(text: str):
     """A Python list of calls that opens ``text`` (after whitespace) -> (calls, where it ends); None
     when it does not open with one. A value written bare, as baseten's template writes a string,
@@ -796,14 +833,14 @@ def leading_call_list(text: str):
     start = SPACE.match(text).end()
     if not text.startswith("[", start):
         return None
-    close = text.find("]", start)
-    while close >= 0:
-        body = text[start : close + 1]
-        calls = pythonic_calls(body) or pythonic_calls(quoted_bare_values(body))
-        if calls:
-            return calls, close + 1
-        close = text.find("]", close + 1)
-    return None
+    close = closing_bracket(text, start)
+    if close < 0:
+        return None
+    body = text[start : close + 1]
+    calls = pythonic_calls(body) or pythonic_calls(quoted_bare_values(body))
+    if not calls:
+        return None
+    return calls, close + 1
 
 
 def python_list_blocks(text: str):
@@ -811,7 +848,10 @@ def python_list_blocks(text: str):
     baseten's Llama 3.2; Typhoon's template writes the content after it): a list later in prose is
     content."""
     found = leading_call_list(text)
-    return [(0, found[1], found[0])] if found else []
+    if not found:
+        return []
+    calls, end = found
+    return [(0, end, calls)]
 
 
 def python_list_stream(rest: str) -> str:
@@ -820,7 +860,9 @@ def python_list_stream(rest: str) -> str:
     if not rest.lstrip().startswith("["):
         return rest
     found = leading_call_list(rest)
-    return rest[found[1] :] if found else ""
+    if not found:
+        return ""
+    return rest[found[1] :]
 
 
 def functionary_v32_segment(text: str, i: int):
@@ -829,7 +871,9 @@ def functionary_v32_segment(text: str, i: int):
     if text.startswith("all\n", i):
         return [], i + len("all\n")
     m = FUNCTIONARY_RECIPIENT.match(text, i)
-    arguments = json_at(text, m.end()) if m else None
+    if not m:
+        return None
+    arguments = json_at(text, m.end())
     if not arguments or not isinstance(arguments[0], dict):
         return None
     return [make_call(m.group(1), arguments[0])], arguments[1]
@@ -838,10 +882,14 @@ def functionary_v32_segment(text: str, i: int):
 def functionary_v32_blocks(text: str):
     """Functionary v3.2: ``all\\nCONTENT>>>NAME\\n{...}>>>NAME\\n{...}``, the first recipient
     right after the generation prompt's >>>. Each recipient is a block ("all": without calls)."""
+    out = []
+    first_end = 0
     first = functionary_v32_segment(text, SPACE.match(text).end())
-    out = [(0, first[1], first[0])] if first else []
-    first_end = out[0][1] if out else 0
+    if first:
+        calls, first_end = first
+        out.append((0, first_end, calls))
     later = marker_blocks(">>>", functionary_v32_segment)(text)
+    # a >>> inside the first call's arguments is theirs
     return out + [block for block in later if block[0] >= first_end]
 
 
@@ -910,8 +958,8 @@ REFUSED_FORMATS = {
         ),
         stream=streamed_up_to("<|im_end|>", HYPERCLOVAX_CALL),
     ),
-    # Typhoon 2.1, baseten's Llama 3.2: the whole reply [N(a="v"), M()] (baseten's template writes
-    # a string bare, a=v)
+    # Typhoon 2.1, baseten's Llama 3.2: [N(a="v"), M()] opening the reply (Typhoon's template writes
+    # the content after it, baseten's a string bare: a=v)
     "python_list": Format(
         call=("[", "(", ")]"),
         detect=lambda before, after: (

@@ -13,6 +13,7 @@ import re
 import sys
 
 import pytest
+import requests
 
 from lightning_lite import toolcalls
 from lightning_lite.chat import ContentStream, Renderer
@@ -342,3 +343,77 @@ def test_parallel_calls_through_the_proxy(proxies, name):
     assert len(got[0][2]) == 2
     # two replies: one sample, or two where the template drops the first's reasoning
     assert samples_of(fam, rid)[0] == (1 if PROXY_SAMPLES[name][0] == MERGED else 2)
+
+
+# ------------------------------------------------------- forced calls on the embedded model
+SHORT_CITY = {
+    **TOOL,
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+    },
+}
+DAYS = {
+    "name": "get_forecast",
+    "description": "Forecast of a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "days"],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "typhoon-ai-typhoon2.1-gemma3-4b",
+        "meetkai-functionary-medium-v3.2",
+        "upstage-Solar-Open-100B",
+    ],
+)
+def test_a_forced_call_on_the_embedded_model_follows_its_schema(model, tok, tmp_path, name):
+    """tool_choice named and "required": the 135M model, constrained by the grammar around the
+    format's call (Format.call), writes one call that parses and follows its tool's schema. Three
+    shapes: Python calls a parameter at a time, a call opened by its name alone (the generation
+    prompt wrote Functionary's >>>), Solar Open's call whose id the proxy gives."""
+    from lightning_lite.backends import HFBackend
+    from lightning_lite.proxy import Proxy, ProxyServer
+
+    t = copy.deepcopy(tok)
+    t.chat_template = open(os.path.join(template_breadth.TEMPLATES, name + ".jinja")).read()
+    backend = HFBackend(model, t)
+    server = ProxyServer(Proxy(backend, t, out_dir=str(tmp_path))).start()
+    try:
+        tools = [{"type": "function", "function": f} for f in (SHORT_CITY, DAYS)]
+        for k, choice in enumerate(
+            ({"type": "function", "function": {"name": "get_forecast"}}, "required")
+        ):
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
+                "tools": tools,
+                "tool_choice": choice,
+                "max_tokens": 64,
+                "temperature": 1.0,
+                "seed": 1,
+            }
+            url = f"{server.base_url(f'forced-{k}')}/chat/completions"
+            reply = requests.post(url, json=body, timeout=300).json()
+            message = reply["choices"][0]["message"]
+            calls = message.get("tool_calls") or []
+            assert len(calls) == 1, message
+            arguments = json.loads(calls[0]["function"]["arguments"])
+            schema = {"get_weather": SHORT_CITY, "get_forecast": DAYS}[calls[0]["function"]["name"]]
+            properties = schema["parameters"]["properties"]
+            assert set(schema["parameters"]["required"]) <= set(arguments) <= set(properties)
+            if k == 0:
+                assert calls[0]["function"]["name"] == "get_forecast"
+                assert isinstance(arguments["days"], int) and 1 <= arguments["days"] <= 9
+    finally:
+        server.stop()
+        backend.close()

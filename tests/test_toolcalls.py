@@ -129,6 +129,8 @@ Q = '<|"|>'
 KIMI = "<|tool_calls_section_begin|>{}<|tool_calls_section_end|>"
 KC = "<|tool_call_begin|>functions.{}:{}<|tool_call_argument_begin|>{}<|tool_call_end|>"
 HY = "<tool_call>{}\n```json\n{}\n```</tool_call>"
+SO = "<|tool_calls|>{}<|calls|>"
+SC = "<|tool_call:begin|><|tool_call:name|>{}<|tool_call:args|>{}<|tool_call:end|>"
 MORE = {
     # fmt: (ONE's call, TWO, BAD)
     "nemotron": (
@@ -196,6 +198,39 @@ MORE = {
         "<tool_calls>" + HY.format("a", '{"x": 1}') + HY.format("b", "{}") + "</tool_calls>",
         "Let me check.<tool_calls>" + HY.format("get_weather", '{"city"') + "</tool_calls>",
     ),
+    # the formats once refused (issue 48): Llama 4, Apertus, Solar Open 100B, GigaChat 3, HyperCLOVAX
+    # SEED Think 14B, Step-Audio R1.1
+    "llama4": (
+        '<|python_start|><|python_end|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        '<|python_start|><|python_end|>{"name": "a", "parameters": {"x": 1}}{"name": "b", "parameters": {}}',
+        'Let me check.<|python_start|><|python_end|>{"name": "get_weather", "parameters": {"city": ',
+    ),
+    "apertus": (
+        '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
+        '<|tools_prefix|>[{"a": {"x": 1}}, {"b": {}}]<|tools_suffix|>',
+        'Let me check.<|tools_prefix|>[{"get_weather": {"city": }]<|tools_suffix|>',
+    ),
+    "solar_open": (
+        SO.format(SC.format("get_weather", '{"city": "Paris"}')),
+        SO.format(SC.format("a", '{"x": 1}') + SC.format("b", "{}")),
+        "Let me check." + SO.format(SC.format("get_weather", '{"city": ')),
+    ),
+    "gigachat3": (
+        '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        'function call<|role_sep|>\n[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+        'Let me check.<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "get_weather", "arguments": {',
+    ),
+    "hyperclovax": (
+        "<|im_end|>\n<|im_start|>assistant -> tool/function_call\n"
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|im_end|>',
+        ' -> tool/function_call\n[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+        'Let me check.<|im_end|>\n<|im_start|>assistant -> tool/function_call\n[{"name": "get_weather"',
+    ),
+    "step_audio": (
+        '<|CALL_START|>function\nget_weather\n{"city": "Paris"}<|CALL_END|>',
+        '<|CALL_START|>function\na\n{"x": 1}<|CALL_END|><|CALL_START|>function\nb\n{}<|CALL_END|>',
+        'Let me check.<|CALL_START|>function\nget_weather\n{"city": <|CALL_END|>',
+    ),
 }
 for fmt, (one, two, bad) in MORE.items():
     ONE[fmt], TWO[fmt], BAD[fmt] = BEFORE + one, two, bad
@@ -221,6 +256,16 @@ CONTINUE["functionary"] = (
     '{"city": "Paris"}</function>',
     'get_weather>{"city": "Paris"}</function>',
 )
+# Typhoon's and baseten's Python list is the whole reply, as Llama 3's JSON is; Functionary v3.2's
+# content follows "all", after the >>> the generation prompt writes
+ONE["python_list"] = '[get_weather(city="Paris")]'
+TWO["python_list"] = "[a(x=1), b()]"
+BAD["python_list"] = '[get_weather(city="Paris"]'
+CONTINUE["python_list"] = ('city="Paris")]', 'get_weather(city="Paris")]')
+ONE["functionary_v32"] = "all\n" + BEFORE + '>>>get_weather\n{"city": "Paris"}'
+TWO["functionary_v32"] = 'a\n{"x": 1}>>>b\n{}'
+BAD["functionary_v32"] = 'Let me check.>>>get_weather\n{"city": '
+CONTINUE["functionary_v32"] = ('{"city": "Paris"}', 'get_weather\n{"city": "Paris"}')
 
 
 def tagged_texts(fmt: str) -> tuple[str, str, str, tuple[str, str]]:
@@ -286,7 +331,7 @@ def replies(fmt: str) -> list[tuple[str, dict]]:
 def test_parse_content_one_call_parallel_calls_and_malformed(fmt):
     one = parse(fmt, ONE[fmt])
     assert calls_of(one) == [("get_weather", {"city": "Paris"})]
-    assert one["content"] == ("" if fmt == "llama3" else BEFORE)
+    assert one["content"] == ("" if fmt in ("llama3", "python_list") else BEFORE)
     assert one["reasoning"] == ("Need the weather." if fmt == "harmony" else "")
     assert calls_of(parse(fmt, TWO[fmt])) == [("a", {"x": 1}), ("b", {})]
     bad = parse(fmt, BAD[fmt])
@@ -410,6 +455,8 @@ def test_the_format_names_are_the_formats_in_the_table():
         *("deepseek_v4", "minicpm", "solar", "hy3_preview", "hy3", "hunyuan", "nemotron"),
         *("gigachat", "tool_calls_json", "intern", "longcat_json", "command_r", "olmo3", "lfm2"),
         *("minicpm3", "step3", "gemma4", "kimi", "functionary", "seed_oss", "function_tags"),
+        *("llama4", "apertus", "solar_open", "gigachat3", "hyperclovax", "python_list"),
+        *("functionary_v32", "step_audio"),
     ]
 
 
@@ -499,7 +546,10 @@ def test_visible_is_always_a_prefix_of_the_final_parse(fmt, special_tok):
             kw,
         )
     # content before a call and reasoning stream before the reply is done
-    if fmt != "llama3":
+    if fmt == "python_list":
+        assert visible(fmt, "Sure, the weather ") == ("", "Sure, the weather")
+        assert visible(fmt, " [get_we") == ("", "")
+    elif fmt != "llama3":
         cut = ONE[fmt].index(BEFORE) + len(BEFORE)
         assert (
             visible(fmt, ONE[fmt][: cut + 2])[1] == BEFORE and visible(fmt, ONE[fmt])[1] == BEFORE

@@ -339,8 +339,9 @@ def calls_again(renderer, call: str) -> bool:
     close = renderer.turn_close.strip()
 
     def calls(text: str) -> int:
+        # GigaChat 3 closes the content with the turn close before a call: up to the next one
         if close:
-            text = text.split(close)[0]
+            text = next((piece for piece in text.split(close) if piece.strip()), "")
         return len(parse(fmt, text)["tool_calls"])
 
     return calls(call) > 0 and calls(call_text(head, twice)) > 0
@@ -642,3 +643,351 @@ hooks.TEMPLATE_DIALECTS.update(
     short_ids=short_ids, string_args=string_args, merge_roles=merge_roles
 )
 hooks.TEMPLATE_CHECKS.append(calls_again)
+
+
+# ------------------------------------------------------------------ the formats once refused
+# The families whose templates render calls in formats read nowhere above (issue 48): Llama 4,
+# Apertus, Solar Open 100B, GigaChat 3, HyperCLOVAX SEED Think 14B, the Python lists of Typhoon 2.1
+# and baseten's Llama 3.2, Functionary v3.2 and Step-Audio R1.1. Each is detected from the call its
+# own template renders. They are tried after every format above, so that none of them takes a
+# template that one of those reads.
+
+PYTHON_START = "<|python_start|>"
+PYTHON_END = "<|python_end|>"
+TOOLS_PREFIX = "<|tools_prefix|>"
+TOOLS_SUFFIX = "<|tools_suffix|>"
+GIGACHAT3_CALL = "function call<|role_sep|>"
+MESSAGE_SEP = "<|message_sep|>"
+HYPERCLOVAX_CALL = "-> tool/function_call"
+SOLAR_OPEN_BLOCK = ("<|tool_calls|>", "<|calls|>")
+SOLAR_OPEN_CALL = re.compile(
+    r"\s*<\|tool_call:begin\|>([^<]*)<\|tool_call:name\|>([^<\s]+)<\|tool_call:args\|>"
+    r"(.*?)(?:<\|tool_call:end\|>|\Z)\s*",
+    re.S,
+)
+STEP_AUDIO_CALL = re.compile(
+    r"\s*<\|CALL_START\|>function\n([^\n<]+)\n(.*?)(?:<\|CALL_END\|>|\Z)\s*", re.S
+)
+# Functionary v3.2: what follows >>> is a recipient, a function's name or "all" (the content)
+FUNCTIONARY_RECIPIENT = re.compile(r"([A-Za-z_][\w.-]*)\n")
+# Python calls at the start of a line or right after a tag (Typhoon's, baseten's template)
+LIST_OPENS_REPLY = re.compile(r"(?:\A|[\n>])\s*\[\Z")
+# A value written bare in a Python call (baseten's template writes strings without quotes): up to
+# the next comma or the call's close.
+BARE_VALUE = re.compile(
+    r"(?<=[(,])(\s*[A-Za-z_]\w*\s*=\s*)([^\s\"'\[\]{}(),=][^\"'\[\]{}(),=]*?)(?=\s*[,)])"
+)
+PYTHON_LITERAL = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null|True|False|None")
+
+
+def json_call_run(text: str, i: int):
+    """JSON calls one after another at text[i:] (Llama 4's template writes them with nothing
+    between; ``;`` or whitespace may be) -> (calls, end); None when there is none."""
+    calls = []
+    end = i
+    while True:
+        found = json_calls(text, CALL_SEPARATORS.match(text, end).end())
+        if not found:
+            break
+        calls = calls + found[0]
+        end = found[1]
+    if not calls:
+        return None
+    return calls, end
+
+
+def closed_by(read, close: str):
+    """A ``marker_blocks`` reader: what ``read`` parses, and ``close`` with it where it follows
+    (the call's own close, which the model may or may not write before its EOS)."""
+
+    def calls(text: str, i: int):
+        found = read(text, i)
+        if not found:
+            return None
+        after = SPACE.match(text, found[1]).end()
+        if text.startswith(close, after):
+            return found[0], after + len(close)
+        return found
+
+    return calls
+
+
+def led_by(blocks, lead: str):
+    """``blocks`` (a ``Format.blocks``), each taking in ``lead`` (a regex) right before it: what the
+    template writes between the content and a call (GigaChat 3 closes the content with
+    <|message_sep|>, HyperCLOVAX with <|im_end|> and a new turn's header)."""
+    ending = re.compile(f"(?:{lead})\\Z")
+
+    def with_lead(text: str):
+        out = []
+        previous_end = 0
+        for start, end, calls in blocks(text):
+            # the lead is searched for between the block before and this one
+            m = ending.search(text, previous_end, start)
+            begin = start
+            if m:
+                begin = m.start()
+            out.append((begin, end, calls))
+            previous_end = end
+        return out
+
+    return with_lead
+
+
+def streamed_up_to(*openers: str):
+    """A ``Format.stream``: the content up to the first of ``openers``, less a tail that may be the
+    start of one."""
+
+    def stream(text: str) -> str:
+        for opener in openers:
+            text = up_to(opener)(text)
+        return text
+
+    return stream
+
+
+def llama4_blocks(text: str):
+    """Llama 4's template writes the content inside <|python_start|>...<|python_end|> and the calls
+    after it, as JSON: each run of JSON calls after <|python_end|> is a block, and the
+    <|python_start|> that opened the content before it another, without calls. Python calls inside
+    the tags (``[f(a=1)]``, as vLLM's llama4_pythonic reads Llama 4) are calls too."""
+    python = regex_blocks(region(PYTHON_START, PYTHON_END), pythonic_calls)(text)
+    if python:
+        return python
+    out = []
+    previous_end = 0
+    for start, end, calls in marker_blocks(PYTHON_END, json_call_run)(text):
+        opener = text.rfind(PYTHON_START, previous_end, start)
+        if opener >= 0:
+            out.append((opener, opener + len(PYTHON_START), []))
+        out.append((start, end, calls))
+        previous_end = end
+    return out
+
+
+def apertus_calls(text: str, i: int):
+    """``[{"NAME": {...}}, ...]`` at text[i:] (Apertus: each call an object of one key, its name)
+    -> (calls, end); None when it is not that."""
+    value = json_at(text, i)
+    if not value or not isinstance(value[0], list) or not value[0]:
+        return None
+    calls = []
+    for obj in value[0]:
+        if not isinstance(obj, dict) or len(obj) != 1:
+            return None
+        name, arguments = next(iter(obj.items()))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(make_call(name, arguments))
+    return calls, value[1]
+
+
+def solar_open_call(m: re.Match) -> Optional[dict]:
+    """One Solar Open call: its id (kept where the model wrote one), name and JSON arguments."""
+    id, name, arguments = m.groups()
+    return dict_call(name, arguments, id.strip() or None)
+
+
+def quoted_bare_values(body: str) -> str:
+    """Python calls with each value written bare (``city=Paris``, as baseten's template writes a
+    string) quoted as a string, unless it is a number or a constant."""
+
+    def quoted(m: re.Match) -> str:
+        value = m.group(2).strip()
+        if PYTHON_LITERAL.fullmatch(value):
+            return m.group(0)
+        return m.group(1) + json.dumps(value)
+
+    return BARE_VALUE.sub(quoted, body)
+
+
+def closing_bracket(text: str, start: int) -> int:
+    """Where the bracket at text[start] is closed, brackets and quoted strings inside skipped; -1
+    while it is not."""
+    depth = 0
+    quote = ""
+    k = start
+    while k < len(text):
+        c = text[k]
+        if quote and c == "\\":
+            # the escaped character is skipped with it
+            k += 1
+        elif quote and c == quote:
+            quote = ""
+        elif not quote and c in "\"'":
+            quote = c
+        elif not quote and c in "([{":
+            depth += 1
+        elif not quote and c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return k
+        k += 1
+    return -1
+
+
+def leading_call_list(text: str):
+    """A Python list of calls that opens ``text`` (after whitespace) -> (calls, where it ends); None
+    when it does not open with one. A value written bare, as baseten's template writes a string,
+    reads as that string."""
+    start = SPACE.match(text).end()
+    if not text.startswith("[", start):
+        return None
+    close = closing_bracket(text, start)
+    if close < 0:
+        return None
+    body = text[start : close + 1]
+    calls = pythonic_calls(body) or pythonic_calls(quoted_bare_values(body))
+    if not calls:
+        return None
+    return calls, close + 1
+
+
+def python_list_blocks(text: str):
+    """Calls only where a Python list of them opens the reply, ``[f(a="v"), g()]`` (Typhoon 2.1,
+    baseten's Llama 3.2; Typhoon's template writes the content after it): a list later in prose is
+    content."""
+    found = leading_call_list(text)
+    if not found:
+        return []
+    calls, end = found
+    return [(0, end, calls)]
+
+
+def python_list_stream(rest: str) -> str:
+    """A reply that starts as a list may be calls: nothing streams until the list closes as calls,
+    then the content after them."""
+    if not rest.lstrip().startswith("["):
+        return rest
+    found = leading_call_list(rest)
+    if not found:
+        return ""
+    return rest[found[1] :]
+
+
+def functionary_v32_segment(text: str, i: int):
+    """What follows a >>> (the generation prompt writes the first): "all" and the content, or a
+    function's name and its JSON arguments -> ([] or [the call], where it ends); None: neither."""
+    if text.startswith("all\n", i):
+        return [], i + len("all\n")
+    m = FUNCTIONARY_RECIPIENT.match(text, i)
+    if not m:
+        return None
+    arguments = json_at(text, m.end())
+    if not arguments or not isinstance(arguments[0], dict):
+        return None
+    return [make_call(m.group(1), arguments[0])], arguments[1]
+
+
+def functionary_v32_blocks(text: str):
+    """Functionary v3.2: ``all\\nCONTENT>>>NAME\\n{...}>>>NAME\\n{...}``, the first recipient
+    right after the generation prompt's >>>. Each recipient is a block ("all": without calls)."""
+    out = []
+    first_end = 0
+    first = functionary_v32_segment(text, SPACE.match(text).end())
+    if first:
+        calls, first_end = first
+        out.append((0, first_end, calls))
+    later = marker_blocks(">>>", functionary_v32_segment)(text)
+    # a >>> inside the first call's arguments is theirs
+    return out + [block for block in later if block[0] >= first_end]
+
+
+def functionary_v32_stream(rest: str) -> str:
+    """The content streams after "all", up to the next >>>; a reply that opens with a name is a
+    call, and nothing of it streams."""
+    opening = rest.lstrip()
+    if opening.startswith("all\n"):
+        return up_to(">>>")(opening[len("all\n") :])
+    return ""
+
+
+REFUSED_FORMATS = {
+    # Llama 4: <|python_start|>CONTENT<|python_end|>{"name": N, "parameters": {...}}
+    "llama4": Format(
+        call=(PYTHON_START + PYTHON_END + '{"name": "', '", "parameters": ', "}"),
+        detect=json_after(PYTHON_END),
+        blocks=llama4_blocks,
+        stream=streamed_up_to(PYTHON_START, PYTHON_END),
+    ),
+    # Apertus: <|tools_prefix|>[{"N": {...}}]<|tools_suffix|>
+    "apertus": Format(
+        call=(TOOLS_PREFIX + '[{"', '": ', "}]" + TOOLS_SUFFIX),
+        detect=lambda before, after: bool(
+            re.search(re.escape(TOOLS_PREFIX) + r'\s*\[\s*\{\s*"\Z', before)
+            and after.startswith('":')
+        ),
+        blocks=marker_blocks(TOOLS_PREFIX, closed_by(apertus_calls, TOOLS_SUFFIX)),
+        stream=up_to(TOOLS_PREFIX),
+    ),
+    # Solar Open 100B: <|tool_calls|><|tool_call:begin|>ID<|tool_call:name|>N<|tool_call:args|>{...}
+    # <|tool_call:end|><|calls|> (a forced call's id left empty: the proxy gives it one)
+    "solar_open": Format(
+        call=(
+            SOLAR_OPEN_BLOCK[0] + "<|tool_call:begin|><|tool_call:name|>",
+            "<|tool_call:args|>",
+            "<|tool_call:end|>" + SOLAR_OPEN_BLOCK[1],
+        ),
+        detect=lambda before, after: (
+            before.endswith("<|tool_call:name|>") and after.startswith("<|tool_call:args|>")
+        ),
+        blocks=regex_blocks(region(*SOLAR_OPEN_BLOCK), each(SOLAR_OPEN_CALL, solar_open_call)),
+        stream=up_to(SOLAR_OPEN_BLOCK[0]),
+    ),
+    # GigaChat 3: CONTENT<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": N, "arguments": {...}}
+    "gigachat3": Format(
+        call=(MESSAGE_SEP + "\n\n" + GIGACHAT3_CALL + '\n{"name": "', '", "arguments": ', "}"),
+        detect=json_after(GIGACHAT3_CALL),
+        blocks=led_by(
+            marker_blocks(GIGACHAT3_CALL, closed_by(json_calls, MESSAGE_SEP)),
+            re.escape(MESSAGE_SEP) + r"\s*",
+        ),
+        stream=streamed_up_to(MESSAGE_SEP, GIGACHAT3_CALL),
+    ),
+    # HyperCLOVAX SEED Think 14B: CONTENT<|im_end|>\n<|im_start|>assistant -> tool/function_call\n
+    # [{"name": N, "arguments": {...}}]<|im_end|> (without content: right after the generation
+    # prompt's <|im_start|>assistant)
+    "hyperclovax": Format(
+        call=(" " + HYPERCLOVAX_CALL + '\n[{"name": "', '", "arguments": ', "}]"),
+        detect=json_after(HYPERCLOVAX_CALL),
+        blocks=led_by(
+            marker_blocks(
+                HYPERCLOVAX_CALL, closed_by(closed_by(json_calls, "<|im_end|>"), "<|stop|>")
+            ),
+            r"(?:<\|im_end\|>\s*<\|im_start\|>assistant)?\s*",
+        ),
+        stream=streamed_up_to("<|im_end|>", HYPERCLOVAX_CALL),
+    ),
+    # Typhoon 2.1, baseten's Llama 3.2: [N(a="v"), M()] opening the reply (Typhoon's template writes
+    # the content after it, baseten's a string bare: a=v)
+    "python_list": Format(
+        call=("[", "(", ")]"),
+        detect=lambda before, after: (
+            bool(LIST_OPENS_REPLY.search(before)) and after.startswith("(")
+        ),
+        blocks=python_list_blocks,
+        stream=python_list_stream,
+        param=("{name}=", "", ", "),
+    ),
+    # Functionary v3.2: (>>> in the generation prompt) all\nCONTENT>>>N\n{...}>>>M\n{...}
+    "functionary_v32": Format(
+        call=("", "\n", ""),
+        # The generation prompt wrote the >>>: the call opens the reply with the name.
+        detect=lambda before, after: before.strip() in ("", ">>>") and after.startswith("\n{"),
+        blocks=functionary_v32_blocks,
+        stream=functionary_v32_stream,
+    ),
+    # Step-Audio R1.1: <|CALL_START|>function\nN\n{...}<|CALL_END|>
+    "step_audio": Format(
+        call=("<|CALL_START|>function\n", "\n", "<|CALL_END|>"),
+        detect=lambda before, after: before.endswith("<|CALL_START|>function\n"),
+        blocks=regex_blocks(
+            re.compile(f"((?:{STEP_AUDIO_CALL.pattern})+)", re.S),
+            each(STEP_AUDIO_CALL, lambda m: dict_call(*m.groups())),
+        ),
+        stream=up_to("<|CALL_START|>"),
+    ),
+}
+
+FORMATS.update(REFUSED_FORMATS)
+hooks.TOOL_FORMATS.update(REFUSED_FORMATS)

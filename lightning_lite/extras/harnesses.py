@@ -170,8 +170,7 @@ def make_tasks(args, log) -> Tasks:
     targeted = any(split_arg(item)[0] for item in args.harness_arg)
     if len(args.harness) > 1 or weighted or targeted or args.group_across_harnesses:
         return SeveralTasks(args, log)
-    sizes = dict(batch_size=args.batch_size, group_size=args.group_size, eval_tasks=args.eval_tasks)
-    return Tasks(args.harness, args.harness_arg, **sizes, seed=args.seed, log=log)
+    return Tasks.from_flags(args, log)
 
 
 hooks.tasks = make_tasks

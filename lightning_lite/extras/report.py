@@ -40,6 +40,8 @@ from ..records import Call, common_prefix, find_batches, finite, read_calls, rea
 from ..rundir import step_counts
 from ..samples import build_samples
 
+# A tool's name no tool has: a forced opening of it splits into what comes before and after a name.
+NAME_MARK = "\x00"
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.html")
 
 
@@ -88,14 +90,21 @@ class TokenKinds:
             self.openings[key] = self.renderer.encode(text)
         return self.openings[key]
 
-    def forced_opening(self, call: Call, names: list[str]) -> int:
-        """How many of ``call``'s last prompt ids are a forced opening (0: none). Tried in turn: a
-        call of each tool in ``names`` (those the batch's replies called), of any tool, a JSON
-        reply; each after a closed reasoning block first, the longer text."""
+    def forced_opening(self, call: Call) -> int:
+        """How many of ``call``'s last prompt ids are a forced opening (0: none): a JSON reply's,
+        a call of any tool's, or a call of the tool named between what every named opening has
+        before and after the name (its reply may be cut before it parses); each tried after a
+        closed reasoning block first, the longer text, and kept only where its ids end the
+        prompt."""
         if self.renderer is None or not call.prompt_ids:
             return 0
-        candidates = [(name, False) for name in names]
-        candidates += [("", False), (None, True)]
+        candidates = [(None, True), ("", False)]
+        before, after = self.renderer.forced_prefix(NAME_MARK).split(NAME_MARK)
+        # 64 ids: longer than any opening of a tool's name
+        tail = self.tok.decode(call.prompt_ids[-64:], skip_special_tokens=False)
+        at = tail.rfind(before)
+        if at >= 0 and tail.endswith(after):
+            candidates.append((tail[at + len(before) : len(tail) - len(after)], False))
         for name, json_reply in candidates:
             for opened in (True, False):
                 ids = self.opening_ids(name, opened, json_reply)
@@ -117,18 +126,6 @@ class TokenKinds:
             return []
         allowed = hooks.grammar.unpack_bits(masks, n_vocab).sum(1).tolist()
         return [i for i, n in enumerate(allowed) if n == 1]
-
-
-def called_tools(calls: list[Call]) -> list[str]:
-    """The names of the tools that the replies of ``calls`` called, the longest first: a forced
-    call's opening names one of them."""
-    names = set()
-    for c in calls:
-        response = c.response or {}
-        for t in response.get("tool_calls") or []:
-            names.add(t.get("name") or t.get("function", {}).get("name") or "")
-    names.discard("")
-    return sorted(names, key=lambda name: (-len(name), name))
 
 
 def training_of(kind: str, info: dict, row: Optional[dict], has_rollouts_file: bool) -> tuple:
@@ -160,7 +157,6 @@ def rollout_view(
     max_seq_len: Optional[int],
     seqs: list[list[int]],
     kinds: TokenKinds,
-    names: list[str],
 ) -> tuple[dict, list, Counter]:
     """One rollout for the page: its result, its calls, and its samples; each sample's tokens are
     appended to ``seqs`` (the batch's token store) and referred to by position. Returns the view,
@@ -179,7 +175,7 @@ def rollout_view(
             "latency": c.latency_s,
             "version": c.model_version,
             # the last `forced` prompt ids: the forced opening the proxy wrote
-            "forced": kinds.forced_opening(c, names),
+            "forced": kinds.forced_opening(c),
             # sampled under a grammar, and where it allowed one token alone
             "constrained": bool(c.grammar),
             "grammar_forced": kinds.grammar_forced(c),
@@ -258,16 +254,13 @@ def build_batch(
     for rid in calls_of:
         infos.setdefault(rid, {"rollout_id": rid, **unknown, "call_rewards": {}})
     every_call = [c for rollout_calls in calls_of.values() for c in rollout_calls]
-    names = called_tools(every_call)
     seqs: list[list[int]] = []
     rollouts = []
     # what train.py built samples of: the finished rollouts' calls (train.py make_samples)
     finished = []
     merge_stats: Counter = Counter()
     for rid, info in infos.items():
-        view, samples, stats = rollout_view(
-            calls_of.get(rid, []), info, max_seq_len, seqs, kinds, names
-        )
+        view, samples, stats = rollout_view(calls_of.get(rid, []), info, max_seq_len, seqs, kinds)
         trained, why = training_of(kind, info, row, has_rollouts_file)
         view["trained"] = trained
         view["untrained_why"] = why

@@ -589,7 +589,7 @@ def test_a_forced_calls_opening_and_its_grammars_tokens_are_drawn_as_what_they_a
         messages=[{"role": "user", "content": "What is 3 + 4? Use the calculator."}],
         tools=[CALC],
         tool_choice={"type": "function", "function": {"name": "calculator"}},
-        max_tokens=32,
+        max_tokens=16,
         temperature=1.0,
         seed=1,
     )

@@ -136,6 +136,9 @@ def training_of(kind: str, info: dict, row: Optional[dict], has_rollouts_file: b
         return False, "an evaluation"
     if not has_rollouts_file:
         return None, "unknown: no rollouts/ file"
+    # its calls were recorded, its line is missing (a rollouts file cut short)
+    if info.get("unlisted"):
+        return None, "unknown: rollouts/ has no line of it"
     if info["error"] is not None:
         return False, "it failed"
     if info["advantage"] is None:
@@ -252,7 +255,7 @@ def build_batch(
     # a rollout with no line in rollouts/: all but its id unknown
     unknown = dict.fromkeys(["task_id", "harness", "reward", "error", "seconds", "advantage"])
     for rid in calls_of:
-        infos.setdefault(rid, {"rollout_id": rid, **unknown, "call_rewards": {}})
+        infos.setdefault(rid, {"rollout_id": rid, **unknown, "call_rewards": {}, "unlisted": True})
     every_call = [c for rollout_calls in calls_of.values() for c in rollout_calls]
     seqs: list[list[int]] = []
     rollouts = []

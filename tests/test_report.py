@@ -5,6 +5,7 @@ that the page decodes them. The browser is Debian's chromium driven by playwrigh
 own browser download needs the internet); without them the browser test skips: `make setup-browser`.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -129,7 +130,10 @@ def run(tok, tmp_path_factory):
             "t_train": 2.5,
             "t_sync": 0.1,
             "splits": {"rewrote_history": 1},
-            "trainable_tokens": 12,
+            # filled in below: what train.py counted of calls/step_1
+            "trainable_tokens": None,
+            "samples": None,
+            "skipped": None,
             "fwd_tokens": 140,
         },
         {
@@ -181,9 +185,11 @@ def run(tok, tmp_path_factory):
         },
     ]
     rows = [{**r, **h} for r, h in zip(rows, per_harness)]
-    (d / "metrics.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in rows)
-    )  # NaN as train.py writes it
+
+    def write_metrics():
+        (d / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )  # NaN as train.py writes it
 
     p0, r0 = (
         ids("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"),
@@ -266,6 +272,12 @@ def run(tok, tmp_path_factory):
             },
         ],
     )
+    # train.py's count: the samples of the rollouts that finished and got an advantage (s1-g0, s1-g2;
+    # not the failed s1-g1, whose call was recorded all the same)
+    trained = build_samples(good)[0] + build_samples([cheat, after])[0]
+    rows[2]["trainable_tokens"] = sum(sum(s.loss_mask) for s in trained)
+    rows[2]["samples"] = len(trained)
+    write_metrics()
     long_prompt = ids(
         "<|im_start|>user\n" + "count the words " * 300 + "<|im_end|>\n<|im_start|>assistant\n"
     )
@@ -281,6 +293,9 @@ def run(tok, tmp_path_factory):
         "dir": d,
         "stdout": result.stdout,
         "trainable": [sum(s.loss_mask) for s in samples],
+        "trainable_tokens": rows[2]["trainable_tokens"],
+        "samples": rows[2]["samples"],
+        "rows": rows,
         "long_prompt": len(long_prompt),
     }
 
@@ -338,7 +353,10 @@ def test_train_py_writes_the_report_and_the_loggers_through_the_hooks(run, tmp_p
     assert os.listdir(tmp_path / "tensorboard")
 
 
-def test_page_in_headless_chromium(run, tmp_path):
+@contextlib.contextmanager
+def chromium_page():
+    """A page in headless Chromium, and the list of the errors its scripts raise (skips without
+    Chromium or playwright)."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -354,6 +372,22 @@ def test_page_in_headless_chromium(run, tmp_path):
         page = browser.new_page()
         page.on("console", lambda m: m.type == "error" and errors.append(m.text))
         page.on("pageerror", lambda e: errors.append(str(e)))
+        yield page, errors
+        browser.close()
+
+
+def show_rollout(page, run_dir, label, rollout_id):
+    """Open run_dir's report at the batch ``label`` and draw rollout ``rollout_id``."""
+    page.goto((run_dir / "report.html").as_uri())
+    page.wait_for_selector("#rollout-detail[data-rollout]")
+    page.select_option("#batch", label=label)
+    page.wait_for_selector(f'#rollouts tr[data-rollout="{rollout_id}"]')
+    page.click(f'#rollouts tr[data-rollout="{rollout_id}"]')
+    page.wait_for_selector(f'#rollout-detail[data-rollout="{rollout_id}"]')
+
+
+def test_page_in_headless_chromium(run, tmp_path):
+    with chromium_page() as (page, errors):
         page.goto((run["dir"] / "report.html").as_uri())
         page.wait_for_selector("#rollout-detail[data-rollout]")
 
@@ -468,5 +502,154 @@ def test_page_in_headless_chromium(run, tmp_path):
         page.goto((tmp_path / "report.html").as_uri())
         page.wait_for_selector("#plots svg")
         assert page.locator("#plots svg").count() == 7 and page.locator("#by-harness").is_hidden()
-        browser.close()
+    assert errors == []
+
+
+def test_failed_rollouts_are_not_trained_and_the_step_counts_what_metrics_counts(run):
+    """calls/step_1 holds the failed rollout s1-g1's call (a rollout that timed out or crashed keeps
+    what it recorded): none of its tokens is drawn trained, the list counts none of them, and the
+    step's count equals metrics.jsonl's trainable_tokens and samples (issue 49: 452 against 324)."""
+    with chromium_page() as (page, errors):
+        show_rollout(page, run["dir"], batch_label("step", 1), "s1-g1")
+        detail = page.locator("#rollout-detail")
+        assert "trained no (it failed)" in detail.inner_text()
+        assert detail.locator(".tokens .tok.train").count() == 0
+        assert detail.locator(".tokens .tok.other").count() > 0
+        cells = page.locator("#rollouts td.trained").all_inner_texts()
+        n, samples = run["trainable_tokens"], run["samples"]
+        assert cells[1] == "0" and sum(int(c) for c in cells) == n
+        counts = page.inner_text("#token-counts")
+        assert f"{n} trainable tokens in {samples} samples" in counts
+        assert f"metrics.jsonl: trainable_tokens {n}, samples {samples}." in counts
+        assert page.get_attribute("#token-counts", "class") == "note"
+    assert errors == []
+
+
+def test_a_skipped_update_or_adapter_shows_nothing_trained(run, tmp_path):
+    """--lora-per-harness: the search adapter's update was skipped (skipped/search), so its rollout
+    s1-g2 is not drawn trained while calc's s1-g0 is; then the whole step's update was skipped
+    (skipped: no_signal), and nothing is. metrics.jsonl's trainable_tokens still counts them all."""
+    from lightning_lite.extras.report import write_report
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run["dir"], run_dir)
+    rows = [dict(r) for r in run["rows"]]
+    rows[2]["skipped/calc"] = None
+    rows[2]["skipped/search"] = "nonfinite_grad"
+
+    def rewrite():
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_report(str(run_dir))
+
+    rewrite()
+    with chromium_page() as (page, errors):
+        show_rollout(page, run_dir, batch_label("step", 1), "s1-g2")
+        detail = page.locator("#rollout-detail")
+        why = "adapter search's update was skipped (nonfinite_grad)"
+        assert f"trained no ({why})" in detail.inner_text()
+        assert detail.locator(".tokens .tok.train").count() == 0
+        trained = page.locator("#rollouts td.trained").all_inner_texts()
+        assert trained == [str(sum(run["trainable"])), "0", "0"]
+        counts = page.inner_text("#token-counts")
+        assert (
+            f"Trained: {sum(run['trainable'])} tokens" in counts
+            and "search: nonfinite_grad" in counts
+        )
+
+        rows[2]["skipped"] = "no_signal"
+        rewrite()
+        show_rollout(page, run_dir, batch_label("step", 1), "s1-g0")
+        assert page.locator("#rollout-detail .tokens .tok.train").count() == 0
+        assert "the step's update was skipped (no_signal)" in page.inner_text("#rollout-detail")
+        assert page.locator("#rollouts td.trained").all_inner_texts() == ["0", "0", "0"]
+        counts = page.inner_text("#token-counts")
+        assert f"trainable_tokens {run['trainable_tokens']}," in counts
+        assert "Trained: 0 tokens (the update was skipped: no_signal)" in counts
+    assert errors == []
+
+
+def test_a_forced_calls_opening_and_its_grammars_tokens_are_drawn_as_what_they_are(
+    server, tok, tmp_path
+):
+    """A calculator call forced through the proxy (tool_choice, its schema's grammar): the opening
+    the proxy wrote at the end of the prompt is drawn as that, not as prompt; every sampled token
+    as constrained, and those the grammar allowed alone (as many as the trainer's Replay counts)
+    as forced by it."""
+    import openai
+
+    from harnesses import CALC
+    from lightning_lite.extras.grammar import Replay
+    from lightning_lite.extras.report import write_report
+    from lightning_lite.records import read_calls
+
+    rid = "report-forced-0"
+    client = openai.OpenAI(base_url=f"{server.url}/rollout/{rid}/v1", api_key="x", max_retries=0)
+    client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "What is 3 + 4? Use the calculator."}],
+        tools=[CALC],
+        tool_choice={"type": "function", "function": {"name": "calculator"}},
+        max_tokens=16,
+        temperature=1.0,
+        seed=1,
+    )
+    (recorded,) = [
+        c for c in read_calls(str(server.out / "calls.jsonl"), whole=True) if c.rollout_id == rid
+    ]
+    # Hermes's forced opening (toolcalls.forced), which SmolLM2's template uses
+    opening = tok.encode(
+        '<tool_call>\n{"name": "calculator", "arguments":', add_special_tokens=False
+    )
+    assert recorded.grammar and recorded.prompt_ids[-len(opening) :] == opening
+    (sample,), _ = build_samples([recorded])
+    grammar_forced = Replay([sample], tok, len(tok)).forced
+    assert 0 < grammar_forced < len(recorded.response_ids)
+
+    (tmp_path / "config.json").write_text(json.dumps({"model": "smollm2", "max_seq_len": 4096}))
+    row = {"step": 1, "reward": 1.0, "trainable_tokens": sum(sample.loss_mask), "samples": 1}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    write_jsonl(str(tmp_path / "calls" / "step_0.jsonl"), [recorded])
+    result = {"rollout_id": rid, "task_id": "t0", "harness": "calc", "reward": 1.0}
+    result |= {"call_rewards": {}, "error": None, "seconds": 1.0, "advantage": 0.5, "flags": []}
+    write_jsonl(str(tmp_path / "rollouts" / "step_0.jsonl"), [result])
+    write_report(str(tmp_path))
+    with chromium_page() as (page, errors):
+        show_rollout(page, tmp_path, batch_label("step", 0), rid)
+        tokens = page.locator('#rollout-detail .sample[data-sample="0"]')
+        forced = tokens.locator(".tok.forced")
+        assert forced.count() == len(opening)
+        assert "".join(forced.all_inner_texts()).replace("↵\n", "\n") == tok.decode(opening)
+        assert tokens.locator(".tok.ctx").count() == len(recorded.prompt_ids) - len(opening)
+        assert tokens.locator(".tok.train.constrained").count() == len(recorded.response_ids)
+        assert tokens.locator(".tok.gforced").count() == grammar_forced
+    assert errors == []
+
+
+def test_axes_are_readable_at_a_thousand_steps(tmp_path):
+    """1,000 steps: the x axis labels round steps between the first and the last, and each y axis
+    round values that share their decimals (0.0002 ... 0.0010, not 8.53e-4)."""
+    from lightning_lite.extras.report import write_report
+
+    rows = []
+    for step in range(1, 1001):
+        rows.append(
+            {"step": step, "reward": 0.9 * step / 1000, "dlogp_mean": 8.53e-4 * step / 1000}
+        )
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_report(str(tmp_path))
+    with chromium_page() as (page, errors):
+        page.goto((tmp_path / "report.html").as_uri())
+        page.wait_for_selector("#plots svg")
+        reward = page.locator("#plots .plot").nth(0)
+        assert reward.locator(".xtick").all_text_contents() == ["200", "400", "600", "800", "1000"]
+        assert reward.locator(".ytick").all_text_contents() == [
+            "0.0",
+            "0.2",
+            "0.4",
+            "0.6",
+            "0.8",
+            "1.0",
+        ]
+        dlogp = page.locator("#plots .plot").nth(3).locator(".ytick").all_text_contents()
+        assert dlogp == ["0.0000", "0.0002", "0.0004", "0.0006", "0.0008", "0.0010"]
     assert errors == []

@@ -3,9 +3,14 @@
     python -m lightning_lite.extras.report RUN_DIR        # writes RUN_DIR/report.html
 
 metrics.jsonl says *that* the reward moved; the recorded calls say *why*. The trajectories are built
-into samples by ``samples.build_samples`` exactly as train.py built them, so what is highlighted as
-trainable is what was trained. The page is one file that opens without a network (layout and
-script: report.html).
+into samples by ``samples.build_samples`` exactly as train.py built them, and what is shown as
+trained follows train.py's rule, from the files the run wrote: a rollout trains when it finished
+and rollouts/step_K.jsonl gives it an advantage (``algo.assign_advantages`` keeps its samples, and
+``rundir.step_counts`` counts their tokens as metrics.jsonl's ``trainable_tokens``), unless the
+step's update was skipped (metrics ``skipped``) or, under --lora-per-harness, its harness's adapter's
+(``skipped/NAME``). Each token is drawn as what it is: prompt, the opening of a forced call the
+proxy wrote into the prompt, sampled freely or under a grammar (and forced by it), trained or not.
+The page is one file that opens without a network (layout and script: report.html).
 
 A long agent run records gigabytes of prompt tokens, so the page keeps the trajectories of at most
 ``--max-batches`` batches (one step_K or eval_K, all ranks) and stores each sample as the ids after
@@ -22,15 +27,21 @@ import gzip
 import json
 import os
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
+from types import SimpleNamespace
 from typing import Optional
 
 from tqdm import tqdm
 
 from .. import hooks
+from ..algo import assign_advantages
+from ..chat import Renderer
 from ..records import Call, common_prefix, find_batches, finite, read_calls, read_jsonl
+from ..rundir import step_counts
 from ..samples import build_samples
 
+# A tool's name no tool has: a forced opening of it splits into what comes before and after a name.
+NAME_MARK = "\x00"
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.html")
 
 
@@ -49,11 +60,110 @@ def spread(items: list, n: int) -> list:
     return [items[i] for i in sorted({round(j * (len(items) - 1) / (n - 1)) for j in range(n)})]
 
 
+class TokenKinds:
+    """What a call's tokens are beyond their ids, found with the core's and the grammar's own code:
+    how many of its prompt's last ids are the opening of a forced call (or JSON reply) that the
+    proxy wrote there (``Renderer.forced_prefix``, encoded as the proxy encodes it, matched against
+    the prompt's end: a call records that it was forced only through its grammar, and not at all
+    without extras/grammar.py), and which of its response ids its grammar forced (its masks
+    replayed as the trainer replays them; a mask that allows one token forced it). Without a
+    tokenizer (``tok`` None) or a chat template, neither is found."""
+
+    def __init__(self, tok, tool_format: Optional[str]):
+        self.tok = tok
+        self.renderer = None
+        # (tool name, opened, JSON reply) -> the ids of that forced opening
+        self.openings: dict = {}
+        if tok is None:
+            return
+        try:
+            self.renderer = Renderer(tok, tool_format=tool_format)
+        # a tokenizer without a chat template, a format whose extra is missing, ...
+        except Exception as e:
+            why = f"cannot probe the chat template ({type(e).__name__}: {e})"
+            print(f"report: {why}; forced openings are shown as prompt", file=sys.stderr)
+
+    def opening_ids(self, name: Optional[str], opened: bool, json_reply: bool) -> list[int]:
+        key = (name, opened, json_reply)
+        if key not in self.openings:
+            text = self.renderer.forced_prefix(name, opened, json_reply)
+            self.openings[key] = self.renderer.encode(text)
+        return self.openings[key]
+
+    def forced_opening(self, call: Call) -> int:
+        """How many of ``call``'s last prompt ids are a forced opening (0: none): a JSON reply's,
+        a call of any tool's, or a call of the tool named between what every named opening has
+        before and after the name (its reply may be cut before it parses); each tried after a
+        closed reasoning block first, the longer text, and kept only where its ids end the
+        prompt."""
+        if self.renderer is None or not call.prompt_ids:
+            return 0
+        candidates = [(None, True), ("", False)]
+        before, after = self.renderer.forced_prefix(NAME_MARK).split(NAME_MARK)
+        # 64 ids: longer than any opening of a tool's name
+        tail = self.tok.decode(call.prompt_ids[-64:], skip_special_tokens=False)
+        at = tail.rfind(before)
+        if at >= 0 and tail.endswith(after):
+            candidates.append((tail[at + len(before) : len(tail) - len(after)], False))
+        for name, json_reply in candidates:
+            for opened in (True, False):
+                ids = self.opening_ids(name, opened, json_reply)
+                if ids and call.prompt_ids[-len(ids) :] == ids:
+                    return len(ids)
+        return 0
+
+    def grammar_forced(self, call: Call) -> list[int]:
+        """The positions in ``call``'s response where its grammar allowed that token alone
+        (empty without a grammar, or without extras/grammar.py)."""
+        if self.tok is None or hooks.grammar is None or not call.grammar:
+            return []
+        n_vocab = len(self.tok)
+        try:
+            masks = hooks.grammar.replay(call.grammar, call.response_ids, self.tok, n_vocab)
+        # a grammar this llguidance cannot read (a run of another version): no token marked
+        except Exception as e:
+            print(f"report: cannot replay a grammar ({type(e).__name__}: {e})", file=sys.stderr)
+            return []
+        allowed = hooks.grammar.unpack_bits(masks, n_vocab).sum(1).tolist()
+        return [i for i, n in enumerate(allowed) if n == 1]
+
+
+def training_of(kind: str, info: dict, row: Optional[dict], has_rollouts_file: bool) -> tuple:
+    """Whether a rollout's samples were trained (True, False, None: unknown) and why not, by
+    train.py's rule: it finished and has an advantage (rollouts/step_K.jsonl), and neither the
+    step's update (metrics ``skipped``) nor its adapter's (``skipped/NAME``) was skipped."""
+    if kind == "eval":
+        return False, "an evaluation"
+    if not has_rollouts_file:
+        return None, "unknown: no rollouts/ file"
+    # its calls were recorded, its line is missing (a rollouts file cut short)
+    if info.get("unlisted"):
+        return None, "unknown: rollouts/ has no line of it"
+    if info["error"] is not None:
+        return False, "it failed"
+    if info["advantage"] is None:
+        return False, "no advantage (a dropped group, or --loss sft below --sft-min-reward)"
+    if row is None:
+        return None, "unknown: metrics.jsonl has no row of this step (the run stopped in it)"
+    if row.get("skipped"):
+        return False, f"the step's update was skipped ({row['skipped']})"
+    harness = info.get("harness") or ""
+    if row.get(f"skipped/{harness}"):
+        why = row[f"skipped/{harness}"]
+        return False, f"adapter {harness}'s update was skipped ({why})"
+    return True, ""
+
+
 def rollout_view(
-    calls: list[Call], info: dict, max_seq_len: Optional[int], seqs: list[list[int]]
-) -> dict:
-    """One rollout for the page: its result, its calls, and its samples; each sample's
-    tokens are appended to ``seqs`` (the batch's token store) and referred to by position."""
+    calls: list[Call],
+    info: dict,
+    max_seq_len: Optional[int],
+    seqs: list[list[int]],
+    kinds: TokenKinds,
+) -> tuple[dict, list, Counter]:
+    """One rollout for the page: its result, its calls, and its samples; each sample's tokens are
+    appended to ``seqs`` (the batch's token store) and referred to by position. Returns the view,
+    the samples and their merge statistics (samples.build_samples's)."""
     calls = sorted(calls, key=lambda c: c.index)
     view = {**info, "calls": [], "samples": [], "samples_error": None}
     for c in calls:
@@ -67,18 +177,24 @@ def rollout_view(
             "response": len(c.response_ids),
             "latency": c.latency_s,
             "version": c.model_version,
+            # the last `forced` prompt ids: the forced opening the proxy wrote
+            "forced": kinds.forced_opening(c),
+            # sampled under a grammar, and where it allowed one token alone
+            "constrained": bool(c.grammar),
+            "grammar_forced": kinds.grammar_forced(c),
         }
         view["calls"].append(row)
     # a malformed record: show the rollout, say why it has no samples
     try:
-        samples = build_samples(calls, max_seq_len)[0]
+        samples, stats = build_samples(calls, max_seq_len)
     except ValueError as e:
         samples = []
+        stats = Counter()
         view["samples_error"] = str(e)
     for s in samples:
         view["samples"].append(dict(seq=len(seqs), calls=s.calls, mask=s.loss_mask, split=s.split))
         seqs.append(s.tokens)
-    return view
+    return view, samples, stats
 
 
 def share_prefixes(seqs: list[list[int]]) -> list[dict]:
@@ -94,42 +210,92 @@ def share_prefixes(seqs: list[list[int]]) -> list[dict]:
     return out
 
 
-def build_batch(files: dict[str, list[str]], max_seq_len: Optional[int]) -> dict:
-    """One batch's rollouts (from rollouts/ when the run wrote it, else from the calls alone)."""
+def train_counts(infos: dict, calls: list[Call], finished: list, merge_stats: Counter) -> tuple:
+    """The step's samples and trainable tokens as train.py counted them for metrics.jsonl: the
+    finished rollouts' samples (``finished``) that ``algo.assign_advantages`` keeps under the
+    advantages of rollouts/step_K.jsonl, summed by ``rundir.step_counts``. Returns (those counts,
+    {rollout id: its trainable tokens})."""
+    advantages = {}
+    for rid, info in infos.items():
+        advantage = info["advantage"]
+        if advantage is None:
+            continue
+        # a per-call advantage: JSON's keys are strings, a sample's calls are indices
+        if isinstance(advantage, dict):
+            advantage = {int(k): v for k, v in advantage.items()}
+        advantages[rid] = advantage
+    kept = assign_advantages(finished, advantages)
+    results = [SimpleNamespace(**{"flags": [], "harness": "", **info}) for info in infos.values()]
+    # this process's files hold every rank's: nothing to reduce
+    sums = step_counts(results, calls, kept, {"": merge_stats}, [], lambda values: values)
+    counts = {"samples": int(sums["samples"]), "trainable_tokens": int(sums["trainable_tokens"])}
+    trainable_of: dict[str, int] = defaultdict(int)
+    for s in kept:
+        trainable_of[s.rollout_id] += sum(s.loss_mask)
+    return counts, trainable_of
+
+
+def build_batch(
+    files: dict[str, list[str]],
+    max_seq_len: Optional[int],
+    kind: str,
+    row: Optional[dict],
+    kinds: TokenKinds,
+) -> dict:
+    """One batch's rollouts (from rollouts/ when the run wrote it, else from the calls alone), each
+    said trained or not (``training_of``); a step's counts as metrics.jsonl's (``train_counts``).
+    ``row``: the metrics row of the update it fed (None: none written)."""
     calls_of: dict[str, list[Call]] = defaultdict(list)
     # whole prompts: the page draws where each call's prompt ends
     for path in files["calls"]:
         for c in read_calls(path, whole=True):
             calls_of[c.rollout_id].append(c)
     infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path)}
+    has_rollouts_file = bool(files["rollouts"])
     # a rollout with no line in rollouts/: all but its id unknown
     unknown = dict.fromkeys(["task_id", "harness", "reward", "error", "seconds", "advantage"])
     for rid in calls_of:
-        infos.setdefault(rid, {"rollout_id": rid, **unknown, "call_rewards": {}})
+        infos.setdefault(rid, {"rollout_id": rid, **unknown, "call_rewards": {}, "unlisted": True})
+    every_call = [c for rollout_calls in calls_of.values() for c in rollout_calls]
     seqs: list[list[int]] = []
-    rollouts = [
-        rollout_view(calls_of.get(rid, []), info, max_seq_len, seqs) for rid, info in infos.items()
-    ]
-    return {
-        "rollouts": rollouts,
-        "seqs": share_prefixes(seqs),
-        "has_rollouts_file": bool(files["rollouts"]),
-    }
+    rollouts = []
+    # what train.py built samples of: the finished rollouts' calls (train.py make_samples)
+    finished = []
+    merge_stats: Counter = Counter()
+    for rid, info in infos.items():
+        view, samples, stats = rollout_view(calls_of.get(rid, []), info, max_seq_len, seqs, kinds)
+        trained, why = training_of(kind, info, row, has_rollouts_file)
+        view["trained"] = trained
+        view["untrained_why"] = why
+        rollouts.append(view)
+        if info["error"] is None and rid in calls_of:
+            finished += samples
+            merge_stats.update(stats)
+    batch = {"rollouts": rollouts, "seqs": share_prefixes(seqs)}
+    batch["has_rollouts_file"] = has_rollouts_file
+    # None: not a step of a run that wrote rollouts/ (an evaluation, an older run)
+    batch["counts"] = None
+    if kind == "step" and has_rollouts_file:
+        counts, trainable_of = train_counts(infos, every_call, finished, merge_stats)
+        for view in rollouts:
+            view["trainable"] = trainable_of.get(view["rollout_id"], 0)
+        trained = [view["trainable"] for view in rollouts if view["trained"]]
+        counts["trained_tokens"] = sum(trained)
+        batch["counts"] = counts
+    return batch
 
 
-def token_texts(model: Optional[str], ids: set[int]) -> Optional[dict[int, str]]:
-    """id -> text, each id decoded alone (a character split over two tokens shows as U+FFFD).
-    None when the run's tokenizer cannot be loaded: the page then shows ids."""
+def load_tok(model: Optional[str]):
+    """The run's tokenizer, or None when it cannot be loaded: the page then shows ids."""
     try:
         from ..models import load_tokenizer
 
-        tok = load_tokenizer(model or "smollm2")
+        return load_tokenizer(model or "smollm2")
     # a hub name without a network, a missing package, ...
     except Exception as e:
         why = f"cannot load the tokenizer of {model!r} ({type(e).__name__}: {e})"
         print(f"report: {why}; showing token ids", file=sys.stderr)
         return None
-    return {i: tok.decode([i]) for i in sorted(ids)}
 
 
 def pack(obj) -> str:
@@ -154,6 +320,10 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     found = find_batches(run_dir)
     kept = spread(list(found), max_batches)
     batches = []
+    tok = None
+    if kept:
+        tok = load_tok(config.get("model"))
+    kinds = TokenKinds(tok, config.get("tool_format"))
     # the token ids the kept batches hold: the page shows each one's text
     ids = set()
     quiet = not sys.stderr.isatty()
@@ -162,17 +332,26 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
         max_seq_len = None
         if kind == "step":
             max_seq_len = config.get("max_seq_len")
-        batch = build_batch(found[(kind, k)], max_seq_len)
-        ids.update(t for seq in batch["seqs"] for t in seq["tail"])
-        # the metrics row of a step's update is step K + 1; an eval's is its step
+        # the metrics row of a step's update is step K + 1 (the last, if a Ctrl-C logged it
+        # twice); an eval's is its step
         metrics_step = k
         if kind == "step":
             metrics_step = k + 1
+        rows = [r for r in metrics if r["step"] == metrics_step and "eval_reward" not in r]
+        row = None
+        if rows:
+            row = rows[-1]
+        batch = build_batch(found[(kind, k)], max_seq_len, kind, row, kinds)
+        ids.update(t for seq in batch["seqs"] for t in seq["tail"])
         batch_row = {"kind": kind, "label": batch_label(kind, k), "metrics_step": metrics_step}
         batches.append({**batch_row, "blob": pack(batch)})
+    # id -> text, each id decoded alone (a character split over two tokens shows as U+FFFD); None:
+    # the tokenizer could not be loaded
     texts = {}
-    if ids:
-        texts = token_texts(config.get("model"), ids)
+    if tok is not None:
+        texts = {i: tok.decode([i]) for i in sorted(ids)}
+    elif kept:
+        texts = None
     data = {"run_dir": os.path.abspath(run_dir), "config": config, "metrics": metrics}
     data["batches"] = batches
     data["batches_found"] = len(found)
@@ -197,7 +376,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--max-batches", type=int, default=20, help=help)
     args = ap.parse_args(argv)
     # a run's --model may be an embedded model's name, its tokenizer resolved by that extra
-    hooks.load_extras(["embedded"])
+    # (and a forced call's opening in its tool-call format, its grammar replayed)
+    hooks.load_extras(["embedded", "tool_formats", "grammar"])
     if not os.path.isfile(os.path.join(args.run_dir, "metrics.jsonl")):
         why = " has no metrics.jsonl" if os.path.isdir(args.run_dir) else ": no such folder"
         ap.error(

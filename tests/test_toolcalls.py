@@ -191,6 +191,16 @@ MORE = {
         '<function=a>{"x": 1}</function>\n<function=b>{}</function>',
         'Let me check.<function=get_weather>{"city": </function>',
     ),
+    "phi4": (
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>',
+        '<|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]<|/tool_call|>',
+        'Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": }]<|/tool_call|>',
+    ),
+    "nemotron_mini": (
+        '<toolcall> {"name": "get_weather", "arguments": {"city": "Paris"}} </toolcall>',
+        '<toolcall> {"name": "a", "arguments": {"x": 1}} </toolcall><toolcall> {"name": "b", "arguments": {}} </toolcall>',
+        'Let me check.<toolcall> {"name": "get_weather", "arguments": {"city": </toolcall>',
+    ),
     "hunyuan": (
         "<tool_calls>" + HY.format("get_weather", '{"city": "Paris"}') + "</tool_calls>",
         "<tool_calls>" + HY.format("a", '{"x": 1}') + HY.format("b", "{}") + "</tool_calls>",
@@ -204,6 +214,10 @@ for fmt, (one, two, bad) in MORE.items():
     args = after_name.removeprefix(format_of(fmt).call[1].rstrip(" ")).lstrip(" ")
     CONTINUE[fmt] = (args, "get_weather" + after_name)
 
+# GLM-4: the whole reply is calls, each a name on its line and JSON arguments (as llama3, no content beside them)
+ONE["glm4"], TWO["glm4"] = 'get_weather\n{"city": "Paris"}', 'a\n{"x": 1}\nb\n{}'
+BAD["glm4"] = 'get_weather\n{"city": '
+CONTINUE["glm4"] = ('{"city": "Paris"}', 'get_weather\n{"city": "Paris"}')
 # forced calls write "arguments", which InternLM's templates call "parameters"
 CONTINUE["intern"] = (
     '{"city": "Paris"}}<|action_end|>',
@@ -262,6 +276,7 @@ SPECIAL = [
     "<|end|>",
     "<|call|>",
     "<|tool_call|>",
+    "<|/tool_call|>",
 ]
 
 
@@ -286,7 +301,7 @@ def replies(fmt: str) -> list[tuple[str, dict]]:
 def test_parse_content_one_call_parallel_calls_and_malformed(fmt):
     one = parse(fmt, ONE[fmt])
     assert calls_of(one) == [("get_weather", {"city": "Paris"})]
-    assert one["content"] == ("" if fmt == "llama3" else BEFORE)
+    assert one["content"] == ("" if fmt in ("llama3", "glm4") else BEFORE)
     assert one["reasoning"] == ("Need the weather." if fmt == "harmony" else "")
     assert calls_of(parse(fmt, TWO[fmt])) == [("a", {"x": 1}), ("b", {})]
     bad = parse(fmt, BAD[fmt])
@@ -410,6 +425,7 @@ def test_the_format_names_are_the_formats_in_the_table():
         *("deepseek_v4", "minicpm", "solar", "hy3_preview", "hy3", "hunyuan", "nemotron"),
         *("gigachat", "tool_calls_json", "intern", "longcat_json", "command_r", "olmo3", "lfm2"),
         *("minicpm3", "step3", "gemma4", "kimi", "functionary", "seed_oss", "function_tags"),
+        *("phi4", "nemotron_mini", "glm4"),
     ]
 
 
@@ -499,7 +515,10 @@ def test_visible_is_always_a_prefix_of_the_final_parse(fmt, special_tok):
             kw,
         )
     # content before a call and reasoning stream before the reply is done
-    if fmt != "llama3":
+    if fmt == "glm4":
+        assert visible(fmt, "Sure, the weather ") == ("", "Sure, the weather")
+        assert visible(fmt, 'get_weather\n{"ci') == ("", "")
+    elif fmt != "llama3":
         cut = ONE[fmt].index(BEFORE) + len(BEFORE)
         assert (
             visible(fmt, ONE[fmt][: cut + 2])[1] == BEFORE and visible(fmt, ONE[fmt])[1] == BEFORE

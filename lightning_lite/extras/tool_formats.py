@@ -502,6 +502,34 @@ functionary = regex_blocks(
 )
 CODER_PARAM = ("<parameter={name}>\n", "\n</parameter>\n")
 SEED_BLOCK = ("<seed:tool_call>\n", "\n</seed:tool_call>")
+# GLM-4-9B-chat and GLM-4-0414: the name on a line of its own, the arguments as JSON after it; the
+# whole reply is calls
+GLM4_NAME = re.compile(r"\s*([A-Za-z_][\w.-]*)\n")
+# what a GLM-4 reply may still grow into a call from: a name, then its line's end and JSON
+GLM4_MAYBE = re.compile(r"\A\s*[A-Za-z_]?[\w.-]*(\n\s*(\{.*)?)?\Z", re.S)
+
+
+def glm4_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
+    """The whole reply as calls where it is one or more names, each on its line with a JSON object
+    after it."""
+    calls, pos = [], 0
+    while pos < len(text.rstrip()):
+        name = GLM4_NAME.match(text, pos)
+        value = json_at(text, name.end()) if name else None
+        if value is None or not isinstance(value[0], dict):
+            return []
+        calls.append(make_call(name.group(1), value[0]))
+        pos = value[1]
+    return [(0, len(text), calls)] if calls else []
+
+
+def glm4_stream(text: str) -> str:
+    """Nothing while the reply may still be a call, all of it once it cannot."""
+    if GLM4_MAYBE.match(text):
+        return ""
+    return text
+
+
 # tagged()'s param and block of MiniMax M2 and M3, its param of Solar
 MINIMAX_PARAM = ('<parameter name="{name}">', "</parameter>\n")
 MINIMAX_BLOCK = ("<minimax:tool_call>\n", "</minimax:tool_call>")
@@ -634,6 +662,79 @@ FORMATS = {
     # Qwen3-Coder's calls in Seed-OSS's block, and without one (FrogBoss)
     "seed_oss": tagged("<function=", ">\n", "\n</function>", CODER_PARAM, SEED_BLOCK),
     "function_tags": tagged("<function=", ">\n", "\n</function>", CODER_PARAM),
+    # The families whose templates render the tool list but no call (hooks.TOOL_FAMILIES below
+    # names each by its list). Phi-4 mini: <|tool_call|>[{"name": N, "arguments": {...}}]<|/tool_call|>
+    "phi4": json_tagged("<|tool_call|>", "<|/tool_call|>", listed=True),
+    # Nemotron Mini: <toolcall> {"name": N, "arguments": {...}} </toolcall>
+    "nemotron_mini": json_tagged("<toolcall> ", " </toolcall>"),
+    # GLM-4-9B-chat, GLM-4-0414: N\n{...}, the whole reply (its template writes N as the turn's
+    # metadata)
+    "glm4": Format(
+        call=("", "\n", ""),
+        detect=lambda before, after: False,
+        blocks=glm4_blocks,
+        stream=glm4_stream,
+    ),
+}
+
+
+def system_tools(messages: list[dict], tools: list[dict], as_json: bool = False):
+    """The tool list in the system message's ``tools`` (a system message of its own where there is
+    none): a list as GLM-4-9B-chat's template reads it, a JSON string as Phi-4's (``as_json``)."""
+    listed = json.dumps(tools, ensure_ascii=False) if as_json else tools
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "tools": listed}] + messages[1:], {}
+    return [{"role": "system", "content": "", "tools": listed}] + messages, {}
+
+
+def system_tools_json(messages: list[dict], tools: list[dict]):
+    return system_tools(messages, tools, as_json=True)
+
+
+def available_tools(messages: list[dict], tools: list[dict]):
+    """The tool list as ``tools`` and as ``available_tools``: some Granite 3.3 templates write
+    their tool instructions for the one and the list for the other."""
+    return messages, {"tools": tools, "available_tools": tools}
+
+
+def system_message_tools(messages: list[dict], tools: list[dict]):
+    """The tool list as ``tools``, beside a system message (an empty one where there is none):
+    some templates write the list inside the system message's turn (Virtuoso)."""
+    if messages and messages[0]["role"] == "system":
+        return messages, {"tools": tools}
+    return [{"role": "system", "content": ""}] + messages, {"tools": tools}
+
+
+def unwrapped_tools(messages: list[dict], tools: list[dict]):
+    """Each tool as its function alone (``{"name", "description", "parameters"}``)."""
+    return messages, {"tools": [t["function"] for t in tools]}
+
+
+# Where templates take the tool list instead of the tools argument (hooks.TOOL_PLACES), and the
+# format a family's models write where its template renders the list but neither a call nor
+# instructions that name a format (hooks.TOOL_FAMILIES: a marker of the family's list).
+TOOL_PLACES = {
+    "system_tools": system_tools,
+    "system_tools_json": system_tools_json,
+    "available_tools": available_tools,
+    "unwrapped_tools": unwrapped_tools,
+    "system_message_tools": system_message_tools,
+}
+TOOL_FAMILIES = {
+    # LFM2, LFM2.5: List of tools: <|tool_list_start|>[...]<|tool_list_end|>
+    "<|tool_list_start|>": "lfm2",
+    # LFM2.5 and its finetunes: List of tools: [...] (the markers gone from the template)
+    "List of tools: [": "lfm2",
+    # Granite 3.0: <|start_of_role|>available_tools<|end_of_role|>[...], without instructions
+    "available_tools<|end_of_role|>": "granite",
+    # Kimi K2: <|im_system|>tool_declare<|im_middle|>[...]
+    "tool_declare": "kimi",
+    # Phi-4 mini and multimodal: <|system|>...<|tool|>[...]<|/tool|>
+    "<|tool|>": "phi4",
+    # Nemotron Mini: <tool> {...} </tool>
+    "<tool> ": "nemotron_mini",
+    # GLM-4-9B-chat, GLM-4-0414: # 可用工具 ("available tools"), then one "## N" a tool
+    "# 可用工具": "glm4",
 }
 
 hooks.TOOL_FORMATS["hermes"] = HERMES_BODIES
@@ -642,3 +743,5 @@ hooks.TEMPLATE_DIALECTS.update(
     short_ids=short_ids, string_args=string_args, merge_roles=merge_roles
 )
 hooks.TEMPLATE_CHECKS.append(calls_again)
+hooks.TOOL_PLACES.update(TOOL_PLACES)
+hooks.TOOL_FAMILIES.update(TOOL_FAMILIES)

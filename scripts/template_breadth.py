@@ -99,7 +99,8 @@ def probe(tok, name: str) -> dict:
         # refused for a call format no parser here reads: it renders tools natively
         return {**row, "refusal": str(e), "native": "does not parse" in str(e)}
     row.update(started=True, native=renderer.native_calls, format=renderer.format)
-    return {**row, "round_trip": round_trip(renderer)} if renderer.native_calls else row
+    own = renderer.native_calls or renderer.native_tools
+    return {**row, "round_trip": round_trip(renderer)} if own else row
 
 
 def measure(family: str = "") -> tuple[collections.Counter, list[dict]]:

@@ -236,9 +236,10 @@ DETECTED = {
     # V3.1's own template has no tool list either (its model card puts the tools into the system prompt by hand)
     "deepseek-v3.1": (False, "deepseek_v31", THINK, False, False),
     "gpt-oss": (True, "harmony", None, False, False),
-    # Granite 3.3 shows the tool list but drops calls from history: the Hermes fallback, which keeps them. Its
-    # think tags come from the text of its `thinking` system prompt
-    "granite-3.3": (False, "hermes", THINK, False, False),
+    # Granite 3.3 shows the tool list and says "respond only with <|tool_call|> followed by a JSON list", but drops calls
+    # from history: its list, its format, calls written as text. Its think tags come from the text of its `thinking`
+    # system prompt
+    "granite-3.3": (True, "granite", THINK, False, False),
     "hermes-3": (
         False,
         "hermes",
@@ -275,18 +276,18 @@ def test_detection(family, tok):
     )  # its turns close with <|end|>
 
 
-def test_smollm3_original_template_with_xml_tools_falls_back_too(tok):
-    """The original SmolLM3 template lists `tools` (as `xml_tools`) but drops assistant tool calls from history."""
+def test_smollm3_original_template_with_xml_tools_gets_its_own_list(tok):
+    """The original SmolLM3 template lists `tools` (as `xml_tools`), teaching Hermes' <tool_call>, but drops assistant
+    tool calls from history: its own list and instructions, once, no description of ours beside them."""
     t = copy.deepcopy(tok)
     t.chat_template = template_source("HuggingFaceTB-SmolLM3-3B@3e0e27")
     r = Renderer(t)
-    assert (r.native_tools, r.format, r.think) == (False, "hermes", THINK)
+    assert (r.native_tools, r.native_calls, r.format, r.think) == (True, False, "hermes", THINK)
     text = r.render_text(
         [{"role": "user", "content": "x"}], [{"name": "f", "description": "d", "parameters": {}}]
     )
-    assert (
-        "### Tools" not in text and '<tool_call>\n{"name": <function-name>' in text
-    )  # the fallback's block, once
+    assert "### Tools" in text and "# Tools\n" not in text.replace("### Tools", "")
+    assert text.count('<tool_call>\n{"name": <function-name>') == 1  # the template's block, once
 
 
 # ---------------------------------------------------------------------------- 2. tool conversations through the live proxy

@@ -503,16 +503,16 @@ functionary = regex_blocks(
 CODER_PARAM = ("<parameter={name}>\n", "\n</parameter>\n")
 SEED_BLOCK = ("<seed:tool_call>\n", "\n</seed:tool_call>")
 # GLM-4-9B-chat and GLM-4-0414: the name on a line of its own, the arguments as JSON after it; the
-# whole reply is calls
+# calls end the reply, text may come before them
 GLM4_NAME = re.compile(r"\s*([A-Za-z_][\w.-]*)\n")
-# what a GLM-4 reply may still grow into a call from: a name, then its line's end and JSON
-GLM4_MAYBE = re.compile(r"\A\s*[A-Za-z_]?[\w.-]*(\n\s*(\{.*)?)?\Z", re.S)
+# what a GLM-4 reply's last lines may still grow into calls from: a name, its line's end, JSON
+GLM4_MAYBE = re.compile(r"\s*[A-Za-z_]?[\w.-]*(\n\s*(\{.*)?)?\Z", re.S)
 
 
-def glm4_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
-    """The whole reply as calls where it is one or more names, each on its line with a JSON object
-    after it."""
-    calls, pos = [], 0
+def glm4_calls(text: str, pos: int) -> list[dict]:
+    """The calls ``text[pos:]`` is, each a name on its line with a JSON object after it; [] where
+    it is not only calls."""
+    calls = []
     while pos < len(text.rstrip()):
         name = GLM4_NAME.match(text, pos)
         value = json_at(text, name.end()) if name else None
@@ -520,13 +520,27 @@ def glm4_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
             return []
         calls.append(make_call(name.group(1), value[0]))
         pos = value[1]
-    return [(0, len(text), calls)] if calls else []
+    return calls
+
+
+def line_starts(text: str) -> list[int]:
+    return [0] + [m.end() for m in re.finditer("\n", text)]
+
+
+def glm4_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
+    """The calls that end the reply, from the first line where all that follows is calls."""
+    for start in line_starts(text):
+        calls = glm4_calls(text, start)
+        if calls:
+            return [(start, len(text), calls)]
+    return []
 
 
 def glm4_stream(text: str) -> str:
-    """Nothing while the reply may still be a call, all of it once it cannot."""
-    if GLM4_MAYBE.match(text):
-        return ""
+    """The text before the first line from which all that follows may still grow into calls."""
+    for start in line_starts(text):
+        if GLM4_MAYBE.match(text, start):
+            return text[:start]
     return text
 
 
@@ -667,8 +681,8 @@ FORMATS = {
     "phi4": json_tagged("<|tool_call|>", "<|/tool_call|>", listed=True),
     # Nemotron Mini: <toolcall> {"name": N, "arguments": {...}} </toolcall>
     "nemotron_mini": json_tagged("<toolcall> ", " </toolcall>"),
-    # GLM-4-9B-chat, GLM-4-0414: N\n{...}, the whole reply (its template writes N as the turn's
-    # metadata)
+    # GLM-4-9B-chat, GLM-4-0414: N\n{...} on lines of their own at the reply's end (its template
+    # writes N as the turn's metadata)
     "glm4": Format(
         call=("", "\n", ""),
         detect=lambda before, after: False,
@@ -705,6 +719,11 @@ def system_message_tools(messages: list[dict], tools: list[dict]):
     return [{"role": "system", "content": ""}] + messages, {"tools": tools}
 
 
+def tools_list(messages: list[dict], tools: list[dict]):
+    """The tool list as the JSON text ``tools_list`` (FrontiersMind's Lumma takes it so)."""
+    return messages, {"tools_list": json.dumps(tools, ensure_ascii=False)}
+
+
 def unwrapped_tools(messages: list[dict], tools: list[dict]):
     """Each tool as its function alone (``{"name", "description", "parameters"}``)."""
     return messages, {"tools": [t["function"] for t in tools]}
@@ -719,6 +738,7 @@ TOOL_PLACES = {
     "available_tools": available_tools,
     "unwrapped_tools": unwrapped_tools,
     "system_message_tools": system_message_tools,
+    "tools_list": tools_list,
 }
 TOOL_FAMILIES = {
     # LFM2, LFM2.5: List of tools: <|tool_list_start|>[...]<|tool_list_end|>

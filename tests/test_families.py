@@ -336,7 +336,9 @@ def test_detection(family, tok):
     short_ids = "short_ids" in r.dialects
     merge_roles = "merge_roles" in r.dialects
     assert (r.native_tools, r.format, r.think, short_ids, merge_roles) == DETECTED[family]
-    if family in NO_TURN_END:  # the next turn's tag ends a turn: the template writes no end of its own
+    if (
+        family in NO_TURN_END
+    ):  # the next turn's tag ends a turn: the template writes no end of its own
         assert r.turn_close.strip() == ""
     else:
         assert (
@@ -798,7 +800,11 @@ SAMPLES = {
         SPLIT,
         MERGED,
     ),  # the fallback has no place for reasoning, the template none either
-    "smollm3-original": (SPLIT, SPLIT, MERGED),  # its own list now, but it drops reasoning from history
+    "smollm3-original": (
+        SPLIT,
+        SPLIT,
+        MERGED,
+    ),  # its own list now, but it drops reasoning from history
     "phi-4-multimodal": (MERGED, MERGED, MERGED),
     "lfm2": (MERGED, MERGED, MERGED),
     "nemotron-mini": (MERGED, MERGED, MERGED),
@@ -1242,3 +1248,41 @@ def test_calls_without_a_tool_list_are_described_in_the_format_the_history_shows
     opening = toolcalls.format_of(fam.r.format).call[0].split("{")[0].strip()
     system, _, history = prompt.partition(QUESTION)
     assert "get_weather" in system and opening in system and opening in history, (opening, prompt)
+
+
+def test_a_tool_format_that_contradicts_the_template_is_used_and_said_at_start_up(tok):
+    """--tool-format is the user's call: used, and the start-up line (describe, which proxy.py and train.py print)
+    says what the template teaches."""
+    t = family_tokenizer(tok, "granite-3.3")
+    assert "though" not in Renderer(t).describe()
+    r = Renderer(t, tool_format="hermes")
+    assert r.format == "hermes" and r.native_tools
+    assert (
+        "--tool-format hermes is used, though the template teaches the granite format"
+        in r.describe()
+    )
+
+
+@pytest.mark.parametrize("tool", [{"name": "ping", "description": "no parameters"}])
+def test_a_template_that_raises_on_a_tool_schema_is_a_4xx_naming_the_template(tok, tmp_path, tool):
+    """Seed-OSS's template reads every tool's parameters: a tool without them is the client's error, a 400 in the API's
+    shape naming the chat template, and the next request is served."""
+    t = copy.deepcopy(tok)
+    t.chat_template = template_source("ByteDance-Seed-OSS")
+    backend = Scripted({t.eos_token_id})
+    server = ProxyServer(Proxy(backend, t, out_dir=str(tmp_path))).start()
+    try:
+        url = f"{server.base_url('schema')}/chat/completions"
+        r = requests.post(
+            url, json={"messages": [U], "tools": [{"type": "function", "function": tool}]}
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "template_error", r.text
+        assert (
+            "no attribute 'parameters'" in err["message"]
+            and "the chat template of" in err["message"]
+        )
+        backend.script.append(t.encode("Sunny.", add_special_tokens=False))
+        assert requests.post(url, json={"messages": [U], "tools": TOOLS}).status_code == 200
+    finally:
+        server.stop()

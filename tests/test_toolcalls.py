@@ -126,6 +126,7 @@ CONTINUE = {
 
 # The families whose calls are JSON after a marker, Python, Gemma 4's, Kimi's and Hunyuan's
 Q = '<|"|>'
+ESC = "<escape>"
 KIMI = "<|tool_calls_section_begin|>{}<|tool_calls_section_end|>"
 KC = "<|tool_call_begin|>functions.{}:{}<|tool_call_argument_begin|>{}<|tool_call_end|>"
 HY = "<tool_call>{}\n```json\n{}\n```</tool_call>"
@@ -190,6 +191,11 @@ MORE = {
         '<function=get_weather>{"city": "Paris"}</function>',
         '<function=a>{"x": 1}</function>\n<function=b>{}</function>',
         'Let me check.<function=get_weather>{"city": </function>',
+    ),
+    "functiongemma": (
+        f"<start_function_call>call:get_weather{{city:{ESC}Paris{ESC}}}<end_function_call>",
+        "<start_function_call>call:a{x:1}<end_function_call><start_function_call>call:b{}<end_function_call>",
+        f"Let me check.<start_function_call>call:get_weather{{city:{ESC}Paris}}<end_function_call>",
     ),
     "phi4": (
         '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>',
@@ -425,7 +431,7 @@ def test_the_format_names_are_the_formats_in_the_table():
         *("deepseek_v4", "minicpm", "solar", "hy3_preview", "hy3", "hunyuan", "nemotron"),
         *("gigachat", "tool_calls_json", "intern", "longcat_json", "command_r", "olmo3", "lfm2"),
         *("minicpm3", "step3", "gemma4", "kimi", "functionary", "seed_oss", "function_tags"),
-        *("phi4", "nemotron_mini", "glm4"),
+        *("functiongemma", "phi4", "nemotron_mini", "glm4"),
     ]
 
 

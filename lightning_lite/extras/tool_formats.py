@@ -324,6 +324,17 @@ def merge_roles(messages: list[dict]) -> list[dict]:
     return out
 
 
+def tool_names(messages: list[dict]) -> list[dict]:
+    """Each tool result with the name of the call it answers (FunctionGemma's template writes it)."""
+    names = {t["id"]: t["function"]["name"] for m in messages for t in m.get("tool_calls") or ()}
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            m = {**m, "name": names.get(m.get("tool_call_id"), "")}
+        out.append(m)
+    return out
+
+
 def calls_again(renderer, call: str) -> bool:
     """Does the template write a call after a tool result as it wrote the first (``call``), so that
     the history keeps every call in the format? DeepSeek-R1's drops the opening there. Each call is
@@ -472,6 +483,20 @@ def pythonic(start: str, end: str, listed: bool = False, sep: str = ", ") -> For
 # bare
 GEMMA4_CALL = re.compile(r"<\|tool_call>call:([^{\s]+)(\{.*?\})(?:<tool_call\|>|\Z)", re.S)
 GEMMA4_JSON = re.compile(r'<\|"\|>(.*?)<\|"\|>|(?<=[{,])\s*([A-Za-z_][\w.-]*)\s*(?=:)', re.S)
+
+
+# FunctionGemma: <start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>
+FUNCTIONGEMMA_CALL = re.compile(
+    r"<start_function_call>call:([^{\s]+)(\{.*?\})(?:<end_function_call>|\Z)", re.S
+)
+FUNCTIONGEMMA_JSON = re.compile(
+    r"<escape>(.*?)<escape>|(?<=[{,])\s*([A-Za-z_][\w.-]*)\s*(?=:)", re.S
+)
+
+
+def functiongemma_call(m: re.Match) -> Optional[dict]:
+    quote = lambda t: json.dumps(t.group(1) if t.group(1) is not None else t.group(2))
+    return dict_call(m.group(1), FUNCTIONGEMMA_JSON.sub(quote, m.group(2)))
 
 
 def gemma4_call(m: re.Match) -> Optional[dict]:
@@ -676,6 +701,17 @@ FORMATS = {
     # Qwen3-Coder's calls in Seed-OSS's block, and without one (FrogBoss)
     "seed_oss": tagged("<function=", ">\n", "\n</function>", CODER_PARAM, SEED_BLOCK),
     "function_tags": tagged("<function=", ">\n", "\n</function>", CODER_PARAM),
+    # FunctionGemma: <start_function_call>call:N{a:<escape>v<escape>}<end_function_call>
+    "functiongemma": Format(
+        call=("<start_function_call>call:", "{", "}<end_function_call>"),
+        param=("{name}:", "", ",", "<escape>"),
+        detect=lambda before, after: before.endswith("<start_function_call>call:"),
+        blocks=regex_blocks(
+            re.compile(f"({FUNCTIONGEMMA_CALL.pattern})", re.S),
+            each(FUNCTIONGEMMA_CALL, functiongemma_call),
+        ),
+        stream=up_to("<start_function_call>"),
+    ),
     # The families whose templates render the tool list but no call (hooks.TOOL_FAMILIES below
     # names each by its list). Phi-4 mini: <|tool_call|>[{"name": N, "arguments": {...}}]<|/tool_call|>
     "phi4": json_tagged("<|tool_call|>", "<|/tool_call|>", listed=True),
@@ -755,12 +791,15 @@ TOOL_FAMILIES = {
     "<tool> ": "nemotron_mini",
     # GLM-4-9B-chat, GLM-4-0414: # 可用工具 ("available tools"), then one "## N" a tool
     "# 可用工具": "glm4",
+    # Llama 3.2's Python list, as FrontiersMind's Lumma and baseten's templates ask for it:
+    # [func_name1(params_name1=params_value1, ...)] (python_list: extras/tool_formats.py's last block)
+    "(params_name": "python_list",
 }
 
 hooks.TOOL_FORMATS["hermes"] = HERMES_BODIES
 hooks.TOOL_FORMATS.update(FORMATS)
 hooks.TEMPLATE_DIALECTS.update(
-    short_ids=short_ids, string_args=string_args, merge_roles=merge_roles
+    short_ids=short_ids, string_args=string_args, merge_roles=merge_roles, tool_names=tool_names
 )
 hooks.TEMPLATE_CHECKS.append(calls_again)
 hooks.TOOL_PLACES.update(TOOL_PLACES)

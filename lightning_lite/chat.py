@@ -270,8 +270,11 @@ class Renderer:
         # the format the template teaches, where --tool-format names another (describe() says so)
         self.contradicted: Optional[str] = None
         self.turn_close = self._probe_turn_close()
+        # where the template takes the list first: the calls are probed with the tools given there
+        # (Apertus 2509's renders calls only once it can render its list)
+        listed = self._probe_tool_list()
         call = self._probe_native_call()
-        self.native_tools = self._probe_tool_list()
+        self.native_tools = listed
         self.format = self._choose_format(call, tool_format)
         # Calls written as text beside a tool list the template renders (Granite 3.x): their
         # results go in the template's tool turns where it renders them; else in the Hermes

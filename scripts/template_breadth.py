@@ -173,8 +173,9 @@ def measure(family: str = "") -> tuple[collections.Counter, list[dict]]:
             own_round_trip=own and row["round_trip"] == "ok",
             without=row["started"] and not own,
             against=row["against"],
-            **{f"refused_{row['kind']}": not row["started"]},
         )
+        if not row["started"]:
+            counts.update([f"refused_{row['kind']}"])
     return counts, rows
 
 

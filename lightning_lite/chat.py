@@ -354,6 +354,7 @@ class Renderer:
         assistant turn of text?"""
         reply = {"role": "assistant", "content": "a"}
         result = {"role": "tool", "content": SENTINEL, "tool_call_id": "call_0"}
+        # the result given to the template as a tool message, as the probe asks
         self.native_results = True
         text = self.rendered(PROBE_USER + [reply, result], [], False)
         return text is not None and SENTINEL in text
@@ -374,7 +375,7 @@ class Renderer:
         for marker, family in hooks.TOOL_FAMILIES.items():
             if marker in instructions and family in hooks.TOOL_FORMATS:
                 return family
-        return toolcalls.taught("", self.tok.all_special_tokens)
+        return toolcalls.special_format(self.tok.all_special_tokens)
 
     def tool_instructions(self) -> str:
         """What the template writes for a tool list, around it included: its text with the

@@ -241,37 +241,47 @@ def forced(fmt: str, name: Optional[str], opened=False, think=("<think>", "</thi
 TAG_RE = re.compile(r"<[^<>\s]+>|\[[A-Z_]+\]")
 
 
-def taught(instructions: str, specials=()) -> Optional[str]:
+def taught(instructions: str) -> Optional[str]:
     """The format a template's tool instructions teach: the registered format whose call opening
     (``Format.call[0]``, from its first tag on) they write the longest prefix of, whitespace aside
     (Granite's "respond only with <|tool_call|> followed by a JSON list": granite; SmolLM3's
-    '<tool_call>\\n{"name": <function-name>': hermes, written further than GLM's '<tool_call>').
-    Where they name none, ``specials`` (a tokenizer's special tokens): the format whose first tag
-    is one, with the most of its tags among them (Phi-4's <|tool_call|> and <|/tool_call|>). Ties go
-    to the format registered first; None where neither names one."""
+    '<tool_call>\\n{"name": <function-name>': hermes, written further than GLM's '<tool_call>'). Ties
+    go to the format registered first; None where they name none."""
     text = re.sub(r"\s+", "", instructions)
-    best, best_score = None, 0
+    best = None
+    best_length = 0
     for name, form in hooks.TOOL_FORMATS.items():
         opening = re.sub(r"\s+", "", form.call[0])
         first = TAG_RE.match(opening)
         if first is None:
             continue
         # the longest prefix of the opening the instructions write, from its first tag on
-        score = next(
-            (k for k in range(len(opening), first.end() - 1, -1) if opening[:k] in text), 0
-        )
-        if score > best_score:
-            best, best_score = name, score
-    if best is not None:
-        return best
+        for length in range(len(opening), first.end() - 1, -1):
+            if opening[:length] in text:
+                break
+        else:
+            continue
+        if length > best_length:
+            best = name
+            best_length = length
+    return best
+
+
+def special_format(specials) -> Optional[str]:
+    """The format a tokenizer's special tokens name: the one whose first tag is one of them, with
+    the most of its tags among them (Phi-4's <|tool_call|> and <|/tool_call|>: phi4, not granite).
+    Ties go to the format registered first; None where none's first tag is special."""
     special = set(specials)
+    best = None
+    best_count = 0
     for name, form in hooks.TOOL_FORMATS.items():
         tags = TAG_RE.findall(form.call[0] + form.call[2])
         if not tags or tags[0] not in special:
             continue
-        score = sum(1 for tag in tags if tag in special)
-        if score > best_score:
-            best, best_score = name, score
+        count = sum(1 for tag in tags if tag in special)
+        if count > best_count:
+            best = name
+            best_count = count
     return best
 
 

@@ -740,3 +740,22 @@ def test_calls_in_openais_shape_and_literals_python_cannot_hash():
         ("olmo3", "<function_calls>f(a={{1: 2}})</function_calls>"),
     ]:
         assert parse(fmt, text)["tool_calls"] == []
+
+
+def test_the_format_a_template_s_words_or_tokens_teach():
+    """toolcalls.taught: the format whose call opening the instructions write furthest (Hermes' full opening beats
+    GLM's bare <tool_call>); special_format: the one with most of its tags among a tokenizer's special tokens."""
+    from lightning_lite.toolcalls import special_format, taught
+
+    granite = "When a tool is required, respond only with <|tool_call|> followed by a JSON list of tools used."
+    assert taught(granite) == "granite"
+    assert taught('return <tool_call>\n{"name": <function-name>, "arguments": <args>}') == "hermes"
+    assert taught("<tool_call>\n<function=example_function_name>\n<parameter=x>") == "qwen3_coder"
+    assert taught('Return calls as <tool_calls>[{"name": <function-name>, ...}]</tool_calls>') == (
+        "tool_calls_json"
+    )
+    assert taught("You may call functions. Here they are: [...]") is None
+    assert special_format(["<|tool_call|>", "<|/tool_call|>", "<|end|>"]) == "phi4"
+    assert special_format(["<|tool_call|>"]) == "granite"
+    assert special_format(["<|tool_call_start|>", "<|tool_call_end|>"]) == "lfm2"
+    assert special_format(["<|im_end|>"]) is None

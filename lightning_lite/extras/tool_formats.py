@@ -1,7 +1,8 @@
 """Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in
 ``FORMATS``, a comment above each entry showing how its family writes one call (the families and
 their templates: docs/tool-calls.md), and the families' template quirks (hooks.TEMPLATE_DIALECTS,
-hooks.TEMPLATE_CHECKS).
+hooks.TEMPLATE_CHECKS), the places some templates take the tool list in (hooks.TOOL_PLACES) and the
+families known by their list (hooks.TOOL_FAMILIES).
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced
 and detected. qwen3_coder parses as Hermes does here (``HERMES_BODIES``: both read both bodies, and
@@ -495,7 +496,13 @@ FUNCTIONGEMMA_JSON = re.compile(
 
 
 def functiongemma_call(m: re.Match) -> Optional[dict]:
-    quote = lambda t: json.dumps(t.group(1) if t.group(1) is not None else t.group(2))
+    """A call's arguments as JSON: each <escape>-quoted string and each bare key quoted."""
+
+    def quote(t: re.Match) -> str:
+        if t.group(1) is not None:
+            return json.dumps(t.group(1))
+        return json.dumps(t.group(2))
+
     return dict_call(m.group(1), FUNCTIONGEMMA_JSON.sub(quote, m.group(2)))
 
 
@@ -540,7 +547,9 @@ def glm4_calls(text: str, pos: int) -> list[dict]:
     calls = []
     while pos < len(text.rstrip()):
         name = GLM4_NAME.match(text, pos)
-        value = json_at(text, name.end()) if name else None
+        if name is None:
+            return []
+        value = json_at(text, name.end())
         if value is None or not isinstance(value[0], dict):
             return []
         calls.append(make_call(name.group(1), value[0]))
@@ -549,6 +558,7 @@ def glm4_calls(text: str, pos: int) -> list[dict]:
 
 
 def line_starts(text: str) -> list[int]:
+    """Where each line of ``text`` starts."""
     return [0] + [m.end() for m in re.finditer("\n", text)]
 
 
@@ -731,7 +741,9 @@ FORMATS = {
 def system_tools(messages: list[dict], tools: list[dict], as_json: bool = False):
     """The tool list in the system message's ``tools`` (a system message of its own where there is
     none): a list as GLM-4-9B-chat's template reads it, a JSON string as Phi-4's (``as_json``)."""
-    listed = json.dumps(tools, ensure_ascii=False) if as_json else tools
+    listed = tools
+    if as_json:
+        listed = json.dumps(tools, ensure_ascii=False)
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "tools": listed}] + messages[1:], {}
     return [{"role": "system", "content": "", "tools": listed}] + messages, {}

@@ -261,16 +261,27 @@ class Renderer:
         self.think = think_tags(source)
         # The probes, in order: each renders with what the ones before it found.
         self.format = "hermes"
-        self.native_tools = self.native_calls = True
+        self.native_tools = self.native_calls = self.native_results = True
+        # where the template takes the tool list: None, the ``tools`` argument; else the name of a
+        # place of hooks.TOOL_PLACES (Phi-4's system message)
+        self.tools_at: Optional[str] = None
         # the names of the dialects (hooks.TEMPLATE_DIALECTS) the template's messages are written in
         self.dialects: list[str] = []
+        # the format the template teaches, where --tool-format names another (describe() says so)
+        self.contradicted: Optional[str] = None
         self.turn_close = self._probe_turn_close()
+        # where the template takes the list first: the calls are probed with the tools given there
+        # (Apertus 2509's renders calls only once it can render its list)
+        listed = self._probe_tool_list()
         call = self._probe_native_call()
+        self.native_tools = listed
         self.format = self._choose_format(call, tool_format)
-        # A list without calls (Granite 3.x): the template's list asks for the model's own format,
-        # which only --tool-format can name; without it the list goes into the system prompt with
-        # the format it asks for.
-        self.native_tools = self.native_tools and (self.native_calls or bool(tool_format))
+        # Calls written as text beside a tool list the template renders (Granite 3.x): their
+        # results go in the template's tool turns where it renders them; else in the Hermes
+        # convention's user turns.
+        self.native_results = self.native_calls or (
+            self.native_tools and self._probe_tool_results()
+        )
         # Two user messages in a row: the Hermes fallback writes tool results as user turns, and
         # clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses
         # them, and takes them in a dialect that merges them.
@@ -324,8 +335,56 @@ class Renderer:
         if seen["refused"] and not hooks.TEMPLATE_DIALECTS:
             what = f"{self.template}, which refuses a tool call in OpenAI's shape ({self.refusal}),"
             raise ValueError(hooks.missing(what, "tool_formats"))
-        self.native_tools = seen["lists"]
         return seen["call"] if self.native_calls else None
+
+    def _probe_tool_list(self) -> bool:
+        """Does the template render the tool list it is given: as the ``tools`` argument, or in a
+        place of hooks.TOOL_PLACES (kept in ``tools_at``)? DeepSeek-R1's renders calls but no
+        list."""
+        for place in [None, *hooks.TOOL_PLACES]:
+            self.tools_at = place
+            head = self.rendered(PROBE_USER, [PROBE_TOOL], True)
+            if head is not None and SENTINEL in head:
+                return True
+        self.tools_at = None
+        return False
+
+    def _probe_tool_results(self) -> bool:
+        """Does the template render a tool message's content (Granite's tool role), after an
+        assistant turn of text?"""
+        reply = {"role": "assistant", "content": "a"}
+        result = {"role": "tool", "content": SENTINEL, "tool_call_id": "call_0"}
+        # the result given to the template as a tool message, as the probe asks
+        self.native_results = True
+        text = self.rendered(PROBE_USER + [reply, result], [], False)
+        return text is not None and SENTINEL in text
+
+    def _taught_format(self, call: Optional[str]) -> Optional[str]:
+        """The format the template teaches: its calls' where it renders them; else, where it
+        renders the tool list, the one its instructions name (toolcalls.taught), else its family's
+        (hooks.TOOL_FAMILIES: a marker of its list), else its tokenizer's special tokens'. None
+        where it teaches none."""
+        if call is not None:
+            return toolcalls.detect(call)
+        if not self.native_tools:
+            return None
+        instructions = self.tool_instructions()
+        fmt = toolcalls.taught(instructions)
+        if fmt is not None:
+            return fmt
+        for marker, family in hooks.TOOL_FAMILIES.items():
+            if marker in instructions and family in hooks.TOOL_FORMATS:
+                return family
+        return toolcalls.special_format(self.tok.all_special_tokens)
+
+    def tool_instructions(self) -> str:
+        """What the template writes for a tool list, around it included: its text with the
+        SENTINEL tool where its text without tools differs."""
+        listed = self.rendered(PROBE_USER, [PROBE_TOOL], True) or ""
+        bare = self.rendered(PROBE_USER, [], True) or ""
+        start = len(os.path.commonprefix([listed, bare]))
+        end = len(os.path.commonprefix([listed[start:][::-1], bare[start:][::-1]]))
+        return listed[start : len(listed) - end]
 
     def _with_dialect(self, renders) -> bool:
         """Does ``renders()`` hold, as the template's messages are written now or in one more
@@ -342,18 +401,29 @@ class Renderer:
         return False
 
     def _choose_format(self, call_text: Optional[str], tool_format: Optional[str]) -> str:
-        """``tool_format`` if given, else the format the call text is in (Hermes without native
-        tools)."""
-        detected = toolcalls.detect(call_text) if call_text else None
+        """``tool_format`` if given, else the format the template teaches (``_taught_format``;
+        Hermes where it has no tool support). A template that teaches a format not parsed here is
+        refused."""
+        taught = self._taught_format(call_text)
         # never served as if it were another format: the harness would get its calls back as text
-        if call_text and not detected and not tool_format:
+        if call_text and not taught and not tool_format:
             shown = call_text.replace(SENTINEL, "get_weather")[:160]
             raise ValueError(
                 f"{self.template} writes tool calls in a format lightning-lite does not parse: "
                 f"{shown!r}; name the format the model writes with --tool-format, "
                 f"{toolcalls.known_formats()}"
             )
-        fmt = tool_format or detected or "hermes"
+        if self.native_tools and not taught and not tool_format:
+            shown = self.tool_instructions().replace(SENTINEL, "get_weather")[:300]
+            raise ValueError(
+                f"{self.template} renders the tool list but neither a tool call nor instructions "
+                f"that name a format lightning-lite parses: {shown!r}; name the format the model "
+                f"writes with --tool-format, {toolcalls.known_formats()}"
+            )
+        # the user's call, said at start-up (describe)
+        if tool_format and taught and taught != tool_format:
+            self.contradicted = taught
+        fmt = tool_format or taught or "hermes"
         # an unknown name raises here, at start-up
         toolcalls.format_of(fmt)
         return fmt
@@ -405,7 +475,13 @@ class Renderer:
             (True, False): "its tool list rendered by the template, calls written as text",
             (False, False): "written into the system prompt (the template has no tool support)",
         }[self.native_tools, self.native_calls]
-        return f"chat template: tool calls in the {self.format} format, {where}; {think}"
+        said = f"chat template: tool calls in the {self.format} format, {where}; {think}"
+        if self.contradicted:
+            said += (
+                f"; --tool-format {self.format} is used, though the template teaches the "
+                f"{self.contradicted} format"
+            )
+        return said
 
     def encode(self, text: str) -> list[int]:
         # the template writes BOS etc. itself
@@ -424,9 +500,10 @@ class Renderer:
 
     def _template_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         """The messages as the template takes them: OpenAI's shape (arguments as a dict) where it
-        renders calls, else the Hermes convention's text: calls written in the format
-        (``toolcalls.write``), results in a user turn's ``<tool_response>`` tags. A tool list the
-        template does not render goes into the system prompt."""
+        renders calls, else calls written as text in the format (``toolcalls.write``) and results
+        in the template's tool turns where it renders them (``native_results``), else in a user
+        turn's ``<tool_response>`` tags (the Hermes convention). A tool list the template does not
+        render goes into the system prompt."""
         out = []
         if tools and not self.native_tools:
             has_system = bool(messages) and messages[0]["role"] == "system"
@@ -434,7 +511,7 @@ class Renderer:
             out.append({"role": "system", "content": system + self._tools_prompt(tools)})
             messages = messages[1:] if has_system else messages
         for i, m in enumerate(messages):
-            if m["role"] == "tool" and not self.native_calls:
+            if m["role"] == "tool" and not self.native_results:
                 text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
                 # consecutive tool results share one user turn
                 if i and messages[i - 1]["role"] == "tool":
@@ -448,6 +525,8 @@ class Renderer:
                     toolcalls.write(self.format, **_parsed(t)) for t in m.get("tool_calls") or ()
                 )
                 message["content"] = "\n".join(filter(None, [m["content"], *calls]))
+                if m["role"] == "tool":
+                    message["tool_call_id"] = m.get("tool_call_id", "")
                 out.append(message)
                 continue
             # the key Qwen's templates read, and the one gpt-oss's reads
@@ -479,14 +558,21 @@ class Renderer:
         call, roles that must alternate, ids of the wrong shape) is the client's error: a BadRequest
         with the template's message."""
         kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
-        if self.native_tools and tools:
-            kwargs["tools"] = [{"type": "function", "function": t} for t in tools]
         try:
             messages = self._template_messages(messages, tools)
+            # the tool list as the tools argument, or where the template takes it (Phi-4's in the
+            # system message)
+            if self.native_tools and tools:
+                listed = [{"type": "function", "function": t} for t in tools]
+                if self.tools_at is None:
+                    kwargs["tools"] = listed
+                else:
+                    messages, given = hooks.TOOL_PLACES[self.tools_at](messages, listed)
+                    kwargs.update(given)
             return self.tok.apply_chat_template(messages, tokenize=False, **kwargs)
         # jinja2's TemplateError (raise_exception), and what a template's filters raise on odd input
         except Exception as e:
-            message = f"the model's chat template refused this conversation: {e}"
+            message = f"the model's chat template refused this conversation: {e} ({self.template})"
             raise BadRequest(message, "messages", "template_error") from None
 
     def build_prompt(self, messages, tools, history, reuse=True, fps=None, template_kwargs=None):

@@ -41,6 +41,22 @@ TEMPLATE_DIALECTS = {}
 # that fails one as text. Empty: every template that renders a call is taken at its word.
 TEMPLATE_CHECKS = []
 
+# Where some chat templates take the tool list instead of the ``tools`` argument, name ->
+# fn(messages, tools) -> (messages, template arguments) (extras/tool_formats.py: in the system
+# message's ``tools``, a list as GLM-4-9B-chat's reads it or a JSON string as Phi-4's; as
+# ``available_tools`` too, as some Granite 3.3 templates read it; each tool without OpenAI's
+# wrapper). chat.Renderer probes them in order where a template does not render the list it is
+# given as ``tools``, and keeps the first that shows it. Empty: such a template is served as one
+# without a tool list.
+TOOL_PLACES = {}
+
+# The format a family's models write where its template renders the tool list but neither a call
+# nor instructions that name one, a marker of the family's tool list -> a format's name
+# (extras/tool_formats.py: LFM2's <|tool_list_start|>, Kimi's tool_declare, Phi-4's <|tool|>).
+# chat.Renderer reads a template's instructions first, then these, then its tokenizer's special
+# tokens. Empty: such a template is refused at start-up unless --tool-format names the format.
+TOOL_FAMILIES = {}
+
 # Constrained decoding (extras/grammar.py): an object with
 #   constrain(req, renderer, opened) -> the text a forced reply begins with (it sets
 #     req.sampling.grammar);

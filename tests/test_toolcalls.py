@@ -126,6 +126,7 @@ CONTINUE = {
 
 # The families whose calls are JSON after a marker, Python, Gemma 4's, Kimi's and Hunyuan's
 Q = '<|"|>'
+ESC = "<escape>"
 KIMI = "<|tool_calls_section_begin|>{}<|tool_calls_section_end|>"
 KC = "<|tool_call_begin|>functions.{}:{}<|tool_call_argument_begin|>{}<|tool_call_end|>"
 HY = "<tool_call>{}\n```json\n{}\n```</tool_call>"
@@ -193,6 +194,21 @@ MORE = {
         '<function=a>{"x": 1}</function>\n<function=b>{}</function>',
         'Let me check.<function=get_weather>{"city": </function>',
     ),
+    "functiongemma": (
+        f"<start_function_call>call:get_weather{{city:{ESC}Paris{ESC}}}<end_function_call>",
+        "<start_function_call>call:a{x:1}<end_function_call><start_function_call>call:b{}<end_function_call>",
+        f"Let me check.<start_function_call>call:get_weather{{city:{ESC}Paris}}<end_function_call>",
+    ),
+    "phi4": (
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>',
+        '<|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]<|/tool_call|>',
+        'Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": }]<|/tool_call|>',
+    ),
+    "nemotron_mini": (
+        '<toolcall> {"name": "get_weather", "arguments": {"city": "Paris"}} </toolcall>',
+        '<toolcall> {"name": "a", "arguments": {"x": 1}} </toolcall><toolcall> {"name": "b", "arguments": {}} </toolcall>',
+        'Let me check.<toolcall> {"name": "get_weather", "arguments": {"city": </toolcall>',
+    ),
     "hunyuan": (
         "<tool_calls>" + HY.format("get_weather", '{"city": "Paris"}') + "</tool_calls>",
         "<tool_calls>" + HY.format("a", '{"x": 1}') + HY.format("b", "{}") + "</tool_calls>",
@@ -239,6 +255,10 @@ for fmt, (one, two, bad) in MORE.items():
     args = after_name.removeprefix(format_of(fmt).call[1].rstrip(" ")).lstrip(" ")
     CONTINUE[fmt] = (args, "get_weather" + after_name)
 
+# GLM-4: calls at the reply's end, each a name on its line and JSON arguments
+ONE["glm4"], TWO["glm4"] = BEFORE + '\nget_weather\n{"city": "Paris"}', 'a\n{"x": 1}\nb\n{}'
+BAD["glm4"] = 'get_weather\n{"city": '
+CONTINUE["glm4"] = ('{"city": "Paris"}', 'get_weather\n{"city": "Paris"}')
 # forced calls write "arguments", which InternLM's templates call "parameters"
 CONTINUE["intern"] = (
     '{"city": "Paris"}}<|action_end|>',
@@ -307,6 +327,7 @@ SPECIAL = [
     "<|end|>",
     "<|call|>",
     "<|tool_call|>",
+    "<|/tool_call|>",
 ]
 
 
@@ -455,6 +476,7 @@ def test_the_format_names_are_the_formats_in_the_table():
         *("deepseek_v4", "minicpm", "solar", "hy3_preview", "hy3", "hunyuan", "nemotron"),
         *("gigachat", "tool_calls_json", "intern", "longcat_json", "command_r", "olmo3", "lfm2"),
         *("minicpm3", "step3", "gemma4", "kimi", "functionary", "seed_oss", "function_tags"),
+        *("functiongemma", "phi4", "nemotron_mini", "glm4"),
         *("llama4", "apertus", "solar_open", "gigachat3", "hyperclovax", "python_list"),
         *("functionary_v32", "step_audio"),
     ]
@@ -546,6 +568,9 @@ def test_visible_is_always_a_prefix_of_the_final_parse(fmt, special_tok):
             kw,
         )
     # content before a call and reasoning stream before the reply is done
+    if fmt == "glm4":  # a word on a line of its own may be a call's name
+        assert visible(fmt, "Sure, the weather ") == ("", "Sure, the weather")
+        assert visible(fmt, 'Sure.\nget_weather\n{"ci') == ("", "Sure.")
     if fmt == "python_list":
         assert visible(fmt, "Sure, the weather ") == ("", "Sure, the weather")
         assert visible(fmt, " [get_we") == ("", "")
@@ -765,3 +790,22 @@ def test_calls_in_openais_shape_and_literals_python_cannot_hash():
         ("olmo3", "<function_calls>f(a={{1: 2}})</function_calls>"),
     ]:
         assert parse(fmt, text)["tool_calls"] == []
+
+
+def test_the_format_a_template_s_words_or_tokens_teach():
+    """toolcalls.taught: the format whose call opening the instructions write furthest (Hermes' full opening beats
+    GLM's bare <tool_call>); special_format: the one with most of its tags among a tokenizer's special tokens."""
+    from lightning_lite.toolcalls import special_format, taught
+
+    granite = "When a tool is required, respond only with <|tool_call|> followed by a JSON list of tools used."
+    assert taught(granite) == "granite"
+    assert taught('return <tool_call>\n{"name": <function-name>, "arguments": <args>}') == "hermes"
+    assert taught("<tool_call>\n<function=example_function_name>\n<parameter=x>") == "qwen3_coder"
+    assert taught('Return calls as <tool_calls>[{"name": <function-name>, ...}]</tool_calls>') == (
+        "tool_calls_json"
+    )
+    assert taught("You may call functions. Here they are: [...]") is None
+    assert special_format(["<|tool_call|>", "<|/tool_call|>", "<|end|>"]) == "phi4"
+    assert special_format(["<|tool_call|>"]) == "granite"
+    assert special_format(["<|tool_call_start|>", "<|tool_call_end|>"]) == "lfm2"
+    assert special_format(["<|im_end|>"]) is None

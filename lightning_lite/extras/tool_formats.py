@@ -1,7 +1,8 @@
 """Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in
 ``FORMATS``, a comment above each entry showing how its family writes one call (the families and
 their templates: docs/tool-calls.md), and the families' template quirks (hooks.TEMPLATE_DIALECTS,
-hooks.TEMPLATE_CHECKS).
+hooks.TEMPLATE_CHECKS), the places some templates take the tool list in (hooks.TOOL_PLACES) and the
+families known by their list (hooks.TOOL_FAMILIES).
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced
 and detected. qwen3_coder parses as Hermes does here (``HERMES_BODIES``: both read both bodies, and
@@ -324,6 +325,17 @@ def merge_roles(messages: list[dict]) -> list[dict]:
     return out
 
 
+def tool_names(messages: list[dict]) -> list[dict]:
+    """Each tool result with the name of the call it answers (FunctionGemma's template writes it)."""
+    names = {t["id"]: t["function"]["name"] for m in messages for t in m.get("tool_calls") or ()}
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            m = {**m, "name": names.get(m.get("tool_call_id"), "")}
+        out.append(m)
+    return out
+
+
 def calls_again(renderer, call: str) -> bool:
     """Does the template write a call after a tool result as it wrote the first (``call``), so that
     the history keeps every call in the format? DeepSeek-R1's drops the opening there. Each call is
@@ -475,6 +487,26 @@ GEMMA4_CALL = re.compile(r"<\|tool_call>call:([^{\s]+)(\{.*?\})(?:<tool_call\|>|
 GEMMA4_JSON = re.compile(r'<\|"\|>(.*?)<\|"\|>|(?<=[{,])\s*([A-Za-z_][\w.-]*)\s*(?=:)', re.S)
 
 
+# FunctionGemma: <start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>
+FUNCTIONGEMMA_CALL = re.compile(
+    r"<start_function_call>call:([^{\s]+)(\{.*?\})(?:<end_function_call>|\Z)", re.S
+)
+FUNCTIONGEMMA_JSON = re.compile(
+    r"<escape>(.*?)<escape>|(?<=[{,])\s*([A-Za-z_][\w.-]*)\s*(?=:)", re.S
+)
+
+
+def functiongemma_call(m: re.Match) -> Optional[dict]:
+    """A call's arguments as JSON: each <escape>-quoted string and each bare key quoted."""
+
+    def quote(t: re.Match) -> str:
+        if t.group(1) is not None:
+            return json.dumps(t.group(1))
+        return json.dumps(t.group(2))
+
+    return dict_call(m.group(1), FUNCTIONGEMMA_JSON.sub(quote, m.group(2)))
+
+
 def gemma4_call(m: re.Match) -> Optional[dict]:
     quote = lambda t: json.dumps(t.group(1) if t.group(1) is not None else t.group(2))
     return dict_call(m.group(1), GEMMA4_JSON.sub(quote, m.group(2)))
@@ -503,6 +535,51 @@ functionary = regex_blocks(
 )
 CODER_PARAM = ("<parameter={name}>\n", "\n</parameter>\n")
 SEED_BLOCK = ("<seed:tool_call>\n", "\n</seed:tool_call>")
+# GLM-4-9B-chat and GLM-4-0414: the name on a line of its own, the arguments as JSON after it; the
+# calls end the reply, text may come before them
+GLM4_NAME = re.compile(r"\s*([A-Za-z_][\w.-]*)\n")
+# what a GLM-4 reply's last lines may still grow into calls from: a name, its line's end, JSON
+GLM4_MAYBE = re.compile(r"\s*[A-Za-z_]?[\w.-]*(\n\s*(\{.*)?)?\Z", re.S)
+
+
+def glm4_calls(text: str, pos: int) -> list[dict]:
+    """The calls ``text[pos:]`` is, each a name on its line with a JSON object after it; [] where
+    it is not only calls."""
+    calls = []
+    while pos < len(text.rstrip()):
+        name = GLM4_NAME.match(text, pos)
+        if name is None:
+            return []
+        value = json_at(text, name.end())
+        if value is None or not isinstance(value[0], dict):
+            return []
+        calls.append(make_call(name.group(1), value[0]))
+        pos = value[1]
+    return calls
+
+
+def line_starts(text: str) -> list[int]:
+    """Where each line of ``text`` starts."""
+    return [0] + [m.end() for m in re.finditer("\n", text)]
+
+
+def glm4_blocks(text: str) -> list[tuple[int, int, list[dict]]]:
+    """The calls that end the reply, from the first line where all that follows is calls."""
+    for start in line_starts(text):
+        calls = glm4_calls(text, start)
+        if calls:
+            return [(start, len(text), calls)]
+    return []
+
+
+def glm4_stream(text: str) -> str:
+    """The text before the first line from which all that follows may still grow into calls."""
+    for start in line_starts(text):
+        if GLM4_MAYBE.match(text, start):
+            return text[:start]
+    return text
+
+
 # tagged()'s param and block of MiniMax M2 and M3, its param of Solar
 MINIMAX_PARAM = ('<parameter name="{name}">', "</parameter>\n")
 MINIMAX_BLOCK = ("<minimax:tool_call>\n", "</minimax:tool_call>")
@@ -635,14 +712,111 @@ FORMATS = {
     # Qwen3-Coder's calls in Seed-OSS's block, and without one (FrogBoss)
     "seed_oss": tagged("<function=", ">\n", "\n</function>", CODER_PARAM, SEED_BLOCK),
     "function_tags": tagged("<function=", ">\n", "\n</function>", CODER_PARAM),
+    # FunctionGemma: <start_function_call>call:N{a:<escape>v<escape>}<end_function_call>
+    "functiongemma": Format(
+        call=("<start_function_call>call:", "{", "}<end_function_call>"),
+        param=("{name}:", "", ",", "<escape>"),
+        detect=lambda before, after: before.endswith("<start_function_call>call:"),
+        blocks=regex_blocks(
+            re.compile(f"({FUNCTIONGEMMA_CALL.pattern})", re.S),
+            each(FUNCTIONGEMMA_CALL, functiongemma_call),
+        ),
+        stream=up_to("<start_function_call>"),
+    ),
+    # The families whose templates render the tool list but no call (hooks.TOOL_FAMILIES below
+    # names each by its list). Phi-4 mini: <|tool_call|>[{"name": N, "arguments": {...}}]<|/tool_call|>
+    "phi4": json_tagged("<|tool_call|>", "<|/tool_call|>", listed=True),
+    # Nemotron Mini: <toolcall> {"name": N, "arguments": {...}} </toolcall>
+    "nemotron_mini": json_tagged("<toolcall> ", " </toolcall>"),
+    # GLM-4-9B-chat, GLM-4-0414: N\n{...} on lines of their own at the reply's end (its template
+    # writes N as the turn's metadata)
+    "glm4": Format(
+        call=("", "\n", ""),
+        detect=lambda before, after: False,
+        blocks=glm4_blocks,
+        stream=glm4_stream,
+    ),
+}
+
+
+def system_tools(messages: list[dict], tools: list[dict], as_json: bool = False):
+    """The tool list in the system message's ``tools`` (a system message of its own where there is
+    none): a list as GLM-4-9B-chat's template reads it, a JSON string as Phi-4's (``as_json``)."""
+    listed = tools
+    if as_json:
+        listed = json.dumps(tools, ensure_ascii=False)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "tools": listed}] + messages[1:], {}
+    return [{"role": "system", "content": "", "tools": listed}] + messages, {}
+
+
+def system_tools_json(messages: list[dict], tools: list[dict]):
+    return system_tools(messages, tools, as_json=True)
+
+
+def available_tools(messages: list[dict], tools: list[dict]):
+    """The tool list as ``tools`` and as ``available_tools``: some Granite 3.3 templates write
+    their tool instructions for the one and the list for the other."""
+    return messages, {"tools": tools, "available_tools": tools}
+
+
+def system_message_tools(messages: list[dict], tools: list[dict]):
+    """The tool list as ``tools``, beside a system message (an empty one where there is none):
+    some templates write the list inside the system message's turn (Virtuoso)."""
+    if messages and messages[0]["role"] == "system":
+        return messages, {"tools": tools}
+    return [{"role": "system", "content": ""}] + messages, {"tools": tools}
+
+
+def tools_list(messages: list[dict], tools: list[dict]):
+    """The tool list as the JSON text ``tools_list`` (FrontiersMind's Lumma takes it so)."""
+    return messages, {"tools_list": json.dumps(tools, ensure_ascii=False)}
+
+
+def unwrapped_tools(messages: list[dict], tools: list[dict]):
+    """Each tool as its function alone (``{"name", "description", "parameters"}``)."""
+    return messages, {"tools": [t["function"] for t in tools]}
+
+
+# Where templates take the tool list instead of the tools argument (hooks.TOOL_PLACES), and the
+# format a family's models write where its template renders the list but neither a call nor
+# instructions that name a format (hooks.TOOL_FAMILIES: a marker of the family's list).
+TOOL_PLACES = {
+    "system_tools": system_tools,
+    "system_tools_json": system_tools_json,
+    "available_tools": available_tools,
+    "unwrapped_tools": unwrapped_tools,
+    "system_message_tools": system_message_tools,
+    "tools_list": tools_list,
+}
+TOOL_FAMILIES = {
+    # LFM2, LFM2.5: List of tools: <|tool_list_start|>[...]<|tool_list_end|>
+    "<|tool_list_start|>": "lfm2",
+    # LFM2.5 and its finetunes: List of tools: [...] (the markers gone from the template)
+    "List of tools: [": "lfm2",
+    # Granite 3.0: <|start_of_role|>available_tools<|end_of_role|>[...], without instructions
+    "available_tools<|end_of_role|>": "granite",
+    # Kimi K2: <|im_system|>tool_declare<|im_middle|>[...]
+    "tool_declare": "kimi",
+    # Phi-4 mini and multimodal: <|system|>...<|tool|>[...]<|/tool|>
+    "<|tool|>": "phi4",
+    # Nemotron Mini: <tool> {...} </tool>
+    "<tool> ": "nemotron_mini",
+    # GLM-4-9B-chat, GLM-4-0414: # 可用工具 ("available tools"), then one "## N" a tool
+    "# 可用工具": "glm4",
+    # Llama 3.2's Python list, as FrontiersMind's Lumma and baseten's templates ask for it:
+    # [func_name1(params_name1=params_value1, ...)] (python_list: extras/tool_formats.py's last block)
+    "(params_name": "python_list",
 }
 
 hooks.TOOL_FORMATS["hermes"] = HERMES_BODIES
 hooks.TOOL_FORMATS.update(FORMATS)
 hooks.TEMPLATE_DIALECTS.update(
-    short_ids=short_ids, string_args=string_args, merge_roles=merge_roles
+    short_ids=short_ids, string_args=string_args, merge_roles=merge_roles, tool_names=tool_names
 )
 hooks.TEMPLATE_CHECKS.append(calls_again)
+hooks.TOOL_PLACES.update(TOOL_PLACES)
+hooks.TOOL_FAMILIES.update(TOOL_FAMILIES)
 
 
 # ------------------------------------------------------------------ the formats once refused

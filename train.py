@@ -5,7 +5,7 @@
 
 Every rank serves the policy through its own proxy and runs its share of the step's tasks. A step:
 
-    tasks.pick(step) -> jobs: (rollout id, Task, Harness), each task --group-size times
+    tasks.jobs(step, rank, world) -> (rollout id, Task, Harness), each task --group-size times
     run_rollouts(jobs) through the proxy -> RolloutResult each; the proxy records every Call to
         calls/step_K.jsonl, read back from there
     build_batch_samples(calls) -> Sample: a rollout's calls merged, loss mask 1 on sampled tokens
@@ -136,7 +136,7 @@ group.add_argument("--weight-decay", type=float, default=0.0)
 group.add_argument("--grad-clip", type=float, default=1.0)
 group.add_argument("--micro-batch-tokens", type=int, default=4096, help=MICRO_HELP)
 group.add_argument(
-    "--max-seq-len", type=int, help="longer samples: cut or dropped (default: context)"
+    "--max-seq-len", type=int, help="longer samples cut or dropped (default: context)"
 )
 group.add_argument("--no-tree", action="store_true", help="one padded row a sample, not packed")
 group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)

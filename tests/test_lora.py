@@ -507,6 +507,8 @@ def test_lora_under_fsdp_bf16_async_and_forced_calls(tmp_path):
     the adapters alone); calc's first call is forced under a grammar."""
     out = str(tmp_path / "run")
     args = TORCHRUN + ["train.py", "--harness", "calc", "--batch-size", "2", "--group-size", "4"]
+    # (short replies: bf16 decodes slowly on a CPU, and a forced call's first tokens are all it needs)
+    args += ["--harness-arg", "max_tokens=24"]
     args += [
         "--eval-tasks",
         "0",

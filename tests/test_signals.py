@@ -310,9 +310,11 @@ def test_from_calls_trains_on_what_proxy_py_recorded_with_the_rewards_it_took(re
         and row["trainable_tokens"] > 0
         and row["grad_norm"] > 0
     )
-    assert row["dlogp_max"] < 1e-3 and row["staleness"] == {
-        "0": row["trainable_tokens"]
-    }  # the recorded calls are of these weights
+    # The recorded calls are of these weights: |dlogp| at fp32 noise (here mean 5e-6, max 5e-5). The
+    # max may reach ~2e-3 where a token sits at the top-p nucleus's edge (docs/serving.md; seen once
+    # in CI), so the mean is what tells these weights from others.
+    assert row["dlogp_mean"] < 1e-4 and row["dlogp_max"] < 1e-2
+    assert row["staleness"] == {"0": row["trainable_tokens"]}
     assert (
         "--from-calls: 6 rollouts (12 calls) in 2 groups" in log
         and "12 recorded calls, 0 updates stale" in log

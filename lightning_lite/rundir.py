@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections import Counter
 from dataclasses import asdict
 
@@ -71,7 +72,8 @@ class RunDir:
         to the other sinks. The file is written last: a row in it has been logged everywhere."""
         if self.rank:
             return
-        row = records.finite(row)
+        # when it was written, seconds since the epoch: the live page's clock
+        row = records.finite({**row, "time": round(time.time(), 3)})
         for sink in self.sinks:
             sink.log(row)
         with open(self.metrics_path, "a") as f:

@@ -290,6 +290,8 @@ class Learner:
         rows = []
         # The metrics an extra adds (hooks.LOSS_METRICS), over the same trainable tokens.
         more_metrics = [make() for make in hooks.LOSS_METRICS]
+        # What an extra records of each trained token (hooks.TOKEN_RECORDERS: extras/report.py).
+        recorders = [make(version, loss_options) for make in hooks.TOKEN_RECORDERS]
         quiet = not (self.master and sys.stderr.isatty())
         for i, mb in enumerate(tqdm(batches, desc="train", unit="mb", leave=False, disable=quiet)):
             padding = mb is None
@@ -327,6 +329,8 @@ class Learner:
             rows.append(m)
             for metric in more_metrics:
                 metric.add(logprobs.detach(), batch["old_logprobs"], batch["loss_mask"])
+            for recorder in recorders:
+                recorder.add(mb[0], batch, logprobs.detach())
             counts["fwd_tokens"] += batch["fwd_tokens"]
             if allowed is not None:
                 counts["constrained_tokens"] += allowed.constrained
@@ -349,6 +353,8 @@ class Learner:
         metrics = algo.reduce_metrics(rows)
         for metric in more_metrics:
             metrics.update(metric.result())
+        for recorder in recorders:
+            recorder.close()
         return {
             **metrics,
             **{key: int(n) for key, n in zip(counts, summed)},

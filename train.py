@@ -226,7 +226,7 @@ config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
 run.start(args, config)
 # what the run is doing, as it happens (hooks.PROGRESS: extras/report.py's heartbeat.json)
-hooks.progress("run", out=args.out, rank=rank, start_step=start_step)
+hooks.progress("run", out=args.out, rank=rank, world=world, start_step=start_step)
 
 # ----------------------------------------------------------------------------- backend, proxy
 if args.backend == "hf":

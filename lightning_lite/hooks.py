@@ -136,7 +136,7 @@ AFTER_RUN = []
 # ----------------------------------------------------------------------------- seeing a run
 # What the run is doing as it happens: fns fn(event, info) that the core calls through ``progress``
 # (extras/report.py writes RUN_DIR/heartbeat.json of them). The events and their info dicts:
-#   "run"            train.py, before the first step: out (the run dir), rank, start_step
+#   "run"            train.py, before the first step: out (the run dir), rank, world, start_step
 #   "phase"          train.py: phase ("rollouts", "train", "sync", "eval", "done") and step
 #   "rollout_start"  harness.run_rollouts, a rollout begun: rollout_id, task_id, harness
 #   "rollout_end"    harness.run_rollouts, a rollout finished: result (a RolloutResult)

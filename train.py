@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_lite import algo, hooks, parallel, records, rundir
+from lightning_lite import algo, hooks, parallel, records
 from lightning_lite.backends import HFBackend
 from lightning_lite.harness import CtrlC, Tasks, run_rollouts, settle_rollouts
 from lightning_lite.models import load_tokenizer
@@ -225,8 +225,6 @@ evaluated = run.drop_after(start_step, resumed=bool(resume_dir))
 config = {**vars(args), "world_size": world, "start_step": start_step}
 log(json.dumps(config, indent=1))
 run.start(args, config)
-# what the run is doing, as it happens (hooks.PROGRESS: extras/report.py's heartbeat.json)
-hooks.progress("run", out=args.out, rank=rank, world=world, start_step=start_step)
 
 # ----------------------------------------------------------------------------- backend, proxy
 if args.backend == "hf":
@@ -430,6 +428,7 @@ try:
         if ctrl_c.pressed:
             raise KeyboardInterrupt
         t_step = time.time()
+        # what the run is doing, as it happens (hooks.PROGRESS: the report's heartbeat.json)
         hooks.progress("phase", phase="rollouts", step=step)
         # 1. rollouts. Under --async N those of the next N steps start now, in the background:
         # step s's once version s - N is served, so no trained token is more than N updates old.
@@ -463,7 +462,6 @@ try:
         backend.make_room()
         t_sleep = time.time() - t0
         t0 = time.time()
-        hooks.progress("phase", phase="train", step=step)
         # something to learn from: an advantage, or the KL term on any sample
         has_signal = sums["signal"] > 0 or (sums["samples"] > 0 and args.kl_coef > 0)
         if adapter is not None and adapter.trains_apart:
@@ -500,8 +498,6 @@ try:
             "t_step": None,
             "gen_tok_s": gen_tok_s,
             "train_tok_s": train_tok_s,
-            # the mean tokens a call generated
-            "response_tokens_mean": rundir.per(sums["gen"], sums["calls"]),
         }
         # the update is applied (or skipped): a checkpoint from now on is of step + 1
         unlogged = row
@@ -523,7 +519,6 @@ try:
         if args.save_every and (step + 1) % args.save_every == 0:
             learner.save(step + 1, run, vars(args))
     learner.save(args.steps, run, vars(args))
-    hooks.progress("phase", phase="done", step=args.steps)
 except (KeyboardInterrupt, asyncio.CancelledError):
     # in step + 1, whose update may be applied already (steps_done): --resume goes on from there
     log(f"interrupted in step {step + 1}: saving a checkpoint of step {steps_done} before exiting")

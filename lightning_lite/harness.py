@@ -404,9 +404,7 @@ async def run_rollouts(
         result = RolloutResult(rollout_id, task.id, None, None, 0.0, harness=harness.name)
         async with semaphore:
             start = time.monotonic()
-            hooks.progress(
-                "rollout_start", rollout_id=rollout_id, task_id=task.id, harness=harness.name
-            )
+            hooks.progress("rollout_start", rollout_id=rollout_id, task=task, harness=harness)
             result.reward, result.error, result.call_rewards = await _reward_or_error(
                 harness, task, rollout_id, endpoint_for, timeout, posted_reward
             )

@@ -136,12 +136,14 @@ AFTER_RUN = []
 # ----------------------------------------------------------------------------- seeing a run
 # What the run is doing as it happens: fns fn(event, info) that the core calls through ``progress``
 # (extras/report.py writes RUN_DIR/heartbeat.json of them). The events and their info dicts:
-#   "run"            train.py, before the first step: out (the run dir), rank, world, start_step
-#   "phase"          train.py: phase ("rollouts", "train", "sync", "eval", "done") and step
-#   "rollout_start"  harness.run_rollouts, a rollout begun: rollout_id, task_id, harness
+#   "run"            rundir.RunDir.start, before the first step: out (the run dir), rank, config
+#                    (config.json's: world_size, start_step, ...)
+#   "phase"          train.py and trainer.Learner.start_update: phase ("rollouts", "train", "sync",
+#                    "eval") and step
+#   "rollout_start"  harness.run_rollouts, a rollout begun: rollout_id, task, harness (objects)
 #   "rollout_end"    harness.run_rollouts, a rollout finished: result (a RolloutResult)
 #   "call_start"     the proxy, a call begun: rollout_id
-#   "call_end"       the proxy, a call recorded: rollout_id, index, finish_reason, tokens
+#   "call_end"       the proxy, a call recorded: call (a records.Call)
 # Each runs in its caller's thread (the proxy has one of its own), so a fn must be quick and must
 # not raise. Empty: nothing is called.
 PROGRESS = []

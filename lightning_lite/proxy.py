@@ -446,14 +446,7 @@ class Proxy:
                 # opened per call: a call in flight when its session's file was switched goes there
                 with open(out.path, "a") as f:
                     f.write(to_json(call, **tail) + "\n")
-        tokens = len(call.response_ids)
-        hooks.progress(
-            "call_end",
-            rollout_id=rollout_id,
-            index=call.index,
-            finish_reason=finish_reason,
-            tokens=tokens,
-        )
+        hooks.progress("call_end", call=call)
         return call
 
     # ------------------------------------------------------------------ the other routes

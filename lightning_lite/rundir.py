@@ -39,7 +39,9 @@ class RunDir:
 
     def start(self, args, config: dict):
         """Write config.json (the flags as they ran) and open the metrics sinks that
-        hooks.METRIC_SINKS makes of the flags (extras/loggers.py: TensorBoard, W&B), on rank 0."""
+        hooks.METRIC_SINKS makes of the flags (extras/loggers.py: TensorBoard, W&B), on rank 0.
+        Every rank tells hooks.PROGRESS where the run is (the report's heartbeat.json)."""
+        hooks.progress("run", out=self.out, rank=self.rank, config=config)
         if self.rank:
             return
         with open(os.path.join(self.out, "config.json"), "w") as f:
@@ -177,6 +179,8 @@ RATES = [
     ("success", "success", "rewarded"),
     ("calls_per_rollout", "calls", "rollouts"),
     ("merge_ratio", "tokens_unmerged", "tokens"),
+    # the mean tokens a call generated
+    ("response_tokens_mean", "gen", "calls"),
 ]
 
 

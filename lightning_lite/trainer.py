@@ -208,6 +208,8 @@ class Learner:
         return metrics, grad_norm, skipped
 
     def start_update(self, step: int):
+        # what the run is doing, as it happens (hooks.PROGRESS: the report's heartbeat.json)
+        hooks.progress("phase", phase="train", step=step)
         self.model.train()
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(step)

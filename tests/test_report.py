@@ -851,12 +851,13 @@ def test_the_heartbeat_says_the_phase_and_the_rollouts_in_flight(tmp_path, monke
     monkeypatch.setattr(recorder.RUN, "out", str(tmp_path))
     monkeypatch.setattr(recorder.RUN, "rank", 0)
     beat.event("phase", {"phase": "rollouts", "step": 4})
-    beat.event("rollout_start", {"rollout_id": "a", "task_id": "t", "harness": "calc"})
-    beat.event("rollout_start", {"rollout_id": "b", "task_id": "t", "harness": "calc"})
+    task = SimpleNamespace(id="t")
+    harness = SimpleNamespace(name="calc")
+    beat.event("rollout_start", {"rollout_id": "a", "task": task, "harness": harness})
+    beat.event("rollout_start", {"rollout_id": "b", "task": task, "harness": harness})
     beat.event("call_start", {"rollout_id": "a"})
-    beat.event(
-        "call_end", {"rollout_id": "a", "index": 0, "finish_reason": "tool_calls", "tokens": 12}
-    )
+    done = call("a", 0, [1, 2], [3, 4, 5])
+    beat.event("call_end", {"call": done})
     beat.event("call_start", {"rollout_id": "b"})
     result = SimpleNamespace(
         rollout_id="a", task_id="t", harness="calc", reward=1.0, error=None, seconds=2.5

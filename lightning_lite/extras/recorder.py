@@ -18,6 +18,7 @@ rollout runner and the proxy tell it what happens). report.py imports this file:
 "report" extra brings it.
 """
 
+import atexit
 import heapq
 import json
 import os
@@ -227,8 +228,8 @@ class Heartbeat:
             elif event == "rollout_start":
                 self.in_flight[info["rollout_id"]] = {
                     "rollout_id": info["rollout_id"],
-                    "task_id": info["task_id"],
-                    "harness": info["harness"],
+                    "task_id": info["task"].id,
+                    "harness": info["harness"].name,
                     "start": now,
                     "calls": 0,
                     "last_call": None,
@@ -251,16 +252,17 @@ class Heartbeat:
                 if rollout is not None:
                     rollout["last_call"] = {"state": "generating", "since": now}
             elif event == "call_end":
-                rollout = self.in_flight.get(info["rollout_id"])
+                call = info["call"]
+                rollout = self.in_flight.get(call.rollout_id)
                 if rollout is not None:
                     rollout["calls"] += 1
                     rollout["last_call"] = {
-                        "state": info["finish_reason"],
-                        "index": info["index"],
-                        "tokens": info["tokens"],
+                        "state": call.finish_reason,
+                        "index": call.index,
+                        "tokens": len(call.response_ids),
                         "since": now,
                     }
-        if event == "phase" and info["phase"] == "done":
+        if event == "phase" and info["phase"] in ("done", "exited"):
             self.write()
 
     def snapshot(self) -> dict:
@@ -306,6 +308,13 @@ class Heartbeat:
         if self.thread is None:
             self.thread = threading.Thread(target=self.beat, name="heartbeat", daemon=True)
             self.thread.start()
+            atexit.register(self.exited)
+
+    def exited(self):
+        """At the process's end: a run that did not say "done" (a crash, a Ctrl-C, a rank other
+        than 0) says "exited", so the page does not wait on it."""
+        if self.phase != "done":
+            self.event("phase", {"phase": "exited", "step": self.step})
 
 
 HEARTBEAT = Heartbeat()
@@ -324,15 +333,21 @@ def drop_tokens_after(out: str, start_step: int):
             os.remove(os.path.join(folder, name))
 
 
+def run_done():
+    """The run finished (report.after_run, on rank 0): the heartbeat says "done"."""
+    if HEARTBEAT.thread is not None:
+        HEARTBEAT.event("phase", {"phase": "done", "step": HEARTBEAT.step})
+
+
 def on_progress(event: str, info: dict):
     """hooks.PROGRESS: the "run" event says where to write (and starts the heartbeat); the others
     feed the heartbeat."""
     if event == "run":
         RUN.out = info["out"]
         RUN.rank = info["rank"]
-        RUN.world = info.get("world", 1)
+        RUN.world = info["config"]["world_size"]
         if RUN.rank == 0:
-            drop_tokens_after(RUN.out, info["start_step"])
+            drop_tokens_after(RUN.out, info["config"]["start_step"])
         HEARTBEAT.start()
         return
     HEARTBEAT.event(event, info)

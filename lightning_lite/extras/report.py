@@ -36,7 +36,7 @@ from tqdm import tqdm
 from .. import hooks
 
 # what train.py records for the live page (tokens/step_K.jsonl, heartbeat.json): its seams
-from . import recorder  # noqa: F401
+from . import recorder
 from ..algo import assign_advantages
 from ..chat import Renderer
 from ..records import Call, common_prefix, find_batches, finite, read_calls, read_jsonl
@@ -411,7 +411,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def after_run(run_dir: str) -> None:
-    """hooks.AFTER_RUN: the report of the run train.py just finished."""
+    """hooks.AFTER_RUN: the report of the run train.py just finished; its heartbeat says done."""
+    recorder.run_done()
     print(f"wrote {write_report(run_dir)[0]}: plots and trajectories, open it in a browser")
 
 

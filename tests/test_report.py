@@ -1010,6 +1010,11 @@ def test_live_page_picks_up_a_new_row_and_shows_a_hung_rollout(tmp_path):
         t0 = time.time()
         page.wait_for_selector("#charts[data-last-step='6, 5']", timeout=5000)
         assert time.time() - t0 < 4
+        # y labels share their decimals, or their exponent's digits (readable at 1,000 steps)
+        labels = page.evaluate("tickLabels(null, [0, 0.0002, 0.0004, 0.0006, 0.0008, 0.001])")
+        assert labels == ["0.0000", "0.0002", "0.0004", "0.0006", "0.0008", "0.0010"]
+        assert page.evaluate("tickLabels(null, [-2e-7, 0, 2e-7])") == ["-2e-7", "0", "2e-7"]
+        assert page.evaluate("tickLabels(null, [200, 400, 600])") == ["200", "400", "600"]
         page.check("#log")
         assert page.evaluate("state.charts.dlogp_mean.scales.y.distr") == 3
         page.fill("#smooth", "0.9")

@@ -894,6 +894,11 @@ def test_the_server_only_reads_and_says_what_is_torn_or_missing(tmp_path):
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "rew')
     (tmp_path / "secret.txt").write_text("not served")
+    # a NaN in a token record (JSON has none; Python writes it): served as null, not a 500
+    path = run_dir / "tokens" / "step_2.jsonl"
+    lines = path.read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "dlogp_max": float("nan")})
+    path.write_text("\n".join(lines) + "\n")
     before = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
     with live_server(run_dir) as url:
         got = json.loads(http(url + "api/metrics?run=0")[1])
@@ -911,6 +916,7 @@ def test_the_server_only_reads_and_says_what_is_torn_or_missing(tmp_path):
         # no rollouts/ file: what is trained is unknown, and said so
         assert len(batch["rollouts"]) == 4 and batch["rollouts"][0]["trained"] is None
         assert len(batch["records"]) == 4 and batch["records"][0]["sample"] == 0
+        assert batch["records"][0]["dlogp_max"] is None
     assert sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
 
 

@@ -18,7 +18,10 @@ its longest prefix shared with another sample of the batch (a system prompt once
 gzip-compressed.
 
 The hook: at import this file adds ``after_run`` to ``hooks.AFTER_RUN``: train.py's rank 0 writes
-the report of the run it just finished.
+the report of the run it just finished. It also imports recorder.py, whose seams record what the live
+page shows (tokens/step_K.jsonl, heartbeat.json); ``--serve`` serves that page (serve.py, live.html):
+
+    python -m lightning_lite.extras.report RUN_DIR [RUN_DIR ...] --serve [--port N] [--host H]
 """
 
 import argparse

@@ -135,7 +135,7 @@ AFTER_RUN = []
 
 # ----------------------------------------------------------------------------- seeing a run
 # What the run is doing as it happens: fns fn(event, info) that the core calls through ``progress``
-# (extras/report.py writes RUN_DIR/heartbeat.json of them). The events and their info dicts:
+# (extras/recorder.py writes RUN_DIR/heartbeat.json of them). The events and their info dicts:
 #   "run"            rundir.RunDir.start, before the first step: out (the run dir), rank, config
 #                    (config.json's: world_size, start_step, ...)
 #   "phase"          train.py and trainer.Learner.start_update: phase ("rollouts", "train", "sync",
@@ -148,7 +148,7 @@ AFTER_RUN = []
 # not raise. Empty: nothing is called.
 PROGRESS = []
 
-# Per-token training data (extras/report.py: RUN_DIR/tokens/step_K.jsonl): factories
+# Per-token training data (extras/recorder.py: RUN_DIR/tokens/step_K.jsonl): factories
 # fn(version, loss_options) -> an object with add(samples, batch, logprobs), given each
 # micro-batch's samples, its algo.collate batch ([B, T] rows in the samples' order) and the
 # trainer's [B, T] logprobs (detached), and close() after the last micro-batch. ``loss_options``

@@ -292,7 +292,7 @@ class Learner:
         rows = []
         # The metrics an extra adds (hooks.LOSS_METRICS), over the same trainable tokens.
         more_metrics = [make() for make in hooks.LOSS_METRICS]
-        # What an extra records of each trained token (hooks.TOKEN_RECORDERS: extras/report.py).
+        # What an extra records of each trained token (hooks.TOKEN_RECORDERS: extras/recorder.py).
         recorders = [make(version, loss_options) for make in hooks.TOKEN_RECORDERS]
         quiet = not (self.master and sys.stderr.isatty())
         for i, mb in enumerate(tqdm(batches, desc="train", unit="mb", leave=False, disable=quiet)):

@@ -320,6 +320,7 @@ def evaluate(step):
     every = tasks.test_jobs()
     if not every:
         return
+    hooks.progress("phase", phase="eval", step=step)
     # --async: the proxy records one run at a time
     concurrent.futures.wait(ahead.values())
     jobs = [(f"eval{step}-r{rank}-{i}", t, h) for i, (h, t) in enumerate(every[rank::world])]
@@ -427,6 +428,8 @@ try:
         if ctrl_c.pressed:
             raise KeyboardInterrupt
         t_step = time.time()
+        # what the run is doing, as it happens (hooks.PROGRESS: the report's heartbeat.json)
+        hooks.progress("phase", phase="rollouts", step=step)
         # 1. rollouts. Under --async N those of the next N steps start now, in the background:
         # step s's once version s - N is served, so no trained token is more than N updates old.
         if worker:
@@ -501,6 +504,7 @@ try:
         steps_done = step + 1
         # 7. weight sync
         t0 = time.time()
+        hooks.progress("phase", phase="sync", step=step)
         sync_weights(step + 1)
         row["t_sync"] = round(time.time() - t0, 3)
         row["t_step"] = round(time.time() - t_step, 2)

@@ -404,6 +404,7 @@ async def run_rollouts(
         result = RolloutResult(rollout_id, task.id, None, None, 0.0, harness=harness.name)
         async with semaphore:
             start = time.monotonic()
+            hooks.progress("rollout_start", rollout_id=rollout_id, task=task, harness=harness)
             result.reward, result.error, result.call_rewards = await _reward_or_error(
                 harness, task, rollout_id, endpoint_for, timeout, posted_reward
             )
@@ -416,6 +417,7 @@ async def run_rollouts(
             where = f"[{desc}] rollout {rollout_id} (task {task.id})"
             tqdm.write(f"{where} failed: {message}", file=sys.stderr)
         done.append(result)
+        hooks.progress("rollout_end", result=result)
         rewards = [r.reward for r in done if r.error is None]
         mean_reward = "-"
         if rewards:

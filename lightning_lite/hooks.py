@@ -133,6 +133,35 @@ METRIC_SINKS = []
 # After the last step, on rank 0: fn(run_dir), e.g. the HTML report.
 AFTER_RUN = []
 
+# ----------------------------------------------------------------------------- seeing a run
+# What the run is doing as it happens: fns fn(event, info) that the core calls through ``progress``
+# (extras/recorder.py writes RUN_DIR/heartbeat.json of them). The events and their info dicts:
+#   "run"            rundir.RunDir.start, before the first step: out (the run dir), rank, config
+#                    (config.json's: world_size, start_step, ...)
+#   "phase"          train.py and trainer.Learner.start_update: phase ("rollouts", "train", "sync",
+#                    "eval") and step
+#   "rollout_start"  harness.run_rollouts, a rollout begun: rollout_id, task, harness (objects)
+#   "rollout_end"    harness.run_rollouts, a rollout finished: result (a RolloutResult)
+#   "call_start"     the proxy, a call begun: rollout_id
+#   "call_end"       the proxy, a call recorded: call (a records.Call)
+# Each runs in its caller's thread (the proxy has one of its own), so a fn must be quick and must
+# not raise. Empty: nothing is called.
+PROGRESS = []
+
+# Per-token training data (extras/recorder.py: RUN_DIR/tokens/step_K.jsonl): factories
+# fn(version, loss_options) -> an object with add(samples, batch, logprobs), given each
+# micro-batch's samples, its algo.collate batch ([B, T] rows in the samples' order) and the
+# trainer's [B, T] logprobs (detached), and close() after the last micro-batch. ``loss_options``
+# holds algo.policy_loss's options (loss, clip_low, ...): which tokens it clipped follows from
+# them. trainer.Learner.backward makes one of each per pass. Empty: nothing is recorded.
+TOKEN_RECORDERS = []
+
+
+def progress(event: str, **info) -> None:
+    """Tell each fn of ``PROGRESS`` that ``event`` happened (nothing when it is empty)."""
+    for fn in PROGRESS:
+        fn(event, info)
+
 
 def load_extras(names: list[str]) -> list:
     """Import each extra named (lightning_lite/extras/NAME.py), which fills its seams here; one

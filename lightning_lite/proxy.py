@@ -225,6 +225,7 @@ class Proxy:
         parse -> build the prompt -> generate (streaming) -> record -> reply."""
         rollout_id, body = await self.read(request)
         session = self.session(rollout_id)
+        hooks.progress("call_start", rollout_id=rollout_id)
         req, new_writer = open_api(body, session.memo.setdefault(api, {}), self)
         exchange = Exchange(rollout_id, session, api, req, capped=self.cap(req))
         self.build_prompt(exchange)
@@ -445,6 +446,7 @@ class Proxy:
                 # opened per call: a call in flight when its session's file was switched goes there
                 with open(out.path, "a") as f:
                     f.write(to_json(call, **tail) + "\n")
+        hooks.progress("call_end", call=call)
         return call
 
     # ------------------------------------------------------------------ the other routes

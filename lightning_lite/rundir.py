@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections import Counter
 from dataclasses import asdict
 
@@ -38,7 +39,9 @@ class RunDir:
 
     def start(self, args, config: dict):
         """Write config.json (the flags as they ran) and open the metrics sinks that
-        hooks.METRIC_SINKS makes of the flags (extras/loggers.py: TensorBoard, W&B), on rank 0."""
+        hooks.METRIC_SINKS makes of the flags (extras/loggers.py: TensorBoard, W&B), on rank 0.
+        Every rank tells hooks.PROGRESS where the run is (the report's heartbeat.json)."""
+        hooks.progress("run", out=self.out, rank=self.rank, config=config)
         if self.rank:
             return
         with open(os.path.join(self.out, "config.json"), "w") as f:
@@ -71,7 +74,8 @@ class RunDir:
         to the other sinks. The file is written last: a row in it has been logged everywhere."""
         if self.rank:
             return
-        row = records.finite(row)
+        # when it was written, seconds since the epoch: the live page's clock
+        row = records.finite({**row, "time": round(time.time(), 3)})
         for sink in self.sinks:
             sink.log(row)
         with open(self.metrics_path, "a") as f:
@@ -175,6 +179,8 @@ RATES = [
     ("success", "success", "rewarded"),
     ("calls_per_rollout", "calls", "rollouts"),
     ("merge_ratio", "tokens_unmerged", "tokens"),
+    # the mean tokens a call generated
+    ("response_tokens_mean", "gen", "calls"),
 ]
 
 

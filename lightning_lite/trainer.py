@@ -208,6 +208,8 @@ class Learner:
         return metrics, grad_norm, skipped
 
     def start_update(self, step: int):
+        # what the run is doing, as it happens (hooks.PROGRESS: the report's heartbeat.json)
+        hooks.progress("phase", phase="train", step=step)
         self.model.train()
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(step)
@@ -290,6 +292,8 @@ class Learner:
         rows = []
         # The metrics an extra adds (hooks.LOSS_METRICS), over the same trainable tokens.
         more_metrics = [make() for make in hooks.LOSS_METRICS]
+        # What an extra records of each trained token (hooks.TOKEN_RECORDERS: extras/recorder.py).
+        recorders = [make(version, loss_options) for make in hooks.TOKEN_RECORDERS]
         quiet = not (self.master and sys.stderr.isatty())
         for i, mb in enumerate(tqdm(batches, desc="train", unit="mb", leave=False, disable=quiet)):
             padding = mb is None
@@ -327,6 +331,8 @@ class Learner:
             rows.append(m)
             for metric in more_metrics:
                 metric.add(logprobs.detach(), batch["old_logprobs"], batch["loss_mask"])
+            for recorder in recorders:
+                recorder.add(mb[0], batch, logprobs.detach())
             counts["fwd_tokens"] += batch["fwd_tokens"]
             if allowed is not None:
                 counts["constrained_tokens"] += allowed.constrained
@@ -349,6 +355,8 @@ class Learner:
         metrics = algo.reduce_metrics(rows)
         for metric in more_metrics:
             metrics.update(metric.result())
+        for recorder in recorders:
+            recorder.close()
         return {
             **metrics,
             **{key: int(n) for key, n in zip(counts, summed)},

@@ -653,3 +653,497 @@ def test_axes_are_readable_at_a_thousand_steps(tmp_path):
         dlogp = page.locator("#plots .plot").nth(3).locator(".ytick").all_text_contents()
         assert dlogp == ["0.0000", "0.0002", "0.0004", "0.0006", "0.0008", "0.0010"]
     assert errors == []
+
+
+# ----------------------------------------------------------------------------- the live page (issue 49)
+def bench_module():
+    """bench/report_load.py, whose write_run synthesizes a run directory (not trained)."""
+    import importlib.util
+
+    path = os.path.join(ROOT, "bench", "report_load.py")
+    spec = importlib.util.spec_from_file_location("report_load", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def live_server(*run_dirs):
+    """The live page's server of ``run_dirs`` on a free loopback port, its tokenizers loaded; yields
+    its URL."""
+    import threading
+
+    from lightning_lite.extras.serve import make_server
+
+    server = make_server([str(d) for d in run_dirs], "127.0.0.1", 0)
+    handler = server.RequestHandlerClass
+    for run in handler.runs:
+        run.warm()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def http(url, method="GET"):
+    """(status, body) of a request, errors included."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def tree_samples(tok):
+    """Three samples of two rollouts, built from calls as train.py builds them: a GRPO pair sharing
+    its prompt (so the packed tree holds that prefix once) and one of two merged calls."""
+    from lightning_lite.algo import assign_advantages
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    prompt = ids(
+        "<|im_start|>user\nWhat is 17 times 23? Think step by step.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    calls = [
+        call("g-0", 0, prompt, ids("17 times 23 is 391.")),
+        call("g-1", 0, prompt, ids("It is 400.")),
+        call(
+            "g-1",
+            1,
+            prompt + ids("It is 400.") + ids("\nNo, check it."),
+            ids("391, sorry."),
+            parent=0,
+        ),
+    ]
+    for c in calls:
+        c.response_logprobs = [-0.25 - 0.01 * i for i in range(len(c.response_ids))]
+    samples = []
+    for rid in ("g-0", "g-1"):
+        samples += build_samples([c for c in calls if c.rollout_id == rid])[0]
+    return assign_advantages(samples, {"g-0": 1.0, "g-1": -1.0})
+
+
+def test_token_records_map_a_tree_packed_batch_back_to_its_samples(
+    model, tok, tmp_path, monkeypatch
+):
+    """hooks.TOKEN_RECORDERS gets each micro-batch packed as a prefix tree: the recorder's numbers of
+    each sample are the trainer's logprobs of that sample's own trained positions, the same as when
+    the samples run as separate rows; the ratio and clip follow algo.policy_loss."""
+    import torch
+
+    from lightning_lite import algo, hooks
+    from lightning_lite.extras import recorder
+
+    assert recorder.TokenRecorder in hooks.TOKEN_RECORDERS
+    monkeypatch.setattr(recorder.RUN, "out", str(tmp_path))
+    monkeypatch.setattr(recorder.RUN, "begun", set())
+    samples = tree_samples(tok)
+    weights = [0.5, 0.25, 0.25]
+    tree = algo.collate(samples, weights, tree=True)
+    rows = algo.collate(samples, weights, tree=False)
+    assert tree["fwd_tokens"] < rows["fwd_tokens"]
+    with torch.no_grad():
+        packed = algo.trainer_logprobs(model, tree)
+        separate = algo.trainer_logprobs(model, rows)
+    options = {
+        "loss": "ppo",
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "clip_ratio_c": 3.0,
+        "tis_cap": 2.0,
+    }
+    rec = recorder.TokenRecorder(3, options)
+    rec.add(samples, tree, packed)
+    rec.close()
+    lines = [json.loads(line) for line in open(tmp_path / "tokens" / "step_3.jsonl")]
+    assert len(lines) == len(samples)
+    for line in lines:
+        (i,) = [
+            i
+            for i, s in enumerate(samples)
+            if s.rollout_id == line["rollout_id"] and s.calls == line["calls"]
+        ]
+        s = samples[i]
+        pos = [p for p, m in enumerate(s.loss_mask) if m]
+        assert line["pos"] == pos and line["len"] == len(s.tokens) and line["weight"] == weights[i]
+        assert line["token"] == [s.tokens[p] for p in pos]
+        assert line["old"] == [round(s.logprobs[p], 6) for p in pos]
+        assert line["adv"] == [s.advantages[p] for p in pos] and line["call"] == [
+            s.call[p] for p in pos
+        ]
+        assert max(abs(a - float(separate[i, p])) for a, p in zip(line["logprob"], pos)) < 1e-4
+        ratio = [torch.tensor(a - o).exp().item() for a, o in zip(line["logprob"], line["old"])]
+        assert max(abs(a - b) for a, b in zip(ratio, line["ratio"])) < 1e-5
+        # ppo: a ratio outside [0.8, 1.28] is clipped for a positive advantage above, a negative one below
+        for r, a, c in zip(line["ratio"], line["adv"], line["clipped"]):
+            assert c == int((a > 0 and r > 1.28) or (a < 0 and r < 0.8) or (a < 0 and r > 3.0))
+        assert line["dlogp_max"] == round(
+            max(abs(a - o) for a, o in zip(line["logprob"], line["old"])), 6
+        )
+
+
+def test_the_recorder_keeps_the_worst_and_a_random_few(tmp_path, monkeypatch):
+    """A pass of 40 samples writes the 8 with the largest |dlogp| (largest first) and up to 4 others
+    drawn at random: a step's file is bounded whatever the batch; a second pass of the step (one per
+    adapter) appends."""
+    import torch
+
+    from lightning_lite import algo
+    from lightning_lite.extras import recorder
+    from lightning_lite.records import Sample
+
+    monkeypatch.setattr(recorder.RUN, "out", str(tmp_path))
+    monkeypatch.setattr(recorder.RUN, "begun", set())
+    options = {
+        "loss": "tis",
+        "clip_low": None,
+        "clip_high": None,
+        "clip_ratio_c": 3.0,
+        "tis_cap": 2.0,
+    }
+    rec = recorder.TokenRecorder(0, options)
+    for mb in range(4):
+        samples = []
+        for i in range(10):
+            n = 10 * mb + i
+            s = Sample(f"r{n}", [1, 2, 3, 4], [0, 1, 1, 1], [0.0, -1.0, -1.0, -1.0], calls=[0])
+            s.temperature, s.top_k, s.top_p = [1.0] * 4, [0] * 4, [1.0] * 4
+            s.version, s.call, s.advantages = [0] * 4, [-1, 0, 0, 0], [0.0, 1.0, 1.0, 1.0]
+            samples.append(s)
+        batch = algo.collate(samples, [1.0] * 10)
+        # sample n's trainer logprob is -1 + n / 100: |dlogp| n / 100
+        logprobs = (
+            batch["old_logprobs"]
+            + batch["loss_mask"] * (torch.arange(10.0) + 10 * mb)[:, None] / 100
+        )
+        rec.add(samples, batch, logprobs)
+    rec.close()
+    lines = [json.loads(line) for line in open(tmp_path / "tokens" / "step_0.jsonl")]
+    worst = [line["rollout_id"] for line in lines if line["why"] == "worst"]
+    assert worst == [f"r{n}" for n in range(39, 31, -1)]
+    random_ones = [line for line in lines if line["why"] == "random"]
+    assert len(random_ones) <= 4 and all(int(line["rollout_id"][1:]) < 32 for line in random_ones)
+    # tis: a ratio over the cap (2.0) is clipped; exp(0.39) = 1.48 is not
+    assert lines[0]["clipped"] == [0, 0, 0] and lines[0]["ratio"][0] == round(2.718281828**0.39, 6)
+    again = recorder.TokenRecorder(0, options)
+    again.add(samples[:1], algo.collate(samples[:1], [1.0]), logprobs[:1])
+    again.close()
+    assert len(open(tmp_path / "tokens" / "step_0.jsonl").readlines()) == len(lines) + 1
+
+
+def test_the_heartbeat_says_the_phase_and_the_rollouts_in_flight(tmp_path, monkeypatch):
+    """hooks.PROGRESS events -> heartbeat.json, replaced whole: the phase, each rollout in flight
+    with its seconds, calls so far and its last call's state; a finished one moves to ``finished``."""
+    from types import SimpleNamespace
+
+    from lightning_lite import hooks
+    from lightning_lite.extras import recorder
+
+    assert recorder.on_progress in hooks.PROGRESS
+    beat = recorder.Heartbeat()
+    monkeypatch.setattr(recorder.RUN, "out", str(tmp_path))
+    monkeypatch.setattr(recorder.RUN, "rank", 0)
+    beat.event("phase", {"phase": "rollouts", "step": 4})
+    task = SimpleNamespace(id="t")
+    harness = SimpleNamespace(name="calc")
+    beat.event("rollout_start", {"rollout_id": "a", "task": task, "harness": harness})
+    beat.event("rollout_start", {"rollout_id": "b", "task": task, "harness": harness})
+    beat.event("call_start", {"rollout_id": "a"})
+    done = call("a", 0, [1, 2], [3, 4, 5])
+    beat.event("call_end", {"call": done})
+    beat.event("call_start", {"rollout_id": "b"})
+    result = SimpleNamespace(
+        rollout_id="a", task_id="t", harness="calc", reward=1.0, error=None, seconds=2.5
+    )
+    beat.event("rollout_end", {"result": result})
+    beat.write()
+    got = json.load(open(tmp_path / "heartbeat.json"))
+    assert (
+        got["phase"] == "rollouts"
+        and got["step"] == 4
+        and not os.path.exists(tmp_path / "heartbeat.json.tmp")
+    )
+    (flying,) = got["in_flight"]
+    assert (
+        flying["rollout_id"] == "b"
+        and flying["calls"] == 0
+        and flying["last_call"]["state"] == "generating"
+    )
+    assert (
+        flying["seconds"] >= 0
+        and got["finished"][0]["rollout_id"] == "a"
+        and got["finished"][0]["reward"] == 1.0
+    )
+
+
+def test_the_server_only_reads_and_says_what_is_torn_or_missing(tmp_path):
+    """GET only (405 otherwise); files from inside the run directory only (403 outside, 404
+    missing); a torn last line of metrics.jsonl is skipped and said, not a 500; a missing rollouts/
+    is said; nothing in the run directory changes."""
+    bench = bench_module()
+    run_dir = tmp_path / "run"
+    bench.write_run(str(run_dir), 3, 4)
+    shutil.rmtree(run_dir / "rollouts")
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "rew')
+    (tmp_path / "secret.txt").write_text("not served")
+    # a NaN in a token record (JSON has none; Python writes it): served as null, not a 500
+    path = run_dir / "tokens" / "step_2.jsonl"
+    lines = path.read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "dlogp_max": float("nan")})
+    path.write_text("\n".join(lines) + "\n")
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    with live_server(run_dir) as url:
+        got = json.loads(http(url + "api/metrics?run=0")[1])
+        assert [row["step"] for row in got["rows"]] == [1, 2, 3] and got["lines"] == 3
+        assert got["notes"] == ["metrics.jsonl: a torn last line (16 bytes) skipped"] and got[
+            "missing"
+        ] == ["rollouts"]
+        assert json.loads(http(url + "api/metrics?run=0&from=2")[1])["rows"][0]["step"] == 3
+        assert http(url + "files/0/metrics.jsonl")[0] == 200
+        assert http(url + "files/0/../secret.txt")[0] == 403
+        assert http(url + "files/0/%2E%2E/secret.txt")[0] == 403
+        assert http(url + "files/0/nope.jsonl")[0] == 404 and http(url + "files/7/x")[0] == 404
+        assert http(url + "api/metrics", method="POST")[0] == 405
+        batch = json.loads(http(url + "api/batch?run=0&kind=step&k=2")[1])
+        # no rollouts/ file: what is trained is unknown, and said so
+        assert len(batch["rollouts"]) == 4 and batch["rollouts"][0]["trained"] is None
+        assert len(batch["records"]) == 4 and batch["records"][0]["sample"] == 0
+        assert batch["records"][0]["dlogp_max"] is None
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+
+
+def test_serve_flags(tmp_path, capsys):
+    """--serve RUN_DIR RUN_DIR --port 0 serves both on loopback; several RUN_DIRs without --serve
+    are refused."""
+    import signal
+
+    bench = bench_module()
+    for name in ("a", "b"):
+        bench.write_run(str(tmp_path / name), 2, 4)
+    args = [
+        sys.executable,
+        "-m",
+        "lightning_lite.extras.report",
+        str(tmp_path / "a"),
+        str(tmp_path / "b"),
+    ]
+    from lightning_lite.extras.report import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(args[3:])
+    assert refused.value.code == 2
+    assert "one RUN_DIR at a time without --serve" in capsys.readouterr().err
+    p = subprocess.Popen(
+        args + ["--serve", "--port", "0", "--host", "127.0.0.1"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = p.stdout.readline()
+        assert "(read-only; Ctrl-C stops)" in line, line
+        url = re.search(r"http://127\.0\.0\.1:\d+/", line)[0]
+        runs = json.loads(http(url + "api/runs")[1])
+        assert [r["name"] for r in runs] == ["a", "b"]
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=30)
+
+
+def test_live_page_picks_up_a_new_row_and_shows_a_hung_rollout(tmp_path):
+    """Two runs on one plot; a row appended while the page is open is plotted within seconds; a
+    rollout in flight far longer than the finished ones is listed first, marked; log scale and
+    smoothing redraw the charts."""
+    import time
+
+    bench = bench_module()
+    for name in ("first", "second"):
+        bench.write_run(str(tmp_path / name), 5, 4)
+    now = time.time()
+    finished = [
+        {"rollout_id": f"s5-r{i}", "seconds": 3.0, "reward": 1.0, "error": None} for i in range(6)
+    ]
+    heartbeat = {
+        "time": now,
+        "pid": 1,
+        "rank": 0,
+        "phase": "rollouts",
+        "step": 5,
+        "phase_since": now - 200,
+        "in_flight": [
+            {
+                "rollout_id": "s5-r6",
+                "task_id": "t",
+                "harness": "calc",
+                "seconds": 4.0,
+                "calls": 2,
+                "last_call": {"state": "generating", "since": now - 1},
+            },
+            {
+                "rollout_id": "s5-r7",
+                "task_id": "t",
+                "harness": "calc",
+                "seconds": 190.0,
+                "calls": 1,
+                "last_call": {"state": "tool_calls", "index": 0, "tokens": 9, "since": now - 185},
+            },
+        ],
+        "finished": finished,
+    }
+    (tmp_path / "first" / "heartbeat.json").write_text(json.dumps(heartbeat))
+    with (
+        live_server(tmp_path / "first", tmp_path / "second") as url,
+        chromium_page() as (page, errors),
+    ):
+        page.goto(url)
+        page.wait_for_selector("body[data-ready='1']")
+        assert page.get_attribute("#charts", "data-last-step") == "5, 5"
+        legend = page.inner_text('#charts .chart[data-key="reward"]')
+        assert "first: reward" in legend and "second: reward" in legend
+        flying = page.locator("#inflight tr[data-rollout]")
+        assert flying.count() == 2 and flying.nth(0).get_attribute("data-rollout") == "s5-r7"
+        assert (
+            flying.nth(0).get_attribute("class") == "slow"
+            and flying.nth(1).get_attribute("class") == ""
+        )
+        assert "waiting on the harness" in flying.nth(0).inner_text()
+        with open(tmp_path / "first" / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": 6, "reward": 0.99, "loss": 0.5}) + "\n")
+        t0 = time.time()
+        page.wait_for_selector("#charts[data-last-step='6, 5']", timeout=5000)
+        assert time.time() - t0 < 4
+        # y labels share their decimals, or their exponent's digits (readable at 1,000 steps)
+        labels = page.evaluate("tickLabels(null, [0, 0.0002, 0.0004, 0.0006, 0.0008, 0.001])")
+        assert labels == ["0.0000", "0.0002", "0.0004", "0.0006", "0.0008", "0.0010"]
+        assert page.evaluate("tickLabels(null, [-2e-7, 0, 2e-7])") == ["-2e-7", "0", "2e-7"]
+        assert page.evaluate("tickLabels(null, [200, 400, 600])") == ["200", "400", "600"]
+        page.check("#log")
+        assert page.evaluate("state.charts.dlogp_mean.scales.y.distr") == 3
+        page.fill("#smooth", "0.9")
+        page.dispatch_event("#smooth", "input")
+        smoothed = page.evaluate("state.charts.reward.data[1]")
+        raw = page.evaluate("state.metrics[0].map(row => row.reward)")
+        assert len(smoothed) == len(raw) == 6 and smoothed[0] == raw[0] and smoothed != raw
+    assert errors == []
+
+
+def test_the_token_view_of_a_16k_token_sample(tok, tmp_path):
+    """A 16,000-token sample (a 6,000-token prompt, a 10,000-token reply) with its per-token record:
+    the token view draws it, and hovering a trained token shows exactly the recorded numbers; the
+    step's worst-token table jumps to its token."""
+    import random
+
+    bench = bench_module()
+    run_dir = tmp_path / "run"
+    bench.write_run(str(run_dir), 1, 4)
+    (run_dir / "config.json").write_text(json.dumps({"model": "smollm2", "max_seq_len": 32768}))
+    rng = random.Random(1)
+    prompt = [rng.randrange(1000, 30000) for _ in range(6000)]
+    reply = [rng.randrange(1000, 30000) for _ in range(10000)]
+    long = call("s0-r0", 0, prompt, reply)
+    long.response_logprobs = [round(-rng.random(), 4) for _ in reply]
+    write_jsonl(str(run_dir / "calls" / "step_0.jsonl"), [long])
+    info = {
+        "rollout_id": "s0-r0",
+        "task_id": "t",
+        "reward": 1.0,
+        "error": None,
+        "seconds": 9.0,
+        "call_rewards": {},
+        "harness": "calc",
+        "flags": [],
+        "advantage": 0.75,
+    }
+    (run_dir / "rollouts" / "step_0.jsonl").write_text(json.dumps(info) + "\n")
+    (sample,), _ = build_samples([long])
+    assert len(sample.tokens) == 16000
+    line = bench.token_line(0, sample, 0.75, rng, "worst")
+    (run_dir / "tokens" / "step_0.jsonl").write_text(json.dumps(line) + "\n")
+    with live_server(run_dir) as url, chromium_page() as (page, errors):
+        page.goto(url)
+        page.wait_for_selector("#detail[data-rollout='s0-r0']")
+        tokens = page.locator('#detail .sample[data-sample="0"] .tokens')
+        # the prompt's middle is collapsed; every reply token is drawn
+        assert tokens.locator(".tok.sampled").count() == 10000
+        for j in (0, 4321, 9999):
+            pos = line["pos"][j]
+            tokens.locator(f'.tok[data-pos="{pos}"]').hover()
+            page.wait_for_selector(f"#tip[data-pos='{pos}']")
+            shown = {
+                k: page.inner_text(f'#tip [data-k="{k}"] b')
+                for k in (
+                    "id",
+                    "trainer logprob",
+                    "rollout logprob",
+                    "ratio",
+                    "clipped",
+                    "advantage",
+                    "call",
+                    "policy version",
+                )
+            }
+            assert int(shown["id"]) == line["token"][j] == reply[j]
+            assert (
+                float(shown["trainer logprob"]) == line["logprob"][j]
+                and float(shown["rollout logprob"]) == line["old"][j]
+            )
+            assert (
+                float(shown["ratio"]) == line["ratio"][j]
+                and float(shown["advantage"]) == line["adv"][j]
+            )
+            assert shown["clipped"] == ("yes" if line["clipped"][j] else "no")
+            assert (
+                int(shown["call"]) == line["call"][j]
+                and int(shown["policy version"]) == line["version"][j]
+            )
+        worst = page.locator("#worst tr[data-pos]").first
+        pos = worst.get_attribute("data-pos")
+        worst.click()
+        page.wait_for_selector(f'#detail .tok.flash[data-pos="{pos}"]')
+        # colored by |dlogp|: a recorded token's background says how far the two logprobs are
+        page.select_option("#color", "dlogp")
+        page.wait_for_selector("#detail[data-rollout='s0-r0']")
+        background = tokens.locator(f'.tok[data-pos="{line["pos"][0]}"]').evaluate(
+            "e => e.style.background"
+        )
+        assert background.startswith("rgba(220, 38, 38")
+        # as messages: the prompt the harness sent, the reply the model gave
+        messages = page.locator("#detail .messages .msg")
+        assert messages.count() == 2 and "(the prompt)" in messages.nth(0).inner_text()
+        assert "assistant (stop, 10000 tokens)" in messages.nth(1).inner_text()
+    assert errors == []
+
+
+def test_a_200_step_64_rollout_run_loads_in_under_2_s(tmp_path):
+    """The live page of a synthesized 200-step run of 64 rollouts a step (12,800 rollouts, 25,600
+    calls): from opening it to its first full draw (charts, heartbeat, the newest step's rollouts
+    and token records) in under 2 s, its server started (bench/report_load.py times 1,000 steps)."""
+    import time
+
+    bench = bench_module()
+    bench.write_run(str(tmp_path / "run"), 200, 64)
+    with live_server(tmp_path / "run") as url, chromium_page() as (page, errors):
+        t0 = time.perf_counter()
+        page.goto(url)
+        page.wait_for_selector("body[data-ready='1']")
+        seconds = time.perf_counter() - t0
+        assert page.locator("#rollouts tr[data-rollout]").count() == 64
+        assert page.get_attribute("#charts", "data-last-step") == "200"
+        # a group side by side: the 4 rollouts of the first one's task
+        page.click("#show-group")
+        assert page.locator("#group .col").count() == 4
+        # sorted by reward, highest first
+        page.click('#rollouts th[data-col="3"]')
+        rewards = page.locator("#rollouts tr[data-rollout] td:nth-child(4)").all_inner_texts()
+        assert rewards == sorted(rewards, reverse=True)
+    assert errors == []
+    print(f"the page loaded in {seconds:.2f} s")
+    assert seconds < 2, seconds

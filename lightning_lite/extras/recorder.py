@@ -2,7 +2,8 @@
 run"): each step's per-token training data, and a heartbeat.
 
     RUN_DIR/tokens/step_K.jsonl   a selection of the samples update K + 1 trained on, each token's
-                                  trainer logprob, rollout logprob, ratio, clipped, advantage
+                                  trainer logprob, rollout logprob, ratio, clipped, advantage,
+                                  entropy
     RUN_DIR/heartbeat.json        the phase and the rollouts in flight, rewritten every second
 
 Its invariants: a token line holds exactly the numbers the trainer computed for that sample's
@@ -111,10 +112,10 @@ class TokenRecorder:
         self.rng = random.Random(version)
 
     @torch.no_grad()
-    def add(self, samples: list, batch: dict, logprobs: torch.Tensor):
+    def add(self, samples: list, batch: dict, logprobs: torch.Tensor, entropy: torch.Tensor):
         """One micro-batch: ``samples`` are its [B, T] rows in order (algo.collate), ``logprobs``
-        the trainer's [B, T], at each sample's own positions (the packing's ``where`` already
-        mapped back by algo.trainer_logprobs)."""
+        and ``entropy`` the trainer's [B, T], at each sample's own positions (the packing's
+        ``where`` already mapped back by algo.trainer_logprobs_and_entropy)."""
         if RUN.out is None:
             return
         mask = batch["loss_mask"] > 0
@@ -141,7 +142,7 @@ class TokenRecorder:
                 ratio, clipped = ratio_and_clipped(
                     logprobs, old, batch["advantages"], batch["loss_mask"], self.options
                 )
-            line = self.line(sample, i, batch, logprobs, ratio, clipped, largest[i])
+            line = self.line(sample, i, batch, logprobs, entropy, ratio, clipped, largest[i])
             if take_worst:
                 heapq.heappush(self.worst, (largest[i], order, line))
                 if len(self.worst) > WORST:
@@ -152,7 +153,7 @@ class TokenRecorder:
                 else:
                     self.random[slot] = (order, line)
 
-    def line(self, sample, i, batch, logprobs, ratio, clipped, dlogp_max) -> dict:
+    def line(self, sample, i, batch, logprobs, entropy, ratio, clipped, dlogp_max) -> dict:
         """One sample's line: who it is, and its trained tokens' numbers, position by position."""
         pos = batch["loss_mask"][i].nonzero().flatten()
         positions = pos.tolist()
@@ -173,6 +174,7 @@ class TokenRecorder:
             "ratio": rounded(ratio[i, pos]),
             "clipped": clipped[i, pos].int().tolist(),
             "adv": rounded(batch["advantages"][i, pos]),
+            "entropy": rounded(entropy[i, pos]),
             "call": [sample.call[p] for p in positions],
             "version": [sample.version[p] for p in positions],
         }

@@ -11,6 +11,7 @@ choice is a line or a branch):
     assign_advantages                     -> one advantage per trainable token
     global_denominators, sample_weights   each sample's weight: the loss normalization
     policy_loss, clip_range               the loss of a micro-batch, and its metrics as sums
+    token_loss                            its first step: each token's loss, ratio and clip
     reduce_metrics                        the metrics of the step, over micro-batches and ranks
 
 How the model is run, exactly as it sampled (the trainer's logprobs are the sampler's):
@@ -735,26 +736,19 @@ def policy_loss(
         raise ValueError(
             "kl_coef > 0 needs ref_logprobs: the reference model's logprobs of its tokens"
         )
-    # [B, T] mask and advantages (a [B] advantage: one per sample, [B, 1])
     mask = loss_mask.to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype)
-    if adv.dim() == 1:
-        adv = adv[:, None]
-    # [B, T] log-ratio: 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a
-    # bug) from overflowing.
-    log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
-    ratio = log_ratio.exp()
-    # 1. each token's loss [B, T], and whether it was clipped (no gradient)
-    if loss in ("ppo", "gspo"):
-        clip = clip_range(loss, clip_low, clip_high)
-        tok_loss, was_clipped = _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c)
-    elif loss == "tis":
-        tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
-        was_clipped = ratio > tis_cap
-    else:
-        tok_loss = -logprobs
-        # sft clips nothing.
-        was_clipped = mask < 0
+    # 1. each token's loss [B, T], its ratio, and whether it was clipped (no gradient)
+    tok_loss, ratio, was_clipped = token_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        loss,
+        clip_low,
+        clip_high,
+        tis_cap,
+        clip_ratio_c,
+    )
     # 2. the KL penalty, k3 estimator [B, T]
     kl = None
     if kl_coef > 0:
@@ -767,6 +761,45 @@ def policy_loss(
     total = (tok_loss * weights.to(logprobs.dtype)[:, None] * mask).sum()
     metrics = _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl, entropy)
     return total, metrics
+
+
+def token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss: str = "ppo",
+    clip_low: Optional[float] = None,
+    clip_high: Optional[float] = None,
+    tis_cap: float = 2.0,
+    clip_ratio_c: float = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``policy_loss``'s first step, [B, T] each: every token's loss (before the KL term and the
+    weights), its ratio r = exp(logprobs - old_logprobs), and whether the loss clipped it (bool, no
+    gradient): ppo and gspo by their clip and dual clip (gspo by its sample's ratio), tis above
+    ``tis_cap``, sft never. The arguments are policy_loss's; extras/recorder.py takes each recorded
+    token's ratio and clip from here.
+    """
+    # [B, T] mask and advantages (a [B] advantage: one per sample, [B, 1])
+    mask = loss_mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype)
+    if adv.dim() == 1:
+        adv = adv[:, None]
+    # [B, T] log-ratio: 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a
+    # bug) from overflowing.
+    log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    if loss in ("ppo", "gspo"):
+        clip = clip_range(loss, clip_low, clip_high)
+        tok_loss, was_clipped = _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c)
+    elif loss == "tis":
+        tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
+        was_clipped = ratio > tis_cap
+    else:
+        tok_loss = -logprobs
+        # sft clips nothing.
+        was_clipped = mask < 0
+    return tok_loss, ratio, was_clipped
 
 
 # ppo and gspo: [B, T] token losses and whether each was clipped; ``clip``: (clip_low, clip_high).

@@ -77,26 +77,6 @@ def rounded(values: torch.Tensor) -> list[float]:
     return [round(v, DECIMALS) for v in values.double().tolist()]
 
 
-def ratio_and_clipped(logprobs, old_logprobs, advantages, loss_mask, options: dict) -> tuple:
-    """[B, T] each: the ratio exp(trainer - rollout logprob) as algo.policy_loss clamps it, and
-    whether the loss clipped the token, by the loss's own rule (algo's ``_clipped_loss`` for ppo and
-    gspo, the cap for tis; sft clips nothing)."""
-    mask = loss_mask.to(logprobs.dtype)
-    log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
-    ratio = log_ratio.exp()
-    loss = options["loss"]
-    adv = advantages.to(logprobs.dtype)
-    if loss in ("ppo", "gspo"):
-        clip = algo.clip_range(loss, options["clip_low"], options["clip_high"])
-        clip_c = options["clip_ratio_c"]
-        _, clipped = algo._clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_c)
-    elif loss == "tis":
-        clipped = ratio > options["tis_cap"]
-    else:
-        clipped = torch.zeros_like(mask, dtype=torch.bool)
-    return ratio, clipped
-
-
 class TokenRecorder:
     """One backward pass's selection of samples (``add`` each micro-batch), written to
     tokens/step_K.jsonl by ``close``."""
@@ -139,8 +119,18 @@ class TokenRecorder:
             if not (take_worst or take_random):
                 continue
             if ratio is None:
-                ratio, clipped = ratio_and_clipped(
-                    logprobs, old, batch["advantages"], batch["loss_mask"], self.options
+                # [B, T] each: the ratio and clip of algo.policy_loss's own first step
+                options = self.options
+                _, ratio, clipped = algo.token_loss(
+                    logprobs,
+                    old,
+                    batch["advantages"],
+                    batch["loss_mask"],
+                    options["loss"],
+                    options["clip_low"],
+                    options["clip_high"],
+                    options["tis_cap"],
+                    options["clip_ratio_c"],
                 )
             line = self.line(sample, i, batch, logprobs, entropy, ratio, clipped, largest[i])
             if take_worst:

@@ -746,8 +746,9 @@ def test_trainer_logprobs_in_chunks_is_the_whole_computation(model, monkeypatch)
     lp, g = logprobs_and_grads(model, lambda: trainer_logprobs(model, b, chunk=3))
     lp_whole, g_whole = logprobs_and_grads(model, lambda: whole_logprobs(model, b))
     assert (lp - lp_whole).abs().max() <= 1e-4 and (g - g_whole).norm() <= 1e-3 * g_whole.norm()
-    # The entropy of each token's distribution, from the same chunks: the whole logits' sampled_entropy,
-    # computed once a chunk (the backward's recomputation stops before it), without gradient.
+    # The entropy of each token's distribution, from the same chunks: the whole logits'
+    # sampled_entropy, computed once a chunk (the backward's recomputation stops before it), without
+    # gradient.
     calls = []
     entropy_of_chunk = algo._entropy
     monkeypatch.setattr(algo, "_entropy", lambda *a: calls.append(1) or entropy_of_chunk(*a))

@@ -108,6 +108,7 @@ def run(tok, tmp_path_factory):
             "prob_corr": 0.99,
             "dlogp_mean": 0.01,
             "dlogp_max": 0.2,
+            "entropy_mean": 0.9,
             "ratio_out_frac": 0.0,
             "t_rollout": 5.0,
             "t_train": 2.0,
@@ -125,6 +126,7 @@ def run(tok, tmp_path_factory):
             "prob_corr": float("nan"),
             "dlogp_mean": 0.02,
             "dlogp_max": 0.3,
+            "entropy_mean": 0.8,
             "ratio_out_frac": 0.0,
             "t_rollout": 6.0,
             "t_train": 2.5,
@@ -391,12 +393,13 @@ def test_page_in_headless_chromium(run, tmp_path):
         page.goto((run["dir"] / "report.html").as_uri())
         page.wait_for_selector("#rollout-detail[data-rollout]")
 
-        # the numbers: config, the last training row (NaN shown as no value), seven plots
+        # the numbers: config, the last training row (NaN shown as no value), eight plots (the
+        # entropy's among them)
         assert "smollm2" in page.inner_text("#config")
         assert page.inner_text('#latest [data-key="reward"]') == "reward 0.625"
         assert page.inner_text('#latest [data-key="prob_corr"]') == "prob_corr —"
         assert page.inner_text('#latest [data-key="eval_success"]') == "eval_success 0.500"
-        assert page.locator("#plots svg").count() == 7
+        assert page.locator("#plots svg").count() == 8
         assert page.inner_text('#latest [data-key="fwd_tokens"]') == "fwd_tokens 140"
 
         # two harnesses: one plot per quantity with a line each, and their split counts summed over the run
@@ -501,7 +504,7 @@ def test_page_in_headless_chromium(run, tmp_path):
         assert report(tmp_path).returncode == 0
         page.goto((tmp_path / "report.html").as_uri())
         page.wait_for_selector("#plots svg")
-        assert page.locator("#plots svg").count() == 7 and page.locator("#by-harness").is_hidden()
+        assert page.locator("#plots svg").count() == 8 and page.locator("#by-harness").is_hidden()
     assert errors == []
 
 

@@ -75,6 +75,9 @@ def token_line(step: int, sample, advantage: float, rng: random.Random, why: str
     new = [round(x + rng.gauss(0, 0.01), 6) for x in old]
     ratio = [round(2.718281828459045 ** (n - o), 6) for n, o in zip(new, old)]
     dlogp = [abs(n - o) for n, o in zip(new, old)]
+    # from a generator of its own: the run's other numbers stay those ``rng`` drew without it
+    own = random.Random(sample.rollout_id)
+    entropy = [round(own.uniform(0, 3), 6) for _ in positions]
     return {
         "step": step,
         "rank": 0,
@@ -92,6 +95,7 @@ def token_line(step: int, sample, advantage: float, rng: random.Random, why: str
         "ratio": ratio,
         "clipped": [int(r > 1.28 or r < 0.8) for r in ratio],
         "adv": [advantage] * len(positions),
+        "entropy": entropy,
         "call": [sample.call[p] for p in positions],
         "version": [sample.version[p] for p in positions],
         "why": why,

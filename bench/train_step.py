@@ -15,7 +15,7 @@ Three workloads, side by side:
            the history, so every call starts a new leaf that repeats the whole history before it (K leaves, O(K^2)
            tokens); token ids of chat-template-like text, the sizes below.
 
-Each goes through train.py's own path (trainer.Learner.micro_batches, algo.collate, algo.trainer_logprobs,
+Each goes through train.py's own path (trainer.Learner.micro_batches, algo.collate, algo.trainer_logprobs_and_entropy,
 algo.policy_loss, backward), once packed as trees (train.py's default) and once --no-tree (a padded row per sample);
 no optimizer step (the same whatever the layout). Run it on a quiet machine: it measures wall-clock time.
 """
@@ -214,9 +214,15 @@ def main():
         t0, fwd = time.perf_counter(), 0
         for mb in mbs:
             b = algo.collate(*mb, device=a.device, tree=tree)
-            lp = algo.trainer_logprobs(model, b)
+            # with each token's entropy, as trainer.Learner.backward computes it
+            lp, entropy = algo.trainer_logprobs_and_entropy(model, b)
             loss, _ = algo.policy_loss(
-                lp, b["old_logprobs"], b["advantages"], b["loss_mask"], b["weights"]
+                lp,
+                b["old_logprobs"],
+                b["advantages"],
+                b["loss_mask"],
+                b["weights"],
+                entropy=entropy,
             )
             loss.backward()
             fwd += b["fwd_tokens"]

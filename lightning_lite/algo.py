@@ -11,6 +11,7 @@ choice is a line or a branch):
     assign_advantages                     -> one advantage per trainable token
     global_denominators, sample_weights   each sample's weight: the loss normalization
     policy_loss, clip_range               the loss of a micro-batch, and its metrics as sums
+    token_loss                            its first step: each token's loss, ratio and clip
     reduce_metrics                        the metrics of the step, over micro-batches and ranks
 
 How the model is run, exactly as it sampled (the trainer's logprobs are the sampler's):
@@ -18,7 +19,8 @@ How the model is run, exactly as it sampled (the trainer's logprobs are the samp
     pack, collate                         samples -> one row, a prefix tree (shared prefixes once)
     tree_unsupported, tree_mask           the attention mask of that tree
     sampling_support, sampled_logprobs    logprobs under the top-k / top-p distribution sampled
-    trainer_logprobs                      the forward: the LM head only where a token is trained
+    sampled_entropy                       the entropy of that distribution
+    trainer_logprobs(_and_entropy)        the forward: the LM head only where a token is trained
 """
 
 import math
@@ -511,11 +513,29 @@ def sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed=None) ->
     For logits [2, 1, 0], token 0, T 1: no truncation -0.408; top_k 2 -> -0.313; top_p 0.5 -> 0.0;
     allowed [T, F, T] -> -0.127 (softmax over [2, 0]).
     """
+    x, lse, _, _ = _sampled_distribution(logits, tokens, temperature, top_k, top_p, allowed)
+    return x.gather(-1, tokens[:, None])[:, 0] - lse
+
+
+@torch.no_grad()
+def sampled_entropy(logits, tokens, temperature, top_k, top_p, allowed=None) -> torch.Tensor:
+    """[N] entropy (in nats, no gradient) of the distribution each token was drawn from: the one
+    ``sampled_logprobs`` scores the token under, on the same support (the token kept inside it).
+
+    For logits [2, 1, 0], T 1: no truncation 0.832 (probabilities .665 .245 .090); top_k 2 -> 0.582
+    (.731 .269); top_p 0.5 -> 0.0 (token 0 alone); allowed [T, F, T] -> 0.365 (.881 .119).
+    """
+    return _entropy(*_sampled_distribution(logits, tokens, temperature, top_k, top_p, allowed))
+
+
+# What sampled_logprobs and sampled_entropy share: x [N, V], logits / T (greedy: T 1) with -inf
+# where ``allowed`` is False; lse [N], the log-normalizer over each row's support; cut [n], the rows
+# sampled under top-k / top-p, and keep [n, V], their support.
+def _sampled_distribution(logits, tokens, temperature, top_k, top_p, allowed):
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if allowed is not None:
         logits = logits.masked_fill(~allowed, -math.inf)
-    # x [N, V]: logits / T (greedy: T 1); lse [N]: the log-normalizer over all V
     greedy = temperature <= 0
     x = logits / torch.where(greedy, 1.0, temperature)[:, None]
     lse = x.logsumexp(-1)
@@ -523,12 +543,28 @@ def sampled_logprobs(logits, tokens, temperature, top_k, top_p, allowed=None) ->
     # logits (no gradient through its choice) and always holding the token (DESIGN.md: why
     # recompute).
     cut = (~greedy & ((top_k > 0) | (top_p < 1.0))).nonzero()[:, 0]
+    keep = None
     if len(cut):
         with torch.no_grad():
             keep = sampling_support(x[cut], top_k[cut], top_p[cut])
             keep[torch.arange(len(cut)), tokens[cut]] = True
         lse = lse.index_put((cut,), x[cut].masked_fill(~keep, -math.inf).logsumexp(-1))
-    return x.gather(-1, tokens[:, None])[:, 0] - lse
+    return x, lse, cut, keep
+
+
+# [N] -sum p log p over each row's support, of _sampled_distribution's x, lse, cut and keep; no
+# gradient.
+@torch.no_grad()
+def _entropy(x, lse, cut, keep) -> torch.Tensor:
+    # [N, V] log-probabilities, -inf outside the support; p [N, V] is 0 there. Two [N, V] tensors:
+    # the products in place, 0 * -inf (NaN) made 0.
+    logp = x - lse[:, None]
+    if len(cut):
+        logp[cut] = logp[cut].masked_fill_(~keep, -math.inf)
+    p = logp.exp()
+    entropy = -p.mul_(logp).nan_to_num_(0.0).sum(-1)
+    # + 0.0: a certain token's -0.0 is 0.0
+    return entropy + 0.0
 
 
 # Stands in for the LM head during the model's forward, which then returns the hidden states it
@@ -541,14 +577,20 @@ class _Hidden(torch.nn.Module):
         return h
 
 
-# [n, H] hidden states (or [n, V] logits when ``head`` is None) -> [n] logprobs of ``tokens``, at
-# ``index`` in the batch (trainer_logprobs' ``allowed``).
-def _head_logprobs(h, head, tokens, temperature, top_k, top_p, index, allowed):
+# [n, H] hidden states (or [n, V] logits when ``head`` is None) -> ([n] logprobs of ``tokens``,
+# [n] entropies or None), at ``index`` in the batch (trainer_logprobs' ``allowed``). The entropy is
+# computed last, without gradient: the backward's recomputation (checkpoint) stops once it has the
+# tensors the gradient needs, before it.
+def _head_logprobs(h, head, tokens, temperature, top_k, top_p, index, allowed, entropy):
     logits = h if head is None else head(h)
     mask = None
     if allowed is not None:
         mask = allowed(index, logits.shape[-1])
-    return sampled_logprobs(logits, tokens, temperature, top_k, top_p, mask)
+    x, lse, cut, keep = _sampled_distribution(logits, tokens, temperature, top_k, top_p, mask)
+    logprobs = x.gather(-1, tokens[:, None])[:, 0] - lse
+    if not entropy:
+        return logprobs, None
+    return logprobs, _entropy(x, lse, cut, keep)
 
 
 # ``net``'s forward, ``raw``'s LM head ``head`` swapped for ``_Hidden``: the hidden states the model
@@ -565,6 +607,15 @@ def _forward_without_head(net, raw, head, **inputs) -> Optional[torch.Tensor]:
 
 
 def trainer_logprobs(net, b: dict, chunk: int = 1024, allowed=None) -> torch.Tensor:
+    """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net``, 0.0
+    elsewhere: ``trainer_logprobs_and_entropy``'s, without the entropy."""
+    logprobs, _ = trainer_logprobs_and_entropy(net, b, chunk, allowed, entropy=False)
+    return logprobs
+
+
+def trainer_logprobs_and_entropy(
+    net, b: dict, chunk: int = 1024, allowed=None, entropy: bool = True
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """[B, T] logprobs of a ``collate``d micro-batch's trainable tokens under ``net`` (a
     transformers causal LM, maybe in DDP or FSDP), each under the sampling settings of the call that
     drew it (``sampled_logprobs``); 0.0 elsewhere. The model runs a packed tree (every shared
@@ -574,6 +625,10 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024, allowed=None) -> torch.Ten
     ``allowed``: the tokens a grammar allowed, replayed (hooks.grammar.Replay): fn(index [n],
     n_vocab) -> [n, V] bool, or None where it constrained none of them; ``index`` is each token's
     flat position i T + t in the batch's [B, T].
+
+    And [B, T] each trainable token's entropy (``sampled_entropy``; 0.0 elsewhere; None when
+    ``entropy`` is False), of the distribution its logprob is under, computed in the same chunk from
+    the same logits, without gradient.
     """
     tokens, loss_mask, ids = b["tokens"], b["loss_mask"], b["input_ids"]
     L = ids.shape[1]
@@ -613,13 +668,18 @@ def trainer_logprobs(net, b: dict, chunk: int = 1024, allowed=None) -> torch.Ten
     per_token = [out[src // L, col], tokens[:, 1:][on]]
     per_token += [b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p")]
     per_token.append(index[:, 1:][on])
-    logprobs = [
-        checkpoint(_head_logprobs, h, head, *rest, allowed, use_reentrant=False)
+    chunks = [
+        checkpoint(_head_logprobs, h, head, *rest, allowed, entropy, use_reentrant=False)
         for h, *rest in zip(*(x.split(chunk) for x in per_token))
     ]
-    # 4. Back to [B, T]: the N logprobs at the trainable positions, 0.0 elsewhere.
-    lp = torch.cat(logprobs).to(loss_mask.dtype)
-    return loss_mask.new_zeros(loss_mask.shape).masked_scatter(loss_mask > 0, lp)
+    # 4. Back to [B, T]: the N logprobs (and entropies) at the trainable positions, 0.0 elsewhere.
+    on_mask = loss_mask > 0
+    lp = torch.cat([c[0] for c in chunks]).to(loss_mask.dtype)
+    logprobs = loss_mask.new_zeros(loss_mask.shape).masked_scatter(on_mask, lp)
+    if not entropy:
+        return logprobs, None
+    h = torch.cat([c[1] for c in chunks]).to(loss_mask.dtype)
+    return logprobs, loss_mask.new_zeros(loss_mask.shape).masked_scatter(on_mask, h)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -650,6 +710,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: Optional[torch.Tensor] = None,
     clip_ratio_c: float = 3.0,
+    entropy: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``).
     [B, T]: ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout),
@@ -665,7 +726,9 @@ def policy_loss(
               imitate)
 
     plus ``kl_coef`` * k3(ref || trainer) = exp(ref - lp) - (ref - lp) - 1 when kl_coef > 0. A clip
-    bound left None is the loss's default (``clip_range``).
+    bound left None is the loss's default (``clip_range``). ``entropy`` [B, T] (detached,
+    ``trainer_logprobs_and_entropy``'s) is only summed into the metrics (entropy_mean; 0 without
+    it, as kl_mean without the KL term).
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown policy loss {loss!r}; pick one of {LOSSES}")
@@ -673,26 +736,19 @@ def policy_loss(
         raise ValueError(
             "kl_coef > 0 needs ref_logprobs: the reference model's logprobs of its tokens"
         )
-    # [B, T] mask and advantages (a [B] advantage: one per sample, [B, 1])
     mask = loss_mask.to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype)
-    if adv.dim() == 1:
-        adv = adv[:, None]
-    # [B, T] log-ratio: 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a
-    # bug) from overflowing.
-    log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
-    ratio = log_ratio.exp()
-    # 1. each token's loss [B, T], and whether it was clipped (no gradient)
-    if loss in ("ppo", "gspo"):
-        clip = clip_range(loss, clip_low, clip_high)
-        tok_loss, was_clipped = _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c)
-    elif loss == "tis":
-        tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
-        was_clipped = ratio > tis_cap
-    else:
-        tok_loss = -logprobs
-        # sft clips nothing.
-        was_clipped = mask < 0
+    # 1. each token's loss [B, T], its ratio, and whether it was clipped (no gradient)
+    tok_loss, ratio, was_clipped = token_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        loss,
+        clip_low,
+        clip_high,
+        tis_cap,
+        clip_ratio_c,
+    )
     # 2. the KL penalty, k3 estimator [B, T]
     kl = None
     if kl_coef > 0:
@@ -703,7 +759,47 @@ def policy_loss(
     #    [B] being 1 / its denominator over the global batch (sample_weights): no division here,
     #    none per micro-batch.
     total = (tok_loss * weights.to(logprobs.dtype)[:, None] * mask).sum()
-    return total, _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl)
+    metrics = _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl, entropy)
+    return total, metrics
+
+
+def token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss: str = "ppo",
+    clip_low: Optional[float] = None,
+    clip_high: Optional[float] = None,
+    tis_cap: float = 2.0,
+    clip_ratio_c: float = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``policy_loss``'s first step, [B, T] each: every token's loss (before the KL term and the
+    weights), its ratio r = exp(logprobs - old_logprobs), and whether the loss clipped it (bool, no
+    gradient): ppo and gspo by their clip and dual clip (gspo by its sample's ratio), tis above
+    ``tis_cap``, sft never. The arguments are policy_loss's; extras/recorder.py takes each recorded
+    token's ratio and clip from here.
+    """
+    # [B, T] mask and advantages (a [B] advantage: one per sample, [B, 1])
+    mask = loss_mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype)
+    if adv.dim() == 1:
+        adv = adv[:, None]
+    # [B, T] log-ratio: 0 off the mask, so exp() stays finite on padding; +-20 keeps a wild token (a
+    # bug) from overflowing.
+    log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    if loss in ("ppo", "gspo"):
+        clip = clip_range(loss, clip_low, clip_high)
+        tok_loss, was_clipped = _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c)
+    elif loss == "tis":
+        tok_loss = -ratio.detach().clamp(max=tis_cap) * adv * logprobs
+        was_clipped = ratio > tis_cap
+    else:
+        tok_loss = -logprobs
+        # sft clips nothing.
+        was_clipped = mask < 0
+    return tok_loss, ratio, was_clipped
 
 
 # ppo and gspo: [B, T] token losses and whether each was clipped; ``clip``: (clip_low, clip_high).
@@ -725,7 +821,7 @@ def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
 
 # The sums over the trainable tokens that ``reduce_metrics`` combines.
 @torch.no_grad()
-def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -> dict:
+def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl, entropy) -> dict:
     on = mask > 0
     r = ratio[on].double()
     return {
@@ -735,18 +831,20 @@ def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl) -
         "ratio_sum": r.sum(),
         "dlogp_sum": (logprobs - old_logprobs)[on].double().abs().sum(),
         "kl_sum": kl[on].double().sum() if kl is not None else r.sum() * 0,
+        "entropy_sum": entropy[on].double().sum() if entropy is not None else r.sum() * 0,
     }
 
 
 def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
     """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank
     without samples passes []) into the global loss, tokens and means per trainable token
-    (clip_frac, ratio_mean, dlogp_mean, kl_mean). The rollout-vs-trainer mismatch's other metrics
-    (prob_corr, the extremes) are an extra's (hooks.LOSS_METRICS: extras/mismatch.py)."""
+    (clip_frac, ratio_mean, dlogp_mean, kl_mean, entropy_mean). The rollout-vs-trainer mismatch's
+    other metrics (prob_corr, the extremes) are an extra's (hooks.LOSS_METRICS:
+    extras/mismatch.py)."""
     # A rank without samples joins the all-reduce with an empty micro-batch's metrics: zero sums.
     if not metrics:
         empty = torch.zeros(0, 0)
-        metrics = [_loss_metrics(torch.zeros(()), empty, empty, empty, empty, empty, None)]
+        metrics = [_loss_metrics(torch.zeros(()), empty, empty, empty, empty, empty, None, None)]
     keys = list(metrics[0])
     # One device->host copy, and one all-reduce.
     sums = torch.stack([torch.stack([m[k] for k in keys]) for m in metrics]).sum(0)
@@ -759,4 +857,5 @@ def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
         "ratio_mean": agg["ratio_sum"] / n,
         "dlogp_mean": agg["dlogp_sum"] / n,
         "kl_mean": agg["kl_sum"] / n,
+        "entropy_mean": agg["entropy_sum"] / n,
     }

@@ -149,9 +149,9 @@ AFTER_RUN = []
 PROGRESS = []
 
 # Per-token training data (extras/recorder.py: RUN_DIR/tokens/step_K.jsonl): factories
-# fn(version, loss_options) -> an object with add(samples, batch, logprobs), given each
-# micro-batch's samples, its algo.collate batch ([B, T] rows in the samples' order) and the
-# trainer's [B, T] logprobs (detached), and close() after the last micro-batch. ``loss_options``
+# fn(version, loss_options) -> an object with add(samples, batch, logprobs, entropy), given each
+# micro-batch's samples, its algo.collate batch ([B, T] rows in the samples' order), the trainer's
+# [B, T] logprobs (detached) and entropies, and close() after the last micro-batch. ``loss_options``
 # holds algo.policy_loss's options (loss, clip_low, ...): which tokens it clipped follows from
 # them. trainer.Learner.backward makes one of each per pass. Empty: nothing is recorded.
 TOKEN_RECORDERS = []

@@ -105,9 +105,17 @@ def from_dict(cls: type, d: dict) -> Any:
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def finite(row: dict) -> dict:
-    """``row`` with NaN and inf, which JSON lacks, as None (not measured)."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+def finite(value: Any) -> Any:
+    """``value`` (a metrics row, any JSON value) with every NaN and inf in it, which JSON lacks, as
+    None (not measured), in nested dicts and lists too: ``finite({"a": [1.0, nan]}) == {"a": [1.0,
+    None]}``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
 
 
 def write_jsonl(path: str, items: Iterable[Any]) -> None:

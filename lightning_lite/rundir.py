@@ -169,6 +169,7 @@ LOSS_METRICS = [
     "dlogp_mean",
     "dlogp_max",
     "ratio_out_frac",
+    "entropy_mean",
 ]
 # The merge statistics the row counts (samples.build_samples's).
 SPLITS = [f"split_{reason}" for reason in SPLIT_REASONS]

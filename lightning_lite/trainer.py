@@ -321,8 +321,10 @@ class Learner:
                 # bf16 runs under autocast over the fp32 weights
                 autocast = self.dtype != torch.float32
                 with torch.autocast(self.device.type, self.dtype, enabled=autocast):
-                    # [B, T]
-                    logprobs = algo.trainer_logprobs(self.train_model, batch, allowed=allowed)
+                    # [B, T] each; the entropy without gradient
+                    logprobs, entropy = algo.trainer_logprobs_and_entropy(
+                        self.train_model, batch, allowed=allowed
+                    )
                     ref = None
                     if config.kl_coef > 0:
                         with torch.no_grad(), self.reference() as ref_model:
@@ -335,6 +337,7 @@ class Learner:
                     batch["loss_mask"],
                     batch["weights"],
                     ref_logprobs=ref,
+                    entropy=entropy,
                     **loss_options,
                 )
                 # DDP and FSDP average gradients over ranks; the weights already make the global sum
@@ -345,7 +348,7 @@ class Learner:
             for metric in more_metrics:
                 metric.add(logprobs.detach(), batch["old_logprobs"], batch["loss_mask"])
             for recorder in recorders:
-                recorder.add(mb[0], batch, logprobs.detach())
+                recorder.add(mb[0], batch, logprobs.detach(), entropy)
             counts["fwd_tokens"] += batch["fwd_tokens"]
             if allowed is not None:
                 counts["constrained_tokens"] += allowed.constrained

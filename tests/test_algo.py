@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_lite import algo
 from lightning_lite.algo import (
     collate,
     compute_advantages,
@@ -14,9 +15,11 @@ from lightning_lite.algo import (
     policy_loss,
     reduce_metrics,
     sample_weights,
+    sampled_entropy,
     sampled_logprobs,
     sampling_support,
     trainer_logprobs,
+    trainer_logprobs_and_entropy,
     tree_mask,
     tree_unsupported,
 )
@@ -634,6 +637,37 @@ def test_sampled_logprobs_by_hand():
     assert lp[5].item() == approx(0 - math.log(math.e**2 + 1))
 
 
+def test_sampled_entropy_by_hand():
+    """The entropy of the distribution each token's logprob is under: softmax(logits / T) on the
+    top-k / top-p support and the grammar's mask, renormalized; greedy under softmax(logits)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0]] * 6)
+    tokens = torch.tensor([0, 0, 0, 0, 1, 0])
+    T = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.5])
+    k = torch.tensor([0, 2, 0, 0, 5, 0])
+    p = torch.tensor([1.0, 1.0, 0.5, 1.0, 0.5, 1.0])
+    allowed = torch.ones(6, 3, dtype=torch.bool)
+    allowed[3, 1] = False
+
+    def h(probs):
+        return -sum(q * math.log(q) for q in probs)
+
+    z = math.e**2 + math.e + 1
+    got = sampled_entropy(logits, tokens, T, k, p, allowed).tolist()
+    # plain softmax: .665 .245 .090 -> 0.832
+    assert got[0] == approx(h([math.e**2 / z, math.e / z, 1 / z]))
+    # top-2: .731 .269 -> 0.582
+    assert got[1] == approx(h([math.e**2 / (math.e**2 + math.e), math.e / (math.e**2 + math.e)]))
+    # top-p .5 keeps token 0 alone: certain (0.0, not -0.0)
+    assert got[2] == 0.0 and math.copysign(1, got[2]) == 1
+    # the grammar allows tokens 0 and 2: .881 .119 -> 0.365
+    assert got[3] == approx(h([math.e**2 / (math.e**2 + 1), 1 / (math.e**2 + 1)]))
+    # greedy: softmax(logits), its top-k and top-p unused
+    assert got[4] == approx(got[0])
+    # T 0.5: softmax([4, 2, 0])
+    z2 = math.e**4 + math.e**2 + 1
+    assert got[5] == approx(h([math.e**4 / z2, math.e**2 / z2, 1 / z2]))
+
+
 def test_trainer_logprobs_uses_each_tokens_own_sampling():
     """A merged sample whose turns used different settings: each token is scored under its own."""
     g = torch.Generator().manual_seed(0)
@@ -704,7 +738,7 @@ def whole_logprobs(net, b):
     return torch.zeros_like(b["loss_mask"]).masked_scatter(b["loss_mask"] > 0, lp)
 
 
-def test_trainer_logprobs_in_chunks_is_the_whole_computation(model):
+def test_trainer_logprobs_in_chunks_is_the_whole_computation(model, monkeypatch):
     """The embedded model (its LM head tied to the embeddings), 3 rows a chunk (7 chunks, the last partial): the
     logprobs and gradients of the whole computation. fp32: the head's matmul rounds differently for another number
     of rows (measured: 1e-5 in the logprobs, 7e-5 of the gradient's norm; in fp64 1e-14 and 1e-15)."""
@@ -712,6 +746,23 @@ def test_trainer_logprobs_in_chunks_is_the_whole_computation(model):
     lp, g = logprobs_and_grads(model, lambda: trainer_logprobs(model, b, chunk=3))
     lp_whole, g_whole = logprobs_and_grads(model, lambda: whole_logprobs(model, b))
     assert (lp - lp_whole).abs().max() <= 1e-4 and (g - g_whole).norm() <= 1e-3 * g_whole.norm()
+    # The entropy of each token's distribution, from the same chunks: the whole logits'
+    # sampled_entropy, computed once a chunk (the backward's recomputation stops before it), without
+    # gradient.
+    calls = []
+    entropy_of_chunk = algo._entropy
+    monkeypatch.setattr(algo, "_entropy", lambda *a: calls.append(1) or entropy_of_chunk(*a))
+    lp_h, h = trainer_logprobs_and_entropy(model, b, chunk=3)
+    lp_h.sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert len(calls) == 7 and not h.requires_grad and (lp_h.detach() - lp).abs().max() == 0
+    on = b["loss_mask"][:, 1:] > 0
+    with torch.no_grad():
+        logits = model(input_ids=b["tokens"]).logits[:, :-1]
+    settings = (b[k][:, 1:][on] for k in ("temperature", "top_k", "top_p"))
+    h_whole = sampled_entropy(logits[on], b["tokens"][:, 1:][on], *settings)
+    assert (h[b["loss_mask"] > 0] - h_whole).abs().max() <= 1e-4
+    assert (h[b["loss_mask"] == 0] == 0).all() and h_whole.min() >= 0
     assert not hasattr(
         model, "ll_full_logits"
     )  # the chunked head ran: the model returned the hidden states as given

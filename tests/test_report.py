@@ -108,6 +108,7 @@ def run(tok, tmp_path_factory):
             "prob_corr": 0.99,
             "dlogp_mean": 0.01,
             "dlogp_max": 0.2,
+            "entropy_mean": 0.9,
             "ratio_out_frac": 0.0,
             "t_rollout": 5.0,
             "t_train": 2.0,
@@ -125,6 +126,7 @@ def run(tok, tmp_path_factory):
             "prob_corr": float("nan"),
             "dlogp_mean": 0.02,
             "dlogp_max": 0.3,
+            "entropy_mean": 0.8,
             "ratio_out_frac": 0.0,
             "t_rollout": 6.0,
             "t_train": 2.5,
@@ -391,12 +393,13 @@ def test_page_in_headless_chromium(run, tmp_path):
         page.goto((run["dir"] / "report.html").as_uri())
         page.wait_for_selector("#rollout-detail[data-rollout]")
 
-        # the numbers: config, the last training row (NaN shown as no value), seven plots
+        # the numbers: config, the last training row (NaN shown as no value), eight plots (the
+        # entropy's among them)
         assert "smollm2" in page.inner_text("#config")
         assert page.inner_text('#latest [data-key="reward"]') == "reward 0.625"
         assert page.inner_text('#latest [data-key="prob_corr"]') == "prob_corr —"
         assert page.inner_text('#latest [data-key="eval_success"]') == "eval_success 0.500"
-        assert page.locator("#plots svg").count() == 7
+        assert page.locator("#plots svg").count() == 8
         assert page.inner_text('#latest [data-key="fwd_tokens"]') == "fwd_tokens 140"
 
         # two harnesses: one plot per quantity with a line each, and their split counts summed over the run
@@ -501,7 +504,7 @@ def test_page_in_headless_chromium(run, tmp_path):
         assert report(tmp_path).returncode == 0
         page.goto((tmp_path / "report.html").as_uri())
         page.wait_for_selector("#plots svg")
-        assert page.locator("#plots svg").count() == 7 and page.locator("#by-harness").is_hidden()
+        assert page.locator("#plots svg").count() == 8 and page.locator("#by-harness").is_hidden()
     assert errors == []
 
 
@@ -734,8 +737,8 @@ def test_token_records_map_a_tree_packed_batch_back_to_its_samples(
     model, tok, tmp_path, monkeypatch
 ):
     """hooks.TOKEN_RECORDERS gets each micro-batch packed as a prefix tree: the recorder's numbers of
-    each sample are the trainer's logprobs of that sample's own trained positions, the same as when
-    the samples run as separate rows; the ratio and clip follow algo.policy_loss."""
+    each sample are the trainer's logprobs and entropies of that sample's own trained positions, the
+    same as when the samples run as separate rows; the ratio and clip follow algo.policy_loss."""
     import torch
 
     from lightning_lite import algo, hooks
@@ -750,8 +753,8 @@ def test_token_records_map_a_tree_packed_batch_back_to_its_samples(
     rows = algo.collate(samples, weights, tree=False)
     assert tree["fwd_tokens"] < rows["fwd_tokens"]
     with torch.no_grad():
-        packed = algo.trainer_logprobs(model, tree)
-        separate = algo.trainer_logprobs(model, rows)
+        packed, packed_entropy = algo.trainer_logprobs_and_entropy(model, tree)
+        separate, separate_entropy = algo.trainer_logprobs_and_entropy(model, rows)
     options = {
         "loss": "ppo",
         "clip_low": 0.2,
@@ -760,7 +763,7 @@ def test_token_records_map_a_tree_packed_batch_back_to_its_samples(
         "tis_cap": 2.0,
     }
     rec = recorder.TokenRecorder(3, options)
-    rec.add(samples, tree, packed)
+    rec.add(samples, tree, packed, packed_entropy)
     rec.close()
     lines = [json.loads(line) for line in open(tmp_path / "tokens" / "step_3.jsonl")]
     assert len(lines) == len(samples)
@@ -779,6 +782,10 @@ def test_token_records_map_a_tree_packed_batch_back_to_its_samples(
             s.call[p] for p in pos
         ]
         assert max(abs(a - float(separate[i, p])) for a, p in zip(line["logprob"], pos)) < 1e-4
+        assert (
+            max(abs(h - float(separate_entropy[i, p])) for h, p in zip(line["entropy"], pos)) < 1e-4
+        )
+        assert min(line["entropy"]) >= 0 and max(line["entropy"]) > 0.01
         ratio = [torch.tensor(a - o).exp().item() for a, o in zip(line["logprob"], line["old"])]
         assert max(abs(a - b) for a, b in zip(ratio, line["ratio"])) < 1e-5
         # ppo: a ratio outside [0.8, 1.28] is clipped for a positive advantage above, a negative one below
@@ -823,7 +830,7 @@ def test_the_recorder_keeps_the_worst_and_a_random_few(tmp_path, monkeypatch):
             batch["old_logprobs"]
             + batch["loss_mask"] * (torch.arange(10.0) + 10 * mb)[:, None] / 100
         )
-        rec.add(samples, batch, logprobs)
+        rec.add(samples, batch, logprobs, torch.zeros_like(logprobs))
     rec.close()
     lines = [json.loads(line) for line in open(tmp_path / "tokens" / "step_0.jsonl")]
     worst = [line["rollout_id"] for line in lines if line["why"] == "worst"]
@@ -833,7 +840,7 @@ def test_the_recorder_keeps_the_worst_and_a_random_few(tmp_path, monkeypatch):
     # tis: a ratio over the cap (2.0) is clipped; exp(0.39) = 1.48 is not
     assert lines[0]["clipped"] == [0, 0, 0] and lines[0]["ratio"][0] == round(2.718281828**0.39, 6)
     again = recorder.TokenRecorder(0, options)
-    again.add(samples[:1], algo.collate(samples[:1], [1.0]), logprobs[:1])
+    again.add(samples[:1], algo.collate(samples[:1], [1.0]), logprobs[:1], logprobs[:1] * 0)
     again.close()
     assert len(open(tmp_path / "tokens" / "step_0.jsonl").readlines()) == len(lines) + 1
 
@@ -1086,6 +1093,7 @@ def test_the_token_view_of_a_16k_token_sample(tok, tmp_path):
                     "ratio",
                     "clipped",
                     "advantage",
+                    "entropy",
                     "call",
                     "policy version",
                 )
@@ -1100,6 +1108,7 @@ def test_the_token_view_of_a_16k_token_sample(tok, tmp_path):
                 and float(shown["advantage"]) == line["adv"][j]
             )
             assert shown["clipped"] == ("yes" if line["clipped"][j] else "no")
+            assert float(shown["entropy"]) == line["entropy"][j]
             assert (
                 int(shown["call"]) == line["call"][j]
                 and int(shown["policy version"]) == line["version"][j]
@@ -1115,6 +1124,13 @@ def test_the_token_view_of_a_16k_token_sample(tok, tmp_path):
             "e => e.style.background"
         )
         assert background.startswith("rgba(220, 38, 38")
+        # colored by entropy: blue, deeper the more uncertain the trainer's distribution
+        page.select_option("#color", "entropy")
+        page.wait_for_selector("#detail[data-rollout='s0-r0']")
+        background = tokens.locator(f'.tok[data-pos="{line["pos"][0]}"]').evaluate(
+            "e => e.style.background"
+        )
+        assert background.startswith("rgba(37, 99, 235")
         # as messages: the prompt the harness sent, the reply the model gave
         messages = page.locator("#detail .messages .msg")
         assert messages.count() == 2 and "(the prompt)" in messages.nth(0).inner_text()

@@ -534,6 +534,11 @@ def test_grammar_constrained_calls_are_scored_under_the_mask_that_drew_them(tmp_
     assert len(lines) == 6 and sum(line["trained"] for line in lines) == step["trainable_tokens"]
     dlogp = [abs(a - o) for line in lines for a, o in zip(line["logprob"], line["old"])]
     assert max(dlogp) < 1e-3 and all(line["step"] == 0 for line in lines)
+    # the row's entropy_mean is the mean of every trained token's entropy (all of them recorded
+    # here), 0 for a token the grammar forced
+    entropy = [h for line in lines for h in line["entropy"]]
+    assert step["entropy_mean"] == pytest.approx(sum(entropy) / len(entropy), abs=1e-5)
+    assert min(entropy) == 0.0 and step["entropy_mean"] > 0
     beat = json.load(open(os.path.join(out, "heartbeat.json")))
     assert beat["phase"] == "done" and beat["in_flight"] == [] and len(beat["finished"]) == 6
     assert step["time"] > 0 and step["response_tokens_mean"] > 0
@@ -962,6 +967,7 @@ def test_skipped_updates_log_nulls_and_async_ctrl_c_saves_the_trained_weights(tm
         "dlogp_mean",
         "dlogp_max",
         "ratio_out_frac",
+        "entropy_mean",
         "train_tok_s",
     )
     assert (

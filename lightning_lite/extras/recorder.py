@@ -2,7 +2,8 @@
 run"): each step's per-token training data, and a heartbeat.
 
     RUN_DIR/tokens/step_K.jsonl   a selection of the samples update K + 1 trained on, each token's
-                                  trainer logprob, rollout logprob, ratio, clipped, advantage
+                                  trainer logprob, rollout logprob, ratio, clipped, advantage,
+                                  entropy
     RUN_DIR/heartbeat.json        the phase and the rollouts in flight, rewritten every second
 
 Its invariants: a token line holds exactly the numbers the trainer computed for that sample's
@@ -76,26 +77,6 @@ def rounded(values: torch.Tensor) -> list[float]:
     return [round(v, DECIMALS) for v in values.double().tolist()]
 
 
-def ratio_and_clipped(logprobs, old_logprobs, advantages, loss_mask, options: dict) -> tuple:
-    """[B, T] each: the ratio exp(trainer - rollout logprob) as algo.policy_loss clamps it, and
-    whether the loss clipped the token, by the loss's own rule (algo's ``_clipped_loss`` for ppo and
-    gspo, the cap for tis; sft clips nothing)."""
-    mask = loss_mask.to(logprobs.dtype)
-    log_ratio = ((logprobs - old_logprobs) * mask).clamp(-20, 20)
-    ratio = log_ratio.exp()
-    loss = options["loss"]
-    adv = advantages.to(logprobs.dtype)
-    if loss in ("ppo", "gspo"):
-        clip = algo.clip_range(loss, options["clip_low"], options["clip_high"])
-        clip_c = options["clip_ratio_c"]
-        _, clipped = algo._clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_c)
-    elif loss == "tis":
-        clipped = ratio > options["tis_cap"]
-    else:
-        clipped = torch.zeros_like(mask, dtype=torch.bool)
-    return ratio, clipped
-
-
 class TokenRecorder:
     """One backward pass's selection of samples (``add`` each micro-batch), written to
     tokens/step_K.jsonl by ``close``."""
@@ -111,10 +92,10 @@ class TokenRecorder:
         self.rng = random.Random(version)
 
     @torch.no_grad()
-    def add(self, samples: list, batch: dict, logprobs: torch.Tensor):
+    def add(self, samples: list, batch: dict, logprobs: torch.Tensor, entropy: torch.Tensor):
         """One micro-batch: ``samples`` are its [B, T] rows in order (algo.collate), ``logprobs``
-        the trainer's [B, T], at each sample's own positions (the packing's ``where`` already
-        mapped back by algo.trainer_logprobs)."""
+        and ``entropy`` the trainer's [B, T], at each sample's own positions (the packing's
+        ``where`` already mapped back by algo.trainer_logprobs_and_entropy)."""
         if RUN.out is None:
             return
         mask = batch["loss_mask"] > 0
@@ -138,10 +119,20 @@ class TokenRecorder:
             if not (take_worst or take_random):
                 continue
             if ratio is None:
-                ratio, clipped = ratio_and_clipped(
-                    logprobs, old, batch["advantages"], batch["loss_mask"], self.options
+                # [B, T] each: the ratio and clip of algo.policy_loss's own first step
+                options = self.options
+                _, ratio, clipped = algo.token_loss(
+                    logprobs,
+                    old,
+                    batch["advantages"],
+                    batch["loss_mask"],
+                    options["loss"],
+                    options["clip_low"],
+                    options["clip_high"],
+                    options["tis_cap"],
+                    options["clip_ratio_c"],
                 )
-            line = self.line(sample, i, batch, logprobs, ratio, clipped, largest[i])
+            line = self.line(sample, i, batch, logprobs, entropy, ratio, clipped, largest[i])
             if take_worst:
                 heapq.heappush(self.worst, (largest[i], order, line))
                 if len(self.worst) > WORST:
@@ -152,7 +143,7 @@ class TokenRecorder:
                 else:
                     self.random[slot] = (order, line)
 
-    def line(self, sample, i, batch, logprobs, ratio, clipped, dlogp_max) -> dict:
+    def line(self, sample, i, batch, logprobs, entropy, ratio, clipped, dlogp_max) -> dict:
         """One sample's line: who it is, and its trained tokens' numbers, position by position."""
         pos = batch["loss_mask"][i].nonzero().flatten()
         positions = pos.tolist()
@@ -173,6 +164,7 @@ class TokenRecorder:
             "ratio": rounded(ratio[i, pos]),
             "clipped": clipped[i, pos].int().tolist(),
             "adv": rounded(batch["advantages"][i, pos]),
+            "entropy": rounded(entropy[i, pos]),
             "call": [sample.call[p] for p in positions],
             "version": [sample.version[p] for p in positions],
         }

@@ -23,7 +23,6 @@ the order given:
 
 import glob
 import json
-import math
 import os
 import sys
 import threading
@@ -207,17 +206,6 @@ def place_records(batch: dict, records: list[dict]):
             record["sample"] = found[1]
 
 
-def without_nan(obj):
-    """``obj`` with every NaN and inf in it as None."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {key: without_nan(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [without_nan(value) for value in obj]
-    return obj
-
-
 def page_html() -> str:
     """live.html with uPlot's script and styles inlined (no network needed)."""
     html = open(PAGE).read()
@@ -251,7 +239,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
         except ValueError:
-            text = json.dumps(without_nan(obj), separators=(",", ":"))
+            text = json.dumps(finite(obj), separators=(",", ":"))
         self.send(status, text.encode(), "application/json")
 
     def refuse(self, status: int, message: str):

@@ -948,14 +948,24 @@ def test_serve_flags(tmp_path, capsys):
         main(args[3:])
     assert refused.value.code == 2
     assert "one RUN_DIR at a time without --serve" in capsys.readouterr().err
-    # (-X faulthandler: a server that does not stop dumps every thread's stack at SIGABRT; seen
-    # once, in a fresh clone's first make test, not reproduced since)
+    # The server stops at Ctrl-C as Python's default has it. A pytest started in the background by
+    # a non-interactive shell (`make test &`) ignores SIGINT, and a child inherits that: Python then
+    # leaves it ignored, and the server ran on. So the child starts with the default, and a server
+    # that does not stop dumps every thread's stack (-X faulthandler) at SIGABRT.
     err_path = tmp_path / "server.err"
     serve = [sys.executable, "-X", "faulthandler", *args[1:], "--serve", "--port", "0"]
-    with open(err_path, "w") as err:
-        p = subprocess.Popen(
-            serve + ["--host", "127.0.0.1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True
-        )
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with open(err_path, "w") as err:
+            p = subprocess.Popen(
+                serve + ["--host", "127.0.0.1"],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         line = p.stdout.readline()
         assert "(read-only; Ctrl-C stops)" in line, line

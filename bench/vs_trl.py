@@ -43,6 +43,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from lightning_lite.records import read_jsonl  # noqa: E402
+
 TRL_PYTHON = os.path.join(ROOT, ".venv-trl", "bin", "python")
 
 # The instruct demo's settings (Makefile: demo-instruct) that both sides take. The rest (clip, dual
@@ -105,11 +109,6 @@ def run_child(cmd: list[str], out: str) -> float:
         )
     # ru_maxrss is in KiB on Linux.
     return usage.ru_maxrss / 2**20
-
-
-def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def ours(settings: dict, steps: int, seed: int, out: str) -> dict:
@@ -190,7 +189,6 @@ def evaluate(model: str, settings: dict, tasks: int, seed: int, out: str) -> tup
 
 def trl_side(spec_path: str, out: str):
     """Run in .venv-trl: GRPOTrainer on the steps' prompts, timed; writes trl.json and model/."""
-    sys.path.insert(0, ROOT)
     import torch
     import transformers
     import trl as trl_lib

@@ -68,8 +68,28 @@ def sample_token(
     logprobs = torch.log_softmax(x, -1)
     if s.temperature <= 0:
         return int(logprobs.argmax()), float(logprobs.max())
-    token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+    token = draw(logprobs.exp(), generator)
     return token, float(logprobs[token])
+
+
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:
+    """A token drawn from ``probs`` [V] by inverting its CDF at one uniform number: the first token
+    whose cumulative probability exceeds u x total. On a CPU this takes ~0.07 ms for a 49k
+    vocabulary where torch.multinomial (and an exponential race) takes ~1.2 ms, drawing V random
+    numbers: at batch 64 that was a quarter of each decode step. The sum is in float64, so that a
+    token's share of it is its probability to 1e-16; a token of probability 0 is never drawn.
+
+    >>> draw(torch.tensor([0.0, 0.25, 0.0, 0.75]), torch.Generator().manual_seed(1))  # u 0.061
+    1
+    """
+    # [V]: cdf[i] = probs[0] + ... + probs[i]
+    cdf = probs.double().cumsum(-1)
+    total = cdf[-1]
+    u = torch.rand((), generator=generator, device=probs.device, dtype=torch.float64)
+    token = int(torch.searchsorted(cdf, u * total, right=True))
+    # u x total rounded up to the total: the last token of positive probability
+    last = int(torch.searchsorted(cdf, total))
+    return min(token, last)
 
 
 class PauseGate:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_lite.backends import sample_token
+from lightning_lite.backends import draw, sample_token
 from lightning_lite.chat import Sampling
 
 
@@ -32,6 +32,26 @@ def test_sample_token_logprob_is_that_of_the_truncated_distribution():
     # greedy reports the plain model logprob of the argmax
     t, lp = sample_token(logits, Sampling(temperature=0))
     assert t == 0 and math.isclose(lp, math.log(0.5), rel_tol=1e-6)
+
+
+def test_draw_follows_the_probabilities_and_never_draws_a_token_of_probability_zero(monkeypatch):
+    # unnormalized, as a renormalized support's exp may be: 1 : 3 : 0 : 4
+    probs = torch.tensor([0.1, 0.3, 0.0, 0.4])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(
+        torch.tensor([draw(probs, generator) for _ in range(8000)]), minlength=4
+    )
+    assert counts[2] == 0
+    # 1/8, 3/8, 4/8 within 4 standard errors (sd of a share over 8000 draws <= 0.0056)
+    assert torch.allclose(
+        counts.double() / 8000, torch.tensor([0.125, 0.375, 0, 0.5]).double(), atol=0.023
+    )
+    # the same seed, the same token
+    again = [draw(probs, torch.Generator().manual_seed(s)) for s in range(20)]
+    assert again == [draw(probs, torch.Generator().manual_seed(s)) for s in range(20)]
+    # u x total rounded up to the total: the last token of positive probability, never one past it
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(torch.tensor([0.5, 0.5, 0.0, 0.0])) == 1
 
 
 def _prompt(tok, text):
@@ -218,6 +238,28 @@ def test_decoding_reads_kv_heads_in_place_with_the_same_numbers():
     assert roomy.layers[0]._buf[0].shape[2] - roomy.get_seq_length() <= 256  # room, not a doubling
 
 
+def test_a_few_rows_without_gradient_multiply_weight_first_with_the_same_numbers():
+    """_skinny_linear is nn.Linear's product: (W @ x^T)^T to float noise at up to SKINNY_ROWS rows
+    without gradient; F.linear itself with more rows or with gradient (the trainer's forward)."""
+    from lightning_lite.extras.fast_decode import SKINNY_ROWS, _skinny_linear
+
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(96, 200)
+    # [2, 4, 96]: 8 rows, as a decode step of batch 8 gives them
+    x = torch.randn(2, 4, 96, generator=g)
+    with torch.no_grad():
+        ours, theirs = _skinny_linear(layer, x), layer(x)
+        assert ours.shape == (2, 4, 200) and torch.allclose(ours, theirs, atol=1e-5)
+        # more rows: F.linear's own numbers, bit for bit
+        wide = torch.randn(SKINNY_ROWS + 1, 96, generator=g)
+        assert torch.equal(_skinny_linear(layer, wide), layer(wide))
+    # with gradient: F.linear, and the gradient reaches the weights
+    ours = _skinny_linear(layer, x)
+    assert torch.equal(ours, layer(x))
+    ours.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
 def test_without_the_fast_decode_extra_the_backend_decodes_the_same_tokens(
     backend, tok, model, monkeypatch
 ):
@@ -239,6 +281,9 @@ def test_without_the_fast_decode_extra_the_backend_decodes_the_same_tokens(
     fast_decode = hooks.fast_decode
     monkeypatch.setattr(hooks, "fast_decode", None)
     model.set_attn_implementation("sdpa")
+    # the linear layers' own forward again, not install()'s _skinny_linear
+    for module in model.modules():
+        module.__dict__.pop("forward", None)
     plain = HFBackend(model, tok)
     try:
         slow = replies(plain)
@@ -246,6 +291,7 @@ def test_without_the_fast_decode_extra_the_backend_decodes_the_same_tokens(
         plain.close()
         fast_decode.install(model)
     assert model.config._attn_implementation == "grouped_sdpa"
+    assert model.lm_head.forward.__func__ is fast_decode._skinny_linear
     for a, b in zip(fast, slow):
         assert a.response_ids == b.response_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

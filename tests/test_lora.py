@@ -505,24 +505,33 @@ def test_lora_trains_under_ddp_checkpoints_the_adapters_resumes_and_merges(tmp_p
 
 
 # bf16 on a CPU without AVX-512 BF16 runs its matmuls about 30x slower than fp32 (measured here):
-# the bf16 run takes LengthHarness's short prompt; calc's forced call, whose tool list makes a
-# 315-token prompt, runs in fp32 (in bf16 it took ~300 s of CI).
+# the bf16 run takes LengthHarness's short prompt; the forced calculator call, whose tool list
+# makes a long prompt, runs in fp32 (in bf16 it took ~300 s of CI). Both rewards are lengths, so
+# every step has a signal: calc's reward was 0 for every rollout of a run whenever no forced call
+# computed the problem, and adapters at their start (lora_B 0) are the KL's reference itself, so
+# the KL term alone moves nothing.
 FSDP_LORA_RUNS = {
     "bf16": ["--harness", "tests/harnesses.py:LengthHarness", "--dtype", "bf16"],
-    "forced_calls": ["--harness", "calc", "--harness-arg", "max_tokens=24"],
+    "forced_calls": [
+        "--harness",
+        "tests/harnesses.py:SamplingHarness",
+        "--harness-arg",
+        "setting=constrained",
+    ],
 }
 
 
 @pytest.mark.slow  # a minute each: one torchrun run
 @pytest.mark.parametrize("run_kind", FSDP_LORA_RUNS)
 def test_lora_under_fsdp_async(tmp_path, run_kind):
-    """FSDP2 shards the adapted layers, the base in bf16 (or calc's first call forced under a
-    grammar, in fp32); rollouts run during training (the served copy gets the adapters alone)."""
+    """FSDP2 shards the adapted layers, the base in bf16 (or a calculator call forced under its
+    schema's grammar and a JSON reply, in fp32); rollouts run during training (the served copy gets
+    the adapters alone)."""
     out = str(tmp_path / "run")
     args = TORCHRUN + ["train.py", *FSDP_LORA_RUNS[run_kind], "--batch-size", "2"]
     args += ["--group-size", "4", "--eval-tasks", "0", "--lora", "8", "--parallel", "fsdp"]
     args += ["--async", "--steps", "2"]
-    # (a KL term: every step updates, whatever the rewards; its reference is the base under FSDP too)
+    # a KL term: its reference is the base, under FSDP too
     args += ["--kl-coef", "0.05"]
     run(args + ["--out", out], timeout=900)
     steps = [r for r in rows(out) if "reward" in r]

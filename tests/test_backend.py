@@ -250,6 +250,8 @@ def test_a_few_rows_without_gradient_multiply_weight_first_with_the_same_numbers
     with torch.no_grad():
         ours, theirs = _skinny_linear(layer, x), layer(x)
         assert ours.shape == (2, 4, 200) and torch.allclose(ours, theirs, atol=1e-5)
+        # no rows at all: an empty product of the right shape
+        assert _skinny_linear(layer, torch.zeros(0, 1, 96)).shape == (0, 1, 200)
         # more rows: F.linear's own numbers, bit for bit
         wide = torch.randn(SKINNY_ROWS + 1, 96, generator=g)
         assert torch.equal(_skinny_linear(layer, wide), layer(wide))

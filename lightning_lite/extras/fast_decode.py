@@ -137,10 +137,10 @@ def _skinny_linear(self, x):
     if torch.is_grad_enabled() or rows > SKINNY_ROWS or x.device.type != "cpu":
         return F.linear(x, self.weight, self.bias)
     # [rows, in] -> [out, rows] -> [rows, out]
-    out = (self.weight @ x.reshape(rows, -1).T).T
+    out = (self.weight @ x.reshape(rows, x.shape[-1]).T).T
     if self.bias is not None:
         out = out + self.bias
-    return out.reshape(*x.shape[:-1], -1)
+    return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
 def install(model):

@@ -507,9 +507,9 @@ def test_lora_trains_under_ddp_checkpoints_the_adapters_resumes_and_merges(tmp_p
 # bf16 on a CPU without AVX-512 BF16 runs its matmuls about 30x slower than fp32 (measured here):
 # the bf16 run takes LengthHarness's short prompt; the forced calculator call, whose tool list
 # makes a long prompt, runs in fp32 (in bf16 it took ~300 s of CI). Both rewards are lengths, so
-# every step has a signal: calc's reward was 0 for every rollout of a run whenever no forced call
-# computed the problem, and adapters at their start (lora_B 0) are the KL's reference itself, so
-# the KL term alone moves nothing.
+# every step has a signal: calc's was 0 for all 16 rollouts of a run (no forced call computed the
+# problem, no answer was right), and adapters at their start (lora_B 0) are the KL's reference
+# itself, so the KL term alone moves nothing.
 FSDP_LORA_RUNS = {
     "bf16": ["--harness", "tests/harnesses.py:LengthHarness", "--dtype", "bf16"],
     "forced_calls": [

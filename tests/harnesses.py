@@ -16,13 +16,18 @@ TOPICS = ["cats", "rain", "bread", "trains", "the sea", "music", "snow", "books"
 
 class LengthHarness(Harness):
     """One short call; reward = reply length / 80 characters. Sampled replies differ in length,
-    so every group has variance and every step updates the weights. ``seeded``: each call sends a
-    seed made from its rollout id, so a rerun samples the same replies (with --max-concurrency 1)."""
+    so groups mostly have variance and steps update the weights. ``seeded``: each call sends a
+    seed made from its rollout id, so a rerun samples the same replies (with --max-concurrency 1).
+    ``ranked``: a training rollout's index in its group (its id "s{step}-r{rank}-t{i}-g{g}") adds
+    g / 1000 to its reward, so every group has a signal whatever was sampled (two replies of one
+    length make none): a test that needs an update at every step takes it."""
 
     name = "length"
 
-    def __init__(self, max_tokens: int = 8, seeded: bool = False):
-        self.max_tokens, self.seeded = max_tokens, seeded
+    def __init__(self, max_tokens: int = 8, seeded: bool = False, ranked: bool = False):
+        self.max_tokens = max_tokens
+        self.seeded = seeded
+        self.ranked = ranked
 
     def tasks(self, split):
         return [Task(f"{split}-{i}", f"Say something about {t}.") for i, t in enumerate(TOPICS)]
@@ -38,7 +43,11 @@ class LengthHarness(Harness):
                 temperature=1.0,
                 **({"seed": zlib.crc32(endpoint.rollout_id.encode())} if self.seeded else {}),
             )
-        return min(1.0, len(r.choices[0].message.content or "") / 80)
+        reward = min(1.0, len(r.choices[0].message.content or "") / 80)
+        # Evaluation ids ("eval{step}-r{rank}-{i}") have no group index.
+        if self.ranked and "-g" in endpoint.rollout_id:
+            reward += int(endpoint.rollout_id.rsplit("-g", 1)[1]) / 1000
+        return reward
 
 
 class BranchingHarness(LengthHarness):

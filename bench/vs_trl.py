@@ -2,6 +2,8 @@
 
     make setup-trl                              # TRL in its own venv, .venv-trl (once, ~2 min)
     python bench/vs_trl.py --steps 30 --seeds 2 # the full comparison: ~1 h a seed on 2 quiet cores
+    python bench/vs_trl.py --first-seed 1 --out runs/vs_trl1    # one more seed, in another session
+    python bench/vs_trl.py --table runs/vs_trl/vs_trl.json runs/vs_trl1/vs_trl.json  # both, one table
     python bench/vs_trl.py --smoke              # 2 small steps a side, 4 held-out tasks: for the tests
 
 The task is the instruct demo's (examples/instruct: IFEval-style constraints checked by code, the reward
@@ -424,22 +426,49 @@ def report(data: dict):
     print(f"\nTRL's median step / ours: {', '.join(f'{x:.2f}x' for x in ratios)} (by seed)")
 
 
+def merged(paths: list[str]) -> dict:
+    """The runs of several vs_trl.json files (seeds measured apart, e.g. in two sessions) as one:
+    their results one after the other. They must share the task, settings, steps and evaluation."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    first = runs[0]
+    for path, data in zip(paths, runs):
+        for key in ("settings", "steps", "eval_tasks", "versions"):
+            if data[key] != first[key]:
+                raise SystemExit(
+                    f"{path}: its {key} ({data[key]}) differ from {paths[0]}'s ({first[key]}): "
+                    "only runs of the same settings make one table"
+                )
+    data = dict(first)
+    data["results"] = [r for run in runs for r in run["results"]]
+    seeds = [r["seed"] for r in data["results"]]
+    if len(set(seeds)) < len(seeds):
+        raise SystemExit(f"a seed is in two of the files (seeds {seeds}): give each seed once")
+    data["seeds"] = len(data["results"])
+    data["minutes"] = sum(run["minutes"] for run in runs)
+    return data
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=30, help="RL steps a side")
-    ap.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, each side once a seed")
+    ap.add_argument("--seeds", type=int, default=1, help="how many seeds, each side once a seed")
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds FIRST..FIRST+N-1")
     ap.add_argument("--eval-tasks", type=int, default=100, help="held-out prompts an evaluation")
     ap.add_argument("--out", default="runs/vs_trl", help="logs, runs and vs_trl.json")
     ap.add_argument("--smoke", action="store_true", help="2 small steps a side: for the tests")
-    ap.add_argument("--table", metavar="JSON", help="print the report of a saved vs_trl.json")
+    ap.add_argument(
+        "--table", nargs="+", metavar="JSON", help="print the report of saved vs_trl.json files"
+    )
     ap.add_argument("--trl-side", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.trl_side:
         trl_side(*a.trl_side)
         return
     if a.table:
-        with open(a.table) as f:
-            report(json.load(f))
+        report(merged(a.table))
         return
     if not os.path.exists(TRL_PYTHON):
         raise SystemExit(f"TRL is not installed ({TRL_PYTHON} is missing): run make setup-trl")
@@ -448,10 +477,11 @@ def main():
         settings, a.steps, a.seeds, a.eval_tasks = SMOKE, 2, 1, 4
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
-    print(f"settings: {settings}, {a.steps} steps, seeds 0..{a.seeds - 1}, {a.eval_tasks} held-out")
+    seeds = range(a.first_seed, a.first_seed + a.seeds)
+    print(f"settings: {settings}, {a.steps} steps, seeds {list(seeds)}, {a.eval_tasks} held-out")
     results = []
     t_start = time.time()
-    for seed in range(a.seeds):
+    for seed in seeds:
         run = os.path.join(out, f"seed{seed}")
         print(f"seed {seed}: evaluating the base model ...", flush=True)
         before = evaluate("smollm2", settings, a.eval_tasks, seed, run + "-eval-base")

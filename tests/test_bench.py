@@ -1,7 +1,9 @@
 """Every script in bench/ runs through all its code paths in its --smoke mode and prints its table: a
-benchmark that crashes at start cannot go unnoticed (the numbers are not checked: they mean nothing)."""
+benchmark that crashes at start cannot go unnoticed (the numbers are not checked: they mean nothing).
+And vs_trl.py's reports of seeds measured apart merge into one table."""
 
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -67,3 +69,30 @@ def test_bench_smoke(path):
     assert code == 0, f"exit code {code} (-9: over 300 s); {tail}"
     # Its table: markdown rows, as the docs show them.
     assert any(line.startswith("|") for line in out.splitlines()), f"no table; {tail}"
+
+
+def test_vs_trl_tables_of_two_sessions_merge_into_one(tmp_path):
+    """Seeds measured apart (--first-seed, another --out) make one table with --table A B; runs of
+    other settings or a seed given twice are refused with what differs."""
+    spec = importlib.util.spec_from_file_location("vs_trl", VS_TRL)
+    vs_trl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_trl)
+    base = {"settings": {"lr": 2e-5}, "steps": 30, "eval_tasks": 100, "versions": {"trl": "1"}}
+
+    def saved(name, seeds, minutes, **changed):
+        data = dict(base, results=[{"seed": s} for s in seeds], seeds=len(seeds), minutes=minutes)
+        data.update(changed)
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        return str(path)
+
+    a = saved("a.json", [0], 50.0)
+    b = saved("b.json", [1, 2], 90.0)
+    data = vs_trl.merged([a, b])
+    assert [r["seed"] for r in data["results"]] == [0, 1, 2]
+    assert data["seeds"] == 3 and data["minutes"] == 140.0 and data["steps"] == 30
+    other = saved("c.json", [3], 50.0, steps=20)
+    with pytest.raises(SystemExit, match="its steps \\(20\\) differ"):
+        vs_trl.merged([a, other])
+    with pytest.raises(SystemExit, match="a seed is in two of the files"):
+        vs_trl.merged([a, a])

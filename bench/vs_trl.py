@@ -1,7 +1,7 @@
 """Our RL step against TRL's GRPOTrainer on the same task, model and settings.
 
     make setup-trl                              # TRL in its own venv, .venv-trl (once, ~2 min)
-    python bench/vs_trl.py --steps 30 --seeds 2 # the full comparison: ~1 h a seed on 2 quiet cores
+    python bench/vs_trl.py --steps 30 --seeds 2 # the full comparison: ~50 min a seed on 2 cores
     python bench/vs_trl.py --first-seed 1 --out runs/vs_trl1    # one more seed, in another session
     python bench/vs_trl.py --table runs/vs_trl/vs_trl.json runs/vs_trl1/vs_trl.json  # both, one table
     python bench/vs_trl.py --smoke              # 2 small steps a side, 4 held-out tasks: for the tests

@@ -434,11 +434,11 @@ def merged(paths: list[str]) -> dict:
         with open(path) as f:
             runs.append(json.load(f))
     first = runs[0]
-    for path, data in zip(paths, runs):
+    for path, run in zip(paths, runs):
         for key in ("settings", "steps", "eval_tasks", "versions"):
-            if data[key] != first[key]:
+            if run[key] != first[key]:
                 raise SystemExit(
-                    f"{path}: its {key} ({data[key]}) differ from {paths[0]}'s ({first[key]}): "
+                    f"{path}: its {key} ({run[key]}) differ from {paths[0]}'s ({first[key]}): "
                     "only runs of the same settings make one table"
                 )
     data = dict(first)

@@ -18,6 +18,8 @@ KV cache, cache layers that append in place, grouped-query attention), and ``hoo
 """
 
 import asyncio
+import ctypes
+import os
 import threading
 import time
 from collections import Counter
@@ -117,6 +119,25 @@ class PauseGate:
         with self._cond:
             self.paused = False
             self._cond.notify_all()
+
+
+def release_cpu_threads():
+    """Let the calling thread's OpenMP worker threads exit; its next parallel region starts new ones
+    (about 50 us). Why: libgomp gives every thread that runs a parallel region a team of its own,
+    and while the process holds more of its threads than there are CPUs, every idle worker sleeps
+    at once instead of spinning, so each small parallel region pays a wake-up. A decode step runs
+    hundreds of them. On 2 cores, the embedded backend decoded 30% slower once the trainer had run
+    a forward on the main thread, and training ran 8% slower beside the backend's idle team
+    (docs/benchmarks.md). So each side lets its team go when it hands the CPUs over. A no-op
+    where the OpenMP runtime has no ``omp_pause_resource_all`` (OpenMP 5.0)."""
+    if os.name != "posix":
+        return
+    # PyDLL: the call keeps the GIL (about 50 us), so no other thread finalizes the interpreter
+    # while this one is in it.
+    pause_all = getattr(ctypes.PyDLL(None), "omp_pause_resource_all", None)
+    if pause_all is not None:
+        OMP_PAUSE_SOFT = 1
+        pause_all(OMP_PAUSE_SOFT)
 
 
 def max_reply_tokens(prompt_ids: list[int], sampling: Sampling, max_model_len: int) -> int:
@@ -251,6 +272,12 @@ class HFBackend(PauseGate):
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
+    def resume(self):
+        """As PauseGate's, once the caller (the trainer's thread) has let its OpenMP threads go:
+        they would slow every decode step (``release_cpu_threads``)."""
+        release_cpu_threads()
+        super().resume()
+
     def payload(self, learner):
         """What a weight sync from ``learner`` (trainer.Learner) hands ``sync_weights``: the trained
         module itself when this backend serves it (nothing to copy), else what training changed
@@ -291,6 +318,9 @@ class HFBackend(PauseGate):
                 bf16 = self.dtype != torch.float32
                 with torch.autocast(self.device.type, self.dtype, enabled=bf16):
                     self._run()
+                # Idle now: the CPUs go to whoever runs next (training), without this thread's
+                # OpenMP team beside it.
+                release_cpu_threads()
             finally:
                 with self._cond:
                     self._inflight = False

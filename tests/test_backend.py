@@ -2,13 +2,14 @@
 
 import asyncio
 import math
+import os
 import threading
 import time
 
 import pytest
 import torch
 
-from lightning_lite.backends import draw, sample_token
+from lightning_lite.backends import draw, release_cpu_threads, sample_token
 from lightning_lite.chat import Sampling
 
 
@@ -193,6 +194,34 @@ def test_pause_holds_requests_and_sync_weights_bumps_version(backend, tok):
     assert backend.version == v + 1
     backend.resume()
     assert done.wait(60) and result["g"].version == v + 1
+
+
+def test_each_side_lets_its_openmp_threads_go_when_it_hands_over_the_cpus(backend, tok):
+    """Two OpenMP teams on few CPUs make each small parallel region pay a wake-up (decoding 30%
+    slower on 2 cores: release_cpu_threads): the backend's worker lets its team go once it is idle,
+    and resume() lets the caller's (the trainer's) go."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: no OpenMP team to let go")
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    p = tok.encode(_prompt(tok, "Hi"))
+    release_cpu_threads()
+    asyncio.run(backend.generate(p, Sampling(max_tokens=2)))
+    # returns once the worker is idle
+    backend.pause()
+    idle = threads()
+    # the trainer's work: a parallel region on this thread starts this thread's team
+    torch.randn(1000, 1000) @ torch.randn(1000, 1000)
+    assert threads() == idle + torch.get_num_threads() - 1
+    backend.resume()
+    assert threads() == idle
+    # the worker's team started for this generation, and went when it was done
+    asyncio.run(backend.generate(p, Sampling(max_tokens=2)))
+    backend.pause()
+    assert threads() == idle
+    backend.resume()
 
 
 def test_a_call_in_flight_during_a_weight_sync_finishes_on_the_old_version(backend, tok):

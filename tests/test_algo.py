@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from lightning_lite import algo
 from lightning_lite.algo import (
@@ -560,6 +561,62 @@ def test_a_packed_tree_under_activation_checkpointing_and_flex_attention():
         net.set_attn_implementation("flex_attention")
         flex = trainer_logprobs(net, collate(samples, [1.0] * 4, pad_to=128))
     assert (flex - rows).abs().max() <= 1e-5
+
+
+def test_block_sdpa_is_attention_under_the_mask_over_only_the_keys_each_block_sees():
+    """algo.block_sdpa on a packed tree's mask (pack([[1, 2, 3], [1, 2, 4]]) and the 56-token tree
+    of branching_samples), 2 query heads sharing one KV head: the numbers of dense SDPA with the KV
+    head repeated, at any block size; and a block runs only over the keys its rows see."""
+    for seqs in ([[1, 2, 3], [1, 2, 4]], [s.tokens for s in branching_samples()]):
+        _, depth, end, _ = pack(seqs)
+        config = SimpleNamespace(_attn_implementation="sdpa")
+        mask = tree_mask(config, torch.tensor([depth]), torch.tensor(end))
+        L = len(end)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, L, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, 1, L, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        dense = F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), mask)
+        for block in (1, 2, 3, 7, 128):
+            assert (algo.block_sdpa(q, k, v, mask, block=block) - dense).abs().max() < 1e-12
+    # Row 3 of the first tree (token 4) sees keys 0, 1 and 3: a block of that row alone, given keys
+    # that differ only at key 2 (its sibling), gives the same output.
+    _, depth, end, _ = pack([[1, 2, 3], [1, 2, 4]])
+    mask = tree_mask(
+        SimpleNamespace(_attn_implementation="sdpa"), torch.tensor([depth]), torch.tensor(end)
+    )
+    q = torch.randn(1, 1, 4, 4, dtype=torch.float64)
+    k = torch.randn(1, 1, 4, 4, dtype=torch.float64)
+    v = torch.randn(1, 1, 4, 4, dtype=torch.float64)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 2], v2[:, :, 2] = 1e6, float("nan")
+    row3 = algo.block_sdpa(q, k, v, mask, block=1)[:, :, 3]
+    assert torch.equal(algo.block_sdpa(q, k2, v2, mask, block=1)[:, :, 3], row3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_a_packed_tree_longer_than_a_block_trains_under_block_sdpa_as_separate_rows(kind):
+    """The trainer's attention on a CPU (models.use_block_sdpa): a packed tree of 209 tokens (two
+    blocks of query rows) gives the logprobs and gradients of each sample as its own row under
+    transformers' sdpa."""
+    from lightning_lite.models import use_block_sdpa
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 50, (59,), generator=g).tolist()
+    samples = []
+    for n in (50, 60, 40):
+        reply = torch.randint(0, 50, (n,), generator=g).tolist()
+        samples.append(Sample("r", prompt + reply, [0] * 59 + [1] * n, [0.0] * (59 + n)))
+    net = tiny(kind)
+    net.set_attn_implementation("sdpa")
+    rows = collate(samples, [1.0] * 3, dtype=torch.float64, tree=False)
+    lp_rows, g_rows = logprobs_and_grads(net, lambda: trainer_logprobs(net, rows))
+    use_block_sdpa(net)
+    assert net.config._attn_implementation == "block_sdpa"
+    tree = collate(samples, [1.0] * 3, dtype=torch.float64)
+    assert tree["fwd_tokens"] == 209
+    lp, g = logprobs_and_grads(net, lambda: trainer_logprobs(net, tree))
+    assert torch.allclose(lp, lp_rows, atol=1e-7)
+    assert (g - g_rows).abs().max() <= 1e-6 * g_rows.abs().max()
 
 
 def test_models_that_cannot_run_a_packed_tree_say_why():

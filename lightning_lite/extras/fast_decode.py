@@ -28,10 +28,10 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .. import hooks
+from ..models import block_sdpa_attention
 
 
 class PrefixCache:
@@ -100,13 +100,13 @@ class RoomyLayer(DynamicLayer):
 
 
 def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
-    """transformers' SDPA, except that a decode step (one query token per row) reads each KV head
-    once: the query heads that share a KV head are laid out as that head's query positions (all
-    rows' positions see the same keys under the same mask), which is exactly attention with repeated
-    KV heads."""
+    """The core's SDPA (models.block_sdpa_attention: the trainer's packed trees on a CPU), except
+    that a decode step (one query token per row) reads each KV head once: the query heads that share
+    a KV head are laid out as that head's query positions (all rows' positions see the same keys
+    under the same mask), which is exactly attention with repeated KV heads."""
     n_rep = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or n_rep == 1:
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+        return block_sdpa_attention(module, query, key, value, mask, scaling=scaling, **kwargs)
     # query [B, H, 1, D] -> [B, H_kv, n_rep, D]; key and value [B, H_kv, T, D]
     B, H, _, D = query.shape
     grouped = query.reshape(B, H // n_rep, n_rep, D)
@@ -144,9 +144,9 @@ def _skinny_linear(self, x):
 
 
 def install(model):
-    """Run ``model``'s SDPA as ``_grouped_sdpa`` (the same attention, decoded faster) and its
-    linear layers as ``_skinny_linear``."""
-    if model.config._attn_implementation == "sdpa":
+    """Run ``model``'s SDPA (or the core's block_sdpa) as ``_grouped_sdpa`` (the same attention,
+    decoded faster) and its linear layers as ``_skinny_linear``."""
+    if model.config._attn_implementation in ("sdpa", "block_sdpa"):
         model.set_attn_implementation("grouped_sdpa")
     for module in model.modules():
         if type(module) is nn.Linear:

@@ -95,19 +95,23 @@ def load_model(
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
 
 
+# block_sdpa_attention's block of query rows: a forward of fewer rows runs as one SDPA call.
+BLOCK_ROWS = 128
+
+
 def block_sdpa_attention(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' SDPA attention, except that a boolean mask over more than one block of query
     rows on a CPU runs as ``algo.block_sdpa``: the same numbers, each block of rows over the keys
     it sees (a packed tree's mask is mostly False). On a GPU, --attn flex_attention skips the
     blocks instead (its BlockMask)."""
-    blocked = mask is not None and mask.dtype == torch.bool and query.shape[2] > 128
+    blocked = mask is not None and mask.dtype == torch.bool and query.shape[2] > BLOCK_ROWS
     # what transformers' SDPA adds to the plain product: dropout, a position bias, a paged cache
     extras = dropout or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
     if not blocked or query.device.type != "cpu" or extras:
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    out = block_sdpa(query, key, value, mask, scale=scaling)
+    out = block_sdpa(query, key, value, mask, scale=scaling, block=BLOCK_ROWS)
     # [B, H, L, D] -> [B, L, H, D], as transformers' attention returns it
     return out.transpose(1, 2).contiguous(), None
 
@@ -117,7 +121,8 @@ AttentionMaskInterface.register("block_sdpa", sdpa_mask)
 
 
 def use_block_sdpa(model):
-    """Run ``model``'s SDPA attention as ``block_sdpa_attention`` on a CPU (the trainer's models)."""
+    """On a CPU, run ``model``'s SDPA attention as ``block_sdpa_attention`` (the trainer's models:
+    Learner)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
     if on_cpu and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation("block_sdpa")

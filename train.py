@@ -82,7 +82,7 @@ BATCH_HELP = "the embedded backend decodes up to this many requests together"
 HOST_HELP = "the proxies' address (an address other than loopback opens them to that network)"
 PAUSE_HELP = "during a weight sync, answer new calls 429 with Retry-After this, instead of waiting"
 MICRO_HELP = "the most tokens one forward takes, its samples packed as a prefix tree"
-ATTN_HELP = "the trainer's attention implementation (default: the model's)"
+ATTN_HELP = "the trainer's attention (default: the model's; on a CPU, sdpa as algo.block_sdpa)"
 raw = argparse.RawDescriptionHelpFormatter
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
 group = parser.add_argument_group("run")

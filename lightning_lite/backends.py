@@ -338,9 +338,8 @@ class HFBackend(PauseGate):
         while True:
             new = self._take(self.max_batch_size - len(batch.rows))
             try:
-                # Prefill each on its own (after a cached prefix), then join the batch.
-                for request in new:
-                    batch.add(request, *self._prefill(request))
+                # Prefill each on its own (after a cached prefix), then all join the batch.
+                batch.add([(request, *self._prefill(request)) for request in new])
                 if not batch.rows:
                     return
                 keep = [j for j in range(len(batch.rows)) if self._sample_next(batch, j, version)]
@@ -368,23 +367,28 @@ class HFBackend(PauseGate):
 
     def _prefill(self, request: _Request) -> tuple[DynamicCache, torch.Tensor]:
         """The prompt's KV cache (batch 1) and the logits [V] of the first reply token."""
-        # The longest cached prefix of the prompt: its length and KV (None: an empty cache).
+        # The longest cached prefix of the prompt: its length and KV (None: an empty cache), and
+        # the logits after it when it is the whole prompt.
         hit = 0
         kv = None
+        logits = None
         if self.prefix_cache is not None:
-            hit, kv = self.prefix_cache.lookup(request.prompt_ids, request.adapter)
+            hit, kv, logits = self.prefix_cache.lookup(request.prompt_ids, request.adapter)
+        cache = DynamicCache(ddp_cache_data=kv)
+        self.stats.update(prompt_tokens=len(request.prompt_ids), cached_tokens=hit)
+        if logits is not None:
+            # This prompt was prefilled before (a GRPO group's requests share one): no forward.
+            return cache, logits
         # [1, T - hit]: its positions follow the cache's.
         rest = torch.tensor([request.prompt_ids[hit:]], device=self.device)
-        cache = DynamicCache(ddp_cache_data=kv)
         inputs = dict(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
         out = self.model(**inputs, **_adapters([request]))
-        self.stats.update(prompt_tokens=len(request.prompt_ids), cached_tokens=hit)
+        logits = out.logits[0, -1]
         if self.prefix_cache is not None:
-            # Requests that arrive together often share a prompt (a GRPO group): the next one
-            # reuses this one.
+            # Requests that arrive together often share a prompt: the next one reuses this one.
             kv = [(layer.keys, layer.values) for layer in cache.layers]
-            self.prefix_cache.store(request.prompt_ids, kv, request.adapter)
-        return cache, out.logits[0, -1]
+            self.prefix_cache.store(request.prompt_ids, kv, request.adapter, logits)
+        return cache, logits
 
     def _sample_next(self, batch: "_Batch", j: int, version: int) -> bool:
         """Sample row j's next token; False when its request is over (answered, or client gone)."""
@@ -450,26 +454,37 @@ class _Batch:
         # [B, V]: each row's latest logits.
         self.last = None
 
-    def add(self, request: _Request, cache: DynamicCache, logits: torch.Tensor):
-        """Join a prefilled request: its own cache [1, H_kv, n, D] and the logits [V] after it."""
-        self.rows.append(request)
-        self.lengths.append(cache.get_seq_length())
-        if len(self.rows) == 1:
-            # Layers that append in place (extras/fast_decode.py); else transformers' DynamicLayer,
-            # which copies the whole cache at each token.
-            if hooks.fast_decode is not None:
-                for layer in cache.layers:
-                    layer.__class__ = hooks.fast_decode.RoomyLayer
-            self.cache = cache
-            self.last = logits[None]
+    def add(self, joining: list[tuple[_Request, DynamicCache, torch.Tensor]]):
+        """Join prefilled requests, each with its own cache [1, H_kv, n, D] and the logits [V]
+        after it, all in one copy of the batch's cache."""
+        if not joining:
             return
-        # Left-pad the batch or the newcomer to the longer of the two, T columns:
-        # [B, H_kv, T, D] + [1, H_kv, T, D] -> [B + 1, H_kv, T, D]
-        T = max(self.cache.get_seq_length(), self.lengths[-1])
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, T), _left_pad(theirs.keys, T)])
-            mine.values = torch.cat([_left_pad(mine.values, T), _left_pad(theirs.values, T)])
-        self.last = torch.cat([self.last, logits[None]])
+        was_empty = not self.rows
+        self.rows += [request for request, _, _ in joining]
+        self.lengths += [cache.get_seq_length() for _, cache, _ in joining]
+        caches = [cache for _, cache, _ in joining]
+        # [len(joining), V]
+        logits = torch.stack([row_logits for _, _, row_logits in joining])
+        if was_empty:
+            # The first one's cache becomes the batch's, with layers that append in place
+            # (extras/fast_decode.py); else transformers' DynamicLayer, which copies the whole
+            # cache at each token.
+            self.cache = caches.pop(0)
+            if hooks.fast_decode is not None:
+                for layer in self.cache.layers:
+                    layer.__class__ = hooks.fast_decode.RoomyLayer
+            self.last = logits
+        else:
+            self.last = torch.cat([self.last, logits])
+        if not caches:
+            return
+        # Left-pad the batch and the newcomers to the longest of them, T columns:
+        # [B, H_kv, T, D] + k x [1, H_kv, T, D] -> [B + k, H_kv, T, D]
+        T = max(cache.get_seq_length() for cache in [self.cache] + caches)
+        for i, mine in enumerate(self.cache.layers):
+            theirs = [cache.layers[i] for cache in caches]
+            mine.keys = torch.cat([_left_pad(layer.keys, T) for layer in [mine] + theirs])
+            mine.values = torch.cat([_left_pad(layer.values, T) for layer in [mine] + theirs])
 
     def row_cache(self, j: int) -> KV:
         """Row j's own KV (without padding), copied out of the batch."""

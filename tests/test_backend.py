@@ -134,21 +134,36 @@ def test_prefix_cache_keeps_longest_prefixes_and_evicts_the_least_recently_used(
     c.store(a[:10], kv(10))
     c.store(a, kv(20))  # extends the first entry: it replaces it
     c.store(b, kv(15))
-    assert [t for _, t, _ in c.entries] == [a, b]
-    n, hit = c.lookup(a + [7])
-    assert n == 20 and hit[0][0].shape[2] == 20
+    assert [entry[1] for entry in c.entries] == [a, b]
+    n, hit, logits = c.lookup(a + [7])
+    assert n == 20 and hit[0][0].shape[2] == 20 and logits is None
     assert c.lookup(a)[0] == 19  # one token is left to prefill
     assert c.lookup(a[:7] + [0, 1])[0] == 0  # a shared prefix under 8 tokens is not worth it
     c.store(list(range(200, 210)), kv(10))  # 45 tokens > 40: b, the least recently used, leaves
-    assert [t[0] for _, t, _ in c.entries] == [0, 200]
+    assert [entry[1][0] for entry in c.entries] == [0, 200]
     c.store(list(range(41)), kv(41))  # longer than the whole cache: not kept
-    assert [t[0] for _, t, _ in c.entries] == [0, 200]
+    assert [entry[1][0] for entry in c.entries] == [0, 200]
     # --lora-per-harness: another adapter's KV is another model's: never a hit, never redundant
     c.max_tokens = 60
     c.store(a[:12], kv(12), "coder")
     assert c.lookup(a[:12] + [7], "planner")[0] == 0
     assert c.lookup(a + [7])[0] == 20 and c.lookup(a + [7], "coder")[0] == 12
-    assert [(x, t[0]) for x, t, _ in c.entries] == [(None, 200), (None, 0), ("coder", 0)]
+    assert [(entry[0], entry[1][0]) for entry in c.entries] == [
+        (None, 200),
+        (None, 0),
+        ("coder", 0),
+    ]
+    # A prompt stored with the logits after it (a GRPO group's): all of it is a hit, nothing to
+    # prefill; a longer prompt or another one still prefills its rest.
+    c = PrefixCache()
+    c.store(b, kv(15), logits=torch.arange(3.0))
+    n, hit, logits = c.lookup(b)
+    assert n == 15 and hit[0][0].shape[2] == 15 and logits.tolist() == [0.0, 1.0, 2.0]
+    n, hit, logits = c.lookup(b + [7])
+    assert n == 15 and logits is None
+    n, hit, logits = c.lookup(b[:-1] + [0])
+    assert n == 14 and logits is None
+    assert c.lookup(b, "coder") == (0, None, None)
 
 
 def test_eos_and_context_limit(backend, tok, model):

@@ -37,41 +37,53 @@ from ..models import block_sdpa_attention
 class PrefixCache:
     """The KV of token sequences the backend prefilled or decoded (a prompt; a finished reply's
     prompt + response[:-1]), up to ``max_tokens`` tokens in all, the least recently used leaving
-    first. Each entry is kept under the LoRA adapter that computed it (--lora-per-harness; None
-    without): another adapter's KV is another model's, never a hit."""
+    first. A prompt's entry keeps the logits after it too: a GRPO group's other requests, the same
+    prompt, then need no forward at all. Each entry is kept under the LoRA adapter that computed it
+    (--lora-per-harness; None without): another adapter's KV is another model's, never a hit."""
 
     def __init__(self, max_tokens: int = 32768):
         self.max_tokens = max_tokens
-        # (adapter, token ids, their KV: [1, H_kv, n, D] keys and values per layer) entries, the
-        # least recently used first
+        # (adapter, token ids, their KV: [1, H_kv, n, D] keys and values per layer, the logits [V]
+        # after the ids or None) entries, the least recently used first
         self.entries = []
 
-    def lookup(self, ids: list[int], adapter=None) -> tuple[int, Optional[list]]:
-        """The longest cached prefix of ``ids`` under ``adapter``, of 8 tokens or more, leaving at
-        least one token to prefill: its length n and its KV, [1, H_kv, n, D] per layer; (0, None)
-        when there is none."""
+    def lookup(
+        self, ids: list[int], adapter=None
+    ) -> tuple[int, Optional[list], Optional[torch.Tensor]]:
+        """What is cached of ``ids`` under ``adapter``: (n, its KV, [1, H_kv, n, D] per layer, the
+        logits [V] after it). When all of ``ids`` was stored with its logits, n is ``len(ids)``.
+        Else the logits are None and n is the longest cached prefix of 8 tokens or more that leaves
+        at least one token to prefill; (0, None, None) when there is none."""
         entries = [entry for entry in self.entries if entry[0] == adapter]
-        lengths = [len(os.path.commonprefix([cached, ids[:-1]])) for _, cached, _ in entries]
-        n = max(lengths, default=0)
-        if n < 8:
-            return 0, None
-        best = entries[lengths.index(n)]
+        whole = [entry for entry in entries if entry[3] is not None and entry[1] == ids]
+        if whole:
+            n = len(ids)
+            best = whole[0]
+        else:
+            lengths = [len(os.path.commonprefix([entry[1], ids[:-1]])) for entry in entries]
+            n = max(lengths, default=0)
+            if n < 8:
+                return 0, None, None
+            best = entries[lengths.index(n)]
         # To the end: now the most recently used.
         self.entries = [entry for entry in self.entries if entry is not best] + [best]
-        return n, [(keys[:, :, :n], values[:, :, :n]) for keys, values in best[2]]
+        kv = [(keys[:, :, :n], values[:, :, :n]) for keys, values in best[2]]
+        logits = best[3] if whole else None
+        return n, kv, logits
 
-    def store(self, ids: list[int], kv: list, adapter=None):
-        """Remember the KV of ``ids`` under ``adapter``; the same adapter's entries that are a
-        prefix of ``ids`` become redundant and leave."""
+    def store(self, ids: list[int], kv: list, adapter=None, logits: Optional[torch.Tensor] = None):
+        """Remember the KV of ``ids`` under ``adapter``, and the ``logits`` [V] after them when
+        given; the same adapter's entries that are a prefix of ``ids`` become redundant and
+        leave."""
         if len(ids) > self.max_tokens:
             return
         self.entries = [
-            (entry_adapter, cached, cached_kv)
-            for entry_adapter, cached, cached_kv in self.entries
-            if entry_adapter != adapter or ids[: len(cached)] != cached
+            entry
+            for entry in self.entries
+            if entry[0] != adapter or ids[: len(entry[1])] != entry[1]
         ]
-        self.entries.append((adapter, ids, kv))
-        while sum(len(cached) for _, cached, _ in self.entries) > self.max_tokens:
+        self.entries.append((adapter, ids, kv, logits))
+        while sum(len(entry[1]) for entry in self.entries) > self.max_tokens:
             # The least recently used leaves.
             self.entries.pop(0)
 
@@ -81,22 +93,44 @@ class PrefixCache:
 
 class RoomyLayer(DynamicLayer):
     """A cache layer whose keys and values are views into buffers with room for 256 more tokens:
-    appending writes one column instead of copying the cache. When the batching code replaces them
-    (it pads, trims and selects rows), the next update copies them into a new buffer once."""
+    appending writes one column instead of copying the cache, and a row that leaves the batch moves
+    the rows after it up within the same buffers. When the batching code replaces the views (it pads
+    and trims), the next update copies them into a new buffer once."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         # [B, H_kv, n, D] cached, [B, H_kv, m, D] new
         n, m = self.keys.shape[-2], key_states.shape[-2]
         buf = getattr(self, "_buf", None)
-        # The first update, no room left, or .keys replaced (a new tensor: padded, trimmed, rows
-        # selected): a copy with room for m + 256 more columns.
+        # The first update, no room left, or .keys replaced (a new tensor: padded or trimmed): a
+        # copy with room for m + 256 more columns.
         if buf is None or buf[0].shape[2] < n + m or buf[0].data_ptr() != self.keys.data_ptr():
-            buf = tuple(F.pad(t, (0, 0, 0, m + 256)) for t in (self.keys, self.values))
+            buf = tuple(_with_room(t, n + m + 256) for t in (self.keys, self.values))
             self._buf = buf
         buf[0][:, :, n : n + m] = key_states
         buf[1][:, :, n : n + m] = value_states
         self.keys, self.values = buf[0][:, :, : n + m], buf[1][:, :, : n + m]
         return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        """Keep rows ``indices`` (in order), moved up to the front of the same buffers: a new
+        buffer would cost as much memory as the cache, and touching its fresh pages as much time."""
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf[0].data_ptr() != self.keys.data_ptr():
+            return super().batch_select_indices(indices)
+        n = self.keys.shape[2]
+        for whole, view in zip(buf, (self.keys, self.values)):
+            # The kept rows first, copied out: their old and new places may overlap.
+            whole[: len(indices), :, :n] = view[indices]
+        self._buf = tuple(whole[: len(indices)] for whole in buf)
+        self.keys, self.values = self._buf[0][:, :, :n], self._buf[1][:, :, :n]
+
+
+def _with_room(x: torch.Tensor, columns: int) -> torch.Tensor:
+    """[B, H_kv, n, D] -> [B, H_kv, columns, D]: ``x`` in the first n columns, the rest unset (an
+    update writes each column before the keys show it)."""
+    buf = x.new_empty(x.shape[0], x.shape[1], columns, x.shape[3])
+    buf[:, :, : x.shape[2]] = x
+    return buf
 
 
 def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):

@@ -476,18 +476,29 @@ def block_sdpa(query, key, value, mask, scale=None, block: int = 128) -> torch.T
     For ``pack([[1, 2, 3], [1, 2, 4]])`` (end [4, 4, 3, 4]) at block 2, rows 0-1 attend over keys
     [0, 1], rows 2-3 over [0, 1, 2, 3]; at block 1, row 3 over [0, 1, 3].
     """
-    L = query.shape[2]
+    L, S = query.shape[2], key.shape[2]
     # a query head h reads KV head h // n_rep (transformers' repeat_kv)
     n_rep = query.shape[1] // key.shape[1]
+    n_blocks = -(-L // block)
+    # [n_blocks, S]: the keys that any row of each block sees (the mask padded to whole blocks)
+    rows = F.pad(mask, (0, 0, 0, n_blocks * block - L))
+    seen = rows.view(mask.shape[0], 1, n_blocks, block, S).any(dim=3).any(dim=1).any(dim=0)
+    # [K1 + K2 + ...]: block 0's keys, then block 1's, ...; each key's index into the S keys
+    keys_of_blocks = seen.nonzero()[:, 1]
+    counts = seen.sum(dim=1).tolist()
+    # One gather of every block's keys, not one per block: the backward then adds each key's
+    # gradient into one zero tensor, not into a zero tensor per block.
+    # [B, H, K1 + K2 + ..., D] each
+    k = key.index_select(2, keys_of_blocks).repeat_interleave(n_rep, dim=1)
+    v = value.index_select(2, keys_of_blocks).repeat_interleave(n_rep, dim=1)
     outs = []
-    for start in range(0, L, block):
-        rows = mask[:, :, start : start + block]
-        # [K]: the keys any row of this block sees
-        seen = rows.any(dim=2).any(dim=1).any(dim=0).nonzero()[:, 0]
-        k = key[:, :, seen].repeat_interleave(n_rep, dim=1)
-        v = value[:, :, seen].repeat_interleave(n_rep, dim=1)
-        q = query[:, :, start : start + block]
-        outs.append(F.scaled_dot_product_attention(q, k, v, rows[..., seen], scale=scale))
+    per_block = zip(
+        query.split(block, 2), k.split(counts, 2), v.split(counts, 2), keys_of_blocks.split(counts)
+    )
+    for i, (q, k_i, v_i, keys_i) in enumerate(per_block):
+        # [B or 1, 1, block, K_i]: the block's rows of the mask, over its keys
+        mask_i = mask[:, :, i * block : (i + 1) * block][..., keys_i]
+        outs.append(F.scaled_dot_product_attention(q, k_i, v_i, mask_i, scale=scale))
     return torch.cat(outs, dim=2)
 
 

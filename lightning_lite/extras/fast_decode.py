@@ -59,16 +59,17 @@ class PrefixCache:
         if whole:
             n = len(ids)
             best = whole[0]
+            logits = best[3]
         else:
             lengths = [len(os.path.commonprefix([entry[1], ids[:-1]])) for entry in entries]
             n = max(lengths, default=0)
             if n < 8:
                 return 0, None, None
             best = entries[lengths.index(n)]
+            logits = None
         # To the end: now the most recently used.
         self.entries = [entry for entry in self.entries if entry is not best] + [best]
         kv = [(keys[:, :, :n], values[:, :, :n]) for keys, values in best[2]]
-        logits = best[3] if whole else None
         return n, kv, logits
 
     def store(self, ids: list[int], kv: list, adapter=None, logits: Optional[torch.Tensor] = None):

@@ -26,6 +26,7 @@ import json
 import random
 import sys
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -324,7 +325,13 @@ def evaluate(step):
     # --async: the proxy records one run at a time
     concurrent.futures.wait(ahead.values())
     jobs = [(f"eval{step}-r{rank}-{i}", t, h) for i, (h, t) in enumerate(every[rank::world])]
+    # A task draws the same tokens at each evaluation, its seed from --seed and the task: two steps'
+    # weights are compared on the same draws, and a rerun gives the same numbers.
+    for rollout_id, task, harness in jobs:
+        proxy.seeds[rollout_id] = zlib.crc32(f"{args.seed}/{harness.name}/{task.id}".encode()) << 16
     results, _, secs = rollouts(jobs, f"eval_{step}")
+    for rollout_id, _, _ in jobs:
+        del proxy.seeds[rollout_id]
     run.save_rollouts(f"eval_{step}", results, {})
     row = {"step": step, **tasks.eval_row(results, secs)}
     log(

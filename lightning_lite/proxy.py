@@ -163,6 +163,11 @@ class Proxy:
             if hooks.isolation is None:
                 raise ValueError(hooks.missing("rollout_tokens", "isolation"))
             self.isolation = hooks.isolation()
+        # rollout id -> the seed of its calls that ask for none: call k of the rollout samples with
+        # seed + k (train.py's evaluation: each task draws the same tokens at every evaluation of
+        # the run, whatever order the calls arrive in). Other rollouts draw from the backend's
+        # generator.
+        self.seeds: dict[str, int] = {}
         # backend errors (the last 100; all counted): reported, never trained on
         self.failures, self.n_failures = deque(maxlen=100), 0
         # set_output runs on the trainer's thread, record on the loop's
@@ -359,10 +364,13 @@ class Proxy:
             raise BadRequest(message, "messages", "context_length_exceeded")
 
     async def generate(self, exchange: Exchange, on_token=None) -> list:
-        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set).
-        A backend that fails or passes ``call_timeout`` gets the client a 502 or 504; the call is
-        recorded as ``error``."""
+        """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set,
+        by the request or by ``seeds``). A backend that fails or passes ``call_timeout`` gets the
+        client a 502 or 504; the call is recorded as ``error``."""
         req, rollout_id, seed = exchange.req, exchange.rollout_id, exchange.req.sampling.seed
+        if seed is None and rollout_id in self.seeds:
+            # the index this call will be recorded under: a rollout's calls are numbered in order
+            seed = self.seeds[rollout_id] + exchange.session.out.next.get(rollout_id, 0)
         samplings = [
             req.sampling if seed is None else replace(req.sampling, seed=seed + i)
             for i in range(req.n)

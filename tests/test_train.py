@@ -204,6 +204,24 @@ def test_failing_rollouts_are_reported_and_training_goes_on(tmp_path):
     )
 
 
+def test_each_evaluation_draws_the_same_replies_for_a_task(tmp_path):
+    """An evaluation's calls ask for no seed, so the proxy gives each one its task's (from --seed
+    and the task; Proxy.seeds): under unchanged weights (--lr 0) the evaluations before and after a
+    step sample the same replies, though their 4 rollouts run at once and the step's rollouts drew
+    from the backend's generator in between (without the seeds, every reply differed)."""
+    out = str(tmp_path / "run")
+    flags = ["--harness", HARNESSES + ":LengthHarness", "--steps", "1", "--batch-size", "2"]
+    flags += ["--group-size", "2", "--eval-tasks", "4", "--max-concurrency", "4", "--lr", "0"]
+    run([sys.executable, "train.py", *flags, "--out", out])
+
+    def replies(step):
+        calls = read_calls(os.path.join(out, "calls", f"eval_{step}.jsonl"))
+        # "eval{step}-r0-{i}": the task's position, the same at every evaluation
+        return {c.rollout_id.split("-")[-1]: c.response_ids for c in calls}
+
+    assert len(replies(0)) == 4 and replies(0) == replies(1)
+
+
 def test_batch_must_divide_over_ranks(tmp_path):
     p = subprocess.run(
         [

@@ -84,6 +84,8 @@ HOST_HELP = "the proxies' address (an address other than loopback opens them to 
 PAUSE_HELP = "during a weight sync, answer new calls 429 with Retry-After this, instead of waiting"
 MICRO_HELP = "the most tokens one forward takes, its samples packed as a prefix tree"
 ATTN_HELP = "the trainer's attention (default: the model's; on a CPU, sdpa as algo.block_sdpa)"
+CHECKPOINTING_HELP = "memory for compute: each layer's backward recomputes its whole forward (no "
+CHECKPOINTING_HELP += "value: full) or all but its matmuls and attention (selective)"
 raw = argparse.RawDescriptionHelpFormatter
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
 group = parser.add_argument_group("run")
@@ -142,7 +144,13 @@ group.add_argument(
 group.add_argument("--no-tree", action="store_true", help="one padded row a sample, not packed")
 group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)
 group.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help=PARALLEL_HELP)
-group.add_argument("--activation-checkpointing", action="store_true", help="memory for compute")
+group.add_argument(
+    "--activation-checkpointing",
+    nargs="?",
+    const="full",
+    choices=["full", "selective"],
+    help=CHECKPOINTING_HELP,
+)
 # the extras with flags: each adds its group, and may check its flags once they are parsed (check)
 flagged = [extra for extra in extras if hasattr(extra, "add_args")]
 for extra in flagged:

@@ -47,7 +47,7 @@ def lora_flags(rank, names=None, **kw) -> argparse.Namespace:
     flags = dict(lora=rank, lora_alpha=None, lora_rslora=False, lora_targets=None)
     flags |= dict(lora_per_harness=bool(names), model="smollm2", backend="hf", parallel="ddp")
     flags |= dict(async_steps=0, attn=None, no_tree=False, keep_checkpoints=2)
-    flags |= dict(activation_checkpointing=False, max_model_len=None, steps=20, warmup_steps=0)
+    flags |= dict(activation_checkpointing=None, max_model_len=None, steps=20, warmup_steps=0)
     flags |= dict(lr=1e-4, weight_decay=0.0, lr_schedule="constant", grad_clip=1.0)
     flags |= dict(micro_batch_tokens=4096, norm="rollout-mean", norm_const=1024, loss="ppo")
     flags |= dict(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, tis_cap=2.0, kl_coef=0.0)

@@ -9,9 +9,11 @@ the same name.
 
 import contextlib
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import hooks
 from .algo import all_reduce
@@ -49,13 +51,40 @@ def sharding(parallel: str):
     return hooks.PARALLEL[parallel]
 
 
-def wrap(model, parallel, world, checkpointing=False, dtype=torch.float32, unused=False):
+# The ops whose outputs --activation-checkpointing selective keeps: the matmuls and attention,
+# whose recompute would be most of a layer's forward. The rest of a layer (norms, rotary, SiLU,
+# products, residual adds) is recomputed from them in backward: elementwise work, where it held
+# ~60% of the activations. An attention kernel not listed (flash-attn's own) is recomputed.
+aten = torch.ops.aten
+KEPT_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+KEPT_OPS |= {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+# checkpoint's policy, asked for each op of a layer's forward
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    if op in KEPT_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def wrap(model, parallel, world, checkpointing=None, dtype=torch.float32, unused=False):
     """The module to train: ``model`` itself (one process), DDP(model), or ``model`` sharded in
     place by the extra of mode ``parallel`` (``dtype``: of its compute). ``unused``: some parameters
-    may get no gradient in a backward (--lora-per-harness: the other harnesses' adapters)."""
-    # recompute each layer's activations in backward: memory for compute
+    may get no gradient in a backward (--lora-per-harness: the other harnesses' adapters).
+    ``checkpointing``: None, or what each layer's backward recomputes (--activation-checkpointing):
+    "full" all of its forward from its input, "selective" all but its matmuls and attention."""
+    # memory for compute: each layer keeps its input (and under "selective" the outputs of
+    # KEPT_OPS), the rest of its activations recomputed in its backward
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        options = {"use_reentrant": False}
+        if checkpointing == "selective":
+            options["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmuls)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     extra = sharding(parallel)
     if extra is not None:
         return extra.wrap(model, dtype)

@@ -66,7 +66,8 @@ class TrainConfig:
     no_tree: bool
     attn: Optional[str]
     parallel: str
-    activation_checkpointing: bool
+    # what each layer's backward recomputes: None, "full" or "selective" (parallel.wrap)
+    activation_checkpointing: Optional[str]
     max_model_len: Optional[int]
     keep_checkpoints: int
     # the loss: policy_loss's options of the same names, and the normalization

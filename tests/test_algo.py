@@ -563,6 +563,28 @@ def test_a_packed_tree_under_activation_checkpointing_and_flex_attention():
     assert (flex - rows).abs().max() <= 1e-5
 
 
+def test_selective_activation_checkpointing_recomputes_no_matmul():
+    """--activation-checkpointing selective (parallel.wrap) keeps each layer's matmul and attention
+    outputs: a packed tree's gradients are the plain backward's, and the backward runs exactly the
+    plain backward's matmul FLOPs, where "full" also recomputes the forward's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_lite.parallel import wrap
+
+    b = collate(branching_samples(), [1.0] * 4, dtype=torch.float64)
+    grads, flops = {}, {}
+    for mode in (None, "selective", "full"):
+        net = wrap(tiny("llama"), "ddp", 1, checkpointing=mode).train()
+        lp = trainer_logprobs(net, b)
+        with FlopCounterMode(display=False) as counter:
+            lp.sum().backward()
+        grads[mode] = torch.cat([p.grad.flatten() for p in net.parameters()])
+        flops[mode] = counter.get_total_flops()
+    for mode in ("selective", "full"):
+        assert (grads[mode] - grads[None]).abs().max() <= 1e-9 * grads[None].abs().max()
+    assert flops["selective"] == flops[None] < flops["full"]
+
+
 def test_block_sdpa_is_attention_under_the_mask_over_only_the_keys_each_block_sees():
     """algo.block_sdpa on a packed tree's mask (pack([[1, 2, 3], [1, 2, 4]]) and the 56-token tree
     of branching_samples), 2 query heads sharing one KV head: the numbers of dense SDPA with the KV

@@ -210,7 +210,7 @@ def test_rslora_scales_by_alpha_over_the_square_root_of_the_rank():
 def learner_flags(**kw):
     """The flags trainer.Learner reads, as train.py's defaults set them (a learning rate that moves)."""
     base = dict(parallel="ddp", async_steps=0, attn=None, no_tree=False, fsdp_offload=False)
-    base |= dict(activation_checkpointing=False, from_calls=None, max_model_len=None, steps=10)
+    base |= dict(activation_checkpointing=None, from_calls=None, max_model_len=None, steps=10)
     base |= dict(lr=1e-3, weight_decay=0.0, warmup_steps=0, lr_schedule="constant", grad_clip=1.0)
     base |= dict(micro_batch_tokens=4096, norm="rollout-mean", norm_const=1024, loss="ppo")
     base |= dict(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, tis_cap=2.0, kl_coef=0.0)

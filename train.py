@@ -26,7 +26,6 @@ import json
 import random
 import sys
 import time
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,7 @@ from lightning_lite.models import load_tokenizer
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
 from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_line, step_rates
+from lightning_lite.rundir import token_rates
 from lightning_lite.trainer import Learner, TrainConfig
 from lightning_lite.samples import build_batch_samples, for_imitation
 from lightning_lite.toolcalls import format_names
@@ -84,8 +84,8 @@ HOST_HELP = "the proxies' address (an address other than loopback opens them to 
 PAUSE_HELP = "during a weight sync, answer new calls 429 with Retry-After this, instead of waiting"
 MICRO_HELP = "the most tokens one forward takes, its samples packed as a prefix tree"
 ATTN_HELP = "the trainer's attention (default: the model's; on a CPU, sdpa as algo.block_sdpa)"
-CHECKPOINTING_HELP = "memory for compute: each layer's backward recomputes its whole forward (no "
-CHECKPOINTING_HELP += "value: full) or all but its matmuls and attention (selective)"
+RECOMPUTE = ["full", "selective"]
+RECOMPUTE_HELP = "recompute each layer in backward (full) or only its elementwise ops (selective)"
 raw = argparse.RawDescriptionHelpFormatter
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
 group = parser.add_argument_group("run")
@@ -145,11 +145,7 @@ group.add_argument("--no-tree", action="store_true", help="one padded row a samp
 group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)
 group.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help=PARALLEL_HELP)
 group.add_argument(
-    "--activation-checkpointing",
-    nargs="?",
-    const="full",
-    choices=["full", "selective"],
-    help=CHECKPOINTING_HELP,
+    "--activation-checkpointing", nargs="?", const="full", choices=RECOMPUTE, help=RECOMPUTE_HELP
 )
 # the extras with flags: each adds its group, and may check its flags once they are parsed (check)
 flagged = [extra for extra in extras if hasattr(extra, "add_args")]
@@ -326,20 +322,15 @@ if args.async_steps:
 
 def evaluate(step):
     """Each harness's test split once; its row (eval_reward, eval_success, ...) to metrics.jsonl."""
-    every = tasks.test_jobs()
-    if not every:
+    if not any(tasks.test.values()):
         return
     hooks.progress("phase", phase="eval", step=step)
     # --async: the proxy records one run at a time
     concurrent.futures.wait(ahead.values())
-    jobs = [(f"eval{step}-r{rank}-{i}", t, h) for i, (h, t) in enumerate(every[rank::world])]
-    # A task draws the same tokens at each evaluation, its seed from --seed and the task: two steps'
-    # weights are compared on the same draws, and a rerun gives the same numbers.
-    for rollout_id, task, harness in jobs:
-        proxy.seeds[rollout_id] = zlib.crc32(f"{args.seed}/{harness.name}/{task.id}".encode()) << 16
+    # each task's calls sample with its seed: the same draws at every evaluation (Tasks.eval_jobs)
+    jobs, proxy.seeds = tasks.eval_jobs(step, rank, world)
     results, _, secs = rollouts(jobs, f"eval_{step}")
-    for rollout_id, _, _ in jobs:
-        del proxy.seeds[rollout_id]
+    proxy.seeds = {}
     run.save_rollouts(f"eval_{step}", results, {})
     row = {"step": step, **tasks.eval_row(results, secs)}
     log(
@@ -485,13 +476,6 @@ try:
         else:
             metrics, grad_norm, skipped = learner.update(samples, step, has_signal)
         t_train = time.time() - t0
-        # None: not measured (recorded calls were not generated here)
-        gen_tok_s = None
-        if not recorded:
-            gen_tok_s = sums["gen"] / max(t_roll, 1e-9) / world
-        train_tok_s = None
-        if metrics and t_train:
-            train_tok_s = sums["kept_tokens"] / (t_train * world)
         row = {
             "step": step + 1,
             **step_rates(sums, tasks.names()),
@@ -511,8 +495,7 @@ try:
             "t_sleep": round(t_sleep, 3),
             "t_sync": None,
             "t_step": None,
-            "gen_tok_s": gen_tok_s,
-            "train_tok_s": train_tok_s,
+            **token_rates(sums, t_roll, t_train, world, not recorded, trained=bool(metrics)),
         }
         # the update is applied (or skipped): a checkpoint from now on is of step + 1
         unlogged = row

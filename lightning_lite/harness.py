@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,9 +260,21 @@ class Tasks:
         random.Random(self.seed * 1000 + epoch).shuffle(items)
         return items[k * n : (k + 1) * n]
 
-    def test_jobs(self) -> list[tuple]:
-        """The evaluation's (harness, task), each test task once."""
-        return [(h, t) for h in self.harnesses for t in self.test[h.name]]
+    def eval_jobs(self, step: int, rank: int, world: int) -> tuple[list[tuple], dict]:
+        """This rank's share of the evaluation at ``step``, each test task once, as rollouts:
+        [(rollout id, task, harness)] and {rollout id: its seed}, the ids "eval{step}-r{rank}-{i}".
+        A call that asks for no seed samples with its rollout's (``Proxy.seeds``), made from the
+        run's seed and the task: every evaluation draws the same tokens for a task wherever the
+        weights agree, so two steps are compared on the same random numbers."""
+        every = [(h, t) for h in self.harnesses for t in self.test[h.name]]
+        jobs = []
+        seeds = {}
+        for i, (harness, task) in enumerate(every[rank::world]):
+            rollout_id = f"eval{step}-r{rank}-{i}"
+            jobs.append((rollout_id, task, harness))
+            # << 16: room for the call index the proxy adds
+            seeds[rollout_id] = zlib.crc32(f"{self.seed}/{harness.name}/{task.id}".encode()) << 16
+        return jobs, seeds
 
     def eval_row(self, results: list, seconds: float) -> dict:
         """eval_reward, eval_success (reward >= 1), eval_tasks, eval_failed and eval_s over every

@@ -246,6 +246,18 @@ def step_rates(sums: dict, names: list) -> dict:
     return row
 
 
+def token_rates(sums, t_rollout, t_train, world, generated: bool, trained: bool) -> dict:
+    """gen_tok_s, the tokens a rank generated a second of its rollouts (None: the calls were
+    recorded earlier, not generated here), and train_tok_s, the trainable tokens a rank trained a
+    second of its update (None: no update ran)."""
+    rates = {"gen_tok_s": None, "train_tok_s": None}
+    if generated:
+        rates["gen_tok_s"] = sums["gen"] / max(t_rollout, 1e-9) / world
+    if trained and t_train:
+        rates["train_tok_s"] = sums["kept_tokens"] / (t_train * world)
+    return rates
+
+
 def shown(row: dict, key: str, spec: str) -> str:
     """A metric as the step's line shows it; '-' where it was not measured."""
     if row.get(key) is None:

@@ -357,8 +357,18 @@ def test_one_harness_draws_its_step_tasks_and_more_needs_the_extra():
         [("calc", t.id, f"calc/{t.id}")] * 2 for t in drawn
     ]
     assert tasks.pick(5) == groups and tasks.pick(6) != groups
-    assert [t.id for _, t in tasks.test_jobs()] == [t.id for t in tasks.test["calc"]]
-    assert len(tasks.test_jobs()) == 3 and tasks.by_harness({}, "reward") == ""
+    # the evaluation: each test task once over the ranks, its seed the same at every step
+    jobs, seeds = tasks.eval_jobs(4, 0, 1)
+    assert [(rid, t.id) for rid, t, _ in jobs] == [
+        (f"eval4-r0-{i}", t.id) for i, t in enumerate(tasks.test["calc"])
+    ]
+    assert len(set(seeds.values())) == 3 and sorted(seeds) == sorted(rid for rid, _, _ in jobs)
+    assert list(tasks.eval_jobs(9, 0, 1)[1].values()) == list(seeds.values())
+    rank1, _ = tasks.eval_jobs(4, 1, 2)
+    assert [t.id for _, t, _ in rank1] == [t.id for t in tasks.test["calc"][1::2]]
+    other_seed = Tasks(["calc"], ["difficulty=2"], 4, 2, 3, 8, lambda *line: None)
+    assert set(other_seed.eval_jobs(4, 0, 1)[1].values()).isdisjoint(seeds.values())
+    assert tasks.by_harness({}, "reward") == ""
     for specs, items in ((["calc", "search"], []), (["calc:2"], []), (["calc"], ["calc:k=1"])):
         with pytest.raises(SystemExit, match="needs lightning_lite/extras/harnesses.py"):
             Tasks(specs, items, 4, 2, 3, 7, print)

@@ -494,8 +494,11 @@ def test_tree_packing_trains_exactly_as_separate_rows(tmp_path):
         calls == calls_flat and tree["splits"] == {"rewrote_history": 6} and tree["samples"] == 12
     )
     # A first step's loss is ~0 (each group's advantages sum to 0, every ratio is 1): what is left is summation noise,
-    # which another order (or another CPU: -2.2e-7 against 9.3e-8 on one) moves by 1e-7s; the gradient carries the test
-    assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-5, abs=1e-6) and tree[
+    # which another order (or another CPU: -2.2e-7 against 9.3e-8 on one) moves by 1e-7s, and the backend's logprobs,
+    # which are not the same in every process: once (make test-slow, 6 Dec 2026) the tree run's first call had
+    # logprobs 3.6e-4 from the rows run's on the same tokens, and the losses were 4.2e-6 and 1.2e-7 (its grad norm
+    # within 4e-6 of the other's). The gradient carries the test.
+    assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-5, abs=2e-5) and tree[
         "grad_norm"
     ] == pytest.approx(flat["grad_norm"], rel=1e-4)
     assert tree["fwd_tokens"] < 0.7 * flat["fwd_tokens"], (tree["fwd_tokens"], flat["fwd_tokens"])

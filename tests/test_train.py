@@ -208,7 +208,7 @@ def test_each_evaluation_draws_the_same_replies_for_a_task(tmp_path):
     """An evaluation's calls ask for no seed, so the proxy gives each one its task's (from --seed
     and the task; Proxy.seeds): under unchanged weights (--lr 0) the evaluations before and after a
     step sample the same replies, though their 4 rollouts run at once and the step's rollouts drew
-    from the backend's generator in between (without the seeds, every reply differed)."""
+    from the backend's generator in between (without the seeds, the replies differed)."""
     out = str(tmp_path / "run")
     flags = ["--harness", HARNESSES + ":LengthHarness", "--steps", "1", "--batch-size", "2"]
     flags += ["--group-size", "2", "--eval-tasks", "4", "--max-concurrency", "4", "--lr", "0"]

@@ -587,17 +587,19 @@ def test_selective_activation_checkpointing_recomputes_no_matmul():
 
 def test_block_sdpa_is_attention_under_the_mask_over_only_the_keys_each_block_sees():
     """algo.block_sdpa on a packed tree's mask (pack([[1, 2, 3], [1, 2, 4]]) and the 56-token tree
-    of branching_samples), 2 query heads sharing one KV head: the numbers of dense SDPA with the KV
-    head repeated, at any block size; and a block runs only over the keys its rows see."""
+    of branching_samples), 4 query heads, each pair sharing one of 2 KV heads (head h reads KV head
+    h // 2): the numbers of dense SDPA with the KV heads repeated, at any block size; and a block
+    runs only over the keys its rows see."""
     for seqs in ([[1, 2, 3], [1, 2, 4]], [s.tokens for s in branching_samples()]):
         _, depth, end, _ = pack(seqs)
         config = SimpleNamespace(_attn_implementation="sdpa")
         mask = tree_mask(config, torch.tensor([depth]), torch.tensor(end))
         L = len(end)
         g = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 2, L, 8, generator=g, dtype=torch.float64)
-        k, v = (torch.randn(1, 1, L, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        dense = F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), mask)
+        q = torch.randn(1, 4, L, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, 2, L, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        repeated = [t.repeat_interleave(2, dim=1) for t in (k, v)]
+        dense = F.scaled_dot_product_attention(q, *repeated, mask)
         for block in (1, 2, 3, 7, 128):
             assert (algo.block_sdpa(q, k, v, mask, block=block) - dense).abs().max() < 1e-12
     # Row 3 of the first tree (token 4) sees keys 0, 1 and 3: a block of that row alone, given keys

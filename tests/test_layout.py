@@ -110,7 +110,9 @@ def test_the_copy_has_no_extras(bare):
 
 def test_train_runs_a_step_with_no_extras(bare):
     """The issue's command, then a second step resumed from its checkpoint under --loss sft (every
-    rollout imitated: an update runs, where the calc rewards of an untrained model are all 0)."""
+    rollout imitated: an update runs, where the calc rewards of an untrained model are all 0).
+    Replies are short (--max-new-tokens 32): without extras/fast_decode.py the backend decodes
+    slowly, and the steps only have to run and train."""
     out = bare / "runs" / "one"
     argv = [
         "train.py",
@@ -123,7 +125,7 @@ def test_train_runs_a_step_with_no_extras(bare):
         "--batch-size",
         "2",
     ]
-    argv += ["--group-size", "2", "--eval-tasks", "0", "--out", str(out)]
+    argv += ["--group-size", "2", "--eval-tasks", "0", "--max-new-tokens", "32", "--out", str(out)]
     done = run_bare(bare, *argv)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -131,8 +133,7 @@ def test_train_runs_a_step_with_no_extras(bare):
     # the rollouts ran through the copy's proxy, which recorded their calls
     assert os.path.getsize(out / "calls" / "step_0.jsonl") > 0
     assert os.path.isdir(out / "checkpoints" / "step_1")
-    # (short replies: the step only has to train)
-    resumed = [*argv[:6], "2", *argv[7:], "--resume", "--loss", "sft", "--max-new-tokens", "32"]
+    resumed = [*argv[:6], "2", *argv[7:], "--resume", "--loss", "sft"]
     done = run_bare(bare, *resumed)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]

@@ -204,6 +204,7 @@ def test_failing_rollouts_are_reported_and_training_goes_on(tmp_path):
     )
 
 
+@pytest.mark.slow  # ~20 s, one train.py run: make test-slow (make test was at its 10 minutes)
 def test_each_evaluation_draws_the_same_replies_for_a_task(tmp_path):
     """An evaluation's calls ask for no seed, so the proxy gives each one its task's (from --seed
     and the task; Proxy.seeds): under unchanged weights (--lr 0) the evaluations before and after a

@@ -1,5 +1,6 @@
 """Session fixtures: the embedded model is loaded once and served by one proxy for all tests."""
 
+import json
 import os
 import sys
 
@@ -25,6 +26,16 @@ HARNESS_REQUESTS = os.environ.get(
 NO_CAPTURES = (
     f"no captured harness requests at {HARNESS_REQUESTS} (set LL_HARNESS_REQUESTS to replay them)"
 )
+# A captured request longer than this (as JSON) carries a real harness's system prompt and tools:
+# thousands of tokens to prefill, 15-20 s each on a 2-core CPU. Those replay in make test-slow.
+LONG_CAPTURE_CHARS = 20_000
+
+
+def capture_marks(body) -> list:
+    """The marks of a captured request's test: slow when the request is long."""
+    if len(json.dumps(body)) > LONG_CAPTURE_CHARS:
+        return [pytest.mark.slow]
+    return []
 
 
 @pytest.fixture(scope="session")

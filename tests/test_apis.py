@@ -584,7 +584,7 @@ def captured(shape_paths):
     """Captured harness requests to the given routes (skipped with one line when the folder is absent)."""
     import os
 
-    from conftest import HARNESS_REQUESTS, NO_CAPTURES
+    from conftest import HARNESS_REQUESTS, NO_CAPTURES, capture_marks
 
     if not os.path.isdir(HARNESS_REQUESTS):
         return [pytest.param(None, None, id="captured", marks=pytest.mark.skip(reason=NO_CAPTURES))]
@@ -595,7 +595,8 @@ def captured(shape_paths):
         ):
             r = json.loads(line)
             if r.get("method") == "POST" and r["path"].split("?")[0] in shape_paths:
-                out.append(pytest.param(r["path"], r["body"], id=f"{name[:-6]}-{i}"))
+                marks = capture_marks(r["body"])
+                out.append(pytest.param(r["path"], r["body"], id=f"{name[:-6]}-{i}", marks=marks))
     return out
 
 

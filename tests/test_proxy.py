@@ -14,7 +14,7 @@ import pytest
 import requests
 import torch
 
-from conftest import HARNESS_REQUESTS, NO_CAPTURES, ROOT
+from conftest import HARNESS_REQUESTS, NO_CAPTURES, ROOT, capture_marks
 
 from lightning_lite.records import read_calls
 
@@ -106,7 +106,8 @@ def harness_chat_requests():
         for i, line in enumerate(open(os.path.join(HARNESS_REQUESTS, name))):
             r = json.loads(line)
             if r.get("method") == "POST" and r["path"].split("?")[0] == "/v1/chat/completions":
-                out.append(pytest.param(r["body"], id=f"{name[:-6]}-{i}"))
+                marks = capture_marks(r["body"])
+                out.append(pytest.param(r["body"], id=f"{name[:-6]}-{i}", marks=marks))
     return out
 
 

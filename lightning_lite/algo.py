@@ -506,7 +506,8 @@ def block_sdpa(query, key, value, mask, scale=None, block: int = 128) -> torch.T
         # [B or 1, 1, n_rep * n, K_i]: the block's rows of the mask, over its keys, once per head
         mask_i = mask[:, :, i * block : (i + 1) * block][..., keys_i].repeat(1, 1, n_rep, 1)
         out = F.scaled_dot_product_attention(grouped, k_i, v_i, mask_i, scale=scale)
-        outs.append(out.view(B, H, n, D))
+        # (reshape, not view: SDPA may return [B, n_rep * n, H_kv, D] memory, as its query was)
+        outs.append(out.reshape(B, H, n, D))
     return torch.cat(outs, dim=2)
 
 

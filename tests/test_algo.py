@@ -602,6 +602,10 @@ def test_block_sdpa_is_attention_under_the_mask_over_only_the_keys_each_block_se
         dense = F.scaled_dot_product_attention(q, *repeated, mask)
         for block in (1, 2, 3, 7, 128):
             assert (algo.block_sdpa(q, k, v, mask, block=block) - dense).abs().max() < 1e-12
+        # as transformers passes them: [B, L, H, D] memory, transposed to [B, H, L, D]
+        strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+        for block in (1, 3):
+            assert (algo.block_sdpa(*strided, mask, block=block) - dense).abs().max() < 1e-12
     # Row 3 of the first tree (token 4) sees keys 0, 1 and 3: a block of that row alone, given keys
     # that differ only at key 2 (its sibling), gives the same output.
     _, depth, end, _ = pack([[1, 2, 3], [1, 2, 4]])

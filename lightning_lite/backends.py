@@ -206,6 +206,16 @@ class HFBackend(PauseGate):
         max_model_len: Optional[int] = None,
         dtype: torch.dtype = torch.float32,
     ):
+        # Decoding keeps each layer's keys and values; a recurrent layer (Qwen3.5's linear
+        # attention, a Mamba block) keeps a state instead, which the batch's cache cannot hold.
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+        attention = {"full_attention", "sliding_attention", "chunked_attention"}
+        recurrent = sorted(set(layer_types) - attention)
+        if recurrent:
+            raise ValueError(
+                f"the embedded backend cannot serve {model.config.model_type}: its {recurrent} "
+                "layers keep a recurrent state, not keys and values; serve it with --backend vllm"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.dtype = dtype

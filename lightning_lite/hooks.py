@@ -94,9 +94,9 @@ MODEL_RESOLVERS = []
 # HFBackend's surface (extras/vllm.py).
 BACKENDS = {}
 
-# --parallel choices besides "ddp": name -> an object with wrap(model, dtype), accumulating(model,
-# last), full_state_dict(model), optimizer_state(model, opt) and load_optimizer_state(model, opt,
-# state) (extras/fsdp.py).
+# --parallel choices besides "ddp": name -> an object with load(load_whole, device), wrap(model,
+# dtype), accumulating(model, last), full_state_dict(model), optimizer_state(model, opt) and
+# load_optimizer_state(model, opt, state) (extras/fsdp.py).
 PARALLEL = {}
 
 # A model adapter (extras/lora.py under --lora), set when its flags ask for one: see trainer.Learner

@@ -9,6 +9,7 @@ the same name.
 
 import contextlib
 import os
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -19,14 +20,34 @@ from . import hooks
 from .algo import all_reduce
 
 
-def init(device_name: str) -> tuple[bool, int, int, torch.device]:
+# How long a collective waits for the slowest rank before the job fails (train.py --dist-timeout):
+# NCCL's own default, 10 minutes, is shorter than a slow rank's agent rollouts or vLLM's first start.
+DIST_TIMEOUT_MINUTES = 120.0
+
+
+def process_group_options(device_name: str, minutes: float) -> tuple[str, timedelta]:
+    """(backend, timeout) of the process group torchrun's ranks share. On GPUs NCCL reduces CUDA
+    tensors and gloo CPU ones (--fsdp-offload's gradient norm is over CPU shards); on CPUs gloo
+    alone. E.g. ("cuda", 120) -> ("cpu:gloo,cuda:nccl", timedelta(hours=2)); ("cpu", 5) ->
+    ("gloo", timedelta(minutes=5))."""
+    backend = "gloo"
+    if device_name == "cuda":
+        backend = "cpu:gloo,cuda:nccl"
+    return backend, timedelta(minutes=minutes)
+
+
+def init(
+    device_name: str, timeout_minutes: float = DIST_TIMEOUT_MINUTES
+) -> tuple[bool, int, int, torch.device]:
     """(ddp, rank, world size, this rank's device). Under torchrun (WORLD_SIZE > 1) the process
-    group starts here: NCCL on GPUs, gloo on CPUs; each rank takes the GPU of its LOCAL_RANK."""
+    group starts here (process_group_options: NCCL and gloo on GPUs, gloo on CPUs; a collective
+    fails after ``timeout_minutes`` waiting); each rank takes the GPU of its LOCAL_RANK."""
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = 0
     world = 1
     if ddp:
-        dist.init_process_group("nccl" if device_name == "cuda" else "gloo")
+        backend, timeout = process_group_options(device_name, timeout_minutes)
+        dist.init_process_group(backend, timeout=timeout)
         rank = dist.get_rank()
         world = dist.get_world_size()
     device = torch.device(device_name)
@@ -34,6 +55,16 @@ def init(device_name: str) -> tuple[bool, int, int, torch.device]:
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         torch.cuda.set_device(device)
     return ddp, rank, world, device
+
+
+def load(load_whole, device: torch.device, parallel: str):
+    """The policy to train: ``load_whole(device)``, the whole model on ``device``, or what the
+    sharding extra of mode ``parallel`` builds instead (FSDP: the whole only in rank 0's host
+    memory, the other ranks' without memory; its ``wrap`` fills the shards)."""
+    extra = sharding(parallel)
+    if extra is None:
+        return load_whole(device)
+    return extra.load(load_whole, device)
 
 
 def barrier():

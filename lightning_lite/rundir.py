@@ -13,6 +13,7 @@ again on the same tasks, so a run killed between checkpoints loses no data and t
 import json
 import os
 import re
+import secrets
 import shutil
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from . import hooks, records
+from . import algo, hooks, records
 from .records import SPLIT_REASONS, find_batches, read_jsonl
 
 
@@ -36,6 +37,31 @@ class RunDir:
         os.makedirs(os.path.join(out, "calls"), exist_ok=True)
         # where each metrics row goes besides metrics.jsonl (``start``)
         self.sinks = []
+        if ddp:
+            self.check_shared()
+
+    def check_shared(self):
+        """Every rank must see one run directory: rank 0 drops every rank's stale files at a resume,
+        and every rank resumes from the checkpoint rank 0 wrote. A folder local to each node (several
+        nodes, each its own --out) fails here, on every rank at once, before any training. Rank 0
+        writes a file of a new name there; each rank looks for it (a collective)."""
+        token = [secrets.token_hex(8)]
+        dist.broadcast_object_list(token)
+        path = os.path.join(self.out, f".shared-{token[0]}")
+        if self.rank == 0:
+            open(path, "w").close()
+        dist.barrier()
+        missing = int(not os.path.exists(path))
+        ranks_missing = int(algo.all_reduce([missing])[0])
+        dist.barrier()
+        if self.rank == 0:
+            os.remove(path)
+        if ranks_missing:
+            raise SystemExit(
+                f"--out {self.out}: {ranks_missing} rank(s) do not see the folder rank 0 writes "
+                "(a folder local to each node?): give every node the same --out on a shared file "
+                "system"
+            )
 
     def start(self, args, config: dict):
         """Write config.json (the flags as they ran) and open the metrics sinks that

@@ -125,7 +125,7 @@ class Learner:
         # model trains.
         self.adapter = adapter
         fsdp = config.parallel == "fsdp"
-        self.model = self.load(resume_dir, torch.float32)
+        self.model = self.load(resume_dir, torch.float32, policy=True)
         # The reference and served copies hold the weights as the trainer's forward sees them:
         # FSDP gathers them in --dtype, DDP's autocast casts fp32 weights op by op.
         held = torch.float32
@@ -178,9 +178,11 @@ class Learner:
             self.start_step = state["step"]
             log(f"resumed from {resume_dir} at step {self.start_step}")
 
-    def load(self, resume_dir, dtype):
+    def load(self, resume_dir, dtype, policy=False):
         """The policy: the last checkpoint's, or the base model. Under a model adapter: the base in
-        --dtype, trained and served alike, with its adapters (fresh, or the checkpoint's)."""
+        --dtype, trained and served alike, with its adapters (fresh, or the checkpoint's).
+        ``policy``: the copy that trains, which a sharding extra may build its own way
+        (parallel.load)."""
         config = self.config
         if self.adapter is not None:
             base = load_model(config.model, self.device, self.dtype, config.max_model_len)
@@ -194,7 +196,14 @@ class Learner:
                     f"--resume: {resume_dir} holds adapters, not a model (a --lora run's): resume "
                     "with the checkpoint's flags, or start a new run in another --out"
                 )
-        return load_model(resume_dir or config.model, self.device, dtype, config.max_model_len)
+        path = resume_dir or config.model
+
+        def whole(device):
+            return load_model(path, device, dtype, config.max_model_len)
+
+        if not policy:
+            return whole(self.device)
+        return parallel.load(whole, self.device, config.parallel)
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then constant or cosine down to 10%."""

@@ -1,4 +1,9 @@
 #!/usr/bin/env bash
+# On a bare GPU machine (torch, transformers and peft only: no `make venv`, no embedded model, no vLLM, one GPU)
+# run scripts/gpu_check.py instead: FSDP2 at world size 1, the bf16 sampler-trainer mismatch, the LM head's and a
+# packed tree's memory and the weight sync's cost on random models, in minutes (docs/gpus.md). This script is the
+# long end-to-end run for a full GPU machine with vLLM.
+#
 # The checks that need a GPU, as one script (lightning_lite/extras/vllm.py: the vLLM backend; extras/fsdp.py: FSDP2). From the repo root:
 #
 #   scripts/gpu_check.sh            # GPUs: the embedded 135M model and a random 1.4B Qwen2-shaped model

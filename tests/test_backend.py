@@ -373,3 +373,22 @@ def test_a_grammar_without_the_grammar_extra_fails_its_request(backend, tok, mon
     with pytest.raises(RuntimeError, match="extras/grammar.py"):
         asyncio.run(backend.generate(p, Sampling(max_tokens=2, grammar='start: "yes"')))
     assert len(asyncio.run(backend.generate(p, Sampling(max_tokens=2))).response_ids) >= 1
+
+
+def test_a_model_with_recurrent_layers_is_refused_at_start_naming_them_and_vllm(tok):
+    """Qwen3.5's linear-attention layers keep a recurrent state, not keys and values: decoding them
+    with the batch's KV cache failed every call (an IndexError inside the model). The backend now
+    refuses such a model when it is built, and says which backend serves it."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from lightning_lite.backends import HFBackend
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2)
+    shape |= dict(linear_num_key_heads=2, linear_num_value_heads=2)
+    shape |= dict(linear_key_head_dim=16, linear_value_head_dim=16)
+    config = Qwen3_5TextConfig(vocab_size=len(tok), **shape)
+    assert "linear_attention" in config.layer_types
+    net = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"\['linear_attention'\].*--backend vllm"):
+        HFBackend(net, tok)

@@ -451,6 +451,7 @@ def test_a_server_that_refuses_an_adapter_stops_the_run_with_what_it_said(
     try:
         backend = VLLMBackend([f"http://127.0.0.1:{server.server_port}"], str(tmp_path / "w"))
         backend.adapter = an_adapter()
+        backend.checkpoint = {"layer.weight": "BF16"}  # the stub serves no checkpoint: its names
         weights = {"base_model.model.layer.lora_A.weight": torch.zeros(8, 4)}
         with pytest.raises(SystemExit) as e:
             backend.sync_weights({"default": (LoraConfig(r=8), weights)}, version=1)

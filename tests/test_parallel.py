@@ -3,9 +3,13 @@ embedded model on the same global batch gives the same weights, with micro-batch
 of micro-batches per rank. Then train.py end to end under --parallel fsdp: sharded training, weight sync to the embedded
 backend without a checkpoint, a transformers checkpoint, and --resume with the optimizer state.
 
+The quick tests (one 2-rank run, ~15 s): the process group gets --dist-timeout, FSDP's gradients
+stay sharded between micro-batches, and under FSDP only rank 0 loads the whole model.
+
 The 2-rank half runs this file as a script: ``python tests/test_parallel.py RANK PORT OUT MODE``.
 """
 
+import datetime
 import json
 import os
 import socket
@@ -16,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_lite import backends, parallel
+from lightning_lite import parallel
 from lightning_lite.algo import (
     collate,
     global_denominators,
@@ -108,6 +112,7 @@ def gathers_one_tensor_at_a_time(net, rank, weights):
 
     from torch.distributed.tensor import DTensor
 
+    from lightning_lite import backends
     from lightning_lite.models import load_model
 
     full = parallel.full_state_dict(net, "fsdp")
@@ -145,32 +150,200 @@ def worker(rank, port, out, mode):
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # ~40-160 s: make test-slow
-def test_fsdp_and_ddp_give_the_weights_of_one_process(tmp_path):
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_two_ranks(out, mode):
+    """This file as a script on 2 gloo ranks (loopback), one process each; fails with their output."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(
         os.environ,
         PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
         OMP_NUM_THREADS="1",
     )
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(r), str(port), str(out), mode],
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        log, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, f"{mode} rank failed:\n{log[-3000:]}"
+
+
+class Toy(torch.nn.Module):
+    """A decoder's shape as fsdp.wrap shards it (``.model.layers``, then a head), 3 x 64 x 64."""
+
+    def __init__(self, width=64, depth=3):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        for layer in self.model.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x).sum()
+
+
+def held_gradient_bytes(model) -> int:
+    """The bytes of every gradient FSDP holds on this rank: each parameter's sharded ``.grad`` and
+    any whole (unsharded) gradient it keeps to reduce later (FSDPParam's, torch 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            # the shard is a DTensor; the whole gradients are plain tensors
+            held = [fsdp_param.sharded_param.grad, fsdp_param.unsharded_accumulated_grad]
+            if hasattr(fsdp_param, "_unsharded_param"):
+                held.append(fsdp_param._unsharded_param.grad)
+            for grad in held:
+                if isinstance(grad, DTensor):
+                    grad = grad.to_local()
+                if grad is not None:
+                    total += grad.numel() * grad.element_size()
+    return total
+
+
+def quick_worker(rank, port, out):
+    """Starts the group through parallel.init as under torchrun, accumulates 3 micro-batches of the
+    toy model under FSDP as the trainer does, then loads a tiny Llama as the Learner does under
+    FSDP; writes what the tests check."""
+    from lightning_lite.extras import fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    parallel.init("cpu", 7.5)
+    timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    torch.manual_seed(0)
+    model = Toy()
+    # each rank's 3 micro-batches, and the one-process gradient of both ranks' 6
+    inputs = torch.randn(2, 3, 5, 64, generator=torch.Generator().manual_seed(1))
+    whole = Toy()
+    whole.load_state_dict(model.state_dict())
+    sum(whole(x) for x in inputs.flatten(0, 1)).backward()
+    fsdp.wrap(model)
+    shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    held = []
+    for k, x in enumerate(inputs[rank]):
+        with parallel.accumulating(model, "fsdp", last=k == 2):
+            (model(x) * 2).backward()  # x world: FSDP averages over ranks
+        held.append(held_gradient_bytes(model))
+    diff = max(
+        (p.grad.full_tensor() - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), whole.parameters())
+    )
+    result = {"timeout_s": timeout.total_seconds(), "shard_bytes": shard_bytes, "held": held}
+    result["max_grad_diff"] = diff
+    result.update(loaded_on_rank_0_only(os.path.join(out, "tiny")))
+    with open(os.path.join(out, f"quick-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def loaded_on_rank_0_only(tiny) -> dict:
+    """The policy as the Learner loads it under FSDP (parallel.load, then parallel.wrap) from the
+    tiny model saved in ``tiny``: which ranks loaded it whole, whether it was built on the meta
+    device, and how far its weights, buffers and logits are from the whole model's."""
+    from lightning_lite.models import load_model
+
+    loads = []
+
+    def whole(device):
+        loads.append(str(device))
+        return load_model(tiny, device)
+
+    model = parallel.load(whole, torch.device("cpu"), "fsdp")
+    meta = all(p.is_meta for p in model.parameters())
+    parallel.wrap(model, "fsdp", 2)
+    ref = load_model(tiny)
+    weights = parallel.full_state_dict(model, "fsdp")
+    ids = torch.tensor([[1, 5, 9, 30, 2]])
+    with torch.no_grad():
+        logits_diff = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max()
+    buffers_equal = all(torch.equal(b, ref.get_buffer(n)) for n, b in model.named_buffers())
+    weights_equal = all(torch.equal(v, ref.state_dict()[k]) for k, v in weights.items())
+    return {
+        "loads": loads,
+        "meta": meta,
+        "weights": len(weights),
+        "weights_equal": weights_equal,
+        "buffers_equal": buffers_equal,
+        "logits_diff": logits_diff.item(),
+    }
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """quick_worker's results on 2 ranks (~15 s), one dict a rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("quick")
+    # a tiny Llama with tied embeddings, as SmolLM2's
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256)
+    shape.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(out / "tiny")
+    run_two_ranks(out, "quick")
+    return [json.load(open(out / f"quick-{r}.json")) for r in range(2)]
+
+
+def test_process_group_options():
+    minutes = parallel.DIST_TIMEOUT_MINUTES
+    assert parallel.process_group_options("cuda", 120) == (
+        "cpu:gloo,cuda:nccl",
+        datetime.timedelta(hours=2),
+    )
+    assert parallel.process_group_options("cpu", 5) == ("gloo", datetime.timedelta(minutes=5))
+    assert minutes >= 60  # longer than NCCL's 10 minutes: a slow rank's rollouts, vLLM's start
+
+
+def test_init_gives_the_group_its_timeout(quick_run):
+    # gloo's own default is 30 minutes
+    assert [r["timeout_s"] for r in quick_run] == [450.0, 450.0]
+
+
+def test_fsdp_accumulates_gradients_sharded(quick_run):
+    """After each micro-batch's backward, the first of 3 included, a rank holds no more gradient
+    bytes than its shard of the parameters (with the reduction put off to the last micro-batch it
+    held each parameter's whole gradient: twice its shard on 2 ranks); and the sum over the
+    micro-batches and ranks is the one-process gradient."""
+    for r in quick_run:
+        print(r)
+        assert r["held"] == [r["shard_bytes"]] * 3, r
+        assert r["max_grad_diff"] < 1e-5, r
+
+
+def test_fsdp_loads_the_whole_model_on_rank_0_only(quick_run):
+    """Under FSDP only rank 0 loads the whole model, into host memory; every rank builds it on the
+    meta device, and after sharding holds exactly rank 0's weights and buffers."""
+    assert [r["loads"] for r in quick_run] == [["cpu"], []], quick_run
+    assert all(r["meta"] and r["buffers_equal"] for r in quick_run), quick_run
+    assert quick_run[0]["weights"] > 0 and quick_run[0]["weights_equal"], quick_run
+    assert all(r["logits_diff"] < 1e-5 for r in quick_run), quick_run
+
+
+@pytest.mark.slow  # ~40-160 s: make test-slow
+def test_fsdp_and_ddp_give_the_weights_of_one_process(tmp_path):
     for mode in ("ddp", "fsdp"):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), str(r), str(port), str(tmp_path), mode],
-                env=env,
-                cwd=root,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(2)
-        ]
-        for p in procs:
-            out, _ = p.communicate(timeout=300)
-            assert p.returncode == 0, f"{mode} rank failed:\n{out[-3000:]}"
+        run_two_ranks(tmp_path, mode)
     from lightning_lite.models import load_model
 
     before = load_model("smollm2", torch.device("cpu")).state_dict()
@@ -283,8 +456,15 @@ def test_options_that_cannot_work_say_why():
 
 
 if __name__ == "__main__":
+    rank = int(sys.argv[1])
+    port = int(sys.argv[2])
+    out = sys.argv[3]
+    mode = sys.argv[4]
+    if mode == "quick":
+        quick_worker(rank, port, out)
+        sys.exit()
     # a rank of its own loads the extras it uses: the embedded model's name, FSDP
     import lightning_lite.extras.embedded  # noqa: F401
     import lightning_lite.extras.fsdp  # noqa: F401
 
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    worker(rank, port, out, mode)

@@ -10,7 +10,6 @@ max_model_len, stats), plus ``sleep``. train.py chooses it with ``--backend vllm
 
 import asyncio
 import atexit
-import glob
 import json
 import os
 import shlex
@@ -44,7 +43,7 @@ def check(args, ddp: bool, cuda: bool):
 URL_HELP = "running servers of this model that can read --out (default: start --vllm-servers)"
 URL_HELP += "; started with VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs"
 SERVERS_HELP = "servers to start (rank 0 starts them; logs in OUT/vllm_K.log)"
-ARGS_HELP = "more arguments for the started servers, e.g. '--dtype bfloat16 --max-model-len 4096'"
+ARGS_HELP = "more arguments for the started servers, e.g. '--enforce-eager --max-num-seqs 64'"
 SLEEP_HELP = "servers on the training GPUs free their memory while it trains (sleep level 2)"
 GPUS_HELP = (
     "a started server per GPU set, e.g. '4,5 6,7' (nvidia-smi's ids; replaces --vllm-servers)"
@@ -76,7 +75,9 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
     (placed by ``placement``), unless ``--vllm-url`` names running ones; every rank's proxy sends to
     the same servers; rank 0 writes the weight syncs, in the trainer's compute dtype. The trained
     model's config gives the context and RoPE. Under a model adapter (--lora) the servers serve the
-    base model and load each sync's adapters."""
+    base model and load each sync's adapters. Before any server starts, each one's share of its GPUs
+    must hold the weights and one request's KV cache (``check_servers_fit``), and the folder the
+    syncs go to must hold a sync (``check_room``)."""
     config = learner.model.config
     dtype = learner.dtype
     adapter = learner.adapter
@@ -89,14 +90,28 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
             "--backend vllm starts its servers on rank 0's node, at 127.0.0.1: "
             "over several nodes start them yourself and pass --vllm-url"
         )
-    # --max-model-len: the servers get the trainer's context and RoPE scaling (models.load_model:
-    # YaRN past the trained length), or every logprob differs
-    context = []
+    # Every started server serves the trainer's context: --max-model-len, else the model's own, the
+    # length the memory check below sizes (without the flag vLLM derives its own: the whole context,
+    # scaled by some RoPE types, capped by the tokenizer's). With --max-model-len, the trainer's RoPE
+    # scaling too (models.load_model: YaRN past the trained length), or every logprob differs.
+    served_len = args.max_model_len
+    if not served_len:
+        # vLLM refuses a context past the tokenizer's model_max_length too
+        served_len = int(min(config.max_position_embeddings, learner.tok.model_max_length))
+    context = ["--max-model-len", str(served_len)]
     if args.max_model_len:
-        n = config.max_position_embeddings
-        overrides = {"max_position_embeddings": n, "rope_parameters": config.rope_parameters}
-        context = ["--max-model-len", str(n), "--hf-overrides", json.dumps(overrides)]
+        positions = config.max_position_embeddings
+        overrides = {
+            "max_position_embeddings": positions,
+            "rope_parameters": config.rope_parameters,
+        }
+        context += ["--hf-overrides", json.dumps(overrides)]
     backend, urls, key = None, args.vllm_url, args.vllm_api_key
+    sync_bytes = _sync_bytes(learner)
+    if rank == 0 and args.vllm_url:
+        # the --vllm-url servers read the syncs from OUT/weights
+        hint = "free space there, or give --out a folder with room that the servers read"
+        check_room(os.path.join(os.path.abspath(args.out), "weights"), sync_bytes, hint)
     if rank == 0 and not args.vllm_url:
         extra = args.vllm_args.split()
         # the CPU build has no sleep mode
@@ -107,12 +122,18 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
         # --vllm-args after ours: they may override
         flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + lora + extra + sleep
         places = _places(args, device, local_world, extra)
+        if places is not None:
+            weights = _served_bytes(learner)
+            text_config = config.get_text_config().to_dict()
+            check_servers_fit(places, _gpu_memory(), weights, text_config, served_len, dtype)
         python, n = args.vllm_python, args.vllm_servers
         model_dir = resolve(resume_dir or args.model)
         if adapter is not None:
             # the checkpoint holds adapters: the servers serve the base model
             model_dir = resolve(args.model)
-        backend = VLLMBackend.spawn(model_dir, n, python, flags, log_dir=args.out, places=places)
+        backend = VLLMBackend.spawn(
+            model_dir, n, python, flags, log_dir=args.out, places=places, sync_bytes=sync_bytes
+        )
         urls, key = backend.urls, backend.api_key
     if world > 1:
         # the key too: every rank's proxy sends it
@@ -128,7 +149,8 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
     # servers a user started may serve other weights (a previous run's, before --resume); under an
     # adapter they serve the base model until they load the adapters
     backend.first_sync = bool(args.vllm_url) or adapter is not None
-    if args.vllm_url and context and backend.max_model_len != args.max_model_len:
+    # servers a user started were started with their own context: it must be the trainer's
+    if args.vllm_url and args.max_model_len and backend.max_model_len != args.max_model_len:
         sys.exit(
             f"--max-model-len {args.max_model_len}: start the --vllm-url servers with "
             f"{shlex.join(context)}, as the trainer"
@@ -154,6 +176,35 @@ def _places(args, device: torch.device, local_world: int, extra: list) -> Option
     return placement(gpu_sets, trainer, args.vllm_gpu_memory, extra)
 
 
+def _gpu_memory() -> dict:
+    """Each GPU's total memory in bytes, by its id as CUDA_VISIBLE_DEVICES (ours, or every GPU)
+    names it: the ids of ``placement``'s GPU sets."""
+    every = ",".join(map(str, range(torch.cuda.device_count())))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", every).split(",")
+    visible = visible[: torch.cuda.device_count()]
+    return {gpu: torch.cuda.get_device_properties(i).total_memory for i, gpu in enumerate(visible)}
+
+
+def _served_bytes(learner) -> int:
+    """The bytes of the weights the servers hold, in the served dtype: the trained model's (under
+    --lora its base; the adapters are what trains). A DTensor (FSDP) counts its whole size."""
+    params = learner.model.parameters()
+    if learner.adapter is not None:
+        params = [p for p in learner.model.parameters() if not p.requires_grad]
+    return sum(p.numel() for p in params) * learner.dtype.itemsize
+
+
+def _sync_bytes(learner) -> int:
+    """The bytes a weight sync writes, in the served dtype: the whole model; under --lora its
+    adapters (the trainable parameters), twice, as the previous version's stay until the servers
+    load the new ones."""
+    if learner.adapter is None:
+        params = list(learner.model.parameters())
+        return sum(p.numel() for p in params) * learner.dtype.itemsize
+    adapters = [p for p in learner.model.parameters() if p.requires_grad]
+    return 2 * sum(p.numel() for p in adapters) * learner.dtype.itemsize
+
+
 def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: list = ()) -> list:
     """Each started server's (environment, arguments) for ``VLLMBackend.spawn``: one per GPU set,
     tensor-parallel over it, with ``share`` of each GPU's memory (default 0.3 beside the trainer,
@@ -163,14 +214,15 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: li
     [({'CUDA_VISIBLE_DEVICES': '0'}, ['--gpu-memory-utilization', '0.3', '--tensor-parallel-size', '1']),
      ({'CUDA_VISIBLE_DEVICES': '4,5'}, ['--gpu-memory-utilization', '0.9', '--tensor-parallel-size', '2'])]
     """
-    ours = ("--tensor-parallel-size", "--gpu-memory-utilization")
+    # train.py's --max-model-len is the trainer's context too, and check_servers_fit sizes it
+    ours = ("--tensor-parallel-size", "--gpu-memory-utilization", "--max-model-len")
     for arg in args:
         flag = arg.split("=")[0].replace("_", "-")
         # argparse takes abbreviations: --gpu-mem sets --gpu-memory-utilization
         if flag == "-tp" or len(flag) > 2 and any(f.startswith(flag) for f in ours):
             raise ValueError(
-                f"--vllm-args sets {arg}: give the GPUs and memory share as --vllm-gpus, "
-                "--vllm-gpu-memory"
+                f"--vllm-args sets {arg}: give the GPUs, memory share and context as "
+                "--vllm-gpus, --vllm-gpu-memory, --max-model-len"
             )
     places = []
     for gpu_set in gpu_sets:
@@ -179,6 +231,102 @@ def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: li
         flags = ["--gpu-memory-utilization", str(memory), "--tensor-parallel-size", str(len(ids))]
         places.append(({"CUDA_VISIBLE_DEVICES": gpu_set}, flags))
     return places
+
+
+def kv_cache_bytes(config: dict, tokens: int, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+    """The bytes of cache one request of ``tokens`` tokens holds in a vLLM server, over its
+    ``tensor_parallel`` GPUs together, from a model's config (a composite one's ``text_config``):
+
+    - a full-attention layer: 2 (keys, values) x num_key_value_heads x head_dim x ``dtype_bytes``
+      a token; each GPU holds at least one head, so past that many GPUs heads repeat;
+    - a sliding-window layer (``layer_types``' "sliding_attention"): the same for at most
+      ``sliding_window`` tokens (vLLM keeps a little more: the tokens of one scheduled batch);
+    - a linear-attention layer (Qwen3.5, Qwen3-Next: ``layer_types``' "linear_attention", or all
+      but every ``full_attention_interval``-th): a fixed state, the convolution's (kernel - 1) x
+      (2 x key heads x key dim + value heads x value dim) and value heads x value dim x key dim, in
+      ``dtype_bytes`` (vLLM may hold the latter in fp32: --mamba-ssm-cache-dtype);
+    - MLA (DeepSeek: ``kv_lora_rank``): kv_lora_rank + qk_rope_head_dim a token and layer, on every
+      GPU (it is not split over them).
+
+    Qwen3-8B (36 layers, 8 KV heads of 128) in bf16: 36 x 2 x 8 x 128 x 2 = 147,456 bytes a token,
+    6,039,797,760 (5.6 GiB) at its 40,960. Qwen3.5-9B (8 of 32 layers full, 4 KV heads of 256; 24
+    linear with 16 key and 32 value heads of 128, kernel 4): 8 x 2 x 4 x 256 x 2 = 32,768 bytes a
+    token, 8 GiB at 262,144, plus 24 x (3 x 8,192 + 32 x 128 x 128) x 2 = 26,345,472 of state.
+    """
+    text = config.get("text_config") or config
+    layers = text["num_hidden_layers"]
+    if text.get("kv_lora_rank"):
+        latent = text["kv_lora_rank"] + text["qk_rope_head_dim"]
+        return layers * latent * tokens * dtype_bytes * tensor_parallel
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads") or text["num_attention_heads"]
+    # heads a GPU holds (at least one), times the GPUs
+    heads = -(-kv_heads // tensor_parallel) * tensor_parallel
+    per_token = 2 * heads * head_dim * dtype_bytes
+    layer_types = text.get("layer_types")
+    if not layer_types and text.get("full_attention_interval"):
+        interval = text["full_attention_interval"]
+        layer_types = ["linear_attention"] * layers
+        for i in range(interval - 1, layers, interval):
+            layer_types[i] = "full_attention"
+    layer_types = layer_types or ["full_attention"] * layers
+    kinds = Counter(layer_types)
+    # a layer of any other kind is counted as a full-attention one (more than it may hold)
+    full = len(layer_types) - kinds["sliding_attention"] - kinds["linear_attention"]
+    window = min(tokens, text.get("sliding_window") or tokens)
+    total = full * tokens * per_token
+    total += kinds["sliding_attention"] * window * per_token
+    if kinds["linear_attention"]:
+        key_dim = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+        value_dim = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+        conv = (text["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim)
+        recurrent = value_dim * text["linear_key_head_dim"]
+        total += kinds["linear_attention"] * (conv + recurrent) * dtype_bytes
+    return total
+
+
+def check_servers_fit(
+    places: list, gpu_memory: dict, weight_bytes: int, config: dict, context: int, dtype
+):
+    """Stop, before any server starts, when a server's share of its GPUs' memory (``places``, from
+    ``placement``; ``gpu_memory``: each GPU's bytes by id) cannot hold the weights (``weight_bytes``,
+    in the served ``dtype``) and one request of ``context`` tokens (``kv_cache_bytes``): vLLM checks
+    this after loading them, minutes in. A lower bound: vLLM also needs room for its activations
+    and CUDA graphs (its log: "Available KV cache memory").
+
+    Qwen3.5-9B (9.0e9 parameters, text only: 16.8 GiB in bf16; 8.0 GiB of cache for 262,144 tokens)
+    at 0.3 of an 80 GiB GPU (24 GiB): 16.8 + 8.0 > 24, stop; at --max-model-len 32768 (1.0 GiB) or
+    a 0.9 share (72 GiB) it fits.
+    """
+    dtype_bytes = dtype.itemsize
+    # a GPU this process does not see (left out of its CUDA_VISIBLE_DEVICES): as large as the first
+    # one it sees, as a machine's GPUs are as a rule
+    first = list(gpu_memory.values())[0]
+    for env, flags in places:
+        gpu_set = env["CUDA_VISIBLE_DEVICES"]
+        ids = gpu_set.split(",")
+        share = float(flags[flags.index("--gpu-memory-utilization") + 1])
+        total = sum(gpu_memory.get(gpu, first) for gpu in ids)
+        room = int(total * share)
+        kv = kv_cache_bytes(config, context, dtype_bytes, len(ids))
+        if weight_bytes + kv <= room:
+            continue
+        # what would fit: the context at this share, the share at this context
+        fixed = kv_cache_bytes(config, 0, dtype_bytes, len(ids))
+        per_token = max(1, kv_cache_bytes(config, 1, dtype_bytes, len(ids)) - fixed)
+        fitting_len = max(0, (room - weight_bytes - fixed) // per_token)
+        fitting_share = (weight_bytes + kv) / total
+        gib = 2**30
+        served = str(dtype).removeprefix("torch.")
+        raise SystemExit(
+            f"the vLLM server on GPU {gpu_set} gets {share} of its {total / gib:.1f} GiB, "
+            f"{room / gib:.1f} GiB: less than its weights ({weight_bytes / gib:.1f} GiB in "
+            f"{served}) and the KV cache of one request of --max-model-len {context} tokens "
+            f"({kv / gib:.1f} GiB) need, before vLLM's activations. Lower --max-model-len (at "
+            f"most {fitting_len} fits), raise --vllm-gpu-memory (above {fitting_share:.2f}; "
+            "beside the trainer, shard it with --parallel fsdp to leave the room), or give the "
+            "servers GPUs of their own (--vllm-gpus)"
+        )
 
 
 def lora_flags(rank, adapters=1) -> list:
@@ -241,17 +389,31 @@ class VLLMBackend(PauseGate):
         # the calls sent out and not answered yet
         self._inflight, self._cond = 0, threading.Condition()
         self.stats = Counter(requests=0, prompt_tokens=0, generated_tokens=0)
+        # the served checkpoint's tensors ({name: dtype}, read at the first sync) and the served
+        # name of each trainer tensor named so far (``served_names``)
+        self.checkpoint, self.served_as = None, {}
 
     @classmethod
     def spawn(
-        cls, model_dir: str, n=1, python="python", args=None, timeout=900, log_dir=".", places=None
+        cls,
+        model_dir: str,
+        n=1,
+        python="python",
+        args=None,
+        timeout=900,
+        log_dir=".",
+        places=None,
+        sync_bytes=0,
     ):
         """Start ``n`` servers of ``model_dir`` with server flags ``args`` (or one per ``places``
         entry: the environment and arguments that put it on its GPUs) as subprocesses, logs in
-        ``log_dir``/vllm_K.log; wait until healthy (``timeout`` seconds)."""
+        ``log_dir``/vllm_K.log; wait until healthy (``timeout`` seconds). Their weight syncs, of
+        ``sync_bytes`` each, go to a new folder where they fit (``_sync_dir``)."""
         import secrets
         import subprocess
 
+        # before the servers start: a sync that does not fit stops the run now, not minutes in
+        sync_parent = _sync_dir(sync_bytes)
         procs, urls, key = [], [], secrets.token_urlsafe(32)
         # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on vLLM's CPU build, which otherwise reserves 92%
         # of memory (GPU builds ignore it). The key in VLLM_API_KEY, not --api-key: ps shows command
@@ -269,7 +431,8 @@ class VLLMBackend(PauseGate):
             procs.append(subprocess.Popen(cmd, env=env | place_env, preexec_fn=die, **out))
             urls.append(f"http://127.0.0.1:{port}")
         _wait_healthy(procs, urls, timeout, log_dir)
-        backend = cls(urls, _sync_dir(model_dir), procs=procs, api_key=key)
+        sync_dir = tempfile.mkdtemp(prefix="lightning-lite-weights-", dir=sync_parent)
+        backend = cls(urls, sync_dir, procs=procs, api_key=key)
         # a trainer that fails does not leave servers holding the GPU
         atexit.register(backend.close)
         return backend
@@ -382,7 +545,10 @@ class VLLMBackend(PauseGate):
         if model is not None and self.adapter is not None:
             self._load_adapters(model, version)
         elif model is not None:
-            self._write(served_state_dict(model))
+            # the servers' names; in fp32 what vLLM computes in fp32 (keeps_fp32)
+            state = self._as_served(served_state_dict(model))
+            fp32 = {name for name in state if keeps_fp32(name, self.checkpoint)}
+            self._write(state, fp32)
             if self.sleeping:
                 self._post("/wake_up?tags=weights")
             reload = {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}
@@ -402,7 +568,8 @@ class VLLMBackend(PauseGate):
         for name, (config, weights) in adapters.items():
             path = os.path.join(self.sync_dir, f"v{version}", name)
             config.save_pretrained(path)
-            save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+            served = self._served_adapter(weights)
+            save_file(served, os.path.join(path, "adapter_model.safetensors"))
             load = {"lora_name": f"{name}-v{version}", "lora_path": path}
             needs = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
             try:
@@ -419,21 +586,118 @@ class VLLMBackend(PauseGate):
             shutil.rmtree(os.path.join(self.sync_dir, f"v{old}"))
 
     def _post(self, route: str, body: Optional[dict] = None, **kwargs):
-        """POST ``body`` (JSON, {} by default) to ``route`` of every server, with the API key."""
+        """POST ``body`` (JSON, {} by default) to ``route`` of every server, with the API key. An
+        answer {"success": false} is an error: vLLM's /reset_prefix_cache answers so, with a 200,
+        while requests hold KV blocks, and the prefix cache would then serve the old weights'."""
         for url in self.urls:
-            _http(url + route, body or {}, key=self.api_key, **kwargs)
+            answer = _http(url + route, body or {}, key=self.api_key, **kwargs)
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise RuntimeError(
+                    f"{url}{route} answered {answer}: it was not done (/reset_prefix_cache: "
+                    "requests still hold KV blocks there; does another client send to it?)"
+                )
 
-    def _write(self, state_dict: dict):
-        """``sync_dir``/model.safetensors, in ``self.dtype``. Tied embeddings share storage: written
-        once, under its first name (vLLM re-ties it)."""
+    def _write(self, state_dict: dict, fp32=()):
+        """``sync_dir``/model.safetensors: ``state_dict`` in ``self.dtype``, the tensors named in
+        ``fp32`` in fp32. Tensors that share storage (tied embeddings) are written once, under the
+        first of their names (vLLM re-ties them)."""
         from safetensors.torch import save_file
 
         first = {v.data_ptr(): (k, v) for k, v in reversed(state_dict.items())}
         out = {}
         for k, v in first.values():
-            out[k] = v.detach().to("cpu", self.dtype or v.dtype).contiguous()
+            dtype = self.dtype or v.dtype
+            if k in fp32:
+                dtype = torch.float32
+            out[k] = v.detach().to("cpu", dtype).contiguous()
+        path = os.path.join(self.sync_dir, "model.safetensors")
+        # the file system may have filled since start-up; the previous sync's file is overwritten
+        nbytes = sum(t.numel() * t.itemsize for t in out.values())
+        previous = 0
+        if os.path.exists(path):
+            previous = os.path.getsize(path)
+        check_room(self.sync_dir, nbytes - previous, "free space there, or set TMPDIR")
         os.makedirs(self.sync_dir, exist_ok=True)
-        save_file(out, os.path.join(self.sync_dir, "model.safetensors"))
+        save_file(out, path)
+
+    def _as_served(self, state_dict: dict) -> dict:
+        """The trainer's tensors under the names the served checkpoint gives them
+        (``_served_names``: vLLM maps a sync's names as the checkpoint's, and Qwen3.5's text model
+        is ``model.language_model.*`` there). Tied embeddings (one storage, or FSDP's two equal
+        copies) go under the first of their names the checkpoint holds. A tensor it does not hold
+        stops the run, before any server reloads. What the checkpoint holds and the trainer does
+        not (a vision tower, MTP layers) is left out: vLLM 0.32's reload keeps the weights it
+        serves for the layers a sync does not name."""
+        checkpoint = self._checkpoint()
+        served = self._served_names(list(state_dict))
+        # the names of each storage: two for tied embeddings
+        names_of = {}
+        for k, v in state_dict.items():
+            names_of.setdefault(v.data_ptr(), []).append(k)
+        unnamed = [names for names in names_of.values() if all(served[k] is None for k in names)]
+        named = [names for names in names_of.values() if names not in unnamed]
+        for names in unnamed:
+            value = state_dict[names[0]]
+            # tied embeddings that FSDP's gathered state dict holds as two equal copies
+            twins = [n for n in named if torch.equal(state_dict[n[0]], value)]
+            tied = names[0].endswith("lm_head.weight") and twins
+            if not tied:
+                raise SystemExit(
+                    f"the weight sync: the trainer's {names[0]} has no tensor in the checkpoint "
+                    f"the vLLM servers serve ({self._served_root()}; e.g. "
+                    f"{', '.join(sorted(checkpoint)[:3])}): serve the model the trainer trains "
+                    "(--model, or the --resume checkpoint)"
+                )
+        out = {}
+        for names in named:
+            first = next(k for k in names if served[k] is not None)
+            out[served[first]] = state_dict[first]
+        return out
+
+    def _served_root(self) -> str:
+        """What the servers were started with as --model (a folder, or a hub name): /v1/models'
+        "root"."""
+        answer = _http(self.urls[0] + "/v1/models", timeout=30, key=self.api_key)
+        return answer["data"][0]["root"]
+
+    def _checkpoint(self) -> dict:
+        """The served checkpoint's tensors, {name: dtype} (``checkpoint_tensors``), read at the
+        first sync."""
+        if self.checkpoint is None:
+            self.checkpoint = checkpoint_tensors(_local_model_dir(self._served_root()))
+        return self.checkpoint
+
+    def _served_names(self, names: list) -> dict:
+        """{trainer name: served name or None} (``served_names``), for ``names`` and those before."""
+        new = [name for name in names if name not in self.served_as]
+        if new:
+            self.served_as |= served_names(new, set(self._checkpoint()))
+        return self.served_as
+
+    def _served_adapter(self, weights: dict) -> dict:
+        """peft's adapter tensors (``base_model.model.MODULE.lora_A.weight``, MODULE as the trainer
+        names it) renamed as the served checkpoint names MODULE (``MODULE.weight``, the weight it
+        adapts): vLLM maps an adapter's module names as the checkpoint's, and leaves out one that
+        names no module it serves, saying so at debug level only (the base model serves there).
+        A module the checkpoint does not hold stops the run."""
+        prefix = "base_model.model."
+        module_of = {key: key.removeprefix(prefix).split(".lora_")[0] for key in weights}
+        served = self._served_names([module + ".weight" for module in module_of.values()])
+        missing = sorted({m for m in module_of.values() if served[m + ".weight"] is None})
+        if missing:
+            raise SystemExit(
+                f"--lora: the checkpoint the vLLM servers serve ({self._served_root()}) has no "
+                f"{missing[0]}.weight, which adapter module {missing[0]} adapts ({len(missing)} "
+                "such modules): serve the base model the trainer trains (--model)"
+            )
+        renamed = {}
+        for key, value in weights.items():
+            module = module_of[key]
+            served_module = served[module + ".weight"].removesuffix(".weight")
+            # ".lora_A.weight", ".lora_B.weight"
+            tail = key.removeprefix(prefix)[len(module) :]
+            renamed[prefix + served_module + tail] = value
+        return renamed
 
     def close(self):
         # terminate: a no-op when it has exited
@@ -444,6 +708,106 @@ class VLLMBackend(PauseGate):
         # spawn() made the folder
         if self.procs:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the served names
+
+# Parameters vLLM 0.32 creates in fp32 whatever --dtype says: Qwen3.5/Qwen3-Next GatedDeltaNet's
+# A_log (layers/mamba/gdn/qwen_gdn_linear_attn.py), the MoE gates' e_score_correction_bias
+# (models/deepseek_v2.py, glm4_moe.py, ...)
+FP32_IN_VLLM = ("A_log", "e_score_correction_bias")
+
+
+def keeps_fp32(name: str, checkpoint: dict) -> bool:
+    """Whether a sync writes tensor ``name`` of the served ``checkpoint`` ({name: dtype}) in fp32
+    whatever the sync's dtype: vLLM keeps it in fp32 (``FP32_IN_VLLM``), or the checkpoint stores
+    it in fp32 beside tensors of lower precision (its authors kept it so)."""
+    lower = any(dtype in ("BF16", "F16") for dtype in checkpoint.values())
+    kept = checkpoint[name] == "F32" and lower
+    return kept or name.rsplit(".", 1)[-1] in FP32_IN_VLLM
+
+
+def checkpoint_tensors(model_dir: str) -> dict:
+    """The tensors of the checkpoint in ``model_dir``, {name: dtype as safetensors says it ("BF16",
+    "F32", ...)}, from its files' headers (no tensor is read)."""
+    import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))
+    if not files:
+        raise SystemExit(
+            f"the vLLM servers serve {model_dir}, which holds no .safetensors: a weight sync writes "
+            "the checkpoint's names, so serve a safetensors checkpoint"
+        )
+    tensors = {}
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_slice(name).get_dtype()
+    return tensors
+
+
+def _local_model_dir(root: str) -> str:
+    """The folder of what the servers serve: ``root`` itself, or a hub name's in the hub cache
+    (where the trainer, loading the same name, put it)."""
+    if os.path.isdir(root):
+        return root
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(root, allow_patterns=["*.safetensors"], local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise SystemExit(
+            f"the vLLM servers serve {root}, neither a folder here nor in this machine's hub "
+            "cache: a weight sync names its tensors as that checkpoint does, so start the servers "
+            "with a --model folder this machine reads too"
+        ) from None
+
+
+def served_names(trainer_names: list, checkpoint: set) -> dict:
+    """Each of ``trainer_names`` as the served ``checkpoint`` (its tensor names) names it, or None
+    where it holds none. A name it holds is kept. Any other is renamed by a prefix rule, learned
+    from trainer names whose ending (of two parts or more, the longest found) ends checkpoint
+    names after one prefix only. The trainer loads Qwen3.5's text model (``model.layers.0.*``);
+    the checkpoint, a vision-language model, has it as ``model.language_model.layers.0.*``:
+
+    >>> served_names(["model.norm.weight", "lm_head.weight", "model.layers.0.q.weight"],
+    ...     {"model.language_model.norm.weight", "lm_head.weight", "model.visual.norm.weight",
+    ...      "model.language_model.layers.0.q.weight"})
+    {'model.norm.weight': 'model.language_model.norm.weight', 'lm_head.weight': 'lm_head.weight',
+     'model.layers.0.q.weight': 'model.language_model.layers.0.q.weight'}
+
+    ("norm.weight" ends two names; "layers.0.q.weight" one, after "model.language_model.": the
+    rule "model." -> "model.language_model.")."""
+    # each ending of two parts or more of a checkpoint name: the prefixes it follows
+    prefixes = {}
+    for name in checkpoint:
+        parts = name.split(".")
+        for k in range(len(parts) - 1):
+            ending = ".".join(parts[k:])
+            prefixes.setdefault(ending, set()).add(name[: len(name) - len(ending)])
+    rules = set()
+    for name in trainer_names:
+        parts = name.split(".")
+        for k in range(len(parts) - 1):
+            ending = ".".join(parts[k:])
+            found = prefixes.get(ending, set())
+            if len(found) == 1:
+                rules.add((name[: len(name) - len(ending)], next(iter(found))))
+            if found:
+                break
+    renamed = {}
+    for name in trainer_names:
+        candidates = {new + name[len(old) :] for old, new in rules if name.startswith(old)}
+        options = candidates & checkpoint
+        if name in checkpoint:
+            options = {name}
+        renamed[name] = None
+        if len(options) == 1:
+            renamed[name] = options.pop()
+    return renamed
 
 
 # --------------------------------------------------------------------------- starting servers, HTTP
@@ -479,13 +843,42 @@ def _wait_healthy(procs: list, urls: list, timeout: float, log_dir: str):
                 time.sleep(2)
 
 
-def _sync_dir(model_dir: str) -> str:
-    """A new folder for the weight syncs of servers on this machine: in memory (/dev/shm) when it
-    holds the weights twice over (a bf16 checkpoint synced in fp32; Docker gives /dev/shm 64 MB by
-    default), else on disk. A hub name (no folder here) has no size to check."""
-    need = 2 * sum(map(os.path.getsize, glob.glob(glob.escape(model_dir) + "/*.safetensors")))
-    in_memory = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need
-    return tempfile.mkdtemp(prefix="lightning-lite-weights-", dir="/dev/shm" if in_memory else None)
+def _sync_dir(nbytes: int) -> str:
+    """Where the weight syncs of servers on this machine go, ``nbytes`` each (``_sync_bytes``): in
+    memory (/dev/shm) when it has room for them (Docker gives it 64 MB by default), else the
+    temporary folder on disk ($TMPDIR), which must have room (``check_room``). ``spawn`` makes a
+    new folder in it once the servers are up."""
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= nbytes:
+        return "/dev/shm"
+    on_disk = tempfile.gettempdir()
+    shm_free = 0
+    if os.path.isdir("/dev/shm"):
+        shm_free = shutil.disk_usage("/dev/shm").free
+    hint = (
+        f"/dev/shm has {shm_free / 2**30:.2f} GiB free: give it more (docker run --shm-size, "
+        "a Kubernetes emptyDir of medium Memory) or set TMPDIR to a folder with room"
+    )
+    check_room(on_disk, nbytes, hint)
+    return on_disk
+
+
+def check_room(folder: str, nbytes: int, hint: str = "free space there"):
+    """Stop the run when the file system of ``folder`` (made or not yet) has less than ``nbytes``
+    free: the bytes a weight sync is about to write there (a file it overwrites counts as free:
+    subtract its size). ``hint`` says what to do. At start-up for the sync folder; cheap enough
+    (one statvfs) to call before each sync's write, as a file system can fill during a run.
+
+    check_room("/dev/shm", 16 * 2**30)  # Docker's 64 MB /dev/shm: SystemExit, naming both numbers
+    """
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if free < nbytes:
+        raise SystemExit(
+            f"a weight sync writes {nbytes / 2**30:.2f} GiB into {folder}, whose file system has "
+            f"{free / 2**30:.2f} GiB free: {hint}"
+        )
 
 
 def _die_with_parent():

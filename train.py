@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_lite import algo, hooks, parallel, records
-from lightning_lite.backends import HFBackend
+from lightning_lite.backends import HFBackend, bf16_supported
 from lightning_lite.harness import CtrlC, Tasks, run_rollouts, settle_rollouts
 from lightning_lite.models import load_tokenizer
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import UNANSWERED, read_calls
 from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_line, step_rates
 from lightning_lite.rundir import token_rates
-from lightning_lite.trainer import Learner, TrainConfig
+from lightning_lite.trainer import MAX_MISMATCH, Learner, TrainConfig
 from lightning_lite.samples import build_batch_samples, for_imitation
 from lightning_lite.toolcalls import format_names
 
@@ -74,8 +74,20 @@ extras = hooks.load_extras(EXTRAS)
 HARNESS_HELP = "examples/NAME/harness.py, a .py file or module[:Name]; repeat it, with WEIGHTs"
 ARG_HELP = "a keyword argument for the harness ([SPEC:]K=V: for the one SPEC names); repeatable"
 DTYPE_HELP = "auto: bf16 on GPUs; bf16 autocasts over fp32 master weights and AdamW state"
+SERVE_DTYPE_HELP = "the sampler's (embedded backend, vLLM servers; default: --dtype's)"
+MISMATCH_HELP = "stop before an update when the mean |trainer - sampler logprob| of the tokens "
+MISMATCH_HELP += "of its weights is past this (default: 0.01 fp32/fp32, 0.2 with bf16; inf: off)"
 HISTORY_HELP = "keep sampled tokens where the template renders a turn otherwise"
 LOSS_HELP = "ppo: clipped token ratio; gspo: sequence ratio; tis: truncated IS; sft: imitate"
+# The mismatch corrections (docs/algorithms.md): each help says what it reduces to.
+IS_HELP = "weight each token's loss by trainer/sampler prob, per token or sample (product), "
+IS_HELP += "clamped to or zeroed outside [C_min, C_max] (TRL's vllm_importance_sampling_mode, "
+IS_HELP += "verl's rollout_is; needs --ppo-ratio trainer; none: the plain loss)"
+BAND = dict(type=float, nargs=2, metavar=("LOW", "HIGH"))
+TOKEN_BAND_HELP = "drop tokens whose trainer/sampler ratio is outside [LOW, HIGH] (IcePop: 0.5 5)"
+SEQ_BAND_HELP = "drop samples whose exp(mean log ratio) is outside [LOW, HIGH] (SkyRL: 0.99 1.01)"
+RATIO_HELP = "sampler: one clip bounds the update and the mismatch (the default until "
+RATIO_HELP += "bf16 learning is measured); trainer: decoupled PPO, the mismatch left to the above"
 ASYNC_HELP = "this many next steps' rollouts run while one trains (no value: 1)"
 PARALLEL_HELP = "ddp: a whole copy on every rank; fsdp: weights, grads, AdamW state sharded"
 BACKEND_HELP = "hf: the embedded backend, in this process; vllm: vLLM servers"
@@ -98,6 +110,7 @@ group.add_argument("--seed", type=int, default=0)
 group.add_argument("--steps", type=int, default=20)
 group.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 group.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help=DTYPE_HELP)
+group.add_argument("--serve-dtype", choices=["fp32", "bf16"], help=SERVE_DTYPE_HELP)
 group.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps, and last")
 group.add_argument("--keep-checkpoints", type=int, default=2, help="the newest N (0: all)")
 group = parser.add_argument_group("rollouts")
@@ -130,7 +143,14 @@ group.add_argument("--clip-low", type=float, help="ratio clip below 1 (ppo 0.2, 
 group.add_argument("--clip-high", type=float, help="ratio clip above 1 (ppo 0.28, gspo 4e-4)")
 group.add_argument("--clip-ratio-c", type=float, default=3.0, help="dual clip (inf: off)")
 group.add_argument("--tis-cap", type=float, default=2.0, help="--loss tis: the IS weight's cap")
+group.add_argument("--rollout-correction", default="none", choices=algo.CORRECTIONS, help=IS_HELP)
+group.add_argument("--correction-min", type=float, default=0.0, help="C_min (0: no lower bound)")
+group.add_argument("--correction-max", type=float, default=3.0, help="C_max (TRL's 3, verl's 2)")
+group.add_argument("--reject-token", **BAND, help=TOKEN_BAND_HELP)
+group.add_argument("--reject-seq-mean", **BAND, help=SEQ_BAND_HELP)
+group.add_argument("--ppo-ratio", default="sampler", choices=algo.PPO_RATIOS, help=RATIO_HELP)
 group.add_argument("--kl-coef", type=float, default=0.0, help="KL to the initial model (0: off)")
+group.add_argument("--max-mismatch", type=float, metavar="LOGPROB", help=MISMATCH_HELP)
 group = parser.add_argument_group("optimization")
 group.add_argument("--lr", type=float, default=1e-5)
 group.add_argument("--warmup-steps", type=int, default=2)
@@ -169,9 +189,18 @@ cuda = device.type == "cuda"
 # The one place each derived default is resolved (config.json records what ran).
 args.clip_low, args.clip_high = algo.clip_range(args.loss, args.clip_low, args.clip_high)
 args.norm_const = args.norm_const or args.max_new_tokens
+# The mismatch corrections, refused at start when they cannot apply.
+weight = (args.rollout_correction, args.correction_min, args.correction_max)
+bands = (args.reject_token, args.reject_seq_mean)
+if problem := algo.correction_problem(args.loss, *weight, *bands, args.ppo_ratio):
+    sys.exit(problem)
 if args.dtype == "auto":
     args.dtype = "bf16" if cuda else "fp32"
 dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+args.serve_dtype = args.serve_dtype or args.dtype
+serve_dtype = torch.bfloat16 if args.serve_dtype == "bf16" else torch.float32
+if serve_dtype == torch.bfloat16 and not bf16_supported(device):
+    sys.exit(f"--serve-dtype bf16: {device} computes no bf16 (a GPU before Ampere): use fp32")
 if args.batch_size % world:
     sys.exit(
         f"--batch-size {args.batch_size} does not divide over {world} ranks: use a multiple "
@@ -192,6 +221,13 @@ if args.parallel != "ddp" and args.parallel not in hooks.PARALLEL:
 for extra in flagged:
     if hasattr(extra, "check"):
         extra.check(args, ddp, cuda)
+# The guard on the served weights (--max-mismatch), by the dtypes in use; off where the sampler's
+# logprobs differ by design: sft scores at temperature 1, recorded calls may be of other weights.
+if args.max_mismatch is None:
+    pair = "bf16" if "bf16" in (args.dtype, args.serve_dtype) else "fp32"
+    args.max_mismatch = MAX_MISMATCH[pair]
+    if args.loss == "sft" or hooks.step_source is not None:
+        args.max_mismatch = float("inf")
 # Recorded calls (--from-calls) train without a harness; --harness then names what evaluates.
 if not args.harness and hooks.step_source is None:
     args.harness = ["calc"]
@@ -240,7 +276,10 @@ run.start(args, config)
 
 # ----------------------------------------------------------------------------- backend, proxy
 if args.backend == "hf":
-    backend = HFBackend(learner.served, tok, args.max_batch_size, args.max_model_len, dtype=dtype)
+    # the sampler computes in --serve-dtype (bf16: under autocast), the trainer in --dtype
+    backend = HFBackend(
+        learner.served, tok, args.max_batch_size, args.max_model_len, dtype=serve_dtype
+    )
 else:
     backend = hooks.BACKENDS[args.backend](args, learner, resume_dir, device)
 backend.version = start_step

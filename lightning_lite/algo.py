@@ -42,6 +42,11 @@ LOSSES = ("ppo", "gspo", "tis", "sft")
 # The one place for the default (clip_low, clip_high) of each clipped loss (clip_range); GSPO's is
 # its paper's (a sequence ratio moves far less than a token's).
 CLIP = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+# --rollout-correction: the importance weight of the trainer's probability over the sampler's, per
+# token or per sample, truncated or masked (TRL's vllm_importance_sampling_mode, verl's rollout_is).
+CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
+# --ppo-ratio: what PPO's ratio, and so its clip (the trust region), is taken against.
+PPO_RATIOS = ("sampler", "trainer")
 NORMS = (
     "token-mean",
     "seq-mean-token-mean",
@@ -751,6 +756,122 @@ def clip_range(loss: str, clip_low=None, clip_high=None) -> tuple[Optional[float
     return low, high
 
 
+def correction_problem(
+    loss: str,
+    rollout_correction: str = "none",
+    correction_min: float = 0.0,
+    correction_max: float = 3.0,
+    reject_token: Optional[tuple] = None,
+    reject_seq_mean: Optional[tuple] = None,
+    ppo_ratio: str = "sampler",
+) -> Optional[str]:
+    """What is wrong with these mismatch corrections (train.py's flags of the same names), or None.
+    ``correction_problem("ppo", "token-mask")`` names --ppo-ratio trainer: PPO's ratio to the
+    sampler already is that weight, and a second one would count it twice (verl's bypass mode
+    applies none to PPO for the same reason)."""
+    if rollout_correction not in CORRECTIONS or ppo_ratio not in PPO_RATIOS:
+        return f"--rollout-correction must be one of {CORRECTIONS}, --ppo-ratio one of {PPO_RATIOS}"
+    if not 0 <= correction_min <= correction_max or correction_max <= 0:
+        return (
+            f"--correction-min {correction_min} and --correction-max {correction_max}: the weight's "
+            "range needs 0 <= C_min <= C_max and C_max > 0"
+        )
+    for flag, band in (("--reject-token", reject_token), ("--reject-seq-mean", reject_seq_mean)):
+        if band is not None and not 0 < band[0] <= band[1]:
+            return f"{flag} {band[0]} {band[1]}: a ratio band needs 0 < LOW <= HIGH"
+    weighted = rollout_correction != "none"
+    corrected = weighted or reject_token or reject_seq_mean or ppo_ratio != "sampler"
+    if loss == "sft" and corrected:
+        return (
+            "--loss sft takes no ratio to the sampler (recorded calls may hold no sampler "
+            "logprobs): drop --rollout-correction, --reject-token, --reject-seq-mean, --ppo-ratio"
+        )
+    if loss == "tis" and (weighted or ppo_ratio != "sampler"):
+        return (
+            "--loss tis weights by min(r, --tis-cap), a token-truncate of its ratio to the sampler: "
+            "for another weight use --loss ppo --ppo-ratio trainer --rollout-correction MODE"
+        )
+    if weighted and ppo_ratio == "sampler":
+        return (
+            f"--rollout-correction {rollout_correction} with PPO's ratio taken to the sampler would "
+            "count the mismatch twice: add --ppo-ratio trainer"
+        )
+    return None
+
+
+def correction_weights(
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: str = "none",
+    c_min: float = 0.0,
+    c_max: float = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The importance weight of the trainer's probability over the sampler's, without gradient, and
+    where it left [c_min, c_max] (truncated or masked): [B, T] each, 0.0 and False off the mask.
+    With log ratios d_t = logprobs_t - sampler_logprobs_t (+-20 at most, as verl's safety bound):
+
+        token-*     w_t = exp(d_t), each token its own weight
+        sequence-*  w = exp(sum_t d_t) on every token of a sample: the product of its ratios, as
+                    TRL 1.16 (grpo_trainer.py) and verl 0.9 (rollout_corr_helper.py) take it (a
+                    sum, not the geometric mean --reject-seq-mean takes)
+        *-truncate  min(max(w, c_min), c_max)
+        *-mask      w inside [c_min, c_max], else 0
+        none        1
+
+    One sample, d = 0.1, 0.5, -0.2 (ratios 1.105, 1.649, 0.819), c_max 1.5: token-truncate
+    1.105 1.5 0.819, token-mask 1.105 0 0.819 (the 2nd out either way); sequence: exp(0.4) =
+    1.492 on all three, inside; with c_max 1.4 sequence-truncate 1.4 and sequence-mask 0 (all out).
+    """
+    mask = loss_mask.to(logprobs.dtype)
+    on = loss_mask > 0
+    if mode == "none":
+        return mask, torch.zeros_like(on)
+    log_ratio = (logprobs.detach() - sampler_logprobs) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(1, keepdim=True)
+    raw = log_ratio.clamp(-20, 20).exp().expand_as(mask)
+    outside = ((raw < c_min) | (raw > c_max)) & on
+    if mode.endswith("truncate"):
+        weight = raw.clamp(c_min, c_max)
+    else:
+        weight = raw.masked_fill(outside, 0.0)
+    return weight * mask, outside
+
+
+def rejection_mask(
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    token_band: Optional[tuple] = None,
+    seq_mean_band: Optional[tuple] = None,
+) -> torch.Tensor:
+    """[B, T] bool: the trainable tokens two-sided bands on the ratio r_t = exp(logprobs_t -
+    sampler_logprobs_t) keep in the loss (False off the mask); a band (LOW, HIGH) keeps what lies
+    in [LOW, HIGH], None keeps all:
+
+        token_band     each token by its own r_t (IcePop's mask)
+        seq_mean_band  every token of a sample by exp(mean_t log r_t) over its trainable tokens,
+                       the geometric mean of its ratios (SkyRL's geometric sequence mask)
+
+    verl 0.9 bounds k1 = -log r (rollout_corr_helper.compute_rollout_rejection_mask): its token_k1
+    and seq_mean_k1 with "L_H" are these bands with (1/H, 1/L). One sample, log ratios 0.1, 0.5,
+    -0.2: token_band (0.5, 1.5) drops the 2nd (1.649); the mean 0.4/3 = 0.133 gives 1.143, so
+    seq_mean_band (0.99, 1.01) drops all three and (0.5, 2) none.
+    """
+    on = loss_mask > 0
+    kept = on.clone()
+    log_ratio = ((logprobs.detach() - sampler_logprobs) * on).clamp(-20, 20)
+    if token_band is not None:
+        ratio = log_ratio.exp()
+        kept &= (ratio >= token_band[0]) & (ratio <= token_band[1])
+    if seq_mean_band is not None:
+        mean = log_ratio.sum(1, keepdim=True) / on.sum(1, keepdim=True).clamp(min=1)
+        ratio = mean.exp()
+        kept &= (ratio >= seq_mean_band[0]) & (ratio <= seq_mean_band[1])
+    return kept
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -765,6 +886,12 @@ def policy_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     clip_ratio_c: float = 3.0,
     entropy: Optional[torch.Tensor] = None,
+    rollout_correction: str = "none",
+    correction_min: float = 0.0,
+    correction_max: float = 3.0,
+    reject_token: Optional[tuple] = None,
+    reject_seq_mean: Optional[tuple] = None,
+    ppo_ratio: str = "sampler",
 ) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of the loss, and its metrics as sums (see ``reduce_metrics``).
     [B, T]: ``logprobs`` (trainer, with grad), ``old_logprobs`` (recorded at rollout),
@@ -783,18 +910,43 @@ def policy_loss(
     bound left None is the loss's default (``clip_range``). ``entropy`` [B, T] (detached,
     ``trainer_logprobs_and_entropy``'s) is only summed into the metrics (entropy_mean; 0 without
     it, as kl_mean without the KL term).
+
+    The mismatch corrections (docs/algorithms.md; all off by default, the loss then as above):
+    ``ppo_ratio`` "trainer" takes ppo's and gspo's r against the trainer's own logprobs, detached
+    (decoupled PPO: r is 1 in value, its gradient that of logprobs); ``rollout_correction`` then
+    multiplies each token's policy term by ``correction_weights`` (mode ``rollout_correction``,
+    range [``correction_min``, ``correction_max``]), and the bands ``reject_token`` and
+    ``reject_seq_mean`` (``rejection_mask``) take the tokens they reject out of it. A removed token
+    still counts in ``weights``' denominators, as TRL's masked weights do. A = 1, r_sampler = 1.649
+    (d = 0.5), token-truncate at 1.5 with --ppo-ratio trainer: loss -1.5, gradient -1.5.
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown policy loss {loss!r}; pick one of {LOSSES}")
+    problem = correction_problem(
+        loss,
+        rollout_correction,
+        correction_min,
+        correction_max,
+        reject_token,
+        reject_seq_mean,
+        ppo_ratio,
+    )
+    if problem:
+        raise ValueError(problem)
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(
             "kl_coef > 0 needs ref_logprobs: the reference model's logprobs of its tokens"
         )
     mask = loss_mask.to(logprobs.dtype)
-    # 1. each token's loss [B, T], its ratio, and whether it was clipped (no gradient)
+    # 1. each token's loss [B, T], its ratio, and whether it was clipped (no gradient). PPO's ratio
+    #    is to the sampler's logprobs, or to the trainer's own (the proximal policy of a step's one
+    #    update: the clip then bounds nothing).
+    proximal = old_logprobs
+    if ppo_ratio == "trainer":
+        proximal = logprobs.detach()
     tok_loss, ratio, was_clipped = token_loss(
         logprobs,
-        old_logprobs,
+        proximal,
         advantages,
         loss_mask,
         loss,
@@ -803,17 +955,35 @@ def policy_loss(
         tis_cap,
         clip_ratio_c,
     )
-    # 2. the KL penalty, k3 estimator [B, T]
+    # The metrics' ratio is always the sampler's: the mismatch.
+    if ppo_ratio == "trainer":
+        ratio = ((logprobs.detach() - old_logprobs) * mask).clamp(-20, 20).exp()
+    # 2. the mismatch corrections [B, T], without gradient: the importance weight of the trainer
+    #    over the sampler, and the tokens a band keeps. Skipped when off: the numbers unchanged.
+    is_weight, outside = correction_weights(
+        logprobs, old_logprobs, loss_mask, rollout_correction, correction_min, correction_max
+    )
+    kept = rejection_mask(logprobs, old_logprobs, loss_mask, reject_token, reject_seq_mean)
+    if rollout_correction != "none":
+        tok_loss = tok_loss * is_weight
+    if reject_token or reject_seq_mean:
+        tok_loss = tok_loss * kept
+    truncated = outside & rollout_correction.endswith("truncate")
+    masked = (outside & rollout_correction.endswith("mask")) | ((loss_mask > 0) & ~kept)
+    corrected = (is_weight, truncated, masked)
+    # 3. the KL penalty, k3 estimator [B, T]
     kl = None
     if kl_coef > 0:
         d = (ref_logprobs - logprobs) * mask
         kl = d.exp() - d - 1
         tok_loss = tok_loss + kl_coef * kl
-    # 3. agg_loss: the sum of weight * token loss over the trainable tokens, each sample's weight
+    # 4. agg_loss: the sum of weight * token loss over the trainable tokens, each sample's weight
     #    [B] being 1 / its denominator over the global batch (sample_weights): no division here,
     #    none per micro-batch.
     total = (tok_loss * weights.to(logprobs.dtype)[:, None] * mask).sum()
-    metrics = _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl, entropy)
+    metrics = _loss_metrics(
+        total, ratio, logprobs, old_logprobs, mask, was_clipped, kl, entropy, corrected
+    )
     return total, metrics
 
 
@@ -873,11 +1043,15 @@ def _clipped_loss(ratio, log_ratio, mask, adv, loss, clip, clip_ratio_c):
     return tok_loss.expand_as(mask), was_clipped.expand_as(mask)
 
 
-# The sums over the trainable tokens that ``reduce_metrics`` combines.
+# The sums over the trainable tokens that ``reduce_metrics`` combines; ``corrected``: [B, T] each,
+# the importance weights and the tokens they truncated and the tokens taken out of the loss.
 @torch.no_grad()
-def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl, entropy) -> dict:
+def _loss_metrics(
+    total, ratio, logprobs, old_logprobs, mask, was_clipped, kl, entropy, corrected
+) -> dict:
     on = mask > 0
     r = ratio[on].double()
+    is_weight, truncated, masked = corrected
     return {
         "loss": total.detach().double(),
         "tokens": on.sum().double(),
@@ -886,19 +1060,32 @@ def _loss_metrics(total, ratio, logprobs, old_logprobs, mask, was_clipped, kl, e
         "dlogp_sum": (logprobs - old_logprobs)[on].double().abs().sum(),
         "kl_sum": kl[on].double().sum() if kl is not None else r.sum() * 0,
         "entropy_sum": entropy[on].double().sum() if entropy is not None else r.sum() * 0,
+        "is_weight_sum": is_weight[on].double().sum(),
+        "truncated": truncated[on].double().sum(),
+        "masked": masked[on].double().sum(),
+        # per sample: those with a trainable token, and those with one truncated or masked
+        "samples": on.any(1).double().sum(),
+        "truncated_samples": (truncated & on).any(1).double().sum(),
+        "masked_samples": (masked & on).any(1).double().sum(),
     }
 
 
 def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
     """Combine ``policy_loss`` metrics of all micro-batches (and all ranks: collective; a rank
     without samples passes []) into the global loss, tokens and means per trainable token
-    (clip_frac, ratio_mean, dlogp_mean, kl_mean, entropy_mean). The rollout-vs-trainer mismatch's
-    other metrics (prob_corr, the extremes) are an extra's (hooks.LOSS_METRICS:
-    extras/mismatch.py)."""
+    (clip_frac, ratio_mean, dlogp_mean, kl_mean, entropy_mean, is_weight_mean), and what the
+    mismatch corrections did, by token and by sample: is_truncated_frac and is_truncated_seq_frac
+    (an importance weight truncated), masked_frac and masked_seq_frac (taken out of the loss by a
+    masked weight or a band). The rollout-vs-trainer mismatch's other metrics (prob_corr, the
+    extremes) are an extra's (hooks.LOSS_METRICS: extras/mismatch.py)."""
     # A rank without samples joins the all-reduce with an empty micro-batch's metrics: zero sums.
     if not metrics:
         empty = torch.zeros(0, 0)
-        metrics = [_loss_metrics(torch.zeros(()), empty, empty, empty, empty, empty, None, None)]
+        none = torch.zeros(0, 0, dtype=torch.bool)
+        nothing = (empty, none, none)
+        metrics = [
+            _loss_metrics(torch.zeros(()), empty, empty, empty, empty, none, None, None, nothing)
+        ]
     keys = list(metrics[0])
     # One device->host copy, and one all-reduce.
     sums = torch.stack([torch.stack([m[k] for k in keys]) for m in metrics]).sum(0)
@@ -912,4 +1099,9 @@ def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
         "dlogp_mean": agg["dlogp_sum"] / n,
         "kl_mean": agg["kl_sum"] / n,
         "entropy_mean": agg["entropy_sum"] / n,
+        "is_weight_mean": agg["is_weight_sum"] / n,
+        "is_truncated_frac": agg["truncated"] / n,
+        "is_truncated_seq_frac": agg["truncated_samples"] / max(agg["samples"], 1.0),
+        "masked_frac": agg["masked"] / n,
+        "masked_seq_frac": agg["masked_samples"] / max(agg["samples"], 1.0),
     }

@@ -151,6 +151,14 @@ def max_reply_tokens(prompt_ids: list[int], sampling: Sampling, max_model_len: i
     return min(sampling.max_tokens or room, room)
 
 
+def bf16_supported(device: torch.device) -> bool:
+    """Whether ``device`` computes in bf16: a GPU from Ampere on; any CPU, where torch computes bf16
+    in software without AVX512-BF16 or AMX (the same numbers, slower)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return True
+
+
 def served_state_dict(model) -> dict:
     """The weights to serve: a module's (unwrapped from DDP), or a state dict (gathered by FSDP)."""
     return model if isinstance(model, dict) else getattr(model, "module", model).state_dict()

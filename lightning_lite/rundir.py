@@ -196,6 +196,12 @@ LOSS_METRICS = [
     "dlogp_max",
     "ratio_out_frac",
     "entropy_mean",
+    # what the mismatch corrections did (algo.reduce_metrics)
+    "is_weight_mean",
+    "is_truncated_frac",
+    "is_truncated_seq_frac",
+    "masked_frac",
+    "masked_seq_frac",
 ]
 # The merge statistics the row counts (samples.build_samples's).
 SPLITS = [f"split_{reason}" for reason in SPLIT_REASONS]

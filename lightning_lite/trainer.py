@@ -84,6 +84,16 @@ class TrainConfig:
     async_steps: int
     # the most updates between sampling a token and training it (a check on every update)
     max_staleness: int = 0
+    # the mismatch corrections, policy_loss's options of the same names (off: the plain loss)
+    rollout_correction: str = "none"
+    correction_min: float = 0.0
+    correction_max: float = 3.0
+    reject_token: Optional[tuple] = None
+    reject_seq_mean: Optional[tuple] = None
+    ppo_ratio: str = "sampler"
+    # the guard on the served weights: the most mean |trainer - sampler logprob| of the tokens the
+    # trained weights sampled (inf: off; MAX_MISMATCH)
+    max_mismatch: float = math.inf
 
     @classmethod
     def from_flags(cls, args, **overrides) -> "TrainConfig":
@@ -93,8 +103,24 @@ class TrainConfig:
         return cls(**values)
 
 
+# The guard's default bound on the mean |trainer - sampler logprob| of a step's fresh tokens, by the
+# dtypes in use (train.py --max-mismatch; docs/gpus.md: the guard on the served weights): measured
+# on the calc task on a CPU, fp32 on both sides 2e-6, bf16 sampling 2e-2 (vLLM's: up to 0.047); a
+# served copy with noise of std 0.02 on its MLPs 1.2, another RoPE base 0.7.
+MAX_MISMATCH = {"fp32": 0.01, "bf16": 0.2}
+MISMATCH_ERROR = (
+    "step {step}: the sampler's logprobs are not the trainer's: the mean |trainer - sampler "
+    "logprob| of the {tokens} tokens the trained weights sampled is {mean:.4g} (max {max:.4g}), "
+    "past --max-mismatch {bound:g} for these dtypes (fp32 on both sides: ~1e-5; bf16: ~2e-2). "
+    "Nothing was updated or saved. Likely causes: the sampler serves weights that were not "
+    "synced, a --lora run's adapters were not loaded (the base served), or another model, "
+    "config or chat template is served. If this gap is expected, raise --max-mismatch (inf: off)."
+)
+
 # the TrainConfig fields that are policy_loss's options of the same names
 LOSS_OPTIONS = ("loss", "clip_low", "clip_high", "clip_ratio_c", "tis_cap", "kl_coef")
+LOSS_OPTIONS += ("rollout_correction", "correction_min", "correction_max", "ppo_ratio")
+LOSS_OPTIONS += ("reject_token", "reject_seq_mean")
 
 
 class Learner:
@@ -296,7 +322,9 @@ class Learner:
         """Loss and backward over this rank's micro-batches. The gradients are summed over ranks by
         DDP or FSDP after the last one (``sync`` False: not yet, more backward passes follow).
         Returns the metrics, with the trained tokens and their mean |trainer - rollout logprob| by
-        staleness (the updates since they were sampled)."""
+        staleness (the updates since they were sampled). Stops the run (SystemExit, on every rank)
+        when that mean of the tokens the trained weights sampled (staleness 0) is past
+        --max-mismatch: the sampler serves other weights, and an update would learn from noise."""
         config = self.config
         max_age = config.max_staleness
         # the denominators are all-reduced before any backward: exact under any micro-batch split
@@ -334,14 +362,18 @@ class Learner:
                 # bf16 runs under autocast over the fp32 weights
                 autocast = self.dtype != torch.float32
                 with torch.autocast(self.device.type, self.dtype, enabled=autocast):
-                    # [B, T] each; the entropy without gradient
-                    logprobs, entropy = algo.trainer_logprobs_and_entropy(
-                        self.train_model, batch, allowed=allowed
-                    )
+                    # The reference first: under FSDP and a model adapter it is the policy's own
+                    # module, whose forward without gradient left the root's weights resharded
+                    # (torch 2.13, peft 0.22), and the policy's LM head, run outside the root's
+                    # forward, needs them gathered in its backward.
                     ref = None
                     if config.kl_coef > 0:
                         with torch.no_grad(), self.reference() as ref_model:
                             ref = algo.trainer_logprobs(ref_model, batch, allowed=allowed)
+                    # [B, T] each; the entropy without gradient
+                    logprobs, entropy = algo.trainer_logprobs_and_entropy(
+                        self.train_model, batch, allowed=allowed
+                    )
                 # [B, T] each, and the sample weights [B]
                 loss, m = algo.policy_loss(
                     logprobs,
@@ -386,6 +418,15 @@ class Learner:
             metrics.update(metric.result())
         for recorder in recorders:
             recorder.close()
+        # The guard on the served weights, on every rank alike (the sums are all-reduced): the
+        # tokens sampled by the weights being trained are scored the same by both sides, to the
+        # dtypes' noise. Past the bound the run stops before any update (train.py --max-mismatch).
+        fresh = tokens_by_age[0]
+        if fresh and dlogp_by_age[0] / fresh > config.max_mismatch:
+            mean = dlogp_by_age[0] / fresh
+            largest = metrics.get("dlogp_max", math.nan)
+            numbers = dict(tokens=int(fresh), mean=mean, max=largest, bound=config.max_mismatch)
+            sys.exit(MISMATCH_ERROR.format(step=version + 1, **numbers))
         return {
             **metrics,
             **{key: int(n) for key, n in zip(counts, summed)},

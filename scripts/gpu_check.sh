@@ -31,7 +31,7 @@ mkdir -p "$OUT"
 [ -x "$PY" ] || make venv || exit 1
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$SMOKE" = 1 ]; then NPROC=2; SIZES="tiny"; STEP="--batch-size 2 --group-size 2 --max-new-tokens 8"
-  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}; VLLM_ARGS=${VLLM_ARGS:---dtype bfloat16 --max-model-len 2048}
+  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}; VLLM_ARGS=${VLLM_ARGS:---max-model-len 2048}
 elif [ "$NGPU" -ge 1 ]; then NPROC=$NGPU; SIZES="embedded 1.4b"; STEP="--batch-size $((8 * NGPU)) --group-size 4 --max-new-tokens 128"
 else echo "no GPU here (torch.cuda.device_count() is 0): run it on a GPU machine, or SMOKE=1 on a CPU"; exit 1; fi
 
@@ -86,14 +86,14 @@ for size in $SIZES; do
   run "$size-lora-fp32" "$model" --parallel ddp --lora 16 --lr 1e-4 --dtype fp32
   [ "$NPROC" -ge 2 ] && run "$size-fsdp-lora-kl" "$model" --parallel fsdp --lora 16 --lr 1e-4 --kl-coef 0.01
   # LoRA on vLLM: the servers serve the base and load each sync's adapters (MBs, t_sync against $size-vllm's)
-  [ "$VLLM" = 1 ] && run "$size-vllm-lora" "$model" --backend vllm --lora 16 --lr 1e-4 --vllm-args "${VLLM_ARGS:-}"
+  [ "$VLLM" = 1 ] && run "$size-vllm-lora" "$model" --backend vllm --serve-dtype bf16 --lora 16 --lr 1e-4 --vllm-args "${VLLM_ARGS:-}"
   # past the trained context: trainer and servers scale RoPE alike (YaRN), or prob_corr drops
-  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --vllm-sleep --max-model-len 16384 --vllm-args "${VLLM_ARGS:-}"
+  [ "$VLLM" = 1 ] && run "$size-vllm" "$model" --backend vllm --serve-dtype bf16 --vllm-sleep --max-model-len 16384 --vllm-args "${VLLM_ARGS:-}"
   # grammar-constrained calls (a forced tool call, a JSON reply): the trainer replays the masks, fp32 |dlogp| ~1e-5;
   # on vLLM its guidance backend masks on the GPU: |dlogp| at the bf16 level of $size-vllm, not ~2 (no mask)
   HARNESS=tests/harnesses.py:SamplingHarness run "$size-grammar-fp32" "$model" --harness-arg "setting='constrained'" --dtype fp32
   [ "$VLLM" = 1 ] && HARNESS=tests/harnesses.py:SamplingHarness run "$size-vllm-grammar" "$model" --harness-arg "setting='constrained'" \
-      --backend vllm --vllm-args "${VLLM_ARGS:-}"
+      --backend vllm --serve-dtype bf16 --vllm-args "${VLLM_ARGS:-}"
 done
 
 place() {  # place NAME EXPECTED ARGS...: one rank on GPU 0; EXPECTED: "gpu=share ..." where the servers must be

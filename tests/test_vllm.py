@@ -43,6 +43,11 @@ SERVE = ["--dtype", "bfloat16", "--max-model-len", "2048"]
 # two minutes at every start (its cache does not carry over to the next server), the eager server is
 # up in ~30 s. The fixture's server is compiled, as a user's is, so the weight syncs are tested on both.
 EAGER = "--dtype bfloat16 --enforce-eager"
+# The servers train.py starts sample in bf16 (their --dtype, and the syncs' dtype) while the trainer
+# computes in fp32 (--dtype auto on a CPU): the GPU's mismatch, which the guard's bf16 bound allows.
+# (EAGER repeats --dtype bfloat16: argparse takes a --vllm-args value starting with "--" as a value
+# only when it holds a space.)
+BF16 = ["--serve-dtype", "bf16"]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU server
 
 
@@ -129,6 +134,7 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path, tok):
             VLLM_PY,
             "--vllm-args",
             EAGER,
+            *BF16,
             "--out",
             out,
         ],
@@ -149,6 +155,8 @@ def test_train_py_on_vllm_is_token_faithful_and_syncs_each_step(tmp_path, tok):
         ), r
         assert r["prob_corr"] >= 0.98 and r["dlogp_by_staleness"].get("0", 1.0) < 0.1, r
     log = open(os.path.join(out, "vllm_0.log")).read()
+    # the server samples in bf16 while the trainer computes in fp32 (--dtype auto)
+    assert "dtype=torch.bfloat16" in log and "dtype=torch.float32" not in log, log[-2000:]
     # each sync wakes the weights, reloads them, then wakes the KV cache (the peak is the weights, not both)
     assert log.count("to fall asleep") == 2 and log.count("to wake up tags ['weights']") == 2, log[
         -2000:
@@ -295,6 +303,7 @@ def test_train_py_serves_its_own_weights_from_vllm_url_servers_and_refuses_anoth
         vllm.urls[0],
         "--vllm-api-key",
         vllm.api_key,
+        *BF16,
         "--out",
         out,
     ]
@@ -315,6 +324,51 @@ def test_train_py_serves_its_own_weights_from_vllm_url_servers_and_refuses_anoth
     assert row["grad_norm"] is not None and row["dlogp_mean"] < 0.1 and row["prob_corr"] >= 0.99, (
         row
     )
+
+
+def test_train_py_stops_at_step_1_when_vllm_url_servers_serve_another_checkpoint(vllm, tmp_path):
+    """The guard on the served weights, on vLLM: the trainer's --model is a checkpoint of SmolLM2's
+    weights with another RoPE base (rope_theta 1000, not 100000), the --vllm-url server serves
+    SmolLM2. The first sync gives the server the trainer's weights, but not its config: the calls
+    are sampled by another model (mean |dlogp| ~0.7 in fp32), and the run stops at step 1 before
+    its update, naming the causes and --max-mismatch, with no checkpoint written."""
+    src, other = resolve("smollm2"), tmp_path / "rope1000"
+    other.mkdir()
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), other / name)
+    config = json.load(open(os.path.join(src, "config.json")))
+    config["rope_parameters"]["rope_theta"] = 1000.0
+    (other / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--model",
+        str(other),
+        "--harness",
+        "tests/harnesses.py:LengthHarness",
+    ]
+    cmd += [
+        "--harness-arg",
+        "max_tokens=16",
+        "--harness-arg",
+        "ranked=True",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+    ]
+    cmd += ["--eval-tasks", "0", "--save-every", "1", "--backend", "vllm", *BF16]
+    cmd += ["--vllm-url", vllm.urls[0], "--vllm-api-key", vllm.api_key, "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    print(p.stderr[-1500:])
+    # ranked=True: every group has a signal, so step 1 runs its backward, where the guard is
+    assert p.returncode != 0 and "step 1: the sampler's logprobs are not the trainer's" in p.stderr
+    assert "past --max-mismatch 0.2" in p.stderr and "another model" in p.stderr
+    assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")
 
 
 def test_forced_calls_on_vllm_follow_their_schema_and_the_trainer_replays_vllms_masks(
@@ -414,7 +468,7 @@ def test_lora_on_vllm_serves_each_harness_its_adapter_and_refuses_a_server_witho
         "--lr",
         "2e-3",
     ]
-    cmd += ["--warmup-steps", "0", "--lora", "8", "--lora-per-harness", "--save-every", "1"]
+    cmd += ["--warmup-steps", "0", "--lora", "8", "--lora-per-harness", "--save-every", "1", *BF16]
     cmd += ["--backend", "vllm", "--vllm-python", VLLM_PY, "--vllm-args", EAGER]
     p = subprocess.run(cmd + ["--out", out], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

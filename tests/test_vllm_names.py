@@ -143,6 +143,8 @@ class StubVLLM:
 
     def __init__(self, root: str):
         self.posts, self.answers = [], {}
+        # the folder it says it serves (/v1/models' "root")
+        self.root = root
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -158,7 +160,7 @@ class StubVLLM:
                 self.wfile.write(raw)
 
             def do_GET(self):
-                model = {"id": root, "root": root, "max_model_len": 2048}
+                model = {"id": stub.root, "root": stub.root, "max_model_len": 2048}
                 self.reply({"object": "list", "data": [model]})
 
             def do_POST(self):
@@ -496,3 +498,39 @@ def test_a_sync_into_a_file_system_that_filled_stops_before_writing(tmp_path, mo
     ):
         backend.sync_weights(trainer, version=3)
     assert [route for route, _ in stub.posts].count("/collective_rpc") == 2
+
+
+def test_the_sync_file_is_safetensors_written_a_tensor_at_a_time(tmp_path):
+    """write_safetensors' file is what safetensors reads: each tensor in its dtype, shape and
+    values, a 0-d and a transposed (non-contiguous) one included."""
+    from safetensors.torch import load_file
+
+    from lightning_lite.extras.vllm import write_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=gen), "b": torch.randn(7, generator=gen)}
+    tensors |= {"c": torch.tensor(2.5), "d": torch.randn(4, 6, generator=gen).t()}
+    tensors["e"] = torch.arange(6).view(2, 3)
+    dtypes = {"a": torch.bfloat16, "b": torch.float32, "c": torch.bfloat16, "d": torch.float32}
+    dtypes["e"] = torch.int64
+    path = str(tmp_path / "model.safetensors")
+    write_safetensors(path, tensors, dtypes)
+    back = load_file(path)
+    assert list(back) == sorted(tensors)
+    for name, value in tensors.items():
+        assert back[name].dtype == dtypes[name] and torch.equal(back[name], value.to(dtypes[name]))
+
+
+def test_servers_on_another_machine_are_synced_under_the_trained_models_names(tmp_path):
+    """--vllm-url servers on another node report a folder this machine lacks: the names come from
+    the model the trainer loaded (they must serve it), not a stop."""
+    layer = "model.language_model.layers.0.mlp.up_proj.weight"
+    stub, backend = composite(tmp_path, {layer: torch.zeros(4, 4)})
+    stub.root = "/on/another/node"
+    os.rename(tmp_path / "served", tmp_path / "trained")
+    trainer = {"model.layers.0.mlp.up_proj.weight": torch.ones(4, 4)}
+    with pytest.raises(SystemExit, match="/on/another/node, neither a folder here"):
+        backend.sync_weights(trainer, version=1)
+    backend.trained_from = str(tmp_path / "trained")
+    backend.sync_weights(trainer, version=1)
+    assert list(written(backend)) == [layer]

@@ -342,6 +342,7 @@ def vllm_flags(out, **flags):
     args = dict(vllm_sleep=False, vllm_url=None, vllm_api_key=None, vllm_args="", vllm_servers=1)
     args |= dict(vllm_python=sys.executable, vllm_gpus=None, vllm_gpu_memory=None)
     args |= dict(max_model_len=None, model="test/tiny", out=str(out), parallel="ddp")
+    args |= dict(serve_dtype="bf16")
     return argparse.Namespace(**(args | flags))
 
 
@@ -401,13 +402,14 @@ def test_start_refuses_servers_that_cannot_fit_before_starting_any(fake_env, mon
 def test_sync_sizes_are_the_served_weights_or_the_adapters_twice():
     learner = tiny_learner()
     params = sum(p.numel() for p in learner.model.parameters())
-    assert vllm._sync_bytes(learner) == vllm._served_bytes(learner) == 2 * params
+    bf16 = torch.bfloat16
+    assert vllm._sync_bytes(learner, bf16) == vllm._served_bytes(learner, bf16) == 2 * params
     adapter = learner.model.model.layers[0].self_attn.q_proj.weight  # stands in for --lora's
     for p in learner.model.parameters():
         p.requires_grad_(p is adapter)
     learner.adapter = object()
-    assert vllm._sync_bytes(learner) == 2 * 2 * adapter.numel()  # the previous version stays
-    assert vllm._served_bytes(learner) == 2 * (params - adapter.numel())
+    assert vllm._sync_bytes(learner, bf16) == 2 * 2 * adapter.numel()  # the previous version stays
+    assert vllm._served_bytes(learner, bf16) == 2 * (params - adapter.numel())
 
 
 def test_servers_started_elsewhere_get_a_sync_folder_with_room(fake_vllm, monkeypatch):

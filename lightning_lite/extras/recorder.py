@@ -3,7 +3,7 @@ run"): each step's per-token training data, and a heartbeat.
 
     RUN_DIR/tokens/step_K.jsonl   a selection of the samples update K + 1 trained on, each token's
                                   trainer logprob, rollout logprob, ratio, clipped, advantage,
-                                  entropy
+                                  entropy, correction
     RUN_DIR/heartbeat.json        the phase and the rollouts in flight, rewritten every second
 
 Its invariants: a token line holds exactly the numbers the trainer computed for that sample's
@@ -77,6 +77,17 @@ def rounded(values: torch.Tensor) -> list[float]:
     return [round(v, DECIMALS) for v in values.double().tolist()]
 
 
+def corrections(options: dict, logprobs, old, loss_mask) -> torch.Tensor:
+    """[B, T] each token's importance weight times whether a band kept it, as policy_loss applies
+    them under ``options`` (a missing option: off)."""
+    mode = options.get("rollout_correction", "none")
+    c_min = options.get("correction_min", 0.0)
+    c_max = options.get("correction_max", 3.0)
+    weight, _ = algo.correction_weights(logprobs, old, loss_mask, mode, c_min, c_max)
+    bands = (options.get("reject_token"), options.get("reject_seq_mean"))
+    return weight * algo.rejection_mask(logprobs, old, loss_mask, *bands)
+
+
 class TokenRecorder:
     """One backward pass's selection of samples (``add`` each micro-batch), written to
     tokens/step_K.jsonl by ``close``."""
@@ -132,7 +143,11 @@ class TokenRecorder:
                     options["tis_cap"],
                     options["clip_ratio_c"],
                 )
+                # [B, T]: what the mismatch corrections multiply each token's policy term by
+                # (algo.policy_loss; 1 when off)
+                correction = corrections(options, logprobs, old, batch["loss_mask"])
             line = self.line(sample, i, batch, logprobs, entropy, ratio, clipped, largest[i])
+            line["correction"] = rounded(correction[i, batch["loss_mask"][i] > 0])
             if take_worst:
                 heapq.heappush(self.worst, (largest[i], order, line))
                 if len(self.worst) > WORST:

@@ -73,16 +73,17 @@ def add_args(parser):
 def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
     """train.py's vLLM backend: rank 0 starts ``--vllm-servers`` of ``resume_dir`` or --model
     (placed by ``placement``), unless ``--vllm-url`` names running ones; every rank's proxy sends to
-    the same servers; rank 0 writes the weight syncs, in the trainer's compute dtype. The trained
+    the same servers; rank 0 writes the weight syncs, in --serve-dtype (the servers'). The trained
     model's config gives the context and RoPE. Under a model adapter (--lora) the servers serve the
     base model and load each sync's adapters. Before any server starts, each one's share of its GPUs
     must hold the weights and one request's KV cache (``check_servers_fit``), and the folder the
     syncs go to must hold a sync (``check_room``)."""
     config = learner.model.config
-    dtype = learner.dtype
     adapter = learner.adapter
     if args.vllm_sleep and adapter is not None:
         sys.exit("--vllm-sleep drops the base model the adapters need: leave it out with --lora")
+    # the servers compute in --serve-dtype and the syncs are written in it; the trainer keeps --dtype
+    dtype = torch.bfloat16 if args.serve_dtype == "bf16" else torch.float32
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not args.vllm_url and local_world < world:
@@ -107,7 +108,7 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
         }
         context += ["--hf-overrides", json.dumps(overrides)]
     backend, urls, key = None, args.vllm_url, args.vllm_api_key
-    sync_bytes = _sync_bytes(learner)
+    sync_bytes = _sync_bytes(learner, dtype)
     if rank == 0 and args.vllm_url:
         # the --vllm-url servers read the syncs from OUT/weights
         hint = "free space there, or give --out a folder with room that the servers read"
@@ -123,7 +124,7 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
         flags = context + ["--dtype", str(dtype).removeprefix("torch.")] + lora + extra + sleep
         places = _places(args, device, local_world, extra)
         if places is not None:
-            weights = _served_bytes(learner)
+            weights = _served_bytes(learner, dtype)
             text_config = config.get_text_config().to_dict()
             check_servers_fit(places, _gpu_memory(), weights, text_config, served_len, dtype)
         python, n = args.vllm_python, args.vllm_servers
@@ -146,6 +147,7 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
     backend.adapter = adapter
     backend.sleep_while_training = args.vllm_sleep
     backend.parallel = args.parallel
+    backend.trained_from = resolve(args.model)
     # servers a user started may serve other weights (a previous run's, before --resume); under an
     # adapter they serve the base model until they load the adapters
     backend.first_sync = bool(args.vllm_url) or adapter is not None
@@ -185,24 +187,24 @@ def _gpu_memory() -> dict:
     return {gpu: torch.cuda.get_device_properties(i).total_memory for i, gpu in enumerate(visible)}
 
 
-def _served_bytes(learner) -> int:
-    """The bytes of the weights the servers hold, in the served dtype: the trained model's (under
+def _served_bytes(learner, dtype: torch.dtype) -> int:
+    """The bytes of the weights the servers hold, in the served ``dtype``: the trained model's (under
     --lora its base; the adapters are what trains). A DTensor (FSDP) counts its whole size."""
     params = learner.model.parameters()
     if learner.adapter is not None:
         params = [p for p in learner.model.parameters() if not p.requires_grad]
-    return sum(p.numel() for p in params) * learner.dtype.itemsize
+    return sum(p.numel() for p in params) * dtype.itemsize
 
 
-def _sync_bytes(learner) -> int:
-    """The bytes a weight sync writes, in the served dtype: the whole model; under --lora its
+def _sync_bytes(learner, dtype: torch.dtype) -> int:
+    """The bytes a weight sync writes, in the served ``dtype``: the whole model; under --lora its
     adapters (the trainable parameters), twice, as the previous version's stay until the servers
     load the new ones."""
     if learner.adapter is None:
         params = list(learner.model.parameters())
-        return sum(p.numel() for p in params) * learner.dtype.itemsize
+        return sum(p.numel() for p in params) * dtype.itemsize
     adapters = [p for p in learner.model.parameters() if p.requires_grad]
-    return 2 * sum(p.numel() for p in adapters) * learner.dtype.itemsize
+    return 2 * sum(p.numel() for p in adapters) * dtype.itemsize
 
 
 def placement(gpu_sets: list[str], trainer_gpus: list[str], share=None, args: list = ()) -> list:
@@ -361,7 +363,7 @@ class VLLMBackend(PauseGate):
         self.urls, self.sync_dir, self.procs = [u.rstrip("/") for u in urls], sync_dir, procs or []
         self.api_key = api_key or os.environ.get("VLLM_API_KEY")
         self.writes_weights = writes_weights
-        # of the weight-sync file (train.py: --dtype's, half of fp32 in bf16); None: the weights'
+        # of the weight-sync file (train.py: --serve-dtype's, half of fp32 in bf16); None: the weights'
         # own
         self.dtype = None
         try:
@@ -392,6 +394,10 @@ class VLLMBackend(PauseGate):
         # the served checkpoint's tensors ({name: dtype}, read at the first sync) and the served
         # name of each trainer tensor named so far (``served_names``)
         self.checkpoint, self.served_as = None, {}
+        # the model the trainer loaded (train.py's --model, set by start): its names stand for the
+        # served checkpoint's when the servers' folder is not on this machine (servers on other
+        # nodes), since the servers must serve the trained model
+        self.trained_from = None
 
     @classmethod
     def spawn(
@@ -599,26 +605,25 @@ class VLLMBackend(PauseGate):
 
     def _write(self, state_dict: dict, fp32=()):
         """``sync_dir``/model.safetensors: ``state_dict`` in ``self.dtype``, the tensors named in
-        ``fp32`` in fp32. Tensors that share storage (tied embeddings) are written once, under the
-        first of their names (vLLM re-ties them)."""
-        from safetensors.torch import save_file
-
+        ``fp32`` in fp32, each converted and copied to host memory as it is written
+        (``write_safetensors``). Tensors that share storage (tied embeddings) are written once,
+        under the first of their names (vLLM re-ties them)."""
         first = {v.data_ptr(): (k, v) for k, v in reversed(state_dict.items())}
-        out = {}
-        for k, v in first.values():
-            dtype = self.dtype or v.dtype
+        tensors = dict(first.values())
+        dtypes = {}
+        for k, v in tensors.items():
+            dtypes[k] = self.dtype or v.dtype
             if k in fp32:
-                dtype = torch.float32
-            out[k] = v.detach().to("cpu", dtype).contiguous()
+                dtypes[k] = torch.float32
         path = os.path.join(self.sync_dir, "model.safetensors")
         # the file system may have filled since start-up; the previous sync's file is overwritten
-        nbytes = sum(t.numel() * t.itemsize for t in out.values())
+        nbytes = sum(t.numel() * dtypes[k].itemsize for k, t in tensors.items())
         previous = 0
         if os.path.exists(path):
             previous = os.path.getsize(path)
         check_room(self.sync_dir, nbytes - previous, "free space there, or set TMPDIR")
         os.makedirs(self.sync_dir, exist_ok=True)
-        save_file(out, path)
+        write_safetensors(path, tensors, dtypes)
 
     def _as_served(self, state_dict: dict) -> dict:
         """The trainer's tensors under the names the served checkpoint gives them
@@ -664,7 +669,10 @@ class VLLMBackend(PauseGate):
         """The served checkpoint's tensors, {name: dtype} (``checkpoint_tensors``), read at the
         first sync."""
         if self.checkpoint is None:
-            self.checkpoint = checkpoint_tensors(_local_model_dir(self._served_root()))
+            root = self._served_root()
+            if not os.path.isdir(root) and self.trained_from is not None:
+                root = self.trained_from
+            self.checkpoint = checkpoint_tensors(_local_model_dir(root))
         return self.checkpoint
 
     def _served_names(self, names: list) -> dict:
@@ -754,11 +762,12 @@ def _local_model_dir(root: str) -> str:
     if os.path.isdir(root):
         return root
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
         return snapshot_download(root, allow_patterns=["*.safetensors"], local_files_only=True)
-    except LocalEntryNotFoundError:
+    # not in the cache, or a path (a folder on another machine), not a hub name
+    except (LocalEntryNotFoundError, HFValidationError):
         raise SystemExit(
             f"the vLLM servers serve {root}, neither a folder here nor in this machine's hub "
             "cache: a weight sync names its tensors as that checkpoint does, so start the servers "
@@ -860,6 +869,46 @@ def _sync_dir(nbytes: int) -> str:
     )
     check_room(on_disk, nbytes, hint)
     return on_disk
+
+
+# safetensors' names of the dtypes a sync writes
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SAFETENSORS_DTYPES |= {
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_safetensors(path: str, tensors: dict, dtypes: dict):
+    """Write ``tensors`` (name -> tensor, on any device) to ``path`` as safetensors, each converted
+    to ``dtypes[name]`` and copied to host memory only when its turn comes: the host holds one
+    tensor beside the file (safetensors' save_file takes every tensor in host memory first, 16 GB
+    for an 8B model in bf16). The format: 8 bytes of header length (little-endian), the JSON
+    header {name: {"dtype", "shape", "data_offsets": [begin, end]}} padded with spaces to 8 bytes,
+    then the tensors' bytes in the header's order.
+
+    A 2 x 3 tensor in BF16 then a 4-element one in F32: offsets [0, 12] and [12, 28]."""
+    header = {}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * dtypes[name].itemsize
+        dtype = SAFETENSORS_DTYPES[dtypes[name]]
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, t in tensors.items():
+            host = t.detach().to(dtypes[name]).to("cpu").contiguous().reshape(-1)
+            f.write(memoryview(host.view(torch.uint8).numpy()))
 
 
 def check_room(folder: str, nbytes: int, hint: str = "free space there"):

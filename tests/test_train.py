@@ -504,11 +504,13 @@ def test_tree_packing_trains_exactly_as_separate_rows(tmp_path):
     ] == pytest.approx(flat["grad_norm"], rel=1e-4)
     assert tree["fwd_tokens"] < 0.7 * flat["fwd_tokens"], (tree["fwd_tokens"], flat["fwd_tokens"])
     # Adam's first step moves a weight by about lr whatever its gradient's size, so on the few weights with a gradient
-    # at fp32 noise (another summation order) the two runs differ by up to lr: compare the whole update (measured 2e-4)
+    # at fp32 noise (another summation order) the two runs differ by up to lr: compare the whole update (measured 2e-4
+    # of it until 6 Dec 2026; 1.1e-3 on 7 Dec 2026 with transformers 5.19.0 and peft 0.22.0, on an untouched checkout
+    # of the day before too). A tree that trained other tokens would move it by about the whole update.
     w0 = load_model("smollm2").state_dict()
     update = torch.cat([(w[k] - w0[k]).double().flatten() for k in w])
     diff = torch.cat([(w[k] - w_flat[k]).double().flatten() for k in w])
-    assert update.norm() > 0 and diff.norm() <= 1e-3 * update.norm(), (diff.norm(), update.norm())
+    assert update.norm() > 0 and diff.norm() <= 3e-3 * update.norm(), (diff.norm(), update.norm())
 
 
 def test_grammar_constrained_calls_are_scored_under_the_mask_that_drew_them(tmp_path):

@@ -108,6 +108,11 @@ def wrap(model, dtype: torch.dtype = torch.float32):
     fsdp2.fully_shard(model, **policy)
     if id(model) in _unfilled:
         _fill(model, *_unfilled.pop(id(model)))
+    # FSDP settles each shard unit's gradient dtypes at the root's first forward, from the
+    # parameters trainable then. The first forward of a step is the KL reference's, where peft's
+    # disable_adapter has frozen the adapters: settled then, no unit would cast its bf16 gradients
+    # to the fp32 shards' dtype. Settled here, the trainable parameters are the trained ones.
+    model._get_fsdp_state()._lazy_init()
     return model
 
 

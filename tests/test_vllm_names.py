@@ -477,6 +477,50 @@ def test_lora_on_a_composite_checkpoint_applies_the_adapter_of_every_module(serv
     assert gap(model, adapted) < 0.05 and base_gap > 10 * gap(model, adapted)
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_a_sync_that_leaves_a_layer_behind_stops_the_run(server):
+    """A sync whose file lacks one tensor of the text model (layer 1's down_proj): vLLM's reload
+    answers a 200 and keeps that parameter's old weights; the servers this run started say so
+    (extras/vllm_worker.py's counted_reload) and the sync stops the run, naming it. A full sync
+    then reloads everything (no parameter left out)."""
+    backend, trainer = server
+    weights = dict(gemma(seed=4).state_dict())
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(SystemExit) as e:
+        backend.sync_weights(weights, version=5)
+    assert "1 in the synced modules kept their old weights" in str(e.value)
+    assert "layers.1.mlp.down_proj.weight" in str(e.value)
+    backend.sync_weights(trainer, version=6)
+    backend.resume()
+    assert gap(trainer, served(backend, "whole")) < 0.05
+
+
+def test_a_reload_counts_only_the_modules_the_sync_sent():
+    """vllm_worker.left_out: a parameter the reload did not load counts when its module's parent
+    holds a sent name (vLLM fused q/k/v into qkv_proj); a vision tower nothing was sent for does
+    not. check_reload stops the run on a worker's non-empty answer and passes a plain reload's."""
+    from lightning_lite.extras.vllm import check_reload
+    from lightning_lite.extras.vllm_worker import left_out
+
+    params = {
+        "lm.layers.0.attn.qkv_proj.weight",
+        "lm.layers.0.mlp.down_proj.weight",
+        "lm.norm.weight",
+        "vision.blocks.0.attn.qkv.weight",
+    }
+    sent = ["lm.layers.0.attn.q_proj.weight", "lm.layers.0.mlp.gate_proj.weight"]
+    sent += ["lm.norm.weight"]
+    loaded = {"lm.layers.0.attn.qkv_proj.weight", "lm.norm.weight"}
+    assert left_out(params, loaded, sent) == ["lm.layers.0.mlp.down_proj.weight"]
+    assert left_out(params, loaded | {"lm.layers.0.mlp.down_proj.weight"}, sent) == []
+    check_reload("http://s", None)
+    check_reload("http://s", {"results": [{"parameters": 4, "left_out": []}, None]})
+    answer = {"results": [{"parameters": 4, "left_out": ["lm.layers.0.mlp.down_proj.weight"]}]}
+    with pytest.raises(SystemExit, match="reloaded 3 of 4 parameters"):
+        check_reload("http://s", answer)
+
+
 def test_a_sync_into_a_file_system_that_filled_stops_before_writing(tmp_path, monkeypatch):
     """The folder had room at start-up; a sync that no longer fits (another process filled /dev/shm)
     stops with both numbers before writing a torn file or asking a server to reload. The previous

@@ -338,11 +338,15 @@ def lora_flags(rank, adapters=1) -> list:
 
 
 # What every started server needs: processed logprobs (of the distribution sampled from), vLLM's
-# sampling defaults (not generation_config.json's), grammars by the guidance backend (llguidance)
+# sampling defaults (not generation_config.json's), grammars by the guidance backend (llguidance),
+# and the worker methods of extras/vllm_worker.py (a reload that says what it left out), importable
+# from this checkout (spawn puts it on the servers' PYTHONPATH).
 _SERVER_ARGS = [
     *"--host 127.0.0.1 --logprobs-mode processed_logprobs --generation-config vllm".split(),
     *["--structured-outputs-config", '{"backend": "guidance"}'],
+    *["--worker-extension-cls", "lightning_lite.extras.vllm_worker.CountedReload"],
 ]
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _GRAMMAR_HINT = (
     ' (a grammar: start the servers with --structured-outputs-config \'{"backend": "guidance"}\')'
 )
@@ -427,6 +431,7 @@ class VLLMBackend(PauseGate):
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
         env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": key}
         env |= {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_CHECKOUT, env.get("PYTHONPATH")]))
         die = _die_with_parent if sys.platform == "linux" else None
         for k, (place_env, place_args) in enumerate(places or [({}, [])] * n):
             port = _free_port()
@@ -557,8 +562,14 @@ class VLLMBackend(PauseGate):
             self._write(state, fp32)
             if self.sleeping:
                 self._post("/wake_up?tags=weights")
-            reload = {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}
-            self._post("/collective_rpc", reload)
+            # Servers this run started say what their reload left out (extras/vllm_worker.py);
+            # others (--vllm-url) answer only that it ran.
+            method = "reload_weights"
+            if self.procs:
+                method = "counted_reload"
+            reload = {"method": method, "kwargs": {"weights_path": self.sync_dir}}
+            for url, answer in zip(self.urls, self._post("/collective_rpc", reload)):
+                check_reload(url, answer)
             if self.sleeping:
                 self._post("/wake_up?tags=kv_cache")
             self._post("/reset_prefix_cache")
@@ -591,10 +602,12 @@ class VLLMBackend(PauseGate):
         if old is not None:
             shutil.rmtree(os.path.join(self.sync_dir, f"v{old}"))
 
-    def _post(self, route: str, body: Optional[dict] = None, **kwargs):
-        """POST ``body`` (JSON, {} by default) to ``route`` of every server, with the API key. An
-        answer {"success": false} is an error: vLLM's /reset_prefix_cache answers so, with a 200,
-        while requests hold KV blocks, and the prefix cache would then serve the old weights'."""
+    def _post(self, route: str, body: Optional[dict] = None, **kwargs) -> list:
+        """POST ``body`` (JSON, {} by default) to ``route`` of every server, with the API key, and
+        return their answers. An answer {"success": false} is an error: vLLM's
+        /reset_prefix_cache answers so, with a 200, while requests hold KV blocks, and the prefix
+        cache would then serve the old weights'."""
+        answers = []
         for url in self.urls:
             answer = _http(url + route, body or {}, key=self.api_key, **kwargs)
             if isinstance(answer, dict) and answer.get("success") is False:
@@ -602,6 +615,8 @@ class VLLMBackend(PauseGate):
                     f"{url}{route} answered {answer}: it was not done (/reset_prefix_cache: "
                     "requests still hold KV blocks there; does another client send to it?)"
                 )
+            answers.append(answer)
+        return answers
 
     def _write(self, state_dict: dict, fp32=()):
         """``sync_dir``/model.safetensors: ``state_dict`` in ``self.dtype``, the tensors named in
@@ -716,6 +731,27 @@ class VLLMBackend(PauseGate):
         # spawn() made the folder
         if self.procs:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+def check_reload(url: str, answer):
+    """Stop the run when a server's reload left parameters as they were in the modules the sync
+    sent weights for: each worker's ``counted_reload`` answer ({"results": [{"parameters": N,
+    "left_out": [...]}, ...]}, extras/vllm_worker.py). Anything else (a plain reload's empty 200,
+    a model whose loader does not say what it loaded) has nothing to check."""
+    if not isinstance(answer, dict):
+        return
+    for result in answer.get("results") or []:
+        if isinstance(result, dict) and result.get("left_out"):
+            left = result["left_out"]
+            names = ", ".join(left[:8])
+            if len(left) > 8:
+                names += f" and {len(left) - 8} more"
+            raise SystemExit(
+                f"{url}: the weight sync reloaded {result['parameters'] - len(left)} of "
+                f"{result['parameters']} parameters; {len(left)} in the synced modules kept their "
+                f"old weights: {names}. vLLM skipped names it does not map: is the served model "
+                "the trained one (--model)?"
+            )
 
 
 # --------------------------------------------------------------------------- the served names

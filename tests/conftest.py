@@ -8,7 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# The tests run the core with every extra loaded, as train.py does (tests/test_no_extras.py runs it with none).
+# The tests run the core with every extra loaded, as train.py does (tests/test_layout.py runs it with none).
 from lightning_lite import hooks  # noqa: E402
 
 EXTRAS = sorted(
@@ -28,7 +28,7 @@ NO_CAPTURES = (
 )
 # A captured request longer than this (as JSON) carries a real harness's system prompt and tools:
 # thousands of tokens to prefill. Those replay in make test-slow: the first of each harness took
-# 13-19 s on 2 cores, the rest ~1 s (the prefix is cached), 80 s for all 33.
+# 13-19 s on 2 cores, the rest ~1 s (the prefix is cached), 80 s for the 31 long ones.
 LONG_CAPTURE_CHARS = 20_000
 
 
@@ -74,8 +74,19 @@ def server(backend, tok, tmp_path_factory):
     srv.stop()
 
 
-# The sandboxes' programs (@pytest.mark.sandbox tests), which `make test-sandbox` installs and starts: when one
-# is missing the test fails under CI (that target ran, so something is broken) and skips elsewhere.
+def require(ok: bool, what: str):
+    """The one skip policy for a tool the project installs (chromium, the coding harnesses, the
+    graders' python, the sandboxes): without it a test fails under CI (``.ci/run`` sets CI=1 and
+    installs them all, so a missing one is a broken install) and skips with ``what`` elsewhere.
+    ``what`` says what is missing and the make target that installs it."""
+    if ok:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} (CI is set: .ci/run installs it)")
+    pytest.skip(what)
+
+
+# The sandboxes' programs (@pytest.mark.sandbox tests), which `make test-sandbox` installs and starts.
 def _sandbox_check(argv, what):
     import subprocess
 
@@ -83,10 +94,7 @@ def _sandbox_check(argv, what):
         ok = subprocess.run(argv, capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         ok = False
-    if not ok:
-        if os.environ.get("CI"):
-            pytest.fail(f"{what}: run make setup-sandbox")
-        pytest.skip(f"{what}: run make setup-sandbox")
+    require(ok, f"{what}: run make setup-sandbox")
 
 
 @pytest.fixture(scope="session")

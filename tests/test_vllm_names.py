@@ -496,11 +496,35 @@ def test_a_sync_that_leaves_a_layer_behind_stops_the_run(server):
     assert gap(trainer, served(backend, "whole")) < 0.05
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_an_adapter_whose_modules_match_none_of_the_servers_stops_the_run(server):
+    """Adapters under the trainer's names (the renaming to the served names skipped): vLLM loads
+    them, matches none of their modules and would serve the base model; the servers this run
+    started say so (extras/vllm_worker.py's unmatched_adapter_modules) and the sync stops."""
+    backend, trainer = server
+    import copy
+
+    args = Namespace(lora=8, lora_alpha=None, lora_rslora=False, lora_targets=None)
+    backend.adapter = LoRA(Namespace(**vars(args), lora_per_harness=False))
+    model = backend.adapter.wrap(copy.deepcopy(trainer))
+    backend._served_adapter = lambda weights: weights
+    try:
+        with pytest.raises(SystemExit) as e:
+            backend.sync_weights(backend.adapter.weights(model, torch.bfloat16), version=7)
+    finally:
+        del backend._served_adapter
+        backend.adapter = None
+        backend._post("/v1/unload_lora_adapter", {"lora_name": "default-v7"})
+    assert "match no module of the served model" in str(e.value)
+    assert "layers.0.self_attn" in str(e.value)
+
+
 def test_a_reload_counts_only_the_modules_the_sync_sent():
     """vllm_worker.left_out: a parameter the reload did not load counts when its module's parent
     holds a sent name (vLLM fused q/k/v into qkv_proj); a vision tower nothing was sent for does
     not. check_reload stops the run on a worker's non-empty answer and passes a plain reload's."""
-    from lightning_lite.extras.vllm import check_reload
+    from lightning_lite.extras.vllm import check_adapters, check_reload
     from lightning_lite.extras.vllm_worker import left_out
 
     params = {
@@ -515,6 +539,9 @@ def test_a_reload_counts_only_the_modules_the_sync_sent():
     assert left_out(params, loaded, sent) == ["lm.layers.0.mlp.down_proj.weight"]
     assert left_out(params, loaded | {"lm.layers.0.mlp.down_proj.weight"}, sent) == []
     check_reload("http://s", None)
+    check_adapters("http://s", {"results": [{"1": []}, {}]})
+    with pytest.raises(SystemExit, match="adapter 2's modules lm.layers.0.attn.qkv_proj"):
+        check_adapters("http://s", {"results": [{"2": ["lm.layers.0.attn.qkv_proj"]}]})
     check_reload("http://s", {"results": [{"parameters": 4, "left_out": []}, None]})
     answer = {"results": [{"parameters": 4, "left_out": ["lm.layers.0.mlp.down_proj.weight"]}]}
     with pytest.raises(SystemExit, match="reloaded 3 of 4 parameters"):

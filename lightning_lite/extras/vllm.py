@@ -599,6 +599,11 @@ class VLLMBackend(PauseGate):
                 ) from None
             if old is not None:
                 self._post("/v1/unload_lora_adapter", {"lora_name": f"{name}-v{old}"})
+        # Servers this run started say which adapter modules matched none of theirs
+        # (extras/vllm_worker.py): the base model would serve there.
+        if self.procs:
+            for url, answer in zip(self.urls, self._post("/collective_rpc", _UNMATCHED)):
+                check_adapters(url, answer)
         if old is not None:
             shutil.rmtree(os.path.join(self.sync_dir, f"v{old}"))
 
@@ -752,6 +757,22 @@ def check_reload(url: str, answer):
                 f"old weights: {names}. vLLM skipped names it does not map: is the served model "
                 "the trained one (--model)?"
             )
+
+
+_UNMATCHED = {"method": "unmatched_adapter_modules"}
+
+
+def check_adapters(url: str, answer):
+    """Stop the run when a server holds an adapter with modules that match none of the served
+    model's: each worker's ``unmatched_adapter_modules`` answer ({"results": [{id: [names]}]})."""
+    for result in answer.get("results") or []:
+        for adapter, names in result.items():
+            if names:
+                raise SystemExit(
+                    f"{url}: adapter {adapter}'s modules {', '.join(names[:8])} ({len(names)}) "
+                    "match no module of the served model: the base model would serve there. Is "
+                    "the served model the trained one (--model)?"
+                )
 
 
 # --------------------------------------------------------------------------- the served names

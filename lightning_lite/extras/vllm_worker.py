@@ -6,8 +6,10 @@ vLLM's own reload answers a 200 whatever it loaded: its model's ``load_weights``
 its loader ignores, and 0.32's reload keeps the old weights of every parameter it was not given.
 ``counted_reload`` is that reload, and it names the worker's parameters it left as they were in the
 modules the sync sent weights for, so that the trainer can stop a sync that did not land on every
-layer (extras/vllm.py). It imports only the standard library: vLLM's venv has none of the trainer's
-dependencies."""
+layer (extras/vllm.py). LoRA has the same gap: an adapter's module that matches none of the served
+model's is left out at debug level, and the base model serves there;
+``unmatched_adapter_modules`` names them. It imports only the standard library: vLLM's venv has none
+of the trainer's dependencies."""
 
 import glob
 import json
@@ -73,3 +75,17 @@ class CountedReload:
         if mapper is not None:
             sent = [mapped for mapped in map(mapper.map_name, sent) if mapped]
         return {"parameters": len(params), "left_out": left_out(params, set(loaded[0]), sent)}
+
+    def unmatched_adapter_modules(self) -> dict:
+        """{adapter id: [its modules that match no LoRA module of the served model]} for every
+        adapter this worker holds (vLLM 0.32's LoRA manager: its modules by name, and each
+        adapter's, q/k/v already merged as the model's qkv_proj); {} without LoRA. E.g. an adapter
+        under the trainer's names on a composite checkpoint: {"1": ["model.layers.0.mlp.down_proj",
+        ...]}, where the server's modules are "language_model.model.layers.0.mlp.down_proj"."""
+        runner = self.model_runner
+        if getattr(runner, "lora_manager", None) is None:
+            return {}
+        manager = runner.lora_manager._adapter_manager
+        modules = set(manager.modules)
+        adapters = manager._registered_adapters
+        return {str(i): sorted(set(adapter.loras) - modules) for i, adapter in adapters.items()}

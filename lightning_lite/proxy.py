@@ -595,7 +595,9 @@ def _error(path: str, status: int, message: str, param=None, code=None, retry_af
     shapes = [shape for fragment, shape in hooks.ERROR_SHAPES.items() if fragment in path]
     error_body = shapes[0] if shapes else apis.error_body
     body = error_body(status, message, param, code)
-    headers = {"Retry-After": f"{retry_after:g}"} if retry_after else None
+    headers = None
+    if retry_after is not None:
+        headers = {"Retry-After": f"{retry_after:g}"}
     return web.json_response(body, status=status, headers=headers)
 
 

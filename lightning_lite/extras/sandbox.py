@@ -256,7 +256,8 @@ def _bwrap_problem() -> Optional[str]:
 
 
 HELP = "where a program harness's rollouts run: auto (bwrap, else an error that says how to install"
-HELP += " it), bwrap, docker, podman, none (the host), or a command template with {argv}"
+HELP += " it), bwrap, docker, podman (untested: docker's code with podman's CLI), none (the host),"
+HELP += " or a command template with {argv}"
 
 
 def add_args(parser):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 from openai_stub import StubServer, tool_call
 
@@ -435,13 +436,12 @@ def train_step(tmp_path, harness, *args):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     calls = [json.loads(line) for line in open(os.path.join(out, "calls", "step_0.jsonl"))]
     (row,) = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert (
-        row["rollouts"] == 2
-        and row["failed"] == 0
-        and 0.0 <= row["reward"] <= 1.0
-        and row["calls"] == len(calls)
-    )
-    return calls, row
+    rollouts = [json.loads(line) for line in open(os.path.join(out, "rollouts", "step_0.jsonl"))]
+    assert row["rollouts"] == len(rollouts) == 2 and row["failed"] == 0
+    assert row["calls"] == len(calls)
+    # the step's reward is the mean of its rollouts' (each checked against the harness by a test)
+    assert row["reward"] == pytest.approx(sum(r["reward"] for r in rollouts) / 2)
+    return calls, row, rollouts
 
 
 @pytest.mark.slow  # ~40-160 s: make test-slow
@@ -449,7 +449,7 @@ def test_search_trains_one_step_and_compaction_splits_the_sample(tmp_path):
     """Budget 1 token: the agent compacts before its third (last) turn, so each rollout makes 4 calls
     (2 forced searches, the summary side call, the answer) and gives 2 samples: the first three calls
     merged (the summary call extends the conversation), and the answer after the rewritten history."""
-    calls, row = train_step(
+    calls, row, _ = train_step(
         tmp_path,
         "search",
         "--harness-arg",
@@ -471,11 +471,34 @@ def test_search_trains_one_step_and_compaction_splits_the_sample(tmp_path):
     assert row["samples"] == 4 and row["splits"] == {"rewrote_history": 2}
 
 
+@pytest.mark.slow  # ~45 s (27 s before it made an update: the backward, AdamW's state saved)
 def test_instruct_trains_one_step(tmp_path):
-    calls, row = train_step(tmp_path, "instruct", "--harness-arg", "max_tokens=16")
+    """One train.py step on examples/instruct: two rollouts of one task, one call each, whose
+    recorded reward is instruct's score of the recorded reply (recomputed here), each call one
+    sample, and an update that changes the weights. --loss sft imitates both replies, so the step
+    always has something to learn: under grpo two 16-token replies mostly score alike (measured:
+    both 0.0), and the step skips its update (no_signal)."""
+    from safetensors.torch import load_file
+
+    from lightning_lite.models import load_model
+
+    flags = ["--harness-arg", "max_tokens=16", "--loss", "sft"]
+    calls, row, rollouts = train_step(tmp_path, "instruct", *flags)
     assert len(calls) == 2 and len({x["rollout_id"] for x in calls}) == 2
     assert (
         row["samples"] == 2
         and row["splits"] == {}
         and row["trainable_tokens"] == sum(len(x["response_ids"]) for x in calls)
     )
+    tasks = {t.id: t for t in instruct.tasks("train")}
+    reply = {x["rollout_id"]: x["response"]["content"] for x in calls}
+    for r in rollouts:
+        assert r["reward"] == IFE.score(reply[r["rollout_id"]], tasks[r["task_id"]].answer), r
+    # an update: a gradient, a loss (sft: the replies' mean negative logprob), new weights
+    assert row["skipped"] is None and row["grad_norm"] > 0 and row["loss"] > 0, row
+    trained = load_file(
+        os.path.join(tmp_path, "instruct", "checkpoints", "step_1", "model.safetensors")
+    )
+    initial = load_model("smollm2").state_dict()
+    changed = [k for k, v in trained.items() if not torch.equal(v, initial[k])]
+    assert len(changed) > 10, changed

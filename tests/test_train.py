@@ -316,7 +316,9 @@ def test_calc_agent_on_the_embedded_model(server):
             "--tis-cap",
             "1.5",
             "--norm",
-            "seq-mean-token-mean",
+            "seq-mean-token-sum-norm",
+            "--norm-const",
+            "3",
             "--adv",
             "reinforce",
             "--kl-coef",
@@ -336,10 +338,14 @@ def test_calc_agent_on_the_embedded_model(server):
             "--max-seq-len",
             "48",
             "--drop-zero-variance",
+            "--clip-low",
+            "0.1",
+            "--clip-high",
+            "0.05",
         ],
         [
             "--norm",
-            "seq-mean-token-sum-norm",
+            "seq-mean-token-mean",
             "--eval-every",
             "1",
             "--grad-clip",
@@ -360,13 +366,19 @@ def test_calc_agent_on_the_embedded_model(server):
     ],
     ids=[
         "gspo-token-mean-rloo-cosine",
-        "tis-seq-mean-reinforce-kl",
+        "tis-sum-norm-reinforce-kl",
         "seq-sum-dr_grpo-microbatch-maxlen",
-        "sum-norm-eval-every",
+        "seq-mean-eval-every",
     ],
 )
 @pytest.mark.slow  # ~40-160 s: make test-slow
 def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
+    """Two steps under each loss, normalization and estimator, and the optimization flags as train.py
+    passes them on: the `lr` column is the schedule's, by hand (the constant one's default warmup of 2
+    steps, or cosine without warmup); user-given --clip-low/--clip-high, --norm-const, --weight-decay
+    and --grad-clip reach config.json (the flags TrainConfig.from_flags reads), and --norm-const sets
+    the loss's value. What those values do to a loss and an update is test_optim.py's, on a Learner:
+    the clip range and C in a loss by hand, AdamW fed the clipped gradient, decay of lr * wd."""
     monkeypatch.setenv(
         "WANDB_MODE", "offline"
     )  # no network here: wandb writes its run under OUT/wandb
@@ -399,12 +411,33 @@ def test_every_loss_norm_and_estimator_trains(tmp_path, opts, monkeypatch):
     assert (
         abs(steps[0]["dlogp_mean"]) < 1e-3
     )  # same weights on both sides: the trainer reproduces the rollout logprobs
+    # --lr 1e-4 over 2 steps: cosine without warmup 1e-4, then 1e-4 (0.1 + 0.45 (1 + cos(pi / 2)))
+    # = 5.5e-5; constant, its default 2 warmup steps: 1e-4 / 2, then 1e-4
+    lrs = [1e-4, 5.5e-5] if "cosine" in opts else [5e-5, 1e-4]
+    assert [r["lr"] for r in steps] == pytest.approx(lrs, rel=1e-9)
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["norm"] == opts[opts.index("--norm") + 1]
+    assert config["weight_decay"] == (0.01 if "--weight-decay" in opts else 0.0)
+    assert config["grad_clip"] == (0.5 if "--grad-clip" in opts else 1.0)
     if "gspo" in opts:  # GSPO's own clip range, not PPO's 0.2 / 0.28
         assert (config["clip_low"], config["clip_high"]) == (3e-4, 4e-4)
-    if "seq-mean-token-sum-norm" in opts:  # Dr. GRPO's C: the generation budget, --max-new-tokens
-        assert config["norm_const"] == 5
+    if "--clip-low" in opts:  # the user's, not PPO's default 0.2 / 0.28
+        assert (config["clip_low"], config["clip_high"]) == (0.1, 0.05)
+    if "--norm-const" in opts:
+        # the user's C, in the loss's value: at step 1 every ratio is 1 (to ~1e-6: the weights that
+        # sampled) and the KL term 0 (the policy is the reference), so tis's token loss is -A times
+        # the token's logprob (the rollout's, to ~1e-5), and each sample weighs 1 / (N samples * C):
+        # the loss is -sum(A sum(logprobs)) / (N * 3), one sample per rollout (one call each)
+        assert config["norm_const"] == 3
+        rolls = list(read_jsonl(os.path.join(out, "rollouts", "step_0.jsonl")))
+        calls = read_jsonl(os.path.join(out, "calls", "step_0.jsonl"))
+        logprobs = {c["rollout_id"]: sum(c["response_logprobs"]) for c in calls}
+        terms = [x["advantage"] * logprobs[x["rollout_id"]] / (len(rolls) * 3) for x in rolls]
+        loss = steps[0]["loss"]
+        assert loss == pytest.approx(-sum(terms), abs=1e-4 * sum(map(abs, terms))), terms
+    else:
+        # Dr. GRPO's C by default: the generation budget, --max-new-tokens (default 1024)
+        assert config["norm_const"] == (5 if "--max-new-tokens" in opts else 1024)
     if "--eval-every" in opts:
         assert [r["step"] for r in rows(out) if "eval_reward" in r] == [0, 1, 2]
     if (

@@ -19,7 +19,8 @@ EXTRAS = sorted(
 hooks.load_extras(EXTRAS)
 # Requests captured from real harnesses: planning material that lives beside the repo, not in it.
 # Tests that replay them skip with one line when the folder is absent (a plain clone);
-# tests/fixtures/chat_requests.json has the same shapes, written for the project, and always runs.
+# tests/fixtures/*_requests.json (chat, Anthropic Messages, Responses) have the same shapes, written
+# for the project, and always run.
 HARNESS_REQUESTS = os.environ.get(
     "LL_HARNESS_REQUESTS", os.path.join(os.path.dirname(ROOT), "shared", "harness-requests")
 )

@@ -2,7 +2,9 @@
 stream and not, on the embedded model: one conversation, token reuse, live streaming, errors in each format."""
 
 import json
+import os
 import time
+import uuid
 
 import anthropic
 import openai
@@ -10,7 +12,8 @@ import pytest
 import requests
 import torch
 
-from test_proxy import calls_of, client, teacher_forced_call
+from conftest import HARNESS_REQUESTS, NO_CAPTURES, ROOT, capture_marks
+from test_proxy import calls_of, client, prompt_length, teacher_forced_call
 
 from lightning_lite.extras import grammar
 from lightning_lite.algo import collate, trainer_logprobs
@@ -582,10 +585,6 @@ def test_tool_calls_sent_back_as_text_are_read_as_tool_calls():
 
 def captured(shape_paths):
     """Captured harness requests to the given routes (skipped with one line when the folder is absent)."""
-    import os
-
-    from conftest import HARNESS_REQUESTS, NO_CAPTURES, capture_marks
-
     if not os.path.isdir(HARNESS_REQUESTS):
         return [pytest.param(None, None, id="captured", marks=pytest.mark.skip(reason=NO_CAPTURES))]
     out = []
@@ -600,6 +599,21 @@ def captured(shape_paths):
     return out
 
 
+def fixture_requests(*names):
+    """The project's own requests in the captures' shapes (tests/fixtures/NAME; its "_path" is the
+    route they go to): a clean clone has no captures, and these always run."""
+    out = []
+    for name in names:
+        requests_of = json.load(open(os.path.join(ROOT, "tests", "fixtures", name)))
+        path = requests_of.pop("_path")
+        out += [
+            pytest.param(path, body, id=f"fixture-{key}")
+            for key, body in requests_of.items()
+            if not key.startswith("_")
+        ]
+    return out
+
+
 def sse_events(text):
     return [
         json.loads(line[6:])
@@ -608,41 +622,171 @@ def sse_events(text):
     ]
 
 
-@pytest.mark.parametrize("path,body", captured({"/v1/messages", "/v1/responses"}))
-def test_replay_captured_anthropic_and_responses_requests(server, path, body):
-    """Each request Claude Code, Codex, the Agents SDK and OpenHands sent, as sent (fewer tokens): a well-formed
-    answer in its API's format, or, past the embedded model's 8192 tokens, the context error in that format."""
+# What each API tells the client when the recorded call ends with stop or length, and when the
+# reply returns calls to run (even a cut one).
+FINISHES = {
+    "/v1/chat/completions": ({"stop": "stop", "length": "length"}, "tool_calls"),
+    "/v1/messages": ({"stop": "end_turn", "length": "max_tokens"}, "tool_use"),
+    "/v1/responses": ({"stop": "completed", "length": "incomplete"}, "completed"),
+}
+
+
+def read_answer(route, body, r, max_tokens):
+    """The answer ``r`` to ``body`` as its API's official client reads it (handed ``r``'s bytes by a
+    fake transport; a stream through the client's stream helper, after its events' order is
+    checked): (its finish, whether it returns calls to run, its usage as (prompt tokens, reply
+    tokens), None for a chat stream that did not ask for it)."""
+    stream = bool(body.get("stream"))
+    api = "anthropic" if route == "/v1/messages" else "openai"
+    sdk = sdk_client(api, r.content, r.headers["content-type"])
+    events = sse_events(r.text) if stream else []
+    kinds, hi = [e.get("type") for e in events], [{"role": "user", "content": "hi"}]
+    if route == "/v1/chat/completions" and stream:
+        assert r.text.rstrip().endswith("data: [DONE]")
+        chunks = list(sdk.chat.completions.create(model="m", messages=hi, stream=True))
+        ends = [c.choices[0].finish_reason for c in chunks if c.choices]
+        # once, on the last chunk with a choice (a chunk of usage alone may follow it)
+        assert [f for f in ends if f] == ends[-1:]
+        usage = chunks[-1].usage
+        called = any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+        return ends[-1], called, usage and (usage.prompt_tokens, usage.completion_tokens)
+    if route == "/v1/chat/completions":
+        out = sdk.chat.completions.create(model="m", messages=hi)
+        usage, choice = (out.usage.prompt_tokens, out.usage.completion_tokens), out.choices[0]
+        return choice.finish_reason, bool(choice.message.tool_calls), usage
+    if route == "/v1/messages":
+        if stream:
+            assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+            with sdk.messages.stream(model="m", max_tokens=max_tokens, messages=hi) as s:
+                out = s.get_final_message()
+        else:
+            out = sdk.messages.create(model="m", max_tokens=max_tokens, messages=hi)
+        called = any(b.type == "tool_use" for b in out.content)
+        return out.stop_reason, called, (out.usage.input_tokens, out.usage.output_tokens)
+    if stream:
+        ends = ("response.completed", "response.incomplete")
+        assert kinds[0] == "response.created" and kinds[-1] in ends
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        # The stream helper's final response is a completed one's: the last event carries either.
+        with sdk.responses.stream(model="m", input="hi") as s:
+            out = list(s)[-1].response
+    else:
+        out = sdk.responses.create(model="m", input="hi")
+    # validated as a typed client does (the SDK's own reading fills a missing required field)
+    from openai.types.responses import Response
+
+    Response.model_validate(events[-1]["response"] if stream else r.json())
+    called = any(o.type == "function_call" for o in out.output)
+    return out.status, called, (out.usage.input_tokens, out.usage.output_tokens)
+
+
+def check_answer(srv, rid, path, body, r, n_prompt, max_tokens):
+    """``r`` answered ``body`` (sent to ``path``) with a 200 in its API's own format (read_answer).
+    The call is recorded with the prompt's ``n_prompt`` token ids and 1 to ``max_tokens`` sampled
+    ones, and the answer's usage and finish agree with that record."""
+    assert r.status_code == 200, r.text[:500]
+    route = path.split("?")[0]
+    finish, called, usage = read_answer(route, body, r, max_tokens)
+    (call,) = calls_of(srv, rid)
+    n = len(call.response_ids)
+    assert len(call.prompt_ids) == n_prompt and 1 <= n <= max_tokens
+    assert len(call.response_logprobs) == n
+    # A chat stream carries its usage only when stream_options.include_usage asks for it.
+    silent = route == "/v1/chat/completions" and body.get("stream")
+    silent = silent and not (body.get("stream_options") or {}).get("include_usage")
+    assert usage == (None if silent else (n_prompt, n))
+    by_record, of_calls = FINISHES[route]
+    assert finish == (of_calls if called else by_record[call.finish_reason])
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    fixture_requests("messages_requests.json", "responses_requests.json")
+    + captured({"/v1/messages", "/v1/responses"}),
+)
+def test_replay_captured_anthropic_and_responses_requests(server, tok, path, body):
+    """Each request Claude Code, Codex, the Agents SDK and OpenHands sent, as sent (fewer tokens), and
+    the fixtures in their shapes: a well-formed answer in its API's format (check_answer), or, past the
+    embedded model's 8192 tokens, the context error in that format and no call recorded."""
     anth = path.startswith("/v1/messages")
     body = dict(body, **({"max_tokens": 6} if anth else {"max_output_tokens": 6}))
-    r = requests.post(
-        f"{server.url}/rollout/replay-{abs(hash(path + json.dumps(body)[:200])) % 10**8}{path}",
-        json=body,
-    )
-    if r.status_code == 400:
+    rid = "replay-" + uuid.uuid4().hex[:8]
+    n_prompt = prompt_length(tok, path, body)
+    r = requests.post(f"{server.url}/rollout/{rid}{path}", json=body)
+    if n_prompt >= server.proxy.backend.max_model_len:
         err = r.json()
+        assert r.status_code == 400 and calls_of(server, rid) == []
         assert (err["error"]["type"] if anth else err["error"]["code"]) in (
             "invalid_request_error",
             "context_length_exceeded",
         ) and "context length" in r.text
         return
-    assert r.status_code == 200, r.text[:500]
-    if not body.get("stream"):
-        out = r.json()
-        assert (
-            out["type" if anth else "object"] == ("message" if anth else "response")
-            and out["usage"]
-        )
-        return
-    events = sse_events(r.text)
-    kinds = [e["type"] for e in events]
-    if anth:
-        assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
-    else:
-        assert kinds[0] == "response.created" and kinds[-1] in (
-            "response.completed",
-            "response.incomplete",
-        )
-        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    check_answer(server, rid, path, body, r, n_prompt, 6)
+
+
+# The context of the proxy that serves the captures past the embedded model's 8192 tokens.
+LONG_CONTEXT = 32768
+# The harnesses whose long captures are served to completion: one of each API they use (Claude
+# Code's Messages, OpenHands CLI's chat), ~7 minutes on 2 cores, since a harness's first request
+# prefills for 1-5 minutes. The others' (OpenHands CLI's other capture, Qwen Code: ~7 minutes more)
+# replay above up to the context error.
+LONG_SERVED = ("claude-code-", "openhands-cli-2-")
+ROUTES = {"/v1/chat/completions", "/v1/messages", "/v1/responses"}
+
+
+def past_the_context(limit=8192):
+    """The captured requests, of every API, whose prompt passes the embedded model's ``limit``
+    tokens (its context): the replays above can only check the context error on them. Rendering
+    the captures to count their tokens adds about a second to collecting this file."""
+    params = captured(ROUTES)
+    if params[0].values[0] is None:
+        return params
+    from lightning_lite.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    return [
+        pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+        for p in params
+        if p.id.startswith(LONG_SERVED) and prompt_length(tok, *p.values) >= limit
+    ]
+
+
+@pytest.fixture(scope="module")
+def long_server(tok, tmp_path_factory):
+    """A second proxy, over the embedded model served at LONG_CONTEXT tokens (YaRN RoPE past its
+    8192): every capture fits."""
+    from lightning_lite.backends import HFBackend
+    from lightning_lite.models import load_model
+    from lightning_lite.proxy import Proxy, ProxyServer
+
+    model = load_model("smollm2", max_model_len=LONG_CONTEXT).eval()
+    backend = HFBackend(model, tok, max_model_len=LONG_CONTEXT)
+    out = tmp_path_factory.mktemp("long-proxy")
+    srv = ProxyServer(Proxy(backend, tok, out_dir=str(out))).start()
+    srv.out = out
+    yield srv
+    srv.stop()
+    backend.close()
+
+
+@pytest.mark.parametrize("path,body", past_the_context())
+def test_captured_requests_past_the_context_are_served_at_a_longer_one(
+    long_server, tok, path, body
+):
+    """The captures the replays can only answer with the context error (LONG_SERVED's: OpenHands
+    CLI's and Claude Code's, 8.5k-20k tokens), served to completion at 32,768 tokens: a 200 in
+    their API's format with the call recorded (check_answer). A harness's first request prefills
+    for a minute or more on 2 cores; its next one reuses the cached prefix."""
+    route = path.split("?")[0]
+    body = dict(
+        body, **({"max_output_tokens": 4} if route == "/v1/responses" else {"max_tokens": 4})
+    )
+    body.pop("max_completion_tokens", None)
+    rid = "long-" + uuid.uuid4().hex[:8]
+    n_prompt = prompt_length(tok, path, body)
+    assert long_server.proxy.backend.max_model_len - 4 > n_prompt >= 8192
+    r = requests.post(f"{long_server.url}/rollout/{rid}{path}", json=body, timeout=1800)
+    check_answer(long_server, rid, path, body, r, n_prompt, 4)
 
 
 def test_a_client_that_goes_away_stops_its_generation(server):
@@ -781,8 +925,9 @@ def streamed(w, answers, live_reasoning=(), live_text=()):
     )
 
 
-def sdk_client(api, body: bytes):
-    """The API's official client, answered ``body`` (server-sent events) by a fake transport: its stream helpers check the events."""
+def sdk_client(api, body: bytes, content_type: str = "text/event-stream"):
+    """The API's official client, answered ``body`` (server-sent events, unless ``content_type`` says
+    otherwise) by a fake transport: its stream helpers check the events."""
     import importlib.util
 
     httpx = importlib.import_module(
@@ -791,9 +936,7 @@ def sdk_client(api, body: bytes):
 
     http = httpx.Client(
         transport=httpx.MockTransport(
-            lambda r: httpx.Response(
-                200, content=body, headers={"content-type": "text/event-stream"}
-            )
+            lambda r: httpx.Response(200, content=body, headers={"content-type": content_type})
         )
     )
     if api == "anthropic":

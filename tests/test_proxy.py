@@ -93,9 +93,8 @@ def harness_chat_requests():
     """The project's own fixtures, and the captured requests of real harnesses when that folder is there."""
     out = [
         pytest.param(body, id=f"fixture-{name}")
-        for name, body in json.load(
-            open(os.path.join(ROOT, "tests", "fixtures", "chat_requests.json"))
-        ).items()
+        for file in ("chat_requests.json", "chat_tool_requests.json")
+        for name, body in json.load(open(os.path.join(ROOT, "tests", "fixtures", file))).items()
         if not name.startswith("_")
     ]
     if not os.path.isdir(HARNESS_REQUESTS):
@@ -111,10 +110,30 @@ def harness_chat_requests():
     return out
 
 
+def prompt_length(tok, path, body) -> int:
+    """The tokens of the prompt the proxy builds for a request to ``path`` (chat completions,
+    Anthropic Messages or Responses), rendered fresh: the conversation, then a forced call's opening."""
+    from lightning_lite.apis import parse_chat_request
+    from lightning_lite.chat import Renderer
+    from lightning_lite.extras.anthropic import parse_anthropic_request
+    from lightning_lite.extras.responses import parse_responses_request
+
+    parse = {
+        "/v1/chat/completions": parse_chat_request,
+        "/v1/messages": parse_anthropic_request,
+        "/v1/responses": lambda b: parse_responses_request(b, None),
+    }[path.split("?")[0]]
+    req, r = parse(body), Renderer(tok)
+    forced = r.encode(r.forced_prefix(req.force_tool))
+    return len(r.build_prompt(req.messages, req.tools, [])[0]) + len(forced)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("body", harness_chat_requests())
 def test_replay_harness_request(server, tok, body, stream):
-    """Each captured chat request, as its harness sent it (fewer tokens), parses with the openai client."""
+    """Each captured chat request, as its harness sent it (fewer tokens), parses with the openai client:
+    one finish reason, the recorded call's (or "tool_calls" when calls came back), and the recorded
+    call's prompt and reply lengths in the usage; past the context, OpenAI's context error."""
     body = dict(body, max_tokens=6, stream=stream)
     body.pop("max_completion_tokens", None)
     known = {
@@ -133,42 +152,43 @@ def test_replay_harness_request(server, tok, body, stream):
         )
         if k in body
     }
-    c = client(server, "replay-" + uuid.uuid4().hex[:8])
+    rid = "replay-" + uuid.uuid4().hex[:8]
+    c = client(server, rid)
     # The embedded model's context is 8192 tokens; some harnesses send more (Qwen Code's system prompt and tools
     # alone are ~19k). Those must get OpenAI's own context error, which the client raises as BadRequestError.
-    from lightning_lite.apis import parse_chat_request
-    from lightning_lite.chat import Renderer
-
-    req = parse_chat_request(dict(body, **known))
-    r = Renderer(tok)
-    n_prompt = len(r.build_prompt(req.messages, req.tools, [])[0]) + len(
-        r.encode(r.forced_prefix(req.force_tool))
-    )
+    n_prompt = prompt_length(tok, "/v1/chat/completions", dict(body, **known))
     if n_prompt >= server.proxy.backend.max_model_len:
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**known, extra_body=body)
-        assert e.value.code == "context_length_exceeded"
+        assert e.value.code == "context_length_exceeded" and calls_of(server, rid) == []
         return
     if stream:
         chunks = list(c.chat.completions.create(**known, extra_body=body))
-        assert (
-            chunks and chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
-            if chunks[-1].choices
-            else True
-        )
-        finishes = [
-            ch.choices[0].finish_reason
-            for ch in chunks
-            if ch.choices and ch.choices[0].finish_reason
-        ]
-        assert len(finishes) == 1
+        (call,) = calls_of(server, rid)
+        # The finish reason comes once, wherever it is: a chunk of usage alone may follow it.
+        at = [i for i, ch in enumerate(chunks) if ch.choices and ch.choices[0].finish_reason]
+        called = any(ch.choices and ch.choices[0].delta.tool_calls for ch in chunks)
+        finishes = [chunks[i].choices[0].finish_reason for i in at]
+        assert finishes == ["tool_calls" if called else call.finish_reason]
+        assert all(not ch.choices for ch in chunks[at[0] + 1 :])
         if known.get("stream_options", {}).get("include_usage"):
-            assert chunks[-1].usage.prompt_tokens == n_prompt
+            usage = chunks[-1].usage
+            assert (usage.prompt_tokens, usage.completion_tokens) == (
+                n_prompt,
+                len(call.response_ids),
+            )
     else:
         r = c.chat.completions.create(**known, extra_body=body)
-        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-        assert r.usage.prompt_tokens == n_prompt and 1 <= r.usage.completion_tokens <= 6
-        assert r.choices[0].message.content is not None or r.choices[0].message.tool_calls
+        (call,) = calls_of(server, rid)
+        called = bool(r.choices[0].message.tool_calls)
+        assert r.choices[0].finish_reason == ("tool_calls" if called else call.finish_reason)
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
+            n_prompt,
+            len(call.response_ids),
+        )
+        assert r.choices[0].message.content is not None or called
+    assert len(call.prompt_ids) == n_prompt and 1 <= len(call.response_ids) <= 6
+    assert call.finish_reason in ("stop", "length", "tool_calls")
 
 
 # ---------------------------------------------------------------------------- multi-turn reuse + faithfulness
@@ -315,12 +335,19 @@ def test_completions_api_text_and_token_ids(server, tok, model):
     assert r.choices[0].logprobs.token_logprobs == pytest.approx(call.response_logprobs)
     tf = teacher_forced(model, call.prompt_ids, call.response_ids)
     assert max(abs(a - b) for a, b in zip(tf, call.response_logprobs)) < 2e-3
-    text = "".join(
-        ch.choices[0].text
-        for ch in c.completions.create(model="m", prompt="Hello", max_tokens=3, stream=True)
-        if ch.choices
-    )
-    assert isinstance(text, str)
+    # Greedy, streamed and not: the same text (several words, streamed in several pieces), the
+    # recorded call's tokens decoded, and the same finish reason, sent once.
+    kw = dict(model="m", prompt="Once upon a time", max_tokens=6, temperature=0)
+    whole = c.completions.create(**kw).choices[0]
+    chunks = list(c.completions.create(stream=True, **kw))
+    call = calls_of(server, "completions")[-1]
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.text == tok.decode(call.response_ids, skip_special_tokens=True)
+    assert len(text.split()) > 1
+    finishes = [
+        ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason
+    ]
+    assert finishes == [whole.finish_reason] == [call.finish_reason]
 
 
 def test_stop_strings_and_max_tokens(server):

@@ -144,7 +144,8 @@ class ResponsesReply:
         n_out = len(call.response_ids) if call else 0
         s, incomplete = self.req.sampling, {"reason": "max_output_tokens"}
         # the Responses API's response object, its fields in the order OpenAI's has them
-        usage = {"input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": 0}}
+        details = {"cached_tokens": 0, "cache_write_tokens": 0}
+        usage = {"input_tokens": self.n_prompt, "input_tokens_details": details}
         usage |= {"output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0}}
         usage["total_tokens"] = self.n_prompt + n_out
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status}

@@ -2,6 +2,7 @@
 
     python bench/decode_roofline.py                  # --batches 8,32,64 --prompt 64 --new 64
     python bench/decode_roofline.py --threads 2
+    python bench/decode_roofline.py --dtype bf16     # served in bf16 (train.py --serve-dtype bf16)
     python bench/decode_roofline.py --smoke          # --batches 2,4 --new 4, small probes: for the tests
 
 The roofline of one decode step (every sequence of the batch adds one token) is the larger of two times:
@@ -13,6 +14,10 @@ layer (the tied LM head included) per sequence, plus attention's 4 x heads x hea
 cached position; bytes, every linear layer's weights once (whatever the batch) plus each sequence's KV
 cache (2 x KV heads x head_dim x 4 bytes per layer per position), at the batch's mean context. The
 roofline's tokens/s is the batch over that time; "of roofline" is the measured tokens/s over it.
+Under --dtype bf16 the model is served as train.py --serve-dtype bf16 serves it: fp32 weights, every
+forward under bf16 autocast (each weight read in fp32 and cast), the KV cache in bf16 (2 bytes a
+value); the matmul probe runs in bf16, so a CPU without native bf16 matmuls (AVX512-BF16 or AMX)
+shows it there.
 
 The decode itself is decode_speed.py's measurement (the backend's on_token stamps, prefill left out)
 with ``batch`` requests at once through HFBackend and extras/fast_decode.py, as train.py serves a
@@ -53,10 +58,10 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def matmul_flops(n: int) -> float:
-    """FLOP/s of an n x n by n x n fp32 matmul (2 n^3 FLOPs), the best of 5."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
+def matmul_flops(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an n x n by n x n matmul in ``dtype`` (2 n^3 FLOPs), the best of 5."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
     return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=out), 5)
 
 
@@ -67,9 +72,10 @@ def copy_bandwidth(mb: int) -> float:
     return 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), 5)
 
 
-def step_cost(model, batch: int, context: float) -> tuple[float, float]:
+def step_cost(model, batch: int, context: float, kv_value_bytes: int) -> tuple[float, float]:
     """(FLOPs, bytes) of one decode step of ``batch`` sequences at a mean ``context`` of cached
-    positions: every linear layer's weights (the tied LM head once) and each sequence's KV cache."""
+    positions: every linear layer's weights (the tied LM head once, read in fp32) and each
+    sequence's KV cache (``kv_value_bytes`` a value: 4 in fp32, 2 under bf16 autocast)."""
     config = model.config
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     layers, heads = config.num_hidden_layers, config.num_attention_heads
@@ -78,7 +84,7 @@ def step_cost(model, batch: int, context: float) -> tuple[float, float]:
     # QK^T and the weighted sum of V: 2 FLOPs each per query head, head_dim and cached position
     attention = 4 * layers * heads * head_dim * context
     flops = batch * (2 * weights + attention)
-    kv_bytes = batch * layers * 2 * kv_heads * head_dim * 4 * context
+    kv_bytes = batch * layers * 2 * kv_heads * head_dim * kv_value_bytes * context
     return flops, weights * 4 + kv_bytes
 
 
@@ -110,6 +116,7 @@ def main():
     ap.add_argument("--matmul", type=int, default=2048, help="n of the n x n matmul probe")
     ap.add_argument("--copy-mb", type=int, default=512, help="MB of the copy probe")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the served dtype")
     ap.add_argument(
         "--smoke", action="store_true", help="seconds, for the tests: numbers mean nothing"
     )
@@ -121,15 +128,16 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
     batches = [int(b) for b in a.batches.split(",")]
-    peak_flops = matmul_flops(a.matmul)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    peak_flops = matmul_flops(a.matmul, dtype)
     bandwidth = copy_bandwidth(a.copy_mb)
     print(
-        f"{torch.get_num_threads()} torch threads; measured: fp32 matmul ({a.matmul}^2) "
+        f"{torch.get_num_threads()} torch threads; measured: {a.dtype} matmul ({a.matmul}^2) "
         f"{peak_flops / 1e9:.1f} GFLOP/s, copy ({a.copy_mb} MB) {bandwidth / 1e9:.1f} GB/s"
     )
     tok = load_tokenizer("smollm2")
     model = load_model("smollm2").eval()
-    backend = HFBackend(model, tok, max_batch_size=max(batches))
+    backend = HFBackend(model, tok, max_batch_size=max(batches), dtype=dtype)
     words = tok.encode(TEXT * (a.prompt // 30 + 2), add_special_tokens=False)
     # A warm-up: the first forward pays for allocations and kernels' choices.
     asyncio.run(decode(backend, [words[: a.prompt]], 4))
@@ -142,7 +150,7 @@ def main():
         # A different first token each: no prefix-cache hit, as distinct tasks' prompts.
         prompts = [[(i * 37) % 997 + 3] + words[1 : a.prompt] for i in range(batch)]
         got, n = asyncio.run(decode(backend, prompts, a.new))
-        flops, nbytes = step_cost(model, batch, a.prompt + a.new / 2)
+        flops, nbytes = step_cost(model, batch, a.prompt + a.new / 2, dtype.itemsize)
         compute_s, memory_s = flops / peak_flops, nbytes / bandwidth
         roof = batch / max(compute_s, memory_s)
         bound = "compute" if compute_s >= memory_s else "memory"

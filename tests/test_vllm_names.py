@@ -448,6 +448,16 @@ def test_a_sync_into_a_composite_checkpoint_serves_the_trainers_weights(server):
     assert gap(trainer, served(backend, "back")) < 0.05
 
 
+def with_adapters(backend, trainer):
+    """A copy of ``trainer`` with rank-8 LoRA adapters on every linear layer of it, ``backend``'s
+    adapter set to that LoRA (the sync sends adapters)."""
+    import copy
+
+    args = Namespace(lora=8, lora_alpha=None, lora_rslora=False, lora_targets=None)
+    backend.adapter = LoRA(Namespace(**vars(args), lora_per_harness=False))
+    return backend.adapter.wrap(copy.deepcopy(trainer))
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_lora_on_a_composite_checkpoint_applies_the_adapter_of_every_module(server):
@@ -455,11 +465,7 @@ def test_lora_on_a_composite_checkpoint_applies_the_adapter_of_every_module(serv
     model, loaded under the served names; the server serves the trainer's adapted logprobs (an
     adapter module vLLM left out would serve the base there: far)."""
     backend, trainer = server
-    import copy
-
-    args = Namespace(lora=8, lora_alpha=None, lora_rslora=False, lora_targets=None)
-    backend.adapter = LoRA(Namespace(**vars(args), lora_per_harness=False))
-    model = backend.adapter.wrap(copy.deepcopy(trainer))
+    model = with_adapters(backend, trainer)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -503,11 +509,7 @@ def test_an_adapter_whose_modules_match_none_of_the_servers_stops_the_run(server
     them, matches none of their modules and would serve the base model; the servers this run
     started say so (extras/vllm_worker.py's unmatched_adapter_modules) and the sync stops."""
     backend, trainer = server
-    import copy
-
-    args = Namespace(lora=8, lora_alpha=None, lora_rslora=False, lora_targets=None)
-    backend.adapter = LoRA(Namespace(**vars(args), lora_per_harness=False))
-    model = backend.adapter.wrap(copy.deepcopy(trainer))
+    model = with_adapters(backend, trainer)
     backend._served_adapter = lambda weights: weights
     try:
         with pytest.raises(SystemExit) as e:

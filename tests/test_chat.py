@@ -386,23 +386,31 @@ THINKING = (
 
 def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_render_in_full(tok):
     """SmolLM2's template renders each message on its own: the new messages are rendered without the
-    conversation before them, and give the same ids as a full render. A template that rewrites earlier
-    turns fails the probe and is rendered in full, so it still splits where it rewrites."""
+    conversation before them (each of a turn's renderings takes at most 5 messages while the
+    conversation grows to 60), and give the same ids as a full render. A template that rewrites
+    earlier turns fails the probe and is rendered in full, so it still splits where it rewrites."""
     r = Renderer(tok)
     assert r.per_message
     msgs, turns = (
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}],
         [],
     )
+    # the number of messages in each rendering build_prompt asks for
+    rendered, render = [], r.render_text
+    r.render_text = lambda messages, *a, **k: (
+        rendered.append(len(messages)) or render(messages, *a, **k)
+    )
     for i in range(30):
+        rendered.clear()
         ids, parent, hint = r.build_prompt(msgs, [], turns)
         assert (parent, hint) == ((turns[-1].index, None) if turns else (None, None))
-        assert tok.decode(ids) == r.render_text(
-            msgs, []
-        )  # identical to rendering the whole conversation
+        # identical to rendering the whole conversation
+        assert tok.decode(ids) == render(msgs, [])
+        assert 0 < max(rendered) <= 5 and len(rendered) <= 3
         reply = {"role": "assistant", "content": f"a{i}"}
         turns.append(Turn(i, msgs, [], reply, ids, r.encode(f"a{i}") + [tok.eos_token_id]))
         msgs = msgs + [reply, {"role": "user", "content": f"q{i + 1}"}]
+    assert len(msgs) == 62
     thinking = copy.deepcopy(tok)
     thinking.chat_template = THINKING
     r = Renderer(thinking)

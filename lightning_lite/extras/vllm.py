@@ -201,8 +201,7 @@ def _sync_bytes(learner, dtype: torch.dtype) -> int:
     adapters (the trainable parameters), twice, as the previous version's stay until the servers
     load the new ones."""
     if learner.adapter is None:
-        params = list(learner.model.parameters())
-        return sum(p.numel() for p in params) * dtype.itemsize
+        return _served_bytes(learner, dtype)
     adapters = [p for p in learner.model.parameters() if p.requires_grad]
     return 2 * sum(p.numel() for p in adapters) * dtype.itemsize
 
@@ -914,12 +913,12 @@ def _sync_dir(nbytes: int) -> str:
     memory (/dev/shm) when it has room for them (Docker gives it 64 MB by default), else the
     temporary folder on disk ($TMPDIR), which must have room (``check_room``). ``spawn`` makes a
     new folder in it once the servers are up."""
-    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= nbytes:
-        return "/dev/shm"
-    on_disk = tempfile.gettempdir()
     shm_free = 0
     if os.path.isdir("/dev/shm"):
         shm_free = shutil.disk_usage("/dev/shm").free
+        if shm_free >= nbytes:
+            return "/dev/shm"
+    on_disk = tempfile.gettempdir()
     hint = (
         f"/dev/shm has {shm_free / 2**30:.2f} GiB free: give it more (docker run --shm-size, "
         "a Kubernetes emptyDir of medium Memory) or set TMPDIR to a folder with room"

@@ -256,6 +256,70 @@ def test_tied_embeddings_gathered_as_two_copies_are_written_once(tmp_path):
     assert list(written(backend)) == [embed]
 
 
+def _fsdp_sync_rank(rank: int, port: int, tmp_path, answers):
+    """One of two gloo ranks: a tiny Llama (tied embeddings) sharded by fsdp.wrap, synced into a
+    stub server by the backend train.py gives each rank (rank 0 writes); counts the tensors
+    gathered whole and the most alive at once."""
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lightning_lite.extras import fsdp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    url = [None]
+    if rank == 0:
+        served = {k: v.to(torch.bfloat16) for k, v in tiny_llama(seed=1).state_dict().items()}
+        del served["lm_head.weight"]
+        stub, backend = composite(tmp_path, served)
+        url = [stub.url]
+    dist.broadcast_object_list(url, src=0)
+    if rank == 1:
+        backend = VLLMBackend(url, str(tmp_path / "sync"), writes_weights=False)
+    model = fsdp.wrap(tiny_llama(seed=2))
+    alive, most, gather = [], [0], DTensor.full_tensor
+
+    def tracked(self, *a, **kw):
+        t = gather(self, *a, **kw)
+        alive.append(weakref.ref(t))
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        return t
+
+    DTensor.full_tensor = tracked
+    try:
+        backend.sync_weights(backend.payload(Namespace(model=model)), version=1)
+    finally:
+        DTensor.full_tensor = gather
+    answers[rank] = (len(alive), most[0])
+    if rank == 0:
+        answers[2] = {name: tensor for name, (_, tensor) in written(backend).items()}
+        answers[3] = stub.routes()
+    dist.destroy_process_group()
+
+
+def test_an_fsdp_sync_gathers_one_tensor_at_a_time_as_rank_0_writes_it(tmp_path):
+    """Under FSDP no rank holds the whole model for a weight sync: both ranks gather each tensor
+    (in bf16) as rank 0 writes it, at most two whole tensors alive at once, the tied pair once,
+    and the file holds the unsharded model's weights in bf16 under the served names."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    answers = mp.Manager().list([None] * 4)
+    mp.spawn(_fsdp_sync_rank, args=(port, tmp_path, answers), nprocs=2)
+    expected = tiny_llama(seed=2).state_dict()
+    del expected["lm_head.weight"]
+    assert answers[0] == answers[1] == (len(expected), answers[0][1]) and answers[0][1] <= 2
+    assert answers[2].keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(answers[2][name], value.to(torch.bfloat16)), name
+    assert answers[3] == ["/collective_rpc", "/reset_prefix_cache"]
+
+
 def test_a_prefix_cache_reset_that_fails_is_an_error(tmp_path):
     """vLLM answers /reset_prefix_cache with a 200 and {"success": false} while requests hold KV
     blocks: the servers would go on serving the old weights' cached prefixes."""

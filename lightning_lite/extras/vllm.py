@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import hooks, parallel
+from .. import hooks
 from ..backends import Generation, PauseGate, max_reply_tokens, served_state_dict
 from ..chat import Sampling
 from ..models import resolve
@@ -146,7 +146,6 @@ def start(args, learner, resume_dir, device: torch.device) -> "VLLMBackend":
     backend.dtype = dtype
     backend.adapter = adapter
     backend.sleep_while_training = args.vllm_sleep
-    backend.parallel = args.parallel
     backend.trained_from = resolve(args.model)
     # servers a user started may serve other weights (a previous run's, before --resume); under an
     # adapter they serve the base model until they load the adapters
@@ -381,10 +380,9 @@ class VLLMBackend(PauseGate):
         self.model_name = models[0]["id"]
         self.max_model_len = min(m["max_model_len"] for m in models)
         self.version, self.paused, self.sleeping = 0, False, False
-        # train.py's (start): --vllm-sleep, the run's --parallel, and whether the first step must
-        # sync the trained weights before any rollout
+        # train.py's (start): --vllm-sleep, and whether the first step must sync the trained
+        # weights before any rollout
         self.sleep_while_training = False
-        self.parallel = "ddp"
         self.first_sync = False
         # a model adapter (--lora): the servers serve the base model, and adapter NAME of version K
         # as "NAME-vK"
@@ -518,10 +516,11 @@ class VLLMBackend(PauseGate):
 
     def payload(self, learner):
         """What a weight sync sends the servers: the adapters alone under a model adapter, else the
-        whole model (FSDP's shards gathered into rank 0's host memory: a collective)."""
+        model's own tensors (under FSDP each rank's shards, which the sync gathers one at a time as
+        rank 0 writes them: no rank holds the whole model)."""
         if self.adapter is not None:
             return self.adapter.weights(learner.model, self.dtype)
-        return parallel.full_state_dict(learner.model, self.parallel)
+        return served_state_dict(learner.model)
 
     def make_room(self):
         """Before training: with --vllm-sleep the servers on the training GPUs free their memory
@@ -537,15 +536,22 @@ class VLLMBackend(PauseGate):
         self.sleeping = True
 
     def sync_weights(self, model=None, version: Optional[int] = None):
-        """Every server serves ``model``'s weights (a module, a full state dict or, --lora, the
-        adapters: ``LoRA.weights``'; None: only the version moves). Sleeping servers (level 2: no
+        """Every server serves ``model``'s weights (a module, a state dict, whole or FSDP's shards,
+        or, --lora, the adapters: ``LoRA.weights``'; None: only the version moves). Every rank
+        calls it; rank 0 (``writes_weights``) writes, the others give their shards. Sleeping servers (level 2: no
         weights, no KV cache) wake in two steps, after the file is written (the trainer's copies are
         gone by then): the weights, reloaded, then the KV cache."""
         self.pause()
         if self.sleep_while_training and torch.cuda.is_available():
             # what training freed goes back to the GPU before the servers wake
             torch.cuda.empty_cache()
-        model = model if self.writes_weights else None
+        if model is not None and self.adapter is None and not self.writes_weights:
+            state = served_state_dict(model)
+            if _sharded(state):
+                # FSDP: this rank's shards go into each tensor rank 0 gathers and writes
+                _gather_for_writer(state)
+        if not self.writes_weights:
+            model = None
         if self.sleeping and model is None:
             raise ValueError(
                 "the servers slept at level 2 and dropped their weights: sync_weights needs the "
@@ -555,10 +561,19 @@ class VLLMBackend(PauseGate):
         if model is not None and self.adapter is not None:
             self._load_adapters(model, version)
         elif model is not None:
-            # the servers' names; in fp32 what vLLM computes in fp32 (keeps_fp32)
-            state = self._as_served(served_state_dict(model))
-            fp32 = {name for name in state if keeps_fp32(name, self.checkpoint)}
-            self._write(state, fp32)
+            state = served_state_dict(model)
+            # the servers' names, each storage once; in fp32 what vLLM computes in fp32
+            trainer_name = self._as_served(state)
+            dtypes = {}
+            for name, trainer in trainer_name.items():
+                dtypes[name] = self.dtype or state[trainer].dtype
+                if keeps_fp32(name, self.checkpoint):
+                    dtypes[name] = torch.float32
+            if _sharded(state):
+                # what every other rank gathers with this one, in this order (_gather_for_writer)
+                order = [[(trainer_name[name], dtype) for name, dtype in dtypes.items()]]
+                dist.broadcast_object_list(order, src=0)
+            self._write({name: state[trainer] for name, trainer in trainer_name.items()}, dtypes)
             if self.sleeping:
                 self._post("/wake_up?tags=weights")
             # Servers this run started say what their reload left out (extras/vllm_worker.py);
@@ -622,18 +637,9 @@ class VLLMBackend(PauseGate):
             answers.append(answer)
         return answers
 
-    def _write(self, state_dict: dict, fp32=()):
-        """``sync_dir``/model.safetensors: ``state_dict`` in ``self.dtype``, the tensors named in
-        ``fp32`` in fp32, each converted and copied to host memory as it is written
-        (``write_safetensors``). Tensors that share storage (tied embeddings) are written once,
-        under the first of their names (vLLM re-ties them)."""
-        first = {v.data_ptr(): (k, v) for k, v in reversed(state_dict.items())}
-        tensors = dict(first.values())
-        dtypes = {}
-        for k, v in tensors.items():
-            dtypes[k] = self.dtype or v.dtype
-            if k in fp32:
-                dtypes[k] = torch.float32
+    def _write(self, tensors: dict, dtypes: dict):
+        """``sync_dir``/model.safetensors: ``tensors``, each in its ``dtypes``, converted (and,
+        sharded, gathered) and copied to host memory as it is written (``write_safetensors``)."""
         path = os.path.join(self.sync_dir, "model.safetensors")
         # the file system may have filled since start-up; the previous sync's file is overwritten
         nbytes = sum(t.numel() * dtypes[k].itemsize for k, t in tensors.items())
@@ -645,25 +651,27 @@ class VLLMBackend(PauseGate):
         write_safetensors(path, tensors, dtypes)
 
     def _as_served(self, state_dict: dict) -> dict:
-        """The trainer's tensors under the names the served checkpoint gives them
-        (``_served_names``: vLLM maps a sync's names as the checkpoint's, and Qwen3.5's text model
-        is ``model.language_model.*`` there). Tied embeddings (one storage, or FSDP's two equal
-        copies) go under the first of their names the checkpoint holds. A tensor it does not hold
-        stops the run, before any server reloads. What the checkpoint holds and the trainer does
-        not (a vision tower, MTP layers) is left out: vLLM 0.32's reload keeps the weights it
-        serves for the layers a sync does not name."""
+        """{served name: trainer name}: the name the served checkpoint gives each of the trainer's
+        tensors (``_served_names``: vLLM maps a sync's names as the checkpoint's, and Qwen3.5's
+        text model is ``model.language_model.*`` there), in the state dict's order. Tied embeddings
+        (one storage, or a gathered state dict's two equal copies) go under the first of their
+        names the checkpoint holds. A tensor it does not hold stops the run, before any server
+        reloads. What the checkpoint holds and the trainer does not (a vision tower, MTP layers)
+        is left out: vLLM 0.32's reload keeps the weights it serves for the layers a sync does not
+        name."""
         checkpoint = self._checkpoint()
         served = self._served_names(list(state_dict))
-        # the names of each storage: two for tied embeddings
+        # the names of each storage: two for tied embeddings (a shard's: its local tensor's, since
+        # every DTensor's own data_ptr is 0)
         names_of = {}
         for k, v in state_dict.items():
-            names_of.setdefault(v.data_ptr(), []).append(k)
+            names_of.setdefault(_local(v).data_ptr(), []).append(k)
         unnamed = [names for names in names_of.values() if all(served[k] is None for k in names)]
         named = [names for names in names_of.values() if names not in unnamed]
         for names in unnamed:
-            value = state_dict[names[0]]
-            # tied embeddings that FSDP's gathered state dict holds as two equal copies
-            twins = [n for n in named if torch.equal(state_dict[n[0]], value)]
+            value = _local(state_dict[names[0]])
+            # tied embeddings that a gathered state dict holds as two equal copies
+            twins = [n for n in named if torch.equal(_local(state_dict[n[0]]), value)]
             tied = names[0].endswith("lm_head.weight") and twins
             if not tied:
                 raise SystemExit(
@@ -675,7 +683,7 @@ class VLLMBackend(PauseGate):
         out = {}
         for names in named:
             first = next(k for k in names if served[k] is not None)
-            out[served[first]] = state_dict[first]
+            out[served[first]] = first
         return out
 
     def _served_root(self) -> str:
@@ -963,8 +971,38 @@ def write_safetensors(path: str, tensors: dict, dtypes: dict):
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for name, t in tensors.items():
-            host = t.detach().to(dtypes[name]).to("cpu").contiguous().reshape(-1)
+            host = _whole(t, dtypes[name]).to("cpu").contiguous().reshape(-1)
             f.write(memoryview(host.view(torch.uint8).numpy()))
+
+
+def _whole(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``, whole: a shard (FSDP's DTensor) is converted, then gathered from
+    every rank (a collective: each rank calls this for the same tensors in the same order)."""
+    tensor = tensor.detach().to(dtype)
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor
+
+
+def _sharded(state_dict: dict) -> bool:
+    """Whether ``state_dict`` holds shards (FSDP's DTensors) rather than whole tensors."""
+    return any(hasattr(t, "full_tensor") for t in state_dict.values())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A shard's local part (this rank's), or a whole tensor itself."""
+    if hasattr(tensor, "to_local"):
+        return tensor.to_local()
+    return tensor
+
+
+def _gather_for_writer(state_dict: dict):
+    """The side of a sync of FSDP's shards on the ranks that write nothing: gather each tensor rank
+    0 writes, in the order and dtype it broadcasts (``sync_weights``), and drop it."""
+    order = [None]
+    dist.broadcast_object_list(order, src=0)
+    for name, dtype in order[0]:
+        _whole(state_dict[name], dtype)
 
 
 def check_room(folder: str, nbytes: int, hint: str = "free space there"):

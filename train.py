@@ -65,52 +65,46 @@ EXTRAS = [
     "audit",  # flags from harness patterns and sandbox escapes
     "mismatch",  # prob_corr and the ratio's and |dlogp|'s extremes in metrics.jsonl
     "loggers",  # TensorBoard, W&B
-    "report",  # report.html after the run
+    "recorder",  # per-token records (tokens/step_K.jsonl) and heartbeat.json, for the live page
+    "report",  # report.html after the run (it reads recorder's files where the run wrote them)
 ]
 extras = hooks.load_extras(EXTRAS)
 
 # ----------------------------------------------------------------------------- flags
-# The longer help texts (README: the training knobs; docs/ for each extra's flags).
-HARNESS_HELP = "examples/NAME/harness.py, a .py file or module[:Name]; repeat it, with WEIGHTs"
-ARG_HELP = "a keyword argument for the harness ([SPEC:]K=V: for the one SPEC names); repeatable"
-DTYPE_HELP = "auto: bf16 on GPUs; bf16 autocasts over fp32 master weights and AdamW state"
-SERVE_DTYPE_HELP = "the sampler's (embedded backend, vLLM servers; default: --dtype's)"
-MISMATCH_HELP = "stop before an update when the mean |trainer - sampler logprob| of the tokens "
-MISMATCH_HELP += "of its weights is past this (default: 0.01 fp32/fp32, 0.2 with bf16; inf: off)"
-HISTORY_HELP = "keep sampled tokens where the template renders a turn otherwise"
-LOSS_HELP = "ppo: clipped token ratio; gspo: sequence ratio; tis: truncated IS; sft: imitate"
-# The mismatch corrections (docs/algorithms.md): each help says what it reduces to.
-IS_HELP = "weight each token's loss by trainer/sampler prob, per token or sample (product), "
-IS_HELP += "clamped to or zeroed outside [C_min, C_max] (TRL's vllm_importance_sampling_mode, "
-IS_HELP += "verl's rollout_is; needs --ppo-ratio trainer; none: the plain loss)"
-BAND = dict(type=float, nargs=2, metavar=("LOW", "HIGH"))
-TOKEN_BAND_HELP = "drop tokens whose trainer/sampler ratio is outside [LOW, HIGH] (IcePop: 0.5 5)"
-SEQ_BAND_HELP = "drop samples whose exp(mean log ratio) is outside [LOW, HIGH] (SkyRL: 0.99 1.01)"
-RATIO_HELP = "sampler: one clip bounds the update and the mismatch (the default until "
-RATIO_HELP += "bf16 learning is measured); trainer: decoupled PPO, the mismatch left to the above"
-ASYNC_HELP = "this many next steps' rollouts run while one trains (no value: 1)"
-PARALLEL_HELP = "ddp: a whole copy on every rank; fsdp: weights, grads, AdamW state sharded"
-BACKEND_HELP = "hf: the embedded backend, in this process; vllm: vLLM servers"
-BATCH_HELP = "the embedded backend decodes up to this many requests together"
-HOST_HELP = "the proxies' address (an address other than loopback opens them to that network)"
-PAUSE_HELP = "during a weight sync, answer new calls 429 with Retry-After this, instead of waiting"
-MICRO_HELP = "the most tokens one forward takes, its samples packed as a prefix tree"
-ATTN_HELP = "the trainer's attention (default: the model's; on a CPU, sdpa as algo.block_sdpa)"
-RECOMPUTE = ["full", "selective"]
-RECOMPUTE_HELP = "recompute each layer in backward (full) or only its elementwise ops (selective)"
+# README: the training knobs; docs/ for each extra's flags.
 raw = argparse.RawDescriptionHelpFormatter
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
 group = parser.add_argument_group("run")
-group.add_argument("--harness", action="append", metavar="SPEC[:WEIGHT]", help=HARNESS_HELP)
-group.add_argument("--harness-arg", action="append", default=[], metavar="K=V", help=ARG_HELP)
+group.add_argument(
+    "--harness",
+    action="append",
+    metavar="SPEC[:WEIGHT]",
+    help="examples/NAME/harness.py, a .py file or module[:Name]; repeat it, with WEIGHTs",
+)
+group.add_argument(
+    "--harness-arg",
+    action="append",
+    default=[],
+    metavar="K=V",
+    help="a keyword argument for the harness ([SPEC:]K=V: for the one SPEC names); repeatable",
+)
 group.add_argument("--model", default="smollm2", help="'smollm2' (embedded) or a model directory")
 group.add_argument("--out", default="runs/train", help="the run directory")
 group.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --out")
 group.add_argument("--seed", type=int, default=0)
 group.add_argument("--steps", type=int, default=20)
 group.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-group.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help=DTYPE_HELP)
-group.add_argument("--serve-dtype", choices=["fp32", "bf16"], help=SERVE_DTYPE_HELP)
+group.add_argument(
+    "--dtype",
+    default="auto",
+    choices=["auto", "fp32", "bf16"],
+    help="auto: bf16 on GPUs; bf16 autocasts over fp32 master weights and AdamW state",
+)
+group.add_argument(
+    "--serve-dtype",
+    choices=["fp32", "bf16"],
+    help="the sampler's (embedded backend, vLLM servers; default: --dtype's)",
+)
 group.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps, and last")
 group.add_argument("--keep-checkpoints", type=int, default=2, help="the newest N (0: all)")
 group = parser.add_argument_group("rollouts")
@@ -120,50 +114,75 @@ group.add_argument("--max-concurrency", type=int, default=8, help="rollouts in f
 group.add_argument("--rollout-timeout", type=float, default=300.0, help="seconds, then it fails")
 group.add_argument("--max-new-tokens", type=int, default=1024, help="the most one call generates")
 group.add_argument("--max-model-len", type=int, help="served context; past the trained: YaRN")
-group.add_argument("--max-batch-size", type=int, default=32, help=BATCH_HELP)
-group.add_argument("--backend", default="hf", choices=["hf", "vllm"], help=BACKEND_HELP)
-group.add_argument("--proxy-host", default="127.0.0.1", help=HOST_HELP)
-group.add_argument("--pause-retry-after", type=float, help=PAUSE_HELP)
-group.add_argument("--tool-format", choices=format_names(), help="default: the template's")
-group.add_argument("--keep-history-tokens", action="store_true", help=HISTORY_HELP)
 group.add_argument(
-    "--async", dest="async_steps", type=int, nargs="?", const=1, default=0, help=ASYNC_HELP
+    "--max-batch-size",
+    type=int,
+    default=32,
+    help="the embedded backend decodes up to this many requests together",
+)
+group.add_argument(
+    "--backend",
+    default="hf",
+    choices=["hf", "vllm"],
+    help="hf: the embedded backend, in this process; vllm: vLLM servers",
+)
+group.add_argument(
+    "--proxy-host",
+    default="127.0.0.1",
+    help="the proxies' address (an address other than loopback opens them to that network)",
+)
+group.add_argument(
+    "--pause-retry-after",
+    type=float,
+    help="during a weight sync, answer new calls 429 with Retry-After this, instead of waiting",
+)
+group.add_argument("--tool-format", choices=format_names(), help="default: the template's")
+group.add_argument(
+    "--keep-history-tokens",
+    action="store_true",
+    help="keep sampled tokens where the template renders a turn otherwise",
+)
+group.add_argument(
+    "--async",
+    dest="async_steps",
+    type=int,
+    nargs="?",
+    const=1,
+    default=0,
+    help="this many next steps' rollouts run while one trains (no value: 1)",
 )
 group.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps, first, last")
 group.add_argument("--eval-tasks", type=int, default=100, help="test tasks an evaluation (0: none)")
-group = parser.add_argument_group("algorithm (README: the tables)")
-group.add_argument("--adv", default="grpo", choices=algo.ESTIMATORS, help="advantage estimator")
-group.add_argument("--gamma", type=float, default=1.0, help="--adv returns: discount per call")
-group.add_argument("--drop-zero-variance", action="store_true", help="drop groups of equal rewards")
-group.add_argument("--loss", default="ppo", choices=algo.LOSSES, help=LOSS_HELP)
-group.add_argument("--sft-min-reward", type=float, help="sft: imitate rollouts rewarded >= this")
-group.add_argument("--norm", default="rollout-mean", choices=algo.NORMS, help="normalization")
-group.add_argument("--norm-const", type=float, help="Dr. GRPO's C (default: --max-new-tokens)")
-group.add_argument("--clip-low", type=float, help="ratio clip below 1 (ppo 0.2, gspo 3e-4)")
-group.add_argument("--clip-high", type=float, help="ratio clip above 1 (ppo 0.28, gspo 4e-4)")
-group.add_argument("--clip-ratio-c", type=float, default=3.0, help="dual clip (inf: off)")
-group.add_argument("--tis-cap", type=float, default=2.0, help="--loss tis: the IS weight's cap")
-group.add_argument("--rollout-correction", default="none", choices=algo.CORRECTIONS, help=IS_HELP)
-group.add_argument("--correction-min", type=float, default=0.0, help="C_min (0: no lower bound)")
-group.add_argument("--correction-max", type=float, default=3.0, help="C_max (TRL's 3, verl's 2)")
-group.add_argument("--reject-token", **BAND, help=TOKEN_BAND_HELP)
-group.add_argument("--reject-seq-mean", **BAND, help=SEQ_BAND_HELP)
-group.add_argument("--ppo-ratio", default="sampler", choices=algo.PPO_RATIOS, help=RATIO_HELP)
-group.add_argument("--kl-coef", type=float, default=0.0, help="KL to the initial model (0: off)")
-group.add_argument("--max-mismatch", type=float, metavar="LOGPROB", help=MISMATCH_HELP)
+# the advantage, the loss, its normalization and the mismatch corrections, each help saying what it
+# reduces to, beside the code they choose
+algo.add_args(parser)
 group = parser.add_argument_group("optimization")
 group.add_argument("--lr", type=float, default=1e-5)
 group.add_argument("--warmup-steps", type=int, default=2)
 group.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
 group.add_argument("--weight-decay", type=float, default=0.0)
 group.add_argument("--grad-clip", type=float, default=1.0)
-group.add_argument("--micro-batch-tokens", type=int, default=4096, help=MICRO_HELP)
+group.add_argument(
+    "--micro-batch-tokens",
+    type=int,
+    default=4096,
+    help="the most tokens one forward takes, its samples packed as a prefix tree",
+)
 group.add_argument(
     "--max-seq-len", type=int, help="longer samples cut or dropped (default: context)"
 )
 group.add_argument("--no-tree", action="store_true", help="one padded row a sample, not packed")
-group.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], help=ATTN_HELP)
-group.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help=PARALLEL_HELP)
+group.add_argument(
+    "--attn",
+    choices=["sdpa", "eager", "flex_attention"],
+    help="the trainer's attention (default: the model's; on a CPU, fast_decode's block_sdpa)",
+)
+group.add_argument(
+    "--parallel",
+    default="ddp",
+    choices=["ddp", "fsdp"],
+    help="ddp: a whole copy on every rank; fsdp: weights, grads, AdamW state sharded",
+)
 group.add_argument(
     "--dist-timeout",
     type=float,
@@ -172,7 +191,11 @@ group.add_argument(
     help="torchrun: a collective fails after this long waiting for a rank (%(default)s)",
 )
 group.add_argument(
-    "--activation-checkpointing", nargs="?", const="full", choices=RECOMPUTE, help=RECOMPUTE_HELP
+    "--activation-checkpointing",
+    nargs="?",
+    const="full",
+    choices=["full", "selective"],
+    help="recompute each layer in backward (full) or only its elementwise ops (selective)",
 )
 # the extras with flags: each adds its group, and may check its flags once they are parsed (check)
 flagged = [extra for extra in extras if hasattr(extra, "add_args")]
@@ -186,14 +209,11 @@ args = hooks.parse_args(parser, EXTRAS, extras)
 ddp, rank, world, device = parallel.init(args.device, args.dist_timeout)
 master = rank == 0
 cuda = device.type == "cuda"
-# The one place each derived default is resolved (config.json records what ran).
-args.clip_low, args.clip_high = algo.clip_range(args.loss, args.clip_low, args.clip_high)
-args.norm_const = args.norm_const or args.max_new_tokens
-# The mismatch corrections, refused at start when they cannot apply.
-weight = (args.rollout_correction, args.correction_min, args.correction_max)
-bands = (args.reject_token, args.reject_seq_mean)
-if problem := algo.correction_problem(args.loss, *weight, *bands, args.ppo_ratio):
-    sys.exit(problem)
+# The one place each derived default is resolved (config.json records what ran): the loss's clip
+# range and C; corrections that cannot apply stop here.
+algo.resolve_args(args)
+# the most updates between sampling a token and training it (extras/from_calls.py: a run's steps)
+args.max_staleness = args.async_steps
 if args.dtype == "auto":
     args.dtype = "bf16" if cuda else "fp32"
 dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -222,16 +242,16 @@ for extra in flagged:
     if hasattr(extra, "check"):
         extra.check(args, ddp, cuda)
 # The guard on the served weights (--max-mismatch), by the dtypes in use; off where the sampler's
-# logprobs differ by design: sft scores at temperature 1, recorded calls may be of other weights.
+# logprobs differ by design: sft scores at temperature 1 (extras/from_calls.py: recorded calls may be
+# of other weights).
 if args.max_mismatch is None:
     pair = "bf16" if "bf16" in (args.dtype, args.serve_dtype) else "fp32"
     args.max_mismatch = MAX_MISMATCH[pair]
-    if args.loss == "sft" or hooks.step_source is not None:
+    if args.loss == "sft":
         args.max_mismatch = float("inf")
-# Recorded calls (--from-calls) train without a harness; --harness then names what evaluates.
-if not args.harness and hooks.step_source is None:
+# (--from-calls, which trains without a harness, leaves --harness to name what evaluates)
+if args.harness is None:
     args.harness = ["calc"]
-args.harness = args.harness or []
 torch.manual_seed(args.seed + rank)
 random.seed(args.seed + rank)
 
@@ -251,20 +271,16 @@ if hooks.step_source is not None:
 # one harness (harness.Tasks), or several with weights (extras/harnesses.py)
 make_tasks = hooks.tasks or Tasks.from_flags
 tasks = make_tasks(args, log)
-# --lora (extras/lora.py): the model adapter; None: the whole model trains
+# --lora (extras/lora.py): the model adapter (the default: none, the whole model trains)
 adapter = hooks.adapter
-if adapter is not None:
-    adapter.name_after(tasks)
+adapter.name_after(tasks)
 resume_dir = run.latest_checkpoint() if args.resume else None
 if args.resume and not resume_dir:
     log(f"--resume: no checkpoint in {run.checkpoints}, starting from step 0")
-# the most updates between sampling a token and training it: recorded calls were sampled by version
-# 0
-max_staleness = args.async_steps
-if recorded:
-    max_staleness = args.steps
-learner_config = TrainConfig.from_flags(args, max_staleness=max_staleness)
-learner = Learner(learner_config, tok, device, dtype, world, master, resume_dir, log, adapter)
+learner_config = TrainConfig.from_flags(args)
+learner = Learner(
+    learner_config, tok, device, dtype, world, master, resume_dir, log, adapter.model_adapter
+)
 start_step = learner.start_step
 # a sample may be as long as the served context
 args.max_seq_len = args.max_seq_len or learner.model.config.max_position_embeddings
@@ -293,7 +309,7 @@ proxy = Proxy(
     tool_format=args.tool_format,
     keep_history_tokens=args.keep_history_tokens,
     # each rollout is served under a route of its own (extras/isolation.py), where there is one
-    rollout_tokens=hooks.isolation is not None,
+    rollout_tokens=hooks.isolation is not hooks.NoIsolation,
 )
 server = ProxyServer(proxy, host=args.proxy_host).start()
 # e.g. where each program harness's rollouts run (extras/sandbox.py) and what the audit flags
@@ -312,15 +328,10 @@ def rollouts(jobs, name):
     t0 = time.time()
     harness_of = {rid: harness for rid, _, harness in jobs}
     # --lora-per-harness: the adapter that serves each rollout, named as the model of its endpoint
-    adapter_of = {}
-    if adapter is not None:
-        adapter_of = {rid: adapter.serving(h.name) for rid, h in harness_of.items()}
-    backend.adapter_of = None
-    if any(adapter_of.values()):
-        backend.adapter_of = adapter_of.get
+    adapter_of = adapter.route(harness_of)
 
     def endpoint_for(rid):
-        model_name = adapter_of.get(rid) or args.model
+        model_name = adapter_of.get(rid, args.model)
         # a sandboxed rollout reaches the proxy through a Unix socket of its own (extras/sandbox.py)
         bridged = getattr(harness_of[rid], "bridged", False)
         return server.endpoint(rid, model_name, socket=bridged)
@@ -387,16 +398,10 @@ def evaluate(step):
 
 
 def make_samples(results, calls):
-    """Each finished rollout's calls merged into samples, by harness (each one's merge counts)."""
+    """Each finished rollout's calls merged into samples, and the merge statistics."""
     finished = {r.rollout_id for r in results if r.error is None}
-    harness_of = {r.rollout_id: r.harness for r in results}
-    samples = []
-    stats = {}
-    for name in dict.fromkeys(harness_of.values()):
-        its_calls = [c for c in calls if harness_of[c.rollout_id] == name]
-        its_calls = [c for c in its_calls if c.rollout_id in finished]
-        its_samples, stats[name] = build_batch_samples(its_calls, args.max_seq_len)
-        samples += its_samples
+    its_calls = [c for c in calls if c.rollout_id in finished]
+    samples, stats = build_batch_samples(its_calls, args.max_seq_len)
     if args.loss == "sft":
         samples = for_imitation(samples)
     return samples, stats
@@ -452,10 +457,8 @@ def log_step(row, step):
         line += f" | waited {row['t_wait']:.1f}s, tokens by staleness {row['staleness']}"
     if recorded:
         line += f" | {row['calls']} recorded calls, {step} updates stale"
-    line += tasks.by_harness(row, "reward")
-    if any(key.startswith("loss/") for key in row):
-        # a loss per harness (--lora-per-harness: each adapter's own)
-        line += " | loss" + tasks.by_harness(row, "loss")
+    # each harness's reward, and its loss where each has one (--lora-per-harness: its adapter's)
+    line += tasks.by_harness(row, "reward", "loss")
     log(line)
 
 
@@ -501,7 +504,7 @@ try:
         samples = algo.assign_advantages(samples, adv)
         run.save_rollouts(f"step_{step}", results, adv)
         # the step's sums over every rank (rollouts, tokens, rewards, merge statistics)
-        sums = step_counts(results, calls, samples, merge_stats, tasks.names(), algo.all_reduce)
+        sums = step_counts(results, calls, samples, merge_stats, algo.all_reduce)
         if sums["dropped"]:
             dropped = int(sums["dropped"])
             log(f"step {step + 1}: {dropped} samples dropped: a first turn > --max-seq-len")
@@ -516,7 +519,7 @@ try:
         t0 = time.time()
         # something to learn from: an advantage, or the KL term on any sample
         has_signal = sums["signal"] > 0 or (sums["samples"] > 0 and args.kl_coef > 0)
-        if adapter is not None and adapter.trains_apart:
+        if adapter.trains_apart:
             # each harness's adapter on its own samples, all in one pass (metrics as KEY/NAME)
             metrics, grad_norm, skipped = adapter.update(learner, samples, results, step)
         else:
@@ -524,10 +527,12 @@ try:
         t_train = time.time() - t0
         row = {
             "step": step + 1,
-            **step_rates(sums, tasks.names()),
+            **step_rates(sums),
+            # each harness's, where there are several (extras/harnesses.py): KEY/NAME
+            **tasks.harness_columns(results, calls, args.max_seq_len),
             **{k: int(sums[k]) for k in COUNTED},
             **{k: metrics.get(k) for k in LOSS_METRICS},
-            # per harness or per adapter: KEY/NAME
+            # per adapter (--lora-per-harness): KEY/NAME
             **{k: v for k, v in metrics.items() if "/" in k},
             "staleness": metrics.get("staleness", {}),
             "dlogp_by_staleness": metrics.get("dlogp_by_staleness", {}),

@@ -31,6 +31,9 @@ sys.path.insert(0, ROOT)
 # --model smollm2 by name needs the embedded-model extra (train.py and proxy.py load it too).
 import lightning_lite.extras.embedded  # noqa: E402, F401
 
+# the trainer's CPU attention, as train.py's (extras/fast_decode.py: block_sdpa)
+import lightning_lite.extras.fast_decode  # noqa: E402, F401
+
 # The defaults --smoke sets (tests/test_bench.py runs it): a minute or two on a CPU.
 SMOKE = dict(steps=1, batch_size=1, max_tokens=8, lora=4, harnesses="2", groups=1, copies=1)
 SMOKE |= dict(prompt_tokens=8, reply_tokens=4, repeat=1)

@@ -163,7 +163,7 @@ def write_run(out: str, steps: int, rollouts: int, seed: int = 0) -> dict:
 
 def start_server(run_dir: str):
     """The live page's server on a free loopback port, in a thread; returns (server, url)."""
-    from lightning_lite.extras.serve import make_server
+    from lightning_lite.extras.report import make_server
 
     server = make_server([run_dir], "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -37,7 +37,8 @@ sys.path.insert(0, ROOT)
 # --model smollm2 by name needs the embedded-model extra (train.py and proxy.py load it too).
 import lightning_lite.extras.embedded  # noqa: E402, F401
 from lightning_lite import algo  # noqa: E402
-from lightning_lite.models import load_model, load_tokenizer, use_block_sdpa  # noqa: E402
+import lightning_lite.extras.fast_decode as fast_decode  # noqa: E402
+from lightning_lite.models import load_model, load_tokenizer  # noqa: E402
 from lightning_lite.records import Call, read_calls  # noqa: E402
 from lightning_lite.samples import build_batch_samples  # noqa: E402
 from lightning_lite.trainer import Learner  # noqa: E402
@@ -206,7 +207,7 @@ def main():
     torch.manual_seed(a.seed)
     model = load_model(a.model, a.device).train()  # fp32, as train.py loads it
     # the trainer's attention: on a CPU a tree skips the keys no block of rows sees
-    use_block_sdpa(model)
+    fast_decode.install_trainer(model)
 
     def step(mbs, tree):
         """Forward + backward over the micro-batches; returns (seconds, tokens through the model)."""

@@ -2,7 +2,8 @@
 sum of ``weight * token_loss``, with weights from counts over the whole global batch
 (``global_denominators``): no micro-batch and no rank divides by a count of its own. A rank without
 samples must still call the collectives and backward a zero loss, or the others wait. train.py's
-step follows the order of this file. Besides torch it imports only records.py.
+step follows the order of this file. Besides torch it imports only records.py (and transformers'
+registry of attention masks, to tell which attentions take a mask).
 
 What the algorithm is (the default path: --adv grpo, --norm rollout-mean, --loss ppo; each other
 choice is a line or a branch):
@@ -18,7 +19,6 @@ How the model is run, exactly as it sampled (the trainer's logprobs are the samp
 
     pack, collate                         samples -> one row, a prefix tree (shared prefixes once)
     tree_unsupported, tree_mask           the attention mask of that tree
-    block_sdpa                            attention under it, skipping the keys no row sees
     sampling_support, sampled_logprobs    logprobs under the top-k / top-p distribution sampled
     sampled_entropy                       the entropy of that distribution
     trainer_logprobs(_and_entropy)        the forward: the LM head only where a token is trained
@@ -30,7 +30,6 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .records import Sample, common_prefix
@@ -412,9 +411,12 @@ def tree_unsupported(config) -> Optional[str]:
     attention = {"full_attention", "sliding_attention"}
     if kinds := set(getattr(config, "layer_types", None) or ()) - attention:
         return f"its {sorted(kinds)} layers are not attention over a mask"
-    # block_sdpa (models.py, the trainer's on a CPU) and grouped_sdpa (extras/fast_decode.py, the
-    # embedded backend's) are sdpa.
-    if impl not in ("sdpa", "block_sdpa", "grouped_sdpa", "eager", "flex_attention"):
+    # An attention that transformers gives sdpa's mask is sdpa under another name, as the faster
+    # ones of extras/fast_decode.py are: it takes tree_mask's [1, 1, L, L] bool.
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    sdpa_like = ALL_MASK_ATTENTION_FUNCTIONS.get(impl) is sdpa_mask
+    if impl not in ("eager", "flex_attention") and not sdpa_like:
         return f"its attention ({impl}) takes no arbitrary mask; sdpa, eager and flex_attention do"
     return None
 
@@ -464,56 +466,6 @@ def tree_mask(config, depth: torch.Tensor, end: torch.Tensor):
     if len(masks) == 1:
         return masks[types[0]]
     return masks
-
-
-def block_sdpa(query, key, value, mask, scale=None, block: int = 128) -> torch.Tensor:
-    """Attention under a boolean ``mask`` [B or 1, 1, L, S], a block of ``block`` query rows at a
-    time, each over only the keys that some row of the block sees: the same numbers as
-    ``F.scaled_dot_product_attention(query, key, value, mask)`` (a masked key adds exactly 0 to a
-    row), in far less time when most of the mask is False. A packed tree's mask (``tree_mask``) is:
-    a block of a GRPO group's replies sees their prompt and itself, not the other groups, so the
-    cost is L x (block + ancestors), not L^2. The forward and backward of 4 groups of 8 replies
-    (2,589 packed tokens) took 16 s instead of 26 on a 2-core CPU.
-
-    query [B, H, L, D]; key and value [B, H_kv, S, D], H a multiple of H_kv (grouped query heads
-    share a KV head) -> [B, H, L, D]. Every query row must see at least one key.
-
-    For ``pack([[1, 2, 3], [1, 2, 4]])`` (end [4, 4, 3, 4]) at block 2, rows 0-1 attend over keys
-    [0, 1], rows 2-3 over [0, 1, 2, 3]; at block 1, row 3 over [0, 1, 3].
-    """
-    B, H, L, D = query.shape
-    H_kv, S = key.shape[1], key.shape[2]
-    # a query head h reads KV head h // n_rep (transformers' repeat_kv)
-    n_rep = H // H_kv
-    n_blocks = -(-L // block)
-    # [n_blocks, S]: the keys that any row of each block sees (the mask padded to whole blocks)
-    rows = F.pad(mask, (0, 0, 0, n_blocks * block - L))
-    seen = rows.view(mask.shape[0], 1, n_blocks, block, S).any(dim=3).any(dim=1).any(dim=0)
-    # [K1 + K2 + ...]: block 0's keys, then block 1's, ...; each key's index into the S keys
-    keys_of_blocks = seen.nonzero()[:, 1]
-    counts = seen.sum(dim=1).tolist()
-    # One gather of every block's keys, not one per block: the backward then adds each key's
-    # gradient into one zero tensor, not into a zero tensor per block.
-    # [B, H_kv, K1 + K2 + ..., D] each
-    k = key.index_select(2, keys_of_blocks)
-    v = value.index_select(2, keys_of_blocks)
-    outs = []
-    per_block = zip(
-        query.split(block, 2), k.split(counts, 2), v.split(counts, 2), keys_of_blocks.split(counts)
-    )
-    for i, (q, k_i, v_i, keys_i) in enumerate(per_block):
-        n = q.shape[2]
-        # The n_rep query heads that share a KV head become that head's rows: [B, H, n, D] ->
-        # [B, H_kv, n_rep * n, D], each row under its own row of the mask. Each KV head is read
-        # as it is, not repeated n_rep times (and saved so for the backward): 6% less memory and
-        # time in SmolLM2's forward and backward of a 2,589-token tree (3 query heads a KV head).
-        grouped = q.reshape(B, H_kv, n_rep * n, D)
-        # [B or 1, 1, n_rep * n, K_i]: the block's rows of the mask, over its keys, once per head
-        mask_i = mask[:, :, i * block : (i + 1) * block][..., keys_i].repeat(1, 1, n_rep, 1)
-        out = F.scaled_dot_product_attention(grouped, k_i, v_i, mask_i, scale=scale)
-        # (reshape, not view: SDPA may return [B, n_rep * n, H_kv, D] memory, as its query was)
-        outs.append(out.reshape(B, H, n, D))
-    return torch.cat(outs, dim=2)
 
 
 def sampling_support(x, top_k, top_p, m: int = 1024) -> torch.Tensor:
@@ -1105,3 +1057,90 @@ def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
         "masked_frac": agg["masked"] / n,
         "masked_seq_frac": agg["masked_samples"] / max(agg["samples"], 1.0),
     }
+
+
+# ----------------------------------------------------------------------------- the flags
+def add_args(parser):
+    """train.py's algorithm flags, as an argparse group: each help says what its choice reduces to
+    (docs/algorithms.md has the tables)."""
+    group = parser.add_argument_group("algorithm (README: the tables)")
+    group.add_argument("--adv", default="grpo", choices=ESTIMATORS, help="advantage estimator")
+    group.add_argument("--gamma", type=float, default=1.0, help="--adv returns: discount per call")
+    group.add_argument(
+        "--drop-zero-variance", action="store_true", help="drop groups of equal rewards"
+    )
+    group.add_argument(
+        "--loss",
+        default="ppo",
+        choices=LOSSES,
+        help="ppo: clipped token ratio; gspo: sequence ratio; tis: truncated IS; sft: imitate",
+    )
+    group.add_argument(
+        "--sft-min-reward", type=float, help="sft: imitate rollouts rewarded >= this"
+    )
+    group.add_argument("--norm", default="rollout-mean", choices=NORMS, help="normalization")
+    group.add_argument("--norm-const", type=float, help="Dr. GRPO's C (default: --max-new-tokens)")
+    group.add_argument("--clip-low", type=float, help="ratio clip below 1 (ppo 0.2, gspo 3e-4)")
+    group.add_argument("--clip-high", type=float, help="ratio clip above 1 (ppo 0.28, gspo 4e-4)")
+    group.add_argument("--clip-ratio-c", type=float, default=3.0, help="dual clip (inf: off)")
+    group.add_argument("--tis-cap", type=float, default=2.0, help="--loss tis: the IS weight's cap")
+    # The mismatch corrections (docs/algorithms.md), each off by default.
+    group.add_argument(
+        "--rollout-correction",
+        default="none",
+        choices=CORRECTIONS,
+        help="weight each token's loss by trainer/sampler prob, per token or sample (product), "
+        "clamped to or zeroed outside [C_min, C_max] (TRL's vllm_importance_sampling_mode, "
+        "verl's rollout_is; needs --ppo-ratio trainer; none: the plain loss)",
+    )
+    group.add_argument(
+        "--correction-min", type=float, default=0.0, help="C_min (0: no lower bound)"
+    )
+    group.add_argument(
+        "--correction-max", type=float, default=3.0, help="C_max (TRL's 3, verl's 2)"
+    )
+    group.add_argument(
+        "--reject-token",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="drop tokens whose trainer/sampler ratio is outside [LOW, HIGH] (IcePop: 0.5 5)",
+    )
+    group.add_argument(
+        "--reject-seq-mean",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="drop samples whose exp(mean log ratio) is outside [LOW, HIGH] (SkyRL: 0.99 1.01)",
+    )
+    group.add_argument(
+        "--ppo-ratio",
+        default="sampler",
+        choices=PPO_RATIOS,
+        help="sampler: one clip bounds the update and the mismatch (the default until bf16 "
+        "learning is measured); trainer: decoupled PPO, the mismatch left to the above",
+    )
+    group.add_argument(
+        "--kl-coef", type=float, default=0.0, help="KL to the initial model (0: off)"
+    )
+    group.add_argument(
+        "--max-mismatch",
+        type=float,
+        metavar="LOGPROB",
+        help="stop before an update when the mean |trainer - sampler logprob| of the tokens of its "
+        "weights is past this (default: 0.01 fp32/fp32, 0.2 with bf16; inf: off)",
+    )
+
+
+def resolve_args(args):
+    """The algorithm flags' derived defaults, resolved in place (config.json records what ran):
+    the clip range of the loss, Dr. GRPO's C; a combination of corrections that cannot apply stops
+    the run, saying why."""
+    args.clip_low, args.clip_high = clip_range(args.loss, args.clip_low, args.clip_high)
+    if args.norm_const is None:
+        args.norm_const = args.max_new_tokens
+    weight = (args.rollout_correction, args.correction_min, args.correction_max)
+    bands = (args.reject_token, args.reject_seq_mean)
+    problem = correction_problem(args.loss, *weight, *bands, args.ppo_ratio)
+    if problem:
+        raise SystemExit(problem)

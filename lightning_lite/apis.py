@@ -40,7 +40,8 @@ def convert(items: list, convert_item: Callable[[Any, int], list[dict]], memo: O
     k = common_prefix(items, memo.get("items", []))
     out = memo.get("out", [])[:k] + [convert_item(it, i) for i, it in enumerate(items[k:], k)]
     # stored only once every item converted: a bad request changes nothing
-    memo["items"], memo["out"] = items, out
+    memo["items"] = items
+    memo["out"] = out
     return [m for ms in out for m in ms]
 
 
@@ -142,7 +143,10 @@ def tools_of(body: dict) -> dict:
     choice = body.get("tool_choice")
     known = choice in (None, "auto", "none", "required") or isinstance(choice, dict)
     must_be(known, "tool_choice", '"auto", "none", "required" or an object')
-    kind, force = choice.get("type") if isinstance(choice, dict) else choice, None
+    kind = choice
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+    force = None
     if out and kind in ("required", "any"):
         force = ""
     elif out and kind in ("function", "tool"):
@@ -161,8 +165,9 @@ def response_format(fmt: Any, param: str) -> dict:
     if fmt is None:
         return {}
     must_be(isinstance(fmt, dict), param, "an object")
-    kind, kinds = fmt.get("type"), (None, "text", "json_object", "json_schema")
-    must_be(kind in kinds, param + ".type", '"text", "json_object" or "json_schema"')
+    kind = fmt.get("type")
+    known = kind in (None, "text", "json_object", "json_schema")
+    must_be(known, param + ".type", '"text", "json_object" or "json_schema"')
     if kind == "json_schema":
         nested = fmt.get("json_schema")
         schema = nested.get("schema") if isinstance(nested, dict) else fmt.get("schema")
@@ -314,7 +319,9 @@ def openai_head(kind: str, prefix: str, req: Request, model: str) -> dict:
 class ChatReply:
     def __init__(self, req: Request, model: str, n_prompt: int, tok=None):
         """``tok``: to write the tokens of ``logprobs``."""
-        self.req, self.n_prompt, self.tok = req, n_prompt, tok
+        self.req = req
+        self.n_prompt = n_prompt
+        self.tok = tok
         self.head = openai_head("chat.completion.chunk", "chatcmpl", req, model)
         self.id = self.head["id"]
 

@@ -228,21 +228,16 @@ class HFBackend(PauseGate):
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.device = next(model.parameters()).device
+        # The same attention, faster in decoding (extras/fast_decode.py: without copying KV heads).
+        hooks.fast_decode.install(model)
         # The KV of the prompts seen before, which a prompt that extends one of them starts from
-        # (extras/fast_decode.py). None: every prompt is prefilled whole.
-        self.prefix_cache = None
-        if hooks.fast_decode is not None:
-            # The same attention, without copying KV heads in decoding.
-            hooks.fast_decode.install(model)
-            self.prefix_cache = hooks.fast_decode.PrefixCache()
+        # (extras/fast_decode.py; the default keeps nothing: every prompt is prefilled whole).
+        self.prefix_cache = hooks.fast_decode.PrefixCache()
         default_len = getattr(model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or default_len)
         self.max_batch_size = max_batch_size
         self.eos_ids = eos_ids(tokenizer, model.generation_config)
         self.version = 0
-        # The routing seam of --lora-per-harness (train.py sets it): a rollout id -> the name of the
-        # adapter that serves it. A batch may mix adapters (peft's adapter_names).
-        self.adapter_of = None
         # What was served since the start (GET /status); busy_s is the seconds spent decoding.
         self.stats = Counter(dict.fromkeys(STATS, 0), busy_s=0.0)
         self._pending: list[_Request] = []
@@ -262,18 +257,19 @@ class HFBackend(PauseGate):
         rollout_id: str = "",
     ) -> Generation:
         """Sample a reply to ``prompt_ids``; ``on_token(id)``, when given, sees each id as it is
-        sampled (streaming). ``rollout_id`` picks its adapter (``adapter_of``) or vLLM server."""
+        sampled (streaming). ``rollout_id`` picks its adapter (hooks.adapter.serving) or vLLM
+        server."""
         max_tokens = max_reply_tokens(prompt_ids, sampling, self.max_model_len)
         sampling = replace(sampling, max_tokens=max_tokens)
         future = asyncio.get_running_loop().create_future()
         request = _Request(list(prompt_ids), sampling, future, on_token)
-        request.adapter = self.adapter_of(rollout_id) if self.adapter_of else None
+        # --lora-per-harness: its harness's adapter (a batch may mix them: peft's adapter_names)
+        request.adapter = hooks.adapter.serving(rollout_id)
         if sampling.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(sampling.seed)
         if sampling.grammar:
-            # Only extras/grammar.py sets a grammar (the proxy's constrain), and it sets the hook.
-            if hooks.grammar is None:
-                raise RuntimeError(hooks.missing("a request with a grammar", "grammar"))
+            # Only extras/grammar.py sets a grammar (the proxy's constrain); without it the seam's
+            # default Matcher refuses, naming the file.
             vocab_size = self.model.config.vocab_size
             request.matcher = hooks.grammar.Matcher(sampling.grammar, self.tokenizer, vocab_size)
         with self._cond:
@@ -287,8 +283,7 @@ class HFBackend(PauseGate):
         """As PauseGate's; the prefix KV cache goes too: the weights are about to change (training,
         a sync), and training gets its memory."""
         super().pause()
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        self.prefix_cache.clear()
 
     def resume(self):
         """As PauseGate's, once the caller (the trainer's thread) has let its OpenMP threads go:
@@ -387,11 +382,7 @@ class HFBackend(PauseGate):
         """The prompt's KV cache (batch 1) and the logits [V] of the first reply token."""
         # The longest cached prefix of the prompt: its length and KV (None: an empty cache), and
         # the logits after it when it is the whole prompt.
-        hit = 0
-        kv = None
-        logits = None
-        if self.prefix_cache is not None:
-            hit, kv, logits = self.prefix_cache.lookup(request.prompt_ids, request.adapter)
+        hit, kv, logits = self.prefix_cache.lookup(request.prompt_ids, request.adapter)
         cache = DynamicCache(ddp_cache_data=kv)
         self.stats.update(prompt_tokens=len(request.prompt_ids), cached_tokens=hit)
         if logits is not None:
@@ -402,10 +393,9 @@ class HFBackend(PauseGate):
         inputs = dict(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
         out = self.model(**inputs, **_adapters([request]))
         logits = out.logits[0, -1]
-        if self.prefix_cache is not None:
-            # Requests that arrive together often share a prompt: the next one reuses this one.
-            kv = [(layer.keys, layer.values) for layer in cache.layers]
-            self.prefix_cache.store(request.prompt_ids, kv, request.adapter, logits)
+        # Requests that arrive together often share a prompt: the next one reuses this one.
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self.prefix_cache.store(request.prompt_ids, kv, request.adapter, logits)
         return cache, logits
 
     def _sample_next(self, batch: "_Batch", j: int, version: int) -> bool:
@@ -431,10 +421,9 @@ class HFBackend(PauseGate):
         done = self._finish(request, token)
         if done is None:
             return True
-        if self.prefix_cache is not None:
-            # The cache holds prompt + response[:-1]: keep it for this conversation's next turn.
-            ids = request.prompt_ids + request.response_ids[:-1]
-            self.prefix_cache.store(ids, batch.row_cache(j), request.adapter)
+        # The cache holds prompt + response[:-1]: keep it for this conversation's next turn.
+        ids = request.prompt_ids + request.response_ids[:-1]
+        self.prefix_cache.store(ids, batch.row_cache(j), request.adapter)
         generation = Generation(request.response_ids, request.logprobs, *done, version)
         _answer(request.future, generation)
         return False
@@ -484,13 +473,10 @@ class _Batch:
         # [len(joining), V]
         logits = torch.stack([row_logits for _, _, row_logits in joining])
         if was_empty:
-            # The first one's cache becomes the batch's, with layers that append in place
-            # (extras/fast_decode.py); else transformers' DynamicLayer, which copies the whole
-            # cache at each token.
-            self.cache = caches.pop(0)
-            if hooks.fast_decode is not None:
-                for layer in self.cache.layers:
-                    layer.__class__ = hooks.fast_decode.RoomyLayer
+            # The first one's cache becomes the batch's (extras/fast_decode.py: with layers that
+            # append in place; the default keeps transformers' DynamicLayer, which copies the
+            # whole cache at each token).
+            self.cache = hooks.fast_decode.batch_cache(caches.pop(0))
             self.last = logits
         else:
             self.last = torch.cat([self.last, logits])
@@ -545,7 +531,9 @@ class _Batch:
 def _adapters(rows: list) -> dict:
     """The forward's argument that runs each row through its adapter (--lora-per-harness: peft's
     adapter_names); none without adapters."""
-    return {"adapter_names": [r.adapter for r in rows]} if rows[0].adapter else {}
+    if rows[0].adapter is None:
+        return {}
+    return {"adapter_names": [r.adapter for r in rows]}
 
 
 def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:

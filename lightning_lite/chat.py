@@ -6,8 +6,9 @@ ids the model sampled (a template rewrites earlier turns, the tokenizer splits t
 training needs the exact ids. So the :class:`Renderer` finds the latest turn a request extends (by
 its messages' fingerprints) and appends only the new messages' ids to that turn's prompt + response
 ids: call k+1's prompt starts with call k's exact ids (README "Reuse of sampled tokens"). At
-start-up it probes what the template renders, to learn its tool-call format; for a ChatML/Hermes
-model only ``build_prompt`` and ``parse_reply`` matter.
+start-up ``probe`` learns what the template renders (a :class:`TemplateInfo`): its tool-call
+format, and whether it renders tools, calls and results itself, as a ChatML/Hermes template does;
+the quirks of other families' templates are hooks.template_quirks' (extras/tool_formats.py).
 
 Example (SmolLM2, no native tool support)::
 
@@ -24,8 +25,9 @@ import json
 import os
 import re
 import uuid
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import InitVar, dataclass, field, replace
+from functools import partial
+from typing import Callable, Optional
 
 from . import hooks, toolcalls
 from .records import common_prefix
@@ -47,7 +49,10 @@ class BadRequest(Exception):
 
     def __init__(self, message: str, param=None, code=None, status: int = 400):
         super().__init__(message)
-        self.message, self.param, self.code, self.status = message, param, code, status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
 
 
 @dataclass
@@ -123,7 +128,9 @@ class ContentStream:
     """
 
     def __init__(self, renderer, stops: list[str], parse_tools: bool, forced="", opened=False):
-        self.renderer, self.forced, self.opened = renderer, forced, opened
+        self.renderer = renderer
+        self.forced = forced
+        self.opened = opened
         self.stops = [s for s in stops if s]
         self.format = renderer.format if parse_tools else None
         # what was sent so far
@@ -138,7 +145,8 @@ class ContentStream:
         # only what extends what was sent: never a contradiction
         new_reasoning = _after(reasoning, self.reasoning) or ""
         new_content = _after(content, self.sent) or ""
-        self.reasoning, self.sent = self.reasoning + new_reasoning, self.sent + new_content
+        self.reasoning += new_reasoning
+        self.sent += new_content
         return new_reasoning, new_content
 
 
@@ -183,12 +191,14 @@ def fingerprints(messages: list[dict], tools: list[dict], known: Optional["Turn"
         fps = known.fps[: k + 1]
     else:
         tools_json = json.dumps(tools, sort_keys=True).encode()
-        k, fps = 0, [hashlib.blake2b(tools_json, digest_size=16).digest()]
+        k = 0
+        fps = [hashlib.blake2b(tools_json, digest_size=16).digest()]
     for m in messages[k:]:
         fps.append(extend_fingerprint(fps[-1], m))
     return fps
 
 
+@dataclass(eq=False, repr=False)
 class Turn:
     """What a session remembers of one answered call (DESIGN.md "The ids decide"): the reply, the
     ids its prompt adds to its ``parent`` turn's prompt + response (``tail``: each id held once),
@@ -197,37 +207,36 @@ class Turn:
     ``messages``, ``tools``, ``fps``: the caller drops them from the turn before when it adds one
     (fingerprints() reuses only the latest turn's, so memory stays linear)."""
 
-    def __init__(
-        self,
-        index,
-        messages,
-        tools,
-        reply,
-        prompt_ids,
-        response_ids,
-        fps=None,
-        forced="",
-        parent=None,
-    ):
-        self.index, self.reply, self.response_ids, self.forced = index, reply, response_ids, forced
-        self.messages, self.tools, self.fps = messages, tools, fps or fingerprints(messages, tools)
+    index: int
+    messages: Optional[list]
+    tools: Optional[list]
+    reply: dict
+    # not kept: the turn keeps its tail
+    prompt_ids: InitVar[list]
+    response_ids: list
+    fps: Optional[list] = None
+    forced: str = ""
+    parent: Optional["Turn"] = None
+
+    def __post_init__(self, prompt_ids: list[int]):
+        self.fps = self.fps or fingerprints(self.messages, self.tools)
         self.fp_request = self.fps[-1]
-        self.fp = extend_fingerprint(self.fp_request, reply)
-        self.parent = parent
-        self.tail = prompt_ids[parent.size :] if parent else prompt_ids
-        self.size = len(prompt_ids) + len(response_ids)
+        self.fp = extend_fingerprint(self.fp_request, self.reply)
+        self.tail = prompt_ids[self.parent.size :] if self.parent else prompt_ids
+        self.size = len(prompt_ids) + len(self.response_ids)
 
     def tokens(self) -> list[int]:
         """Prompt + response ids, root first: what a call extending this turn starts with (a loop:
         chains are long)."""
-        parts, turn = [], self
+        parts = []
+        turn = self
         while turn is not None:
             parts += [turn.response_ids, turn.tail]
             turn = turn.parent
         return [i for part in reversed(parts) for i in part]
 
 
-# ----------------------------------------------------------------------------- rendering
+# ----------------------------------------------------------------------------- probing a template
 
 # What the probes of a template render: a user message, a tool, and a call of it (arguments
 # {"llarg": "llval"}).
@@ -236,255 +245,391 @@ PROBE_PARAMETERS = {"type": "object", "properties": {"llarg": {"type": "string"}
 PROBE_TOOL = {"name": SENTINEL, "description": "d", "parameters": PROBE_PARAMETERS}
 
 
+def tools_argument(messages: list[dict], tools: list[dict]):
+    """The tool list as the template's ``tools`` argument, where most templates take it: (messages,
+    template arguments)."""
+    return messages, {"tools": tools}
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    """What a chat template does with a conversation, as ``probe`` finds it by what the template
+    renders. A Hermes template that renders tools, calls and results itself (SmolLM2's, Qwen's) is
+    the defaults, with its own ``turn_close`` and ``per_message``."""
+
+    # the tool-call format the model writes, its replies parsed in (toolcalls.format_of)
+    format: str = "hermes"
+    # The template renders the tool list it is given; else the list goes into the system prompt
+    # (TOOLS_PROMPT).
+    native_tools: bool = True
+    # It renders calls given in OpenAI's shape; else they are written as text in the format.
+    native_calls: bool = True
+    # It renders tool messages; else results go into user turns (the Hermes convention).
+    native_results: bool = True
+    # Where it takes the tool list: fn(messages, tools) -> (messages, template arguments), the
+    # tools argument or a place of hooks.template_quirks (Phi-4's system message).
+    tools_at: Callable = tools_argument
+    # The names of the dialects of hooks.template_quirks its messages are written in, in order.
+    dialects: list = field(default_factory=list)
+    # What it writes after an assistant message's content (ChatML: "<|im_end|>\n").
+    turn_close: str = ""
+    # It renders each message on its own: the messages after a turn render without those before.
+    per_message: bool = False
+    # The format the template teaches, where --tool-format names another (describe() says so).
+    contradicted: Optional[str] = None
+
+
+def probe(tok, tool_format: Optional[str] = None) -> TemplateInfo:
+    """What the chat template of ``tok`` does, probed once at start-up by what it renders
+    (DESIGN.md "The template decides the format"), one fact after another: each probe renders as
+    the facts found before it say. ``tool_format``: the format the model writes, where the user
+    names it (--tool-format). A template that cannot be served raises ValueError, saying why."""
+    quirks = hooks.template_quirks
+    info = TemplateInfo(turn_close=_turn_close(tok))
+    # Where the template takes the list: the calls are probed with the tools given there (Apertus
+    # 2509's renders calls only once it can render its list).
+    info, listed = quirks.tool_place(info, partial(_lists_tools, tok))
+    _must_render(tok, info, "a tool call in OpenAI's shape", probe_calls(), [PROBE_TOOL])
+    # Some templates render calls only in a dialect (Mistral's 9-alphanumeric ids): then every
+    # conversation is written in it.
+    info, call = quirks.in_dialect(info, partial(_native_call, tok))
+    info = replace(info, native_tools=listed, native_calls=call is not None)
+    taught = _taught_format(tok, info, call)
+    if not tool_format and not taught and (call or info.native_tools):
+        _refuse_untaught(tok, info, call)
+    info = replace(info, format=tool_format or taught or "hermes")
+    # an unknown name raises here, at start-up
+    toolcalls.format_of(info.format)
+    if tool_format and taught and taught != tool_format:
+        info = replace(info, contradicted=taught)
+    # Calls written as text beside a tool list the template renders (Granite 3.x): their results go
+    # in the template's tool turns where it renders them; else in the Hermes convention's user
+    # turns.
+    if not info.native_calls:
+        info = replace(info, native_results=info.native_tools and _renders_results(tok, info))
+    # Two user messages in a row: the Hermes fallback writes tool results as user turns, and clients
+    # send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses them, and
+    # takes them in a dialect that merges them.
+    two_users = PROBE_USER + PROBE_USER
+    _must_render(tok, info, "two user messages in a row", two_users, [], True)
+    info, _ = quirks.in_dialect(info, partial(rendered, tok, messages=two_users, tools=[]))
+    # A system message first: harnesses send one, and the Hermes fallback writes the tool list into
+    # one. A template that refuses it (Gemma 2) takes it in a dialect that writes it into the first
+    # user message; where none helps, such a request gets the template's 400.
+    system_first = [{"role": "system", "content": "s"}] + PROBE_USER
+    info, _ = quirks.in_dialect(info, partial(rendered, tok, messages=system_first, tools=[]))
+    return replace(info, per_message=_renders_per_message(tok, info))
+
+
+def _turn_close(tok) -> str:
+    """The text a template writes after an assistant message's content (ChatML:
+    "<|im_end|>\\n")."""
+    reply = {"role": "assistant", "content": SENTINEL}
+    why = "it leaves out the assistant message's text"
+    try:
+        text = render(tok, TemplateInfo(), PROBE_USER + [reply], [], False)
+    except BadRequest as e:
+        text = ""
+        why = e.message
+    if SENTINEL not in text:
+        raise ValueError(
+            f"{template_name(tok)} cannot render a plain user/assistant conversation of text "
+            f"({why}); serve a chat model whose template can, or set tokenizer.chat_template to one"
+        )
+    return text[text.rindex(SENTINEL) + len(SENTINEL) :]
+
+
+def _lists_tools(tok, info: TemplateInfo) -> bool:
+    """Does the template render the tool list it is given, where ``info`` gives it?"""
+    head = rendered(tok, info, PROBE_USER, [PROBE_TOOL])
+    return head is not None and SENTINEL in head
+
+
+def _must_render(tok, info: TemplateInfo, what: str, messages, tools, gen=False) -> None:
+    """Refuse the template where it refuses ``messages`` (``what``, in words) and
+    hooks.template_quirks has no dialects that might make it render them: never served as if it
+    took OpenAI's shape where it may want a dialect that is not loaded."""
+    if hooks.template_quirks.dialects:
+        return
+    try:
+        render(tok, info, messages, tools, gen)
+    except BadRequest as e:
+        what = f"{template_name(tok)}, which refuses {what} ({e.message}),"
+        raise ValueError(hooks.missing(what, "tool_formats")) from None
+
+
+def _native_call(tok, info: TemplateInfo) -> Optional[str]:
+    """The template's text for the probe's call after its generation prompt (``call_text``); None
+    where it refuses the probe, leaves out the call's arguments, or fails hooks.template_quirks'
+    check (DeepSeek-R1's drops the opening of a call after a tool result): then calls are written
+    as text."""
+    head = rendered(tok, info, PROBE_USER, [PROBE_TOOL])
+    full = rendered(tok, info, probe_calls(), [PROBE_TOOL], False)
+    if head is None or full is None:
+        return None
+    call = call_text(head, full)
+    if "llval" not in call or not hooks.template_quirks.calls_kept(tok, info, call):
+        return None
+    return call
+
+
+def _taught_format(tok, info: TemplateInfo, call: Optional[str]) -> Optional[str]:
+    """The format the template teaches: its calls' where it renders them; else, where it renders
+    the tool list, the one its instructions name (toolcalls.taught), else its family's
+    (hooks.template_quirks). None where it teaches none."""
+    if call is not None:
+        return toolcalls.detect(call)
+    if not info.native_tools:
+        return None
+    instructions = tool_instructions(tok, info)
+    specials = tok.all_special_tokens
+    return toolcalls.taught(instructions) or hooks.template_quirks.family(instructions, specials)
+
+
+def _refuse_untaught(tok, info: TemplateInfo, call: Optional[str]) -> None:
+    """Refuse a template that renders calls or the tool list but teaches no format parsed here:
+    never served as if it were another format, the harness would get its calls back as text."""
+    if call:
+        shown = call.replace(SENTINEL, "get_weather")[:160]
+        what = f"writes tool calls in a format lightning-lite does not parse: {shown!r}"
+    else:
+        shown = tool_instructions(tok, info).replace(SENTINEL, "get_weather")[:300]
+        what = (
+            "renders the tool list but neither a tool call nor instructions that name a format "
+            f"lightning-lite parses: {shown!r}"
+        )
+    raise ValueError(
+        f"{template_name(tok)} {what}; name the format the model writes with --tool-format, "
+        f"{toolcalls.known_formats()}"
+    )
+
+
+def tool_instructions(tok, info: TemplateInfo) -> str:
+    """What the template writes for a tool list, around it included: its text with the SENTINEL
+    tool where its text without tools differs."""
+    listed = rendered(tok, info, PROBE_USER, [PROBE_TOOL]) or ""
+    bare = rendered(tok, info, PROBE_USER, []) or ""
+    start = len(os.path.commonprefix([listed, bare]))
+    end = len(os.path.commonprefix([listed[start:][::-1], bare[start:][::-1]]))
+    return listed[start : len(listed) - end]
+
+
+def _renders_results(tok, info: TemplateInfo) -> bool:
+    """Does the template render a tool message's content (Granite's tool role), after an assistant
+    turn of text?"""
+    reply = {"role": "assistant", "content": "a"}
+    result = {"role": "tool", "content": SENTINEL, "tool_call_id": "call_0"}
+    text = rendered(
+        tok, replace(info, native_results=True), PROBE_USER + [reply, result], [], False
+    )
+    return text is not None and SENTINEL in text
+
+
+def _renders_per_message(tok, info: TemplateInfo) -> bool:
+    """Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the text
+    of the messages after a turn can be rendered without the whole conversation before it.
+    Templates that rewrite earlier turns (Qwen3 drops <think> from them) fail this probe and render
+    in full."""
+    system = [{"role": "system", "content": "s"}]
+    messages = system + probe_calls("<think>\nt\n</think>\n\na")
+    messages += [{"role": "tool", "content": "r2", "tool_call_id": messages[-1]["tool_call_id"]}]
+    messages += [{"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
+    render_info = partial(render, tok, info)
+    try:
+        for k in (3, 6):
+            in_full = turn_texts(render_info, messages, k, [PROBE_TOOL], {}, False).new
+            alone = turn_texts(render_info, messages, k, [PROBE_TOOL], {}, True).new
+            if in_full is None or in_full != alone:
+                return False
+        return True
+    # e.g. a template that refuses a system message or two tool results
+    except BadRequest:
+        return False
+
+
+def probe_calls(content: str = "", rounds: int = 1) -> list[dict]:
+    """A user message, then ``rounds`` times an assistant message calling the SENTINEL tool and its
+    result."""
+    out = list(PROBE_USER)
+    for k in range(rounds):
+        id = "call_0123456789abcdef0123456" + str(k)
+        call = {"id": id, "name": SENTINEL, "arguments": {"llarg": "llval"}}
+        out.append({"role": "assistant", "content": content, "tool_calls": [call]})
+        out.append({"role": "tool", "content": "r", "tool_call_id": id})
+    return out
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def template_name(tok) -> str:
+    """The chat template as start-up messages name it: by its model."""
+    name = getattr(tok, "name_or_path", None) or "this model"
+    return f"the chat template of {name!r}"
+
+
+def render(
+    tok, info: TemplateInfo, messages, tools, add_generation_prompt=True, kwargs=None
+) -> str:
+    """The template's text for a conversation, given to it as ``info`` says it takes it. A template
+    that refuses it (Llama's single tool call, roles that must alternate, ids of the wrong shape)
+    is the client's error: a BadRequest with the template's message."""
+    kwargs = {"add_generation_prompt": add_generation_prompt, **(kwargs or {})}
+    try:
+        messages = template_messages(info, messages, tools)
+        if info.native_tools and tools:
+            listed = [{"type": "function", "function": t} for t in tools]
+            messages, given = info.tools_at(messages, listed)
+            kwargs.update(given)
+        return tok.apply_chat_template(messages, tokenize=False, **kwargs)
+    # jinja2's TemplateError (raise_exception), and what a template's filters raise on odd input
+    except Exception as e:
+        message = f"the model's chat template refused this conversation: {e} ({template_name(tok)})"
+        raise BadRequest(message, "messages", "template_error") from None
+
+
+def rendered(tok, info: TemplateInfo, messages, tools, gen=True) -> Optional[str]:
+    """``render``'s text for a probe, None where the template refuses it."""
+    try:
+        return render(tok, info, messages, tools, gen)
+    except BadRequest:
+        return None
+
+
+def in_dialects(names: list[str], messages: list[dict]) -> list[dict]:
+    """The messages written in the dialects of hooks.template_quirks named, in order."""
+    for name in names:
+        messages = hooks.template_quirks.dialects[name](messages)
+    return messages
+
+
+def template_messages(info: TemplateInfo, messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The messages as the template takes them: OpenAI's shape (arguments as a dict) where it
+    renders calls, else calls written as text in the format (``toolcalls.write``) and results in
+    the template's tool turns where it renders them (``native_results``), else in a user turn's
+    ``<tool_response>`` tags (the Hermes convention). A tool list the template does not render
+    goes into the system prompt."""
+    out = []
+    if tools and not info.native_tools:
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        system = messages[0]["content"] + "\n\n" if has_system else ""
+        out.append({"role": "system", "content": system + _tools_prompt(info.format, tools)})
+        messages = messages[1:] if has_system else messages
+    for i, m in enumerate(messages):
+        if m["role"] == "tool" and not info.native_results:
+            text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
+            # consecutive tool results share one user turn
+            if i and messages[i - 1]["role"] == "tool":
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text})
+            continue
+        message = {"role": m["role"], "content": m["content"]}
+        if m["role"] == "tool":
+            message["tool_call_id"] = m.get("tool_call_id", "")
+        out.append(message)
+        if not info.native_calls:
+            calls = (toolcalls.write(info.format, **_parsed(t)) for t in m.get("tool_calls") or ())
+            message["content"] = "\n".join(filter(None, [m["content"], *calls]))
+            continue
+        # the key Qwen's templates read, and the one gpt-oss's reads
+        if m.get("reasoning"):
+            message["reasoning_content"] = message["thinking"] = m["reasoning"]
+        for t in m.get("tool_calls") or ():
+            call = {"id": t["id"], "type": "function", "function": _parsed(t)}
+            message.setdefault("tool_calls", []).append(call)
+    # then as the template's dialects and the format's own templates take them (Kimi's ids)
+    out = in_dialects(info.dialects, out)
+    form = toolcalls.format_of(info.format)
+    return form.messages(out) if form.messages else out
+
+
+def _tools_prompt(fmt: str, tools: list[dict]) -> str:
+    """The tool list in the system prompt (TOOLS_PROMPT), how to call one in the format the model
+    writes."""
+    listed = "\n".join(dumps({"type": "function", "function": t}) for t in tools)
+    prompt = TOOLS_PROMPT.format(tools=listed)
+    if fmt == "hermes":
+        return prompt
+    example = toolcalls.write(fmt, "<function-name>", {"<argument>": "<value>"})
+    return prompt[: prompt.index("For each")] + f"Write each function call as here:\n{example}"
+
+
+@dataclass
+class TurnTexts:
+    """What ``turn_texts`` cuts three renderings into."""
+
+    # the template's text for the assistant turn messages[k - 1], from after the generation prompt
+    # to the end of its turn close: what the model must have sampled for the history to render as
+    # sampled
+    turn: Optional[str]
+    # its text for messages[k:] + the generation prompt, after messages[:k]; None where it renders
+    # those k otherwise once more follows
+    new: Optional[str]
+    # the whole conversation's text; None where per_message stood in for it
+    full: Optional[str]
+
+
+def turn_texts(render, messages: list[dict], k: int, tools, kw: dict, per_message: bool):
+    """The template's texts around the assistant turn ``messages[k - 1]`` (a TurnTexts), rendered
+    by ``render(messages, tools, add_generation_prompt, template_kwargs)``. ``per_message``:
+    ``messages[:k]`` is stood in for by the system prompt, a user message and message k-1, which
+    render alike, at a flat cost."""
+    context = messages[:k]
+    if per_message:
+        system = []
+        if messages[0]["role"] == "system" and k > 1:
+            system = messages[:1]
+        context = system + PROBE_USER + [messages[k - 1]]
+    before = render(context[:-1], tools, True, kw)
+    head = render(context, tools, False, kw)
+    full = render(context + messages[k:], tools, True, kw)
+    texts = TurnTexts(turn=_after(head, before), new=_after(full, head), full=full)
+    if per_message:
+        texts.full = None
+    return texts
+
+
 class Renderer:
-    """Chat template + tool-call format of one tokenizer, probed once at start-up by what the
-    template renders (DESIGN.md "The template decides the format")."""
+    """Chat template + tool-call format of one tokenizer: a conversation -> prompt ids that reuse
+    the sampled ones, sampled ids -> a reply. What the template does is probed once (``info``)."""
 
     def __init__(self, tokenizer, eos_ids=None, tool_format=None, keep_history_tokens=False):
         """``eos_ids``: every token that ends the model's turn, the set generation stops on
         (models.eos_ids). ``tool_format``: override the detected format. ``keep_history_tokens``:
         reuse the sampled tokens of an echoed turn even where the template renders it differently
         (see ``build_prompt``)."""
-        self.tok, self.keep_history_tokens = tokenizer, keep_history_tokens
-        # as start-up messages name it: by its model
-        name = getattr(tokenizer, "name_or_path", None) or "this model"
-        self.template = f"the chat template of {name!r}"
+        self.tok = tokenizer
+        self.keep_history_tokens = keep_history_tokens
         templates = tokenizer.chat_template or ""
         if not templates:
             raise ValueError(
-                f"{self.template} is missing: serve a chat model, or set tokenizer.chat_template"
+                f"{template_name(tokenizer)} is missing: serve a chat model, or set "
+                "tokenizer.chat_template"
             )
         source = "\n".join(templates.values()) if isinstance(templates, dict) else templates
         self.eos_ids = set(eos_ids or ()) | {t for t in [tokenizer.eos_token_id] if t is not None}
         specials = sorted(filter(None, tokenizer.all_special_tokens), key=len, reverse=True)
         self.specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
         self.think = think_tags(source)
-        # The probes, in order: each renders with what the ones before it found.
-        self.format = "hermes"
-        self.native_tools = self.native_calls = self.native_results = True
-        # where the template takes the tool list: None, the ``tools`` argument; else the name of a
-        # place of hooks.TOOL_PLACES (Phi-4's system message)
-        self.tools_at: Optional[str] = None
-        # the names of the dialects (hooks.TEMPLATE_DIALECTS) the template's messages are written in
-        self.dialects: list[str] = []
-        # the format the template teaches, where --tool-format names another (describe() says so)
-        self.contradicted: Optional[str] = None
-        self.turn_close = self._probe_turn_close()
-        # where the template takes the list first: the calls are probed with the tools given there
-        # (Apertus 2509's renders calls only once it can render its list)
-        listed = self._probe_tool_list()
-        call = self._probe_native_call()
-        self.native_tools = listed
-        self.format = self._choose_format(call, tool_format)
-        # Calls written as text beside a tool list the template renders (Granite 3.x): their
-        # results go in the template's tool turns where it renders them; else in the Hermes
-        # convention's user turns.
-        self.native_results = self.native_calls or (
-            self.native_tools and self._probe_tool_results()
-        )
-        # Two user messages in a row: the Hermes fallback writes tool results as user turns, and
-        # clients send such pairs; a template that wants roles to alternate (Gemma, Mistral) refuses
-        # them, and takes them in a dialect that merges them.
-        two_users = PROBE_USER + PROBE_USER
-        alternates = not self._with_dialect(lambda: self.rendered(two_users, [], True) is not None)
-        if alternates and not hooks.TEMPLATE_DIALECTS:
-            what = f"{self.template}, which refuses two user messages in a row ({self.refusal}),"
-            raise ValueError(hooks.missing(what, "tool_formats"))
-        # A system message first: harnesses send one, and the Hermes fallback writes the tool list
-        # into one. A template that refuses it (Gemma 2) takes it in a dialect that writes it into
-        # the first user message; where none helps, such a request gets the template's 400.
-        system_first = [{"role": "system", "content": "s"}] + PROBE_USER
-        self._with_dialect(lambda: self.rendered(system_first, [], True) is not None)
-        self.per_message = self._probe_per_message()
-
-    def _probe_turn_close(self) -> str:
-        """The text a template writes after an assistant message's content (ChatML:
-        "<|im_end|>\\n")."""
-        reply = {"role": "assistant", "content": SENTINEL}
-        text = self.rendered(PROBE_USER + [reply], [], False)
-        if text is None or SENTINEL not in text:
-            why = self.refusal if text is None else "it leaves out the assistant message's text"
-            raise ValueError(
-                f"{self.template} cannot render a plain user/assistant conversation of text "
-                f"({why}); serve a chat model whose template can, or set tokenizer.chat_template "
-                "to one"
-            )
-        return text[text.rindex(SENTINEL) + len(SENTINEL) :]
-
-    def _probe_native_call(self) -> Optional[str]:
-        """The template's text for a call after its generation prompt where it renders calls
-        (``native_calls``), else None; whether it renders the tool list (``native_tools``:
-        DeepSeek-R1's renders calls but no list, Granite 3.x's the list but no calls). Some
-        templates render calls only in a dialect of their own (Mistral's 9-alphanumeric ids): then
-        every call is written so. A template that fails a check of hooks.TEMPLATE_CHECKS gets its
-        calls written as text."""
-        # what the probe saw: the call's text, and whether the tool list came before it
-        seen = {"call": None, "lists": False, "refused": False}
-
-        def renders_call() -> bool:
-            head = self.rendered(PROBE_USER, [PROBE_TOOL], True)
-            full = self.rendered(self.probe_calls(), [PROBE_TOOL], False)
-            if head is None or full is None:
-                seen["refused"] = True
-                return False
-            call = call_text(head, full)
-            seen["call"] = call
-            # the tool list before the call, rendered in both
-            seen["lists"] = seen["lists"] or SENTINEL in full[: len(full) - len(call)]
-            if "llval" not in call:
-                return False
-            return all(check(self, call) for check in hooks.TEMPLATE_CHECKS)
-
-        self.native_calls = self._with_dialect(renders_call)
-        # Never served as if it took OpenAI's shape where it may want a dialect that is not loaded.
-        if seen["refused"] and not hooks.TEMPLATE_DIALECTS:
-            what = f"{self.template}, which refuses a tool call in OpenAI's shape ({self.refusal}),"
-            raise ValueError(hooks.missing(what, "tool_formats"))
-        return seen["call"] if self.native_calls else None
-
-    def _probe_tool_list(self) -> bool:
-        """Does the template render the tool list it is given: as the ``tools`` argument, or in a
-        place of hooks.TOOL_PLACES (kept in ``tools_at``)? DeepSeek-R1's renders calls but no
-        list."""
-        for place in [None, *hooks.TOOL_PLACES]:
-            self.tools_at = place
-            head = self.rendered(PROBE_USER, [PROBE_TOOL], True)
-            if head is not None and SENTINEL in head:
-                return True
-        self.tools_at = None
-        return False
-
-    def _probe_tool_results(self) -> bool:
-        """Does the template render a tool message's content (Granite's tool role), after an
-        assistant turn of text?"""
-        reply = {"role": "assistant", "content": "a"}
-        result = {"role": "tool", "content": SENTINEL, "tool_call_id": "call_0"}
-        # the result given to the template as a tool message, as the probe asks
-        self.native_results = True
-        text = self.rendered(PROBE_USER + [reply, result], [], False)
-        return text is not None and SENTINEL in text
-
-    def _taught_format(self, call: Optional[str]) -> Optional[str]:
-        """The format the template teaches: its calls' where it renders them; else, where it
-        renders the tool list, the one its instructions name (toolcalls.taught), else its family's
-        (hooks.TOOL_FAMILIES: a marker of its list), else its tokenizer's special tokens'. None
-        where it teaches none."""
-        if call is not None:
-            return toolcalls.detect(call)
-        if not self.native_tools:
-            return None
-        instructions = self.tool_instructions()
-        fmt = toolcalls.taught(instructions)
-        if fmt is not None:
-            return fmt
-        for marker, family in hooks.TOOL_FAMILIES.items():
-            if marker in instructions and family in hooks.TOOL_FORMATS:
-                return family
-        return toolcalls.special_format(self.tok.all_special_tokens)
-
-    def tool_instructions(self) -> str:
-        """What the template writes for a tool list, around it included: its text with the
-        SENTINEL tool where its text without tools differs."""
-        listed = self.rendered(PROBE_USER, [PROBE_TOOL], True) or ""
-        bare = self.rendered(PROBE_USER, [], True) or ""
-        start = len(os.path.commonprefix([listed, bare]))
-        end = len(os.path.commonprefix([listed[start:][::-1], bare[start:][::-1]]))
-        return listed[start : len(listed) - end]
-
-    def _with_dialect(self, renders) -> bool:
-        """Does ``renders()`` hold, as the template's messages are written now or in one more
-        dialect (hooks.TEMPLATE_DIALECTS, tried in order)? The first such dialect is kept."""
-        if renders():
-            return True
-        for name in hooks.TEMPLATE_DIALECTS:
-            if name in self.dialects:
-                continue
-            self.dialects.append(name)
-            if renders():
-                return True
-            self.dialects.pop()
-        return False
-
-    def _choose_format(self, call_text: Optional[str], tool_format: Optional[str]) -> str:
-        """``tool_format`` if given, else the format the template teaches (``_taught_format``;
-        Hermes where it has no tool support). A template that teaches a format not parsed here is
-        refused."""
-        taught = self._taught_format(call_text)
-        # never served as if it were another format: the harness would get its calls back as text
-        if call_text and not taught and not tool_format:
-            shown = call_text.replace(SENTINEL, "get_weather")[:160]
-            raise ValueError(
-                f"{self.template} writes tool calls in a format lightning-lite does not parse: "
-                f"{shown!r}; name the format the model writes with --tool-format, "
-                f"{toolcalls.known_formats()}"
-            )
-        if self.native_tools and not taught and not tool_format:
-            shown = self.tool_instructions().replace(SENTINEL, "get_weather")[:300]
-            raise ValueError(
-                f"{self.template} renders the tool list but neither a tool call nor instructions "
-                f"that name a format lightning-lite parses: {shown!r}; name the format the model "
-                f"writes with --tool-format, {toolcalls.known_formats()}"
-            )
-        # the user's call, said at start-up (describe)
-        if tool_format and taught and taught != tool_format:
-            self.contradicted = taught
-        fmt = tool_format or taught or "hermes"
-        # an unknown name raises here, at start-up
-        toolcalls.format_of(fmt)
-        return fmt
-
-    def rendered(self, messages, tools, add_generation_prompt) -> Optional[str]:
-        """The template's text for a probe, None where the template refuses it (why:
-        ``refusal``)."""
-        try:
-            return self.render_text(messages, tools, add_generation_prompt)
-        except BadRequest as e:
-            self.refusal = e.message
-            return None
-
-    def _probe_per_message(self) -> bool:
-        """Does the template render each message on its own (ChatML: SmolLM2, Qwen2.5)? Then the
-        text of the messages after a turn can be rendered without the whole conversation before it.
-        Templates that rewrite earlier turns (Qwen3 drops <think> from them) fail this probe and
-        render in full."""
-        system = [{"role": "system", "content": "s"}]
-        probe = system + self.probe_calls("<think>\nt\n</think>\n\na")
-        probe += [{"role": "tool", "content": "r2", "tool_call_id": probe[-1]["tool_call_id"]}]
-        probe += [{"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
-        try:
-            for k in (3, 6):
-                in_full, alone = (self._texts(probe, k, [PROBE_TOOL], {}, a)[1] for a in (0, 1))
-                if in_full is None or in_full != alone:
-                    return False
-            return True
-        # e.g. a template that refuses a system message or two tool results
-        except BadRequest:
-            return False
-
-    def probe_calls(self, content: str = "", rounds: int = 1) -> list[dict]:
-        """A user message, then ``rounds`` times an assistant message calling the SENTINEL tool and
-        its result."""
-        out = list(PROBE_USER)
-        for k in range(rounds):
-            id = "call_0123456789abcdef0123456" + str(k)
-            call = {"id": id, "name": SENTINEL, "arguments": {"llarg": "llval"}}
-            out.append({"role": "assistant", "content": content, "tool_calls": [call]})
-            out.append({"role": "tool", "content": "r", "tool_call_id": id})
-        return out
+        self.info = probe(tokenizer, tool_format)
+        # the format every reply is parsed in (extras/grammar.py reads it too)
+        self.format = self.info.format
 
     def describe(self) -> str:
+        info = self.info
         think = "reasoning in {}...{}".format(*self.think) if self.think else "no reasoning tags"
         where = {
             (True, True): "rendered by the template",
             (False, True): "rendered by the template, its tool list written into the system prompt",
             (True, False): "its tool list rendered by the template, calls written as text",
             (False, False): "written into the system prompt (the template has no tool support)",
-        }[self.native_tools, self.native_calls]
-        said = f"chat template: tool calls in the {self.format} format, {where}; {think}"
-        if self.contradicted:
+        }[info.native_tools, info.native_calls]
+        said = f"chat template: tool calls in the {info.format} format, {where}; {think}"
+        if info.contradicted:
             said += (
-                f"; --tool-format {self.format} is used, though the template teaches the "
-                f"{self.contradicted} format"
+                f"; --tool-format {info.format} is used, though the template teaches the "
+                f"{info.contradicted} format"
             )
         return said
 
@@ -495,90 +640,11 @@ class Renderer:
     def new_id(self) -> str:
         """A tool-call id for a parsed call, as the template's dialects write it."""
         result = {"role": "tool", "content": "", "tool_call_id": "call_" + uuid.uuid4().hex[:24]}
-        return self._in_dialects([result])[0]["tool_call_id"]
-
-    def _in_dialects(self, messages: list[dict]) -> list[dict]:
-        """The template's messages written in its dialects (hooks.TEMPLATE_DIALECTS), in order."""
-        for name in self.dialects:
-            messages = hooks.TEMPLATE_DIALECTS[name](messages)
-        return messages
-
-    def _template_messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
-        """The messages as the template takes them: OpenAI's shape (arguments as a dict) where it
-        renders calls, else calls written as text in the format (``toolcalls.write``) and results
-        in the template's tool turns where it renders them (``native_results``), else in a user
-        turn's ``<tool_response>`` tags (the Hermes convention). A tool list the template does not
-        render goes into the system prompt."""
-        out = []
-        if tools and not self.native_tools:
-            has_system = bool(messages) and messages[0]["role"] == "system"
-            system = messages[0]["content"] + "\n\n" if has_system else ""
-            out.append({"role": "system", "content": system + self._tools_prompt(tools)})
-            messages = messages[1:] if has_system else messages
-        for i, m in enumerate(messages):
-            if m["role"] == "tool" and not self.native_results:
-                text = "<tool_response>\n" + m["content"] + "\n</tool_response>"
-                # consecutive tool results share one user turn
-                if i and messages[i - 1]["role"] == "tool":
-                    out[-1]["content"] += "\n" + text
-                else:
-                    out.append({"role": "user", "content": text})
-                continue
-            message = {"role": m["role"], "content": m["content"]}
-            if not self.native_calls:
-                calls = (
-                    toolcalls.write(self.format, **_parsed(t)) for t in m.get("tool_calls") or ()
-                )
-                message["content"] = "\n".join(filter(None, [m["content"], *calls]))
-                if m["role"] == "tool":
-                    message["tool_call_id"] = m.get("tool_call_id", "")
-                out.append(message)
-                continue
-            # the key Qwen's templates read, and the one gpt-oss's reads
-            if m.get("reasoning"):
-                message["reasoning_content"] = message["thinking"] = m["reasoning"]
-            for t in m.get("tool_calls") or ():
-                call = {"id": t["id"], "type": "function", "function": _parsed(t)}
-                message.setdefault("tool_calls", []).append(call)
-            if m["role"] == "tool":
-                message["tool_call_id"] = m.get("tool_call_id", "")
-            out.append(message)
-        # then as the template's dialects and the format's own templates take them (Kimi's ids)
-        out = self._in_dialects(out)
-        form = toolcalls.format_of(self.format)
-        return form.messages(out) if form.messages else out
-
-    def _tools_prompt(self, tools: list[dict]) -> str:
-        """The tool list in the system prompt (TOOLS_PROMPT), how to call one in the format the
-        model writes."""
-        listed = "\n".join(dumps({"type": "function", "function": t}) for t in tools)
-        prompt = TOOLS_PROMPT.format(tools=listed)
-        if self.format == "hermes":
-            return prompt
-        example = toolcalls.write(self.format, "<function-name>", {"<argument>": "<value>"})
-        return prompt[: prompt.index("For each")] + f"Write each function call as here:\n{example}"
+        return in_dialects(self.info.dialects, [result])[0]["tool_call_id"]
 
     def render_text(self, messages, tools, add_generation_prompt=True, template_kwargs=None) -> str:
-        """The template's text for a conversation. A template that refuses it (Llama's single tool
-        call, roles that must alternate, ids of the wrong shape) is the client's error: a BadRequest
-        with the template's message."""
-        kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
-        try:
-            messages = self._template_messages(messages, tools)
-            # the tool list as the tools argument, or where the template takes it (Phi-4's in the
-            # system message)
-            if self.native_tools and tools:
-                listed = [{"type": "function", "function": t} for t in tools]
-                if self.tools_at is None:
-                    kwargs["tools"] = listed
-                else:
-                    messages, given = hooks.TOOL_PLACES[self.tools_at](messages, listed)
-                    kwargs.update(given)
-            return self.tok.apply_chat_template(messages, tokenize=False, **kwargs)
-        # jinja2's TemplateError (raise_exception), and what a template's filters raise on odd input
-        except Exception as e:
-            message = f"the model's chat template refused this conversation: {e} ({self.template})"
-            raise BadRequest(message, "messages", "template_error") from None
+        """The template's text for a conversation (``render``): a BadRequest where it refuses it."""
+        return render(self.tok, self.info, messages, tools, add_generation_prompt, template_kwargs)
 
     def build_prompt(self, messages, tools, history, reuse=True, fps=None, template_kwargs=None):
         """Prompt ids for ``messages``, reusing the sampled tokens of an earlier turn it extends
@@ -598,11 +664,14 @@ class Renderer:
             ids, full = self._extend(parent, messages, k, tools, kw)
             if ids is not None:
                 return ids, parent.index, None
-        ids = self.encode(full if full is not None else self.render_text(messages, tools, True, kw))
+        if full is None:
+            full = self.render_text(messages, tools, True, kw)
+        ids = self.encode(full)
         if parent is not None:
             # rendered anew, it still extends the turn where it starts with the turn's ids
-            extends = ids[: parent.size] == parent.tokens()
-            return (ids, parent.index, None) if extends else (ids, None, "template_mismatch")
+            if ids[: parent.size] == parent.tokens():
+                return ids, parent.index, None
+            return ids, None, "template_mismatch"
         if not history:
             return ids, None, None
         # Did it resend an earlier request's messages (or start with them), with another reply than
@@ -610,59 +679,49 @@ class Renderer:
         # a new thread (as samples.py would tell from the ids).
         asked = {t.fp_request for t in history}
         k = next((k for k in range(len(messages), 0, -1) if fps[k] in asked), None)
-        split = "new_thread" if k is None else "retry" if k == len(messages) else "rewrote_history"
-        return ids, None, split
+        if k is None:
+            return ids, None, "new_thread"
+        if k == len(messages):
+            return ids, None, "retry"
+        return ids, None, "rewrote_history"
 
     def _extend(self, parent: Turn, messages, k: int, tools, kw):
         """(``parent``'s prompt + response ids + the ids of the messages after its reply
         ``messages[k - 1]``, where the template renders that turn as sampled, else None; the whole
         conversation's text if rendered on the way)."""
-        turn, new, full = self._texts(messages, k, tools, kw, self.per_message)
-        full = None if self.per_message else full
+        texts = turn_texts(self.render_text, messages, k, tools, kw, self.info.per_message)
+        new = texts.new
         # The sampled turn is reused when the template's text for it starts with what was sampled;
         # the rest of that text (its turn close, minus an EOS the model sampled) is the glue before
         # the new messages.
         sampled = parent.forced + self.tok.decode(parent.response_ids, skip_special_tokens=False)
-        glue = turn[len(sampled) :] if turn is not None and turn.startswith(sampled) else None
+        glue = None
+        if texts.turn is not None and texts.turn.startswith(sampled):
+            glue = texts.turn[len(sampled) :]
         if glue is None and self.keep_history_tokens:
             glue = self._kept_turn_glue(parent)
         # The template rewrites that turn once more follows: render what follows it after the turn
         # as sampled, reasoning too (Qwen3 writes an empty think block otherwise).
         if glue is not None and new is None and self.keep_history_tokens:
-            reasoning = parent.reply.get("reasoning")
-            echoed = {**messages[k - 1], **({"reasoning": reasoning} if reasoning else {})}
-            new = self._texts(messages[: k - 1] + [echoed] + messages[k:], k, tools, kw, True)[1]
+            echoed = dict(messages[k - 1])
+            if parent.reply.get("reasoning"):
+                echoed["reasoning"] = parent.reply["reasoning"]
+            echoed_messages = messages[: k - 1] + [echoed] + messages[k:]
+            new = turn_texts(self.render_text, echoed_messages, k, tools, kw, True).new
         if glue is None or new is None:
-            return None, full
-        return parent.tokens() + self.encode(glue + new), full
+            return None, texts.full
+        return parent.tokens() + self.encode(glue + new), texts.full
 
     def _kept_turn_glue(self, parent: Turn) -> str:
         """The text after a turn the template renders otherwise, kept as sampled
         (``keep_history_tokens``): the template's turn close, less the end marker it starts with
         when the model sampled one (gpt-oss ends a call with <|call|>, its turn close is
         <|return|>)."""
-        glue = self.turn_close
+        glue = self.info.turn_close
         if parent.response_ids and parent.response_ids[-1] in self.eos_ids:
             ends = (self.tok.decode([e]) for e in self.eos_ids)
             glue = next((glue[len(end) :] for end in ends if glue.startswith(end)), glue)
         return glue
-
-    def _texts(self, messages: list[dict], k: int, tools, kw: dict, per_message: bool):
-        """Three renderings cut into: the template's text for the assistant turn ``messages[k -
-        1]``, from after the generation prompt to the end of its turn close (what the model must
-        have sampled for the history to render as sampled); its text for ``messages[k:]`` + the
-        generation prompt after ``messages[:k]`` (None where it renders those k otherwise once more
-        follows); the last rendering. ``per_message``: ``messages[:k]`` is stood in for by the
-        system prompt, a user message and message k-1, which render alike, at a flat cost."""
-        if per_message:
-            system = messages[:1] if messages[0]["role"] == "system" and k > 1 else []
-            context = system + PROBE_USER + [messages[k - 1]]
-        else:
-            context = messages[:k]
-        before = self.render_text(context[:-1], tools, True, kw)
-        head = self.render_text(context, tools, False, kw)
-        full = self.render_text(context + messages[k:], tools, True, kw)
-        return _after(head, before), _after(full, head), full
 
     def opens_reasoning(self, prompt_ids: list[int]) -> bool:
         """Does the prompt end inside a reasoning block (Qwen3.5's and DeepSeek-R1's generation

@@ -193,6 +193,14 @@ def parse_kwargs(items: list[str]) -> dict:
 WEIGHTED = re.compile(r"(.+):(\d+(?:\.\d+)?)")
 
 
+def several(specs: list[str], harness_args: list[str]) -> bool:
+    """Whether train.py's --harness SPECs and --harness-arg items ask for what extras/harnesses.py
+    runs: more than one SPEC, a SPEC with a WEIGHT or an item for one SPEC (SPEC:K=V)."""
+    weighted = any(WEIGHTED.fullmatch(spec) for spec in specs)
+    targeted = any(":" in item.partition("=")[0] for item in harness_args)
+    return len(specs) > 1 or weighted or targeted
+
+
 class Tasks:
     """Which tasks each step runs, for one harness (``--harness SPEC``, each ``--harness-arg K=V`` a
     keyword of it): step k draws ``batch_size`` of its train tasks from a fixed shuffle per epoch,
@@ -200,9 +208,7 @@ class Tasks:
     tasks, so --resume goes on where the run stopped. extras/harnesses.py runs several harnesses."""
 
     def __init__(self, specs, harness_args, batch_size, group_size, eval_tasks, seed, log):
-        weighted = [spec for spec in specs if WEIGHTED.fullmatch(spec)]
-        targeted = [item for item in harness_args if ":" in item.partition("=")[0]]
-        if len(specs) > 1 or weighted or targeted:
+        if several(specs, harness_args):
             what = "several --harness, a --harness WEIGHT or a --harness-arg SPEC:K=V"
             sys.exit(hooks.missing(what, "harnesses"))
         self.batch_size = batch_size
@@ -294,8 +300,14 @@ class Tasks:
             "eval_s": round(seconds, 1),
         }
 
-    def by_harness(self, row: dict, key: str) -> str:
-        """The log line's tail of each harness's ``key``: nothing with one harness."""
+    def harness_columns(self, results: list, calls: list, max_seq_len) -> dict:
+        """The step row's columns of each harness (KEY/NAME) over every rank, of this rank's
+        ``results`` and their ``calls``: none with one harness (extras/harnesses.py has some)."""
+        return {}
+
+    def by_harness(self, row: dict, *keys: str) -> str:
+        """The log line's tail of each harness's ``keys`` in ``row`` (KEY/NAME): nothing with one
+        harness."""
         return ""
 
 

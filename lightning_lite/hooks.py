@@ -1,9 +1,10 @@
 """The seams where an optional feature (an extra, lightning_lite/extras/) adds behaviour to the
 core.
 
-Each seam is a plain dict, list or slot that the core reads at the one place named beside it. Each
-is empty or None by default, and then the core takes its plain path: with lightning_lite/extras/
-deleted, train.py and proxy.py still run end to end. An extra imports the core, and fills its seams
+Each seam is a registry (a dict or list, empty by default) or a slot whose default is a do-nothing
+object (``NoGrammar``, ``NoFastDecode``, ...: the protocol an extra's object follows, written once);
+the core reads it at the one place named beside it, with no None check, and by default takes its
+plain path: with lightning_lite/extras/ deleted, train.py and proxy.py still run end to end. An extra imports the core, and fills its seams
 when it is imported; train.py and proxy.py import the extras they use from one visible list
 (``load_extras``). The import direction is one way, extra -> core: no core module imports an extra
 (tests/test_layout.py checks it).
@@ -28,62 +29,161 @@ ERROR_SHAPES = {}
 # registers the other families' formats, and a "hermes" that reads their bodies in its tags too.
 TOOL_FORMATS = {}
 
-# What some chat templates want of the messages besides OpenAI's shape, name -> fn(messages) ->
-# messages (extras/tool_formats.py: Mistral's 9-character call ids, DeepSeek-R1's arguments as a
-# JSON string, Gemma's alternating roles). chat.Renderer probes them in order where a template
-# refuses a probe, and keeps the first that makes it render. Empty: a template that refuses a probe
-# (a tool call in OpenAI's shape, two user messages in a row) is refused at start-up.
-TEMPLATE_DIALECTS = {}
 
-# Checks of a template that renders tool calls, fn(renderer, call) -> bool, call: the text of its
-# first call after the generation prompt (extras/tool_formats.py: a call after a tool result is
-# written as the first, which DeepSeek-R1's is not). chat.Renderer writes the calls of a template
-# that fails one as text. Empty: every template that renders a call is taken at its word.
-TEMPLATE_CHECKS = []
+class NoTemplateQuirks:
+    """The protocol of the quirks of some families' chat templates that chat.probe tries, and its
+    do-nothing default: a template is served as it renders OpenAI's shape, and one that refuses it
+    (a tool call, two user messages in a row) is refused at start-up, never served as if it took
+    that shape. extras/tool_formats.py knows the families' quirks."""
 
-# Where some chat templates take the tool list instead of the ``tools`` argument, name ->
-# fn(messages, tools) -> (messages, template arguments) (extras/tool_formats.py: in the system
-# message's ``tools``, a list as GLM-4-9B-chat's reads it or a JSON string as Phi-4's; as
-# ``available_tools`` too, as some Granite 3.3 templates read it; each tool without OpenAI's
-# wrapper). chat.Renderer probes them in order where a template does not render the list it is
-# given as ``tools``, and keeps the first that shows it. Empty: such a template is served as one
-# without a tool list.
-TOOL_PLACES = {}
+    # What some templates want of the messages besides OpenAI's shape, name -> fn(messages) ->
+    # messages (Mistral's 9-character call ids, DeepSeek-R1's arguments as a JSON string, Gemma's
+    # alternating roles): a chat.TemplateInfo's ``dialects`` name them. None here.
+    dialects: dict = {}
 
-# The format a family's models write where its template renders the tool list but neither a call
-# nor instructions that name one, a marker of the family's tool list -> a format's name
-# (extras/tool_formats.py: LFM2's <|tool_list_start|>, Kimi's tool_declare, Phi-4's <|tool|>).
-# chat.Renderer reads a template's instructions first, then these, then its tokenizer's special
-# tokens. Empty: such a template is refused at start-up unless --tool-format names the format.
-TOOL_FAMILIES = {}
+    def tool_place(self, info, lists):
+        """(``info``, ``lists(info)``): does the template render the tool list where ``info``
+        gives it? Where not, the first place that makes it (``info.tools_at``: Phi-4's system
+        message) and True. Here none is tried: such a template is served without its list."""
+        return info, lists(info)
 
-# Constrained decoding (extras/grammar.py): an object with
-#   constrain(req, renderer, opened) -> the text a forced reply begins with (it sets
-#     req.sampling.grammar);
-#   Matcher(grammar, tokenizer, n_vocab), the sampler's state: .allowed() -> [V] bool and
-#     .consume(token);
-#   Replay(samples, tokenizer, n_vocab), the trainer's replay of what a micro-batch's tokens were
-#     sampled under: algo.trainer_logprobs' ``allowed``, with the counts .constrained, .forced.
-# None: a forced tool call is opened by the prompt alone (its name), and its arguments are not
-# constrained.
-grammar = None
+    def in_dialect(self, info, attempt):
+        """(``info``, ``attempt(info)``) where that is not None; else the same for ``info`` in one
+        more dialect, the first that makes it so. Here none is tried."""
+        return info, attempt(info)
 
-# Per-rollout isolation (extras/isolation.py): a factory of the object Proxy keeps when asked for
-# rollout_tokens. It admits each request (admit(request, rollout_id, reward) -> rollout id), gives
-# each rollout its endpoint (endpoint(server, rollout_id, model, socket, api_key) ->
-# harness.Endpoint: its route, the harness's reward key, with socket a Unix socket of its own),
-# closes sockets (close_sockets(rollout_ids=None), None: all), holds what each rollout was refused
-# (flags: rollout id -> list), and forgets a step (reset). None: every rollout id is served as it
-# is, and a reward is taken from anyone.
-isolation = None
+    def calls_kept(self, tok, info, call: str) -> bool:
+        """Does the template (``tok``'s, as chat.TemplateInfo ``info`` says it takes messages) keep
+        every call of a history as it wrote ``call``, its text of the probe's one call? Where not
+        (DeepSeek-R1's drops a call's opening after a tool result), calls are written as text.
+        Here every template that renders a call is taken at its word."""
+        return True
+
+    def family(self, instructions: str, specials: list):
+        """The format a family's models write where its template renders the tool list (its text:
+        ``instructions``) but neither a call nor instructions that name a format: by a marker of
+        the list (LFM2's <|tool_list_start|>), or by the tokenizer's special tokens. Here None:
+        such a template is refused unless --tool-format names the format."""
+        return None
+
+
+# The chat templates' quirks: NoTemplateQuirks's (extras/tool_formats.py's TemplateQuirks).
+template_quirks = NoTemplateQuirks()
+
+
+class NoGrammar:
+    """Constrained decoding's protocol, and its do-nothing default: a forced tool call is opened by
+    the prompt alone (its name), and its arguments are not constrained. extras/grammar.py (the
+    module itself) is the one that constrains: the proxy calls ``constrain``, the backend samples
+    under its ``Matcher``, the trainer scores under its ``replay_samples``."""
+
+    def constrain(self, req, renderer, opened: bool) -> str:
+        """The text a request's reply is forced to begin with (a forced call's opening, a JSON
+        reply's; "" for neither); the grammar it follows is put into ``req.sampling.grammar``. Here
+        none is."""
+        return renderer.forced_prefix(req.force_tool, opened, req.response_schema is not None)
+
+    def Matcher(self, grammar: str, tokenizer, n_vocab: int):
+        """The sampler's state of one reply under ``grammar``: .allowed() -> [V] bool and
+        .consume(token). Here a grammar is an error: only the grammar extra sets one."""
+        raise RuntimeError(missing("a request with a grammar", "grammar"))
+
+    def replay_samples(self, samples: list, tokenizer, n_vocab: int):
+        """What a grammar allowed each of a micro-batch's constrained tokens, replayed:
+        algo.trainer_logprobs' ``allowed`` (with the counts .constrained and .forced), or None when
+        no sample was sampled under a grammar (``Sample.grammars``)."""
+        if any(s.grammars for s in samples):
+            raise RuntimeError(missing("training on calls sampled under a grammar", "grammar"))
+        return None
+
+
+# Constrained decoding: NoGrammar's methods (extras/grammar.py, the module).
+grammar = NoGrammar()
+
+
+class NoIsolation:
+    """Per-rollout isolation's protocol, and its do-nothing default: every rollout id is served as
+    it is, and a reward is taken from anyone. Proxy keeps one of these as ``proxy.isolation``, and
+    under ``rollout_tokens`` one of ``isolation``'s instead (extras/isolation.py: each rollout
+    served under a route only it knows, rewards only with the harness's key)."""
+
+    def __init__(self):
+        # rollout id -> what it tried that was refused (Proxy.flags): nothing, here
+        self.flags: dict[str, list[dict]] = {}
+
+    def admit(self, request, rollout_id: str, reward: bool = False) -> str:
+        """The rollout that ``request`` (to route ``rollout_id``; ``reward``: a reward POST) is for,
+        or a 403 (chat.BadRequest): here the route itself, always."""
+        return rollout_id
+
+    def endpoint(self, server, plain, socket: bool):
+        """A new rollout's harness.Endpoint on ``server`` (a proxy.ProxyServer), given ``plain``,
+        its endpoint on the route of its bare id; ``socket``: with a Unix socket of its own (for a
+        sandbox to bridge). Here ``plain``, and no socket."""
+        if socket:
+            message = "a rollout's own Unix socket (socket=True) needs Proxy(rollout_tokens=True)"
+            raise ValueError(message + " and lightning_lite/extras/isolation.py")
+        return plain
+
+    def close_sockets(self, rollout_ids=None):
+        """Close these rollouts' own sockets once they are done; None: all of them, for good
+        (ProxyServer.stop)."""
+
+    def reset(self):
+        """The step is over: forget its rollouts (a straggler's next call is refused)."""
+
+
+# The class of the object Proxy(rollout_tokens=True) keeps: NoIsolation's methods
+# (extras/isolation.py). NoIsolation itself: rollout_tokens is refused, naming that file.
+isolation = NoIsolation
+
 
 # ----------------------------------------------------------------------------- the embedded backend
-# Decoding at agent-length contexts (extras/fast_decode.py): an object with install(model), called
-# once by HFBackend; PrefixCache(), the KV of the prompts seen before (lookup(ids, adapter) -> (n,
-# KV or None), store(ids, kv, adapter), clear()); and RoomyLayer, the class the running batch's
-# KV-cache layers take. None: every prompt prefilled whole, transformers' own attention and cache
-# layers.
-fast_decode = None
+class NoPrefixCache:
+    """The protocol of the KV cache of prompts seen before (HFBackend keeps one), and its
+    do-nothing default: nothing is kept, and every prompt is prefilled whole."""
+
+    def lookup(self, ids: list[int], adapter=None) -> tuple:
+        """What is cached of ``ids`` under ``adapter`` (a LoRA adapter's name; None without): (n,
+        the KV of ids[:n], [1, H_kv, n, D] keys and values per layer, the logits [V] after ids when
+        n is all of it, else None). Here (0, None, None): nothing."""
+        return 0, None, None
+
+    def store(self, ids: list[int], kv: list, adapter=None, logits=None):
+        """Remember ``kv``, the KV of ``ids`` under ``adapter``, and the ``logits`` [V] after them
+        when given. Here nothing is kept."""
+
+    def clear(self):
+        """Forget everything: the weights are about to change (HFBackend.pause)."""
+
+
+class NoFastDecode:
+    """The protocol of the faster attention and cache layers on a CPU and at agent-length contexts,
+    and its do-nothing default: transformers' own attention and cache layers, every prompt
+    prefilled whole. extras/fast_decode.py (the module itself) is the fast one: the same numbers,
+    sooner."""
+
+    # The class of the prefix cache HFBackend keeps, called with no arguments.
+    PrefixCache = NoPrefixCache
+
+    def install(self, model):
+        """Make HFBackend's ``model`` decode faster, in place (called once). Here it stays as it
+        is."""
+
+    def install_trainer(self, model):
+        """Make the trainer's ``model`` (the policy, the KL reference) run a packed tree faster, in
+        place, once its parameters are where it trains. Here it keeps transformers' attention."""
+
+    def batch_cache(self, cache):
+        """The cache a decoding batch keeps, made of its first request's ``cache`` (a
+        DynamicCache). Here ``cache`` as it is: transformers' DynamicLayer, which copies the whole
+        cache at each token."""
+        return cache
+
+
+# Decoding at agent-length contexts and training on a CPU, faster: NoFastDecode's methods
+# (extras/fast_decode.py, the module).
+fast_decode = NoFastDecode()
 
 # --model names that are not directories: fn(name) -> a directory, or None when the name is not its
 # (extras/embedded.py prepares the embedded models).
@@ -99,15 +199,45 @@ BACKENDS = {}
 # load_optimizer_state(model, opt, state) (extras/fsdp.py).
 PARALLEL = {}
 
-# A model adapter (extras/lora.py under --lora), set when its flags ask for one: see trainer.Learner
-# for what it must provide. None: the whole model is trained.
-adapter = None
+
+class NoAdapter:
+    """The protocol of a model adapter as train.py and the backends use it, and its do-nothing
+    default: none, the whole model trains and serves every rollout. extras/lora.py's LoRA is one
+    (--lora); under --lora-per-harness each harness has an adapter, which serves its rollouts and
+    trains on them alone."""
+
+    # What trainer.Learner takes as its model adapter (see there for what it asks of one). None: the
+    # whole model trains.
+    model_adapter = None
+    # Whether its adapters train apart: then train.py calls its update(learner, samples, results,
+    # step) instead of Learner.update.
+    trains_apart = False
+
+    def name_after(self, tasks):
+        """Name its adapters after the harnesses of ``tasks`` (harness.Tasks), once they are
+        loaded. Here there is nothing to name."""
+
+    def route(self, harness_of: dict) -> dict:
+        """Each rollout of a batch (``harness_of``: rollout id -> its harness) to the adapter that
+        serves it: {rollout id: the adapter's name}, which its endpoint gives as the model and the
+        backends serve it by (``serving``). Here none: --model's name, the model as it is."""
+        return {}
+
+    def serving(self, rollout_id: str):
+        """The adapter that serves ``rollout_id`` (the last ``route``'s; the backends ask at each
+        call), or None: the served model as it is."""
+        return None
+
+
+# The model adapter (extras/lora.py sets its LoRA when --lora asks for one).
+adapter = NoAdapter()
 
 # Loss metrics besides the loss's own (algo.reduce_metrics), e.g. the rollout-vs-trainer mismatch's
-# prob_corr and extremes (extras/mismatch.py): factories fn() -> an object with add(logprobs,
-# old_logprobs, loss_mask), given each micro-batch's [B, T] tensors, and result() -> {key: float},
-# the step's over all ranks (a collective: a rank without samples calls it too). trainer.Learner's
-# backward makes one of each per pass.
+# prob_corr and extremes (extras/mismatch.py), a grammar's token counts (extras/grammar.py):
+# factories fn() -> an object with add(samples, batch, logprobs, entropy), given what
+# TOKEN_RECORDERS' add is given, and result() -> {key: value}, the step's over all ranks (a
+# collective: a rank without samples calls it too). trainer.Learner.backward makes one of each per
+# pass, beside the core's own of this protocol (trainer.TokenCounts: fwd_tokens and staleness).
 LOSS_METRICS = []
 
 # Another source of a step's rollouts than running the harnesses (--from-calls, set when its flag is
@@ -130,7 +260,8 @@ ROLLOUT_FILTERS = []
 # log(row) and close() (TensorBoard, W&B).
 METRIC_SINKS = []
 
-# After the last step, on rank 0: fn(run_dir), e.g. the HTML report.
+# After the last step, on rank 0: fn(run_dir), e.g. the heartbeat's "done" (extras/recorder.py),
+# then report.html (extras/report.py), in the order of train.py's EXTRAS.
 AFTER_RUN = []
 
 # ----------------------------------------------------------------------------- seeing a run
@@ -150,8 +281,9 @@ PROGRESS = []
 
 # Per-token training data (extras/recorder.py: RUN_DIR/tokens/step_K.jsonl): factories
 # fn(version, loss_options) -> an object with add(samples, batch, logprobs, entropy), given each
-# micro-batch's samples, its algo.collate batch ([B, T] rows in the samples' order), the trainer's
-# [B, T] logprobs (detached) and entropies, and close() after the last micro-batch. ``loss_options``
+# trained micro-batch's samples, its algo.collate batch ([B, T] rows in the samples' order; its
+# "allowed": grammar.replay_samples'), the trainer's [B, T] logprobs (detached) and entropies, and
+# close() after the last micro-batch. ``loss_options``
 # holds algo.policy_loss's options (loss, clip_low, ...): which tokens it clipped follows from
 # them. trainer.Learner.backward makes one of each per pass. Empty: nothing is recorded.
 TOKEN_RECORDERS = []

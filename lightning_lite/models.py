@@ -1,8 +1,7 @@
 """Load the policy model and its tokenizer from a transformers directory, or a hub name where a hub
 is reachable. The resolvers in ``hooks.MODEL_RESOLVERS`` map other names to a directory:
 extras/embedded.py's maps the embedded models (smollm2, the default, and gemma3-270m) to the
-directory it converts each into once. And the attention the trainer runs a packed tree with on a
-CPU, ``block_sdpa`` (``use_block_sdpa``).
+directory it converts each into once.
 """
 
 import contextlib
@@ -10,12 +9,8 @@ import os
 from typing import Optional
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
 from . import hooks
-from .algo import block_sdpa
 
 
 def cache_dir() -> str:
@@ -93,36 +88,3 @@ def load_model(
         config.rope_parameters = rope
         config.max_position_embeddings = max_model_len
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
-
-
-# block_sdpa_attention's block of query rows: a forward of fewer rows runs as one SDPA call.
-BLOCK_ROWS = 128
-
-
-def block_sdpa_attention(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' SDPA attention, except that a boolean mask over more than one block of query
-    rows on a CPU runs as ``algo.block_sdpa``: the same numbers, each block of rows over the keys
-    it sees (a packed tree's mask is mostly False). On a GPU, --attn flex_attention skips the
-    blocks instead (its BlockMask)."""
-    blocked = mask is not None and mask.dtype == torch.bool and query.shape[2] > BLOCK_ROWS
-    # what transformers' SDPA adds to the plain product: dropout, a position bias, a paged cache
-    extras = dropout or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
-    if not blocked or query.device.type != "cpu" or extras:
-        return sdpa_attention_forward(
-            module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    out = block_sdpa(query, key, value, mask, scale=scaling, block=BLOCK_ROWS)
-    # [B, H, L, D] -> [B, L, H, D], as transformers' attention returns it
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("block_sdpa", block_sdpa_attention)
-AttentionMaskInterface.register("block_sdpa", sdpa_mask)
-
-
-def use_block_sdpa(model):
-    """On a CPU, run ``model``'s SDPA attention as ``block_sdpa_attention`` (the trainer's models:
-    Learner)."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if on_cpu and model.config._attn_implementation == "sdpa":
-        model.set_attn_implementation("block_sdpa")

@@ -1,6 +1,8 @@
 """Data parallelism: DDP, a full copy of the policy on each rank (torchrun). The loss is the same as
 in one process: DDP averages gradients over ranks, and the trainer's sample weights already make the
-global sum.
+global sum. The padding of a rank's micro-batches is here too: under sharding every rank runs as
+many as the others (``pad_micro_batches``, ``padding``), and under flex_attention each has one shape
+(``row_length``).
 
 Another mode (``--parallel fsdp``: the weights, gradients and AdamW state sharded) is an extra
 registered in ``hooks.PARALLEL``: each function here hands such a mode to the extra's function of
@@ -18,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from . import hooks
 from .algo import all_reduce
+from .records import Sample
 
 
 # How long a collective waits for the slowest rank before the job fails (train.py --dist-timeout):
@@ -135,14 +138,31 @@ def accumulating(model, parallel: str, last: bool):
     return contextlib.nullcontext()
 
 
-def pad_micro_batches(micro_batches: list, parallel: str) -> list:
-    """Pad with None (the trainer runs a zero-loss micro-batch for None): a rank without samples
-    runs one, and under sharding, where each forward and backward is a collective, every rank runs
-    as many as the rank with the most."""
+def pad_micro_batches(micro_batches: list, parallel: str, pad=None) -> list:
+    """``micro_batches`` and after them copies of ``pad`` (``padding``'s micro-batch), each a
+    micro-batch that trains nothing: a rank without samples runs one, and under sharding, where
+    each forward and backward is a collective, every rank runs as many as the rank with the most.
+    E.g. FSDP, 3 on this rank and 5 on another: [mb0, mb1, mb2, pad, pad]."""
     n = len(micro_batches)
     if sharding(parallel) is not None:
         n = int(all_reduce([n], op=dist.ReduceOp.MAX)[0])
-    return micro_batches + [None] * (max(n, 1) - len(micro_batches))
+    return micro_batches + [pad] * (max(n, 1) - len(micro_batches))
+
+
+def padding(token: int) -> tuple[list[Sample], list[float]]:
+    """The (samples, weights) micro-batch that ``pad_micro_batches`` pads with: one sample of
+    ``token`` twice, its second token trainable (the LM head runs, as on the other ranks) at weight
+    0 (its loss and gradients are 0)."""
+    return [Sample("pad", [token, token], [0, 1], [0.0, 0.0])], [0.0]
+
+
+def row_length(model, micro_batch_tokens: int) -> int:
+    """What algo.collate pads a micro-batch's rows to (its ``pad_to``): under flex_attention, which
+    compiles for each new shape, --micro-batch-tokens, so that every micro-batch has one shape;
+    otherwise 1 (no padding)."""
+    if model.config._attn_implementation == "flex_attention":
+        return micro_batch_tokens
+    return 1
 
 
 def full_state_dict(model, parallel: str) -> dict:

@@ -157,10 +157,10 @@ class Proxy:
         self.reuse_tokens = reuse_tokens
         self.max_body = int(max_body_mb * 2**20)
         self.sessions: dict[str, Session] = {}
-        # None: any rollout id is served, and rewards from anyone (proxy.py)
-        self.isolation = None
+        # who may use each route (hooks.NoIsolation: anyone, any rollout id; rewards from anyone)
+        self.isolation = hooks.NoIsolation()
         if rollout_tokens:
-            if hooks.isolation is None:
+            if hooks.isolation is hooks.NoIsolation:
                 raise ValueError(hooks.missing("rollout_tokens", "isolation"))
             self.isolation = hooks.isolation()
         # rollout id -> the seed of its calls that ask for none: call k of the rollout samples with
@@ -169,9 +169,11 @@ class Proxy:
         # generator.
         self.seeds: dict[str, int] = {}
         # backend errors (the last 100; all counted): reported, never trained on
-        self.failures, self.n_failures = deque(maxlen=100), 0
+        self.failures = deque(maxlen=100)
+        self.n_failures = 0
         # set_output runs on the trainer's thread, record on the loop's
-        self._out, self._lock = CallsFile(None), threading.Lock()
+        self._lock = threading.Lock()
+        self._out = CallsFile(None)
         self.set_output(os.path.join(out_dir, "calls.jsonl") if out_dir else None)
         # rewards POSTed while serving
         self.rewards_path = os.path.join(out_dir, "rewards.jsonl") if out_dir else None
@@ -202,13 +204,10 @@ class Proxy:
         flight holds its session, recorded into the file current when it began; a straggler's next
         call gets a 403."""
         self.sessions = {}
-        if self.isolation is not None:
-            self.isolation.reset()
+        self.isolation.reset()
 
     def flags(self, rollout_id: str) -> list[dict]:
         """What the rollout tried that was refused (extras/isolation.py; none without it)."""
-        if self.isolation is None:
-            return []
         return self.isolation.flags.get(rollout_id, [])
 
     def reward(self, rollout_id: str) -> Optional[float]:
@@ -257,7 +256,8 @@ class Proxy:
     def build_prompt(self, exchange: Exchange):
         """The prompt ids: the conversation rendered, reusing the sampled tokens of the turn it
         extends, then the text a forced tool call or JSON reply begins with."""
-        req, turns = exchange.req, exchange.session.turns
+        req = exchange.req
+        turns = exchange.session.turns
         # hashes only the messages new since the latest turn
         exchange.fps = fingerprints(req.messages, req.tools, turns[-1] if turns else None)
         ids, exchange.parent, exchange.split = self.renderer.build_prompt(
@@ -267,13 +267,7 @@ class Proxy:
         exchange.opened = self.renderer.opens_reasoning(ids)
         # A forced call or JSON reply: its opening text ends the prompt, and its arguments follow
         # their schema where constrained decoding is loaded (extras/grammar.py).
-        json_reply = req.response_schema is not None
-        if hooks.grammar is not None and (req.force_tool is not None or json_reply):
-            exchange.forced = hooks.grammar.constrain(req, self.renderer, exchange.opened)
-        else:
-            exchange.forced = self.renderer.forced_prefix(
-                req.force_tool, exchange.opened, json_reply
-            )
+        exchange.forced = hooks.grammar.constrain(req, self.renderer, exchange.opened)
         forced_ids = self.renderer.encode(exchange.forced) if exchange.forced else []
         exchange.prompt_ids = ids + forced_ids
         self.admit(exchange.prompt_ids)
@@ -281,8 +275,10 @@ class Proxy:
     async def generate_streaming(self, exchange: Exchange, writer, stream):
         """The generations, and what of the reply the stream sent: with a stream of one choice, the
         reply's visible reasoning and text are written as they are sampled."""
-        req, forced, opened = exchange.req, exchange.forced, exchange.opened
-        visible = ContentStream(self.renderer, req.sampling.stop, req.parse_tools, forced, opened)
+        req = exchange.req
+        visible = ContentStream(
+            self.renderer, req.sampling.stop, req.parse_tools, exchange.forced, exchange.opened
+        )
         if stream is None or req.n > 1:
             return await self.generate(exchange), visible
         sampled: asyncio.Queue = asyncio.Queue()
@@ -294,7 +290,8 @@ class Proxy:
                 # after every id (the backend hands them to this loop in order)
                 sampled.put_nowait(None)
 
-        task, ids = asyncio.ensure_future(generate()), []
+        task = asyncio.ensure_future(generate())
+        ids = []
         try:
             while (token := await sampled.get()) is not None:
                 ids.append(token)
@@ -310,16 +307,24 @@ class Proxy:
 
     def answer(self, exchange: Exchange, gen, choice: int, reply_id: str) -> tuple[Call, dict]:
         """One generation parsed into its reply, recorded, and kept as the session's latest turn."""
-        req, turns = exchange.req, exchange.session.turns
+        req = exchange.req
+        turns = exchange.session.turns
         text = exchange.forced + self.renderer.sampled_text(gen.response_ids, req.sampling.stop)
         reply = self.renderer.parse_reply(text, req.parse_tools, exchange.opened)
         call = self.record(exchange, gen, choice, reply, reply_id)
         # the turn: its request, its reply and ids, how its prompt was built (on the turn it
         # extends)
         parent = next((t for t in reversed(turns) if t.index == exchange.parent), None)
-        ids = call.prompt_ids, call.response_ids
         turn = Turn(
-            call.index, req.messages, req.tools, reply, *ids, exchange.fps, exchange.forced, parent
+            index=call.index,
+            messages=req.messages,
+            tools=req.tools,
+            reply=reply,
+            prompt_ids=call.prompt_ids,
+            response_ids=call.response_ids,
+            fps=exchange.fps,
+            forced=exchange.forced,
+            parent=parent,
         )
         # the turn before forgets its request: fingerprints() reuses only the latest turn's
         if turns:
@@ -335,8 +340,7 @@ class Proxy:
         rollout_id = request.match_info.get("rid", "default")
         message = f"invalid rollout id {rollout_id[:64]!r}: use 1-128 characters of [A-Za-z0-9._-]"
         apis.expect(ROLLOUT_ID.match(rollout_id), message, None, "invalid_rollout_id")
-        if self.isolation is not None:
-            rollout_id = self.isolation.admit(request, rollout_id, reward)
+        rollout_id = self.isolation.admit(request, rollout_id, reward)
         try:
             return rollout_id, json.loads(await request.read())
         # RecursionError: nested too deeply
@@ -346,9 +350,11 @@ class Proxy:
 
     def cap(self, req: Request) -> bool:
         """Apply the per-call cap; True when it lowered (or set) what the request asked for."""
-        asked, cap = req.sampling.max_tokens, self.max_new_tokens
+        cap = self.max_new_tokens
+        asked = req.sampling.max_tokens
         capped = bool(cap and (asked is None or asked > cap))
-        req.sampling.max_tokens = cap if capped else asked
+        if capped:
+            req.sampling.max_tokens = cap
         return capped
 
     def admit(self, prompt_ids: list[int]):
@@ -367,7 +373,9 @@ class Proxy:
         """``req.n`` generations for one prompt (choice i samples with seed + i when a seed is set,
         by the request or by ``seeds``). A backend that fails or passes ``call_timeout`` gets the
         client a 502 or 504; the call is recorded as ``error``."""
-        req, rollout_id, seed = exchange.req, exchange.rollout_id, exchange.req.sampling.seed
+        req = exchange.req
+        rollout_id = exchange.rollout_id
+        seed = req.sampling.seed
         if seed is None and rollout_id in self.seeds:
             # the index this call will be recorded under: a rollout's calls are numbered in order
             seed = self.seeds[rollout_id] + exchange.session.out.next.get(rollout_id, 0)
@@ -412,7 +420,9 @@ class Proxy:
     def record(self, exchange: Exchange, gen, choice: int, reply=None, reply_id=None) -> Call:
         """Append the call to its session's calls file, numbered on after the rollout's calls
         already there."""
-        session, rollout_id, sampling = exchange.session, exchange.rollout_id, exchange.req.sampling
+        session = exchange.session
+        rollout_id = exchange.rollout_id
+        sampling = exchange.req.sampling
         # "length" stays "length" even when the cut reply parses as a tool call: the trainer must
         # see the truncation
         finish_reason = gen.finish_reason
@@ -465,7 +475,9 @@ class Proxy:
         ``{"reward": x}``."""
         rollout_id, body = await self.read(request, reward=True)
         body = body if isinstance(body, dict) else {"reward": body}
-        reward, call, task = body.get("reward"), body.get("call"), body.get("task")
+        reward = body.get("reward")
+        call = body.get("call")
+        task = body.get("task")
         is_number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
         message = 'send {"reward": <number>} (and "call": a call\'s index or reply id, to reward '
         message += "one call)"
@@ -586,7 +598,8 @@ class BackendError(Exception):
 
     def __init__(self, message: str, status: int = 502, retry_after: Optional[float] = None):
         super().__init__(message)
-        self.status, self.retry_after = status, retry_after
+        self.status = status
+        self.retry_after = retry_after
 
 
 def _error(path: str, status: int, message: str, param=None, code=None, retry_after=None):
@@ -618,10 +631,14 @@ class ProxyServer:
     """
 
     def __init__(self, proxy: Proxy, host: str = "127.0.0.1", port: int = 0):
-        self.proxy, self.host, self.port = proxy, host, port
+        self.proxy = proxy
+        self.host = host
+        self.port = port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
         self.runner = None
+        # "http://HOST:PORT" once started (port 0: the port bound)
+        self.url: Optional[str] = None
 
     def run(self, coroutine):
         """Run ``coroutine`` on the proxy's loop and wait for its result."""
@@ -629,8 +646,7 @@ class ProxyServer:
 
     def close_sockets(self, rollout_ids):
         """Close these rollouts' own Unix sockets (extras/isolation.py), once they are done."""
-        if self.proxy.isolation is not None:
-            self.proxy.isolation.close_sockets(rollout_ids)
+        self.proxy.isolation.close_sockets(rollout_ids)
 
     def base_url(self, rollout_id: str) -> str:
         return f"{self.url}/rollout/{rollout_id}/v1"
@@ -639,13 +655,9 @@ class ProxyServer:
         """A new rollout's endpoint. With ``rollout_tokens`` (extras/isolation.py) its base URL
         carries a token only it knows and its harness gets the reward key; ``socket``: a Unix socket
         of its own too, for a sandbox to bridge."""
-        if self.proxy.isolation is not None:
-            return self.proxy.isolation.endpoint(self, rollout_id, model, socket, api_key)
-        if socket:
-            message = "a rollout's own Unix socket (socket=True) needs Proxy(rollout_tokens=True)"
-            raise ValueError(message + " and lightning_lite/extras/isolation.py")
         url = self.base_url(rollout_id)
-        return Endpoint(url, api_key, model, rollout_id, self.url, route=rollout_id)
+        plain = Endpoint(url, api_key, model, rollout_id, self.url, route=rollout_id)
+        return self.proxy.isolation.endpoint(self, plain, socket)
 
     def start(self) -> "ProxyServer":
         self._thread.start()
@@ -656,14 +668,13 @@ class ProxyServer:
         # handler_cancellation: a client that leaves cancels its call
         self.runner = web.AppRunner(self.proxy.app(), access_log=None, handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        await web.TCPSite(self.runner, self.host, self.port).start()
+        # the port bound (port 0: a free one); the TCP site is the runner's only one yet
+        self.port = self.runner.addresses[0][1]
         self.url = f"http://{self.host}:{self.port}"
 
     def stop(self):
-        if self.proxy.isolation is not None:
-            self.proxy.isolation.close_sockets()
+        self.proxy.isolation.close_sockets()
         if self.runner is not None:
             self.run(self.runner.cleanup())
             self.runner = None

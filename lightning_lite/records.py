@@ -124,9 +124,11 @@ def write_jsonl(path: str, items: Iterable[Any]) -> None:
         f.writelines(to_json(it) + "\n" for it in items)
 
 
-def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
-    """Yield the objects of a JSONL file. A last line cut short by a crash (no newline, not JSON) is
-    skipped with a warning: every line before it was complete. A bad line elsewhere is an error."""
+def read_jsonl(path: str, cls: Optional[type] = None, notes=None) -> Iterator[Any]:
+    """Yield the objects of a JSONL file. A last line cut short (no newline, not JSON: its writer is
+    mid-line, or was killed there) is skipped and said: appended to ``notes`` where given (a reader
+    of a file still being written shows them), else warned. Every line before it was complete. A
+    bad line elsewhere is an error."""
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -135,8 +137,11 @@ def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
                 if not line.endswith("\n") and not f.read():
-                    torn = f"a torn last line ({len(line)} bytes; the writer was killed mid-line)"
-                    warnings.warn(f"{path}:{lineno}: skipped {torn}")
+                    torn = f"{path}:{lineno}: a torn last line ({len(line)} bytes) skipped"
+                    if notes is None:
+                        warnings.warn(torn)
+                    else:
+                        notes.append(torn)
                     return
                 raise ValueError(
                     f"{path}:{lineno}: not valid JSON ({e}); is this a calls/samples .jsonl file?"
@@ -144,12 +149,12 @@ def read_jsonl(path: str, cls: Optional[type] = None) -> Iterator[Any]:
             yield from_dict(cls, d) if cls is not None else d
 
 
-def read_calls(path: str, whole: bool = False) -> list[Call]:
+def read_calls(path: str, whole: bool = False, notes=None) -> list[Call]:
     """The calls of a calls.jsonl file, as written: a call that extends its parent keeps
     ``prompt_ids`` None and ``prompt_tail`` (n turns of L tokens hold L ids, not n * L / 2).
-    ``whole``: every call with its whole prompt."""
+    ``whole``: every call with its whole prompt. ``notes``: as ``read_jsonl``'s."""
     calls, seen = [], {}
-    for c in read_jsonl(path, Call):
+    for c in read_jsonl(path, Call, notes):
         if c.prompt_ids is None:
             p = seen.get((c.rollout_id, c.parent))
             if p is None or c.prompt_tail is None:
@@ -164,11 +169,12 @@ def read_calls(path: str, whole: bool = False) -> list[Call]:
     return calls
 
 
-def find_batches(run_dir: str) -> dict[tuple[str, int], dict[str, list[str]]]:
+def find_batches(run_dir: str, folders=("calls", "rollouts")) -> dict[tuple, dict[str, list[str]]]:
     """(kind, K) -> {"calls": files, "rollouts": files} over all ranks, in the order the run
-    made them: eval_K before step_K (both use the policy after K updates; the eval ran first)."""
-    found: dict = defaultdict(lambda: {"calls": [], "rollouts": []})
-    for sub in ("calls", "rollouts"):
+    made them: eval_K before step_K (both use the policy after K updates; the eval ran first).
+    ``folders``: which of the run's folders of per-batch files to look in."""
+    found: dict = defaultdict(lambda: {sub: [] for sub in folders})
+    for sub in folders:
         folder = os.path.join(run_dir, sub)
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             if m := RUN_FILE.fullmatch(name):

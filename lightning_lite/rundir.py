@@ -225,8 +225,8 @@ def per(a, b):
 
 
 def counts(results, calls, merge_stats: Counter) -> dict:
-    """Sums over ``results`` (a rank's, or one harness's of them), their calls and
-    samples.build_samples's merge statistics: summed over ranks, ``step_rates`` makes the row's
+    """Sums over ``results`` (a rank's, or one harness's of them: extras/harnesses.py), their calls
+    and samples.build_samples's merge statistics: summed over ranks, ``step_rates`` makes the row's
     numbers of them."""
     # None: an unrewarded trace (sft)
     rewarded = [r.reward for r in results if r.error is None and r.reward is not None]
@@ -245,36 +245,23 @@ def counts(results, calls, merge_stats: Counter) -> dict:
     return sums
 
 
-def step_counts(results, calls, samples, merge_stats: dict, names: list, all_reduce) -> dict:
-    """The step's sums over every rank: all of it, and each harness's (keys ending in /NAME) when
-    there are several."""
-    sums = counts(results, calls, sum(merge_stats.values(), Counter()))
+def step_counts(results, calls, samples, merge_stats: Counter, all_reduce) -> dict:
+    """The step's sums over every rank: ``counts``, and those of the samples."""
+    sums = counts(results, calls, merge_stats)
     sums["samples"] = len(samples)
     sums["signal"] = sum(any(s.advantages) for s in samples)
     sums["trainable_tokens"] = sum(sum(s.loss_mask) for s in samples)
     sums["kept_tokens"] = sum(len(s.tokens) for s in samples)
-    if len(names) > 1:
-        for name in names:
-            mine = [r for r in results if r.harness == name]
-            ids = {r.rollout_id for r in mine}
-            its_calls = [c for c in calls if c.rollout_id in ids]
-            its_sums = counts(mine, its_calls, merge_stats.get(name, Counter()))
-            for key, value in its_sums.items():
-                sums[f"{key}/{name}"] = value
     return dict(zip(sums, all_reduce(list(sums.values()))))
 
 
-def step_rates(sums: dict, names: list) -> dict:
+def step_rates(sums: dict) -> dict:
     """The row's reward, success, calls per rollout, merge ratio and split counts from the sums."""
-    suffixes = [""]
-    if len(names) > 1:
-        suffixes += [f"/{name}" for name in names]
     row = {}
-    for suffix in suffixes:
-        for key, numerator, denominator in RATES:
-            row[key + suffix] = per(sums[numerator + suffix], sums[denominator + suffix])
-        splits = {reason: int(sums[f"split_{reason}{suffix}"]) for reason in SPLIT_REASONS}
-        row["splits" + suffix] = {reason: k for reason, k in splits.items() if k}
+    for key, numerator, denominator in RATES:
+        row[key] = per(sums[numerator], sums[denominator])
+    splits = {reason: int(sums[f"split_{reason}"]) for reason in SPLIT_REASONS}
+    row["splits"] = {reason: k for reason, k in splits.items() if k}
     return row
 
 

@@ -59,7 +59,8 @@ def build_samples(calls: list[Call], max_seq_len=None) -> tuple[list[Sample], Co
         tree.add(c, stats)
     stats["tokens_unmerged"] = sum(tree.size[i] for i in tree.kept)
     # 3. one sample per leaf, each sampled token trained in one of them
-    samples, trained = [], set()
+    samples = []
+    trained = set()
     for tokens, path in tree.leaf_paths(max_seq_len, stats):
         sample = _sample(tokens, path, tree, trained)
         if sample is None:
@@ -153,7 +154,8 @@ class _Tree:
         first_of_request = c.index - c.choice
         earlier = [e for e in self.kept.values() if e.index < first_of_request]
         retried = [e for e in earlier if self.same_prompt(e, c, ids)]
-        stats["split_retry"] += bool(retried)
+        if retried:
+            stats["split_retry"] += 1
         for e in retried:
             if not any(self.up[i] == e.index for i in self.kept):
                 del self.kept[e.index]
@@ -161,16 +163,19 @@ class _Tree:
             # Longest candidate first: in an append-only chat the previous call matches at once.
             longest_first = sorted(self.kept, key=lambda i: -self.size[i])
             extends = next((i for i in longest_first if self.starts_with(ids, i)), None)
-            self.up[c.index], self.tail[c.index] = extends, ids[self.size[extends] :]
+            self.up[c.index] = extends
+            self.tail[c.index] = ids[self.size[extends] :]
             # The first root of a rollout is not a split, nor is choice 1.. of a request (a
             # sibling).
-            if extends is None and (retried or self.kept and c.choice == 0):
+            if extends is None and (retried or (self.kept and c.choice == 0)):
                 self.split[c.index] = self.split_reason(c, ids, retried)
                 # a retry is counted above
-                stats["split_" + self.split[c.index]] += not retried
+                if not retried:
+                    stats["split_" + self.split[c.index]] += 1
         self.kept[c.index] = c
-        up, tail = self.size[self.up[c.index]], len(self.tail[c.index])
-        self.size[c.index] = up + tail + len(c.response_ids)
+        # its prompt + response: up's, then its tail and its response
+        size = self.size[self.up[c.index]] + len(self.tail[c.index])
+        self.size[c.index] = size + len(c.response_ids)
 
     def split_reason(self, c: Call, ids: list[int], retried: list[Call]) -> str:
         if retried:
@@ -210,15 +215,19 @@ def _sample(tokens: list[int], path: list[Call], tree: _Tree, trained: set) -> O
     # every per-token list as where the mask is 0
     fill = dict(loss_mask=0, logprobs=0.0, temperature=1.0, top_k=0, top_p=1.0, version=0, call=-1)
     sample = Sample(path[-1].rollout_id, tokens, **{k: [x] * n for k, x in fill.items()})
-    sample.calls, sample.split = [c.index for c in path], tree.split.get(path[0].index)
+    sample.calls = [c.index for c in path]
+    sample.split = tree.split.get(path[0].index)
     for c in (c for c in path if c.index not in trained):
         trained.add(c.index)
         # the call's response: the last k of its prompt + response ids
         k = len(c.response_ids)
         at = slice(tree.size[c.index] - k, tree.size[c.index])
-        sample.loss_mask[at], sample.logprobs[at] = [1] * k, c.response_logprobs
-        sample.temperature[at], sample.top_k[at] = [c.temperature] * k, [c.top_k] * k
-        sample.top_p[at], sample.version[at] = [c.top_p] * k, [c.model_version] * k
+        sample.loss_mask[at] = [1] * k
+        sample.logprobs[at] = c.response_logprobs
+        sample.temperature[at] = [c.temperature] * k
+        sample.top_k[at] = [c.top_k] * k
+        sample.top_p[at] = [c.top_p] * k
+        sample.version[at] = [c.model_version] * k
         sample.call[at] = [c.index] * k
         if c.grammar:
             sample.grammars[c.index] = c.grammar
@@ -231,7 +240,8 @@ def build_batch_samples(calls: Iterable[Call], max_seq_len=None) -> tuple[list[S
     by_rollout: dict[str, list[Call]] = defaultdict(list)
     for c in calls:
         by_rollout[c.rollout_id].append(c)
-    samples, stats = [], Counter()
+    samples = []
+    stats = Counter()
     for rollout_calls in by_rollout.values():
         rollout_samples, rollout_stats = build_samples(rollout_calls, max_seq_len)
         samples += rollout_samples
@@ -253,18 +263,23 @@ def for_imitation(samples: list[Sample]) -> list[Sample]:
 
 
 def format_stats(stats: Counter) -> str:
-    n, merged = stats["unanswered"], stats["tokens"]
+    n = stats["unanswered"]
+    merged = stats["tokens"]
     unanswered = f"{n} unanswered (backend error, client gone)" if n else ""
     ratio = f"{stats['tokens_unmerged'] / merged:.2f}x the merged count" if merged else ""
     # (name, stats key, note)
-    sampled = f"of {stats['sampled_tokens']} sampled"
-    rows = [("rollouts", "rollouts", ""), ("calls", "calls", unanswered)]
-    rows += [("samples", "samples", ""), ("trainable tokens", "trainable_tokens", sampled)]
-    rows += [("tokens (merged)", "tokens", ""), ("tokens (one per call)", "tokens_unmerged", ratio)]
+    rows = [
+        ("rollouts", "rollouts", ""),
+        ("calls", "calls", unanswered),
+        ("samples", "samples", ""),
+        ("trainable tokens", "trainable_tokens", f"of {stats['sampled_tokens']} sampled"),
+        ("tokens (merged)", "tokens", ""),
+        ("tokens (one per call)", "tokens_unmerged", ratio),
+    ]
     rows += [(f"split: {r}", "split_" + r, "") for r in SPLIT_REASONS]
-    rows += [("truncated (max-seq-len)", "truncated", "cut at a turn boundary")]
-    rows += [("dropped (max-seq-len)", "dropped", "first turn too long")]
-    rows += [("empty", "empty", "no token left to train")]
+    rows.append(("truncated (max-seq-len)", "truncated", "cut at a turn boundary"))
+    rows.append(("dropped (max-seq-len)", "dropped", "first turn too long"))
+    rows.append(("empty", "empty", "no token left to train"))
     return "\n".join(f"{name:<24}{stats[key]:>9}  {note}".rstrip() for name, key, note in rows)
 
 

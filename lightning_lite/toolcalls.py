@@ -11,12 +11,26 @@ opened it, so the text starts inside (Qwen3.5, DeepSeek-R1)."""
 import json
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from . import hooks
 
 # detect(): the name of the call a template renders, with the arguments {"llarg": "llval"}
 SENTINEL = "LLSENTINEL7f3a"
+
+
+class Param(NamedTuple):
+    """How a format writes arguments a parameter at a time, not as one JSON object (Qwen3-Coder's
+    ``<parameter=A>\nV\n</parameter>\n``, OLMo 3's ``A=V, B=W``)."""
+
+    # the text before a value ({name}: the key)
+    before: str
+    # the text after a value ({name}: the key, MiniMax M3's close)
+    after: str
+    # the text between two parameters
+    sep: str = ""
+    # The text around a string value, written then as text, not JSON.
+    quote: str = ""
 
 
 @dataclass(frozen=True)
@@ -43,10 +57,8 @@ class Format:
     # The messages as the family's templates take them, from OpenAI's shape where the template
     # renders calls (gpt-oss's reasoning beside a call, Kimi's call ids): messages -> messages.
     messages: Optional[Callable[[list[dict]], list[dict]]] = None
-    # Arguments written a parameter at a time, not as one JSON object: the text before a value
-    # ({name}: the key), after it, between two parameters, around a string (before, after, sep="",
-    # quote=""): a string is then text.
-    param: Optional[tuple[str, ...]] = None
+    # Arguments written a parameter at a time, not as one JSON object.
+    param: Optional[Param] = None
 
 
 def make_call(name: str, args, id: Optional[str] = None) -> dict:
@@ -70,11 +82,19 @@ def write(fmt: str, name: str, arguments) -> str:
     start, between, end = form.call
     if not form.param or not isinstance(arguments, dict):
         return start + name + between + dumps(arguments) + end
-    before, after, sep, quote = (*form.param, "", "")[:4]
-    # a string is text where the format closes it with a tag or quote, else JSON (Python calls)
-    text = lambda v: quote + v + quote if isinstance(v, str) and (after or quote) else dumps(v)
-    params = (before.replace("{name}", k) + text(v) + after for k, v in arguments.items())
-    return start + name + between + sep.join(params) + end
+    param = form.param
+    params = []
+    for key, value in arguments.items():
+        params.append(param.before.replace("{name}", key) + _value(param, value) + param.after)
+    return start + name + between + param.sep.join(params) + end
+
+
+def _value(param: Param, value) -> str:
+    """A parameter's value as a format writes it: a string as text where the format closes it with
+    a tag or quote, else JSON (Python calls: OLMo 3's ``A="v"``)."""
+    if isinstance(value, str) and (param.after or param.quote):
+        return param.quote + value + param.quote
+    return dumps(value)
 
 
 def call_from_json(obj) -> Optional[dict]:
@@ -264,24 +284,6 @@ def taught(instructions: str) -> Optional[str]:
         if length > best_length:
             best = name
             best_length = length
-    return best
-
-
-def special_format(specials) -> Optional[str]:
-    """The format a tokenizer's special tokens name: the one whose first tag is one of them, with
-    the most of its tags among them (Phi-4's <|tool_call|> and <|/tool_call|>: phi4, not granite).
-    Ties go to the format registered first; None where none's first tag is special."""
-    special = set(specials)
-    best = None
-    best_count = 0
-    for name, form in hooks.TOOL_FORMATS.items():
-        tags = TAG_RE.findall(form.call[0] + form.call[2])
-        if not tags or tags[0] not in special:
-            continue
-        count = sum(1 for tag in tags if tag in special)
-        if count > best_count:
-            best = name
-            best_count = count
     return best
 
 

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from . import algo, hooks, parallel
-from .models import load_model, use_block_sdpa
+from .models import load_model
 from .records import Sample, common_prefix
 
 
@@ -123,6 +123,51 @@ LOSS_OPTIONS += ("rollout_correction", "correction_min", "correction_max", "ppo_
 LOSS_OPTIONS += ("reject_token", "reject_seq_mean")
 
 
+class TokenCounts:
+    """The core's metrics of a backward pass besides the loss's own, of the hooks.LOSS_METRICS
+    protocol (``add`` each trained micro-batch, then ``result``, a collective): the tokens forwarded
+    (fwd_tokens) and, by staleness (the updates between sampling a token and training it), the
+    trained tokens (staleness) and their mean |trainer - rollout logprob| (dlogp_by_staleness).
+    Under --async 1, e.g. {"staleness": {0: 90, 1: 10}, "dlogp_by_staleness": {0: 2e-6, 1: 0.03}};
+    without it every token has staleness 0. A token staler than ``max_age`` stops the pass (a
+    bug: the run allows no more)."""
+
+    def __init__(self, version: int, max_age: int, async_steps: int):
+        self.version = version
+        self.max_age = max_age
+        self.async_steps = async_steps
+        self.fwd_tokens = 0
+        # by staleness: the trained tokens, and their summed |dlogp|
+        self.tokens = torch.zeros(max_age + 1, dtype=torch.float64)
+        self.dlogp = torch.zeros(max_age + 1, dtype=torch.float64)
+
+    def add(self, samples, batch, logprobs, entropy):
+        self.fwd_tokens += batch["fwd_tokens"]
+        trained = batch["loss_mask"] > 0
+        # [N]: each trained token's staleness
+        age = self.version - batch["version"][trained]
+        if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= self.max_age:
+            raise RuntimeError(
+                f"a token sampled {int(age.max())} updates ago, more than the {self.max_age} "
+                f"updates this run allows (--async {self.async_steps})"
+            )
+        dlogp = (logprobs - batch["old_logprobs"])[trained].abs().double()
+        self.tokens += torch.bincount(age, minlength=self.max_age + 1).double().cpu()
+        self.dlogp += torch.bincount(age, dlogp, minlength=self.max_age + 1).cpu()
+
+    def result(self) -> dict:
+        # summed over ranks, in one collective
+        n = self.max_age + 1
+        summed = algo.all_reduce([self.fwd_tokens, *self.tokens.tolist(), *self.dlogp.tolist()])
+        tokens = summed[1 : n + 1]
+        dlogp = summed[n + 1 :]
+        return {
+            "fwd_tokens": int(summed[0]),
+            "staleness": {age: int(k) for age, k in enumerate(tokens) if k},
+            "dlogp_by_staleness": {age: dlogp[age] / k for age, k in enumerate(tokens) if k},
+        }
+
+
 class Learner:
     def __init__(
         self,
@@ -168,9 +213,10 @@ class Learner:
         for net in (self.model, self.ref_model):
             if net is not None and config.attn:
                 net.set_attn_implementation(config.attn)
-            # On a CPU a packed tree's attention skips the keys no block of rows sees.
+            # extras/fast_decode.py: on a CPU, a packed tree's attention skips the keys that no
+            # block of rows sees.
             if net is not None:
-                use_block_sdpa(net)
+                hooks.fast_decode.install_trainer(net)
         why = algo.tree_unsupported(self.model.config)
         if not config.no_tree and why:
             log(
@@ -321,61 +367,40 @@ class Learner:
     def backward(self, samples: list[Sample], version: int, sync: bool = True) -> dict:
         """Loss and backward over this rank's micro-batches. The gradients are summed over ranks by
         DDP or FSDP after the last one (``sync`` False: not yet, more backward passes follow).
-        Returns the metrics, with the trained tokens and their mean |trainer - rollout logprob| by
-        staleness (the updates since they were sampled). Stops the run (SystemExit, on every rank)
-        when that mean of the tokens the trained weights sampled (staleness 0) is past
-        --max-mismatch: the sampler serves other weights, and an update would learn from noise."""
+        Returns the metrics: the loss's own (algo.reduce_metrics), the core's ``TokenCounts`` (the
+        tokens forwarded, and the trained ones and their mean |trainer - rollout logprob| by
+        staleness) and the extras' (hooks.LOSS_METRICS). Stops the run when that mean of the tokens
+        the trained weights sampled is past --max-mismatch (``check_mismatch``)."""
         config = self.config
-        max_age = config.max_staleness
         # the denominators are all-reduced before any backward: exact under any micro-batch split
         denoms = algo.global_denominators(samples)
         weights = algo.sample_weights(samples, config.norm, denoms, config.norm_const)
-        # FSDP: every rank runs as many forwards as the others (None: a zero-weight one)
-        batches = parallel.pad_micro_batches(self.micro_batches(samples, weights), config.parallel)
-        # flex_attention compiles for each new shape: its rows are padded to one
-        pad_to = 1
-        if self.model.config._attn_implementation == "flex_attention":
-            pad_to = config.micro_batch_tokens
+        batches = self.micro_batches(samples, weights)
+        # Every rank runs as many micro-batches as a collective needs, each of one shape under
+        # flex_attention (parallel.py: the padding).
+        pad = parallel.padding(self.tok.eos_token_id)
+        padded = parallel.pad_micro_batches(batches, config.parallel, pad)
+        pad_to = parallel.row_length(self.model, config.micro_batch_tokens)
         options = dict(pad_id=self.tok.pad_token_id or 0, tree=not config.no_tree, pad_to=pad_to)
         loss_options = {k: getattr(config, k) for k in LOSS_OPTIONS}
-        # Summed over micro-batches: by staleness, the trained tokens and their summed |dlogp|; the
-        # tokens forwarded, those a grammar constrained and those it forced.
-        tokens_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
-        dlogp_by_age = torch.zeros(max_age + 1, dtype=torch.float64)
-        counts = {"fwd_tokens": 0, "constrained_tokens": 0, "forced_tokens": 0}
-        rows = []
-        # The metrics an extra adds (hooks.LOSS_METRICS), over the same trainable tokens.
-        more_metrics = [make() for make in hooks.LOSS_METRICS]
-        # What an extra records of each trained token (hooks.TOKEN_RECORDERS: extras/recorder.py).
+        # What the pass measures besides the loss (the core's counts and the extras' metrics), and
+        # what an extra records of each trained token (hooks.TOKEN_RECORDERS: extras/recorder.py).
+        metrics = [TokenCounts(version, config.max_staleness, config.async_steps)]
+        metrics += [make() for make in hooks.LOSS_METRICS]
         recorders = [make(version, loss_options) for make in hooks.TOKEN_RECORDERS]
+        rows = []
         quiet = not (self.master and sys.stderr.isatty())
-        for i, mb in enumerate(tqdm(batches, desc="train", unit="mb", leave=False, disable=quiet)):
-            padding = mb is None
-            if padding:
-                # a zero-weight micro-batch of one two-token sample: this rank's share of a
-                # collective
-                mb = ([Sample("pad", [self.tok.eos_token_id] * 2, [0, 1], [0.0, 0.0])], [0.0])
-            batch = algo.collate(*mb, self.device, **options)
-            allowed = self.grammar_replay(mb[0])
-            last = sync and i == len(batches) - 1
+        vocab = self.model.config.vocab_size
+        bar = tqdm(padded, desc="train", unit="mb", leave=False, disable=quiet)
+        for i, (mb_samples, mb_weights) in enumerate(bar):
+            batch = algo.collate(mb_samples, mb_weights, self.device, **options)
+            # what a grammar allowed each token it constrained, replayed (None: it constrained none)
+            batch["allowed"] = hooks.grammar.replay_samples(mb_samples, self.tok, vocab)
+            last = sync and i == len(padded) - 1
             with parallel.accumulating(self.train_model, config.parallel, last=last):
-                # bf16 runs under autocast over the fp32 weights
-                autocast = self.dtype != torch.float32
-                with torch.autocast(self.device.type, self.dtype, enabled=autocast):
-                    # The reference first: under FSDP and a model adapter it is the policy's own
-                    # module, whose forward without gradient left the root's weights resharded
-                    # (torch 2.13, peft 0.22), and the policy's LM head, run outside the root's
-                    # forward, needs them gathered in its backward.
-                    ref = None
-                    if config.kl_coef > 0:
-                        with torch.no_grad(), self.reference() as ref_model:
-                            ref = algo.trainer_logprobs(ref_model, batch, allowed=allowed)
-                    # [B, T] each; the entropy without gradient
-                    logprobs, entropy = algo.trainer_logprobs_and_entropy(
-                        self.train_model, batch, allowed=allowed
-                    )
+                ref, logprobs, entropy = self.logprobs(batch)
                 # [B, T] each, and the sample weights [B]
-                loss, m = algo.policy_loss(
+                loss, row = algo.policy_loss(
                     logprobs,
                     batch["old_logprobs"],
                     batch["advantages"],
@@ -387,54 +412,50 @@ class Learner:
                 )
                 # DDP and FSDP average gradients over ranks; the weights already make the global sum
                 (loss * self.world).backward()
-            if padding:
+            # a padding micro-batch trains nothing, and is not measured
+            if i >= len(batches):
                 continue
-            rows.append(m)
-            for metric in more_metrics:
-                metric.add(logprobs.detach(), batch["old_logprobs"], batch["loss_mask"])
-            for recorder in recorders:
-                recorder.add(mb[0], batch, logprobs.detach(), entropy)
-            counts["fwd_tokens"] += batch["fwd_tokens"]
-            if allowed is not None:
-                counts["constrained_tokens"] += allowed.constrained
-                counts["forced_tokens"] += allowed.forced
-            trained = batch["loss_mask"] > 0
-            # [N]: each trained token's staleness
-            age = version - batch["version"][trained]
-            if age.numel() and not 0 <= int(age.min()) <= int(age.max()) <= max_age:
-                raise RuntimeError(
-                    f"a token sampled {int(age.max())} updates ago, more than the {max_age} "
-                    f"updates this run allows (--async {config.async_steps})"
-                )
-            dlogp = (logprobs - batch["old_logprobs"])[trained].abs().detach().double()
-            tokens_by_age += torch.bincount(age, minlength=max_age + 1).double().cpu()
-            dlogp_by_age += torch.bincount(age, dlogp, minlength=max_age + 1).cpu()
-        # Summed over ranks (three small collectives).
-        tokens_by_age = algo.all_reduce(tokens_by_age.tolist())
-        dlogp_by_age = algo.all_reduce(dlogp_by_age.tolist())
-        summed = algo.all_reduce(list(counts.values()))
-        metrics = algo.reduce_metrics(rows)
-        for metric in more_metrics:
-            metrics.update(metric.result())
+            rows.append(row)
+            for each in metrics + recorders:
+                each.add(mb_samples, batch, logprobs.detach(), entropy)
+        result = algo.reduce_metrics(rows)
+        for metric in metrics:
+            result.update(metric.result())
         for recorder in recorders:
             recorder.close()
-        # The guard on the served weights, on every rank alike (the sums are all-reduced): the
-        # tokens sampled by the weights being trained are scored the same by both sides, to the
-        # dtypes' noise. Past the bound the run stops before any update (train.py --max-mismatch).
-        fresh = tokens_by_age[0]
-        if fresh and dlogp_by_age[0] / fresh > config.max_mismatch:
-            mean = dlogp_by_age[0] / fresh
+        self.check_mismatch(result, version)
+        return result
+
+    def logprobs(self, batch: dict):
+        """[B, T] each: the KL reference's logprobs of ``batch``'s trainable tokens (None without
+        the KL term), the policy's (with gradient) and their entropies (without); under autocast in
+        --dtype (bf16: over the fp32 weights)."""
+        autocast = self.dtype != torch.float32
+        with torch.autocast(self.device.type, self.dtype, enabled=autocast):
+            # The reference first: under FSDP and a model adapter it is the policy's own module,
+            # whose forward without gradient left the root's weights resharded (torch 2.13, peft
+            # 0.22), and the policy's LM head, run outside the root's forward, needs them gathered
+            # in its backward.
+            ref = None
+            if self.config.kl_coef > 0:
+                with torch.no_grad(), self.reference() as ref_model:
+                    ref = algo.trainer_logprobs(ref_model, batch, allowed=batch["allowed"])
+            logprobs, entropy = algo.trainer_logprobs_and_entropy(
+                self.train_model, batch, allowed=batch["allowed"]
+            )
+        return ref, logprobs, entropy
+
+    def check_mismatch(self, metrics: dict, version: int):
+        """The guard on the served weights, on every rank alike (the metrics are over all ranks):
+        the tokens sampled by the weights being trained (staleness 0) are scored the same by both
+        sides, to the dtypes' noise. Past --max-mismatch the run stops (SystemExit) before any
+        update: the sampler serves other weights, and an update would learn from noise."""
+        fresh = metrics["staleness"].get(0, 0)
+        if fresh and metrics["dlogp_by_staleness"][0] > self.config.max_mismatch:
+            mean = metrics["dlogp_by_staleness"][0]
             largest = metrics.get("dlogp_max", math.nan)
-            numbers = dict(tokens=int(fresh), mean=mean, max=largest, bound=config.max_mismatch)
+            numbers = dict(tokens=fresh, mean=mean, max=largest, bound=self.config.max_mismatch)
             sys.exit(MISMATCH_ERROR.format(step=version + 1, **numbers))
-        return {
-            **metrics,
-            **{key: int(n) for key, n in zip(counts, summed)},
-            "staleness": {age: int(n) for age, n in enumerate(tokens_by_age) if n},
-            "dlogp_by_staleness": {
-                age: dlogp_by_age[age] / n for age, n in enumerate(tokens_by_age) if n
-            },
-        }
 
     def reference(self):
         """A context that gives the KL term's reference: the frozen initial model, or under a model
@@ -442,18 +463,6 @@ class Learner:
         if self.adapter is not None:
             return self.adapter.reference(self.model)
         return contextlib.nullcontext(self.ref_model)
-
-    def grammar_replay(self, samples: list[Sample]):
-        """The masks a grammar drew ``samples``' constrained tokens under (a forced call's schema),
-        replayed so that the trainer scores them as the sampler drew them (hooks.grammar.Replay:
-        trainer_logprobs' ``allowed``), or None when no grammar constrained them."""
-        if not any(s.grammars for s in samples):
-            return None
-        if hooks.grammar is None:
-            raise RuntimeError(
-                hooks.missing("training on calls sampled under a grammar", "grammar")
-            )
-        return hooks.grammar.Replay(samples, self.tok, self.model.config.vocab_size)
 
     def save(self, step: int, run, config: dict) -> str | None:
         """A checkpoint of the trained weights (under --async the served copy is a step behind) and

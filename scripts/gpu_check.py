@@ -55,7 +55,7 @@ from lightning_lite import algo, parallel  # noqa: E402
 from lightning_lite.backends import HFBackend  # noqa: E402
 from lightning_lite.chat import Sampling  # noqa: E402
 from lightning_lite.extras.vllm import VLLMBackend  # noqa: E402
-from lightning_lite.models import use_block_sdpa  # noqa: E402
+from lightning_lite.extras.fast_decode import install_trainer  # noqa: E402
 from lightning_lite.records import Sample  # noqa: E402
 from lightning_lite.trainer import return_freed_memory  # noqa: E402
 
@@ -341,7 +341,7 @@ def check_fsdp(sizes, device, dtype, out: dict):
     try:
         shape = sizes["fsdp_model"]
         model = random_model(shape, device)
-        use_block_sdpa(model)
+        install_trainer(model)
         n_params = sum(p.numel() for p in model.parameters())
         model = parallel.wrap(model, "fsdp", 1, dtype=dtype)
         model.train()
@@ -414,7 +414,7 @@ def check_mismatch(sizes, device, dtype, out: dict):
         probe = model(input_ids=torch.tensor(prompts[:1], device=device)).logits
     out["logit_std_nats"] = probe.float().std(-1).mean().item()
     # as trainer.Learner prepares its model before train.py starts the backend on it
-    use_block_sdpa(model)
+    install_trainer(model)
     tok = tiny_tokenizer(shape["vocab_size"])
     total = plan["prompt"] + plan["reply"]
     backend = HFBackend(model, tok, max_model_len=total, dtype=torch.bfloat16)
@@ -464,7 +464,7 @@ def check_head_memory(sizes, device, dtype, out: dict):
     shape = sizes["head_model"]
     T = sizes["head_tokens"]
     model = random_model(shape, device).train()
-    use_block_sdpa(model)
+    install_trainer(model)
     V = shape["vocab_size"]
     g = torch.Generator().manual_seed(3)
     prompt = random_ids(1, V, g)
@@ -487,7 +487,7 @@ def check_tree_memory(sizes, device, dtype, out: dict):
     bool) and the attention the trainer runs it with (sdpa on a GPU, block_sdpa on a CPU)."""
     shape = sizes["tree_model"]
     model = random_model(shape, device).train()
-    use_block_sdpa(model)
+    install_trainer(model)
     g = torch.Generator().manual_seed(4)
     out["config"] = {"model": shape, "tokens": sizes["tree_tokens"], "dtype": str(dtype)}
     out["config"]["attention"] = model.config._attn_implementation
@@ -547,9 +547,10 @@ def check_weight_sync(sizes, device, dtype, out: dict):
         del copied
         reset_host_peak()
         start = host_bytes("VmRSS")
-        writer = SimpleNamespace(dtype=torch.bfloat16, sync_dir=folder)
+        writer = SimpleNamespace(sync_dir=folder)
+        dtypes = {name: torch.bfloat16 for name in state}
         t0 = time.perf_counter()
-        VLLMBackend._write(writer, state)
+        VLLMBackend._write(writer, state, dtypes)
         out["write_s"] = time.perf_counter() - t0
         out["write_host_peak_above_start_bytes"] = host_bytes("VmHWM") - start
         path = os.path.join(folder, "model.safetensors")

@@ -59,7 +59,7 @@ def written_call(renderer: Renderer) -> tuple[str, bool]:
     # the model writes a think block's close, which the template's history leaves out: as if not opened
     shared = full[: len(full) - len(text)]
     # the turn close the model's EOS stands for (before a tool result: the first)
-    close = renderer.turn_close.strip()
+    close = renderer.info.turn_close.strip()
     if close and close in text:
         text = text[: text.index(close) if before_result else text.rindex(close)]
     return text, renderer.opens_reasoning(renderer.encode(shared))
@@ -135,11 +135,11 @@ def probe(tok, name: str) -> dict:
         return {**row, "refusal": str(e), "kind": kind, "native": kind == "format"}
     row.update(
         started=True,
-        native=renderer.native_calls,
-        lists=renderer.native_tools,
+        native=renderer.info.native_calls,
+        lists=renderer.info.native_tools,
         format=renderer.format,
     )
-    if not (renderer.native_calls or renderer.native_tools):
+    if not (renderer.info.native_calls or renderer.info.native_tools):
         taught = taught_unrendered(renderer)
         return {**row, "against": taught not in (None, renderer.format)}
     return {**row, "round_trip": round_trip(renderer)}

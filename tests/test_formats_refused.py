@@ -88,7 +88,7 @@ def test_the_eight_formats_are_registered_after_every_older_one():
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_the_template_starts_in_its_format_and_its_call_round_trips(tok, name):
     r = renderer_of(tok, name)
-    assert (r.format, r.native_calls) == (TEMPLATES[name], True)
+    assert (r.format, r.info.native_calls) == (TEMPLATES[name], True)
     assert "tool calls in the " + TEMPLATES[name] + " format" in r.describe()
     text, opened = written(r)
     reply = r.parse_reply(text, parse_tools=True, opened=opened)
@@ -103,7 +103,7 @@ def test_the_template_starts_in_its_format_and_its_call_round_trips(tok, name):
     full = r.render_text(messages, [TOOL], False)
     with_content = full[len(head) :] if full.startswith(head) else None
     if with_content is not None and CONTENT in with_content:
-        close = r.turn_close.strip()
+        close = r.info.turn_close.strip()
         if close and close in with_content:
             with_content = with_content[: with_content.rindex(close)]
         reply = r.parse_reply(with_content, parse_tools=True, opened=opened)

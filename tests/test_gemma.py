@@ -43,7 +43,7 @@ def gemma(tmp_path_factory):
 def test_gemma_template_is_detected_as_hermes_with_merged_roles(gemma):
     tok, srv = gemma
     r = srv.proxy.renderer
-    assert (r.native_tools, r.format, r.dialects) == (False, "hermes", ["merge_roles"])
+    assert (r.info.native_tools, r.format, r.info.dialects) == (False, "hermes", ["merge_roles"])
     text = r.render_text(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
         [TOOLS[0]["function"]],

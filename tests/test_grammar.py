@@ -512,3 +512,36 @@ def test_a_schema_that_cannot_compile_is_a_400_in_the_apis_own_shape(server):
         },
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_the_default_grammar_constrains_nothing_and_the_extra_counts_what_it_constrained():
+    """hooks.NoGrammar, the seam's default: a forced call opened by the prompt alone, a grammar
+    refused naming extras/grammar.py, a micro-batch without one replayed as None. The extra's
+    ``constrain`` leaves a request without a forced call or JSON reply alone, and ``Counts`` (a
+    hooks.LOSS_METRICS) sums each micro-batch's Replay counts."""
+    from types import SimpleNamespace
+
+    from lightning_lite import hooks
+    from lightning_lite.records import Sample
+
+    plain = Sample("r", [1, 2], [0, 1], [0.0, -1.0])
+    constrained = Sample("r", [1, 2], [0, 1], [0.0, -1.0], grammars={0: 'start: "x"'})
+    default = hooks.NoGrammar()
+    assert default.replay_samples([plain], None, 8) is None
+    with pytest.raises(RuntimeError, match="extras/grammar.py"):
+        default.replay_samples([plain, constrained], None, 8)
+    with pytest.raises(RuntimeError, match="extras/grammar.py"):
+        default.Matcher('start: "x"', None, 8)
+    renderer = SimpleNamespace(forced_prefix=lambda tool, opened, json_reply: f"{tool}{json_reply}")
+    req = SimpleNamespace(
+        force_tool="f", response_schema=None, sampling=SimpleNamespace(grammar=None)
+    )
+    assert default.constrain(req, renderer, False) == "fFalse" and req.sampling.grammar is None
+    assert hooks.grammar is grammar and grammar.Counts in hooks.LOSS_METRICS
+    neither = SimpleNamespace(force_tool=None, response_schema=None, sampling=req.sampling)
+    assert grammar.constrain(neither, renderer, False) == "" and req.sampling.grammar is None
+    assert grammar.replay_samples([plain], None, 8) is None
+    counts = grammar.Counts()
+    counts.add([], {"allowed": None}, None, None)
+    counts.add([], {"allowed": SimpleNamespace(constrained=5, forced=2)}, None, None)
+    assert counts.result() == {"constrained_tokens": 5, "forced_tokens": 2}

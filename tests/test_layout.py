@@ -1,6 +1,7 @@
 """The core stands alone (DESIGN.md: the core and its extras): no core module imports an extra, at any
 depth, and with lightning_lite/extras/ deleted train.py trains a step and proxy.py serves a chat
-completion, plain and streamed; a flag or a request that needs a missing extra says which file."""
+completion, plain and streamed; a flag or a request that needs a missing extra says which file. With
+any one extra's file deleted, train.py and proxy.py still start: no extra imports another there."""
 
 import ast
 import glob
@@ -58,6 +59,86 @@ def test_the_layout_test_finds_an_import_at_any_depth(tmp_path):
         "def f():\n    from .extras import lora\n\n\nimport lightning_lite.extras.vllm\n"
     )
     assert [line.rsplit(":", 1)[1] for line in extras_imports(str(path))] == ["2", "5"]
+
+
+# Each file of lightning_lite/extras/ (its __init__.py too): with any one deleted, train.py and
+# proxy.py still start. An extra that imported another would break this; one that needs another
+# later says so where it loads it.
+EXTRA_FILES = sorted(
+    os.path.basename(path)[: -len(".py")]
+    for path in glob.glob(os.path.join(ROOT, "lightning_lite", "extras", "*.py"))
+)
+
+# Run in a copy of the project, with the extras' names as arguments: each file in turn moved aside,
+# then lightning_lite imported afresh (torch and the other packages stay imported: one process for
+# them all), train.py's head run (its imports, EXTRAS loaded, its flags parsed) and proxy.py's
+# extras loaded and flags parsed. Prints {name: "ok", or the traceback}.
+PROBE = r"""
+import ast, importlib, importlib.util, json, os, sys, traceback
+
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in f.__module__]
+# each module of the copy compiled once, not once per extra (its __pycache__ is the copy's own)
+sys.dont_write_bytecode = False
+root = sys.argv[1]
+sys.path.insert(0, root)
+source = open(os.path.join(root, "train.py")).read()
+body = ast.parse(source).body
+# train.py's head: its statements up to the one that parses the flags
+end = next(i for i, node in enumerate(body) if "parse_args(" in ast.get_source_segment(source, node))
+head = compile(ast.Module(body=body[: end + 1], type_ignores=[]), "train.py", "exec")
+results = {}
+for name in sys.argv[2:]:
+    path = os.path.join(root, "lightning_lite", "extras", name + ".py")
+    os.rename(path, path + ".deleted")
+    importlib.invalidate_caches()
+    for module in [m for m in sys.modules if m.split(".")[0] in ("lightning_lite", "proxy")]:
+        del sys.modules[module]
+    try:
+        import lightning_lite
+
+        assert lightning_lite.__file__.startswith(root), lightning_lite.__file__
+        assert importlib.util.find_spec("lightning_lite.extras." + name) is None
+        sys.argv = ["train.py"]
+        exec(head, {"__name__": "train"})
+        import proxy
+
+        sys.argv = ["proxy.py", "--out", os.path.join(root, "runs", "proxy")]
+        loaded = proxy.hooks.load_extras(proxy.PROXY_EXTRAS)
+        proxy.parse_args({module.__name__.rsplit(".", 1)[-1]: module for module in loaded})
+        results[name] = "ok"
+    except BaseException:
+        results[name] = traceback.format_exc()
+    finally:
+        os.rename(path + ".deleted", path)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def without_each_extra(tmp_path_factory) -> dict:
+    """{extra's file name: "ok" or why train.py or proxy.py did not start without it}."""
+    root = tmp_path_factory.mktemp("each") / "lightning-lite"
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(os.path.join(ROOT, "lightning_lite"), root / "lightning_lite", ignore=ignore)
+    for script in ("train.py", "proxy.py"):
+        shutil.copy(os.path.join(ROOT, script), root / script)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(root), *EXTRA_FILES],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", EXTRA_FILES)
+def test_train_and_proxy_start_without_any_one_extra(without_each_extra, name):
+    """No extra needs another at import: train.py's "report" needs no "recorder", for one."""
+    assert without_each_extra[name] == "ok", without_each_extra[name]
 
 
 @pytest.fixture(scope="module")

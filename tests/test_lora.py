@@ -43,9 +43,9 @@ def an_adapter(names=None, **kw):
 
 @pytest.fixture(autouse=True)
 def no_adapter_left_behind():
-    """lora.check sets hooks.adapter, as train.py wants it: each test leaves none behind."""
+    """lora.check sets hooks.adapter, as train.py wants it: each test leaves the default behind."""
     yield
-    hooks.adapter = None
+    hooks.adapter = hooks.NoAdapter()
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +131,21 @@ def test_the_embedded_backend_serves_the_adapters_with_the_trainers_logprobs(ada
 
 def test_one_batch_serves_each_harness_its_adapter_with_the_trainers_logprobs(tok):
     """--lora-per-harness: the embedded backend decodes a batch that mixes two adapters (peft's adapter_names),
-    each rollout through its harness's; the trainer, training one adapter at a time (lora.activate), scores
-    each reply as it was sampled, to the 1e-5 level, and under the other adapter it does not."""
-    net = an_adapter(["planner", "coder"]).wrap(load_model("smollm2"))
+    each rollout through its harness's (LoRA.route, as train.py routes a batch); the trainer, training one
+    adapter at a time (lora.activate), scores each reply as it was sampled, to the 1e-5 level, and under the
+    other adapter it does not."""
+    adapter = an_adapter(["planner", "coder"])
+    net = adapter.wrap(load_model("smollm2"))
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in net.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02)
     adapter_of = {"p0": "planner", "c0": "coder", "p1": "planner", "c1": "coder"}
+    hooks.adapter = adapter
+    harness_of = {rid: argparse.Namespace(name=name) for rid, name in adapter_of.items()}
+    assert adapter.route(harness_of) == adapter_of and adapter.serving("c1") == "coder"
     backend = HFBackend(net, tok)
-    backend.adapter_of = adapter_of.get
     prompt = tok.encode(
         tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
     )
@@ -153,11 +157,23 @@ def test_one_batch_serves_each_harness_its_adapter_with_the_trainers_logprobs(to
     own = sample_and_score(backend, prompt, adapter_of, lambda rid: under(adapter_of[rid]))
     assert max(own.values()) < 1e-4, own
     backend = HFBackend(net, tok)
-    backend.adapter_of = adapter_of.get
     swapped = sample_and_score(
         backend, prompt, adapter_of, lambda rid: under(other[adapter_of[rid]])
     )
     assert min(swapped.values()) > 0.01, swapped
+
+
+def test_a_rollout_is_routed_to_an_adapter_only_under_lora_per_harness():
+    """train.py's rollouts ask hooks.adapter for each rollout's adapter: none by default or with one
+    --lora adapter (the endpoint names --model, the backends serve the model as it is), its harness's
+    under --lora-per-harness."""
+    harness_of = {"r0": argparse.Namespace(name="calc")}
+    for adapter in (hooks.NoAdapter(), an_adapter()):
+        assert adapter.route(harness_of) == {} and adapter.serving("r0") is None
+    assert hooks.NoAdapter().model_adapter is None and not hooks.NoAdapter().trains_apart
+    per_harness = an_adapter(["calc", "search"])
+    assert per_harness.route(harness_of) == {"r0": "calc"} and per_harness.serving("r0") == "calc"
+    assert per_harness.model_adapter is per_harness and per_harness.trains_apart
 
 
 @pytest.mark.parametrize(

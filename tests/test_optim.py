@@ -175,3 +175,28 @@ def test_user_clip_range_and_norm_const_set_the_loss(tiny):
     wider = learner(tiny, clip_low=0.1, clip_high=0.05, norm_const=10, **flags)
     metrics, _, _ = wider.update(batch, 0, True)
     assert metrics["loss"] == pytest.approx(0.48 / 20, rel=1e-5)
+
+
+def test_token_counts_sum_the_trained_tokens_by_staleness_and_refuse_a_staler_one():
+    """trainer.TokenCounts, the core's hooks.LOSS_METRICS-style object: fwd_tokens, and by staleness
+    (update 5 trains tokens of versions 5 and 4) the trained tokens and their mean |dlogp|; a token
+    older than the run allows is a bug."""
+    from lightning_lite.trainer import TokenCounts
+
+    counts = TokenCounts(version=5, max_age=1, async_steps=1)
+    batch = {
+        "fwd_tokens": 6,
+        "loss_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]),
+        "version": torch.tensor([[0, 5, 4], [0, 4, 0]]),
+        "old_logprobs": torch.tensor([[0.0, -1.0, -1.0], [0.0, -2.0, 0.0]]),
+    }
+    logprobs = torch.tensor([[0.0, -1.5, -1.25], [0.0, -1.0, 0.0]])
+    counts.add([], batch, logprobs, None)
+    counts.add([], {**batch, "loss_mask": torch.zeros(2, 3)}, logprobs, None)
+    assert counts.result() == {
+        "fwd_tokens": 12,
+        "staleness": {0: 1, 1: 2},
+        "dlogp_by_staleness": {0: 0.5, 1: pytest.approx((0.25 + 1.0) / 2)},
+    }
+    with pytest.raises(RuntimeError, match="sampled 2 updates ago, more than the 1 .*--async 1"):
+        TokenCounts(version=6, max_age=1, async_steps=1).add([], batch, logprobs, None)

@@ -468,3 +468,19 @@ if __name__ == "__main__":
     import lightning_lite.extras.fsdp  # noqa: F401
 
     worker(rank, port, out, mode)
+
+
+def test_a_rank_pads_with_a_micro_batch_that_trains_nothing():
+    """parallel.padding: one two-token sample whose second token is trainable (the LM head runs) at
+    weight 0; a rank without samples runs one; parallel.row_length pads rows only under
+    flex_attention."""
+    from types import SimpleNamespace
+
+    pad = parallel.padding(7)
+    (sample,), weights = pad
+    assert (sample.tokens, sample.loss_mask, weights) == ([7, 7], [0, 1], [0.0])
+    assert parallel.pad_micro_batches([], "ddp", pad) == [pad]
+    assert parallel.pad_micro_batches(["mb"], "ddp", pad) == ["mb"]
+    flex = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flex_attention"))
+    sdpa = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    assert parallel.row_length(flex, 4096) == 4096 and parallel.row_length(sdpa, 4096) == 1

@@ -226,7 +226,7 @@ def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(
     """SmolLM2 renders a tool call as pretty JSON; the model wrote it compact. By default the next prompt is the
     template's rendering (what a stock server sends), split as template_mismatch; keep_history_tokens keeps the
     sampled tokens; --no-reuse-tokens renders fresh as well."""
-    from lightning_lite.chat import Renderer, Turn
+    from lightning_lite.chat import Renderer, Turn, turn_texts
 
     msgs, tools = [{"role": "user", "content": "2+3?"}], [{"name": "calculator"}]
     r = Renderer(tok)
@@ -245,7 +245,7 @@ def test_a_turn_the_template_renders_otherwise_is_rendered_fresh_unless_kept(
     kept, parent, split = Renderer(tok, keep_history_tokens=True).build_prompt(nxt, tools, [turn])
     assert (parent, split) == (0, None) and kept[: len(ids) + len(resp)] == ids + resp
     # written as the template writes it, the turn is reused as sampled
-    turn_text = r._texts(msgs + [reply], 2, tools, {}, r.per_message)[0]
+    turn_text = turn_texts(r.render_text, msgs + [reply], 2, tools, {}, r.info.per_message).turn
     resp = r.encode(turn_text.removesuffix("\n")[: -len("<|im_end|>")]) + [tok.eos_token_id]
     turn = Turn(0, msgs, tools, r.parse_reply(r.sampled_text(resp, []), True), ids, resp)
     assert r.build_prompt(nxt, tools, [turn])[1:] == (0, None)
@@ -698,9 +698,9 @@ def test_samples_cli_on_calls_recorded_by_the_proxy(server, tmp_path):
 
 
 def test_the_core_takes_its_plain_path_where_an_extra_is_missing(tok, monkeypatch):
-    """hooks.grammar None: a forced call is opened by the prompt alone, its arguments unconstrained;
-    hooks.isolation None: rollout_tokens is refused naming extras/isolation.py; a rollout's own socket
-    needs rollout_tokens; an unknown tool-call format lists the registered ones."""
+    """hooks.grammar NoGrammar: a forced call is opened by the prompt alone, its arguments unconstrained;
+    hooks.isolation NoIsolation: rollout_tokens is refused naming extras/isolation.py; a rollout's own
+    socket needs rollout_tokens; an unknown tool-call format lists the registered ones."""
     from types import SimpleNamespace
 
     from lightning_lite import hooks, toolcalls
@@ -712,7 +712,7 @@ def test_the_core_takes_its_plain_path_where_an_extra_is_missing(tok, monkeypatc
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "2+3?"}], "tools": tools}
     body["tool_choice"] = {"type": "function", "function": {"name": "calc"}}
-    monkeypatch.setattr(hooks, "grammar", None)
+    monkeypatch.setattr(hooks, "grammar", hooks.NoGrammar())
     req = parse_chat_request(body, {})
     exchange = Exchange("r", Session(), "chat", req)
     proxy.build_prompt(exchange)
@@ -723,7 +723,7 @@ def test_the_core_takes_its_plain_path_where_an_extra_is_missing(tok, monkeypatc
         ValueError, match="needs Proxy.rollout_tokens=True. and .*extras/isolation.py"
     ):
         ProxyServer(proxy).endpoint("r", "m", socket=True)
-    monkeypatch.setattr(hooks, "isolation", None)
+    monkeypatch.setattr(hooks, "isolation", hooks.NoIsolation)
     with pytest.raises(ValueError, match="rollout_tokens needs lightning_lite/extras/isolation.py"):
         Proxy(backend, tok, rollout_tokens=True)
     with pytest.raises(ValueError, match="unknown tool-call format 'nope'; use one of hermes, "):

@@ -747,7 +747,7 @@ def live_server(*run_dirs):
     its URL."""
     import threading
 
-    from lightning_lite.extras.serve import make_server
+    from lightning_lite.extras.report import make_server
 
     server = make_server([str(d) for d in run_dirs], "127.0.0.1", 0)
     handler = server.RequestHandlerClass
@@ -981,7 +981,7 @@ def test_the_server_only_reads_and_says_what_is_torn_or_missing(tmp_path):
     with live_server(run_dir) as url:
         got = json.loads(http(url + "api/metrics?run=0")[1])
         assert [row["step"] for row in got["rows"]] == [1, 2, 3] and got["lines"] == 3
-        assert got["notes"] == ["metrics.jsonl: a torn last line (16 bytes) skipped"] and got[
+        assert got["notes"] == ["metrics.jsonl:4: a torn last line (16 bytes) skipped"] and got[
             "missing"
         ] == ["rollouts"]
         assert json.loads(http(url + "api/metrics?run=0&from=2")[1])["rows"][0]["step"] == 3

@@ -34,7 +34,7 @@ def unpack(blob: str) -> dict:
 
 def served_batch(run_dir: str, k: int) -> dict:
     """GET /api/batch of step_K from the live page's server of ``run_dir``."""
-    from lightning_lite.extras.serve import make_server
+    from lightning_lite.extras.report import make_server
 
     server = make_server([run_dir], "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -795,7 +795,8 @@ def test_calls_in_openais_shape_and_literals_python_cannot_hash():
 def test_the_format_a_template_s_words_or_tokens_teach():
     """toolcalls.taught: the format whose call opening the instructions write furthest (Hermes' full opening beats
     GLM's bare <tool_call>); special_format: the one with most of its tags among a tokenizer's special tokens."""
-    from lightning_lite.toolcalls import special_format, taught
+    from lightning_lite.extras.tool_formats import special_format
+    from lightning_lite.toolcalls import taught
 
     granite = "When a tool is required, respond only with <|tool_call|> followed by a JSON list of tools used."
     assert taught(granite) == "granite"

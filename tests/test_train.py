@@ -585,7 +585,7 @@ def test_grammar_constrained_calls_are_scored_under_the_mask_that_drew_them(tmp_
         step["dlogp_mean"] < 1e-4 and step["dlogp_max"] < 1e-3 and step["ratio_out_frac"] == 0.0
     ), step
     assert 0 < step["forced_tokens"] < step["constrained_tokens"] <= step["trainable_tokens"], step
-    # what the report extra records for the live page (docs/training.md, "Seeing a run"): every
+    # what the recorder extra records for the live page (docs/training.md, "Seeing a run"): every
     # trained sample's tokens (6, under the cap of 12) with the trainer's numbers, and the heartbeat
     lines = [json.loads(line) for line in open(os.path.join(out, "tokens", "step_0.jsonl"))]
     assert len(lines) == 6 and sum(line["trained"] for line in lines) == step["trainable_tokens"]

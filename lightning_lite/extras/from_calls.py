@@ -5,6 +5,7 @@ step, returning the same (groups, results, calls) as running the rollouts would.
 
 import functools
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -22,6 +23,15 @@ def check(args, ddp: bool, cuda: bool):
             "none to run"
         )
     if args.from_calls:
+        # Recorded calls may be of other weights: no guard on the sampler's logprobs unless asked.
+        if args.max_mismatch is None:
+            args.max_mismatch = math.inf
+        # They train without a harness: --harness names what evaluates, none by default.
+        if args.harness is None:
+            args.harness = []
+        # Sampled before this run began, by its version 0: the last step trains them a run's steps
+        # after.
+        args.max_staleness = args.steps
         hooks.step_source = functools.partial(
             _load_for,
             dirs=args.from_calls,

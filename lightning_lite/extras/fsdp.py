@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from .. import hooks, models
+from .. import hooks
 
 # whole on rank 0, in host memory: no GPU holds a second copy of the model
 _GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -89,9 +89,10 @@ def _fill(model, whole, device: torch.device):
         if whole is not None:
             buffer.copy_(whole.get_buffer(name))
         dist.broadcast(buffer, src=0)
-    # The core chose the CPU attention (models.use_block_sdpa) while the parameters were on the
-    # meta device.
-    models.use_block_sdpa(model)
+    # The trainer's attention (hooks.fast_decode.install_trainer: on a CPU, extras/fast_decode.py's
+    # block_sdpa) is chosen by where the parameters are, which were on the meta device when the
+    # core asked.
+    hooks.fast_decode.install_trainer(model)
 
 
 def wrap(model, dtype: torch.dtype = torch.float32):

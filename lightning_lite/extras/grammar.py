@@ -17,8 +17,9 @@ model to wander in; an object that lists its properties has no others unless its
 
 How it reaches the core: the proxy calls ``constrain``, which puts ``tool_grammar``'s or
 ``json_grammar``'s text into ``Sampling.grammar``, a backend samples under its ``Matcher``, the
-trainer scores under its ``Replay``; of a tool-call format it reads only ``Format.call``, the call's
-text around its arguments (toolcalls.format_of)."""
+trainer scores under its ``Replay`` (``replay_samples``) and counts the tokens it constrained and
+forced (``Counts``). Of a tool-call format it reads only ``Format.call``, the call's text around its
+arguments (toolcalls.format_of)."""
 
 import json
 import re
@@ -30,6 +31,7 @@ import llguidance.hf
 import torch
 
 from .. import hooks
+from ..algo import all_reduce
 from ..chat import BadRequest
 from ..records import Sample
 from ..toolcalls import format_of
@@ -167,7 +169,9 @@ def constrain(req, renderer, opened: bool) -> str:
     """A request's forced call or JSON reply: its grammar put into ``req.sampling``, the text its
     reply is forced to begin with returned. The forced call's arguments follow their tool's schema,
     a response_format's JSON its schema; a schema llguidance cannot compile is a 400 with its
-    message."""
+    message. A request with neither gets "" and no grammar."""
+    if req.force_tool is None and req.response_schema is None:
+        return ""
     fmt, tok = renderer.format, renderer.tok
     param, rules = "response_format", json_grammar(req.response_schema or {})
     if req.force_tool is not None:
@@ -296,6 +300,35 @@ class Replay:
         return allowed
 
 
-# Its hook: the proxy constrains forced calls through this module, the backend samples under its
-# Matcher, the trainer scores under its Replay (hooks.grammar).
+def replay_samples(samples: list[Sample], tok, n_vocab: int) -> Optional[Replay]:
+    """A micro-batch's ``Replay`` (algo.trainer_logprobs' ``allowed``), or None when no sample was
+    sampled under a grammar."""
+    if not any(s.grammars for s in samples):
+        return None
+    return Replay(samples, tok, n_vocab)
+
+
+class Counts:
+    """hooks.LOSS_METRICS: of a pass's trained tokens, those a grammar constrained
+    (constrained_tokens) and those it forced (forced_tokens: its mask allowed one token alone), over
+    all ranks. Each micro-batch's batch["allowed"] is its ``replay_samples``."""
+
+    def __init__(self):
+        self.constrained = 0
+        self.forced = 0
+
+    def add(self, samples, batch, logprobs, entropy):
+        if batch["allowed"] is not None:
+            self.constrained += batch["allowed"].constrained
+            self.forced += batch["allowed"].forced
+
+    def result(self) -> dict[str, int]:
+        constrained, forced = all_reduce([self.constrained, self.forced])
+        return {"constrained_tokens": int(constrained), "forced_tokens": int(forced)}
+
+
+# Its hooks: the proxy constrains forced calls through this module, the backend samples under its
+# Matcher, the trainer scores under its replay_samples (hooks.grammar) and counts what it
+# constrained (hooks.LOSS_METRICS).
 hooks.grammar = sys.modules[__name__]
+hooks.LOSS_METRICS.append(Counts)

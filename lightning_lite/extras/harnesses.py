@@ -5,14 +5,17 @@ rollouts of one task id in one advantage group. One harness with no weight is th
 (harness.Tasks).
 
 The hook: ``hooks.tasks``, the factory of the object train.py asks for each step's groups
-(``pick(step)``).
+(``pick(step)``), each harness's columns of the step's row (``harness_columns``) and of an
+evaluation's (``eval_row``), and the log line's tail of them (``by_harness``).
 """
 
 import sys
 
 from .. import hooks
 from ..algo import all_reduce
-from ..harness import WEIGHTED, Tasks, load_harness, parse_kwargs
+from ..harness import WEIGHTED, Tasks, load_harness, parse_kwargs, several
+from ..rundir import counts, step_rates
+from ..samples import build_batch_samples
 
 
 def add_args(parser):
@@ -151,24 +154,50 @@ class SeveralTasks(Tasks):
             row[f"eval_success/{name}"] = success / max(1, n)
         return row
 
-    def by_harness(self, row: dict, key: str) -> str:
-        """The log line's tail with two harnesses or more: ``" | calc 0.500 | search 0.250"``
-        (``-``: not measured)."""
+    def harness_columns(self, results: list, calls: list, max_seq_len) -> dict:
+        """With two harnesses or more, each one's rates of the step's row (rundir.step_rates: its
+        reward/NAME, success/NAME, calls_per_rollout/NAME, merge_ratio/NAME, ...), of every rank's
+        rollouts (a collective). Its merge statistics are its finished rollouts' calls merged
+        again, on their own (samples.build_batch_samples)."""
+        if len(self.harnesses) < 2:
+            return {}
+        finished = {r.rollout_id for r in results if r.error is None}
+        row = {}
+        for name in self.names():
+            mine = [r for r in results if r.harness == name]
+            ids = {r.rollout_id for r in mine}
+            its_calls = [c for c in calls if c.rollout_id in ids]
+            merged = [c for c in its_calls if c.rollout_id in finished]
+            _, merge_stats = build_batch_samples(merged, max_seq_len)
+            sums = counts(mine, its_calls, merge_stats)
+            # every rank's
+            sums = dict(zip(sums, all_reduce(list(sums.values()))))
+            for key, value in step_rates(sums).items():
+                row[f"{key}/{name}"] = value
+        return row
+
+    def by_harness(self, row: dict, *keys: str) -> str:
+        """The log line's tail with two harnesses or more: for each of ``keys`` that ``row`` has
+        per harness, its values, ``" | calc 0.500 | search 0.250"`` (``-``: not measured), those
+        after the first named: ``" | loss | calc +0.012 | search -"``."""
         tail = ""
         if len(self.harnesses) < 2:
             return tail
-        for name in self.names():
-            value = row.get(f"{key}/{name}")
-            shown = "-" if value is None else f"{value:.3f}"
-            tail += f" | {name} {shown}"
+        for i, key in enumerate(keys):
+            if not any(f"{key}/{name}" in row for name in self.names()):
+                continue
+            if i > 0:
+                tail += f" | {key}"
+            for name in self.names():
+                value = row.get(f"{key}/{name}")
+                shown = "-" if value is None else f"{value:.3f}"
+                tail += f" | {name} {shown}"
         return tail
 
 
 def make_tasks(args, log) -> Tasks:
     """train.py's step tasks: the core's for one harness with no weight, SeveralTasks otherwise."""
-    weighted = any(WEIGHTED.fullmatch(spec) for spec in args.harness)
-    targeted = any(split_arg(item)[0] for item in args.harness_arg)
-    if len(args.harness) > 1 or weighted or targeted or args.group_across_harnesses:
+    if several(args.harness, args.harness_arg) or args.group_across_harnesses:
         return SeveralTasks(args, log)
     return Tasks.from_flags(args, log)
 

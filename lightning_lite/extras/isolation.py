@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from dataclasses import replace
 from typing import Optional
 
 from aiohttp import web
@@ -29,7 +30,8 @@ class Isolation:
     refused, and the rollouts' own Unix sockets (sites of the ProxyServer, in a temporary directory
     of their own).
 
-    >>> isolation.endpoint(server, "r1", "m", socket=True, api_key="k").base_url
+    >>> server = ProxyServer(Proxy(backend, tok, rollout_tokens=True)).start()
+    >>> server.endpoint("r1", "m", socket=True).base_url
     'http://127.0.0.1:40123/rollout/r1.x1y2.../v1'   # and .socket: '/tmp/ll-proxy-x1y2/0.sock'
     """
 
@@ -49,9 +51,11 @@ class Isolation:
         self.dir: Optional[str] = None
         self.names = itertools.count()
 
-    def endpoint(self, server, rollout_id: str, model: str, socket: bool, api_key: str) -> Endpoint:
-        """A new rollout's endpoint on ``server`` (a ProxyServer): its route ``<id>.<token>``, the
-        reward key, and with ``socket`` a Unix socket of its own."""
+    def endpoint(self, server, plain: Endpoint, socket: bool) -> Endpoint:
+        """A new rollout's endpoint on ``server`` (a ProxyServer): ``plain`` (on the route of its
+        bare id) moved to its route ``<id>.<token>``, with the reward key, and with ``socket`` a
+        Unix socket of its own."""
+        rollout_id = plain.rollout_id
         self.tokens[rollout_id] = secrets.token_urlsafe(16)
         route = f"{rollout_id}.{self.tokens[rollout_id]}"
         socket_path = None
@@ -59,7 +63,7 @@ class Isolation:
             socket_path = self.open_socket(server, rollout_id)
         url = server.base_url(route)
         key = self.reward_key
-        return Endpoint(url, api_key, model, rollout_id, server.url, route, key, socket_path)
+        return replace(plain, base_url=url, route=route, reward_key=key, socket=socket_path)
 
     def open_socket(self, server, rollout_id: str) -> str:
         """A Unix socket of the rollout's own on ``server``: its path."""
@@ -90,7 +94,8 @@ class Isolation:
 
     def reset(self):
         """The step is over: no rollout is open any more (a straggler's next call gets a 403)."""
-        self.tokens, self.flags = {}, {}
+        self.tokens = {}
+        self.flags = {}
 
     def admit(self, request: web.Request, rollout_id: str, reward: bool = False) -> str:
         """The rollout a request is for, or a 403. A call's route is ``<id>.<token>``, and a

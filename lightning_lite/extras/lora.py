@@ -7,8 +7,8 @@ Its seam: ``check`` sets ``hooks.adapter`` to a :class:`LoRA` when --lora is giv
 adapter trainer.Learner asks to wrap the loaded base (``wrap``, after ``check_resume``), to give the
 KL reference (``reference``: the adapters switched off) and, with an adapter per harness, to make
 the update (``update``); vLLM's sync sends its ``weights``. --lora-per-harness: an adapter per
-harness, named as it, that serves its rollouts (``serving``: the backends' ``adapter_of``) and
-trains on them alone (``update``: every adapter in one backward pass).
+harness, named as it, that serves its rollouts (``route``, then ``serving``, which the backends
+ask) and trains on them alone (``update``: every adapter in one backward pass).
 
 python -m lightning_lite.extras.lora merge CHECKPOINT OUT   # base + adapters: a plain transformers
 model"""
@@ -147,7 +147,7 @@ def _saved_adapters(checkpoint: str) -> list:
     return names
 
 
-class LoRA:
+class LoRA(hooks.NoAdapter):
     """The model adapter that --lora asks for (``hooks.adapter``; trainer.Learner says what it asks
     of it): rank-``rank`` adapters named ``names``, "default", or one per harness."""
 
@@ -162,6 +162,13 @@ class LoRA:
         # Each harness's adapter trains on its own samples (update): a backward leaves the others
         # without gradients.
         self.trains_apart = self.per_harness
+        # --lora-per-harness: rollout id -> the adapter that serves it, the last batch's (route)
+        self.adapter_of = {}
+
+    @property
+    def model_adapter(self):
+        """What trainer.Learner wraps the base model with: this."""
+        return self
 
     def shape(self, names: list) -> dict:
         """What these flags make of adapters ``names``, comparable across runs (their order aside):
@@ -191,12 +198,19 @@ class LoRA:
             )
         self.names = tasks.names()
 
-    def serving(self, harness: str):
-        """The adapter that serves a rollout of ``harness``, by the name its endpoint and the
-        backend know it by; None: the one adapter, active in the served model."""
+    def route(self, harness_of: dict) -> dict:
+        """--lora-per-harness: each rollout of the batch to its harness's adapter, {rollout id: its
+        name}, the name its endpoint and the backends know it by (``serving``). Without: none, the
+        one adapter is active in the served model."""
+        self.adapter_of = {}
         if self.per_harness:
-            return harness
-        return None
+            self.adapter_of = {rid: harness.name for rid, harness in harness_of.items()}
+        return self.adapter_of
+
+    def serving(self, rollout_id: str):
+        """The adapter that serves ``rollout_id`` (the last batch's ``route``); None: the one
+        adapter, active in the served model."""
+        return self.adapter_of.get(rollout_id)
 
     def wrap(self, model, resume_dir=None):
         """``model`` frozen, with fresh adapters or ``resume_dir``'s (after ``check_resume``),

@@ -37,9 +37,11 @@ class Mismatch:
         self.dlogp_max = -math.inf
 
     @torch.no_grad()
-    def add(self, logprobs, old_logprobs, loss_mask):
-        """One micro-batch's [B, T] trainer and rollout logprobs, and its loss mask."""
-        on = loss_mask > 0
+    def add(self, samples, batch, logprobs, entropy):
+        """One micro-batch: its algo.collate ``batch`` (the rollout's logprobs and the loss mask,
+        [B, T] each) and the trainer's [B, T] ``logprobs``."""
+        old_logprobs = batch["old_logprobs"]
+        on = batch["loss_mask"] > 0
         if not bool(on.any()):
             return
         dlogp = (logprobs - old_logprobs)[on].double()

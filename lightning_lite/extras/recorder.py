@@ -15,8 +15,8 @@ long run's files grow with its steps, not with its batch; the heartbeat file is 
 
 Its seams: ``hooks.TOKEN_RECORDERS`` holds ``TokenRecorder`` (trainer.Learner.backward makes one
 per pass and gives it each micro-batch); ``hooks.PROGRESS`` holds ``on_progress`` (train.py, the
-rollout runner and the proxy tell it what happens). report.py imports this file: train.py's
-"report" extra brings it.
+rollout runner and the proxy tell it what happens). ``hooks.AFTER_RUN`` holds ``run_done``: the
+heartbeat says "done" after the last step.
 """
 
 import atexit
@@ -340,8 +340,8 @@ def drop_tokens_after(out: str, start_step: int):
             os.remove(os.path.join(folder, name))
 
 
-def run_done():
-    """The run finished (report.after_run, on rank 0): the heartbeat says "done"."""
+def run_done(run_dir: str):
+    """hooks.AFTER_RUN: the run finished (train.py's rank 0): the heartbeat says "done"."""
     if HEARTBEAT.thread is not None:
         HEARTBEAT.event("phase", {"phase": "done", "step": HEARTBEAT.step})
 
@@ -362,3 +362,4 @@ def on_progress(event: str, info: dict):
 
 hooks.TOKEN_RECORDERS.append(TokenRecorder)
 hooks.PROGRESS.append(on_progress)
+hooks.AFTER_RUN.append(run_done)

@@ -1,6 +1,8 @@
-"""One HTML page to look at a training run (README: "Seeing a run"):
+"""A training run seen in a browser (docs/training.md, "Seeing a run"): one HTML page written after
+the run, or the live page served while it trains.
 
     python -m lightning_lite.extras.report RUN_DIR        # writes RUN_DIR/report.html
+    python -m lightning_lite.extras.report RUN_DIR [RUN_DIR ...] --serve [--port 8765] [--host H]
 
 metrics.jsonl says *that* the reward moved; the recorded calls say *why*. The trajectories are built
 into samples by ``samples.build_samples`` exactly as train.py built them, and what is shown as
@@ -10,36 +12,52 @@ and rollouts/step_K.jsonl gives it an advantage (``algo.assign_advantages`` keep
 step's update was skipped (metrics ``skipped``) or, under --lora-per-harness, its harness's adapter's
 (``skipped/NAME``). Each token is drawn as what it is: prompt, the opening of a forced call the
 proxy wrote into the prompt, sampled freely or under a grammar (and forced by it), trained or not.
-The page is one file that opens without a network (layout and script: report.html).
+Both pages are one file that opens without a network (report.html; live.html, uPlot inlined).
 
-A long agent run records gigabytes of prompt tokens, so the page keeps the trajectories of at most
-``--max-batches`` batches (one step_K or eval_K, all ranks) and stores each sample as the ids after
-its longest prefix shared with another sample of the batch (a system prompt once per batch),
+A long agent run records gigabytes of prompt tokens, so report.html keeps the trajectories of at
+most ``--max-batches`` batches (one step_K or eval_K, all ranks) and stores each sample as the ids
+after its longest prefix shared with another sample of the batch (a system prompt once per batch),
 gzip-compressed.
 
-The hook: at import this file adds ``after_run`` to ``hooks.AFTER_RUN``: train.py's rank 0 writes
-the report of the run it just finished. It also imports recorder.py, whose seams record what the live
-page shows (tokens/step_K.jsonl, heartbeat.json); ``--serve`` serves that page (serve.py, live.html):
+The live page's server only reads. It never writes into a run directory, answers GET alone, and
+serves a file only from inside a run directory (a path that leaves it: 403; a missing one: 404). A
+file being written is read as far as it is whole: a torn last line of a JSONL file (its writer is
+mid-line, or was killed there) is skipped and said, a missing file is said, and neither is an
+error. It shows what extras/recorder.py wrote, when the run had it (tokens/step_K.jsonl,
+heartbeat.json), and says what is missing. Its routes, RUN being a run's index in the order given:
 
-    python -m lightning_lite.extras.report RUN_DIR [RUN_DIR ...] --serve [--port N] [--host H]
+    GET /                              the page
+    GET /api/runs                      [{run, name, dir}]
+    GET /api/metrics?run=RUN&from=N    the rows of metrics.jsonl after its first N, how many it
+                                       has, and what is missing or torn
+    GET /api/status?run=RUN            its heartbeats (heartbeat*.json) and the files it lacks
+    GET /api/batches?run=RUN           its steps and evaluations that have calls
+    GET /api/batch?run=RUN&kind=step&k=K  a batch's rollouts and samples (``build_batch``), its
+                                       token records (tokens/step_K*.jsonl) and the text of its ids
+    GET /files/RUN/PATH                a file of the run directory, as it is
+
+The hook: at import this file adds ``after_run`` to ``hooks.AFTER_RUN``: train.py's rank 0 writes
+the report of the run it just finished.
 """
 
 import argparse
 import base64
+import glob
 import gzip
 import json
 import os
 import sys
+import threading
+import time
 from collections import Counter, defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from typing import Optional
+from urllib.parse import parse_qs, unquote, urlparse
 
 from tqdm import tqdm
 
 from .. import hooks
-
-# what train.py records for the live page (tokens/step_K.jsonl, heartbeat.json): its seams
-from . import recorder
 from ..algo import assign_advantages
 from ..chat import Renderer
 from ..records import Call, common_prefix, find_batches, finite, read_calls, read_jsonl
@@ -48,7 +66,12 @@ from ..samples import build_samples
 
 # A tool's name no tool has: a forced opening of it splits into what comes before and after a name.
 NAME_MARK = "\x00"
-TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.html")
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEMPLATE = os.path.join(HERE, "report.html")
+PAGE = os.path.join(HERE, "live.html")
+UPLOT = os.path.join(HERE, "uplot")
+# The files a run directory holds once it has trained a step (README: the run directory).
+EXPECTED = ["config.json", "metrics.jsonl", "calls", "rollouts"]
 
 
 def batch_label(kind: str, k: int) -> str:
@@ -121,7 +144,7 @@ class TokenKinds:
     def grammar_forced(self, call: Call) -> list[int]:
         """The positions in ``call``'s response where its grammar allowed that token alone
         (empty without a grammar, or without extras/grammar.py)."""
-        if self.tok is None or hooks.grammar is None or not call.grammar:
+        if self.tok is None or isinstance(hooks.grammar, hooks.NoGrammar) or not call.grammar:
             return []
         n_vocab = len(self.tok)
         try:
@@ -233,7 +256,7 @@ def train_counts(infos: dict, calls: list[Call], finished: list, merge_stats: Co
     kept = assign_advantages(finished, advantages)
     results = [SimpleNamespace(**{"flags": [], "harness": "", **info}) for info in infos.values()]
     # this process's files hold every rank's: nothing to reduce
-    sums = step_counts(results, calls, kept, {"": merge_stats}, [], lambda values: values)
+    sums = step_counts(results, calls, kept, merge_stats, lambda values: values)
     counts = {"samples": int(sums["samples"]), "trainable_tokens": int(sums["trainable_tokens"])}
     trainable_of: dict[str, int] = defaultdict(int)
     for s in kept:
@@ -241,22 +264,44 @@ def train_counts(infos: dict, calls: list[Call], finished: list, merge_stats: Co
     return counts, trainable_of
 
 
+def metrics_step(kind: str, k: int) -> int:
+    """The step of the metrics row of the update a batch fed: step_K's is K + 1, eval_K's is K."""
+    if kind == "step":
+        return k + 1
+    return k
+
+
 def build_batch(
     files: dict[str, list[str]],
-    max_seq_len: Optional[int],
+    config: dict,
+    metrics: list[dict],
     kind: str,
-    row: Optional[dict],
+    k: int,
     kinds: TokenKinds,
+    notes: Optional[list] = None,
 ) -> dict:
-    """One batch's rollouts (from rollouts/ when the run wrote it, else from the calls alone), each
-    said trained or not (``training_of``); a step's counts as metrics.jsonl's (``train_counts``).
-    ``row``: the metrics row of the update it fed (None: none written)."""
+    """Batch K's rollouts (from rollouts/ when the run wrote it, else from the calls alone), each
+    said trained or not (``training_of``) by the metrics row of the update it fed (the last, if a
+    Ctrl-C logged it twice); a step's counts as metrics.jsonl's (``train_counts``). ``files``:
+    ``records.find_batches``'s; ``config``: config.json's; ``notes``: where a torn last line of a
+    file is said (``records.read_jsonl``; None: warned)."""
+    # an eval's samples were never trained on: none is cut
+    max_seq_len = None
+    if kind == "step":
+        max_seq_len = config.get("max_seq_len")
+    step = metrics_step(kind, k)
+    rows = [r for r in metrics if r.get("step") == step and "eval_reward" not in r]
+    row = None
+    if rows:
+        row = rows[-1]
     calls_of: dict[str, list[Call]] = defaultdict(list)
     # whole prompts: the page draws where each call's prompt ends
     for path in files["calls"]:
-        for c in read_calls(path, whole=True):
+        for c in read_calls(path, whole=True, notes=notes):
             calls_of[c.rollout_id].append(c)
-    infos = {r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path)}
+    infos = {
+        r["rollout_id"]: r for path in files["rollouts"] for r in read_jsonl(path, None, notes)
+    }
     has_rollouts_file = bool(files["rollouts"])
     # a rollout with no line in rollouts/: all but its id unknown
     unknown = dict.fromkeys(["task_id", "harness", "reward", "error", "seconds", "advantage"])
@@ -293,6 +338,10 @@ def build_batch(
 
 def load_tok(model: Optional[str]):
     """The run's tokenizer, or None when it cannot be loaded: the page then shows ids."""
+    # the extras a run's files may need, where this copy has them: a --model that names an embedded
+    # model (its tokenizer resolved by embedded.py); a forced call's opening in its tool-call format
+    # (tool_formats.py) and its grammar replayed (grammar.py), by TokenKinds
+    hooks.load_extras(["embedded", "tool_formats", "grammar"])
     try:
         from ..models import load_tokenizer
 
@@ -310,17 +359,25 @@ def pack(obj) -> str:
     return base64.b64encode(packed).decode()
 
 
+def read_config(run_dir: str) -> dict:
+    """The run's config.json ({} where it is missing or not yet whole), a NaN in it as None: the
+    pages' data is JSON."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        return json.load(open(path), parse_constant=lambda _: None)
+    except json.JSONDecodeError:
+        return {}
+
+
 def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     """Write RUN_DIR/report.html; return its path, how many batches it holds, how many were
     found."""
-    config_path = os.path.join(run_dir, "config.json")
-    # The page's data is JSON: no NaN, in the config or in the metrics.
-    config = {}
-    if os.path.isfile(config_path):
-        config = json.load(open(config_path), parse_constant=lambda _: None)
+    config = read_config(run_dir)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     metrics = []
-    # a run of --steps 0 with no evaluation has no rows
+    # a run of --steps 0 with no evaluation has no rows; no NaN: the page's data is JSON
     if os.path.isfile(metrics_path):
         metrics = [finite(row) for row in read_jsonl(metrics_path)]
     found = find_batches(run_dir)
@@ -334,22 +391,10 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     ids = set()
     quiet = not sys.stderr.isatty()
     for kind, k in tqdm(kept, desc="report: building samples", unit="batch", disable=quiet):
-        # an eval's samples were never trained on: none is cut
-        max_seq_len = None
-        if kind == "step":
-            max_seq_len = config.get("max_seq_len")
-        # the metrics row of a step's update is step K + 1 (the last, if a Ctrl-C logged it
-        # twice); an eval's is its step
-        metrics_step = k
-        if kind == "step":
-            metrics_step = k + 1
-        rows = [r for r in metrics if r["step"] == metrics_step and "eval_reward" not in r]
-        row = None
-        if rows:
-            row = rows[-1]
-        batch = build_batch(found[(kind, k)], max_seq_len, kind, row, kinds)
+        batch = build_batch(found[(kind, k)], config, metrics, kind, k, kinds)
         ids.update(t for seq in batch["seqs"] for t in seq["tail"])
-        batch_row = {"kind": kind, "label": batch_label(kind, k), "metrics_step": metrics_step}
+        batch_row = {"kind": kind, "label": batch_label(kind, k)}
+        batch_row["metrics_step"] = metrics_step(kind, k)
         batches.append({**batch_row, "blob": pack(batch)})
     # id -> text, each id decoded alone (a character split over two tokens shows as U+FFFD); None:
     # the tokenizer could not be loaded
@@ -373,6 +418,293 @@ def write_report(run_dir: str, max_batches: int = 20) -> tuple[str, int, int]:
     return out, len(kept), len(found)
 
 
+# ----------------------------------------------------------------------------- the live page
+class Run:
+    """One run directory as the server reads it; its tokenizer is loaded once, when a batch first
+    needs it."""
+
+    def __init__(self, index: int, run_dir: str):
+        self.index = index
+        self.dir = os.path.realpath(run_dir)
+        self.name = os.path.basename(self.dir)
+        self.lock = threading.Lock()
+        self.kinds = None
+        self.tok = None
+
+    def missing(self) -> list[str]:
+        return [name for name in EXPECTED if not os.path.exists(os.path.join(self.dir, name))]
+
+    def rows(self, name: str, notes: list) -> list:
+        """The objects of the run's JSONL file ``name`` (it may be being written) as far as it is
+        whole: none where it is missing (``missing`` says so); a torn last line, or a bad line and
+        every line after it, skipped and said in ``notes``, which name it from the run directory."""
+        rows = []
+        said = []
+        path = os.path.join(self.dir, name)
+        if not os.path.isfile(path):
+            return rows
+        try:
+            for row in read_jsonl(path, None, said):
+                rows.append(row)
+        except ValueError as e:
+            said.append(f"{e}: it and the lines after it skipped")
+        notes += [note.replace(self.dir + os.sep, "") for note in said]
+        return rows
+
+    def token_kinds(self, config: dict):
+        with self.lock:
+            if self.kinds is None:
+                self.tok = load_tok(config.get("model"))
+                self.kinds = TokenKinds(self.tok, config.get("tool_format"))
+            return self.kinds
+
+    def warm(self):
+        """Load the tokenizer now (it takes seconds), not at the page's first batch."""
+        self.token_kinds(read_config(self.dir))
+
+    def status(self) -> dict:
+        beats = []
+        notes = []
+        for path in sorted(glob.glob(os.path.join(self.dir, "heartbeat*.json"))):
+            try:
+                beats.append(json.load(open(path)))
+            except (OSError, json.JSONDecodeError) as e:
+                notes.append(f"{os.path.basename(path)}: unreadable ({e})")
+        return {"heartbeats": beats, "missing": self.missing(), "notes": notes}
+
+    def batches(self) -> list[dict]:
+        """Its steps and evaluations that have calls, and whether tokens/ has a step's records (the
+        folder listed once: a glob per step took a second at 1,000 steps)."""
+        recorded = find_batches(self.dir, ("tokens",))
+        found = []
+        for kind, k in find_batches(self.dir):
+            label = batch_label(kind, k)
+            has_tokens = (kind, k) in recorded
+            found.append({"kind": kind, "k": k, "label": label, "tokens": has_tokens})
+        return found
+
+    def batch(self, kind: str, k: int) -> dict:
+        """A batch as ``build_batch`` makes it for report.html (not packed), with its token records
+        (tokens/step_K.jsonl, step_K.rankR.jsonl under DDP), each placed on its sample
+        (``rollout``, ``sample``: indices into the rollouts and their samples; None where no sample
+        has its calls and length), and the text of its ids."""
+        config = read_config(self.dir)
+        files = find_batches(self.dir).get((kind, k))
+        if files is None:
+            return {"error": f"no calls/{kind}_{k} files in {self.dir}"}
+        # metrics.jsonl's torn line is said above the charts already
+        metrics = self.rows("metrics.jsonl", [])
+        kinds = self.token_kinds(config)
+        notes = []
+        try:
+            batch = build_batch(files, config, metrics, kind, k, kinds, notes)
+        except ValueError as e:
+            return {"error": str(e)}
+        records = []
+        token_files = find_batches(self.dir, ("tokens",)).get((kind, k), {"tokens": []})
+        for path in token_files["tokens"]:
+            records += self.rows(os.path.relpath(path, self.dir), notes)
+        place_records(batch, records)
+        ids = set()
+        for seq in batch["seqs"]:
+            ids.update(seq["tail"])
+        for record in records:
+            ids.update(record["token"])
+        texts = None
+        if self.tok is not None:
+            texts = {i: self.tok.decode([i]) for i in sorted(ids)}
+        return {
+            "kind": kind,
+            "k": k,
+            "label": batch_label(kind, k),
+            "metrics_step": metrics_step(kind, k),
+            **batch,
+            "records": records,
+            "vocab": texts,
+            "notes": [note.replace(self.dir + os.sep, "") for note in notes],
+        }
+
+
+def place_records(batch: dict, records: list[dict]):
+    """Set each token record's ``rollout`` and ``sample``: the sample of its rollout built from the
+    same calls, of the same length (the trainer's sample, rebuilt from calls/ as train.py built
+    it)."""
+    where = {}
+    for r, view in enumerate(batch["rollouts"]):
+        for n, sample in enumerate(view["samples"]):
+            where[(view["rollout_id"], tuple(sample["calls"]))] = (r, n, len(sample["mask"]))
+    for record in records:
+        record["rollout"] = None
+        record["sample"] = None
+        found = where.get((record["rollout_id"], tuple(record["calls"])))
+        if found is not None and found[2] == record["len"]:
+            record["rollout"] = found[0]
+            record["sample"] = found[1]
+
+
+def page_html() -> str:
+    """live.html with uPlot's script and styles inlined (no network needed)."""
+    html = open(PAGE).read()
+    script = open(os.path.join(UPLOT, "uPlot.iife.min.js")).read().replace("</", "<\\/")
+    css = open(os.path.join(UPLOT, "uPlot.min.css")).read()
+    html = html.replace("/*UPLOT_CSS*/", css)
+    return html.replace("/*UPLOT_JS*/", script)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """GET only; every answer JSON but the page and the files."""
+
+    runs: list = []
+    page = ""
+
+    def log_message(self, format, *args):
+        # quiet: the page polls every few seconds
+        pass
+
+    def send(self, status: int, body: bytes, kind: str):
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def json(self, obj, status: int = 200):
+        """``obj`` as JSON; a NaN or inf (JSON has none: a file written by hand, an older run) as
+        null."""
+        try:
+            text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+        except ValueError:
+            text = json.dumps(finite(obj), separators=(",", ":"))
+        self.send(status, text.encode(), "application/json")
+
+    def refuse(self, status: int, message: str):
+        self.json({"error": message}, status)
+
+    def do_POST(self):
+        self.refuse(405, "read-only: GET only")
+
+    do_PUT = do_POST
+    do_DELETE = do_POST
+
+    def run_of(self, query: dict):
+        """The run a query names (``run``, default 0), or None after answering 404."""
+        try:
+            index = int(query.get("run", ["0"])[0])
+            return self.runs[index]
+        except (ValueError, IndexError):
+            self.refuse(404, f"no run {query.get('run')}; there are {len(self.runs)}")
+            return None
+
+    def do_GET(self):
+        url = urlparse(self.path)
+        query = parse_qs(url.query)
+        path = url.path
+        if path == "/":
+            self.send(200, self.page.encode(), "text/html; charset=utf-8")
+            return
+        if path == "/favicon.ico":
+            self.send(204, b"", "image/x-icon")
+            return
+        if path.startswith("/files/"):
+            self.file(unquote(path[len("/files/") :]))
+            return
+        routes = {
+            "/api/runs": self.api_runs,
+            "/api/metrics": self.api_metrics,
+            "/api/status": self.api_status,
+            "/api/batches": self.api_batches,
+            "/api/batch": self.api_batch,
+        }
+        route = routes.get(path)
+        if route is None:
+            self.refuse(404, f"no route {path}")
+            return
+        route(query)
+
+    def api_runs(self, query):
+        runs = [{"run": run.index, "name": run.name, "dir": run.dir} for run in self.runs]
+        self.json(runs)
+
+    def api_metrics(self, query):
+        run = self.run_of(query)
+        if run is None:
+            return
+        start = int(query.get("from", ["0"])[0])
+        notes = []
+        rows = run.rows("metrics.jsonl", notes)
+        self.json(
+            {
+                "rows": [finite(row) for row in rows[start:]],
+                "lines": len(rows),
+                "notes": notes,
+                "missing": run.missing(),
+                "config": read_config(run.dir),
+            }
+        )
+
+    def api_status(self, query):
+        run = self.run_of(query)
+        if run is not None:
+            self.json({"now": time.time(), **run.status()})
+
+    def api_batches(self, query):
+        run = self.run_of(query)
+        if run is not None:
+            self.json(run.batches())
+
+    def api_batch(self, query):
+        run = self.run_of(query)
+        if run is None:
+            return
+        kind = query.get("kind", ["step"])[0]
+        try:
+            k = int(query.get("k", [""])[0])
+        except ValueError:
+            self.refuse(404, "k must be a step number")
+            return
+        self.json(run.batch(kind, k))
+
+    def file(self, rest: str):
+        """/files/RUN/PATH: the file as it is, from inside the run directory only."""
+        head, _, relative = rest.partition("/")
+        run = self.run_of({"run": [head]})
+        if run is None:
+            return
+        full = os.path.realpath(os.path.join(run.dir, relative))
+        if full != run.dir and not full.startswith(run.dir + os.sep):
+            self.refuse(403, f"{relative} is outside the run directory")
+            return
+        if not os.path.isfile(full):
+            self.refuse(404, f"no file {relative} in {run.dir}")
+            return
+        with open(full, "rb") as f:
+            body = f.read()
+        self.send(200, body, "application/octet-stream")
+
+
+def make_server(run_dirs: list[str], host: str = "127.0.0.1", port: int = 8765):
+    """The server of ``run_dirs`` (not yet serving: ``serve_forever``); port 0: any free one."""
+    runs = [Run(i, run_dir) for i, run_dir in enumerate(run_dirs)]
+    # each run's tokenizer loads now, in the background: the page's first batch need not wait
+    for run in runs:
+        threading.Thread(target=run.warm, daemon=True).start()
+    handler = type("RunHandler", (Handler,), {"runs": runs, "page": page_html()})
+    return ThreadingHTTPServer((host, port), handler)
+
+
+def serve(run_dirs: list[str], host: str, port: int):
+    server = make_server(run_dirs, host, port)
+    url = f"http://{host}:{server.server_address[1]}/"
+    print(f"serving {', '.join(run_dirs)} at {url} (read-only; Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+    finally:
+        server.server_close()
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     what = (
         "Write RUN_DIR/report.html: plots, config and a trajectory browser of a train.py run; "
@@ -391,16 +723,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = ap.parse_args(argv)
     if args.serve:
         # a run may not have begun yet: the page says what is missing
-        from .serve import serve
-
         serve(args.run_dir, args.host, args.port)
         return
     if len(args.run_dir) > 1:
         ap.error("one RUN_DIR at a time without --serve (the live page shows several)")
     args.run_dir = args.run_dir[0]
-    # a run's --model may be an embedded model's name, its tokenizer resolved by that extra
-    # (and a forced call's opening in its tool-call format, its grammar replayed)
-    hooks.load_extras(["embedded", "tool_formats", "grammar"])
     if not os.path.isfile(os.path.join(args.run_dir, "metrics.jsonl")):
         why = " has no metrics.jsonl" if os.path.isdir(args.run_dir) else ": no such folder"
         ap.error(
@@ -414,8 +741,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def after_run(run_dir: str) -> None:
-    """hooks.AFTER_RUN: the report of the run train.py just finished; its heartbeat says done."""
-    recorder.run_done()
+    """hooks.AFTER_RUN: the report of the run train.py just finished."""
     print(f"wrote {write_report(run_dir)[0]}: plots and trajectories, open it in a browser")
 
 

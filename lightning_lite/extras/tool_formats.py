@@ -1,8 +1,8 @@
 """Every tool-call format but Hermes: one :class:`~lightning_lite.toolcalls.Format` each in
 ``FORMATS``, a comment above each entry showing how its family writes one call (the families and
-their templates: docs/tool-calls.md), and the families' template quirks (hooks.TEMPLATE_DIALECTS,
-hooks.TEMPLATE_CHECKS), the places some templates take the tool list in (hooks.TOOL_PLACES) and the
-families known by their list (hooks.TOOL_FAMILIES).
+their templates: docs/tool-calls.md), and the families' template quirks (``TemplateQuirks``, into
+hooks.template_quirks): their dialects, the check of a template that renders calls, the places some
+templates take the tool list in, and the families known by their list.
 
 Both mistral names and both deepseek names parse either shape; they differ in how a call is forced
 and detected. qwen3_coder parses as Hermes does here (``HERMES_BODIES``: both read both bodies, and
@@ -16,13 +16,14 @@ import hashlib
 import json
 import re
 from dataclasses import replace
+from functools import partial
 from typing import Optional
 
 from .. import hooks
-from ..chat import PROBE_TOOL, call_text
-from ..toolcalls import HERMES, Format, call_from_json, calls_of, hold_back, make_call
+from ..chat import PROBE_TOOL, call_text, probe_calls, rendered
+from ..toolcalls import HERMES, Format, Param, call_from_json, calls_of, hold_back, make_call
 from ..toolcalls import JSON_CALL_OPENING, TOOL_CALL_RE, detect, format_of, parse, parse_arguments
-from ..toolcalls import up_to
+from ..toolcalls import TAG_RE, up_to
 
 PYTHON_TAG = "<|python_tag|>"
 M3 = "]<]minimax[>["
@@ -276,9 +277,9 @@ def kimi_messages(messages: list[dict]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- templates' quirks
-# What some templates want of the messages besides OpenAI's shape (hooks.TEMPLATE_DIALECTS):
-# chat.Renderer probes which a template needs, and writes every conversation in them; and the check
-# of a template that renders calls (hooks.TEMPLATE_CHECKS).
+# What some templates want of the messages besides OpenAI's shape (TemplateQuirks.dialects):
+# chat.probe finds which a template needs, and every conversation is written in them; and the check
+# of a template that renders calls (TemplateQuirks.calls_kept).
 
 
 def short_id(s: str) -> str:
@@ -352,29 +353,6 @@ def tool_names(messages: list[dict]) -> list[dict]:
     return out
 
 
-def calls_again(renderer, call: str) -> bool:
-    """Does the template write a call after a tool result as it wrote the first (``call``), so that
-    the history keeps every call in the format? DeepSeek-R1's drops the opening there. Each call is
-    read up to the turn close, as the model's EOS ends it. A format that rewrites the messages
-    (Kimi's call ids) reads its calls as it writes them: nothing to compare there."""
-    fmt = detect(call)
-    if not fmt or format_of(fmt).messages:
-        return True
-    head = renderer.rendered(renderer.probe_calls(), [PROBE_TOOL], True)
-    twice = renderer.rendered(renderer.probe_calls(rounds=2), [PROBE_TOOL], False)
-    if head is None or twice is None:
-        return False
-    close = renderer.turn_close.strip()
-
-    def calls(text: str) -> int:
-        # GigaChat 3 closes the content with the turn close before a call: up to the next one
-        if close:
-            text = next((piece for piece in text.split(close) if piece.strip()), "")
-        return len(parse(fmt, text)["tool_calls"])
-
-    return calls(call) > 0 and calls(call_text(head, twice)) > 0
-
-
 MISTRAL = Format(
     call=('[TOOL_CALLS][{"name": "', '", "arguments": ', "}]"),
     detect=json_after("[TOOL_CALLS]"),
@@ -427,7 +405,8 @@ def tagged(start: str, between: str, end: str, param: tuple[str, str], block=(""
     )
     whole = region(*block) if block[0] else re.compile(f"({call_re.pattern})", re.S)
     call, stream = (block[0] + start, between, end + block[1]), up_to((block[0] or start).strip())
-    return Format(call, detect, regex_blocks(whole, each(call_re, read)), stream, param=param)
+    blocks = regex_blocks(whole, each(call_re, read))
+    return Format(call, detect, blocks, stream, param=Param(*param))
 
 
 def glm(prefix: str = "", suffix: str = "", sep: str = "", block: bool = False) -> Format:
@@ -494,7 +473,7 @@ def pythonic(start: str, end: str, listed: bool = False, sep: str = ", ") -> For
     left, right = ("[", "]") if listed else ("", "")
     call = (start + left, "(", ")" + right + end)
     blocks = regex_blocks(region(start, end), pythonic_calls)
-    return Format(call, detect, blocks, up_to(start), param=("{name}=", "", sep))
+    return Format(call, detect, blocks, up_to(start), param=Param("{name}=", "", sep))
 
 
 # Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>, strings quoted by <|"|>, keys
@@ -613,7 +592,7 @@ FORMATS = {
         HERMES_BODIES,
         call=("<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"),
         detect=lambda before, after: bool(re.search(r"<tool_call>\s*<function=\Z", before)),
-        param=CODER_PARAM,
+        param=Param(*CODER_PARAM),
     ),
     # Llama 3.1-3.3: {"name": N, "parameters": {...}}, the whole reply, maybe after <|python_tag|>
     "llama3": Format(
@@ -703,7 +682,7 @@ FORMATS = {
     # Gemma 4: <|tool_call>call:N{a:<|"|>v<|"|>}<tool_call|>
     "gemma4": Format(
         call=("<|tool_call>call:", "{", "}<tool_call|>"),
-        param=("{name}:", "", ",", '<|"|>'),
+        param=Param("{name}:", "", ",", '<|"|>'),
         detect=lambda before, after: before.endswith("<|tool_call>call:"),
         blocks=regex_blocks(
             re.compile(f"({GEMMA4_CALL.pattern})", re.S), each(GEMMA4_CALL, gemma4_call)
@@ -731,7 +710,7 @@ FORMATS = {
     # FunctionGemma: <start_function_call>call:N{a:<escape>v<escape>}<end_function_call>
     "functiongemma": Format(
         call=("<start_function_call>call:", "{", "}<end_function_call>"),
-        param=("{name}:", "", ",", "<escape>"),
+        param=Param("{name}:", "", ",", "<escape>"),
         detect=lambda before, after: before.endswith("<start_function_call>call:"),
         blocks=regex_blocks(
             re.compile(f"({FUNCTIONGEMMA_CALL.pattern})", re.S),
@@ -739,7 +718,7 @@ FORMATS = {
         ),
         stream=up_to("<start_function_call>"),
     ),
-    # The families whose templates render the tool list but no call (hooks.TOOL_FAMILIES below
+    # The families whose templates render the tool list but no call (TOOL_FAMILIES below
     # names each by its list). Phi-4 mini: <|tool_call|>[{"name": N, "arguments": {...}}]<|/tool_call|>
     "phi4": json_tagged("<|tool_call|>", "<|/tool_call|>", listed=True),
     # Nemotron Mini: <toolcall> {"name": N, "arguments": {...}} </toolcall>
@@ -766,10 +745,6 @@ def system_tools(messages: list[dict], tools: list[dict], as_json: bool = False)
     return [{"role": "system", "content": "", "tools": listed}] + messages, {}
 
 
-def system_tools_json(messages: list[dict], tools: list[dict]):
-    return system_tools(messages, tools, as_json=True)
-
-
 def available_tools(messages: list[dict], tools: list[dict]):
     """The tool list as ``tools`` and as ``available_tools``: some Granite 3.3 templates write
     their tool instructions for the one and the list for the other."""
@@ -794,17 +769,8 @@ def unwrapped_tools(messages: list[dict], tools: list[dict]):
     return messages, {"tools": [t["function"] for t in tools]}
 
 
-# Where templates take the tool list instead of the tools argument (hooks.TOOL_PLACES), and the
-# format a family's models write where its template renders the list but neither a call nor
-# instructions that name a format (hooks.TOOL_FAMILIES: a marker of the family's list).
-TOOL_PLACES = {
-    "system_tools": system_tools,
-    "system_tools_json": system_tools_json,
-    "available_tools": available_tools,
-    "unwrapped_tools": unwrapped_tools,
-    "system_message_tools": system_message_tools,
-    "tools_list": tools_list,
-}
+# The format a family's models write where its template renders the list but neither a call nor
+# instructions that name a format: a marker of the family's list -> the format (TemplateQuirks.family).
 TOOL_FAMILIES = {
     # LFM2, LFM2.5: List of tools: <|tool_list_start|>[...]<|tool_list_end|>
     "<|tool_list_start|>": "lfm2",
@@ -825,16 +791,95 @@ TOOL_FAMILIES = {
     "(params_name": "python_list",
 }
 
+
+def special_format(specials) -> Optional[str]:
+    """The format a tokenizer's special tokens name: the one whose first tag is one of them, with
+    the most of its tags among them (Phi-4's <|tool_call|> and <|/tool_call|>: phi4, not granite).
+    Ties go to the format registered first; None where none's first tag is special."""
+    special = set(specials)
+    best = None
+    best_count = 0
+    for name, form in hooks.TOOL_FORMATS.items():
+        tags = TAG_RE.findall(form.call[0] + form.call[2])
+        if not tags or tags[0] not in special:
+            continue
+        count = sum(1 for tag in tags if tag in special)
+        if count > best_count:
+            best = name
+            best_count = count
+    return best
+
+
+class TemplateQuirks(hooks.NoTemplateQuirks):
+    """The families' template quirks, as chat.probe tries them (hooks.NoTemplateQuirks says what
+    each is for)."""
+
+    # in the order tried (system_in_user after merge_roles: a template that wants both gets two
+    # system messages in a row as one first)
+    dialects = {
+        f.__name__: f for f in [short_ids, string_args, merge_roles, tool_names, system_in_user]
+    }
+    # where templates take the tool list instead of the tools argument, in the order tried
+    places = [
+        system_tools,
+        # Phi-4's: a JSON string
+        partial(system_tools, as_json=True),
+        available_tools,
+        unwrapped_tools,
+        system_message_tools,
+        tools_list,
+    ]
+
+    def tool_place(self, info, lists):
+        for place in [info.tools_at, *self.places]:
+            tried = replace(info, tools_at=place)
+            if lists(tried):
+                return tried, True
+        return info, False
+
+    def in_dialect(self, info, attempt):
+        more = [name for name in self.dialects if name not in info.dialects]
+        for tried in [info] + [replace(info, dialects=[*info.dialects, name]) for name in more]:
+            result = attempt(tried)
+            if result is not None:
+                return tried, result
+        return info, None
+
+    def calls_kept(self, tok, info, call: str) -> bool:
+        """Does the template write a call after a tool result as it wrote the first (``call``), so
+        that the history keeps every call in the format? DeepSeek-R1's drops the opening there.
+        Each call is read up to the turn close, as the model's EOS ends it. A format that rewrites
+        the messages (Kimi's call ids) reads its calls as it writes them: nothing to compare
+        there."""
+        fmt = detect(call)
+        if not fmt or format_of(fmt).messages:
+            return True
+        head = rendered(tok, info, probe_calls(), [PROBE_TOOL], True)
+        twice = rendered(tok, info, probe_calls(rounds=2), [PROBE_TOOL], False)
+        if head is None or twice is None:
+            return False
+        close = info.turn_close.strip()
+
+        def calls(text: str) -> int:
+            # GigaChat 3 closes the content with the turn close before a call: up to the next one
+            if close:
+                text = next((piece for piece in text.split(close) if piece.strip()), "")
+            return len(parse(fmt, text)["tool_calls"])
+
+        return calls(call) > 0 and calls(call_text(head, twice)) > 0
+
+    def family(self, instructions: str, specials: list) -> Optional[str]:
+        """The family's format by a marker of its list (TOOL_FAMILIES), else by the tokenizer's
+        special tokens (``special_format``)."""
+        for marker, family in TOOL_FAMILIES.items():
+            if marker in instructions:
+                return family
+        return special_format(specials)
+
+
 hooks.TOOL_FORMATS["hermes"] = HERMES_BODIES
 hooks.TOOL_FORMATS.update(FORMATS)
-hooks.TEMPLATE_DIALECTS.update(
-    short_ids=short_ids, string_args=string_args, merge_roles=merge_roles, tool_names=tool_names
-)
-# (after merge_roles: a template that wants both gets two system messages in a row as one first)
-hooks.TEMPLATE_DIALECTS["system_in_user"] = system_in_user
-hooks.TEMPLATE_CHECKS.append(calls_again)
-hooks.TOOL_PLACES.update(TOOL_PLACES)
-hooks.TOOL_FAMILIES.update(TOOL_FAMILIES)
+hooks.template_quirks = TemplateQuirks()
 
 
 # ------------------------------------------------------------------ the formats once refused
@@ -1159,7 +1204,7 @@ REFUSED_FORMATS = {
         ),
         blocks=python_list_blocks,
         stream=python_list_stream,
-        param=("{name}=", "", ", "),
+        param=Param("{name}=", "", ", "),
     ),
     # Functionary v3.2: (>>> in the generation prompt) all\nCONTENT>>>N\n{...}>>>M\n{...}
     "functionary_v32": Format(

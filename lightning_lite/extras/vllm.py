@@ -387,8 +387,6 @@ class VLLMBackend(PauseGate):
         # a model adapter (--lora): the servers serve the base model, and adapter NAME of version K
         # as "NAME-vK"
         self.adapter, self.lora_loaded = None, None
-        # --lora-per-harness: a rollout id's adapter (None: "default")
-        self.adapter_of = None
         # the calls sent out and not answered yet
         self._inflight, self._cond = 0, threading.Condition()
         self.stats = Counter(requests=0, prompt_tokens=0, generated_tokens=0)
@@ -467,7 +465,8 @@ class VLLMBackend(PauseGate):
         try:
             url = self.urls[zlib.crc32(rollout_id.encode()) % len(self.urls)]
             body = self._request_body(prompt_ids, sampling, max_new, on_token is not None)
-            adapter = self.adapter_of(rollout_id) if self.adapter_of else "default"
+            # --lora-per-harness: its harness's adapter (hooks.adapter.serving; None: "default")
+            adapter = hooks.adapter.serving(rollout_id) or "default"
             body["model"] = f"{adapter}-v{version}" if self.adapter else self.model_name
             ids, logprobs, text, finish = [], [], [], None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:

@@ -1,4 +1,4 @@
-"""Harnessed agentic RL in one loop (README: Training).
+"""Harnessed agentic RL in one loop (README: training knobs; docs/training.md).
 
     python train.py --harness calc                          # one process (CPU or one GPU)
     torchrun --nproc_per_node 2 train.py --harness calc     # DDP: gloo on CPU, NCCL on GPU
@@ -13,9 +13,9 @@ Every rank serves the policy through its own proxy and runs its share of the ste
     learner.update(samples) -> loss, backward, one AdamW step
     sync_weights() -> the backend serves the new weights; a metrics row -> metrics.jsonl
 
-In --out: config.json, metrics.jsonl, calls/, rollouts/, checkpoints/, report.html (README: the run
-directory). The optional features are the extras named in EXTRAS below: each adds its flag group
-after the core's and fills its seams in lightning_lite/hooks.py. A missing one is skipped, and the
+In --out: config.json, metrics.jsonl, calls/, rollouts/, checkpoints/, report.html
+(docs/training.md: the run folder). The optional features are the extras named in EXTRAS below:
+each adds its flag group after the core's and fills its seams in lightning_lite/hooks.py. A missing one is skipped, and the
 plain path (one harness, the embedded backend, DDP) runs with none of them.
 """
 

@@ -125,7 +125,7 @@ def compute_advantages(
 
     A group whose rewards (and call rewards) are all equal (one rollout too) gets 0 from a group
     baseline, and reinforce r - batch mean; it is counted, and ``drop_zero_variance`` drops it
-    unless it has one rollout (README: the table). Under DDP pass all ranks' rewards
+    unless it has one rollout (docs/algorithms.md: the table). Under DDP pass all ranks' rewards
     (``gather_rewards``): the batch mean is global.
     """
     # 1. the rollouts that did not fail, each in its group
@@ -278,8 +278,8 @@ def global_denominators(samples: list[Sample]) -> dict:
 
 def sample_weights(samples: list[Sample], norm: str, denoms: dict, norm_const=None) -> list[float]:
     """Each sample's weight per trainable token: the loss is the sum of ``weight * token_loss``
-    (README: the normalization table). N_* from ``global_denominators``; n_s and n_r are a
-    sample's and its rollout's trainable tokens:
+    (docs/algorithms.md: the normalization table). N_* from ``global_denominators``; n_s and n_r
+    are a sample's and its rollout's trainable tokens:
 
         token-mean 1/N_tokens   seq-mean-token-mean 1/(N_samples n_s)
         seq-mean-token-sum 1/N_samples   seq-mean-token-sum-norm 1/(N_samples C)
@@ -1063,7 +1063,7 @@ def reduce_metrics(metrics: list[dict]) -> dict[str, float]:
 def add_args(parser):
     """train.py's algorithm flags, as an argparse group: each help says what its choice reduces to
     (docs/algorithms.md has the tables)."""
-    group = parser.add_argument_group("algorithm (README: the tables)")
+    group = parser.add_argument_group("algorithm (docs/algorithms.md)")
     group.add_argument("--adv", default="grpo", choices=ESTIMATORS, help="advantage estimator")
     group.add_argument("--gamma", type=float, default=1.0, help="--adv returns: discount per call")
     group.add_argument(

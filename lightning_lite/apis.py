@@ -1,5 +1,5 @@
 """Chat completions: its request -> the internal :class:`~chat.Request` (one conversation of
-normalized messages, README "Serving and recording"), and the internal reply -> its answer; the
+normalized messages, docs/serving.md), and the internal reply -> its answer; the
 helpers every API shape shares (the others, Anthropic Messages, Responses and /v1/completions, are
 in ``extras/``).
 

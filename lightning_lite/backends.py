@@ -6,8 +6,8 @@ has the same small surface, so the proxy never knows which one serves it:
     backend.pause(); ...train...; backend.sync_weights(model, version=1); backend.resume()
     backend.version, backend.max_model_len, backend.stats, backend.close()
 
-``HFBackend`` is the embedded one (README: the embedded backend): a transformers model in this
-process (CPU, or one GPU), for decoder-only models with full attention (Llama, SmolLM, Qwen2/2.5/3,
+``HFBackend`` is the embedded one (README: quick start; docs/serving.md): a transformers model in
+this process (CPU, or one GPU), for decoder-only models with full attention (Llama, SmolLM, Qwen2/2.5/3,
 Mistral without sliding window). extras/vllm.py's ``VLLMBackend`` sends the same token ids to vLLM
 servers.
 

@@ -5,7 +5,7 @@ Why it exists: rendering a conversation through the chat template again often do
 ids the model sampled (a template rewrites earlier turns, the tokenizer splits text otherwise), and
 training needs the exact ids. So the :class:`Renderer` finds the latest turn a request extends (by
 its messages' fingerprints) and appends only the new messages' ids to that turn's prompt + response
-ids: call k+1's prompt starts with call k's exact ids (README "Reuse of sampled tokens"). At
+ids: call k+1's prompt starts with call k's exact ids (docs/serving.md). At
 start-up ``probe`` learns what the template renders (a :class:`TemplateInfo`): its tool-call
 format, and whether it renders tools, calls and results itself, as a ChatML/Hermes template does;
 the quirks of other families' templates are hooks.template_quirks' (extras/tool_formats.py).

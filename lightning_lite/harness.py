@@ -323,7 +323,7 @@ class RolloutResult:
     # "timeout after 60s", "RuntimeError: ...", "no reward"; None when it worked
     error: Optional[str]
     seconds: float
-    # what it tried that it may not: {kind, what, call, where, match} (README "Sandboxes")
+    # what it tried that it may not: {kind, what, call, where, match} (docs/sandboxes.md)
     flags: list = field(default_factory=list)
     # the name of the harness that ran it
     harness: str = ""

@@ -1,5 +1,5 @@
 """The proxy: an OpenAI-compatible HTTP endpoint that serves the policy and records every call (its
-routes and records: README "Serving and recording").
+routes and records: docs/serving.md).
 
 State. The proxy keeps one :class:`Session` per rollout id: the :class:`~chat.Turn` of each call it
 answered, which lets the next call of the rollout reuse the tokens the model sampled
@@ -558,7 +558,9 @@ class Proxy:
             if e.status < 400:
                 raise
             where = f"{request.method} {request.path}"
-            messages = {404: f"no route {where}; see GET /v1/models and the README for the routes"}
+            messages = {
+                404: f"no route {where}; see GET /v1/models and docs/serving.md for the routes"
+            }
             for route, extra in EXTRA_ROUTES.items():
                 if request.path.endswith(route) and route not in hooks.ROUTES:
                     # an API whose extra this copy does not have

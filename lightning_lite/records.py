@@ -24,7 +24,7 @@ RUN_FILE = re.compile(r"(step|eval)_(\d+)(?:\.rank\d+)?\.jsonl")
 @dataclass
 class Call:
     """One LLM call, token-exact: the ids the backend consumed and sampled, and their logprobs under
-    the distribution they were sampled from (each field: README, the calls.jsonl table)."""
+    the distribution they were sampled from (each field: README, the Call and Sample contracts)."""
 
     rollout_id: str
     index: int

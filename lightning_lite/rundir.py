@@ -1,4 +1,4 @@
-"""A training run's directory (README: the run directory), and the numbers of one step's row.
+"""A training run's directory (docs/training.md: the run folder), and the numbers of one step's row.
 
     OUT/config.json              the flags as they ran
     OUT/metrics.jsonl            one row a step, one an evaluation

@@ -1,4 +1,4 @@
-"""Anthropic Messages (``/v1/messages``, what Claude Code sends; README "Serving and recording") and
+"""Anthropic Messages (``/v1/messages``, what Claude Code sends; docs/serving.md) and
 its ``/v1/messages/count_tokens``. Its hooks, filled at the bottom: the routes ``"/v1/messages"``
 and ``"/v1/messages/count_tokens"`` in hooks.ROUTES, and Anthropic's error body on them in
 hooks.ERROR_SHAPES. A request becomes the same :class:`~chat.Request` as a chat completion's and
@@ -90,7 +90,7 @@ def _to_messages(m: Any, i: int) -> list[dict]:
 
 
 def parse_anthropic_request(body: Any, memo: Optional[dict] = None) -> Request:
-    """Validate a /v1/messages body (README: what Claude Code sends)."""
+    """Validate a /v1/messages body (docs/serving.md: what Claude Code sends)."""
     body, messages = apis.messages_of(body)
     system = body.get("system")
     system = [{"role": "system", "content": apis.text_of(system, "system")}] if system else []

@@ -49,8 +49,8 @@ def _load_for(tokenizer, log, *, dirs, model, loss, adv, sft_min_reward) -> "Rec
 
 HELP = (
     "train on the calls that proxy.py --out DIR (rewards POSTed while it served) or a train.py run "
-    "recorded, instead of running a harness (README: Training from recorded calls); --harness "
-    "evaluates"
+    "recorded, instead of running a harness (docs/signals.md: training from recorded calls); "
+    "--harness evaluates"
 )
 
 
@@ -228,8 +228,8 @@ def load(
     if not recorded.rewards:
         sys.exit(
             f"--from-calls: no rewarded rollout in {' '.join(dirs)}: POST rewards to "
-            "/rollout/<id>/reward while proxy.py serves (README: Training from recorded calls), or "
-            "imitate the traces with --loss sft"
+            "/rollout/<id>/reward while proxy.py serves (docs/signals.md: training from recorded "
+            "calls), or imitate the traces with --loss sft"
         )
     singletons = all(len(g) == 1 for g in recorded.groups.values())
     if loss != "sft" and adv in ("grpo", "dr_grpo", "rloo") and singletons:

@@ -1,5 +1,5 @@
 """Rollout isolation, for training runs whose agents must reach nothing but their own rollout
-(train.py; README "Sandboxes"). Each rollout is served under a route only it knows,
+(train.py; docs/sandboxes.md). Each rollout is served under a route only it knows,
 ``/rollout/<id>.<token>/v1``; rewards are taken only with the harness's key (header X-Reward-Key),
 which no agent sees; a sandboxed rollout reaches the proxy through a Unix socket of its own (its
 sandbox's bridge, sandbox.py, connects 127.0.0.1:PORT inside to it), so whatever comes through it is

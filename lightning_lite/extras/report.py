@@ -70,7 +70,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TEMPLATE = os.path.join(HERE, "report.html")
 PAGE = os.path.join(HERE, "live.html")
 UPLOT = os.path.join(HERE, "uplot")
-# The files a run directory holds once it has trained a step (README: the run directory).
+# The files a run directory holds once it has trained a step (docs/training.md: the run folder).
 EXPECTED = ["config.json", "metrics.jsonl", "calls", "rollouts"]
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI Responses API (``/v1/responses``, what Codex sends; README "Serving and recording").
+"""The OpenAI Responses API (``/v1/responses``, what Codex sends; docs/serving.md).
 Its hook, filled at the bottom: the route ``"/v1/responses"`` in hooks.ROUTES. A request becomes the
 same :class:`~chat.Request` as a chat completion's and takes the same path (``Proxy.converse``).
 ``previous_response_id`` names an earlier response of the same rollout: its conversation (input +

@@ -1,4 +1,4 @@
-"""Sandboxes for the programs a rollout runs (README "Sandboxes"). The hook: a SubprocessHarness
+"""Sandboxes for the programs a rollout runs (docs/sandboxes.md). The hook: a SubprocessHarness
 (extras/programs.py) runs its command through its ``sandbox`` attribute, any object whose ``wrap``
 turns a command into the host command that runs it inside, with exactly the environment given.
 ``make(kind)`` gives one; at import this file adds ``setup`` to ``hooks.ROLLOUT_SETUP``, which gives

@@ -1,5 +1,5 @@
-"""vLLM servers as the backend (README: GPUs: vLLM). Its seam is the backend class: ``VLLMBackend``
-has HFBackend's surface (generate, pause/resume, payload, sync_weights, make_room, close, version,
+"""vLLM servers as the backend (docs/gpus.md: GPUs: vLLM). Its seam is the backend class:
+``VLLMBackend`` has HFBackend's surface (generate, pause/resume, payload, sync_weights, make_room, close, version,
 max_model_len, stats), plus ``sleep``. train.py chooses it with ``--backend vllm`` and gets it from
 ``start`` (``hooks.BACKENDS["vllm"]``); proxy.py from ``--vllm-url``.
 
@@ -373,7 +373,7 @@ class VLLMBackend(PauseGate):
         except OSError as e:
             raise RuntimeError(
                 f"no vLLM server answers at {' '.join(self.urls)} ({e}): "
-                "start it (README: GPUs), or leave out --vllm-url"
+                "start it (docs/gpus.md), or leave out --vllm-url"
             ) from None
         # each server's one model: {"id": name, "max_model_len": n, ...}
         models = [answer["data"][0] for answer in answers]
@@ -537,9 +537,9 @@ class VLLMBackend(PauseGate):
     def sync_weights(self, model=None, version: Optional[int] = None):
         """Every server serves ``model``'s weights (a module, a state dict, whole or FSDP's shards,
         or, --lora, the adapters: ``LoRA.weights``'; None: only the version moves). Every rank
-        calls it; rank 0 (``writes_weights``) writes, the others give their shards. Sleeping servers (level 2: no
-        weights, no KV cache) wake in two steps, after the file is written (the trainer's copies are
-        gone by then): the weights, reloaded, then the KV cache."""
+        calls it; rank 0 (``writes_weights``) writes, the others give their shards. Sleeping
+        servers (level 2: no weights, no KV cache) wake in two steps, after the file is written
+        (the trainer's copies are gone by then): the weights, reloaded, then the KV cache."""
         self.pause()
         if self.sleep_while_training and torch.cuda.is_available():
             # what training freed goes back to the GPU before the servers wake

@@ -8,7 +8,7 @@ Every rank serves the policy through its own proxy and runs its share of the ste
     tasks.jobs(step, rank, world) -> (rollout id, Task, Harness), each task --group-size times
     run_rollouts(jobs) through the proxy -> RolloutResult each; the proxy records every Call to
         calls/step_K.jsonl, read back from there
-    build_batch_samples(calls) -> Sample: a rollout's calls merged, loss mask 1 on sampled tokens
+    tasks.merge(calls) -> Sample: a rollout's calls merged, loss mask 1 on sampled tokens
     compute_advantages(rewards) -> {rollout id: advantage}, written on each trainable token
     learner.update(samples) -> loss, backward, one AdamW step
     sync_weights() -> the backend serves the new weights; a metrics row -> metrics.jsonl
@@ -39,7 +39,7 @@ from lightning_lite.records import UNANSWERED, read_calls
 from lightning_lite.rundir import COUNTED, LOSS_METRICS, RunDir, step_counts, step_line, step_rates
 from lightning_lite.rundir import token_rates
 from lightning_lite.trainer import MAX_MISMATCH, Learner, TrainConfig
-from lightning_lite.samples import build_batch_samples, for_imitation
+from lightning_lite.samples import for_imitation
 from lightning_lite.toolcalls import format_names
 
 # ----------------------------------------------------------------------------- extras
@@ -401,7 +401,8 @@ def make_samples(results, calls):
     """Each finished rollout's calls merged into samples, and the merge statistics."""
     finished = {r.rollout_id for r in results if r.error is None}
     its_calls = [c for c in calls if c.rollout_id in finished]
-    samples, stats = build_batch_samples(its_calls, args.max_seq_len)
+    # each harness's apart where there are several (extras/harnesses.py: its merge statistics)
+    samples, stats = tasks.merge(results, its_calls, args.max_seq_len)
     if args.loss == "sft":
         samples = for_imitation(samples)
     return samples, stats
@@ -529,7 +530,7 @@ try:
             "step": step + 1,
             **step_rates(sums),
             # each harness's, where there are several (extras/harnesses.py): KEY/NAME
-            **tasks.harness_columns(results, calls, args.max_seq_len),
+            **tasks.harness_columns(results, calls),
             **{k: int(sums[k]) for k in COUNTED},
             **{k: metrics.get(k) for k in LOSS_METRICS},
             # per adapter (--lora-per-harness): KEY/NAME

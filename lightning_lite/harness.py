@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from . import hooks
 from .records import UNANSWERED
+from .samples import build_batch_samples
 
 # examples/ lives next to lightning_lite/
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -300,7 +301,13 @@ class Tasks:
             "eval_s": round(seconds, 1),
         }
 
-    def harness_columns(self, results: list, calls: list, max_seq_len) -> dict:
+    def merge(self, results: list, calls: list, max_seq_len) -> tuple[list, Counter]:
+        """The finished rollouts' ``calls`` merged into samples, and the merge statistics
+        (samples.build_batch_samples). extras/harnesses.py merges each harness's apart, and keeps
+        its statistics for ``harness_columns``."""
+        return build_batch_samples(calls, max_seq_len)
+
+    def harness_columns(self, results: list, calls: list) -> dict:
         """The step row's columns of each harness (KEY/NAME) over every rank, of this rank's
         ``results`` and their ``calls``: none with one harness (extras/harnesses.py has some)."""
         return {}

@@ -370,9 +370,7 @@ def test_one_harness_draws_its_step_tasks_and_more_needs_the_extra():
     assert [t.id for _, t, _ in rank1] == [t.id for t in tasks.test["calc"][1::2]]
     other_seed = Tasks(["calc"], ["difficulty=2"], 4, 2, 3, 8, lambda *line: None)
     assert set(other_seed.eval_jobs(4, 0, 1)[1].values()).isdisjoint(seeds.values())
-    assert (
-        tasks.by_harness({}, "reward", "loss") == "" and tasks.harness_columns([], [], None) == {}
-    )
+    assert tasks.by_harness({}, "reward", "loss") == "" and tasks.harness_columns([], []) == {}
     for specs, items in ((["calc", "search"], []), (["calc:2"], []), (["calc"], ["calc:k=1"])):
         with pytest.raises(SystemExit, match="needs lightning_lite/extras/harnesses.py"):
             Tasks(specs, items, 4, 2, 3, 7, print)

@@ -10,6 +10,7 @@ evaluation's (``eval_row``), and the log line's tail of them (``by_harness``).
 """
 
 import sys
+from collections import Counter
 
 from .. import hooks
 from ..algo import all_reduce
@@ -81,6 +82,8 @@ class SeveralTasks(Tasks):
     def __init__(self, args, log):
         # harness.Tasks's fields (its own __init__ loads one harness), then the weights
         self.batch_size = args.batch_size
+        # each harness's merge statistics of the step (``merge``)
+        self.merge_stats = {}
         self.group_size = args.group_size
         self.seed = args.seed
         self.groups_across = args.group_across_harnesses
@@ -154,22 +157,30 @@ class SeveralTasks(Tasks):
             row[f"eval_success/{name}"] = success / max(1, n)
         return row
 
-    def harness_columns(self, results: list, calls: list, max_seq_len) -> dict:
+    def merge(self, results: list, calls: list, max_seq_len) -> tuple[list, Counter]:
+        """As Tasks.merge, each harness's rollouts apart: its merge statistics are kept for
+        ``harness_columns``."""
+        harness_of = {r.rollout_id: r.harness for r in results}
+        samples = []
+        self.merge_stats = {}
+        for name in dict.fromkeys(harness_of.values()):
+            its_calls = [c for c in calls if harness_of[c.rollout_id] == name]
+            its_samples, self.merge_stats[name] = build_batch_samples(its_calls, max_seq_len)
+            samples += its_samples
+        return samples, sum(self.merge_stats.values(), Counter())
+
+    def harness_columns(self, results: list, calls: list) -> dict:
         """With two harnesses or more, each one's rates of the step's row (rundir.step_rates: its
         reward/NAME, success/NAME, calls_per_rollout/NAME, merge_ratio/NAME, ...), of every rank's
-        rollouts (a collective). Its merge statistics are its finished rollouts' calls merged
-        again, on their own (samples.build_batch_samples)."""
+        rollouts (a collective); its merge statistics are ``merge``'s."""
         if len(self.harnesses) < 2:
             return {}
-        finished = {r.rollout_id for r in results if r.error is None}
         row = {}
         for name in self.names():
             mine = [r for r in results if r.harness == name]
             ids = {r.rollout_id for r in mine}
             its_calls = [c for c in calls if c.rollout_id in ids]
-            merged = [c for c in its_calls if c.rollout_id in finished]
-            _, merge_stats = build_batch_samples(merged, max_seq_len)
-            sums = counts(mine, its_calls, merge_stats)
+            sums = counts(mine, its_calls, self.merge_stats.get(name, Counter()))
             # every rank's
             sums = dict(zip(sums, all_reduce(list(sums.values()))))
             for key, value in step_rates(sums).items():

@@ -7,9 +7,9 @@ has the same small surface, so the proxy never knows which one serves it:
     backend.version, backend.max_model_len, backend.stats, backend.close()
 
 ``HFBackend`` is the embedded one (README: quick start; docs/serving.md): a transformers model in
-this process (CPU, or one GPU), for decoder-only models with full attention (Llama, SmolLM, Qwen2/2.5/3,
-Mistral without sliding window). extras/vllm.py's ``VLLMBackend`` sends the same token ids to vLLM
-servers.
+this process (CPU, or one GPU), for decoder-only models with full attention (Llama, SmolLM,
+Qwen2/2.5/3, Mistral without sliding window). extras/vllm.py's ``VLLMBackend`` sends the same token
+ids to vLLM servers.
 
 Two extras add to HFBackend through lightning_lite/hooks.py, and it runs without either:
 ``hooks.fast_decode`` (extras/fast_decode.py) makes decoding at agent-length contexts fast (a prefix

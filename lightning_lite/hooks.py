@@ -4,10 +4,10 @@ core.
 Each seam is a registry (a dict or list, empty by default) or a slot whose default is a do-nothing
 object (``NoGrammar``, ``NoFastDecode``, ...: the protocol an extra's object follows, written once);
 the core reads it at the one place named beside it, with no None check, and by default takes its
-plain path: with lightning_lite/extras/ deleted, train.py and proxy.py still run end to end. An extra imports the core, and fills its seams
-when it is imported; train.py and proxy.py import the extras they use from one visible list
-(``load_extras``). The import direction is one way, extra -> core: no core module imports an extra
-(tests/test_layout.py checks it).
+plain path: with lightning_lite/extras/ deleted, train.py and proxy.py still run end to end. An
+extra imports the core, and fills its seams when it is imported; train.py and proxy.py import the
+extras they use from one visible list (``load_extras``). The import direction is one way, extra ->
+core: no core module imports an extra (tests/test_layout.py checks it).
 
 A flag that needs a missing extra is refused at start-up, naming the file (``missing``); a request
 that needs one gets a 4xx in its API's own shape.

@@ -1,10 +1,11 @@
 """FSDP2 (``--parallel fsdp``; docs/gpus.md: models bigger than one GPU): weights, gradients and
 AdamW state sharded over the ranks, one shard unit per decoder layer. Its seam:
-``hooks.PARALLEL["fsdp"]`` is this module, and each of parallel.py's functions hands the fsdp mode to the one of the same name
-here. The loss is the same as under DDP; every forward and backward gathers weights from all ranks
-(hence parallel.pad_micro_batches), and the parameters are shards (DTensors): ``full_state_dict``
-and ``optimizer_state`` gather them for vLLM and checkpoints (the embedded backend's own copy
-gathers them one at a time: backends.copy_weights)."""
+``hooks.PARALLEL["fsdp"]`` is this module, and each of parallel.py's functions hands the fsdp mode
+to the one of the same name here. The loss is the same as under DDP; every forward and backward
+gathers weights from all ranks (hence parallel.pad_micro_batches), and the parameters are shards
+(DTensors): ``full_state_dict`` and ``optimizer_state`` gather them for checkpoints; a vLLM sync
+(extras/vllm.py) and the embedded backend's own copy (backends.copy_weights) gather them one at a
+time."""
 
 import contextlib
 import sys

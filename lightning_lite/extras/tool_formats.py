@@ -770,7 +770,8 @@ def unwrapped_tools(messages: list[dict], tools: list[dict]):
 
 
 # The format a family's models write where its template renders the list but neither a call nor
-# instructions that name a format: a marker of the family's list -> the format (TemplateQuirks.family).
+# instructions that name a format: a marker of the family's list -> the format
+# (TemplateQuirks.family).
 TOOL_FAMILIES = {
     # LFM2, LFM2.5: List of tools: <|tool_list_start|>[...]<|tool_list_end|>
     "<|tool_list_start|>": "lfm2",

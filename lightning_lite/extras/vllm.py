@@ -1,7 +1,7 @@
 """vLLM servers as the backend (docs/gpus.md: GPUs: vLLM). Its seam is the backend class:
-``VLLMBackend`` has HFBackend's surface (generate, pause/resume, payload, sync_weights, make_room, close, version,
-max_model_len, stats), plus ``sleep``. train.py chooses it with ``--backend vllm`` and gets it from
-``start`` (``hooks.BACKENDS["vllm"]``); proxy.py from ``--vllm-url``.
+``VLLMBackend`` has HFBackend's surface (generate, pause/resume, payload, sync_weights, make_room,
+close, version, max_model_len, stats), plus ``sleep``. train.py chooses it with ``--backend vllm``
+and gets it from ``start`` (``hooks.BACKENDS["vllm"]``); proxy.py from ``--vllm-url``.
 
     backend = start(args, learner, resume_dir, device)          # rank 0 starts the servers
     gen = await backend.generate(prompt_ids, sampling, rollout_id="r1")
